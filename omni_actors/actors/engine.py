@@ -1,0 +1,233 @@
+"""EngineActor: one replica of one stage.
+
+The backend runs on its own asyncio loop on a thread inside this actor's
+process, so no handler ever waits on the engine. Results come back through a
+socketpair that the actor watches (``ThespianWatch``): the loop thread puts
+``(address, message)`` pairs on a queue and writes one byte; the actor's
+``WatchMessage`` handler sends them. Every handler returns the watch (seen
+here: once a handler returns None, no WatchMessage comes again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import socket
+import threading
+import time
+from typing import Any
+
+from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ThespianWatch, WakeupMessage, WatchMessage
+
+from omni_actors.config import resolve_processor
+from omni_actors.connectors import make_connector, release_all
+from omni_actors.engines import create_backend
+from omni_actors.engines.base import BackendTask, StageFinal, TextDelta
+from omni_actors.logs import get_logger
+from omni_actors.messages import (CancelStage, EngineFailed, EngineReady, ErrorKind, Heartbeat,
+                                  StageDelta, StageDone, StageFailed, StageTask, StartEngine,
+                                  TaskFinished)
+from omni_actors.processors import default_input
+
+#: Which output fields go to the client for each final output type.
+FINAL_FIELDS = {"text": ("text",), "audio": ("audio", "sample_rate"), "image": ("image",)}
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread, with an outbox the actor drains."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._rsock, self._wsock = socket.socketpair()
+        self._rsock.setblocking(False)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    @property
+    def fileno(self) -> int:
+        return self._rsock.fileno()
+
+    def submit(self, coro) -> None:
+        asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def emit(self, address: Any, message: Any) -> None:
+        """Called on the loop thread: queue a message for the actor to send."""
+        self.outbox.put((address, message))
+        try:
+            self._wsock.send(b"x")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up byte is already pending or we are shutting down
+
+    def drain(self) -> list[tuple[Any, Any]]:
+        try:
+            while self._rsock.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        items = []
+        while True:
+            try:
+                items.append(self.outbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=2.0)
+
+
+class EngineActor(ActorTypeDispatcher):
+    """Hosts one engine backend; see the module docstring for the threading model."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._rt: LoopThread | None = None
+        self._spec: StartEngine | None = None
+        self._pool = None
+        self._backend = None
+        self._ready = False
+        self._tasks: dict[tuple[str, int], asyncio.Task] = {}
+        self._completed = 0
+        self._failed = 0
+        self._log = get_logger(actor="engine")
+
+    def _watch(self):
+        return ThespianWatch([self._rt.fileno]) if self._rt else None
+
+    # -- control plane ----------------------------------------------------
+    def receiveMsg_StartEngine(self, msg: StartEngine, sender):
+        if self._rt is not None:
+            return self._watch()
+        self._spec, self._pool = msg, sender
+        self._log = self._log.bind(stage=msg.stage.name, replica=msg.replica)
+        self._connector = make_connector(msg.inline_threshold_bytes)
+        func = msg.stage.custom_process_input_func
+        self._rt = LoopThread()
+        try:
+            self._processor = resolve_processor(func) if func else default_input
+            self._backend = create_backend(msg.stage, msg.deployment, msg.replica)
+        except Exception as exc:  # noqa: BLE001 - any load failure is reported, not raised
+            self._log.error("engine_load_failed", error=str(exc))
+            self.send(sender, EngineFailed(msg.replica, f"{type(exc).__name__}: {exc}"))
+            return self._watch()
+        self._rt.submit(self._start_backend())
+        self.wakeupAfter(msg.heartbeat_interval_s, payload="heartbeat")
+        return self._watch()
+
+    async def _start_backend(self) -> None:
+        spec = self._spec
+        t0 = time.monotonic()
+        try:
+            await self._backend.start()
+        except Exception as exc:  # noqa: BLE001
+            self._rt.emit(self._pool, EngineFailed(spec.replica, f"{type(exc).__name__}: {exc}"))
+            return
+        self._ready = True
+        self._log.info("engine_ready", load_s=round(time.monotonic() - t0, 3), pid=os.getpid())
+        self._rt.emit(self._pool, EngineReady(spec.replica))
+
+    def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
+        if msg.payload == "heartbeat" and self._spec is not None:
+            load = self._backend.load() if (self._backend and self._ready) else None
+            self.send(self._pool, Heartbeat(
+                replica=self._spec.replica,
+                running=load.running if load else 0,
+                waiting=load.waiting if load else 0,
+                completed=self._completed, failed=self._failed,
+                kv_cache_usage=load.kv_cache_usage if load else None))
+            self.wakeupAfter(self._spec.heartbeat_interval_s, payload="heartbeat")
+        return self._watch()
+
+    def receiveMsg_WatchMessage(self, msg: WatchMessage, sender):
+        if self._rt is not None:
+            for address, message in self._rt.drain():
+                self.send(address, message)
+        return self._watch()
+
+    def receiveMsg_ActorExitRequest(self, msg: ActorExitRequest, sender):
+        if self._rt is not None:
+            self._rt.stop()  # daemon thread: in-flight tasks end with the process
+            self._rt = None
+        return None
+
+    # -- request plane ----------------------------------------------------
+    def receiveMsg_StageTask(self, msg: StageTask, sender):
+        if not self._ready:
+            self.send(msg.reply_to, StageFailed(msg.request_id, msg.stage_id,
+                                                self._spec.replica if self._spec else "?",
+                                                ErrorKind.UNAVAILABLE, "replica is not ready"))
+            self.send(sender, TaskFinished(self._spec.replica if self._spec else "?",
+                                           msg.request_id, msg.stage_id, ok=False))
+            return self._watch()
+        self._rt.submit(self._run_task(msg))
+        return self._watch()
+
+    def receiveMsg_CancelStage(self, msg: CancelStage, sender):
+        if self._rt is not None:
+            self._rt.loop.call_soon_threadsafe(self._cancel, msg.request_id, msg.stage_id)
+        return self._watch()
+
+    def _cancel(self, request_id: str, stage_id: int) -> None:
+        """On the loop thread: abort the backend's work and the task."""
+        task = self._tasks.get((request_id, stage_id))
+        if task is not None and not task.done():
+            self._rt.loop.create_task(self._backend.abort(request_id))
+            task.cancel()
+
+    async def _run_task(self, msg: StageTask) -> None:
+        key = (msg.request_id, msg.stage_id)
+        self._tasks[key] = asyncio.current_task()
+        replica = self._spec.replica
+        emit = self._rt.emit
+        ok = False
+        try:
+            done = await self._execute(msg)
+            emit(msg.reply_to, done)
+            ok = True
+        except asyncio.CancelledError:
+            self._log.info("stage_cancelled", request_id=msg.request_id)
+        except Exception as exc:  # noqa: BLE001 - a task failure fails the task, not the replica
+            kind = ErrorKind.BAD_REQUEST if isinstance(exc, ValueError) else ErrorKind.ENGINE_ERROR
+            self._log.warning("stage_failed", request_id=msg.request_id, error=str(exc))
+            emit(msg.reply_to, StageFailed(msg.request_id, msg.stage_id, replica, kind,
+                                           f"stage {self._spec.stage.name} ({replica}): {exc}"))
+        finally:
+            self._tasks.pop(key, None)
+            if ok:
+                self._completed += 1
+            else:
+                self._failed += 1
+            emit(self._pool, TaskFinished(replica, msg.request_id, msg.stage_id, ok))
+
+    async def _execute(self, msg: StageTask) -> StageDone:
+        upstream = {sid: self._connector.get(ref) for sid, ref in msg.inputs}
+        engine_input = self._processor(upstream, msg.prompt, msg.params)
+        sampling = {**self._spec.stage.default_sampling_params, **msg.sampling_params}
+        task = BackendTask(msg.request_id, engine_input, sampling, dict(msg.params))
+        final: StageFinal | None = None
+        async for event in self._backend.generate(task):
+            if isinstance(event, TextDelta):
+                if msg.stream_text and event.text:
+                    self._rt.emit(msg.reply_to, StageDelta(msg.request_id, msg.stage_id, event.text))
+            elif isinstance(event, StageFinal):
+                final = event
+        if final is None:
+            raise asyncio.CancelledError()  # aborted inside the backend
+        output = final_ref = None
+        try:
+            if msg.needs_output:
+                output = self._connector.put(final.outputs)
+            if msg.final_output_type:
+                fields = FINAL_FIELDS.get(msg.final_output_type, ())
+                final_ref = self._connector.put({k: final.outputs[k] for k in fields if k in final.outputs})
+        except BaseException:
+            release_all([output, final_ref])
+            raise
+        return StageDone(msg.request_id, msg.stage_id, self._spec.replica, output, final_ref,
+                         prompt_tokens=final.num_prompt_tokens, output_tokens=final.num_output_tokens)

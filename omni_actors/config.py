@@ -1,0 +1,308 @@
+"""Pipeline and deployment specs: loading and validation.
+
+A config file has two parts:
+
+- ``stage_args``: the stage graph in vLLM-Omni's own stage-config terms
+  (``stage_id``, ``engine_args.model_stage``, ``engine_input_source``,
+  ``custom_process_input_func``, ``final_output``, ``final_output_type``,
+  ``default_sampling_params``, ``runtime.devices``). Fields we do not use are
+  kept in ``engine_args`` and otherwise ignored, so vLLM-Omni's shipped stage
+  YAMLs load unchanged.
+- ``deployment``: how the graph is served: replicas and backend per stage,
+  heartbeat interval, timeouts, load-balancing policy.
+
+Every error raised is a :class:`ConfigError` naming the file, the YAML path
+of the bad field (for example ``deployment.stages.talker.replicas``) and what
+was expected.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+
+__all__ = [
+    "ConfigError",
+    "StageSpec",
+    "SyntheticCost",
+    "StageDeployment",
+    "Deployment",
+    "PipelineConfig",
+    "load_config",
+    "parse_config",
+    "DEFAULT_CONFIG",
+]
+
+#: The default config of ``python -m omni_actors.system start``.
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "cpu_omni_demo.yaml"
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+OutputType = Literal["text", "audio", "image"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be served. ``str()`` is one line:
+    ``FILE: PATH: what is wrong``."""
+
+    def __init__(self, source: str, path: str, message: str):
+        self.source = source
+        self.path = path
+        self.message = message
+        super().__init__(f"{source}: {path or '<top>'}: {message}")
+
+
+class RuntimeSpec(msgspec.Struct, kw_only=True):
+    """vLLM-Omni's ``runtime`` block; only ``devices`` is read (a GPU id list
+    such as ``"0"`` or ``"0,1"``), the rest is kept for the vLLM-Omni backend."""
+
+    devices: str | int | None = None
+    process: bool | None = None
+    max_batch_size: int | None = None
+
+
+class StageSpec(msgspec.Struct, kw_only=True):
+    """One ``stage_args`` entry, as vLLM-Omni writes it."""
+
+    stage_id: Annotated[int, msgspec.Meta(ge=0)]
+    engine_args: dict[str, Any]
+    engine_input_source: list[int] = []
+    custom_process_input_func: str | None = None
+    final_output: bool = False
+    final_output_type: OutputType | None = None
+    default_sampling_params: dict[str, Any] = {}
+    runtime: RuntimeSpec = msgspec.field(default_factory=RuntimeSpec)
+
+    @property
+    def name(self) -> str:
+        """The stage's name: ``engine_args.model_stage`` (``thinker``, ``talker``...)."""
+        return str(self.engine_args["model_stage"])
+
+
+class SyntheticCost(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Cost model of the synthetic engine (all times are simulated with
+    ``asyncio.sleep``; defaults are zero cost)."""
+
+    startup_s: NonNegFloat = 0.0
+    prefill_ms_per_token: NonNegFloat = 0.0
+    decode_ms_per_token: NonNegFloat = 0.0
+    max_concurrency: PositiveInt = 8
+    #: Thinker hidden size (columns of the hidden-state tensor).
+    hidden_size: PositiveInt = 64
+    #: Talker codec: frames per thinker token and codebooks per frame.
+    frames_per_token: PositiveInt = 2
+    num_codebooks: PositiveInt = 8
+    codebook_size: PositiveInt = 2048
+    #: Code2Wav: samples per codec frame at 24 kHz (80 ms, 12.5 Hz codec).
+    samples_per_frame: PositiveInt = 1920
+    #: AR: prior tokens per image side (tokens = side * side).
+    prior_grid: PositiveInt = 16
+    #: Fault injection for tests: fail start-up with this message.
+    fail_startup: str | None = None
+
+
+class StageDeployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """How one stage is deployed."""
+
+    replicas: PositiveInt = 1
+    backend: Literal["synthetic", "vllm", "vllm_omni"] = "synthetic"
+    devices_per_replica: PositiveInt = 1
+    synthetic: SyntheticCost = msgspec.field(default_factory=SyntheticCost)
+
+
+class Deployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The deployment block. Defaults: heartbeat 1 s (issue 4); ready timeout
+    60 s; request timeout 300 s; 64 KiB inline threshold as vLLM-Omni's."""
+
+    served_model_name: str
+    heartbeat_interval_s: PositiveFloat = 1.0
+    ready_timeout_s: PositiveFloat = 60.0
+    request_timeout_s: PositiveFloat = 300.0
+    max_tokens_limit: PositiveInt = 4096
+    load_balancing: Literal["least_loaded"] = "least_loaded"
+    inline_threshold_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 * 1024
+    request_actors: PositiveInt = 16
+    stages: dict[str, StageDeployment] = {}
+
+
+class PipelineConfig(msgspec.Struct, kw_only=True):
+    """A whole config: the stage graph plus its deployment."""
+
+    stage_args: list[StageSpec]
+    deployment: Deployment
+    source: str = "<memory>"
+
+    # -- derived views ---------------------------------------------------
+    def stage(self, stage_id: int) -> StageSpec:
+        for s in self.stage_args:
+            if s.stage_id == stage_id:
+                return s
+        raise KeyError(stage_id)
+
+    def stage_by_name(self, name: str) -> StageSpec:
+        for s in self.stage_args:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def deployment_of(self, stage: StageSpec) -> StageDeployment:
+        return self.deployment.stages.get(stage.name) or StageDeployment()
+
+    def output_types(self) -> set[str]:
+        """Final output types this pipeline can produce."""
+        return {s.final_output_type for s in self.stage_args if s.final_output}
+
+    def consumers(self, stage_id: int) -> list[int]:
+        return [s.stage_id for s in self.stage_args if stage_id in s.engine_input_source]
+
+
+# -- loading -------------------------------------------------------------
+
+_PATH_RE = re.compile(r"at `\$(.*)`")
+
+
+def _yaml_path(raw: str) -> str:
+    """msgspec's ``$.a[0].b`` -> ``a[0].b``."""
+    return raw[1:] if raw.startswith(".") else raw
+
+
+def _convert(obj: Any, typ: type, source: str, prefix: str = "") -> Any:
+    try:
+        return msgspec.convert(obj, typ)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        m = _PATH_RE.search(text)
+        path = _yaml_path(m.group(1)) if m else ""
+        if prefix:
+            path = prefix + ("." + path if path and not path.startswith("[") else path)
+        message = _PATH_RE.sub("", text).strip(" -")
+        raise ConfigError(source, path, message) from None
+
+
+def parse_config(data: Any, source: str = "<memory>") -> PipelineConfig:
+    """Validate a decoded YAML document.
+
+    Raises:
+        ConfigError: naming the YAML path of the first bad field.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(source, "", "expected a mapping with `stage_args` and `deployment`")
+    for key in ("stage_args", "deployment"):
+        if key not in data:
+            raise ConfigError(source, key, "required field is missing")
+    known = {"stage_args", "deployment"}
+    # vLLM-Omni deploy YAMLs carry more top-level keys (runtime, async_chunk...): keep quiet.
+    cfg = _convert({k: v for k, v in data.items() if k in known}, PipelineConfig, source)
+    cfg.source = source
+    _check_graph(cfg, source)
+    return cfg
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    """Load and validate a config file.
+
+    Raises:
+        ConfigError: file missing, not YAML, or a field is invalid.
+    """
+    p = Path(path)
+    source = str(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(source, "", f"cannot read config: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(source, where, f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    return parse_config(data, source)
+
+
+def _check_graph(cfg: PipelineConfig, source: str) -> None:
+    ids: dict[int, int] = {}
+    names: dict[str, int] = {}
+    for i, s in enumerate(cfg.stage_args):
+        p = f"stage_args[{i}]"
+        if s.stage_id in ids:
+            raise ConfigError(source, f"{p}.stage_id",
+                              f"duplicate stage_id {s.stage_id} (also stage_args[{ids[s.stage_id]}])")
+        ids[s.stage_id] = i
+        stage = s.engine_args.get("model_stage")
+        if not isinstance(stage, str) or not stage:
+            raise ConfigError(source, f"{p}.engine_args.model_stage",
+                              "required: the stage name as a non-empty string (e.g. `thinker`)")
+        if stage in names:
+            raise ConfigError(source, f"{p}.engine_args.model_stage",
+                              f"duplicate stage name `{stage}` (also stage_args[{names[stage]}])")
+        names[stage] = i
+        if s.final_output and s.final_output_type is None:
+            raise ConfigError(source, f"{p}.final_output_type",
+                              "required when final_output is true: one of text, audio, image")
+    if not cfg.stage_args:
+        raise ConfigError(source, "stage_args", "expected at least one stage")
+    for i, s in enumerate(cfg.stage_args):
+        for j, src in enumerate(s.engine_input_source):
+            if src not in ids:
+                raise ConfigError(source, f"stage_args[{i}].engine_input_source[{j}]",
+                                  f"unknown stage_id {src}; known: {sorted(ids)}")
+            if src == s.stage_id:
+                raise ConfigError(source, f"stage_args[{i}].engine_input_source[{j}]",
+                                  "a stage cannot take its own output as input")
+        if s.custom_process_input_func:
+            _check_importable(s.custom_process_input_func, source,
+                              f"stage_args[{i}].custom_process_input_func")
+    if not any(s.final_output for s in cfg.stage_args):
+        raise ConfigError(source, "stage_args", "no stage has final_output: true")
+    _check_acyclic(cfg, source)
+    for name, dep in cfg.deployment.stages.items():
+        if name not in names:
+            raise ConfigError(source, f"deployment.stages.{name}",
+                              f"no stage named `{name}`; stages: {sorted(names)}")
+
+
+def _check_acyclic(cfg: PipelineConfig, source: str) -> None:
+    state: dict[int, int] = {}  # 1 visiting, 2 done
+    by_id = {s.stage_id: s for s in cfg.stage_args}
+
+    def visit(sid: int, trail: list[int]) -> None:
+        if state.get(sid) == 2:
+            return
+        if state.get(sid) == 1:
+            cycle = " -> ".join(str(x) for x in trail + [sid])
+            raise ConfigError(source, "stage_args", f"engine_input_source forms a cycle: {cycle}")
+        state[sid] = 1
+        for src in by_id[sid].engine_input_source:
+            visit(src, trail + [sid])
+        state[sid] = 2
+
+    for sid in by_id:
+        visit(sid, [])
+
+
+def _check_importable(dotted: str, source: str, path: str) -> None:
+    module, _, attr = dotted.rpartition(".")
+    if not module:
+        raise ConfigError(source, path, f"expected a dotted path `package.module.function`, got `{dotted}`")
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        # Processors of an engine package that is not installed here (vllm_omni on a
+        # CPU-only host) are checked by that engine when it loads.
+        if exc.name and dotted.startswith(exc.name.split(".")[0] + ".") and exc.name.split(".")[0] != "omni_actors":
+            return
+        raise ConfigError(source, path, f"cannot import `{module}`: {exc}") from None
+    if not callable(getattr(mod, attr, None)):
+        raise ConfigError(source, path, f"`{module}` has no function `{attr}`")
+
+
+def resolve_processor(dotted: str):
+    """Import a ``custom_process_input_func`` by dotted path."""
+    module, _, attr = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), attr)

@@ -1,0 +1,56 @@
+"""The connector protocol: stage outputs travel by reference.
+
+The producing engine ``put``s its outputs and sends only the returned
+:class:`ConnectorRef` in actor messages; the consumer ``get``s them; the
+owner ``release``s the buffer when its request ends, however it ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class FieldLayout:
+    """Where one output field lives inside a buffer.
+
+    ``kind`` is ``"array"`` (``dtype``/``shape``/``offset``/``nbytes`` locate
+    it) or ``"value"`` (a small scalar or str, carried in ``value``).
+    """
+
+    key: str
+    kind: str
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    offset: int = 0
+    nbytes: int = 0
+    value: Any = None
+
+
+@dataclass(frozen=True)
+class ConnectorRef:
+    """A reference to stage outputs.
+
+    Attributes:
+        kind: ``"inline"`` (bytes ride in ``payload``) or ``"shm"`` (a
+            ``multiprocessing.shared_memory`` segment named ``location``).
+        size: bytes of array data.
+        layout: one :class:`FieldLayout` per output field.
+        location: the segment name for ``shm``; None for inline.
+        payload: the packed array bytes for ``inline``; None otherwise.
+    """
+
+    kind: str
+    size: int
+    layout: tuple[FieldLayout, ...]
+    location: str | None = None
+    payload: bytes | None = None
+
+
+class Connector(Protocol):
+    def put(self, outputs: dict[str, Any]) -> ConnectorRef: ...
+
+    def get(self, ref: ConnectorRef) -> dict[str, Any]: ...
+
+    def release(self, ref: ConnectorRef) -> None: ...

@@ -1,0 +1,42 @@
+"""Engine backends: what an EngineActor drives (see :mod:`omni_actors.engines.base`).
+
+:func:`create_backend` picks the backend a stage is deployed with. Backend
+modules are imported lazily, so importing this package stays cheap (numpy at
+most) and never pulls in vLLM.
+"""
+
+from __future__ import annotations
+
+from omni_actors.config import StageDeployment, StageSpec
+from omni_actors.engines.base import EngineBackend
+
+__all__ = ["create_backend", "BACKENDS"]
+
+#: Backend names a deployment may ask for, and whether this build provides them.
+BACKENDS = {"synthetic": True, "vllm": False, "vllm_omni": False}
+
+
+def create_backend(stage: StageSpec, deployment: StageDeployment, replica: str) -> EngineBackend:
+    """Build (not start) the backend of one replica.
+
+    Args:
+        stage: the stage spec (``stage.name`` picks the stage behaviour).
+        deployment: the stage's deployment; ``deployment.backend`` picks the
+            backend and ``deployment.synthetic`` is the synthetic cost model.
+        replica: the replica name (``"talker/0"``), used in messages.
+
+    Raises:
+        NotImplementedError: ``vllm`` / ``vllm_omni`` backends (not built yet).
+        ValueError: an unknown backend name.
+    """
+    backend = deployment.backend
+    if backend == "synthetic":
+        from omni_actors.engines.synthetic import SyntheticEngine
+
+        return SyntheticEngine(stage, deployment.synthetic, replica)
+    if backend in ("vllm", "vllm_omni"):
+        raise NotImplementedError(
+            f"backend {backend} is not available yet (issue 3); stage `{stage.name}` "
+            f"replica {replica}: use backend: synthetic")
+    raise ValueError(f"unknown backend `{backend}` for stage `{stage.name}`; "
+                     f"known: {', '.join(BACKENDS)}")

@@ -1,0 +1,88 @@
+"""The engine backend protocol: what an EngineActor drives.
+
+A backend owns one engine (synthetic, vLLM ``AsyncLLM``, or one vLLM-Omni
+stage). It lives on the EngineActor's own asyncio loop, on its own thread, so
+every method here is called from that loop only.
+
+Data shapes: a stage's output is an :data:`Outputs` mapping of field name to a
+numpy array or a small scalar/str. Those are the fields that connectors carry
+between stages (see ``omni_actors.connectors``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Mapping, Protocol, Union
+
+import numpy as np
+
+#: A stage's output fields: arrays (hidden states, codes, PCM, images) or small
+#: scalars / strings (text, sample rate).
+Outputs = Mapping[str, Union[np.ndarray, str, int, float]]
+
+
+@dataclass
+class BackendTask:
+    """One stage task as the backend sees it.
+
+    Attributes:
+        request_id: the request this task belongs to.
+        engine_input: what the stage processor built from the prompt and the
+            upstream stages' outputs (for the first stage: ``{"prompt": str}``).
+        sampling_params: the stage's ``default_sampling_params`` overlaid with
+            the request's (``max_tokens``, ``temperature``, ``seed``...).
+        params: request-level parameters (image ``width``/``height``...).
+    """
+
+    request_id: str
+    engine_input: dict[str, Any]
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TextDelta:
+    """New text produced by a text stage (one or more tokens)."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class StageFinal:
+    """The last event of a task: the stage's full outputs."""
+
+    outputs: dict[str, Any]
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+BackendEvent = Union[TextDelta, StageFinal]
+
+
+@dataclass
+class BackendLoad:
+    """Load snapshot for heartbeats. ``kv_cache_usage`` is 0..1 where known."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float | None = None
+
+
+class EngineBackend(Protocol):
+    """What an EngineActor needs from an engine.
+
+    Errors: ``start`` raises on any load failure (the message reaches
+    ``status``); ``generate`` raises on a task failure (the task fails, the
+    replica stays up); ``abort`` never raises.
+    """
+
+    async def start(self) -> None: ...
+
+    def generate(self, task: BackendTask) -> AsyncIterator[BackendEvent]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def load(self) -> BackendLoad: ...
+
+    async def shutdown(self) -> None: ...

@@ -1,0 +1,433 @@
+"""The synthetic engine: a deterministic CPU emulator of one omni-model stage.
+
+It is the built-in default backend: it needs no GPU and no weights, produces
+outputs of the right kind, shape and dtype for each stage, and spends time
+according to a :class:`~omni_actors.config.SyntheticCost` cost model
+(simulated with ``asyncio.sleep``). Stage behaviour is chosen by
+``engine_args.model_stage``:
+
+- thinker: ``{prompt: str}`` -> ``text: str``, ``token_ids: int32[n]``,
+  ``hidden_states: float32[P + n, hidden_size]`` (streams one TextDelta per token);
+- talker: ``{token_ids: int[T], hidden_states: float[T2, H]}`` ->
+  ``codes: int32[T * frames_per_token, num_codebooks]`` in [0, codebook_size);
+- code2wav: ``{codes: int[F, C]}`` -> ``audio: int16[F * samples_per_frame]``
+  (24 kHz mono PCM), ``sample_rate: 24000``;
+- ar: ``{prompt: str}`` -> ``prior_token_ids: int32[prior_grid ** 2]`` in [0, 16384);
+- dit: ``{prior_token_ids: int[N], prompt: str}`` -> ``image: uint8[height, width, 3]``.
+
+``n`` is ``sampling_params["max_tokens"]`` (default 32), ``P`` the number of
+whitespace-separated prompt words; ``width``/``height`` come from
+``task.params`` (default 256). Only the thinker streams :class:`TextDelta` s
+(one per token). Outputs depend only on the input and
+``sampling_params["seed"]`` (default 0), through sha256 and numpy's PCG64
+(never ``hash()``), so they are byte-identical across processes (code2wav
+audio uses float32 ``sin``, whose last bit may differ between CPU types).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import math
+import numbers
+import zlib
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import numpy as np
+
+from omni_actors.config import StageSpec, SyntheticCost
+from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta
+
+__all__ = ["SyntheticEngine", "SUPPORTED_STAGES", "SAMPLE_RATE", "token_id"]
+
+SUPPORTED_STAGES = ("thinker", "talker", "code2wav", "ar", "dit")
+#: Sample rate of code2wav audio (Hz, mono int16 PCM).
+SAMPLE_RATE = 24000
+#: Token id space of the thinker (ids are ``crc32(word) % VOCAB_SIZE``).
+VOCAB_SIZE = 32000
+#: Value range of AR prior tokens: [0, PRIOR_VOCAB).
+PRIOR_VOCAB = 16384
+#: Denoising steps the DiT stage spends ``decode_ms_per_token`` on, each.
+DIT_STEPS = 20
+_MAX_IMAGE_SIDE = 4096
+_MIN_SLEEP_S = 0.001  # shorter waits are folded into the next one
+_MAX_SLEEP_S = 0.05  # longest sleep between abort checks
+
+_VOCAB = tuple("""
+the a and of to in is it that was for on are with as his they be at one have this from or had by
+word but what some we can out other were all there when up use your how said an each she which
+do their time if will way about many then them write would like so these her long make thing see
+him two has look more day could go come did number sound no most people my over know water than
+call first who may down side been now find any new work part take get place made live where
+after back little only round man year came show every good me give our under name very through
+just form sentence great think say help low line differ turn cause much mean before move right
+boy old too same tell does set three want air well also play small end put home read hand port
+large spell add even land here must big high such follow act why ask men change went light kind
+off need house picture try us again animal point mother world near build self earth father head
+stand own page
+""".split())  # 200 words
+
+
+def token_id(word: str) -> int:
+    """The synthetic tokenizer: ``zlib.crc32(utf-8 word) % 32000``."""
+    return zlib.crc32(word.encode("utf-8")) % VOCAB_SIZE
+
+
+_VOCAB_IDS = np.array([token_id(w) for w in _VOCAB], dtype=np.int32)
+
+
+def _rng(tag: str, *parts: bytes | str | int) -> np.random.Generator:
+    """A PCG64 generator seeded from sha256 of the parts (never ``hash()``)."""
+    h = hashlib.sha256(tag.encode())
+    for p in parts:
+        b = p if isinstance(p, bytes) else str(p).encode("utf-8")
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return np.random.default_rng(int.from_bytes(h.digest()[:8], "little"))
+
+
+@dataclass
+class _Plan:
+    """What a task will produce and how much simulated work it costs."""
+
+    prefill_units: int
+    decode_units: int
+    final: StageFinal
+    deltas: list[TextDelta] | None = None  # one per decode unit (thinker only)
+
+
+class SyntheticEngine:
+    """A deterministic stage emulator implementing ``EngineBackend``.
+
+    Args:
+        stage: the stage spec; ``stage.name`` picks the behaviour.
+        cost: the cost model (sleep times, concurrency, output sizes).
+        replica: the replica name, for messages only.
+
+    Cost model: ``start`` sleeps ``startup_s``; each task sleeps
+    ``prefill_ms_per_token`` per input unit (thinker/ar: prompt words; talker:
+    tokens; code2wav: frames; dit: prior tokens), then ``decode_ms_per_token``
+    per output unit (thinker/ar: tokens; talker/code2wav: frames; dit: 20
+    steps), paced against a deadline so the total stays accurate. At most
+    ``max_concurrency`` tasks run at once; the rest wait in FIFO order.
+    """
+
+    def __init__(self, stage: StageSpec, cost: SyntheticCost, replica: str):
+        self.stage = stage
+        self.cost = cost
+        self.replica = replica
+        self.stage_name = str(stage.engine_args.get("model_stage", ""))
+        self._started = False
+        self._running = 0
+        self._waiters: collections.deque[tuple[str, asyncio.Future[bool]]] = collections.deque()
+        self._inflight: dict[str, int] = {}
+        self._aborted: set[str] = set()
+
+    # -- lifecycle -------------------------------------------------------
+    async def start(self) -> None:
+        """Load the "model".
+
+        Raises:
+            ValueError: the stage name is not one of :data:`SUPPORTED_STAGES`
+                (raised at once, before the start-up sleep).
+            RuntimeError: ``cost.fail_startup`` is set (after the sleep).
+        """
+        if self.stage_name not in SUPPORTED_STAGES:
+            raise ValueError(
+                f"synthetic engine {self.replica}: unknown stage `{self.stage_name}`; "
+                f"supported: {', '.join(SUPPORTED_STAGES)}")
+        if self.cost.startup_s > 0:
+            await asyncio.sleep(self.cost.startup_s)
+        if self.cost.fail_startup:
+            raise RuntimeError(self.cost.fail_startup)
+        self._started = True
+
+    async def shutdown(self) -> None:
+        """Abort every running and waiting task; the engine must be started again."""
+        for rid in list(self._inflight):
+            await self.abort(rid)
+        self._started = False
+
+    def load(self) -> BackendLoad:
+        """Tasks holding a concurrency slot (running) and queued for one (waiting)."""
+        return BackendLoad(running=self._running, waiting=len(self._waiters))
+
+    async def abort(self, request_id: str) -> None:
+        """Stop the running and waiting tasks of ``request_id``: their ``generate``
+        iterators end without a :class:`StageFinal`. Unknown ids are ignored;
+        never raises."""
+        if request_id not in self._inflight:
+            return
+        self._aborted.add(request_id)
+        for rid, fut in self._waiters:
+            if rid == request_id and not fut.done():
+                fut.set_result(False)
+        self._waiters = collections.deque(e for e in self._waiters if e[0] != request_id)
+
+    # -- tasks -----------------------------------------------------------
+    async def generate(self, task: BackendTask) -> AsyncIterator[BackendEvent]:
+        """Run one task: thinker yields a :class:`TextDelta` per token, every stage
+        ends with one :class:`StageFinal` (none when aborted).
+
+        Raises:
+            RuntimeError: the engine is not started.
+            ValueError: ``engine_input``, ``sampling_params`` or ``params`` are
+                missing a field or have the wrong type/shape.
+        """
+        if not self._started:
+            raise RuntimeError(f"synthetic engine {self.replica} is not started")
+        parse, compute = _STAGE_FNS[self.stage_name]
+        args = parse(task)  # validate before queueing
+        rid = task.request_id
+        self._inflight[rid] = self._inflight.get(rid, 0) + 1
+        try:
+            if not await self._acquire(rid):
+                return
+            try:
+                plan = compute(self.cost, *args)
+                async for ev in self._run(rid, plan):
+                    yield ev
+            finally:
+                self._release()
+        finally:
+            left = self._inflight[rid] - 1
+            if left:
+                self._inflight[rid] = left
+            else:
+                del self._inflight[rid]
+                self._aborted.discard(rid)
+
+    async def _run(self, rid: str, plan: _Plan) -> AsyncIterator[BackendEvent]:
+        cost, aborted, deltas = self.cost, self._aborted, plan.deltas
+        per = cost.decode_ms_per_token / 1000.0
+        if cost.prefill_ms_per_token == 0 and per == 0:  # hot path: one yield to the loop
+            await asyncio.sleep(0)
+            if deltas:
+                for d in deltas:
+                    if rid in aborted:
+                        return
+                    yield d
+        else:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + cost.prefill_ms_per_token * plan.prefill_units / 1000.0
+            if not await self._sleep_until(rid, deadline):
+                return
+            n = plan.decode_units
+            for k in range(n):
+                if per:
+                    deadline += per
+                    delay = deadline - loop.time()
+                    if delay >= _MIN_SLEEP_S or (k == n - 1 and delay > 0):
+                        if not await self._sleep_until(rid, deadline):
+                            return
+                if rid in aborted:
+                    return
+                if deltas is not None:
+                    yield deltas[k]
+        if rid in aborted:
+            return
+        yield plan.final
+
+    async def _sleep_until(self, rid: str, deadline: float) -> bool:
+        """Sleep until ``deadline`` (loop time); False as soon as ``rid`` is aborted."""
+        loop = asyncio.get_running_loop()
+        while True:
+            delay = deadline - loop.time()
+            if delay <= 0:
+                return rid not in self._aborted
+            await asyncio.sleep(min(delay, _MAX_SLEEP_S))
+            if rid in self._aborted:
+                return False
+
+    async def _acquire(self, rid: str) -> bool:
+        """Take a concurrency slot (FIFO). False when aborted while waiting."""
+        if self._running < self.cost.max_concurrency and not self._waiters:
+            self._running += 1
+            return True
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        entry = (rid, fut)
+        self._waiters.append(entry)
+        try:
+            return await fut
+        except BaseException:
+            if fut.done() and not fut.cancelled() and fut.result():
+                self._release()  # granted, then cancelled: pass the slot on
+            else:
+                fut.cancel()
+                try:
+                    self._waiters.remove(entry)
+                except ValueError:
+                    pass
+            raise
+
+    def _release(self) -> None:
+        self._running -= 1
+        while self._waiters:
+            _, fut = self._waiters.popleft()
+            if not fut.done():
+                self._running += 1
+                fut.set_result(True)
+                break
+
+
+# -- input validation ------------------------------------------------------
+
+def _field(task: BackendTask, key: str, stage: str) -> Any:
+    if key not in task.engine_input:
+        raise ValueError(f"{stage}: engine_input has no `{key}` "
+                         f"(got fields: {sorted(task.engine_input)})")
+    return task.engine_input[key]
+
+
+def _str_field(task: BackendTask, key: str, stage: str) -> str:
+    value = _field(task, key, stage)
+    if not isinstance(value, str):
+        raise ValueError(f"{stage}: engine_input `{key}` must be a str, got {type(value).__name__}")
+    return value
+
+
+def _array_field(task: BackendTask, key: str, stage: str, ndim: int, kind: str) -> np.ndarray:
+    value = np.asarray(_field(task, key, stage))
+    kinds = {"int": "iu", "float": "f"}[kind]
+    if value.ndim != ndim or value.dtype.kind not in kinds:
+        raise ValueError(f"{stage}: engine_input `{key}` must be a {ndim}-D {kind} array, "
+                         f"got shape {value.shape} dtype {value.dtype}")
+    return value
+
+
+def _int_param(params: dict, key: str, default: int, lo: int, hi: int | None, stage: str) -> int:
+    value = params.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{stage}: `{key}` must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{stage}: `{key}` must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}")
+    return int(value)
+
+
+def _seed(task: BackendTask, stage: str) -> int:
+    return _int_param(task.sampling_params, "seed", 0, -(2**63), None, stage)
+
+
+# -- stages (parse: validate the task; compute: build the plan) --------------
+
+def _parse_thinker(task: BackendTask) -> tuple:
+    return (_str_field(task, "prompt", "thinker"),
+            _int_param(task.sampling_params, "max_tokens", 32, 0, None, "thinker"),
+            _seed(task, "thinker"))
+
+
+def _compute_thinker(cost: SyntheticCost, prompt: str, n: int, seed: int) -> _Plan:
+    num_prompt = len(prompt.split())
+    rng = _rng("thinker", prompt, seed)
+    idx = rng.integers(0, len(_VOCAB), size=n)
+    hidden = rng.standard_normal((num_prompt + n, cost.hidden_size), dtype=np.float32)
+    words = [_VOCAB[i] for i in idx.tolist()]
+    ids = _VOCAB_IDS[idx]
+    deltas = [TextDelta(text=(w if k == 0 else " " + w), token_ids=(int(t),))
+              for k, (w, t) in enumerate(zip(words, ids.tolist()))]
+    final = StageFinal(outputs={"text": " ".join(words), "token_ids": ids, "hidden_states": hidden},
+                       num_prompt_tokens=num_prompt, num_output_tokens=n)
+    return _Plan(num_prompt, n, final, deltas)
+
+
+def _parse_talker(task: BackendTask) -> tuple:
+    return (_array_field(task, "token_ids", "talker", 1, "int"),
+            _array_field(task, "hidden_states", "talker", 2, "float"),
+            _seed(task, "talker"))
+
+
+def _compute_talker(cost: SyntheticCost, token_ids: np.ndarray, hidden: np.ndarray, seed: int) -> _Plan:
+    rng = _rng("talker", token_ids.astype("<i4").tobytes(), hidden.astype("<f4").tobytes(),
+               repr(hidden.shape), seed)
+    frames = len(token_ids) * cost.frames_per_token
+    codes = rng.integers(0, cost.codebook_size, size=(frames, cost.num_codebooks), dtype=np.int32)
+    final = StageFinal(outputs={"codes": codes}, num_prompt_tokens=len(token_ids),
+                       num_output_tokens=frames)
+    return _Plan(len(token_ids), frames, final)
+
+
+def _parse_code2wav(task: BackendTask) -> tuple:
+    codes = _array_field(task, "codes", "code2wav", 2, "int")
+    if codes.shape[1] == 0:
+        raise ValueError("code2wav: engine_input `codes` has no codebooks (shape "
+                         f"{codes.shape}); expected [frames, codebooks >= 1]")
+    return (codes,)
+
+
+def _compute_code2wav(cost: SyntheticCost, codes: np.ndarray) -> _Plan:
+    frames, spf = codes.shape[0], cost.samples_per_frame
+    k = min(3, codes.shape[1])
+    # Each frame: k sinusoids at 110..1050 Hz picked by its first k codes, phase-
+    # continuous across frames. float32 and in place: ~0.5 ms per 64 frames.
+    freqs = 110.0 + (codes[:, :k].T.astype(np.int64) % 48).astype(np.float64) * 20.0  # [k, F]
+    step = freqs * (2.0 * np.pi / SAMPLE_RATE)  # radians per sample
+    start = (np.cumsum(step * spf, axis=1) - step * spf) % (2.0 * np.pi)
+    t = np.arange(spf, dtype=np.float32)
+    wave = np.zeros(frames * spf, dtype=np.float32)
+    for j in range(k):
+        ph = step[j].astype(np.float32)[:, None] * t[None, :]
+        ph += start[j].astype(np.float32)[:, None]
+        np.sin(ph, out=ph)
+        wave += ph.reshape(-1)
+    wave *= np.float32(0.6 * 32767.0 / k)
+    audio = np.rint(wave).astype(np.int16)
+    final = StageFinal(outputs={"audio": audio, "sample_rate": SAMPLE_RATE},
+                       num_prompt_tokens=frames, num_output_tokens=0)
+    return _Plan(frames, frames, final)
+
+
+def _parse_ar(task: BackendTask) -> tuple:
+    return (_str_field(task, "prompt", "ar"), _seed(task, "ar"))
+
+
+def _compute_ar(cost: SyntheticCost, prompt: str, seed: int) -> _Plan:
+    n = cost.prior_grid ** 2
+    prior = _rng("ar", prompt, seed).integers(0, PRIOR_VOCAB, size=n, dtype=np.int32)
+    num_prompt = len(prompt.split())
+    final = StageFinal(outputs={"prior_token_ids": prior}, num_prompt_tokens=num_prompt,
+                       num_output_tokens=n)
+    return _Plan(num_prompt, n, final)
+
+
+def _parse_dit(task: BackendTask) -> tuple:
+    prior = _array_field(task, "prior_token_ids", "dit", 1, "int")
+    if prior.size == 0:
+        raise ValueError("dit: engine_input `prior_token_ids` is empty")
+    return (prior, _str_field(task, "prompt", "dit"),
+            _int_param(task.params, "width", 256, 1, _MAX_IMAGE_SIDE, "dit"),
+            _int_param(task.params, "height", 256, 1, _MAX_IMAGE_SIDE, "dit"))
+
+
+def _axis(out: int, grid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bilinear sample positions of ``out`` pixel centres over ``grid`` cells."""
+    pos = np.clip((np.arange(out) + 0.5) * grid / out - 0.5, 0, grid - 1)
+    lo = np.floor(pos).astype(np.intp)
+    hi = np.minimum(lo + 1, grid - 1)
+    return lo, hi, (pos - lo).astype(np.float32)
+
+
+def _compute_dit(cost: SyntheticCost, prior: np.ndarray, prompt: str, width: int, height: int) -> _Plan:
+    n = prior.size
+    g = math.isqrt(n)
+    g += g * g < n
+    tokens = np.resize(prior.astype(np.uint64), g * g)
+    tint = int.from_bytes(hashlib.sha256(prompt.encode("utf-8")).digest()[:4], "little")
+    h = ((tokens * np.uint64(2654435761)) ^ np.uint64(tint)) & np.uint64(0xFFFFFF)
+    rgb = np.stack([(h >> np.uint64(s)) & np.uint64(255) for s in (0, 8, 16)], axis=-1)
+    cells = rgb.astype(np.float32).reshape(g, g, 3)
+    y0, y1, wy = _axis(height, g)
+    x0, x1, wx = _axis(width, g)
+    wy, wx = wy[:, None, None], wx[None, :, None]
+    top = cells[y0][:, x0] * (1 - wx) + cells[y0][:, x1] * wx
+    bottom = cells[y1][:, x0] * (1 - wx) + cells[y1][:, x1] * wx
+    image = np.clip(np.rint(top * (1 - wy) + bottom * wy), 0, 255).astype(np.uint8)
+    final = StageFinal(outputs={"image": image}, num_prompt_tokens=n, num_output_tokens=0)
+    return _Plan(n, DIT_STEPS, final)
+
+
+_STAGE_FNS = {name: (globals()[f"_parse_{name}"], globals()[f"_compute_{name}"])
+              for name in SUPPORTED_STAGES}

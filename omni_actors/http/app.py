@@ -1,0 +1,406 @@
+"""The OpenAI-compatible aiohttp application over a :class:`Bridge`.
+
+Handlers are thin: parse and validate (:mod:`omni_actors.http.protocol`),
+``bridge.submit(PipelineRequest(...))``, shape the answer. Every error,
+aiohttp's own 404/405/413 included, leaves as OpenAI error JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import re
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+
+from omni_actors.http import protocol as P
+from omni_actors.http.types import (
+    Bridge, BridgeEvent, OutputFinal, OutputText, PipelineRequest, RequestDone, RequestFailed,
+)
+
+__all__ = ["create_app", "start_http", "BRIDGE_KEY"]
+
+
+
+def _log() -> Any:
+    from omni_actors.logs import get_logger
+
+    return get_logger(component="http")
+
+BRIDGE_KEY: web.AppKey[Any] = web.AppKey("bridge", object)
+_API_KEY: web.AppKey[Any] = web.AppKey("api_key", object)
+_CREATED: web.AppKey[int] = web.AppKey("created", int)
+_MAX_BODY: web.AppKey[int] = web.AppKey("max_body_bytes", int)
+_RID: web.RequestKey[str] = web.RequestKey("request_id", str)
+OPEN_PATHS = frozenset({"/health"})
+DEADLINE_GRACE_S = 5.0
+_RID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _enc_hook(obj: Any) -> Any:
+    for attr in ("tolist", "item"):  # numpy arrays and scalars
+        if hasattr(obj, attr):
+            return getattr(obj, attr)()
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    return str(obj)
+
+
+_encoder = msgspec.json.Encoder(enc_hook=_enc_hook)
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=_encoder.encode(data), status=status, headers=headers,
+                        content_type="application/json")
+
+
+def _error(err: P.ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    return _json(err.body(), err.status, headers)
+
+
+async def _read_json(request: web.Request) -> Any:
+    body = await request.read()  # raises HTTPRequestEntityTooLarge over client_max_size
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.MsgspecError as e:
+        raise P.ApiError(400, f"We could not parse the JSON body of your request: {e}") from None
+
+
+# ---------------------------------------------------------------- middlewares
+
+_HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               429: "rate_limit_error"}
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+    status = exc.status
+    if status == 404:
+        msg = f"Unknown request URL: {request.method} {request.path}."
+    elif status == 405:
+        msg = f"Method {request.method} is not allowed for {request.path}."
+    elif status == 413:
+        msg = f"Request body too large: the limit is {request.app[_MAX_BODY]} bytes."
+    else:
+        msg = exc.text or exc.reason
+    etype = _HTTP_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+    return _error(P.ApiError(status, msg, etype), headers)
+
+
+@web.middleware
+async def request_id_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """Answer with ``X-Request-Id``: the pipeline request id when the handler
+    made one, else the client's own header when sane, else a fresh id."""
+    incoming = request.headers.get("X-Request-Id", "")
+    request[_RID] = incoming if _RID_RE.match(incoming) else f"req-{uuid.uuid4().hex}"
+    resp = await handler(request)
+    if not resp.prepared:
+        resp.headers["X-Request-Id"] = request[_RID]
+    return resp
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """Turn every error into OpenAI error JSON with the right status."""
+    try:
+        return await handler(request)
+    except P.ApiError as e:
+        return _error(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _http_error(request, e)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception:
+        _log().exception("http_unhandled_error", method=request.method, path=request.path,
+                         request_id=request.get(_RID))
+        return _error(P.ApiError(500, "The server had an error while processing your "
+                                 "request.", "server_error"))
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """Bearer API key check (when configured); ``/health`` stays open."""
+    key = request.app[_API_KEY]
+    if key is not None and request.path not in OPEN_PATHS:
+        auth = request.headers.get("Authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise P.ApiError(401, "You didn't provide an API key. Provide it in the "
+                             "Authorization header as 'Bearer YOUR_KEY'.")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise P.ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+    return await handler(request)
+
+
+# ------------------------------------------------------------------- running
+
+class _Run:
+    """One pipeline request's event stream. Use as ``async with``: leaving
+    before ``RequestDone``/``RequestFailed`` (early return, exception, client
+    gone, cancellation) calls ``bridge.cancel(request_id)``, shielded.
+
+    Guards against a stuck bridge: past ``timeout_s`` plus a grace period
+    it yields ``RequestFailed(504)`` itself.
+    """
+
+    def __init__(self, bridge: Bridge, preq: PipelineRequest) -> None:
+        self.bridge, self.preq, self.finished = bridge, preq, False
+        self._events: AsyncIterator[BridgeEvent] | None = None
+
+    async def __aenter__(self) -> "_Run":
+        self._events = self.bridge.submit(self.preq)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        if not self.finished:
+            _log().info("http_request_cancel", request_id=self.preq.request_id)
+            try:
+                await asyncio.shield(self.bridge.cancel(self.preq.request_id))
+            except Exception:
+                _log().exception("http_cancel_failed", request_id=self.preq.request_id)
+        aclose = getattr(self._events, "aclose", None)
+        if aclose is not None:
+            try:
+                await aclose()
+            except Exception:
+                _log().exception("http_events_close_failed", request_id=self.preq.request_id)
+
+    async def __aiter__(self) -> AsyncIterator[BridgeEvent]:
+        loop = asyncio.get_running_loop()
+        timeout = self.preq.timeout_s
+        deadline = None if timeout is None else loop.time() + timeout + DEADLINE_GRACE_S
+        it = self._events.__aiter__()
+        while True:
+            try:
+                remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                event = await asyncio.wait_for(it.__anext__(), remaining)
+            except StopAsyncIteration:
+                raise P.ApiError(500, "The pipeline ended without a result.",
+                                 "server_error") from None
+            except asyncio.TimeoutError:
+                yield RequestFailed(504, "The request timed out.", "timeout")
+                return
+            if isinstance(event, (RequestDone, RequestFailed)):
+                self.finished = True
+                yield event
+                return
+            yield event
+
+
+def _pipeline_request(request: web.Request, prefix: str, prompt: str,
+                      output_types: frozenset[str], sampling: dict, params: dict,
+                      ) -> PipelineRequest:
+    rid = f"{prefix}-{uuid.uuid4().hex}"
+    request[_RID] = rid
+    return PipelineRequest(rid, prompt, output_types, sampling, params,
+                           request.app[BRIDGE_KEY].request_timeout_s)
+
+
+def _failed(ev: RequestFailed) -> P.ApiError:
+    return P.ApiError(ev.status, ev.message, ev.type)
+
+
+async def _wav(ev: OutputFinal) -> bytes:
+    from omni_actors.media import encode_wav
+
+    return await asyncio.to_thread(encode_wav, ev.data["audio"], int(ev.data["sample_rate"]))
+
+
+# ------------------------------------------------------------------ handlers
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions`` (JSON or SSE with ``stream: true``)."""
+    bridge: Bridge = request.app[BRIDGE_KEY]
+    creq = P.parse_chat_request(await _read_json(request), bridge)
+    preq = _pipeline_request(request, "chatcmpl", creq.prompt, creq.output_types,
+                             creq.sampling_params(), creq.params())
+    if creq.stream:
+        return await _stream_chat(request, bridge, creq, preq)
+    created, deltas, text, audio, done = P.now(), [], None, None, RequestDone()
+    async with _Run(bridge, preq) as run:
+        async for ev in run:
+            if isinstance(ev, OutputText):
+                deltas.append(ev.text)
+            elif isinstance(ev, OutputFinal) and ev.output_type == "text":
+                text = ev.data["text"]
+            elif isinstance(ev, OutputFinal) and ev.output_type == "audio":
+                audio = ev
+            elif isinstance(ev, RequestDone):
+                done = ev
+            elif isinstance(ev, RequestFailed):
+                raise _failed(ev)
+    text = "".join(deltas) if text is None else text
+    payload = None
+    if audio is not None:
+        payload = P.audio_payload(await _wav(audio), text, created)
+    elif "audio" in creq.output_types:
+        _log().warning("http_no_audio", request_id=preq.request_id)
+    finish = P.finish_reason(done.completion_tokens, creq.max_tokens or bridge.max_tokens_limit)
+    return _json(P.chat_completion(preq.request_id, creq.model, created, text, payload, finish,
+                                   P.usage_dict(done.prompt_tokens, done.completion_tokens)))
+
+
+async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest,
+                       preq: PipelineRequest) -> web.StreamResponse:
+    """SSE: role chunk, content deltas, audio delta, finish chunk, usage, [DONE].
+
+    The response starts on the first event, so a failure before it is still
+    a plain error response with its status.
+    """
+    rid, created, iu = preq.request_id, P.now(), creq.include_usage
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", "X-Request-Id": rid})
+
+    async def send(obj: Any) -> None:
+        await resp.write(b"data: " + _encoder.encode(obj) + b"\n\n")
+
+    def chunk(delta: dict, finish: str | None = None) -> dict:
+        return P.chat_chunk(rid, creq.model, created, delta, finish, iu)
+
+    streamed, audio, done = [], None, None
+    async with _Run(bridge, preq) as run:
+        try:
+            async for ev in run:
+                if isinstance(ev, RequestFailed) and not resp.prepared:
+                    raise _failed(ev)
+                if not resp.prepared:
+                    await resp.prepare(request)
+                    await send(chunk({"role": "assistant", "content": ""}))
+                if isinstance(ev, OutputText):
+                    if ev.text:
+                        streamed.append(ev.text)
+                        await send(chunk({"content": ev.text}))
+                elif isinstance(ev, OutputFinal) and ev.output_type == "text":
+                    # A final text that no delta carried (or only partly) goes out now.
+                    so_far, final = "".join(streamed), ev.data["text"]
+                    rest = final[len(so_far):] if final.startswith(so_far) else ""
+                    if rest:
+                        streamed.append(rest)
+                        await send(chunk({"content": rest}))
+                elif isinstance(ev, OutputFinal) and ev.output_type == "audio":
+                    audio = ev
+                elif isinstance(ev, RequestDone):
+                    done = ev
+                elif isinstance(ev, RequestFailed):
+                    await send(P.error_body(ev.message, ev.type))
+            if done is not None:
+                if audio is not None:
+                    payload = P.audio_payload(await _wav(audio), "".join(streamed), created)
+                    await send(chunk({"audio": payload}))
+                limit = creq.max_tokens or bridge.max_tokens_limit
+                await send(chunk({}, P.finish_reason(done.completion_tokens, limit)))
+                if iu:
+                    await send(P.usage_chunk(rid, creq.model, created, P.usage_dict(
+                        done.prompt_tokens, done.completion_tokens)))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            if not resp.prepared:
+                raise
+            if isinstance(e, P.ApiError):
+                err = e
+            else:
+                _log().exception("http_stream_error", request_id=rid)
+                err = P.ApiError(500, "The server had an error while streaming.", "server_error")
+            await send(err.body())
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def images_generations(request: web.Request) -> web.Response:
+    """``POST /v1/images/generations`` (one image, ``b64_json``)."""
+    bridge: Bridge = request.app[BRIDGE_KEY]
+    ireq = P.parse_image_request(await _read_json(request), bridge)
+    preq = _pipeline_request(request, "img", ireq.prompt, frozenset({"image"}),
+                             ireq.sampling_params(), ireq.params())
+    image = None
+    async with _Run(bridge, preq) as run:
+        async for ev in run:
+            if isinstance(ev, OutputFinal) and ev.output_type == "image":
+                image = ev.data["image"]
+            elif isinstance(ev, RequestFailed):
+                raise _failed(ev)
+    if image is None:
+        raise P.ApiError(500, "The pipeline produced no image.", "server_error")
+    from omni_actors.media import encode_png
+
+    png = await asyncio.to_thread(encode_png, image)
+    return _json(P.image_response(P.now(), png))
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the one served model."""
+    return _json(P.models_list(request.app[BRIDGE_KEY].model_name, request.app[_CREATED]))
+
+
+async def get_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}``: the model card, or 404 ``model_not_found``."""
+    name = request.match_info["model"]
+    if name != request.app[BRIDGE_KEY].model_name:
+        raise P.ApiError(404, f"The model '{name}' does not exist.", "not_found_error",
+                         "model", "model_not_found")
+    return _json(P.model_card(name, request.app[_CREATED]))
+
+
+async def health(request: web.Request) -> web.Response:
+    """``GET /health``: the HTTP layer is up."""
+    return _json({"status": "ok"})
+
+
+async def stages(request: web.Request) -> web.Response:
+    """``GET /v1/stages``: the bridge's view of stages and replicas."""
+    return _json(await request.app[BRIDGE_KEY].stages())
+
+
+ROUTES = [
+    web.post("/v1/chat/completions", chat_completions),
+    web.post("/v1/images/generations", images_generations),
+    web.get("/v1/models", list_models),
+    web.get("/v1/models/{model}", get_model),
+    web.get("/v1/stages", stages),
+    web.get("/health", health),
+]
+
+
+def create_app(bridge: Bridge, *, max_body_bytes: int = 1 << 20,
+               api_key: str | None = None) -> web.Application:
+    """Build the OpenAI-compatible app over ``bridge``.
+
+    ``max_body_bytes`` bounds request bodies (413 beyond); ``api_key``, when
+    set, is required as ``Authorization: Bearer <key>`` except on /health.
+    """
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[
+        request_id_middleware, error_middleware, auth_middleware])
+    app[BRIDGE_KEY] = bridge
+    app[_API_KEY] = api_key or None
+    app[_CREATED] = P.now()
+    app[_MAX_BODY] = max_body_bytes
+    app.add_routes(ROUTES)
+    return app
+
+
+async def start_http(bridge: Bridge, host: str, port: int,
+                     **create_app_kwargs: Any) -> web.AppRunner:
+    """Serve ``create_app(bridge, **create_app_kwargs)`` on ``host:port``.
+
+    Client disconnects cancel handlers (``handler_cancellation=True``), so
+    abandoned requests are cancelled in the bridge. Returns the started
+    runner (``runner.addresses[0][1]`` is the bound port, useful with port
+    0); the caller calls ``await runner.cleanup()``.
+    """
+    runner = web.AppRunner(create_app(bridge, **create_app_kwargs),
+                           handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner

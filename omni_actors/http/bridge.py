@@ -1,0 +1,250 @@
+"""ActorBridge: the HTTP layer's link to the actor system.
+
+Thespian's external API blocks, and one ``ActorSystem`` handle shared by
+threads mixes up replies (seen here: 163 of 200 wrong). So the bridge runs two
+threads, each owning its own ``private()`` context:
+
+- the **sender** thread drains a queue of outgoing work: it owns the pool of
+  ready RequestActors (creating more when all are busy) and the map from
+  request id to the RequestActor running it;
+- the **receiver** thread sits in ``listen()``; every message carries its
+  ``request_id`` and is handed to the event loop with
+  ``loop.call_soon_threadsafe``. Final outputs are fetched from their
+  connector and released on this thread, so a buffer is freed even when the
+  client has gone.
+
+Neither thread ever runs on the event loop, so no handler blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from typing import Any, AsyncIterator
+
+from omni_actors.actors.request import RequestActor
+from omni_actors.connectors import make_connector
+from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputText, PipelineRequest, RequestDone,
+                                    RequestFailed)
+from omni_actors.logs import get_logger
+from omni_actors.messages import (CancelRequest, ErrorKind, GetRoutes, GetStatus, OutputDelta, OutputReady,
+                                  RequestFinished, Routes, RunRequest, SystemStatus, WhoAmI, YouAre)
+from omni_actors.planning import PlanError, plan_request
+
+#: HTTP status for each way a request can fail.
+HTTP_STATUS = {ErrorKind.UNAVAILABLE: 503, ErrorKind.TIMEOUT: 504, ErrorKind.ENGINE_ERROR: 500,
+               ErrorKind.BAD_REQUEST: 400, ErrorKind.CANCELLED: 499}
+
+
+class BridgeError(RuntimeError):
+    """The bridge could not reach the coordinator."""
+
+
+class ActorBridge:
+    """Implements :class:`omni_actors.http.types.Bridge` over a running actor system.
+
+    Args:
+        asys: the process's ``ActorSystem`` (only ``private()`` contexts are used).
+        coordinator: the CoordinatorActor's address.
+        request_actors: RequestActors created up front (``deployment.request_actors``).
+        connect_timeout_s: how long to wait for the coordinator at start.
+
+    Raises:
+        BridgeError: from :meth:`start` when the coordinator does not answer.
+    """
+
+    def __init__(self, asys, coordinator, *, request_actors: int = 16, connect_timeout_s: float = 10.0):
+        self._asys = asys
+        self._coordinator = coordinator
+        self._n_actors = request_actors
+        self._connect_timeout_s = connect_timeout_s
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._queries: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._connector = make_connector()
+        self._stop = threading.Event()
+        self._log = get_logger(actor="bridge")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._address = None
+        self._routes: Routes | None = None
+
+    # -- lifecycle --------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start both threads; blocks until the receiver knows its address and the routes."""
+        self._loop = loop
+        ready = threading.Event()
+        errors: list[str] = []
+        self._receiver = threading.Thread(target=self._receive_loop, args=(ready, errors),
+                                          name="bridge-recv", daemon=True)
+        self._receiver.start()
+        if not ready.wait(self._connect_timeout_s + 1) or errors:
+            self._stop.set()
+            raise BridgeError(errors[0] if errors else "coordinator did not answer")
+        self._sender = threading.Thread(target=self._send_loop, name="bridge-send", daemon=True)
+        self._sender.start()
+        cfg = self._routes.config
+        self.model_name = cfg.deployment.served_model_name
+        self.output_types = frozenset(cfg.output_types())
+        self.max_tokens_limit = cfg.deployment.max_tokens_limit
+        self.request_timeout_s = cfg.deployment.request_timeout_s
+
+    def close(self) -> None:
+        self._stop.set()
+        self._outbox.put(None)
+        for t in (getattr(self, "_sender", None), getattr(self, "_receiver", None)):
+            if t is not None:
+                t.join(timeout=3)
+
+    # -- the Bridge protocol ----------------------------------------------
+    async def submit(self, request: PipelineRequest) -> AsyncIterator[BridgeEvent]:
+        """Run one request; yields events, ending with RequestDone or RequestFailed."""
+        try:
+            plan = plan_request(self._routes.config, self._routes.pools, request.output_types)
+        except PlanError as exc:
+            yield RequestFailed(400, str(exc), "invalid_request_error")
+            return
+        timeout = request.timeout_s or self.request_timeout_s
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request.request_id] = stream
+        self._outbox.put(("run", RunRequest(request.request_id, request.prompt, plan,
+                                            dict(request.sampling_params), dict(request.params),
+                                            timeout, self._address)))
+        finished = False
+        deadline = time.monotonic() + timeout + 5.0  # the RequestActor's own deadline fires first
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    event = await asyncio.wait_for(stream.get(), max(remaining, 0.001))
+                except asyncio.TimeoutError:
+                    yield RequestFailed(504, f"no answer from the pipeline within {timeout:g} s", "timeout")
+                    return
+                finished = isinstance(event, (RequestDone, RequestFailed))
+                yield event
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self._outbox.put(("cancel", request.request_id))
+
+    async def cancel(self, request_id: str) -> None:
+        if request_id in self._streams:
+            self._outbox.put(("cancel", request_id))
+
+    async def stages(self) -> dict[str, Any]:
+        """The coordinator's stage table as JSON-ready dicts (see ``status_to_dict``)."""
+        status = await self.system_status()
+        return status_to_dict(status)
+
+    async def system_status(self, timeout_s: float = 5.0) -> SystemStatus:
+        query_id = f"q{next(self._ids)}"
+        fut = self._loop.create_future()
+        self._queries[query_id] = fut
+        self._outbox.put(("tell", self._coordinator, GetStatus(query_id, reply_to=self._address)))
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self._queries.pop(query_id, None)
+
+    # -- threads ----------------------------------------------------------
+    def _send_loop(self) -> None:
+        with self._asys.private() as ctx:
+            free = [ctx.createActor(RequestActor) for _ in range(self._n_actors)]
+            running: dict[str, Any] = {}
+            while True:
+                item = self._outbox.get()
+                if item is None:
+                    return
+                kind = item[0]
+                try:
+                    if kind == "run":
+                        run: RunRequest = item[1]
+                        actor = free.pop() if free else ctx.createActor(RequestActor)
+                        running[run.request_id] = actor
+                        ctx.tell(actor, run)
+                    elif kind == "cancel":
+                        actor = running.get(item[1])
+                        if actor is not None:
+                            ctx.tell(actor, CancelRequest(item[1]))
+                    elif kind == "finished":
+                        if running.pop(item[1], None) is not None and item[2] is not None:
+                            free.append(item[2])
+                    elif kind == "tell":
+                        ctx.tell(item[1], item[2])
+                except Exception as exc:  # noqa: BLE001 - keep the bridge alive; the request times out
+                    self._log.error("bridge_send_failed", kind=kind, error=str(exc))
+
+    def _receive_loop(self, ready: threading.Event, errors: list[str]) -> None:
+        with self._asys.private() as ctx:
+            you = ctx.ask(self._coordinator, WhoAmI(), self._connect_timeout_s)
+            routes = ctx.ask(self._coordinator, GetRoutes(), self._connect_timeout_s)
+            if not isinstance(you, YouAre) or not isinstance(routes, Routes) or routes.config is None:
+                errors.append("the coordinator did not answer (is the system deployed?)")
+                ready.set()
+                return
+            self._address, self._routes = you.address, routes
+            ready.set()
+            while not self._stop.is_set():
+                msg = ctx.listen(0.5)
+                if msg is not None:
+                    self._on_message(msg)
+
+    def _on_message(self, msg: Any) -> None:
+        """Receiver thread: turn an actor message into a loop-side event."""
+        if isinstance(msg, OutputDelta):
+            self._deliver(msg.request_id, OutputText(msg.text))
+        elif isinstance(msg, OutputReady):
+            try:
+                data = self._connector.get(msg.ref)
+            except Exception as exc:  # noqa: BLE001
+                self._deliver(msg.request_id, RequestFailed(500, f"final output lost: {exc}"))
+                return
+            finally:
+                self._connector.release(msg.ref)
+            self._deliver(msg.request_id, OutputFinal(msg.stage_id, msg.output_type, data))
+        elif isinstance(msg, RequestFinished):
+            self._outbox.put(("finished", msg.request_id, msg.request_actor))
+            if msg.error is None:
+                event = RequestDone(msg.prompt_tokens, msg.completion_tokens)
+            else:
+                status = HTTP_STATUS.get(msg.error, 500)
+                kind = {503: "service_unavailable", 504: "timeout", 400: "invalid_request_error"}.get(
+                    status, "server_error")
+                event = RequestFailed(status, msg.message, kind)
+            self._deliver(msg.request_id, event)
+        elif isinstance(msg, SystemStatus):
+            self._loop.call_soon_threadsafe(self._resolve_query, msg)
+
+    def _deliver(self, request_id: str, event: BridgeEvent) -> None:
+        self._loop.call_soon_threadsafe(self._put, request_id, event)
+
+    def _put(self, request_id: str, event: BridgeEvent) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(event)
+
+    def _resolve_query(self, status: SystemStatus) -> None:
+        fut = self._queries.get(status.query_id)
+        if fut is not None and not fut.done():
+            fut.set_result(status)
+
+
+def status_to_dict(status: SystemStatus) -> dict[str, Any]:
+    """``SystemStatus`` -> ``{"model", "ready", "stages": [{"stage_id", "stage", "replicas": [...]}]}``."""
+    return {
+        "model": status.model,
+        "ready": status.ready,
+        "stages": [
+            {"stage_id": st.stage_id, "stage": st.stage,
+             "ready_replicas": sum(1 for r in st.replicas if r.state.value == "ready"),
+             "replicas": [{"replica": r.replica, "state": r.state.value, "reason": r.reason,
+                           "in_flight": r.in_flight, "running": r.running, "waiting": r.waiting,
+                           "completed": r.completed, "failed": r.failed,
+                           "last_heartbeat_age_s": r.last_heartbeat_age_s} for r in st.replicas]}
+            for st in status.stages],
+    }

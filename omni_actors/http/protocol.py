@@ -1,0 +1,403 @@
+"""The OpenAI wire protocol: request validation and response shaping.
+
+Pure functions, no aiohttp and no actor types: every validation failure is
+an :class:`ApiError` carrying the HTTP status and OpenAI error fields, and
+every response is a plain dict ready to be JSON-encoded.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from omni_actors.http.types import Bridge
+
+__all__ = [
+    "ApiError",
+    "ChatRequest",
+    "ImageRequest",
+    "error_body",
+    "parse_chat_request",
+    "parse_image_request",
+    "render_prompt",
+    "finish_reason",
+    "usage_dict",
+    "audio_payload",
+    "chat_completion",
+    "chat_chunk",
+    "usage_chunk",
+    "image_response",
+    "model_card",
+    "models_list",
+    "now",
+]
+
+ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+AUDIO_FORMATS = frozenset({"wav"})
+DEFAULT_SIZE = "256x256"
+MIN_SIDE, MAX_SIDE, SIDE_MULTIPLE = 64, 1024, 8
+AUDIO_TTL_S = 3600
+_SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI error JSON with HTTP ``status``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        """The ``{"error": {...}}`` JSON body."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """OpenAI error JSON: ``{"error": {message, type, param, code}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+# --------------------------------------------------------------------- checks
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _opt_int(body: dict, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise _bad(f"Invalid type for '{key}': expected an integer, got {type(v).__name__}.", key)
+    if lo is not None and v < lo:
+        raise _bad(f"Invalid '{key}': {v} is below the minimum of {lo}.", key)
+    if hi is not None and v > hi:
+        raise _bad(f"Invalid '{key}': {v} is above the maximum of {hi}.", key)
+    return v
+
+
+def _opt_bool(body: dict, key: str) -> bool | None:
+    v = body.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise _bad(f"Invalid type for '{key}': expected a boolean.", key)
+    return v
+
+
+def _require_str(body: dict, key: str) -> str:
+    v = body.get(key)
+    if v is None:
+        raise _bad(f"Missing required parameter: '{key}'.", key)
+    if not isinstance(v, str):
+        raise _bad(f"Invalid type for '{key}': expected a string.", key)
+    return v
+
+
+def _check_body(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise _bad("The request body must be a JSON object.")
+    return body
+
+
+def _check_model(body: dict, bridge: Bridge, output: str, endpoint: str) -> str:
+    model = _require_str(body, "model")
+    if model != bridge.model_name:
+        raise ApiError(
+            404, f"The model '{model}' does not exist. This server serves "
+            f"'{bridge.model_name}'.", "not_found_error", "model", "model_not_found")
+    if output not in bridge.output_types:
+        serves = "/v1/images/generations" if "image" in bridge.output_types \
+            else "/v1/chat/completions"
+        raise _bad(f"The model '{model}' does not support {endpoint}; it serves {serves}.",
+                   "model", "unsupported_endpoint")
+    return model
+
+
+# ----------------------------------------------------------------------- chat
+
+@dataclass
+class ChatRequest:
+    """A validated ``/v1/chat/completions`` request."""
+
+    model: str
+    prompt: str
+    output_types: frozenset[str]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    voice: str | None = None
+    stream: bool = False
+    include_usage: bool = False
+
+    def sampling_params(self) -> dict[str, Any]:
+        """``max_tokens`` / ``temperature`` / ``seed``, only those given."""
+        sp = {"max_tokens": self.max_tokens, "temperature": self.temperature, "seed": self.seed}
+        return {k: v for k, v in sp.items() if v is not None}
+
+    def params(self) -> dict[str, Any]:
+        """Stage parameters: ``voice`` when the client asked for one."""
+        return {"voice": self.voice} if self.voice is not None else {}
+
+
+def _message_text(content: Any, i: int, role: str) -> str:
+    param = f"messages[{i}].content"
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if not isinstance(content, list):
+        raise _bad(f"Invalid type for '{param}': expected a string or an array of "
+                   "content parts.", param)
+    texts = []
+    for j, part in enumerate(content):
+        pp = f"{param}[{j}]"
+        if not isinstance(part, dict):
+            raise _bad(f"Invalid type for '{pp}': expected an object.", pp)
+        if part.get("type") != "text":
+            raise _bad(f"Invalid value for '{pp}.type': {part.get('type')!r}; only 'text' "
+                       "content parts are supported.", f"{pp}.type")
+        if not isinstance(part.get("text"), str):
+            raise _bad(f"Invalid type for '{pp}.text': expected a string.", f"{pp}.text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def render_prompt(messages: Any) -> str:
+    """Validate ``messages`` and render them as ``role: text`` lines."""
+    if messages is None:
+        raise _bad("Missing required parameter: 'messages'.", "messages")
+    if not isinstance(messages, list):
+        raise _bad("Invalid type for 'messages': expected an array.", "messages")
+    if not messages:
+        raise _bad("Invalid 'messages': empty array. Expected an array with minimum "
+                   "length 1.", "messages", "empty_array")
+    lines = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise _bad(f"Invalid type for 'messages[{i}]': expected an object.", f"messages[{i}]")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise _bad(f"Invalid value for 'messages[{i}].role': {role!r}. Supported values "
+                       f"are: {', '.join(sorted(ROLES))}.", f"messages[{i}].role")
+        lines.append(f"{role}: {_message_text(msg.get('content'), i, role)}")
+    return "\n".join(lines)
+
+
+def _modalities(body: dict, bridge: Bridge) -> frozenset[str]:
+    mods = body.get("modalities")
+    if mods is None:
+        return frozenset({"text"})
+    if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
+        raise _bad("Invalid type for 'modalities': expected an array of strings.", "modalities")
+    if sorted(mods) not in (["text"], ["audio", "text"]):
+        raise _bad(f"Invalid value for 'modalities': {mods}. Supported values are "
+                   "[\"text\"] and [\"text\", \"audio\"].", "modalities")
+    if "audio" in mods and "audio" not in bridge.output_types:
+        raise _bad(f"The model '{bridge.model_name}' does not produce audio; use "
+                   "modalities [\"text\"].", "modalities")
+    return frozenset(mods)
+
+
+def _audio(body: dict) -> str | None:
+    audio = body.get("audio")
+    if audio is None:
+        return None
+    if not isinstance(audio, dict):
+        raise _bad("Invalid type for 'audio': expected an object.", "audio")
+    fmt = audio.get("format", "wav")
+    if fmt not in AUDIO_FORMATS:
+        raise _bad(f"Invalid value for 'audio.format': {fmt!r}. Supported values are: "
+                   f"{', '.join(sorted(AUDIO_FORMATS))}.", "audio.format")
+    voice = audio.get("voice")
+    if voice is not None and (not isinstance(voice, str) or not voice):
+        raise _bad("Invalid type for 'audio.voice': expected a non-empty string.", "audio.voice")
+    return voice
+
+
+def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
+    """Validate a chat-completions JSON body against ``bridge``.
+
+    Raises :class:`ApiError` (400, or 404 ``model_not_found``). Unknown
+    fields are ignored.
+    """
+    body = _check_body(body)
+    model = _check_model(body, bridge, "text", "/v1/chat/completions")
+    prompt = render_prompt(body.get("messages"))
+    output_types = _modalities(body, bridge)
+    voice = _audio(body)
+    limit = bridge.max_tokens_limit
+    max_tokens = _opt_int(body, "max_tokens", 1, limit)
+    mct = _opt_int(body, "max_completion_tokens", 1, limit)
+    if mct is not None:
+        max_tokens = mct
+    temperature = body.get("temperature")
+    if temperature is not None:
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
+            raise _bad("Invalid type for 'temperature': expected a number.", "temperature")
+        if not 0 <= temperature <= 2:
+            raise _bad(f"Invalid 'temperature': {temperature} is outside [0, 2].", "temperature")
+        temperature = float(temperature)
+    seed = _opt_int(body, "seed", -(2**63), 2**64 - 1)
+    if _opt_int(body, "n", 1) not in (None, 1):
+        raise _bad("Only n=1 is supported.", "n")
+    stream = bool(_opt_bool(body, "stream"))
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise _bad("Invalid type for 'stream_options': expected an object.", "stream_options")
+    include_usage = bool(_opt_bool(opts or {}, "include_usage"))
+    return ChatRequest(model, prompt, output_types, max_tokens, temperature, seed, voice,
+                       stream, include_usage)
+
+
+# --------------------------------------------------------------------- images
+
+@dataclass
+class ImageRequest:
+    """A validated ``/v1/images/generations`` request."""
+
+    model: str
+    prompt: str
+    width: int
+    height: int
+    seed: int | None = None
+
+    def sampling_params(self) -> dict[str, Any]:
+        """``seed`` when given."""
+        return {"seed": self.seed} if self.seed is not None else {}
+
+    def params(self) -> dict[str, Any]:
+        """``width`` and ``height`` for the image stages."""
+        return {"width": self.width, "height": self.height}
+
+
+def _size(body: dict) -> tuple[int, int]:
+    size = body.get("size")
+    if size is None:
+        size = DEFAULT_SIZE
+    m = _SIZE_RE.match(size) if isinstance(size, str) else None
+    sides = (int(m.group(1)), int(m.group(2))) if m else None
+    if sides is None or not all(
+            MIN_SIDE <= s <= MAX_SIDE and s % SIDE_MULTIPLE == 0 for s in sides):
+        raise _bad(f"Invalid value for 'size': {size!r}. Expected 'WIDTHxHEIGHT' with each "
+                   f"side in {MIN_SIDE}..{MAX_SIDE} and a multiple of {SIDE_MULTIPLE}.", "size")
+    return sides
+
+
+def parse_image_request(body: Any, bridge: Bridge) -> ImageRequest:
+    """Validate an images-generations JSON body against ``bridge``.
+
+    Raises :class:`ApiError` (400, or 404 ``model_not_found``).
+    """
+    body = _check_body(body)
+    model = _check_model(body, bridge, "image", "/v1/images/generations")
+    prompt = _require_str(body, "prompt")
+    if not prompt.strip():
+        raise _bad("Invalid 'prompt': must be a non-empty string.", "prompt")
+    if _opt_int(body, "n", 1) not in (None, 1):
+        raise _bad("Only n=1 is supported.", "n")
+    width, height = _size(body)
+    fmt = body.get("response_format")
+    if fmt == "url":
+        raise _bad("response_format 'url' is not supported; use 'b64_json'.",
+                   "response_format")
+    if fmt not in (None, "b64_json"):
+        raise _bad(f"Invalid value for 'response_format': {fmt!r}. Supported value is "
+                   "'b64_json'.", "response_format")
+    seed = _opt_int(body, "seed", -(2**63), 2**64 - 1)
+    return ImageRequest(model, prompt, width, height, seed)
+
+
+# ------------------------------------------------------------------ responses
+
+def finish_reason(completion_tokens: int, max_tokens: int | None) -> str:
+    """``"length"`` when the completion reached ``max_tokens``, else ``"stop"``."""
+    if max_tokens is not None and completion_tokens >= max_tokens:
+        return "length"
+    return "stop"
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI ``usage`` object."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def audio_payload(wav: bytes, transcript: str, created: int) -> dict[str, Any]:
+    """``message.audio`` / ``delta.audio``: id, base64 WAV, expiry, transcript."""
+    return {"id": f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(wav).decode("ascii"),
+            "expires_at": created + AUDIO_TTL_S, "transcript": transcript}
+
+
+def chat_completion(
+    request_id: str, model: str, created: int, text: str, audio: dict[str, Any] | None,
+    finish: str, usage: dict[str, int],
+) -> dict[str, Any]:
+    """A non-streaming ``chat.completion`` object."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if audio is not None:
+        message["audio"] = audio
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": finish}],
+            "usage": usage}
+
+
+def chat_chunk(
+    request_id: str, model: str, created: int, delta: dict[str, Any],
+    finish: str | None = None, include_usage: bool = False,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` with a single choice."""
+    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+             "model": model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                          "finish_reason": finish}]}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(request_id: str, model: str, created: int,
+                usage: dict[str, int]) -> dict[str, Any]:
+    """The final streaming chunk with empty ``choices`` and the ``usage``."""
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model, "choices": [], "usage": usage}
+
+
+def image_response(created: int, png: bytes) -> dict[str, Any]:
+    """``/v1/images/generations`` response with one ``b64_json`` image."""
+    return {"created": created, "data": [{"b64_json": base64.b64encode(png).decode("ascii")}]}
+
+
+def model_card(model: str, created: int) -> dict[str, Any]:
+    """One OpenAI ``model`` object."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "omni-actors"}
+
+
+def models_list(model: str, created: int) -> dict[str, Any]:
+    """``/v1/models``: a list holding the one served model."""
+    return {"object": "list", "data": [model_card(model, created)]}
+
+
+def now() -> int:
+    """Unix time in whole seconds (``created`` fields)."""
+    return int(time.time())

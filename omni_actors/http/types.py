@@ -1,0 +1,89 @@
+"""What the HTTP layer and the actor bridge exchange (no actor types here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol, Union
+
+
+@dataclass
+class PipelineRequest:
+    """One pipeline request, already validated by the HTTP layer.
+
+    Attributes:
+        request_id: unique id (``chatcmpl-...`` / ``img-...``).
+        prompt: the rendered prompt text.
+        output_types: final outputs wanted, e.g. ``{"text"}``, ``{"text", "audio"}``, ``{"image"}``.
+        sampling_params: per-request overrides (``max_tokens``, ``temperature``, ``seed``).
+        params: request parameters for stages (``width``, ``height`` for images).
+        timeout_s: deadline for the whole request, seconds.
+    """
+
+    request_id: str
+    prompt: str
+    output_types: frozenset[str]
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float | None = None
+
+
+@dataclass
+class OutputText:
+    """A text delta of a final text stage."""
+
+    text: str
+
+
+@dataclass
+class OutputFinal:
+    """A final stage's whole output, already fetched from its connector.
+
+    ``data`` for ``text``: ``{"text": str}``; ``audio``: ``{"audio": int16
+    ndarray [samples], "sample_rate": int}``; ``image``: ``{"image": uint8
+    ndarray [H, W, 3]}``.
+    """
+
+    stage_id: int
+    output_type: str
+    data: dict[str, Any]
+
+
+@dataclass
+class RequestDone:
+    """The request finished; token counts for ``usage``."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class RequestFailed:
+    """The request failed. ``status`` is the HTTP status to answer with
+    (503 no ready replica, 504 deadline, 500 engine error)."""
+
+    status: int
+    message: str
+    type: str = "server_error"
+
+
+BridgeEvent = Union[OutputText, OutputFinal, RequestDone, RequestFailed]
+
+
+class Bridge(Protocol):
+    """The HTTP layer's whole view of the actor system.
+
+    ``submit`` returns an async iterator of events that ends after one
+    ``RequestDone`` or ``RequestFailed``. ``cancel`` is idempotent and safe
+    for finished requests. Neither blocks the event loop.
+    """
+
+    model_name: str
+    output_types: frozenset[str]
+    max_tokens_limit: int
+    request_timeout_s: float
+
+    def submit(self, request: PipelineRequest) -> AsyncIterator[BridgeEvent]: ...
+
+    async def cancel(self, request_id: str) -> None: ...
+
+    async def stages(self) -> dict[str, Any]: ...

@@ -1,0 +1,332 @@
+"""The whole actor protocol, in one module.
+
+Every message is a small frozen dataclass that pickles (the TCP base pickles
+every message; ``simpleSystemBase`` does not, so test on TCP). Bulk data never
+rides here: stage outputs travel as :class:`~omni_actors.connectors.base.ConnectorRef`.
+
+Who sends what:
+
+- control plane: CLI -> Coordinator (:class:`Deploy`, :class:`GetStatus`,
+  :class:`GetRoutes`); Coordinator -> pool (:class:`StartPool`); pool ->
+  engine (:class:`StartEngine`); engine -> pool (:class:`EngineReady`,
+  :class:`EngineFailed`, :class:`Heartbeat`); pool -> Coordinator
+  (:class:`PoolState`).
+- request plane: bridge -> RequestActor (:class:`RunRequest`,
+  :class:`CancelRequest`); RequestActor -> pool -> engine (:class:`StageTask`,
+  :class:`CancelStage`); engine -> RequestActor (:class:`StageDelta`,
+  :class:`StageDone`, :class:`StageFailed`); engine -> pool
+  (:class:`TaskFinished`); RequestActor -> bridge (:class:`OutputDelta`,
+  :class:`OutputReady`, :class:`RequestFinished`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_actors.config import PipelineConfig, StageDeployment, StageSpec
+from omni_actors.connectors.base import ConnectorRef
+
+ActorAddress = Any  # thespian.actors.ActorAddress; kept loose so this module imports without thespian
+
+
+class ReplicaState(str, enum.Enum):
+    """Lifecycle of one engine replica."""
+
+    STARTING = "starting"  #: created; backend loading; no work routed
+    READY = "ready"  #: loaded and taking work
+    FAILED = "failed"  #: backend failed to load or did not become ready in time; ``reason`` says why
+    DEAD = "dead"  #: its process exited
+    STOPPED = "stopped"  #: shut down on purpose
+
+
+class ErrorKind(str, enum.Enum):
+    """Why a request failed; maps to the HTTP status the client sees."""
+
+    UNAVAILABLE = "unavailable"  #: no ready replica for a stage (503)
+    TIMEOUT = "timeout"  #: the request deadline passed (504)
+    ENGINE_ERROR = "engine_error"  #: a stage's engine raised (500)
+    BAD_REQUEST = "bad_request"  #: a stage rejected the input (400)
+    CANCELLED = "cancelled"  #: the client went away
+
+
+# -- control plane --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Deploy:
+    """CLI -> Coordinator: serve this config. Answered with :class:`SystemStatus`
+    once every replica is ready or failed (or ``ready_timeout_s`` passed)."""
+
+    config: PipelineConfig
+
+
+@dataclass(frozen=True)
+class GetStatus:
+    """Anyone -> Coordinator: answered at once with :class:`SystemStatus`,
+    sent to ``reply_to`` (or to the sender when None)."""
+
+    query_id: str = ""
+    reply_to: ActorAddress = None
+
+
+@dataclass(frozen=True)
+class GetRoutes:
+    """Bridge -> Coordinator: answered with :class:`Routes` (to the sender)."""
+
+
+@dataclass(frozen=True)
+class WhoAmI:
+    """External endpoint -> Coordinator: answered with :class:`YouAre`, which
+    tells a bridge thread its own address (Thespian exposes no other way)."""
+
+
+@dataclass(frozen=True)
+class YouAre:
+    address: ActorAddress
+
+
+@dataclass(frozen=True)
+class Routes:
+    """The pool address of each stage, for building :class:`RequestPlan`s."""
+
+    config: PipelineConfig
+    pools: dict[int, ActorAddress]
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    replica: str  #: "<stage>/<index>"
+    state: ReplicaState
+    reason: str = ""  #: why it is in that state (failure message, ...)
+    in_flight: int = 0  #: tasks dispatched by the pool and not yet finished
+    running: int = 0  #: as last reported by the engine's heartbeat
+    waiting: int = 0
+    completed: int = 0
+    failed: int = 0
+    last_heartbeat_age_s: float | None = None
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """Pool -> Coordinator on every replica state change and every heartbeat interval."""
+
+    stage_id: int
+    stage: str
+    replicas: tuple[ReplicaStatus, ...]
+
+
+@dataclass(frozen=True)
+class SystemStatus:
+    query_id: str
+    model: str
+    ready: bool  #: every stage has at least one READY replica
+    stages: tuple[PoolState, ...]
+
+
+@dataclass(frozen=True)
+class StartPool:
+    """Coordinator -> pool: run this stage with these settings."""
+
+    stage: StageSpec
+    deployment: StageDeployment
+    heartbeat_interval_s: float
+    ready_timeout_s: float
+    inline_threshold_bytes: int
+    load_balancing: str = "least_loaded"
+
+
+@dataclass(frozen=True)
+class StartEngine:
+    """Pool -> engine: load the backend, then answer :class:`EngineReady` or
+    :class:`EngineFailed`."""
+
+    replica: str
+    stage: StageSpec
+    deployment: StageDeployment
+    heartbeat_interval_s: float
+    inline_threshold_bytes: int
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    replica: str
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    replica: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Engine -> pool every heartbeat interval: load as the engine sees it."""
+
+    replica: str
+    running: int
+    waiting: int
+    completed: int
+    failed: int
+    kv_cache_usage: float | None = None
+
+
+@dataclass(frozen=True)
+class ShutdownSystem:
+    """CLI -> Coordinator: stop every pool (answered with ``ShutdownDone``)."""
+
+
+@dataclass(frozen=True)
+class ShutdownDone:
+    pass
+
+
+# -- request plane --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    """One stage of a request's plan."""
+
+    stage_id: int
+    stage: str
+    sources: tuple[int, ...]  #: upstream stage ids, in engine_input_source order
+    pool: ActorAddress
+    final_output_type: str | None  #: set when this stage's output goes to the client
+    needs_output: bool  #: some planned stage consumes this one's outputs
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """The part of the stage graph one request needs (pruned by the outputs it asked for)."""
+
+    stages: tuple[PlannedStage, ...]
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """Bridge -> RequestActor: run one request and report to ``reply_to``."""
+
+    request_id: str
+    prompt: str
+    plan: RequestPlan
+    sampling_params: dict[str, Any]
+    params: dict[str, Any]
+    timeout_s: float
+    reply_to: ActorAddress
+
+
+@dataclass(frozen=True)
+class CancelRequest:
+    """Bridge -> RequestActor: the client went away."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class StageTask:
+    """RequestActor -> pool -> engine: run one stage of one request.
+
+    ``inputs`` are the upstream outputs by reference; the engine fetches them
+    and runs the stage's ``custom_process_input_func`` on its side.
+    """
+
+    request_id: str
+    stage_id: int
+    prompt: str
+    inputs: tuple[tuple[int, ConnectorRef], ...]
+    sampling_params: dict[str, Any]
+    params: dict[str, Any]
+    stream_text: bool  #: send :class:`StageDelta`s (a final text stage)
+    final_output_type: str | None
+    needs_output: bool
+    reply_to: ActorAddress  #: the RequestActor
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class CancelStage:
+    request_id: str
+    stage_id: int
+
+
+@dataclass(frozen=True)
+class StageDelta:
+    """Engine -> RequestActor: new text of a streaming stage."""
+
+    request_id: str
+    stage_id: int
+    text: str
+
+
+@dataclass(frozen=True)
+class StageDone:
+    """Engine -> RequestActor.
+
+    ``output`` is for downstream stages (owned by the RequestActor, released at
+    request end); ``final`` holds the client-facing part (text / audio / image)
+    and is owned by whoever receives it last (the bridge).
+    """
+
+    request_id: str
+    stage_id: int
+    replica: str
+    output: ConnectorRef | None
+    final: ConnectorRef | None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StageFailed:
+    """Engine or pool -> RequestActor: the stage task could not run."""
+
+    request_id: str
+    stage_id: int
+    replica: str
+    kind: ErrorKind
+    message: str
+
+
+@dataclass(frozen=True)
+class TaskFinished:
+    """Engine -> pool: a task ended (any way), so in-flight counts stay true."""
+
+    replica: str
+    request_id: str
+    stage_id: int
+    ok: bool
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    """RequestActor -> bridge: streamed text."""
+
+    request_id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class OutputReady:
+    """RequestActor -> bridge: a final output by reference; the bridge fetches
+    and releases it."""
+
+    request_id: str
+    stage_id: int
+    output_type: str
+    ref: ConnectorRef
+
+
+@dataclass(frozen=True)
+class RequestFinished:
+    """RequestActor -> bridge: the request ended. ``error`` is None on success.
+    The RequestActor is free again after sending it."""
+
+    request_id: str
+    error: ErrorKind | None = None
+    message: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    stage_replicas: dict[int, str] = field(default_factory=dict)  #: which replica ran each stage
+    request_actor: ActorAddress = None  #: the sender, free for the next request

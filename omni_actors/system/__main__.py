@@ -1,0 +1,150 @@
+"""``python -m omni_actors.system <verb>``: start, stop, status.
+
+Errors print one line on stderr and exit non-zero (2 for bad arguments or
+config, 1 for a system that cannot start or cannot be reached).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+DEFAULT_ADMIN_PORT = 1900  # Thespian's own default admin port
+DEFAULT_HTTP_PORT = 8000  # vLLM's default API port
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m omni_actors.system",
+                                description="Serve multi-stage omni pipelines on an actor system.")
+    sub = p.add_subparsers(dest="verb", required=True)
+
+    start = sub.add_parser("start", help="start a host (the convention leader serves the API)")
+    start.add_argument("--convention-leader", action="store_true",
+                       help="start the leader: admin, coordinator, stage pools, engines, API server")
+    start.add_argument("--config", default=None,
+                       help="pipeline + deployment YAML (default: configs/cpu_omni_demo.yaml)")
+    start.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    start.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port (default 8000)")
+    start.add_argument("--admin-port", type=int, default=DEFAULT_ADMIN_PORT,
+                       help="Thespian admin port (default 1900)")
+    start.add_argument("--api-key", default=os.environ.get("OMNI_ACTORS_API_KEY"),
+                       help="require this bearer key on the API (default $OMNI_ACTORS_API_KEY)")
+    start.add_argument("--log-level", default=None, help="debug, info, warning, error (default info)")
+
+    for verb, text in (("stop", "stop the system started on an admin port"),
+                       ("status", "print the stage table of a running system")):
+        sp = sub.add_parser(verb, help=text)
+        sp.add_argument("--admin-port", type=int, default=DEFAULT_ADMIN_PORT,
+                        help="admin port of the system (default 1900)")
+        if verb == "stop":
+            sp.add_argument("--timeout", type=float, default=15.0, help="seconds to wait (default 15)")
+        else:
+            sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def _fail(message: str, code: int = 1) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
+def cmd_start(args) -> int:
+    from omni_actors.config import DEFAULT_CONFIG, ConfigError, load_config
+    from omni_actors.logs import configure_logging
+    from omni_actors.system.leader import StartError, run_leader
+
+    if not args.convention_leader:
+        return _fail("joining a convention as a member host is not available yet; "
+                     "use --convention-leader", 2)
+    try:
+        config = load_config(args.config or DEFAULT_CONFIG)
+    except ConfigError as exc:
+        return _fail(str(exc), 2)
+    configure_logging(args.log_level)
+    try:
+        return run_leader(config, host=args.host, port=args.port, admin_port=args.admin_port,
+                          api_key=args.api_key)
+    except StartError as exc:
+        return _fail(str(exc))
+
+
+def _read_state(admin_port: int) -> dict | None:
+    from omni_actors.system.leader import state_file
+
+    try:
+        return json.loads(state_file(admin_port).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cmd_stop(args) -> int:
+    from omni_actors.connectors import sweep_segments
+    from omni_actors.system.leader import state_file
+    from omni_actors.system.processes import kill_system
+
+    state = _read_state(args.admin_port)
+    if state is None:
+        return _fail(f"no omni-actors system recorded on admin port {args.admin_port}")
+    pid = state["pid"]
+    if _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + args.timeout
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+    killed = kill_system(state["system_id"])
+    sweep_segments(f"oa-{args.admin_port}-")
+    state_file(args.admin_port).unlink(missing_ok=True)
+    print(f"stopped the system on admin port {args.admin_port}"
+          + (f" ({killed} leftover processes killed)" if killed else ""))
+    return 0
+
+
+def cmd_status(args) -> int:
+    from omni_actors.system.processes import port_in_use
+
+    if not port_in_use(args.admin_port):
+        return _fail(f"no actor system is listening on admin port {args.admin_port}")
+    from thespian.actors import ActorSystem
+
+    from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
+    from omni_actors.http.bridge import status_to_dict
+    from omni_actors.messages import GetStatus, SystemStatus
+    from omni_actors.system.leader import ACTOR_BASE, print_status_table
+
+    # Attaches to the running admin (the port is taken, so nothing new starts).
+    # Never call shutdown() here: that would stop the whole system.
+    asys = ActorSystem(ACTOR_BASE, {"Admin Port": args.admin_port})
+    coordinator = asys.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
+    status = asys.ask(coordinator, GetStatus("cli"), 5.0)
+    if not isinstance(status, SystemStatus):
+        return _fail("the coordinator did not answer within 5 s")
+    if args.json:
+        print(json.dumps(status_to_dict(status), indent=2))
+    else:
+        print_status_table(status)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return {"start": cmd_start, "stop": cmd_stop, "status": cmd_status}[args.verb](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

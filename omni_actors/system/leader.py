@@ -1,0 +1,171 @@
+"""The convention leader: admin, coordinator, pools, engines and the API server.
+
+``run_leader`` is what ``python -m omni_actors.system start --convention-leader``
+runs in the foreground. It ends on SIGINT/SIGTERM (Ctrl-C or ``stop``) by
+stopping HTTP, shutting the actor system down, ending any process of this
+system still alive, and unlinking its shared-memory segments.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from omni_actors.config import PipelineConfig
+from omni_actors.system.processes import ENV_SYSTEM_ID, kill_system, port_in_use
+
+ACTOR_BASE = "multiprocTCPBase"
+PR_SET_CHILD_SUBREAPER = 36
+
+
+class StartError(RuntimeError):
+    """The leader could not start; the message is one line for the CLI."""
+
+
+def state_dir() -> Path:
+    """Where leaders record themselves: ``$OMNI_ACTORS_STATE_DIR`` or ``~/.omni-actors``."""
+    return Path(os.environ.get("OMNI_ACTORS_STATE_DIR") or Path.home() / ".omni-actors")
+
+
+def state_file(admin_port: int) -> Path:
+    return state_dir() / f"leader-{admin_port}.json"
+
+
+def _become_subreaper() -> None:
+    """Adopt orphaned actor processes so their exits are reaped (no zombies)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    def reap() -> None:
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                pid = 0
+            if pid == 0:
+                time.sleep(0.2)
+    threading.Thread(target=reap, name="reaper", daemon=True).start()
+
+
+def print_status_table(status, out=sys.stdout) -> None:
+    """Print a ``SystemStatus`` as a table: stage, replica, state, load, reason."""
+    rows = [("STAGE", "REPLICA", "STATE", "IN_FLIGHT", "DONE", "FAILED", "REASON")]
+    for st in status.stages:
+        for r in st.replicas:
+            rows.append((st.stage, r.replica, r.state.value, str(r.in_flight), str(r.completed),
+                         str(r.failed), r.reason))
+        if not st.replicas:
+            rows.append((st.stage, "-", "no replicas", "", "", "", ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(6)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[6], file=out)
+    print(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}", file=out)
+
+
+def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
+               api_key: str | None = None) -> int:
+    """Run the leader in the foreground until SIGINT/SIGTERM. Returns the exit code.
+
+    Raises:
+        StartError: the admin or HTTP port is taken, or the coordinator did not answer.
+    """
+    from thespian.actors import ActorSystem
+
+    from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
+    from omni_actors.connectors import sweep_segments
+    from omni_actors.logs import get_logger, thespian_log_defs
+    from omni_actors.messages import Deploy, SystemStatus
+
+    if port_in_use(admin_port):
+        raise StartError(f"admin port {admin_port} is in use (another system? "
+                         f"`python -m omni_actors.system stop --admin-port {admin_port}`)")
+    if port_in_use(port, host if host not in ("0.0.0.0", "") else "127.0.0.1"):
+        raise StartError(f"HTTP port {port} on {host} is in use")
+    system_id = uuid.uuid4().hex
+    os.environ[ENV_SYSTEM_ID] = system_id
+    shm_prefix = f"oa-{admin_port}-"
+    os.environ["OMNI_ACTORS_SHM_PREFIX"] = shm_prefix
+    sweep_segments(shm_prefix)  # what a killed predecessor on this port left
+    log = get_logger(actor="leader")
+    _become_subreaper()
+
+    stopping = threading.Event()
+
+    def interrupt(signum, frame):
+        # Until the API serves, a signal aborts start-up (the finally below cleans up);
+        # after that it asks the serve loop to stop.
+        if serving.is_set():
+            stopping.set()
+        else:
+            raise KeyboardInterrupt
+
+    serving = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
+
+    t0 = time.monotonic()
+    asys = ActorSystem(ACTOR_BASE, {"Admin Port": admin_port}, logDefs=thespian_log_defs())
+    sfile = state_file(admin_port)
+    try:
+        coordinator = asys.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
+        status = asys.ask(coordinator, Deploy(config), config.deployment.ready_timeout_s + 15)
+        if not isinstance(status, SystemStatus):
+            raise StartError("the coordinator did not answer the deployment in time")
+        print_status_table(status)
+        if not status.ready:
+            print("warning: some stages have no ready replica; their requests get HTTP 503",
+                  file=sys.stderr)
+        sfile.parent.mkdir(parents=True, exist_ok=True)
+        sfile.write_text(json.dumps({"pid": os.getpid(), "admin_port": admin_port, "host": host,
+                                     "port": port, "system_id": system_id, "config": config.source,
+                                     "model": config.deployment.served_model_name}))
+        log.info("leader_started", admin_port=admin_port, startup_s=round(time.monotonic() - t0, 2))
+        serving.set()
+        asyncio.run(_serve(asys, coordinator, config, host, port, api_key, stopping))
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted during start-up", file=sys.stderr)
+        return 130
+    finally:
+        t1 = time.monotonic()
+        try:
+            asys.shutdown()
+        finally:
+            left = kill_system(system_id)
+            removed = sweep_segments(shm_prefix)
+            sfile.unlink(missing_ok=True)
+            log.info("leader_stopped", shutdown_s=round(time.monotonic() - t1, 2),
+                     processes_killed=left, shm_segments_removed=removed)
+            print("omni-actors stopped", flush=True)
+
+
+async def _serve(asys, coordinator, config, host, port, api_key, stopping: threading.Event) -> None:
+    from omni_actors.http.app import start_http
+    from omni_actors.http.bridge import ActorBridge
+
+    bridge = ActorBridge(asys, coordinator, request_actors=config.deployment.request_actors)
+    bridge.start(asyncio.get_running_loop())
+    try:
+        runner = await start_http(bridge, host, port, api_key=api_key)
+    except OSError as exc:
+        bridge.close()
+        raise StartError(f"cannot serve HTTP on {host}:{port}: {exc.strerror}") from None
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    print(f"omni-actors serving model {config.deployment.served_model_name!r} at http://{shown}:{port}/v1 "
+          f"(admin port {asys.capabilities.get('Admin Port', '?') if hasattr(asys, 'capabilities') else '?'}); "
+          f"Ctrl-C or `python -m omni_actors.system stop` to stop", flush=True)
+    try:
+        while not stopping.is_set():
+            await asyncio.sleep(0.2)
+    finally:
+        await runner.cleanup()
+        bridge.close()

@@ -1,0 +1,512 @@
+"""The OpenAI HTTP layer over a scripted fake Bridge (no actors)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import wave
+
+import numpy as np
+import pytest
+from aiohttp import ClientSession
+from aiohttp.test_utils import TestClient, TestServer
+
+from omni_actors.http.app import create_app, start_http
+from omni_actors.http.protocol import ApiError, parse_chat_request, render_prompt
+from omni_actors.http.types import (
+    OutputFinal, OutputText, PipelineRequest, RequestDone, RequestFailed,
+)
+
+MODEL = "fake-omni"
+CHAT = "/v1/chat/completions"
+IMAGES = "/v1/images/generations"
+GOOD_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+GOOD_IMAGE = {"model": MODEL, "prompt": "a cat", "size": "64x128"}
+
+
+def sine(n: int = 2400, sr: int = 24000) -> np.ndarray:
+    t = np.arange(n) / sr
+    return (np.sin(2 * np.pi * 440 * t) * 8000).astype(np.int16)
+
+
+class FakeBridge:
+    """Scripted events; the prompt picks the script (``[fail503]``,
+    ``[failmid]``, ``[slow]``, ``[notext]``, ``[stuck]``)."""
+
+    def __init__(self, output_types=("text", "audio"), request_timeout_s: float = 30.0):
+        self.model_name = MODEL
+        self.output_types = frozenset(output_types)
+        self.max_tokens_limit = 1024
+        self.request_timeout_s = request_timeout_s
+        self.submitted: list[PipelineRequest] = []
+        self.cancelled: list[str] = []
+
+    async def submit(self, req: PipelineRequest):
+        self.submitted.append(req)
+        p = req.prompt
+        if "[fail503]" in p:
+            yield RequestFailed(503, "no ready replica for stage thinker")
+            return
+        if "[stuck]" in p:
+            await asyncio.sleep(3600)
+        if "[slow]" in p:
+            while True:
+                await asyncio.sleep(0.02)
+                yield OutputText("tick ")
+        if "image" in req.output_types:
+            w, h = req.params["width"], req.params["height"]
+            img = np.zeros((h, w, 3), np.uint8)
+            img[..., 0] = 200
+            yield OutputFinal(0, "image", {"image": img})
+            yield RequestDone(4, 0)
+            return
+        if "[notext]" not in p:
+            for piece in ("Hel", "lo ", "world"):
+                await asyncio.sleep(0)
+                yield OutputText(piece)
+        if "[failmid]" in p:
+            yield RequestFailed(500, "engine crashed")
+            return
+        yield OutputFinal(0, "text", {"text": "Hello world"})
+        if "audio" in req.output_types:
+            yield OutputFinal(2, "audio", {"audio": sine(), "sample_rate": 24000})
+        yield RequestDone(prompt_tokens=5, completion_tokens=3)
+
+    async def cancel(self, request_id: str) -> None:
+        self.cancelled.append(request_id)
+
+    async def stages(self):
+        return {"thinker": {"replicas": 1, "ready": np.int64(1)}}
+
+
+def serve(bridge, body, **app_kwargs):
+    """Run ``await body(client)`` against the app in a fresh event loop."""
+    server_kwargs = {"handler_cancellation": app_kwargs.pop("handler_cancellation", True)}
+
+    async def main():
+        server = TestServer(create_app(bridge, **app_kwargs), **server_kwargs)
+        async with TestClient(server) as client:
+            return await body(client)
+
+    return asyncio.run(main())
+
+
+def chat(content="hi", **extra):
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def assert_error(resp, status, param=None):
+    assert resp.status == status, await resp.text()
+    assert resp.content_type == "application/json"
+    err = (await resp.json())["error"]
+    assert isinstance(err["message"], str) and err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param
+    assert resp.headers.get("X-Request-Id")
+    return err
+
+
+async def assert_good_chat(client):
+    resp = await client.post(CHAT, json=GOOD_CHAT)
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["choices"][0]["message"]["content"] == "Hello world"
+
+
+def wav_info(b64: str):
+    with wave.open(io.BytesIO(base64.b64decode(b64))) as w:
+        return w.getframerate(), w.getnchannels(), w.getnframes()
+
+
+# --------------------------------------------------------------- bad inputs
+
+BAD = [
+    (CHAT, b"{not json", 400, None),
+    (CHAT, b"[1, 2]", 400, None),
+    (CHAT, {**GOOD_CHAT, "model": "nope"}, 404, "model"),
+    (CHAT, {"messages": GOOD_CHAT["messages"]}, 400, "model"),
+    (CHAT, {"model": MODEL}, 400, "messages"),
+    (CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
+    (CHAT, {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages[0].role"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400,
+     "messages[0].content"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages[0].content[0].type"),
+    (CHAT, chat(modalities=["audio"]), 400, "modalities"),
+    (CHAT, chat(modalities=["text", "video"]), 400, "modalities"),
+    (CHAT, chat(modalities="text"), 400, "modalities"),
+    (CHAT, chat(modalities=["text", "audio"], audio={"voice": "x", "format": "mp3"}), 400,
+     "audio.format"),
+    (CHAT, chat(max_tokens=-1), 400, "max_tokens"),
+    (CHAT, chat(max_tokens=0), 400, "max_tokens"),
+    (CHAT, chat(max_tokens=10**30), 400, "max_tokens"),
+    (CHAT, chat(max_tokens=1025), 400, "max_tokens"),
+    (CHAT, chat(max_tokens="10"), 400, "max_tokens"),
+    (CHAT, chat(max_tokens=1.5), 400, "max_tokens"),
+    (CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
+    (CHAT, chat(temperature=3), 400, "temperature"),
+    (CHAT, chat(temperature="hot"), 400, "temperature"),
+    (CHAT, chat(seed="x"), 400, "seed"),
+    (CHAT, chat(stream="yes"), 400, "stream"),
+    (CHAT, chat(n=2), 400, "n"),
+    (IMAGES, {**GOOD_IMAGE, "response_format": "url"}, 400, "response_format"),
+    (IMAGES, {**GOOD_IMAGE, "size": "100x100"}, 400, "size"),
+    (IMAGES, {**GOOD_IMAGE, "size": "2048x2048"}, 400, "size"),
+    (IMAGES, {**GOOD_IMAGE, "size": "32x64"}, 400, "size"),
+    (IMAGES, {**GOOD_IMAGE, "size": "big"}, 400, "size"),
+    (IMAGES, {**GOOD_IMAGE, "n": 2}, 400, "n"),
+    (IMAGES, {**GOOD_IMAGE, "prompt": ""}, 400, "prompt"),
+    (IMAGES, {"model": MODEL}, 400, "prompt"),
+    (IMAGES, {**GOOD_IMAGE, "model": "nope"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD,
+                         ids=[f"{i}-{b[0].rsplit('/', 1)[1]}" for i, b in enumerate(BAD)])
+def test_bad_input_then_good_request(path, body, status, param):
+    bridge = FakeBridge(output_types=("text", "audio", "image"))
+
+    async def body_fn(client):
+        if isinstance(body, bytes):
+            resp = await client.post(path, data=body,
+                                     headers={"Content-Type": "application/json"})
+        else:
+            resp = await client.post(path, json=body)
+        err = await assert_error(resp, status, param)
+        if status == 404:
+            assert err["code"] == "model_not_found"
+        assert bridge.submitted == []
+        await assert_good_chat(client)
+        resp = await client.post(IMAGES, json=GOOD_IMAGE)
+        assert resp.status == 200, await resp.text()
+
+    serve(bridge, body_fn)
+
+
+def test_audio_on_text_only_pipeline_and_wrong_endpoint():
+    bridge = FakeBridge(output_types=("text",))
+
+    async def body(client):
+        await assert_error(await client.post(CHAT, json=chat(modalities=["text", "audio"])),
+                           400, "modalities")
+        err = await assert_error(await client.post(IMAGES, json=GOOD_IMAGE), 400)
+        assert "/v1/chat/completions" in err["message"]
+        await assert_good_chat(client)
+
+    serve(bridge, body)
+    image_only = FakeBridge(output_types=("image",))
+
+    async def body2(client):
+        err = await assert_error(await client.post(CHAT, json=GOOD_CHAT), 400)
+        assert "/v1/images/generations" in err["message"]
+        assert (await client.post(IMAGES, json=GOOD_IMAGE)).status == 200
+
+    serve(image_only, body2)
+
+
+def test_router_errors_and_body_limit_are_openai_json():
+    bridge = FakeBridge()
+
+    async def body(client):
+        err = await assert_error(await client.get("/v1/nothing"), 404)
+        assert err["type"] == "not_found_error"
+        resp = await client.get(CHAT)
+        await assert_error(resp, 405)
+        assert "POST" in resp.headers["Allow"]
+        await assert_error(await client.post(CHAT, data=b"x" * 10_000,
+                                             headers={"Content-Type": "application/json"}), 413)
+        big = chat("y" * 5000)
+        await assert_error(await client.post(CHAT, json=big), 413)
+        await assert_good_chat(client)
+
+    serve(bridge, body, max_body_bytes=2048)
+
+
+# ------------------------------------------------------------- good requests
+
+def test_non_streaming_chat_with_audio_and_pipeline_request():
+    bridge = FakeBridge()
+
+    async def body(client):
+        messages = [{"role": "system", "content": "be brief"},
+                    {"role": "user", "content": [{"type": "text", "text": "say"},
+                                                 {"type": "text", "text": "hello"}]}]
+        resp = await client.post(CHAT, json={
+            "model": MODEL, "messages": messages, "modalities": ["audio", "text"],
+            "audio": {"voice": "Chelsie", "format": "wav"}, "max_tokens": 100,
+            "temperature": 0.5, "seed": 7, "unknown_field": {"ignored": True}})
+        assert resp.status == 200, await resp.text()
+        data = await resp.json()
+        assert data["object"] == "chat.completion" and data["model"] == MODEL
+        assert data["id"].startswith("chatcmpl-") and resp.headers["X-Request-Id"] == data["id"]
+        choice = data["choices"][0]
+        assert choice["finish_reason"] == "stop"
+        msg = choice["message"]
+        assert msg["role"] == "assistant" and msg["content"] == "Hello world"
+        assert msg["audio"]["transcript"] == "Hello world"
+        assert msg["audio"]["expires_at"] > data["created"]
+        assert wav_info(msg["audio"]["data"]) == (24000, 1, 2400)
+        assert data["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+        req = bridge.submitted[0]
+        assert req.request_id == data["id"]
+        assert req.output_types == frozenset({"text", "audio"})
+        assert req.sampling_params == {"max_tokens": 100, "temperature": 0.5, "seed": 7}
+        assert req.params == {"voice": "Chelsie"}
+        assert req.timeout_s == bridge.request_timeout_s
+        assert req.prompt == "system: be brief\nuser: say\nhello"
+        assert bridge.cancelled == []
+
+        resp = await client.post(CHAT, json=chat(max_completion_tokens=3))
+        data = await resp.json()
+        assert data["choices"][0]["finish_reason"] == "length"
+        assert "audio" not in data["choices"][0]["message"]
+        assert bridge.submitted[1].sampling_params == {"max_tokens": 3}
+        assert bridge.submitted[1].output_types == frozenset({"text"})
+
+    serve(bridge, body)
+
+
+def read_sse(raw: str):
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), raw
+    payloads = [e[len("data: "):] for e in events]
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def test_streaming_chat():
+    bridge = FakeBridge()
+
+    async def body(client):
+        resp = await client.post(CHAT, json=chat(
+            stream=True, modalities=["text", "audio"], stream_options={"include_usage": True}))
+        assert resp.status == 200
+        assert resp.content_type == "text/event-stream"
+        chunks = read_sse(await resp.text())
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        contents = [c["choices"][0]["delta"]["content"] for c in chunks[1:]
+                    if c["choices"] and c["choices"][0]["delta"].get("content")]
+        assert len(contents) > 1 and "".join(contents) == "Hello world"
+        audio = [c["choices"][0]["delta"]["audio"] for c in chunks
+                 if c["choices"] and "audio" in c["choices"][0]["delta"]]
+        assert len(audio) == 1 and audio[0]["transcript"] == "Hello world"
+        assert wav_info(audio[0]["data"]) == (24000, 1, 2400)
+        assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 8
+        assert resp.headers["X-Request-Id"] == chunks[0]["id"] == bridge.submitted[0].request_id
+
+        # A final text that no delta carried is streamed as one delta; no usage chunk.
+        resp = await client.post(CHAT, json=chat("[notext]", stream=True))
+        chunks = read_sse(await resp.text())
+        assert [c["choices"][0]["delta"].get("content") for c in chunks] == [
+            "", "Hello world", None]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        assert bridge.cancelled == []
+
+    serve(bridge, body)
+
+
+def test_request_failed_before_and_during_stream():
+    bridge = FakeBridge()
+
+    async def body(client):
+        err = await assert_error(await client.post(CHAT, json=chat("[fail503]")), 503)
+        assert "no ready replica" in err["message"] and err["type"] == "server_error"
+        await assert_error(await client.post(CHAT, json=chat("[fail503]", stream=True)), 503)
+        await assert_error(await client.post(CHAT, json=chat("[failmid]")), 500)
+        resp = await client.post(CHAT, json=chat("[failmid]", stream=True))
+        assert resp.status == 200
+        chunks = read_sse(await resp.text())
+        assert chunks[-1]["error"]["message"] == "engine crashed"
+        assert [c["choices"][0]["delta"].get("content") for c in chunks[1:-1]] == [
+            "Hel", "lo ", "world"]
+        assert bridge.cancelled == []  # failed requests are finished, nothing to cancel
+        await assert_good_chat(client)
+
+    serve(bridge, body)
+
+
+@pytest.mark.parametrize("handler_cancellation", [True, False])
+def test_client_disconnect_mid_stream_cancels(handler_cancellation):
+    bridge = FakeBridge()
+
+    async def body(client):
+        resp = await client.post(CHAT, json=chat("[slow]", stream=True))
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")
+        await resp.content.readuntil(b"\n\n")
+        rid = resp.headers["X-Request-Id"]
+        resp.close()
+        for _ in range(200):
+            if rid in bridge.cancelled:
+                break
+            await asyncio.sleep(0.02)
+        assert bridge.cancelled == [rid]
+        await assert_good_chat(client)
+
+    serve(bridge, body, handler_cancellation=handler_cancellation)
+
+
+def test_client_disconnect_non_streaming_cancels_with_start_http():
+    bridge = FakeBridge()
+
+    async def main():
+        runner = await start_http(bridge, "127.0.0.1", 0)
+        port = runner.addresses[0][1]
+        try:
+            async with ClientSession() as s:
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        s.post(f"http://127.0.0.1:{port}{CHAT}", json=chat("[stuck]")), 0.3)
+            for _ in range(200):
+                if bridge.cancelled:
+                    break
+                await asyncio.sleep(0.02)
+            assert bridge.cancelled == [bridge.submitted[0].request_id]
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_stuck_bridge_times_out_with_504(monkeypatch):
+    import omni_actors.http.app as app_mod
+
+    monkeypatch.setattr(app_mod, "DEADLINE_GRACE_S", 0.0)
+    bridge = FakeBridge(request_timeout_s=0.2)
+
+    async def body(client):
+        err = await assert_error(await client.post(CHAT, json=chat("[stuck]")), 504)
+        assert err["type"] == "timeout"
+        assert bridge.cancelled == [bridge.submitted[0].request_id]
+
+    serve(bridge, body)
+
+
+def test_images_models_health_stages():
+    bridge = FakeBridge(output_types=("image",))
+
+    async def body(client):
+        resp = await client.post(IMAGES, json={**GOOD_IMAGE, "seed": 3,
+                                               "response_format": "b64_json"})
+        assert resp.status == 200, await resp.text()
+        data = await resp.json()
+        png = base64.b64decode(data["data"][0]["b64_json"])
+        assert png.startswith(b"\x89PNG")
+        from PIL import Image
+
+        img = Image.open(io.BytesIO(png))
+        assert img.size == (64, 128)
+        req = bridge.submitted[0]
+        assert req.request_id.startswith("img-") and req.output_types == frozenset({"image"})
+        assert req.params == {"width": 64, "height": 128} and req.sampling_params == {"seed": 3}
+        await client.post(IMAGES, json={"model": MODEL, "prompt": "x"})
+        assert bridge.submitted[1].params == {"width": 256, "height": 256}
+
+        models = await (await client.get("/v1/models")).json()
+        assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+        assert (await client.get(f"/v1/models/{MODEL}")).status == 200
+        await assert_error(await client.get("/v1/models/other"), 404)
+        resp = await client.get("/health")
+        assert resp.status == 200 and await resp.json() == {"status": "ok"}
+        assert await (await client.get("/v1/stages")).json() == {
+            "thinker": {"replicas": 1, "ready": 1}}
+
+    serve(bridge, body)
+
+
+def test_api_key():
+    bridge = FakeBridge()
+
+    async def body(client):
+        err = await assert_error(await client.post(CHAT, json=GOOD_CHAT), 401)
+        assert err["code"] is None
+        err = await assert_error(await client.post(
+            CHAT, json=GOOD_CHAT, headers={"Authorization": "Bearer wrong"}), 401)
+        assert err["code"] == "invalid_api_key"
+        await assert_error(await client.get("/v1/models"), 401)
+        assert (await client.get("/health")).status == 200
+        resp = await client.post(CHAT, json=GOOD_CHAT,
+                                 headers={"Authorization": "Bearer s3cret"})
+        assert resp.status == 200
+        assert bridge.submitted and len(bridge.submitted) == 1
+
+    serve(bridge, body, api_key="s3cret")
+
+
+def test_unexpected_exception_is_500_json():
+    class Broken(FakeBridge):
+        async def stages(self):
+            raise RuntimeError("boom")
+
+    async def body(client):
+        err = await assert_error(await client.get("/v1/stages"), 500)
+        assert err["type"] == "server_error"
+        await assert_good_chat(client)
+
+    serve(Broken(), body)
+
+
+def test_protocol_pure_functions():
+    assert render_prompt([{"role": "developer", "content": "d"},
+                          {"role": "assistant", "content": None}]) == "developer: d\nassistant: "
+    bridge = FakeBridge()
+    creq = parse_chat_request(chat(max_tokens=5, max_completion_tokens=7), bridge)
+    assert creq.sampling_params() == {"max_tokens": 7}
+    with pytest.raises(ApiError) as e:
+        parse_chat_request(chat(max_tokens=True), bridge)
+    assert e.value.status == 400 and e.value.param == "max_tokens"
+
+
+# ------------------------------------------------------------- openai client
+
+def test_official_openai_client():
+    openai = pytest.importorskip("openai")
+    bridge = FakeBridge(output_types=("text", "audio", "image"))
+
+    def drive(port: int) -> None:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                               max_retries=0)
+        r = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}],
+            modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "wav"})
+        assert r.choices[0].message.content == "Hello world"
+        assert wav_info(r.choices[0].message.audio.data)[0] == 24000
+        assert r.usage.total_tokens == 8
+
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
+            stream_options={"include_usage": True})
+        chunks = list(stream)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == "Hello world" and chunks[-1].usage.completion_tokens == 3
+
+        img = client.images.generate(model=MODEL, prompt="a cat", size="256x256",
+                                     response_format="b64_json")
+        assert base64.b64decode(img.data[0].b64_json).startswith(b"\x89PNG")
+
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="nope",
+                                           messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.APIStatusError) as e:
+            client.chat.completions.create(model=MODEL, max_tokens=0,
+                                           messages=[{"role": "user", "content": "hi"}])
+        assert e.value.status_code == 400
+        with pytest.raises(openai.APIError, match="engine crashed"):
+            list(client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "[failmid]"}], stream=True))
+        assert [m.id for m in client.models.list()] == [MODEL]
+
+    async def main():
+        runner = await start_http(bridge, "127.0.0.1", 0)
+        try:
+            await asyncio.to_thread(drive, runner.addresses[0][1])
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(main())
