@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -103,6 +104,9 @@ class SyntheticCost(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     samples_per_frame: PositiveInt = 1920
     #: AR: prior tokens per image side (tokens = side * side).
     prior_grid: PositiveInt = 16
+    #: Which synthetic behaviour to run (thinker, talker, code2wav, ar, dit);
+    #: default: the stage name. Lets two stages of one graph share one.
+    kind: str | None = None
     #: Fault injection for tests: fail start-up with this message.
     fail_startup: str | None = None
 
@@ -172,6 +176,41 @@ def _yaml_path(raw: str) -> str:
     return raw[1:] if raw.startswith(".") else raw
 
 
+def _type_at(typ: Any, path: str) -> Any:
+    """The declared type at a msgspec error path (``a[0].b``), or None."""
+    for part in path.replace("]", "").replace("[", ".").split("."):
+        if not part:
+            continue
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if part.isdigit() and args:  # list item
+            typ = args[0]
+            continue
+        if isinstance(typ, type) and issubclass(typ, msgspec.Struct):
+            fields = {f.name: f.type for f in msgspec.structs.fields(typ)}
+            if part not in fields:
+                return None
+            typ = fields[part]
+        else:
+            return None
+    return typ
+
+
+def _expected(typ: Any, path: str, message: str) -> tuple[str, str]:
+    """Add to msgspec's message what was expected (unknown field, enum value)."""
+    m = re.match(r"Object contains unknown field `(.*)`", message)
+    if m:
+        t = _type_at(typ, path)
+        known = (f"; expected one of: {', '.join(f.name for f in msgspec.structs.fields(t))}"
+                 if isinstance(t, type) and issubclass(t, msgspec.Struct) else "")
+        return (f"{path}.{m.group(1)}" if path else m.group(1)), f"unknown field `{m.group(1)}`{known}"
+    if message.startswith("Invalid enum value"):
+        t = _type_at(typ, path)
+        lits = [a for a in (t, *typing.get_args(t)) if typing.get_origin(a) is Literal]
+        if lits:
+            message += f"; expected one of: {', '.join(map(str, typing.get_args(lits[0])))}"
+    return path, message
+
+
 def _convert(obj: Any, typ: type, source: str, prefix: str = "") -> Any:
     try:
         return msgspec.convert(obj, typ)
@@ -179,9 +218,9 @@ def _convert(obj: Any, typ: type, source: str, prefix: str = "") -> Any:
         text = str(exc)
         m = _PATH_RE.search(text)
         path = _yaml_path(m.group(1)) if m else ""
+        path, message = _expected(typ, path, _PATH_RE.sub("", text).strip(" -"))
         if prefix:
             path = prefix + ("." + path if path and not path.startswith("[") else path)
-        message = _PATH_RE.sub("", text).strip(" -")
         raise ConfigError(source, path, message) from None
 
 
@@ -196,9 +235,15 @@ def parse_config(data: Any, source: str = "<memory>") -> PipelineConfig:
     for key in ("stage_args", "deployment"):
         if key not in data:
             raise ConfigError(source, key, "required field is missing")
-    known = {"stage_args", "deployment"}
     # vLLM-Omni deploy YAMLs carry more top-level keys (runtime, async_chunk...): keep quiet.
-    cfg = _convert({k: v for k, v in data.items() if k in known}, PipelineConfig, source)
+    deployment = data["deployment"]
+    stages = deployment.get("stages") if isinstance(deployment, dict) else None
+    if isinstance(stages, dict):
+        # One entry at a time, so an error names the stage (msgspec writes dict keys as `[...]`).
+        deployment = {**deployment, "stages": {
+            str(name): msgspec.to_builtins(_convert(entry, StageDeployment, source, f"deployment.stages.{name}"))
+            for name, entry in stages.items()}}
+    cfg = _convert({"stage_args": data["stage_args"], "deployment": deployment}, PipelineConfig, source)
     cfg.source = source
     _check_graph(cfg, source)
     return cfg

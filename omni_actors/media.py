@@ -11,6 +11,12 @@ import numpy as np
 __all__ = ["encode_wav", "encode_png"]
 
 
+def _describe(x: object) -> str:
+    if isinstance(x, np.ndarray):
+        return f"shape {x.shape} dtype {x.dtype}"
+    return type(x).__name__
+
+
 def encode_wav(pcm: np.ndarray, sample_rate: int) -> bytes:
     """Encode mono 16-bit PCM as a WAV file (stdlib :mod:`wave`).
 
@@ -27,11 +33,12 @@ def encode_wav(pcm: np.ndarray, sample_rate: int) -> bytes:
             not a positive integer.
     """
     if not isinstance(pcm, np.ndarray) or pcm.dtype != np.int16 or pcm.ndim != 1:
-        raise ValueError("encode_wav: pcm must be a 1-D int16 numpy array (mono), got "
-                         + (f"shape {pcm.shape} dtype {pcm.dtype}" if isinstance(pcm, np.ndarray)
-                            else type(pcm).__name__))
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Integral) or sample_rate <= 0:
-        raise ValueError(f"encode_wav: sample_rate must be a positive integer (Hz), got {sample_rate!r}")
+        raise ValueError("encode_wav: pcm must be a 1-D int16 numpy array (mono), "
+                         f"got {_describe(pcm)}")
+    if (isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Integral)
+            or sample_rate <= 0):
+        raise ValueError("encode_wav: sample_rate must be a positive integer (Hz), "
+                         f"got {sample_rate!r}")
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
         w.setnchannels(1)
@@ -56,9 +63,7 @@ def encode_png(image: np.ndarray) -> bytes:
     if (not isinstance(image, np.ndarray) or image.dtype != np.uint8 or image.ndim != 3
             or image.shape[2] != 3 or image.shape[0] == 0 or image.shape[1] == 0):
         raise ValueError("encode_png: image must be a uint8 numpy array [height, width, 3] with "
-                         "height, width >= 1, got "
-                         + (f"shape {image.shape} dtype {image.dtype}" if isinstance(image, np.ndarray)
-                            else type(image).__name__))
+                         f"height, width >= 1, got {_describe(image)}")
     from PIL import Image  # imported here: Pillow is only needed when images are served
 
     buf = io.BytesIO()

@@ -41,7 +41,8 @@ def _check_upstream(upstream: Upstream, fn: str) -> None:
                          f"got {type(upstream).__name__}")
     for sid, out in upstream.items():
         if not isinstance(out, dict):
-            raise ValueError(f"{fn}: outputs of stage {sid} must be a dict, got {type(out).__name__}")
+            raise ValueError(f"{fn}: outputs of stage {sid} must be a dict, "
+                             f"got {type(out).__name__}")
 
 
 def _array(out: dict[str, Any], key: str, sid: int, fn: str, ndim: int, dtype: type) -> np.ndarray:

@@ -34,6 +34,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._pools: dict[int, object] = {}
         self._states: dict[int, PoolState] = {}
         self._deploy_waiters: list[object] = []
+        self._stopping = False
         self._log = get_logger(actor="coordinator")
 
     def receiveMsg_Deploy(self, msg: Deploy, sender):
@@ -88,11 +89,15 @@ class CoordinatorActor(ActorTypeDispatcher):
     def receiveMsg_WhoAmI(self, msg: WhoAmI, sender):
         self.send(sender, YouAre(sender))
 
+    def receiveMsg_ActorExitRequest(self, msg, sender):
+        self._stopping = True  # the system is shutting down: pools exiting is expected
+
     def receiveMsg_ChildActorExited(self, msg: ChildActorExited, sender):
         for stage_id, pool in list(self._pools.items()):
             if pool == msg.childAddress:
                 old = self._states[stage_id]
-                self._log.error("pool_exited", stage=old.stage)
+                if not self._stopping:
+                    self._log.error("pool_exited", stage=old.stage)
                 self._states[stage_id] = PoolState(stage_id, old.stage, tuple(
                     ReplicaStatus(r.replica, ReplicaState.DEAD, "stage pool exited") for r in old.replicas))
 

@@ -110,7 +110,8 @@ class SyntheticEngine:
     ``prefill_ms_per_token`` per input unit (thinker/ar: prompt words; talker:
     tokens; code2wav: frames; dit: prior tokens), then ``decode_ms_per_token``
     per output unit (thinker/ar: tokens; talker/code2wav: frames; dit: 20
-    steps), paced against a deadline so the total stays accurate. At most
+    steps), paced against deadlines from the moment the task got its slot, so
+    the total stays accurate (time spent computing the outputs counts). At most
     ``max_concurrency`` tasks run at once; the rest wait in FIFO order.
     """
 
@@ -118,7 +119,8 @@ class SyntheticEngine:
         self.stage = stage
         self.cost = cost
         self.replica = replica
-        self.stage_name = str(stage.engine_args.get("model_stage", ""))
+        # `synthetic.kind` lets two stages of one graph (e.g. two talkers) share a behaviour.
+        self.stage_name = cost.kind or str(stage.engine_args.get("model_stage", ""))
         self._started = False
         self._running = 0
         self._waiters: collections.deque[tuple[str, asyncio.Future[bool]]] = collections.deque()
@@ -186,8 +188,9 @@ class SyntheticEngine:
             if not await self._acquire(rid):
                 return
             try:
+                t0 = asyncio.get_running_loop().time()  # compute time counts as cost
                 plan = compute(self.cost, *args)
-                async for ev in self._run(rid, plan):
+                async for ev in self._run(rid, plan, t0):
                     yield ev
             finally:
                 self._release()
@@ -199,7 +202,7 @@ class SyntheticEngine:
                 del self._inflight[rid]
                 self._aborted.discard(rid)
 
-    async def _run(self, rid: str, plan: _Plan) -> AsyncIterator[BackendEvent]:
+    async def _run(self, rid: str, plan: _Plan, t0: float) -> AsyncIterator[BackendEvent]:
         cost, aborted, deltas = self.cost, self._aborted, plan.deltas
         per = cost.decode_ms_per_token / 1000.0
         if cost.prefill_ms_per_token == 0 and per == 0:  # hot path: one yield to the loop
@@ -211,7 +214,7 @@ class SyntheticEngine:
                     yield d
         else:
             loop = asyncio.get_running_loop()
-            deadline = loop.time() + cost.prefill_ms_per_token * plan.prefill_units / 1000.0
+            deadline = t0 + cost.prefill_ms_per_token * plan.prefill_units / 1000.0
             if not await self._sleep_until(rid, deadline):
                 return
             n = plan.decode_units
@@ -304,7 +307,8 @@ def _int_param(params: dict, key: str, default: int, lo: int, hi: int | None, st
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{stage}: `{key}` must be an integer, got {value!r}")
     if value < lo or (hi is not None and value > hi):
-        raise ValueError(f"{stage}: `{key}` must be in [{lo}, {hi if hi is not None else 'inf'}], got {value}")
+        top = hi if hi is not None else "inf"
+        raise ValueError(f"{stage}: `{key}` must be in [{lo}, {top}], got {value}")
     return int(value)
 
 
@@ -340,7 +344,8 @@ def _parse_talker(task: BackendTask) -> tuple:
             _seed(task, "talker"))
 
 
-def _compute_talker(cost: SyntheticCost, token_ids: np.ndarray, hidden: np.ndarray, seed: int) -> _Plan:
+def _compute_talker(cost: SyntheticCost, token_ids: np.ndarray, hidden: np.ndarray,
+                    seed: int) -> _Plan:
     rng = _rng("talker", token_ids.astype("<i4").tobytes(), hidden.astype("<f4").tobytes(),
                repr(hidden.shape), seed)
     frames = len(token_ids) * cost.frames_per_token
@@ -410,7 +415,8 @@ def _axis(out: int, grid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return lo, hi, (pos - lo).astype(np.float32)
 
 
-def _compute_dit(cost: SyntheticCost, prior: np.ndarray, prompt: str, width: int, height: int) -> _Plan:
+def _compute_dit(cost: SyntheticCost, prior: np.ndarray, prompt: str, width: int,
+                 height: int) -> _Plan:
     n = prior.size
     g = math.isqrt(n)
     g += g * g < n

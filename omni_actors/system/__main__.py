@@ -64,12 +64,32 @@ def cmd_start(args) -> int:
         config = load_config(args.config or DEFAULT_CONFIG)
     except ConfigError as exc:
         return _fail(str(exc), 2)
+    _ensure_system_id()
     configure_logging(args.log_level)
     try:
         return run_leader(config, host=args.host, port=args.port, admin_port=args.admin_port,
                           api_key=args.api_key)
     except StartError as exc:
         return _fail(str(exc))
+
+
+def _ensure_system_id() -> None:
+    """Re-exec once with a fresh ``OMNI_ACTORS_SYSTEM_ID`` in the environment.
+
+    ``/proc/<pid>/environ`` shows the environment a process was exec'd with,
+    not later changes, so the marker that names this system's processes must be
+    there at exec time; every admin and actor forked later inherits it.
+    """
+    import uuid
+
+    from omni_actors.system.processes import ENV_SYSTEM_ID
+
+    if os.environ.get(ENV_SYSTEM_ID):
+        return
+    env = {**os.environ, ENV_SYSTEM_ID: uuid.uuid4().hex}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, list(sys.orig_argv), env)
 
 
 def _read_state(admin_port: int) -> dict | None:

@@ -90,7 +90,8 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                          f"`python -m omni_actors.system stop --admin-port {admin_port}`)")
     if port_in_use(port, host if host not in ("0.0.0.0", "") else "127.0.0.1"):
         raise StartError(f"HTTP port {port} on {host} is in use")
-    system_id = uuid.uuid4().hex
+    # Set at exec time by the CLI (see __main__._ensure_system_id), so /proc shows it.
+    system_id = os.environ.get(ENV_SYSTEM_ID) or uuid.uuid4().hex
     os.environ[ENV_SYSTEM_ID] = system_id
     shm_prefix = f"oa-{admin_port}-"
     os.environ["OMNI_ACTORS_SHM_PREFIX"] = shm_prefix

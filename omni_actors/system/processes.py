@@ -19,7 +19,11 @@ ENV_SYSTEM_ID = "OMNI_ACTORS_SYSTEM_ID"
 
 
 def system_pids(system_id: str, *, exclude_self: bool = True) -> list[int]:
-    """PIDs of live processes started with ``OMNI_ACTORS_SYSTEM_ID=system_id``."""
+    """PIDs of live processes started with ``OMNI_ACTORS_SYSTEM_ID=system_id``.
+
+    With ``exclude_self``, this process and its own multiprocessing
+    resource tracker (which exits with it) are left out.
+    """
     needle = f"{ENV_SYSTEM_ID}={system_id}".encode()
     me = os.getpid()
     found = []
@@ -34,9 +38,19 @@ def system_pids(system_id: str, *, exclude_self: bool = True) -> list[int]:
             stat = (entry / "stat").read_text()
         except OSError:
             continue
-        if needle in env.split(b"\0") and ") Z " not in stat:  # zombies hold nothing
-            found.append(pid)
+        if needle not in env.split(b"\0") or ") Z " in stat:  # zombies hold nothing
+            continue
+        if exclude_self and int(stat.rsplit(")", 1)[1].split()[1]) == me and _is_tracker(entry):
+            continue
+        found.append(pid)
     return found
+
+
+def _is_tracker(entry: Path) -> bool:
+    try:
+        return b"resource_tracker" in (entry / "cmdline").read_bytes()
+    except OSError:
+        return False
 
 
 def kill_system(system_id: str, grace_s: float = 3.0) -> int:

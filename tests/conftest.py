@@ -1,0 +1,51 @@
+"""Shared fixtures: real leaders (multiprocTCPBase on free ports), one per config per session.
+
+Each leader is the real CLI in a child process; its finaliser stops it with
+SIGINT (as Ctrl-C) and kills anything of that system left behind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from omni_actors.system.local import LocalLeader
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+TEST_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+def _leader(request, config: Path) -> LocalLeader:
+    leader = LocalLeader(config)
+    request.addfinalizer(leader.stop)
+    leader.start()
+    return leader
+
+
+@pytest.fixture(scope="session")
+def omni_leader(request) -> LocalLeader:
+    """configs/cpu_omni_demo.yaml: Thinker:Talker:Code2Wav at 1:2:1."""
+    return _leader(request, CONFIGS / "cpu_omni_demo.yaml")
+
+
+@pytest.fixture(scope="session")
+def image_leader(request) -> LocalLeader:
+    """configs/cpu_image_demo.yaml: AR:DiT at 1:2."""
+    return _leader(request, CONFIGS / "cpu_image_demo.yaml")
+
+
+@pytest.fixture(scope="session")
+def fanin_leader(request) -> LocalLeader:
+    """tests/configs/fanin.yaml: Code2Wav takes two Talkers; everything through shared memory."""
+    return _leader(request, TEST_CONFIGS / "fanin.yaml")
+
+
+@pytest.fixture()
+def openai_client(omni_leader):
+    import openai
+
+    client = openai.OpenAI(base_url=omni_leader.base_url, api_key="unused", max_retries=0, timeout=60)
+    yield client
+    client.close()

@@ -1,0 +1,173 @@
+"""Load balancing (least_loaded) and request planning (plan_request): pure
+functions, tested without an actor system."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from omni_actors.balancing import POLICIES, ReplicaLoad, least_loaded
+from omni_actors.config import load_config
+from omni_actors.messages import PlannedStage, RequestPlan
+from omni_actors.planning import PlanError, plan_request
+
+ROOT = Path(__file__).resolve().parent.parent
+OMNI = ROOT / "configs" / "cpu_omni_demo.yaml"
+IMAGE = ROOT / "configs" / "cpu_image_demo.yaml"
+FANIN = ROOT / "tests" / "configs" / "fanin.yaml"
+
+
+# -- least_loaded ------------------------------------------------------------
+
+
+def load(replica: str, in_flight: int = 0, dispatched: int = 0) -> ReplicaLoad:
+    return ReplicaLoad(replica=replica, in_flight=in_flight, dispatched=dispatched)
+
+
+def test_least_loaded_is_the_registered_policy() -> None:
+    assert POLICIES["least_loaded"] is least_loaded
+
+
+def test_picks_the_replica_with_fewest_in_flight() -> None:
+    replicas = [load("talker/0", 3, 3), load("talker/1", 1, 9), load("talker/2", 2, 0)]
+    assert least_loaded(replicas) == "talker/1"
+
+
+def test_tie_on_in_flight_goes_to_fewest_dispatched() -> None:
+    replicas = [load("talker/0", 1, 5), load("talker/1", 1, 2), load("talker/2", 4, 0)]
+    assert least_loaded(replicas) == "talker/1"
+
+
+def test_full_tie_goes_to_the_first() -> None:
+    replicas = [load("talker/0", 1, 2), load("talker/1", 1, 2)]
+    assert least_loaded(replicas) == "talker/0"
+    assert least_loaded(list(reversed(replicas))) == "talker/1"
+
+
+def test_no_candidates_gives_none() -> None:
+    assert least_loaded([]) is None
+
+
+def test_single_candidate_is_picked_however_loaded() -> None:
+    assert least_loaded([load("thinker/0", 100, 1000)]) == "thinker/0"
+
+
+def test_sequential_requests_alternate_between_equal_replicas() -> None:
+    """At concurrency 1 (each task done before the next), equal replicas share
+    the work instead of the first taking it all."""
+    dispatched = {"talker/0": 0, "talker/1": 0}
+    picks = []
+    for _ in range(6):
+        choice = least_loaded([load(r, 0, n) for r, n in dispatched.items()])
+        picks.append(choice)
+        dispatched[choice] += 1  # dispatched, and finished before the next request
+    assert picks == ["talker/0", "talker/1"] * 3
+
+
+def test_concurrent_requests_spread_by_in_flight() -> None:
+    in_flight = {"dit/0": 0, "dit/1": 0, "dit/2": 0}
+    dispatched = dict.fromkeys(in_flight, 0)
+    for _ in range(9):
+        choice = least_loaded([load(r, in_flight[r], dispatched[r]) for r in in_flight])
+        in_flight[choice] += 1
+        dispatched[choice] += 1
+    assert in_flight == {"dit/0": 3, "dit/1": 3, "dit/2": 3}
+
+
+# -- plan_request -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def omni():
+    return load_config(OMNI)
+
+
+@pytest.fixture(scope="module")
+def omni_pools():
+    return {0: "pool-thinker", 1: "pool-talker", 2: "pool-code2wav"}
+
+
+def by_name(plan: RequestPlan) -> dict[str, PlannedStage]:
+    return {s.stage: s for s in plan.stages}
+
+
+def test_text_only_runs_the_thinker_alone(omni, omni_pools) -> None:
+    plan = plan_request(omni, omni_pools, {"text"})
+    assert isinstance(plan, RequestPlan)
+    assert [s.stage for s in plan.stages] == ["thinker"]
+    (thinker,) = plan.stages
+    assert thinker == PlannedStage(stage_id=0, stage="thinker", sources=(), pool="pool-thinker",
+                                   final_output_type="text", needs_output=False)
+
+
+def test_text_and_audio_runs_the_whole_chain(omni, omni_pools) -> None:
+    plan = plan_request(omni, omni_pools, {"text", "audio"})
+    assert [s.stage for s in plan.stages] == ["thinker", "talker", "code2wav"]
+    stages = by_name(plan)
+    assert stages["thinker"].needs_output is True
+    assert stages["thinker"].final_output_type == "text"
+    assert stages["talker"].needs_output is True
+    assert stages["talker"].final_output_type is None
+    assert stages["talker"].sources == (0,)
+    assert stages["code2wav"].needs_output is False
+    assert stages["code2wav"].final_output_type == "audio"
+    assert stages["code2wav"].sources == (1,)
+
+
+def test_audio_only_still_runs_the_thinker_but_does_not_return_its_text(omni, omni_pools) -> None:
+    stages = by_name(plan_request(omni, omni_pools, ["audio"]))
+    assert list(stages) == ["thinker", "talker", "code2wav"]
+    assert stages["thinker"].final_output_type is None
+    assert stages["thinker"].needs_output is True
+    assert stages["code2wav"].final_output_type == "audio"
+
+
+def test_pools_are_carried_into_the_plan(omni, omni_pools) -> None:
+    plan = plan_request(omni, omni_pools, {"text", "audio"})
+    assert {s.stage_id: s.pool for s in plan.stages} == omni_pools
+
+
+def test_stage_without_a_pool_is_planned_with_none(omni) -> None:
+    plan = plan_request(omni, {0: "pool-thinker"}, {"text", "audio"})
+    assert [s.pool for s in plan.stages] == ["pool-thinker", None, None]
+
+
+def test_output_the_pipeline_cannot_produce_is_refused(omni, omni_pools) -> None:
+    with pytest.raises(PlanError, match="image"):
+        plan_request(omni, omni_pools, {"image"})
+
+
+def test_refusal_names_only_the_missing_output(omni, omni_pools) -> None:
+    with pytest.raises(PlanError) as info:
+        plan_request(omni, omni_pools, {"text", "image"})
+    assert "image" in str(info.value)
+    assert "text" not in str(info.value)
+
+
+def test_fan_in_keeps_source_order() -> None:
+    cfg = load_config(FANIN)
+    pools = {0: "t", 1: "a", 2: "b", 3: "c"}
+    plan = plan_request(cfg, pools, {"text", "audio"})
+    stages = by_name(plan)
+    assert list(stages) == ["thinker", "talker_a", "talker_b", "code2wav"]
+    assert stages["code2wav"].sources == (1, 2)
+    assert stages["code2wav"].final_output_type == "audio"
+    assert stages["talker_a"].needs_output and stages["talker_b"].needs_output
+    assert stages["thinker"].needs_output is True
+    assert stages["talker_a"].final_output_type is None
+
+
+def test_fan_in_text_only_prunes_both_branches() -> None:
+    cfg = load_config(FANIN)
+    plan = plan_request(cfg, {}, {"text"})
+    assert [(s.stage, s.needs_output) for s in plan.stages] == [("thinker", False)]
+
+
+def test_image_pipeline_plans_ar_then_dit() -> None:
+    cfg = load_config(IMAGE)
+    plan = plan_request(cfg, {0: "ar", 1: "dit"}, {"image"})
+    assert [(s.stage, s.needs_output, s.final_output_type) for s in plan.stages] == [
+        ("ar", True, None), ("dit", False, "image")]
+    with pytest.raises(PlanError, match="text"):
+        plan_request(cfg, {}, {"text"})

@@ -1,0 +1,189 @@
+"""End to end on a real actor system: the CPU demo pipelines over real HTTP.
+
+Every test talks to a leader started by the real CLI (multiprocTCPBase on
+free ports), with the official ``openai`` client or aiohttp, and asserts what
+a user sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import time
+import urllib.request
+import wave
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+import pytest
+from PIL import Image
+
+pytestmark = pytest.mark.system
+
+MODEL = "qwen3-omni-cpu-demo"
+MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _wav_seconds(data: bytes) -> float:
+    with wave.open(io.BytesIO(data)) as w:
+        assert w.getframerate() == 24000 and w.getnchannels() == 1 and w.getsampwidth() == 2
+        return w.getnframes() / w.getframerate()
+
+
+def _stage_table(leader) -> dict[str, dict]:
+    stages = _get_json(leader.base_url + "/stages")["stages"]
+    return {r["replica"]: r for st in stages for r in st["replicas"]}
+
+
+def test_text_chat_with_openai_client(openai_client):
+    resp = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12)
+    assert resp.object == "chat.completion"
+    text = resp.choices[0].message.content
+    assert isinstance(text, str) and len(text.split()) == 12
+    assert resp.usage.completion_tokens == 12
+    assert resp.choices[0].finish_reason == "length"
+
+
+def test_same_request_same_output(openai_client):
+    """The synthetic engine is deterministic: same prompt and seed, same text."""
+    a = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=5)
+    b = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=5)
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_text_and_audio_returns_playable_wav(openai_client):
+    resp = openai_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=10, modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"})
+    msg = resp.choices[0].message
+    assert msg.content
+    wav = base64.b64decode(msg.audio.data)
+    # 10 tokens x 2 codec frames x 1920 samples at 24 kHz = 1.6 s
+    assert _wav_seconds(wav) == pytest.approx(10 * 2 * 1920 / 24000)
+
+
+def test_streaming_sends_several_text_deltas_then_audio(omni_leader):
+    async def run():
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "stream": True,
+                "modalities": ["text", "audio"]}
+        events = []
+        async with aiohttp.ClientSession() as s:
+            async with s.post(omni_leader.base_url + "/chat/completions", json=body) as r:
+                assert r.status == 200
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                async for line in r.content:
+                    line = line.strip()
+                    if line.startswith(b"data: "):
+                        events.append(line[6:])
+        return events
+
+    events = asyncio.run(run())
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    kinds = []
+    for c in chunks:
+        delta = c["choices"][0]["delta"] if c["choices"] else {}
+        if delta.get("content"):
+            kinds.append("text")
+        if delta.get("audio"):
+            kinds.append("audio")
+            assert _wav_seconds(base64.b64decode(delta["audio"]["data"])) > 0
+    assert kinds.count("text") > 1
+    assert kinds[-1] == "audio" and kinds.count("audio") == 1
+
+
+def test_streaming_with_openai_client(openai_client):
+    stream = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, stream=True)
+    deltas = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert len(deltas) == 6
+
+
+def test_both_talker_replicas_get_work_under_concurrent_requests(omni_leader, openai_client):
+    time.sleep(1.2)  # pools publish their table every heartbeat interval (1 s): let it settle
+    before = _stage_table(omni_leader)
+
+    def one(i):
+        return openai_client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"request {i}"}], max_tokens=8,
+            modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(16)))
+    assert all(r.choices[0].message.audio.data for r in results)
+    deadline = time.monotonic() + 5  # pools publish their table every heartbeat interval
+    while True:
+        after = _stage_table(omni_leader)
+        gained = {rep: after[rep]["completed"] - before[rep]["completed"] for rep in ("talker/0", "talker/1")}
+        if sum(gained.values()) >= 16 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert sum(gained.values()) == 16
+    assert gained["talker/0"] > 0 and gained["talker/1"] > 0, gained
+
+
+def test_fan_in_of_two_sources(fanin_leader):
+    import openai
+
+    client = openai.OpenAI(base_url=fanin_leader.base_url, api_key="x", max_retries=0)
+    resp = client.chat.completions.create(
+        model="fanin-test", messages=MESSAGES, max_tokens=5, modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"})
+    seconds = _wav_seconds(base64.b64decode(resp.choices[0].message.audio.data))
+    # Code2Wav joined both Talkers' codes: (5x2 + 5x3) frames x 480 samples.
+    assert seconds == pytest.approx((5 * 2 + 5 * 3) * 480 / 24000)
+    client.close()
+
+
+def test_image_pipeline_returns_png(image_leader):
+    import openai
+
+    client = openai.OpenAI(base_url=image_leader.base_url, api_key="x", max_retries=0)
+    resp = client.images.generate(model="glm-image-cpu-demo", prompt="a red lighthouse", size="128x96",
+                                  response_format="b64_json")
+    img = Image.open(io.BytesIO(base64.b64decode(resp.data[0].b64_json)))
+    assert img.format == "PNG" and img.size == (128, 96) and img.mode == "RGB"
+    client.close()
+
+
+def test_models_health_and_stages(omni_leader):
+    models = _get_json(omni_leader.base_url + "/models")
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert _get_json(f"http://127.0.0.1:{omni_leader.port}/health")["status"] == "ok"
+    stages = _get_json(omni_leader.base_url + "/stages")
+    assert stages["ready"] is True
+    assert [(s["stage"], len(s["replicas"])) for s in stages["stages"]] == [
+        ("thinker", 1), ("talker", 2), ("code2wav", 1)]
+    assert all(r["state"] == "ready" for s in stages["stages"] for r in s["replicas"])
+
+
+BAD_REQUESTS = [
+    ("malformed json", b"{not json", 400),
+    ("unknown model", {"model": "nope", "messages": MESSAGES}, 404),
+    ("missing messages", {"model": MODEL}, 400),
+    ("empty messages", {"model": MODEL, "messages": []}, 400),
+    ("bad modalities", {"model": MODEL, "messages": MESSAGES, "modalities": ["video"]}, 400),
+    ("negative max_tokens", {"model": MODEL, "messages": MESSAGES, "max_tokens": -1}, 400),
+    ("huge max_tokens", {"model": MODEL, "messages": MESSAGES, "max_tokens": 10**9}, 400),
+    ("body over the limit", {"model": MODEL, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}, 413),
+]
+
+
+@pytest.mark.parametrize("name,body,status", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_input_gets_openai_error_and_server_keeps_serving(omni_leader, openai_client, name, body, status):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(omni_leader.base_url + "/chat/completions", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req, timeout=30)
+    assert err.value.code == status
+    error = json.loads(err.value.read())["error"]
+    assert error["message"] and error["type"]
+    ok = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+    assert ok.choices[0].message.content

@@ -1,0 +1,152 @@
+"""Lifecycle on a real actor system: shutdown, leaks, failed engines, the CLI.
+
+Each test here starts its own leader because it stops it or breaks it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import aiohttp
+import pytest
+
+from omni_actors.connectors import list_segments
+from omni_actors.system.local import LocalLeader
+from omni_actors.system.processes import system_pids
+
+from conftest import CONFIGS, ROOT, TEST_CONFIGS
+
+pytestmark = pytest.mark.system
+MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+
+
+def _cli(*args, env=None, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "omni_actors.system", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
+
+
+def test_ctrl_c_stops_every_process_within_seconds():
+    leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
+    try:
+        pids = system_pids(leader.system_id)
+        # admin + coordinator + 3 pools + 4 engines + request actors, at least
+        assert len(pids) >= 9
+        body = json.dumps({"model": "qwen3-omni-cpu-demo", "messages": MESSAGES, "max_tokens": 4}).encode()
+        urllib.request.urlopen(urllib.request.Request(leader.base_url + "/chat/completions", data=body,
+                                                      headers={"Content-Type": "application/json"}), timeout=30)
+    finally:
+        t0 = time.monotonic()
+        code = leader.stop()
+        took = time.monotonic() - t0
+    assert code == 0
+    assert leader.left_after_exit == []
+    assert took < 10
+    assert "omni-actors stopped" in leader.stdout_path.read_text()
+
+
+def test_stop_command_and_status_command():
+    leader = LocalLeader(CONFIGS / "cpu_image_demo.yaml").start()
+    env = {"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)}
+    try:
+        status = _cli("status", "--admin-port", str(leader.admin_port), env=env)
+        assert status.returncode == 0, status.stderr
+        lines = status.stdout.splitlines()
+        assert lines[0].split()[:3] == ["STAGE", "REPLICA", "STATE"]
+        assert any(line.split()[:3] == ["dit", "dit/1", "ready"] for line in lines)
+        assert "glm-image-cpu-demo: ready" in status.stdout
+        as_json = json.loads(_cli("status", "--admin-port", str(leader.admin_port), "--json", env=env).stdout)
+        assert [s["stage"] for s in as_json["stages"]] == ["ar", "dit"]
+        stop = _cli("stop", "--admin-port", str(leader.admin_port), env=env)
+        assert stop.returncode == 0, stop.stderr
+        leader.proc.wait(10)
+        assert leader.proc.returncode == 0
+        assert system_pids(leader.system_id) == []
+    finally:
+        leader.stop()
+
+
+def test_status_of_nothing_is_a_clear_error():
+    from omni_actors.system.local import free_port
+
+    out = _cli("status", "--admin-port", str(free_port()))
+    assert out.returncode == 1
+    assert out.stderr.startswith("error: no actor system is listening on admin port")
+
+
+def test_engine_that_cannot_load_shows_failed_and_requests_get_503():
+    leader = LocalLeader(TEST_CONFIGS / "broken_thinker.yaml").start()
+    try:
+        with urllib.request.urlopen(leader.base_url + "/stages", timeout=10) as r:
+            stages = json.loads(r.read())
+        replica = stages["stages"][0]["replicas"][0]
+        assert replica["state"] == "failed"
+        assert "model directory /models/missing does not exist" in replica["reason"]
+        assert stages["ready"] is False
+        body = json.dumps({"model": "broken-test", "messages": MESSAGES}).encode()
+        t0 = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(leader.base_url + "/chat/completions", data=body,
+                                                          headers={"Content-Type": "application/json"}),
+                                   timeout=30)
+        assert time.monotonic() - t0 < 5
+        assert err.value.code == 503
+        message = json.loads(err.value.read())["error"]["message"]
+        assert "no ready replica of stage thinker" in message and "/models/missing" in message
+        assert "WARNING" in leader.stdout_path.read_text().upper() or "failed" in leader.stdout_path.read_text()
+    finally:
+        leader.stop()
+
+
+def test_bad_config_fails_at_load_with_its_yaml_path(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    text = (CONFIGS / "cpu_omni_demo.yaml").read_text().replace("replicas: 2", "replicas: zero")
+    bad.write_text(text)
+    out = _cli("start", "--convention-leader", "--config", str(bad))
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"error: {bad}: deployment.stages.talker.replicas: Expected `int`, got `str`"]
+
+
+def test_no_shared_memory_left_after_100_requests_some_cancelled(fanin_leader):
+    """Every stage output of this pipeline goes through shared memory (threshold 0)."""
+    prefix = f"oa-{fanin_leader.admin_port}-"
+    rng = random.Random(7)
+
+    async def one(session, i, cancel):
+        body = {"model": "fanin-test", "messages": [{"role": "user", "content": f"story {i}"}],
+                "max_tokens": 12, "stream": True, "modalities": ["text", "audio"]}
+        async with session.post(fanin_leader.base_url + "/chat/completions", json=body) as r:
+            assert r.status == 200
+            async for line in r.content:
+                if cancel and line.startswith(b"data: {"):
+                    return "cancelled"  # leave mid-stream: the connection closes
+                if line.strip() == b"data: [DONE]":
+                    return "done"
+        return "ended"
+
+    async def run():
+        sem = asyncio.Semaphore(8)
+        async with aiohttp.ClientSession() as session:
+            async def guarded(i):
+                async with sem:
+                    return await one(session, i, cancel=rng.random() < 0.3)
+            return await asyncio.gather(*(guarded(i) for i in range(100)))
+
+    results = asyncio.run(run())
+    assert results.count("cancelled") >= 10 and results.count("done") >= 50
+    deadline = time.monotonic() + 10  # cancelled stages finish or abort, then release
+    while list_segments(prefix) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list_segments(prefix) == []
+    # and the system still serves after all that
+    with urllib.request.urlopen(fanin_leader.base_url + "/stages", timeout=10) as r:
+        assert json.loads(r.read())["ready"] is True
