@@ -202,7 +202,8 @@ def _expected(typ: Any, path: str, message: str) -> tuple[str, str]:
         t = _type_at(typ, path)
         known = (f"; expected one of: {', '.join(f.name for f in msgspec.structs.fields(t))}"
                  if isinstance(t, type) and issubclass(t, msgspec.Struct) else "")
-        return (f"{path}.{m.group(1)}" if path else m.group(1)), f"unknown field `{m.group(1)}`{known}"
+        field = m.group(1)
+        return (f"{path}.{field}" if path else field), f"unknown field `{field}`{known}"
     if message.startswith("Invalid enum value"):
         t = _type_at(typ, path)
         lits = [a for a in (t, *typing.get_args(t)) if typing.get_origin(a) is Literal]
@@ -331,6 +332,11 @@ def _check_acyclic(cfg: PipelineConfig, source: str) -> None:
         visit(sid, [])
 
 
+#: Engine packages whose processors are checked by their engine at load time
+#: when the package is not installed where the config is validated.
+ENGINE_PACKAGES = ("vllm_omni", "vllm")
+
+
 def _check_importable(dotted: str, source: str, path: str) -> None:
     module, _, attr = dotted.rpartition(".")
     if not module:
@@ -340,7 +346,8 @@ def _check_importable(dotted: str, source: str, path: str) -> None:
     except ModuleNotFoundError as exc:
         # Processors of an engine package that is not installed here (vllm_omni on a
         # CPU-only host) are checked by that engine when it loads.
-        if exc.name and dotted.startswith(exc.name.split(".")[0] + ".") and exc.name.split(".")[0] != "omni_actors":
+        top = (exc.name or "").split(".")[0]
+        if top in ENGINE_PACKAGES and dotted.startswith(top + "."):
             return
         raise ConfigError(source, path, f"cannot import `{module}`: {exc}") from None
     if not callable(getattr(mod, attr, None)):

@@ -17,7 +17,8 @@ import yaml
 from omni_actors.config import ConfigError, PipelineConfig, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-SHIPPED = sorted((ROOT / "configs").glob("*.yaml")) + sorted((ROOT / "tests" / "configs").glob("*.yaml"))
+SHIPPED = sorted((ROOT / "configs").glob("*.yaml")) + sorted(
+    (ROOT / "tests" / "configs").glob("*.yaml"))
 
 BASE: dict[str, Any] = {
     "stage_args": [
@@ -213,7 +214,8 @@ def test_duplicate_stage_id(tmp_path: Path) -> None:
     assert "stage_args[1]" in err.message
 
 
-@pytest.mark.parametrize("engine_args", [{}, {"model_stage": ""}, {"model_stage": 3}, {"model": "x"}],
+@pytest.mark.parametrize("engine_args",
+                         [{}, {"model_stage": ""}, {"model_stage": 3}, {"model": "x"}],
                          ids=["missing", "empty", "not-a-string", "other-keys-only"])
 def test_model_stage_is_required(tmp_path: Path, engine_args: dict) -> None:
     err = refused(tmp_path, variant(stage(1, engine_args=engine_args)))
@@ -301,7 +303,8 @@ def test_custom_process_input_func_must_resolve(tmp_path: Path, dotted: str, exp
 
 
 def test_custom_process_input_func_must_be_callable(tmp_path: Path) -> None:
-    err = refused(tmp_path, variant(stage(1, custom_process_input_func="omni_actors.config.DEFAULT_CONFIG")))
+    not_a_function = "omni_actors.config.DEFAULT_CONFIG"
+    err = refused(tmp_path, variant(stage(1, custom_process_input_func=not_a_function)))
     assert err.path == "stage_args[1].custom_process_input_func"
     assert "no function `DEFAULT_CONFIG`" in err.message
 

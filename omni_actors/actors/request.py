@@ -17,6 +17,8 @@ cancel) only have their buffers released.
 
 from __future__ import annotations
 
+import time
+
 from thespian.actors import ActorTypeDispatcher, WakeupMessage
 
 from omni_actors.connectors import make_connector, release_all
@@ -51,8 +53,7 @@ class RequestActor(ActorTypeDispatcher):
             return
         self._reset()
         self._req = msg
-        self._log.debug("request_started", request_id=msg.request_id,
-                        stages=[s.stage for s in msg.plan.stages])
+        self._started = time.monotonic()
         self.wakeupAfter(msg.timeout_s, payload=msg.request_id)
         self._dispatch_ready()
 
@@ -120,8 +121,11 @@ class RequestActor(ActorTypeDispatcher):
         for stage_id in self._running:
             self.send(by_id[stage_id].pool, CancelStage(req.request_id, stage_id))
         release_all(self._owned)
-        if error is not None:
-            self._log.info("request_failed", request_id=req.request_id, error=error.value, message=message)
+        names = {s.stage_id: s.stage for s in req.plan.stages}
+        self._log.info("request_finished", request_id=req.request_id,
+                       error=error.value if error else None, message=message or None,
+                       duration_ms=round((time.monotonic() - self._started) * 1000, 2),
+                       replicas={names[sid]: d.replica for sid, d in self._done.items()})
         self.send(req.reply_to, RequestFinished(
             req.request_id, error, message, prompt_tokens=self._tokens[0], completion_tokens=self._tokens[1],
             stage_replicas={sid: d.replica for sid, d in self._done.items()}, request_actor=self.myAddress))
