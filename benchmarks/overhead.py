@@ -315,7 +315,7 @@ def main(argv=None) -> int:
           + " -> ".join(s.name for s in sorted(config.stage_args, key=lambda s: s.stage_id))
           + f"; output types {sorted(OUTPUT_TYPES)}; max_tokens {args.max_tokens}; "
           f"plan {', '.join(f'c={c} n={n}' for c, n in plan)}; warm-up {args.warmup}; "
-          f"{os.cpu_count()} CPUs", flush=True)
+          f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}", flush=True)
     results: dict[str, dict[int, dict[str, Any]]] = {}
     t_start = time.perf_counter()
     startup_s = None
@@ -342,10 +342,11 @@ def main(argv=None) -> int:
     derived = derive(results)
     print_report(results, derived, plan)
     total_s = time.perf_counter() - t_start
-    print(f"\n(total {total_s:.1f} s)")
+    print(f"\n(total {total_s:.1f} s; load average now {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs: "
+          "other work on the machine inflates the actor figures)")
     if args.json:
         doc = {"config": args.config, "output_types": sorted(OUTPUT_TYPES), "max_tokens": args.max_tokens,
-               "warmup": args.warmup, "cpus": os.cpu_count(), "leader_startup_s": startup_s,
+               "warmup": args.warmup, "cpus": os.cpu_count(), "loadavg_end": os.getloadavg()[0], "leader_startup_s": startup_s,
                "total_s": total_s,
                "results": {m: {str(c): r for c, r in by_c.items()} for m, by_c in results.items()},
                "overhead": {str(c): row for c, row in derived.items()}}

@@ -99,10 +99,13 @@ def test_streaming_sends_several_text_deltas_then_audio(omni_leader):
     assert kinds[-1] == "audio" and kinds.count("audio") == 1
 
 
-def test_streaming_with_openai_client(openai_client):
-    stream = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, stream=True)
+def test_streaming_with_openai_client_matches_non_streaming(openai_client):
+    whole = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, seed=9)
+    stream = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, seed=9,
+                                                   stream=True)
     deltas = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
-    assert len(deltas) == 6
+    assert len(deltas) > 1
+    assert "".join(deltas) == whole.choices[0].message.content
 
 
 def test_both_talker_replicas_get_work_under_concurrent_requests(omni_leader, openai_client):

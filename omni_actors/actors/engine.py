@@ -34,6 +34,25 @@ from omni_actors.processors import default_input
 FINAL_FIELDS = {"text": ("text",), "audio": ("audio", "sample_rate"), "image": ("image",)}
 
 
+def coalesce_deltas(items: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """Merge consecutive text deltas of one stage task into one message.
+
+    Each actor message costs about 1 ms of CPU here, and a fast stage emits
+    many tokens between two drains of the outbox; the client still sees every
+    token, in order, only fewer messages carry them.
+    """
+    out: list[tuple[Any, Any]] = []
+    for address, message in items:
+        if out and isinstance(message, StageDelta):
+            last_address, last = out[-1]
+            if (isinstance(last, StageDelta) and last.request_id == message.request_id
+                    and last.stage_id == message.stage_id and last_address == address):
+                out[-1] = (address, StageDelta(last.request_id, last.stage_id, last.text + message.text))
+                continue
+        out.append((address, message))
+    return out
+
+
 class LoopThread:
     """An asyncio loop on a daemon thread, with an outbox the actor drains."""
 
@@ -146,7 +165,7 @@ class EngineActor(ActorTypeDispatcher):
 
     def receiveMsg_WatchMessage(self, msg: WatchMessage, sender):
         if self._rt is not None:
-            for address, message in self._rt.drain():
+            for address, message in coalesce_deltas(self._rt.drain()):
                 self.send(address, message)
         return self._watch()
 
