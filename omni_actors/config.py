@@ -120,6 +120,36 @@ class StageDeployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     synthetic: SyntheticCost = msgspec.field(default_factory=SyntheticCost)
 
 
+class RestartSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Restart intensity (Erlang/OTP style): backoff doubling from
+    ``initial_backoff_s`` to ``max_backoff_s``; more than ``max_restarts`` in
+    ``window_s`` and the replica (or pool) stays down."""
+
+    initial_backoff_s: NonNegFloat = 0.5
+    max_backoff_s: NonNegFloat = 8.0
+    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 5
+    window_s: PositiveFloat = 60.0
+
+
+class Supervision(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Health and restart rules (see ``omni_actors.actors.supervision``).
+
+    Defaults: 3 missed heartbeats (Ray Serve marks a replica unhealthy after 3
+    failed checks); stall after 10 s without progress; circuit breaker after 5
+    failures in a row (SGLang's gateway opens after 5); a task tried on at
+    most 3 replicas; a task waits up to 30 s for a ready replica of its stage
+    before the request gets 503; drain on shutdown up to 10 s.
+    """
+
+    missed_heartbeats: PositiveInt = 3
+    stall_timeout_s: PositiveFloat = 10.0
+    circuit_breaker_failures: PositiveInt = 5
+    max_task_attempts: PositiveInt = 3
+    queue_timeout_s: NonNegFloat = 30.0
+    drain_timeout_s: NonNegFloat = 10.0
+    restart: RestartSpec = msgspec.field(default_factory=RestartSpec)
+
+
 class Deployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The deployment block. Defaults: heartbeat 1 s (issue 4); ready timeout
     60 s; request timeout 300 s; 64 KiB inline threshold as vLLM-Omni's."""
@@ -132,6 +162,7 @@ class Deployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     load_balancing: Literal["least_loaded"] = "least_loaded"
     inline_threshold_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 * 1024
     request_actors: PositiveInt = 16
+    supervision: Supervision = msgspec.field(default_factory=Supervision)
     stages: dict[str, StageDeployment] = {}
 
 

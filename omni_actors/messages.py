@@ -25,7 +25,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_actors.config import PipelineConfig, StageDeployment, StageSpec
+from omni_actors.config import PipelineConfig, StageDeployment, StageSpec, Supervision
 from omni_actors.connectors.base import ConnectorRef
 
 ActorAddress = Any  # thespian.actors.ActorAddress; kept loose so this module imports without thespian
@@ -36,9 +36,20 @@ class ReplicaState(str, enum.Enum):
 
     STARTING = "starting"  #: created; backend loading; no work routed
     READY = "ready"  #: loaded and taking work
-    FAILED = "failed"  #: backend failed to load or did not become ready in time; ``reason`` says why
-    DEAD = "dead"  #: its process exited
-    STOPPED = "stopped"  #: shut down on purpose
+    ISOLATED = "isolated"  #: unhealthy (``reason`` says why): no new work; being killed, then restarted
+    DRAINING = "draining"  #: finishing in-flight work, taking no new work, then exits
+    DEAD = "dead"  #: its process exited; a restart is pending (backoff)
+    FAILED = "failed"  #: down for good: failed to load, or restarted too often; ``reason`` says why
+    STOPPED = "stopped"  #: drained or scaled down on purpose
+
+
+class FaultKind(str, enum.Enum):
+    """Faults the engine injects into itself, for fault-injection tests."""
+
+    RAISE_NEXT = "raise"  #: the backend raises on the next task
+    SLOW = "slow"  #: every task takes ``factor`` times as long
+    STALL = "stall"  #: tasks stop making progress; heartbeats go on
+    CLEAR = "clear"  #: back to normal
 
 
 class ErrorKind(str, enum.Enum):
@@ -73,8 +84,18 @@ class GetStatus:
 
 @dataclass(frozen=True)
 class GetRoutes:
-    """Bridge -> Coordinator: answered with :class:`Routes` (to the sender)."""
+    """Bridge -> Coordinator: answered with :class:`Routes` (to ``reply_to`` or the sender)."""
 
+    reply_to: ActorAddress = None
+
+
+@dataclass(frozen=True)
+class Subscribe:
+    """Subscriber (API server bridge) -> Coordinator: send me :class:`Routes` and
+    :class:`SystemStatus` now and on every change. A lease: renew it every few
+    seconds (a restarted coordinator learns its subscribers that way)."""
+
+    reply_to: ActorAddress
 
 @dataclass(frozen=True)
 class WhoAmI:
@@ -89,23 +110,38 @@ class YouAre:
 
 @dataclass(frozen=True)
 class Routes:
-    """The pool address of each stage, for building :class:`RequestPlan`s."""
+    """The pool address of each stage, for building :class:`RequestPlan`s.
+    ``version`` grows each time a pool is replaced."""
 
     config: PipelineConfig
     pools: dict[int, ActorAddress]
+    version: int = 0
 
 
 @dataclass(frozen=True)
 class ReplicaStatus:
     replica: str  #: "<stage>/<index>"
     state: ReplicaState
-    reason: str = ""  #: why it is in that state (failure message, ...)
+    reason: str = ""  #: why it is in that state (failure message, isolation cause, ...)
     in_flight: int = 0  #: tasks dispatched by the pool and not yet finished
     running: int = 0  #: as last reported by the engine's heartbeat
     waiting: int = 0
     completed: int = 0
     failed: int = 0
     last_heartbeat_age_s: float | None = None
+    pid: int | None = None
+    node: str = ""
+    devices: str = ""
+    backend: str = ""
+    restarts: int = 0
+    rate: float = 0.0  #: tokens / frames / items per second, over the last heartbeats
+    kv_cache_usage: float | None = None
+    latency_buckets: tuple[int, ...] = ()  #: stage task latency histogram (``LATENCY_BUCKETS_S``)
+    latency_sum_s: float = 0.0
+
+
+#: Upper bounds (seconds) of the stage latency histogram buckets; the last is +Inf.
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
 
 @dataclass(frozen=True)
@@ -115,6 +151,9 @@ class PoolState:
     stage_id: int
     stage: str
     replicas: tuple[ReplicaStatus, ...]
+    pid: int | None = None
+    pending: int = 0  #: tasks waiting for a ready replica
+    restarts: int = 0  #: times the coordinator recreated this stage's pool
 
 
 @dataclass(frozen=True)
@@ -123,6 +162,7 @@ class SystemStatus:
     model: str
     ready: bool  #: every stage has at least one READY replica
     stages: tuple[PoolState, ...]
+    coordinator_pid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +175,7 @@ class StartPool:
     ready_timeout_s: float
     inline_threshold_bytes: int
     load_balancing: str = "least_loaded"
+    supervision: Supervision = field(default_factory=Supervision)
 
 
 @dataclass(frozen=True)
@@ -151,7 +192,13 @@ class StartEngine:
 
 @dataclass(frozen=True)
 class EngineReady:
+    """Engine -> pool: loaded. Registration: where it runs and on what."""
+
     replica: str
+    pid: int = 0
+    node: str = ""
+    devices: str = ""
+    backend: str = ""
 
 
 @dataclass(frozen=True)
@@ -170,6 +217,55 @@ class Heartbeat:
     completed: int
     failed: int
     kv_cache_usage: float | None = None
+    progress: int = 0  #: tokens / frames / items produced since start (the stall watchdog's clock)
+
+
+@dataclass(frozen=True)
+class HeartbeatAck:
+    """Pool -> engine, answering each heartbeat: an engine that stops getting
+    acks has lost its pool and drains itself."""
+
+
+@dataclass(frozen=True)
+class PoolStateAck:
+    """Coordinator -> pool, answering each :class:`PoolState`: a pool that stops
+    getting acks has lost its coordinator and drains itself."""
+
+
+@dataclass(frozen=True)
+class InjectFault:
+    """Anyone -> Coordinator -> pool -> engine ``replica``: inject a fault."""
+
+    replica: str
+    kind: FaultKind
+    factor: float = 1.0
+    reply_to: ActorAddress = None  #: who gets the :class:`AdminReply` (default: the sender)
+
+
+@dataclass(frozen=True)
+class DrainReplica:
+    """-> Coordinator -> pool: stop routing to ``replica``, let it finish, stop it.
+    To an engine: finish in-flight work, then exit."""
+
+    replica: str = ""
+    reply_to: ActorAddress = None
+
+
+@dataclass(frozen=True)
+class ScaleStage:
+    """-> Coordinator -> pool: run ``replicas`` replicas of ``stage`` (launch or drain)."""
+
+    stage: str
+    replicas: int
+    reply_to: ActorAddress = None
+
+
+@dataclass(frozen=True)
+class AdminReply:
+    """Answer to an admin request (inject, drain, scale): ok or why not."""
+
+    ok: bool
+    message: str
 
 
 @dataclass(frozen=True)
@@ -215,6 +311,15 @@ class RunRequest:
     params: dict[str, Any]
     timeout_s: float
     reply_to: ActorAddress
+    max_attempts: int = 3  #: a stage task is tried on at most this many replicas
+
+
+@dataclass(frozen=True)
+class RoutesChanged:
+    """Bridge -> busy RequestActors: a pool was replaced; re-send stages that were
+    running on the old one (a late answer from the old one is dropped)."""
+
+    routes: Routes
 
 
 @dataclass(frozen=True)
@@ -243,6 +348,7 @@ class StageTask:
     needs_output: bool
     reply_to: ActorAddress  #: the RequestActor
     attempt: int = 0
+    exclude: tuple[str, ...] = ()  #: replicas that already failed this task
 
 
 @dataclass(frozen=True)
@@ -287,6 +393,7 @@ class StageFailed:
     replica: str
     kind: ErrorKind
     message: str
+    attempt: int = 0  #: of the task that failed; a failure of an attempt already retried is ignored
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,38 @@
 """CoordinatorActor: the control plane (one per system, by ``globalName``).
 
 Holds the config, creates one StagePoolActor per stage, keeps the live
-replica table the pools publish, and answers "what is running". It never
-touches request payloads.
+instance table the pools publish, answers discovery ("what runs, where"),
+publishes every change to subscribers (the API servers' bridges), and routes
+admin requests (inject, drain, scale) to the right pool. It never touches
+request payloads.
 
-Restart policy: a pool that exits is recorded with the reason in the stage
-table and its stage reports no ready replica (requests get 503); recreating
-pools is the control-plane work of issue 4.
+Restart policy for pools (the same :class:`RestartPolicy` as replicas): a
+pool that exits is recreated after a backoff; the new pool starts new
+replicas, and the old pool's engines, no longer acked, finish their in-flight
+work and exit by themselves. Subscribers get the new :class:`Routes` so that
+requests still waiting on the old pool are re-sent to the new one. Too many
+pool restarts in the window and the stage stays down, saying why.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 
-from thespian.actors import ActorTypeDispatcher, ChildActorExited, WakeupMessage
+from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExited, WakeupMessage
 
 from omni_actors.actors.stage_pool import StagePoolActor
+from omni_actors.actors.supervision import RestartPolicy
 from omni_actors.logs import get_logger
-from omni_actors.messages import (Deploy, GetRoutes, GetStatus, PoolState, ReplicaState, ReplicaStatus,
-                                  Routes, ShutdownDone, ShutdownSystem, StartPool, SystemStatus, WhoAmI,
-                                  YouAre)
+from omni_actors.messages import (AdminReply, Deploy, DrainReplica, GetRoutes, GetStatus, InjectFault, PoolState,
+                                  PoolStateAck, ReplicaState, ReplicaStatus, Routes, ScaleStage, ShutdownDone,
+                                  ShutdownSystem, StartPool, Subscribe, SystemStatus, WhoAmI, YouAre)
 
 #: The coordinator's ``globalName``.
 COORDINATOR_NAME = "omni-actors-coordinator"
+#: A subscriber that has not renewed its lease for this long is dropped.
+SUBSCRIPTION_LEASE_S = 10.0
 
 _SETTLED = (ReplicaState.READY, ReplicaState.FAILED, ReplicaState.DEAD, ReplicaState.STOPPED)
 
@@ -33,26 +43,37 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._config = None
         self._pools: dict[int, object] = {}
         self._states: dict[int, PoolState] = {}
+        self._pool_restarts: dict[int, list[float]] = {}
+        self._routes_version = 0
         self._deploy_waiters: list[object] = []
+        self._subscribers: list[tuple[object, float]] = []
         self._stopping = False
         self._log = get_logger(actor="coordinator")
 
+    # -- deployment -------------------------------------------------------
     def receiveMsg_Deploy(self, msg: Deploy, sender):
         if self._config is None:
             self._config = cfg = msg.config
-            dep = cfg.deployment
+            r = cfg.deployment.supervision.restart
+            self._restart = RestartPolicy(r.initial_backoff_s, r.max_backoff_s, r.max_restarts, r.window_s)
             for stage in cfg.stage_args:
-                pool = self.createActor(StagePoolActor)
-                self._pools[stage.stage_id] = pool
                 self._states[stage.stage_id] = PoolState(stage.stage_id, stage.name, ())
-                self.send(pool, StartPool(stage, cfg.deployment_of(stage), dep.heartbeat_interval_s,
-                                          dep.ready_timeout_s, dep.inline_threshold_bytes,
-                                          dep.load_balancing))
-            self._log.info("deploying", model=dep.served_model_name, stages=[s.name for s in cfg.stage_args])
+                self._pool_restarts[stage.stage_id] = []
+                self._start_pool(stage)
+            self._log.info("deploying", model=cfg.deployment.served_model_name,
+                           stages=[s.name for s in cfg.stage_args])
             # Answer even if a pool never reports: ready deadline plus a margin.
-            self.wakeupAfter(dep.ready_timeout_s + 5.0, payload="deploy_deadline")
+            self.wakeupAfter(cfg.deployment.ready_timeout_s + 5.0, payload="deploy_deadline")
         self._deploy_waiters.append(sender)
         self._answer_deploy_waiters()
+
+    def _start_pool(self, stage) -> None:
+        cfg = self._config
+        dep = cfg.deployment
+        pool = self.createActor(StagePoolActor)
+        self._pools[stage.stage_id] = pool
+        self.send(pool, StartPool(stage, cfg.deployment_of(stage), dep.heartbeat_interval_s, dep.ready_timeout_s,
+                                  dep.inline_threshold_bytes, dep.load_balancing, dep.supervision))
 
     def _settled(self) -> bool:
         if self._config is None:
@@ -72,37 +93,115 @@ class CoordinatorActor(ActorTypeDispatcher):
                 self.send(waiter, status)
             self._deploy_waiters = []
 
+    # -- the instance table -----------------------------------------------
     def receiveMsg_PoolState(self, msg: PoolState, sender):
-        self._states[msg.stage_id] = msg
+        self.send(sender, PoolStateAck())
+        if self._pools.get(msg.stage_id) != sender:
+            return  # an old pool, draining after it was replaced
+        old = self._states.get(msg.stage_id)
+        self._states[msg.stage_id] = PoolState(msg.stage_id, msg.stage, msg.replicas, msg.pid, msg.pending,
+                                               len(self._pool_restarts.get(msg.stage_id, ())))
+        if old is None or _states_of(old) != _states_of(msg):
+            for r in msg.replicas:
+                before = next((o for o in (old.replicas if old else ()) if o.replica == r.replica), None)
+                if before is None or before.state != r.state:
+                    self._log.info("instance_update", stage=msg.stage, replica=r.replica, state=r.state.value,
+                                   reason=r.reason or None)
+            self._publish_status()
         self._answer_deploy_waiters()
 
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
         if msg.payload == "deploy_deadline":
             self._answer_deploy_waiters(force=True)
+        elif isinstance(msg.payload, tuple) and msg.payload[0] == "restart_pool" and not self._stopping:
+            stage = self._config.stage(msg.payload[1])
+            self._pool_restarts[stage.stage_id].append(time.monotonic())
+            self._start_pool(stage)
+            self._routes_version += 1
+            self._log.warning("pool_restarted", stage=stage.name, restarts=len(self._pool_restarts[stage.stage_id]))
+            self._publish_routes()
 
+    def receiveMsg_ChildActorExited(self, msg: ChildActorExited, sender):
+        for stage_id, pool in list(self._pools.items()):
+            if pool != msg.childAddress:
+                continue
+            old = self._states[stage_id]
+            if self._stopping:
+                return
+            delay = self._restart.next_delay(self._pool_restarts[stage_id], time.monotonic())
+            why = "stage pool exited" + ("" if delay is not None else
+                                         f"; gave up after {len(self._pool_restarts[stage_id])} restarts")
+            self._log.error("pool_exited", stage=old.stage, restart_in_s=delay)
+            self._states[stage_id] = PoolState(stage_id, old.stage, tuple(
+                ReplicaStatus(r.replica, ReplicaState.DEAD if delay is not None else ReplicaState.FAILED, why)
+                for r in old.replicas), None, 0, len(self._pool_restarts[stage_id]))
+            self._publish_status()
+            if delay is not None:
+                self.wakeupAfter(delay, payload=("restart_pool", stage_id))
+
+    # -- discovery and subscriptions --------------------------------------
     def receiveMsg_GetStatus(self, msg: GetStatus, sender):
         self.send(msg.reply_to or sender, self._status(msg.query_id))
 
     def receiveMsg_GetRoutes(self, msg: GetRoutes, sender):
-        self.send(sender, Routes(self._config, dict(self._pools)))
+        self.send(msg.reply_to or sender, self._routes())
 
     def receiveMsg_WhoAmI(self, msg: WhoAmI, sender):
         self.send(sender, YouAre(sender))
 
-    def receiveMsg_ActorExitRequest(self, msg, sender):
+    def receiveMsg_Subscribe(self, msg: Subscribe, sender):
+        now = time.monotonic()
+        known = any(a == msg.reply_to for a, _ in self._subscribers)
+        self._subscribers = [(a, t) for a, t in self._subscribers
+                             if a != msg.reply_to and now - t < SUBSCRIPTION_LEASE_S]
+        self._subscribers.append((msg.reply_to, now))
+        if not known and self._config is not None:
+            self.send(msg.reply_to, self._routes())
+            self.send(msg.reply_to, self._status("subscription"))
+
+    def _routes(self) -> Routes:
+        return Routes(self._config, dict(self._pools), self._routes_version)
+
+    def _publish_routes(self) -> None:
+        routes = self._routes()
+        for address, _ in self._subscribers:
+            self.send(address, routes)
+
+    def _publish_status(self) -> None:
+        if self._config is None:
+            return
+        status = self._status("subscription")
+        for address, _ in self._subscribers:
+            self.send(address, status)
+
+    # -- admin ------------------------------------------------------------
+    def _pool_of_replica(self, replica: str):
+        stage = replica.rsplit("/", 1)[0]
+        return next((self._pools[s.stage_id] for s in self._config.stage_args if s.name == stage), None) \
+            if self._config else None
+
+    def _forward_admin(self, pool, msg, sender, what: str) -> None:
+        """Pass an admin request to its pool, which answers the requester directly."""
+        if pool is None:
+            self.send(msg.reply_to or sender, AdminReply(False, f"no stage named by {what!r}"))
+        else:
+            self.send(pool, dataclasses.replace(msg, reply_to=msg.reply_to or sender))
+
+    def receiveMsg_InjectFault(self, msg: InjectFault, sender):
+        self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, msg.replica)
+
+    def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):
+        self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, msg.replica)
+
+    def receiveMsg_ScaleStage(self, msg: ScaleStage, sender):
+        self._forward_admin(self._pool_of_replica(msg.stage + "/"), msg, sender, msg.stage)
+
+    # -- shutdown ---------------------------------------------------------
+    def receiveMsg_ActorExitRequest(self, msg: ActorExitRequest, sender):
         self._stopping = True  # the system is shutting down: pools exiting is expected
 
-    def receiveMsg_ChildActorExited(self, msg: ChildActorExited, sender):
-        for stage_id, pool in list(self._pools.items()):
-            if pool == msg.childAddress:
-                old = self._states[stage_id]
-                if not self._stopping:
-                    self._log.error("pool_exited", stage=old.stage)
-                self._states[stage_id] = PoolState(stage_id, old.stage, tuple(
-                    ReplicaStatus(r.replica, ReplicaState.DEAD, "stage pool exited") for r in old.replicas))
-
     def receiveMsg_ShutdownSystem(self, msg: ShutdownSystem, sender):
-        from thespian.actors import ActorExitRequest
+        self._stopping = True
         for pool in self._pools.values():
             self.send(pool, ActorExitRequest())
         self.send(sender, ShutdownDone())
@@ -111,4 +210,9 @@ class CoordinatorActor(ActorTypeDispatcher):
         stages = tuple(self._states[s.stage_id] for s in self._config.stage_args) if self._config else ()
         ready = bool(stages) and all(any(r.state == ReplicaState.READY for r in st.replicas) for st in stages)
         model = self._config.deployment.served_model_name if self._config else ""
-        return SystemStatus(query_id=query_id or str(time.time()), model=model, ready=ready, stages=stages)
+        return SystemStatus(query_id=query_id or str(time.time()), model=model, ready=ready, stages=stages,
+                            coordinator_pid=os.getpid())
+
+
+def _states_of(state: PoolState) -> tuple:
+    return tuple((r.replica, r.state, r.reason) for r in state.replicas)

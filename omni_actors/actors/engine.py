@@ -25,9 +25,12 @@ from omni_actors.connectors import make_connector, release_all
 from omni_actors.engines import create_backend
 from omni_actors.engines.base import BackendTask, StageFinal, TextDelta
 from omni_actors.logs import get_logger
-from omni_actors.messages import (CancelStage, EngineFailed, EngineReady, ErrorKind, Heartbeat,
-                                  StageDelta, StageDone, StageFailed, StageTask, StartEngine,
-                                  TaskFinished)
+from omni_actors.messages import (CancelStage, DrainReplica, EngineFailed, EngineReady, ErrorKind, FaultKind,
+                                  Heartbeat, HeartbeatAck, InjectFault, StageDelta, StageDone, StageFailed,
+                                  StageTask, StartEngine, TaskFinished)
+
+#: Missing pool acks for this many heartbeat intervals means the pool is gone.
+ORPHAN_AFTER_INTERVALS = 3
 from omni_actors.processors import default_input
 
 #: Which output fields go to the client for each final output type.
@@ -114,6 +117,11 @@ class EngineActor(ActorTypeDispatcher):
         self._tasks: dict[tuple[str, int], asyncio.Task] = {}
         self._completed = 0
         self._failed = 0
+        self._progress = 0  # backend events produced: the pool's stall watchdog reads it
+        self._last_ack = time.monotonic()
+        self._draining = False
+        self._fault: InjectFault | None = None
+        self._stalled: asyncio.Event | None = None
         self._log = get_logger(actor="engine")
 
     def _watch(self):
@@ -127,6 +135,10 @@ class EngineActor(ActorTypeDispatcher):
         self._log = self._log.bind(stage=msg.stage.name, replica=msg.replica)
         self._connector = make_connector(msg.inline_threshold_bytes)
         func = msg.stage.custom_process_input_func
+        devices = msg.stage.runtime.devices
+        if devices is not None:
+            # Pinning: set before the backend (and CUDA) is imported in this process.
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(devices)
         self._rt = LoopThread()
         try:
             self._processor = resolve_processor(func) if func else default_input
@@ -149,17 +161,23 @@ class EngineActor(ActorTypeDispatcher):
             return
         self._ready = True
         self._log.info("engine_ready", load_s=round(time.monotonic() - t0, 3), pid=os.getpid())
-        self._rt.emit(self._pool, EngineReady(spec.replica))
+        self._rt.emit(self._pool, EngineReady(spec.replica, os.getpid(), socket.gethostname(),
+                                              os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                                              spec.deployment.backend))
 
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
         if msg.payload == "heartbeat" and self._spec is not None:
+            interval = self._spec.heartbeat_interval_s
+            if not self._draining and time.monotonic() - self._last_ack > ORPHAN_AFTER_INTERVALS * interval:
+                self._log.warning("pool_lost_draining", in_flight=len(self._tasks))
+                self._start_drain()
             load = self._backend.load() if (self._backend and self._ready) else None
             self.send(self._pool, Heartbeat(
                 replica=self._spec.replica,
                 running=load.running if load else 0,
                 waiting=load.waiting if load else 0,
                 completed=self._completed, failed=self._failed,
-                kv_cache_usage=load.kv_cache_usage if load else None))
+                kv_cache_usage=load.kv_cache_usage if load else None, progress=self._progress))
             self.wakeupAfter(self._spec.heartbeat_interval_s, payload="heartbeat")
         return self._watch()
 
@@ -169,6 +187,38 @@ class EngineActor(ActorTypeDispatcher):
                 self.send(address, message)
         return self._watch()
 
+    def receiveMsg_HeartbeatAck(self, msg: HeartbeatAck, sender):
+        self._last_ack = time.monotonic()
+        return self._watch()
+
+    def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):
+        self._start_drain()
+        return self._watch()
+
+    def _start_drain(self) -> None:
+        """Take no new work; exit once in-flight tasks end (checked per heartbeat and per task end)."""
+        self._draining = True
+        self._exit_if_drained()
+
+    def _exit_if_drained(self) -> None:
+        if self._draining and not self._tasks:
+            self.send(self.myAddress, ActorExitRequest())
+
+    def receiveMsg_InjectFault(self, msg: InjectFault, sender):
+        self._log.warning("fault_injected", kind=msg.kind.value, factor=msg.factor)
+        if self._rt is not None:
+            self._rt.loop.call_soon_threadsafe(self._set_fault, msg)
+        return self._watch()
+
+    def _set_fault(self, msg: InjectFault) -> None:
+        """On the loop thread."""
+        if self._stalled is not None:
+            self._stalled.set()  # release tasks held by an earlier stall
+            self._stalled = None
+        self._fault = None if msg.kind == FaultKind.CLEAR else msg
+        if msg.kind == FaultKind.STALL:
+            self._stalled = asyncio.Event()
+
     def receiveMsg_ActorExitRequest(self, msg: ActorExitRequest, sender):
         if self._rt is not None:
             self._rt.stop()  # daemon thread: in-flight tasks end with the process
@@ -177,10 +227,12 @@ class EngineActor(ActorTypeDispatcher):
 
     # -- request plane ----------------------------------------------------
     def receiveMsg_StageTask(self, msg: StageTask, sender):
-        if not self._ready:
+        if not self._ready or self._draining:
             self.send(msg.reply_to, StageFailed(msg.request_id, msg.stage_id,
                                                 self._spec.replica if self._spec else "?",
-                                                ErrorKind.UNAVAILABLE, "replica is not ready"))
+                                                ErrorKind.UNAVAILABLE,
+                                                "replica is draining" if self._draining else "replica is not ready",
+                                                msg.attempt))
             self.send(sender, TaskFinished(self._spec.replica if self._spec else "?",
                                            msg.request_id, msg.stage_id, ok=False))
             return self._watch()
@@ -215,7 +267,7 @@ class EngineActor(ActorTypeDispatcher):
             kind = ErrorKind.BAD_REQUEST if isinstance(exc, ValueError) else ErrorKind.ENGINE_ERROR
             self._log.warning("stage_failed", request_id=msg.request_id, error=str(exc))
             emit(msg.reply_to, StageFailed(msg.request_id, msg.stage_id, replica, kind,
-                                           f"stage {self._spec.stage.name} ({replica}): {exc}"))
+                                           f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt))
         finally:
             self._tasks.pop(key, None)
             if ok:
@@ -223,6 +275,24 @@ class EngineActor(ActorTypeDispatcher):
             else:
                 self._failed += 1
             emit(self._pool, TaskFinished(replica, msg.request_id, msg.stage_id, ok))
+            if self._draining and not self._tasks:
+                emit(self.myAddress, DrainReplica(replica))  # the actor thread exits us
+
+    async def _faulty(self, events):
+        """The backend's events, with any injected fault applied."""
+        fault = self._fault
+        if fault is not None and fault.kind == FaultKind.RAISE_NEXT:
+            self._fault = None
+            raise RuntimeError("injected fault: backend raised")
+        last = time.monotonic()
+        async for event in events:
+            if self._stalled is not None:
+                await self._stalled.wait()
+            fault = self._fault
+            if fault is not None and fault.kind == FaultKind.SLOW and fault.factor > 1:
+                await asyncio.sleep((time.monotonic() - last) * (fault.factor - 1))
+            last = time.monotonic()
+            yield event
 
     async def _execute(self, msg: StageTask) -> StageDone:
         upstream = {sid: self._connector.get(ref) for sid, ref in msg.inputs}
@@ -230,7 +300,8 @@ class EngineActor(ActorTypeDispatcher):
         sampling = {**self._spec.stage.default_sampling_params, **msg.sampling_params}
         task = BackendTask(msg.request_id, engine_input, sampling, dict(msg.params))
         final: StageFinal | None = None
-        async for event in self._backend.generate(task):
+        async for event in self._faulty(self._backend.generate(task)):
+            self._progress += 1
             if isinstance(event, TextDelta):
                 if msg.stream_text and event.text:
                     self._rt.emit(msg.reply_to, StageDelta(msg.request_id, msg.stage_id, event.text))

@@ -17,6 +17,7 @@ cancel) only have their buffers released.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from thespian.actors import ActorTypeDispatcher, WakeupMessage
@@ -24,8 +25,11 @@ from thespian.actors import ActorTypeDispatcher, WakeupMessage
 from omni_actors.connectors import make_connector, release_all
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelRequest, CancelStage, ErrorKind, OutputDelta, OutputReady,
-                                  RequestFinished, RunRequest, StageDelta, StageDone, StageFailed,
+                                  RequestFinished, RoutesChanged, RunRequest, StageDelta, StageDone, StageFailed,
                                   StageTask)
+
+#: Stage failures worth another replica: the engine raised, or was going away.
+RETRYABLE = (ErrorKind.ENGINE_ERROR, ErrorKind.UNAVAILABLE)
 
 
 class RequestActor(ActorTypeDispatcher):
@@ -39,7 +43,8 @@ class RequestActor(ActorTypeDispatcher):
     def _reset(self) -> None:
         self._req = None
         self._done: dict[int, StageDone] = {}
-        self._running: set[int] = set()
+        self._running: dict[int, StageTask] = {}  # the last task sent, per running stage
+        self._pools: dict[int, object] = {}
         self._owned = []  # intermediate refs to release at the end
         self._tokens = [0, 0]
 
@@ -53,6 +58,7 @@ class RequestActor(ActorTypeDispatcher):
             return
         self._reset()
         self._req = msg
+        self._pools = {s.stage_id: s.pool for s in msg.plan.stages}
         self._started = time.monotonic()
         self.wakeupAfter(msg.timeout_s, payload=msg.request_id)
         self._dispatch_ready()
@@ -64,16 +70,17 @@ class RequestActor(ActorTypeDispatcher):
                 continue
             if not all(src in self._done for src in st.sources):
                 continue
-            if st.pool is None:
+            if self._pools.get(st.stage_id) is None:
                 self._finish(ErrorKind.UNAVAILABLE, f"stage {st.stage} has no pool")
                 return
             inputs = tuple((src, self._done[src].output) for src in st.sources)
-            self._running.add(st.stage_id)
-            self.send(st.pool, StageTask(
+            task = StageTask(
                 request_id=req.request_id, stage_id=st.stage_id, prompt=req.prompt, inputs=inputs,
                 sampling_params=req.sampling_params, params=req.params,
                 stream_text=st.final_output_type == "text", final_output_type=st.final_output_type,
-                needs_output=st.needs_output, reply_to=self.myAddress))
+                needs_output=st.needs_output, reply_to=self.myAddress)
+            self._running[st.stage_id] = task
+            self.send(self._pools[st.stage_id], task)
 
     def receiveMsg_StageDelta(self, msg: StageDelta, sender):
         if self._current(msg.request_id):
@@ -83,7 +90,7 @@ class RequestActor(ActorTypeDispatcher):
         if not self._current(msg.request_id) or msg.stage_id not in self._running:
             release_all([msg.output, msg.final])
             return
-        self._running.discard(msg.stage_id)
+        del self._running[msg.stage_id]
         self._done[msg.stage_id] = msg
         if msg.output is not None:
             self._owned.append(msg.output)
@@ -103,9 +110,36 @@ class RequestActor(ActorTypeDispatcher):
             self._dispatch_ready()
 
     def receiveMsg_StageFailed(self, msg: StageFailed, sender):
-        if self._current(msg.request_id) and msg.stage_id in self._running:
-            self._running.discard(msg.stage_id)
-            self._finish(msg.kind, msg.message)
+        if not self._current(msg.request_id) or msg.stage_id not in self._running:
+            return
+        task = self._running[msg.stage_id]
+        if msg.attempt < task.attempt:
+            return  # an attempt that was already retried
+        attempt = msg.attempt + 1  # the pool may have re-dispatched it already (a dead replica)
+        if msg.replica and msg.kind in RETRYABLE and attempt < self._req.max_attempts:
+            # An engine failed this task: try another replica of the stage.
+            self._log.warning("stage_retry", request_id=msg.request_id, stage_id=msg.stage_id,
+                              replica=msg.replica, error=msg.message)
+            self._resend(dataclasses.replace(task, attempt=attempt, exclude=task.exclude + (msg.replica,)))
+            return
+        del self._running[msg.stage_id]
+        self._finish(msg.kind, msg.message)
+
+    def _resend(self, task: StageTask) -> None:
+        self._running[task.stage_id] = task
+        self.send(self._pools[task.stage_id], task)
+
+    def receiveMsg_RoutesChanged(self, msg: RoutesChanged, sender):
+        """A pool was replaced: re-send stages that were waiting on the old one."""
+        if self._req is None:
+            return
+        for stage_id, pool in msg.routes.pools.items():
+            if stage_id not in self._pools or pool == self._pools[stage_id]:
+                continue
+            self._pools[stage_id] = pool
+            task = self._running.get(stage_id)
+            if task is not None:
+                self._resend(dataclasses.replace(task, attempt=task.attempt + 1))
 
     def receiveMsg_CancelRequest(self, msg: CancelRequest, sender):
         if self._current(msg.request_id):
@@ -117,9 +151,8 @@ class RequestActor(ActorTypeDispatcher):
 
     def _finish(self, error: ErrorKind | None, message: str) -> None:
         req = self._req
-        by_id = {s.stage_id: s for s in req.plan.stages}
         for stage_id in self._running:
-            self.send(by_id[stage_id].pool, CancelStage(req.request_id, stage_id))
+            self.send(self._pools[stage_id], CancelStage(req.request_id, stage_id))
         release_all(self._owned)
         names = {s.stage_id: s.stage for s in req.plan.stages}
         self._log.info("request_finished", request_id=req.request_id,

@@ -1,32 +1,45 @@
 """StagePoolActor: owns the replicas of one stage, routes its tasks, supervises them.
 
-Restart policy (the one place it is written down): a replica that fails to
-load, or misses its ready deadline, is marked FAILED with the reason and left
-down (no tight retry loop: a bad model path fails the same way again). A
-replica whose process exits while READY is marked DEAD; its in-flight tasks
-are re-dispatched at once to another READY replica of this stage, at most
-``MAX_TASK_ATTEMPTS`` times per task, after which the request gets a clear
-error. Automatic restarts with backoff arrive with the control plane (issue 4).
+Supervision follows ``omni_actors.actors.supervision`` (the policy, in one
+place). In short: a replica that misses heartbeats, stalls, or trips its
+circuit breaker is ISOLATED (no new work), killed, and restarted with
+backoff; one whose process exits is restarted the same way; its in-flight
+tasks go at once to another replica of the stage. A replica that fails to
+load is FAILED and not retried (a bad model path fails the same way again).
+Tasks that find no ready replica wait up to ``queue_timeout_s`` for one (a
+restart, a late start), then the request gets a clear 503.
+
+A pool that stops getting acks from its coordinator (the coordinator died
+and a new one made a new pool) drains its replicas and exits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import socket
 import time
 from dataclasses import dataclass, field
 
-from thespian.actors import (ActorExitRequest, ActorTypeDispatcher, ChildActorExited, PoisonMessage,
-                             WakeupMessage)
+from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExited, PoisonMessage, WakeupMessage
 
 from omni_actors.actors.engine import EngineActor
+from omni_actors.actors.supervision import HealthPolicy, ReplicaHealth, RestartPolicy
 from omni_actors.balancing import POLICIES, ReplicaLoad
 from omni_actors.logs import get_logger
-from omni_actors.messages import (CancelStage, EngineFailed, EngineReady, ErrorKind, Heartbeat,
-                                  PoolState, ReplicaState, ReplicaStatus, StageFailed, StageTask,
-                                  StartEngine, StartPool, TaskFinished)
+from omni_actors.messages import (LATENCY_BUCKETS_S, AdminReply, CancelStage, DrainReplica, EngineFailed,
+                                  EngineReady, ErrorKind, Heartbeat, HeartbeatAck, InjectFault, PoolState,
+                                  PoolStateAck, ReplicaState, ReplicaStatus, ScaleStage, StageFailed,
+                                  StageTask, StartEngine, StartPool, TaskFinished)
 
-#: A task is tried on at most this many replicas before its request fails.
-MAX_TASK_ATTEMPTS = 3
+#: Ticks per heartbeat interval: how often health is judged.
+TICKS_PER_INTERVAL = 4
+#: Missing this many coordinator acks (in intervals) means the coordinator is gone.
+ORPHAN_AFTER_INTERVALS = 5
+
+_ROUTABLE = (ReplicaState.READY,)
+_ALIVE = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING, ReplicaState.ISOLATED)
 
 
 @dataclass
@@ -35,13 +48,21 @@ class Replica:
     address: object
     state: ReplicaState = ReplicaState.STARTING
     reason: str = ""
-    in_flight: dict[tuple[str, int], StageTask] = field(default_factory=dict)
+    in_flight: dict[tuple[str, int], tuple[StageTask, float]] = field(default_factory=dict)
     dispatched: int = 0
     completed: int = 0
     failed: int = 0
     running: int = 0
     waiting: int = 0
-    last_heartbeat: float | None = None
+    kv_cache_usage: float | None = None
+    pid: int | None = None
+    node: str = ""
+    devices: str = ""
+    backend: str = ""
+    restarts: list[float] = field(default_factory=list)
+    health: ReplicaHealth | None = None
+    latency: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS_S))
+    latency_sum: float = 0.0
 
 
 class StagePoolActor(ActorTypeDispatcher):
@@ -50,138 +71,299 @@ class StagePoolActor(ActorTypeDispatcher):
         self._spec: StartPool | None = None
         self._coordinator = None
         self._replicas: dict[str, Replica] = {}
+        self._pending: list[tuple[StageTask, float]] = []
+        self._next_index = 0
+        self._last_ack = time.monotonic()
+        self._orphaned = False
+        self._ticks = 0
         self._log = get_logger(actor="pool")
 
-    # -- supervision ------------------------------------------------------
+    # -- set-up -----------------------------------------------------------
     def receiveMsg_StartPool(self, msg: StartPool, sender):
         if self._spec is not None:
             return
         self._spec, self._coordinator = msg, sender
+        sup = msg.supervision
         self._policy = POLICIES[msg.load_balancing]
+        self._health = HealthPolicy(msg.heartbeat_interval_s, sup.missed_heartbeats, sup.stall_timeout_s,
+                                    sup.circuit_breaker_failures)
+        r = sup.restart
+        self._restart = RestartPolicy(r.initial_backoff_s, r.max_backoff_s, r.max_restarts, r.window_s)
         self._log = self._log.bind(stage=msg.stage.name)
-        for index in range(msg.deployment.replicas):
-            self._launch(f"{msg.stage.name}/{index}")
-        self.wakeupAfter(msg.heartbeat_interval_s, payload="tick")
+        for _ in range(msg.deployment.replicas):
+            self._launch(self._new_replica_id())
+        self.wakeupAfter(msg.heartbeat_interval_s / TICKS_PER_INTERVAL, payload="tick")
         self._publish()
 
-    def _launch(self, replica_id: str) -> None:
+    def _new_replica_id(self) -> str:
+        rid = f"{self._spec.stage.name}/{self._next_index}"
+        self._next_index += 1
+        return rid
+
+    def _launch(self, replica_id: str, restarts: list[float] | None = None) -> None:
         spec = self._spec
         address = self.createActor(EngineActor)
-        self._replicas[replica_id] = Replica(replica_id, address)
+        self._replicas[replica_id] = Replica(replica_id, address, restarts=restarts or [])
         self.send(address, StartEngine(replica_id, spec.stage, spec.deployment,
                                        spec.heartbeat_interval_s, spec.inline_threshold_bytes))
-        self.wakeupAfter(spec.ready_timeout_s, payload=("ready_deadline", replica_id))
+        self.wakeupAfter(spec.ready_timeout_s, payload=("ready_deadline", replica_id, address))
         self._log.info("replica_launched", replica=replica_id)
 
+    # -- registration -----------------------------------------------------
     def receiveMsg_EngineReady(self, msg: EngineReady, sender):
         rep = self._replicas.get(msg.replica)
         if rep and rep.state == ReplicaState.STARTING:
-            rep.state, rep.last_heartbeat = ReplicaState.READY, time.monotonic()
-            self._log.info("replica_ready", replica=msg.replica)
+            now = time.monotonic()
+            rep.state, rep.reason = ReplicaState.READY, ""
+            rep.pid, rep.node, rep.devices, rep.backend = msg.pid, msg.node, msg.devices, msg.backend
+            rep.health = ReplicaHealth(last_heartbeat=now, progress_at=now)
+            self._log.info("replica_ready", replica=msg.replica, pid=msg.pid, node=msg.node)
             self._publish()
+            self._drain_pending()
 
     def receiveMsg_EngineFailed(self, msg: EngineFailed, sender):
-        self._fail(msg.replica, msg.reason)
-
-    def _fail(self, replica_id: str, reason: str) -> None:
-        rep = self._replicas.get(replica_id)
-        if rep is None or rep.state in (ReplicaState.FAILED, ReplicaState.DEAD):
+        rep = self._replicas.get(msg.replica)
+        if rep is None or rep.state not in _ALIVE:
             return
-        rep.state, rep.reason = ReplicaState.FAILED, reason
-        self._log.error("replica_failed", replica=replica_id, reason=reason)
+        self._set_down(rep, ReplicaState.FAILED, msg.reason)
         self.send(rep.address, ActorExitRequest())
+
+    def receiveMsg_Heartbeat(self, msg: Heartbeat, sender):
+        self.send(sender, HeartbeatAck())
+        rep = self._replicas.get(msg.replica)
+        if rep is not None and rep.health is not None:
+            rep.running, rep.waiting, rep.kv_cache_usage = msg.running, msg.waiting, msg.kv_cache_usage
+            rep.health.on_heartbeat(time.monotonic(), msg.progress)
+
+    def receiveMsg_PoolStateAck(self, msg, sender):
+        self._last_ack = time.monotonic()
+
+    # -- supervision ------------------------------------------------------
+    def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
+        payload = msg.payload
+        if payload == "tick":
+            self._tick()
+            self.wakeupAfter(self._spec.heartbeat_interval_s / TICKS_PER_INTERVAL, payload="tick")
+        elif isinstance(payload, tuple) and payload[0] == "ready_deadline":
+            rep = self._replicas.get(payload[1])
+            if rep is not None and rep.address == payload[2] and rep.state == ReplicaState.STARTING:
+                self._set_down(rep, ReplicaState.FAILED,
+                               f"did not become ready within {self._spec.ready_timeout_s:g} s")
+                self._kill(rep)
+        elif isinstance(payload, tuple) and payload[0] == "restart":
+            rep = self._replicas.get(payload[1])
+            if rep is not None and rep.state == ReplicaState.DEAD and not self._orphaned:
+                rep.restarts.append(time.monotonic())
+                self._launch(rep.replica, rep.restarts)
+                self._publish()
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        self._ticks += 1
+        if self._ticks % TICKS_PER_INTERVAL == 0:
+            self._publish()  # load figures once per interval; state changes publish at once
+        for rep in list(self._replicas.values()):
+            if rep.state == ReplicaState.READY and rep.health is not None:
+                why = self._health.verdict(rep.health, now, len(rep.in_flight))
+                if why:
+                    self._isolate(rep, why)
+            elif rep.state == ReplicaState.DRAINING and not rep.in_flight:
+                self.send(rep.address, DrainReplica(rep.replica))
+        expired = [(t, d) for t, d in self._pending if now >= d]
+        if expired:
+            self._pending = [(t, d) for t, d in self._pending if now < d]
+            for task, _ in expired:
+                self._reject(task, f"no ready replica of stage {self._spec.stage.name} within "
+                                   f"{self._spec.supervision.queue_timeout_s:g} s ({self._describe()})")
+        if not self._orphaned and now - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.heartbeat_interval_s:
+            self._orphaned = True
+            self._log.warning("coordinator_lost_draining")
+            for rep in self._replicas.values():
+                if rep.state in _ALIVE:
+                    self.send(rep.address, DrainReplica(rep.replica))
+        if self._orphaned and not any(r.state in _ALIVE for r in self._replicas.values()):
+            self.send(self.myAddress, ActorExitRequest())
+
+    def _isolate(self, rep: Replica, why: str) -> None:
+        self._log.error("replica_isolated", replica=rep.replica, reason=why)
+        rep.state, rep.reason = ReplicaState.ISOLATED, why
+        self._redispatch(rep)
+        self._kill(rep)
+        self._publish()
+
+    def _kill(self, rep: Replica) -> None:
+        """SIGKILL a replica on this host (a hung process cannot take an exit
+        request); elsewhere, ask it to exit."""
+        if rep.pid and rep.node == socket.gethostname():
+            try:
+                os.kill(rep.pid, signal.SIGKILL)
+                return
+            except ProcessLookupError:
+                return
+        self.send(rep.address, ActorExitRequest())
+
+    def _set_down(self, rep: Replica, state: ReplicaState, reason: str) -> None:
+        rep.state, rep.reason = state, reason
+        self._log.error("replica_down", replica=rep.replica, state=state.value, reason=reason)
         self._redispatch(rep)
         self._publish()
 
     def receiveMsg_ChildActorExited(self, msg: ChildActorExited, sender):
-        rep = self._replica_at(msg.childAddress)
+        rep = next((r for r in self._replicas.values() if r.address == msg.childAddress), None)
         if rep is None:
             return
-        replica_id = rep.replica
-        if rep.state in (ReplicaState.STARTING, ReplicaState.READY):
-            rep.state = ReplicaState.DEAD
-            rep.reason = rep.reason or "process exited"
-            self._log.error("replica_exited", replica=replica_id)
+        if rep.state in (ReplicaState.FAILED, ReplicaState.STOPPED):
+            self._redispatch(rep)
+            self._publish()
+            return
+        if rep.state == ReplicaState.DRAINING:
+            rep.state, rep.reason = ReplicaState.STOPPED, rep.reason or "drained"
+            self._redispatch(rep)
+            self._publish()
+            return
+        cause = rep.reason if rep.state == ReplicaState.ISOLATED else "process exited"
+        rep.state, rep.reason = ReplicaState.DEAD, cause
+        self._log.error("replica_exited", replica=rep.replica, reason=cause)
         self._redispatch(rep)
+        delay = self._restart.next_delay(rep.restarts, time.monotonic())
+        if delay is None or self._orphaned:
+            rep.state = ReplicaState.FAILED
+            rep.reason = (f"{cause}; gave up after {len(rep.restarts)} restarts in "
+                          f"{self._restart.window_s:g} s")
+        else:
+            rep.reason = f"{cause}; restarting in {delay:g} s"
+            self.wakeupAfter(delay, payload=("restart", rep.replica))
         self._publish()
 
-    def _replica_at(self, address) -> Replica | None:
-        # ActorAddress is not hashable: compare, a handful of replicas per pool
-        return next((r for r in self._replicas.values() if r.address == address), None)
-
     def _redispatch(self, rep: Replica) -> None:
-        tasks, rep.in_flight = list(rep.in_flight.values()), {}
+        tasks, rep.in_flight = [t for t, _ in rep.in_flight.values()], {}
         for task in tasks:
-            retry = dataclasses.replace(task, attempt=task.attempt + 1)
+            retry = dataclasses.replace(task, attempt=task.attempt + 1, exclude=task.exclude + (rep.replica,))
             self._route(retry, why=f"replica {rep.replica} {rep.state.value}: {rep.reason}")
-
-    def receiveMsg_Heartbeat(self, msg: Heartbeat, sender):
-        rep = self._replicas.get(msg.replica)
-        if rep is not None:
-            rep.running, rep.waiting = msg.running, msg.waiting
-            rep.last_heartbeat = time.monotonic()
-
-    def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
-        if msg.payload == "tick":
-            self._publish()
-            self.wakeupAfter(self._spec.heartbeat_interval_s, payload="tick")
-        elif isinstance(msg.payload, tuple) and msg.payload[0] == "ready_deadline":
-            rep = self._replicas.get(msg.payload[1])
-            if rep is not None and rep.state == ReplicaState.STARTING:
-                self._fail(rep.replica, f"did not become ready within {self._spec.ready_timeout_s:g} s")
 
     def receiveMsg_PoisonMessage(self, msg: PoisonMessage, sender):
         poisoned = msg.poisonMessage
         self._log.error("poison_message", message_type=type(poisoned).__name__, details=str(msg.details))
         if isinstance(poisoned, StageTask):
-            rep = self._replica_at(sender)
-            replica_id = rep.replica if rep else None
+            rep = next((r for r in self._replicas.values() if r.address == sender), None)
             if rep is not None:
                 rep.in_flight.pop((poisoned.request_id, poisoned.stage_id), None)
-            self.send(poisoned.reply_to, StageFailed(poisoned.request_id, poisoned.stage_id,
-                                                     replica_id or "?", ErrorKind.ENGINE_ERROR,
-                                                     f"replica {replica_id} could not take the task"))
+            self._route(dataclasses.replace(poisoned, attempt=poisoned.attempt + 1,
+                                            exclude=poisoned.exclude + ((rep.replica,) if rep else ())),
+                        why="the replica could not take the task")
 
     def receiveMsg_ActorExitRequest(self, msg, sender):
         return None  # Thespian sends our children their own exit requests
+
+    # -- admin ------------------------------------------------------------
+    def receiveMsg_InjectFault(self, msg: InjectFault, sender):
+        rep = self._replicas.get(msg.replica)
+        if rep is None or rep.state not in _ALIVE:
+            self.send(msg.reply_to or sender, AdminReply(False, f"no live replica {msg.replica}"))
+            return
+        self.send(rep.address, msg)
+        self._log.warning("fault_injected", replica=msg.replica, kind=msg.kind.value, factor=msg.factor)
+        self.send(msg.reply_to or sender, AdminReply(True, f"{msg.kind.value} injected into {msg.replica}"))
+
+    def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):
+        rep = self._replicas.get(msg.replica)
+        if rep is None or rep.state not in (ReplicaState.READY, ReplicaState.STARTING):
+            self.send(msg.reply_to or sender, AdminReply(False, f"{msg.replica} is not a ready or starting replica"))
+            return
+        self._drain(rep, "drained on request")
+        self.send(msg.reply_to or sender, AdminReply(True, f"draining {msg.replica} ({len(rep.in_flight)} in flight)"))
+
+    def _drain(self, rep: Replica, why: str) -> None:
+        rep.state, rep.reason = ReplicaState.DRAINING, why
+        self._log.info("replica_draining", replica=rep.replica, in_flight=len(rep.in_flight))
+        if not rep.in_flight:
+            self.send(rep.address, DrainReplica(rep.replica))
+        self._publish()
+
+    def receiveMsg_ScaleStage(self, msg: ScaleStage, sender):
+        live = [r for r in self._replicas.values() if r.state in (ReplicaState.STARTING, ReplicaState.READY,
+                                                                   ReplicaState.DEAD, ReplicaState.ISOLATED)]
+        if msg.replicas > len(live):
+            for _ in range(msg.replicas - len(live)):
+                self._launch(self._new_replica_id())
+        else:
+            # retire the least busy, newest first
+            for rep in sorted(live, key=lambda r: (len(r.in_flight), -self._index(r)))[:len(live) - msg.replicas]:
+                if rep.state == ReplicaState.DEAD:
+                    rep.state, rep.reason = ReplicaState.STOPPED, "scaled down"
+                else:
+                    self._drain(rep, "scaled down")
+        self._publish()
+        self.send(msg.reply_to or sender, AdminReply(True, f"{self._spec.stage.name}: {len(live)} -> {msg.replicas} replicas"))
+
+    @staticmethod
+    def _index(rep: Replica) -> int:
+        return int(rep.replica.rsplit("/", 1)[1])
 
     # -- request plane ----------------------------------------------------
     def receiveMsg_StageTask(self, msg: StageTask, sender):
         self._route(msg)
 
     def _route(self, task: StageTask, why: str = "") -> None:
-        ready = [r for r in self._replicas.values() if r.state == ReplicaState.READY]
-        if task.attempt >= MAX_TASK_ATTEMPTS:
-            self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, "", ErrorKind.UNAVAILABLE,
-                                                 f"stage {self._spec.stage.name}: gave up after "
-                                                 f"{task.attempt} attempts ({why})"))
+        if task.attempt >= self._spec.supervision.max_task_attempts:
+            self._reject(task, f"stage {self._spec.stage.name}: gave up after {task.attempt} attempts ({why})")
             return
+        ready = [r for r in self._replicas.values() if r.state in _ROUTABLE and r.replica not in task.exclude]
+        if not ready:
+            ready = [r for r in self._replicas.values() if r.state in _ROUTABLE]
         chosen = self._policy([ReplicaLoad(r.replica, len(r.in_flight), r.dispatched) for r in ready])
         if chosen is None:
-            reasons = "; ".join(f"{r.replica} {r.state.value}" + (f": {r.reason}" if r.reason else "")
-                                for r in self._replicas.values()) or "no replicas"
-            self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, "", ErrorKind.UNAVAILABLE,
-                                                 f"no ready replica of stage {self._spec.stage.name} "
-                                                 f"({reasons})"))
+            if any(r.state in (ReplicaState.STARTING, ReplicaState.DEAD, ReplicaState.ISOLATED)
+                   for r in self._replicas.values()) and self._spec.supervision.queue_timeout_s > 0:
+                self._pending.append((task, time.monotonic() + self._spec.supervision.queue_timeout_s))
+            else:
+                self._reject(task, f"no ready replica of stage {self._spec.stage.name} ({self._describe()})")
             return
         rep = self._replicas[chosen]
-        rep.in_flight[(task.request_id, task.stage_id)] = task
+        now = time.monotonic()
+        rep.health.on_dispatch(now, was_idle=not rep.in_flight)
+        rep.in_flight[(task.request_id, task.stage_id)] = (task, now)
         rep.dispatched += 1
         self.send(rep.address, task)
+
+    def _drain_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for task, deadline in pending:
+            self._route(task)
+
+    def _reject(self, task: StageTask, message: str) -> None:
+        self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, "", ErrorKind.UNAVAILABLE, message,
+                                             task.attempt))
+
+    def _describe(self) -> str:
+        return "; ".join(f"{r.replica} {r.state.value}" + (f": {r.reason}" if r.reason else "")
+                         for r in self._replicas.values()) or "no replicas"
 
     def receiveMsg_TaskFinished(self, msg: TaskFinished, sender):
         rep = self._replicas.get(msg.replica)
         if rep is None:
             return
-        if rep.in_flight.pop((msg.request_id, msg.stage_id), None) is not None:
-            if msg.ok:
-                rep.completed += 1
-            else:
-                rep.failed += 1
+        entry = rep.in_flight.pop((msg.request_id, msg.stage_id), None)
+        if entry is None:
+            return
+        now = time.monotonic()
+        if msg.ok:
+            rep.completed += 1
+            took = now - entry[1]
+            rep.latency[next(i for i, b in enumerate(LATENCY_BUCKETS_S) if took <= b)] += 1
+            rep.latency_sum += took
+        else:
+            rep.failed += 1
+        if rep.health is not None:
+            rep.health.on_task_done(msg.ok, now)
+        if rep.state == ReplicaState.DRAINING and not rep.in_flight:
+            self.send(rep.address, DrainReplica(rep.replica))
 
     def receiveMsg_CancelStage(self, msg: CancelStage, sender):
+        key = (msg.request_id, msg.stage_id)
+        self._pending = [(t, d) for t, d in self._pending if (t.request_id, t.stage_id) != key]
         for rep in self._replicas.values():
-            if (msg.request_id, msg.stage_id) in rep.in_flight:
+            if key in rep.in_flight:
                 self.send(rep.address, msg)
 
     # -- status -----------------------------------------------------------
@@ -193,6 +375,10 @@ class StagePoolActor(ActorTypeDispatcher):
             ReplicaStatus(
                 replica=r.replica, state=r.state, reason=r.reason, in_flight=len(r.in_flight),
                 running=r.running, waiting=r.waiting, completed=r.completed, failed=r.failed,
-                last_heartbeat_age_s=None if r.last_heartbeat is None else round(now - r.last_heartbeat, 3))
+                last_heartbeat_age_s=None if r.health is None else round(now - r.health.last_heartbeat, 3),
+                pid=r.pid, node=r.node, devices=r.devices, backend=r.backend, restarts=len(r.restarts),
+                rate=round(r.health.rate(), 2) if r.health else 0.0, kv_cache_usage=r.kv_cache_usage,
+                latency_buckets=tuple(r.latency), latency_sum_s=round(r.latency_sum, 6))
             for r in self._replicas.values())
-        self.send(self._coordinator, PoolState(self._spec.stage.stage_id, self._spec.stage.name, replicas))
+        self.send(self._coordinator, PoolState(self._spec.stage.stage_id, self._spec.stage.name, replicas,
+                                               pid=os.getpid(), pending=len(self._pending)))

@@ -31,7 +31,12 @@ from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputText, Pipeli
                                     RequestFailed)
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelRequest, ErrorKind, GetRoutes, GetStatus, OutputDelta, OutputReady,
-                                  RequestFinished, Routes, RunRequest, SystemStatus, WhoAmI, YouAre)
+                                  RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe, SystemStatus,
+                                  WhoAmI, YouAre)
+
+#: How often the bridge renews its subscription with the coordinator (a lease:
+#: a coordinator restarted after a crash learns of us within this time).
+SUBSCRIBE_EVERY_S = 2.0
 from omni_actors.planning import PlanError, plan_request
 
 #: HTTP status for each way a request can fail.
@@ -91,6 +96,7 @@ class ActorBridge:
         self.output_types = frozenset(cfg.output_types())
         self.max_tokens_limit = cfg.deployment.max_tokens_limit
         self.request_timeout_s = cfg.deployment.request_timeout_s
+        self._max_attempts = cfg.deployment.supervision.max_task_attempts
 
     def close(self) -> None:
         self._stop.set()
@@ -112,7 +118,7 @@ class ActorBridge:
         self._streams[request.request_id] = stream
         self._outbox.put(("run", RunRequest(request.request_id, request.prompt, plan,
                                             dict(request.sampling_params), dict(request.params),
-                                            timeout, self._address)))
+                                            timeout, self._address, self._max_attempts)))
         finished = False
         deadline = time.monotonic() + timeout + 5.0  # the RequestActor's own deadline fires first
         try:
@@ -176,6 +182,10 @@ class ActorBridge:
                             free.append(item[2])
                     elif kind == "tell":
                         ctx.tell(item[1], item[2])
+                    elif kind == "routes":
+                        # a pool was replaced: requests in flight re-send what waited on it
+                        for actor in running.values():
+                            ctx.tell(actor, RoutesChanged(item[1]))
                 except Exception as exc:  # noqa: BLE001 - keep the bridge alive; the request times out
                     self._log.error("bridge_send_failed", kind=kind, error=str(exc))
 
@@ -189,7 +199,11 @@ class ActorBridge:
                 return
             self._address, self._routes = you.address, routes
             ready.set()
+            next_subscribe = 0.0
             while not self._stop.is_set():
+                if time.monotonic() >= next_subscribe:
+                    ctx.tell(self._coordinator, Subscribe(self._address))
+                    next_subscribe = time.monotonic() + SUBSCRIBE_EVERY_S
                 msg = ctx.listen(0.5)
                 if msg is not None:
                     self._on_message(msg)
@@ -219,6 +233,11 @@ class ActorBridge:
             self._deliver(msg.request_id, event)
         elif isinstance(msg, SystemStatus):
             self._loop.call_soon_threadsafe(self._resolve_query, msg)
+        elif isinstance(msg, Routes):
+            if msg.config is not None and (msg.version != self._routes.version or msg.pools != self._routes.pools):
+                self._routes = msg
+                self._log.info("routes_changed", version=msg.version)
+                self._outbox.put(("routes", msg))
 
     def _deliver(self, request_id: str, event: BridgeEvent) -> None:
         self._loop.call_soon_threadsafe(self._put, request_id, event)

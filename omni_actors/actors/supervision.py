@@ -1,0 +1,97 @@
+"""Supervision policy, in one place: when a replica is unhealthy and how it restarts.
+
+Pure logic (no actors), so every rule is unit-tested on its own. The pool
+applies it; the coordinator applies :class:`RestartPolicy` to pools.
+
+Rules (defaults in :class:`omni_actors.config.Supervision`):
+
+- **Missed heartbeats**: a READY replica whose last heartbeat is older than
+  ``missed_heartbeats`` intervals (3, as Ray Serve's 3 failed checks, but 1 s
+  apart instead of 10 s) is isolated: it is hung or gone.
+- **Stall**: a replica that heartbeats, has work in flight, and reports no
+  progress (tokens or items produced) for ``stall_timeout_s`` is isolated.
+- **Circuit breaker**: ``breaker_failures`` task failures in a row isolate it.
+- **Restart** (Erlang/OTP-style intensity): after an isolated replica is
+  killed, or a replica's process exits, it is restarted after an exponential
+  backoff (``initial_backoff_s`` doubling up to ``max_backoff_s``); more than
+  ``max_restarts`` restarts within ``window_s`` and it stays down, FAILED,
+  with the reason in ``status``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    initial_backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+    max_restarts: int = 5
+    window_s: float = 60.0
+
+    def next_delay(self, restart_times: list[float], now: float) -> float | None:
+        """Backoff before the next restart, or None when the intensity is exceeded.
+
+        ``restart_times`` are the monotonic times of earlier restarts of the
+        same replica; only those within ``window_s`` of ``now`` count.
+        """
+        recent = [t for t in restart_times if now - t <= self.window_s]
+        if len(recent) >= self.max_restarts:
+            return None
+        return min(self.initial_backoff_s * (2 ** len(recent)), self.max_backoff_s)
+
+
+@dataclass
+class ReplicaHealth:
+    """What the pool tracks to judge one replica. Times are monotonic seconds."""
+
+    last_heartbeat: float
+    progress: int = 0
+    progress_at: float = 0.0
+    consecutive_failures: int = 0
+    history: list[tuple[float, int]] = field(default_factory=list)  # (time, progress) for rates
+
+    def on_heartbeat(self, now: float, progress: int) -> None:
+        self.last_heartbeat = now
+        if progress != self.progress:
+            self.progress, self.progress_at = progress, now
+        self.history.append((now, progress))
+        del self.history[:-6]
+
+    def on_dispatch(self, now: float, was_idle: bool) -> None:
+        """A task was sent; an idle replica's stall clock starts now."""
+        if was_idle:
+            self.progress_at = now
+
+    def on_task_done(self, ok: bool, now: float) -> None:
+        self.consecutive_failures = 0 if ok else self.consecutive_failures + 1
+        if ok:
+            self.progress_at = now  # finishing a task is progress
+
+    def rate(self) -> float:
+        """Units (tokens, frames, items) per second over the last few heartbeats."""
+        if len(self.history) < 2:
+            return 0.0
+        (t0, p0), (t1, p1) = self.history[0], self.history[-1]
+        return (p1 - p0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+@dataclass(frozen=True)
+class HealthPolicy:
+    heartbeat_interval_s: float = 1.0
+    missed_heartbeats: int = 3
+    stall_timeout_s: float = 10.0
+    breaker_failures: int = 5
+
+    def verdict(self, health: ReplicaHealth, now: float, in_flight: int) -> str | None:
+        """Why the replica must be isolated now, or None while it is healthy."""
+        silent = now - health.last_heartbeat
+        if silent > self.missed_heartbeats * self.heartbeat_interval_s:
+            return f"missed {self.missed_heartbeats} heartbeats (silent {silent:.1f} s)"
+        if in_flight and now - health.progress_at > self.stall_timeout_s:
+            return (f"stalled: {in_flight} task(s) in flight and no progress for "
+                    f"{now - health.progress_at:.1f} s")
+        if health.consecutive_failures >= self.breaker_failures:
+            return f"circuit breaker: {health.consecutive_failures} task failures in a row"
+        return None
