@@ -238,7 +238,8 @@ class InjectFault:
 
     replica: str
     kind: FaultKind
-    factor: float = 1.0
+    factor: float = 1.0  #: SLOW: how many times slower
+    count: int = 1  #: RAISE_NEXT: how many of the next tasks raise
     reply_to: ActorAddress = None  #: who gets the :class:`AdminReply` (default: the sender)
 
 

@@ -64,6 +64,7 @@ class CoordinatorActor(ActorTypeDispatcher):
                            stages=[s.name for s in cfg.stage_args])
             # Answer even if a pool never reports: ready deadline plus a margin.
             self.wakeupAfter(cfg.deployment.ready_timeout_s + 5.0, payload="deploy_deadline")
+            self._publish_routes()  # subscribers that came before the config (after a coordinator restart)
         self._deploy_waiters.append(sender)
         self._answer_deploy_waiters()
 

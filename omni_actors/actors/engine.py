@@ -11,6 +11,7 @@ here: once a handler returns None, no WatchMessage comes again).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import queue
 import socket
@@ -282,7 +283,7 @@ class EngineActor(ActorTypeDispatcher):
         """The backend's events, with any injected fault applied."""
         fault = self._fault
         if fault is not None and fault.kind == FaultKind.RAISE_NEXT:
-            self._fault = None
+            self._fault = dataclasses.replace(fault, count=fault.count - 1) if fault.count > 1 else None
             raise RuntimeError("injected fault: backend raised")
         last = time.monotonic()
         async for event in events:

@@ -253,6 +253,7 @@ class StagePoolActor(ActorTypeDispatcher):
                         why="the replica could not take the task")
 
     def receiveMsg_ActorExitRequest(self, msg, sender):
+        self._orphaned = True  # shutting down: replicas that exit now are not restarted
         return None  # Thespian sends our children their own exit requests
 
     # -- admin ------------------------------------------------------------

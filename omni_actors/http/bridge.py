@@ -19,12 +19,14 @@ Neither thread ever runs on the event loop, so no handler blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import queue
 import threading
 import time
 from typing import Any, AsyncIterator
 
+from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
 from omni_actors.actors.request import RequestActor
 from omni_actors.connectors import make_connector
 from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputText, PipelineRequest, RequestDone,
@@ -202,6 +204,11 @@ class ActorBridge:
             next_subscribe = 0.0
             while not self._stop.is_set():
                 if time.monotonic() >= next_subscribe:
+                    try:
+                        # Re-resolve by globalName: a coordinator restarted after a crash has a new address.
+                        self._coordinator = ctx.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
+                    except Exception as exc:  # noqa: BLE001 - admin busy or gone; keep the old address
+                        self._log.warning("coordinator_lookup_failed", error=str(exc))
                     ctx.tell(self._coordinator, Subscribe(self._address))
                     next_subscribe = time.monotonic() + SUBSCRIBE_EVERY_S
                 msg = ctx.listen(0.5)
@@ -254,16 +261,22 @@ class ActorBridge:
 
 
 def status_to_dict(status: SystemStatus) -> dict[str, Any]:
-    """``SystemStatus`` -> ``{"model", "ready", "stages": [{"stage_id", "stage", "replicas": [...]}]}``."""
+    """``SystemStatus`` -> JSON-ready ``{"model", "ready", "coordinator_pid", "stages": [...]}``;
+    each stage lists its replicas with state, reason, load and counters."""
+    def replica(r) -> dict[str, Any]:
+        d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
+        d["state"] = r.state.value
+        d["latency_buckets"] = list(r.latency_buckets)
+        return d
+
     return {
         "model": status.model,
         "ready": status.ready,
+        "coordinator_pid": status.coordinator_pid,
         "stages": [
-            {"stage_id": st.stage_id, "stage": st.stage,
+            {"stage_id": st.stage_id, "stage": st.stage, "pid": st.pid, "pending": st.pending,
+             "restarts": st.restarts,
              "ready_replicas": sum(1 for r in st.replicas if r.state.value == "ready"),
-             "replicas": [{"replica": r.replica, "state": r.state.value, "reason": r.reason,
-                           "in_flight": r.in_flight, "running": r.running, "waiting": r.waiting,
-                           "completed": r.completed, "failed": r.failed,
-                           "last_heartbeat_age_s": r.last_heartbeat_age_s} for r in st.replicas]}
+             "replicas": [replica(r) for r in st.replicas]}
             for st in status.stages],
     }

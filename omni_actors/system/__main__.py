@@ -35,15 +35,35 @@ def _parser() -> argparse.ArgumentParser:
                        help="require this bearer key on the API (default $OMNI_ACTORS_API_KEY)")
     start.add_argument("--log-level", default=None, help="debug, info, warning, error (default info)")
 
-    for verb, text in (("stop", "stop the system started on an admin port"),
-                       ("status", "print the stage table of a running system")):
-        sp = sub.add_parser(verb, help=text)
+    def admin_port(sp):
         sp.add_argument("--admin-port", type=int, default=DEFAULT_ADMIN_PORT,
                         help="admin port of the system (default 1900)")
-        if verb == "stop":
-            sp.add_argument("--timeout", type=float, default=15.0, help="seconds to wait (default 15)")
-        else:
-            sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    sp = sub.add_parser("stop", help="stop the system started on an admin port")
+    admin_port(sp)
+    sp.add_argument("--timeout", type=float, default=15.0, help="seconds to wait (default 15)")
+    sp = sub.add_parser("status", help="print the stage table of a running system")
+    admin_port(sp)
+    sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    from omni_actors.system.admin import FAULTS
+    sp = sub.add_parser("inject", help="inject a fault (for fault-injection tests)")
+    admin_port(sp)
+    sp.add_argument("fault", choices=FAULTS)
+    sp.add_argument("--replica", default="", help="target replica, STAGE/N")
+    sp.add_argument("--stage", default="", help="target stage (kill-pool)")
+    sp.add_argument("--factor", type=float, default=5.0, help="slow-down factor for `slow` (default 5)")
+    sp.add_argument("--count", type=int, default=1, help="for `raise`: how many next tasks raise (default 1)")
+    sp.add_argument("--json", action="store_true", help="print what was done as JSON")
+
+    stage = sub.add_parser("stage", help="act on one stage at runtime").add_subparsers(dest="action", required=True)
+    sp = stage.add_parser("drain", help="finish a replica's work, then stop it")
+    admin_port(sp)
+    sp.add_argument("--replica", required=True, help="STAGE/N")
+    sp = stage.add_parser("scale", help="run N replicas of a stage")
+    admin_port(sp)
+    sp.add_argument("--stage", required=True)
+    sp.add_argument("--replicas", type=int, required=True)
     return p
 
 
@@ -135,25 +155,24 @@ def cmd_stop(args) -> int:
     return 0
 
 
-def cmd_status(args) -> int:
-    from omni_actors.system.processes import port_in_use
+def _admin_verb(fn):
+    """Run ``fn(admin, args)`` against the attached admin; AdminError -> one line, exit 1."""
+    def run(args) -> int:
+        from omni_actors.system.admin import AdminError, attach
 
-    if not port_in_use(args.admin_port):
-        return _fail(f"no actor system is listening on admin port {args.admin_port}")
-    from thespian.actors import ActorSystem
+        try:
+            return fn(attach(args.admin_port), args)
+        except AdminError as exc:
+            return _fail(str(exc))
+    return run
 
-    from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
+
+@_admin_verb
+def cmd_status(admin, args) -> int:
     from omni_actors.http.bridge import status_to_dict
-    from omni_actors.messages import GetStatus, SystemStatus
-    from omni_actors.system.leader import ACTOR_BASE, print_status_table
+    from omni_actors.system.leader import print_status_table
 
-    # Attaches to the running admin (the port is taken, so nothing new starts).
-    # Never call shutdown() here: that would stop the whole system.
-    asys = ActorSystem(ACTOR_BASE, {"Admin Port": args.admin_port})
-    coordinator = asys.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
-    status = asys.ask(coordinator, GetStatus("cli"), 5.0)
-    if not isinstance(status, SystemStatus):
-        return _fail("the coordinator did not answer within 5 s")
+    status = admin.status()
     if args.json:
         print(json.dumps(status_to_dict(status), indent=2))
     else:
@@ -161,9 +180,27 @@ def cmd_status(args) -> int:
     return 0
 
 
+@_admin_verb
+def cmd_inject(admin, args) -> int:
+    done = admin.inject(args.fault, replica=args.replica, stage=args.stage, factor=args.factor,
+                        count=args.count)
+    print(json.dumps(done) if args.json else f"injected {done['fault']} into {done['target']}")
+    return 0
+
+
+@_admin_verb
+def cmd_stage(admin, args) -> int:
+    if args.action == "drain":
+        print(admin.drain(args.replica))
+    else:
+        print(admin.scale(args.stage, args.replicas))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"start": cmd_start, "stop": cmd_stop, "status": cmd_status}[args.verb](args)
+    verbs = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "inject": cmd_inject, "stage": cmd_stage}
+    return verbs[args.verb](args)
 
 
 if __name__ == "__main__":

@@ -58,16 +58,16 @@ def _become_subreaper() -> None:
 
 def print_status_table(status, out=sys.stdout) -> None:
     """Print a ``SystemStatus`` as a table: stage, replica, state, load, reason."""
-    rows = [("STAGE", "REPLICA", "STATE", "IN_FLIGHT", "DONE", "FAILED", "REASON")]
+    rows = [("STAGE", "REPLICA", "STATE", "PID", "IN_FLIGHT", "DONE", "FAILED", "RESTARTS", "REASON")]
     for st in status.stages:
         for r in st.replicas:
-            rows.append((st.stage, r.replica, r.state.value, str(r.in_flight), str(r.completed),
-                         str(r.failed), r.reason))
+            rows.append((st.stage, r.replica, r.state.value, str(r.pid or "-"), str(r.in_flight),
+                         str(r.completed), str(r.failed), str(r.restarts), r.reason))
         if not st.replicas:
-            rows.append((st.stage, "-", "no replicas", "", "", "", ""))
-    widths = [max(len(row[i]) for row in rows) for i in range(6)]
+            rows.append((st.stage, "-", "no replicas", "", "", "", "", "", ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(8)]
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[6], file=out)
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[8], file=out)
     print(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}", file=out)
 
 
@@ -131,12 +131,15 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                                      "model": config.deployment.served_model_name}))
         log.info("leader_started", admin_port=admin_port, startup_s=round(time.monotonic() - t0, 2))
         serving.set()
+        threading.Thread(target=_watch_coordinator, args=(asys, config, stopping), name="coordinator-watchdog",
+                         daemon=True).start()
         asyncio.run(_serve(asys, coordinator, config, host, port, api_key, stopping))
         return 0
     except KeyboardInterrupt:
         print("interrupted during start-up", file=sys.stderr)
         return 130
     finally:
+        stopping.set()  # ends the coordinator watchdog before the system goes away
         t1 = time.monotonic()
         try:
             asys.shutdown()
@@ -147,6 +150,44 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             log.info("leader_stopped", shutdown_s=round(time.monotonic() - t1, 2),
                      processes_killed=left, shm_segments_removed=removed)
             print("omni-actors stopped", flush=True)
+
+
+def _watch_coordinator(asys, config: PipelineConfig, stopping: threading.Event) -> None:
+    """Keep one deployed coordinator alive (the leader supervises the top of the tree).
+
+    Every heartbeat interval: look the coordinator up by ``globalName`` (Thespian
+    drops the name when its process dies, so a dead one is recreated by the
+    lookup itself), ask its status, and deploy the config to a new, empty one.
+    One that does not answer three times in a row is killed, to be recreated.
+    """
+    from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
+    from omni_actors.logs import get_logger
+    from omni_actors.messages import Deploy, GetStatus, SystemStatus
+
+    log = get_logger(actor="leader")
+    interval = config.deployment.heartbeat_interval_s
+    misses, last_pid = 0, None
+    with asys.private() as ctx:
+        while not stopping.wait(interval):
+            try:
+                address = ctx.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
+                status = ctx.ask(address, GetStatus("watchdog"), 2 * interval)
+                if isinstance(status, SystemStatus) and status.model:
+                    misses, last_pid = 0, status.coordinator_pid
+                elif isinstance(status, SystemStatus):
+                    log.warning("coordinator_restarted", pid=status.coordinator_pid)
+                    ctx.tell(address, Deploy(config))
+                    misses, last_pid = 0, status.coordinator_pid
+                else:
+                    misses += 1
+                    if misses >= 3 and last_pid:
+                        log.error("coordinator_hung_killing", pid=last_pid)
+                        os.kill(last_pid, signal.SIGKILL)
+                        misses = 0
+            except Exception as exc:  # noqa: BLE001 - the watchdog must outlive what it watches
+                if stopping.is_set():
+                    return
+                log.warning("coordinator_watchdog_error", error=str(exc))
 
 
 async def _serve(asys, coordinator, config, host, port, api_key, stopping: threading.Event) -> None:

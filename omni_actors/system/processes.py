@@ -21,8 +21,9 @@ ENV_SYSTEM_ID = "OMNI_ACTORS_SYSTEM_ID"
 def system_pids(system_id: str, *, exclude_self: bool = True) -> list[int]:
     """PIDs of live processes started with ``OMNI_ACTORS_SYSTEM_ID=system_id``.
 
-    With ``exclude_self``, this process and its own multiprocessing
-    resource tracker (which exits with it) are left out.
+    With ``exclude_self``, this process is left out. Multiprocessing resource
+    trackers are always left out: they hold nothing and exit by themselves
+    as soon as the processes that started them have exited.
     """
     needle = f"{ENV_SYSTEM_ID}={system_id}".encode()
     me = os.getpid()
@@ -40,8 +41,8 @@ def system_pids(system_id: str, *, exclude_self: bool = True) -> list[int]:
             continue
         if needle not in env.split(b"\0") or ") Z " in stat:  # zombies hold nothing
             continue
-        if exclude_self and int(stat.rsplit(")", 1)[1].split()[1]) == me and _is_tracker(entry):
-            continue
+        if _is_tracker(entry):
+            continue  # multiprocessing's resource tracker: exits by itself once its owners have
         found.append(pid)
     return found
 

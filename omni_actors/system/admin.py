@@ -1,0 +1,111 @@
+"""Admin operations on a running system, from another process: status, fault
+injection, drain, scale. Used by the CLI verbs and by tests and benchmarks
+(through the CLI, since one process can attach to one admin only).
+
+Attaching never starts anything: :func:`attach` refuses when no admin
+listens on the port. Never call ``shutdown()`` on an attached system: that
+would stop the whole system.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from omni_actors.messages import (AdminReply, DrainReplica, FaultKind, GetStatus, InjectFault, ScaleStage,
+                                  SystemStatus)
+
+#: Faults done from outside the process, with a signal, and the ones an engine does to itself.
+SIGNAL_FAULTS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP, "sigcont": signal.SIGCONT}
+ENGINE_FAULTS = {"raise": FaultKind.RAISE_NEXT, "slow": FaultKind.SLOW, "stall": FaultKind.STALL,
+                 "clear": FaultKind.CLEAR}
+FAULTS = (*SIGNAL_FAULTS, *ENGINE_FAULTS, "kill-pool", "kill-coordinator")
+
+
+class AdminError(RuntimeError):
+    """A one-line reason the admin operation could not be done."""
+
+
+@dataclass
+class Admin:
+    """An attached admin: the actor system handle and the coordinator's address."""
+
+    asys: object
+    coordinator: object
+
+    def status(self, timeout_s: float = 5.0) -> SystemStatus:
+        status = self.asys.ask(self.coordinator, GetStatus("admin"), timeout_s)
+        if not isinstance(status, SystemStatus):
+            raise AdminError(f"the coordinator did not answer within {timeout_s:g} s")
+        return status
+
+    def _ask(self, msg, timeout_s: float = 5.0) -> str:
+        reply = self.asys.ask(self.coordinator, msg, timeout_s)
+        if not isinstance(reply, AdminReply):
+            raise AdminError(f"no answer within {timeout_s:g} s")
+        if not reply.ok:
+            raise AdminError(reply.message)
+        return reply.message
+
+    def inject(self, fault: str, *, replica: str = "", stage: str = "", factor: float = 1.0,
+               count: int = 1) -> dict:
+        """Inject ``fault`` (one of :data:`FAULTS`). Returns what was done and when
+        (``at``: Unix time, seconds), for scripts that measure reaction times.
+
+        Raises:
+            AdminError: unknown fault or target, or the system did not answer.
+        """
+        if fault in SIGNAL_FAULTS or fault in ("kill-pool", "kill-coordinator"):
+            pid, target = self._pid_of(fault, replica, stage)
+            at = time.time()
+            os.kill(pid, SIGNAL_FAULTS.get(fault, signal.SIGKILL))
+            return {"fault": fault, "target": target, "pid": pid, "at": at}
+        if fault in ENGINE_FAULTS:
+            if not replica:
+                raise AdminError(f"{fault} needs --replica STAGE/N")
+            at = time.time()
+            message = self._ask(InjectFault(replica, ENGINE_FAULTS[fault], factor, count))
+            return {"fault": fault, "target": replica, "at": at, "message": message}
+        raise AdminError(f"unknown fault {fault!r}; one of: {', '.join(FAULTS)}")
+
+    def _pid_of(self, fault: str, replica: str, stage: str) -> tuple[int, str]:
+        status = self.status()
+        if fault == "kill-coordinator":
+            return status.coordinator_pid, "coordinator"
+        if fault == "kill-pool":
+            pool = next((s for s in status.stages if s.stage == stage), None)
+            if pool is None or not pool.pid:
+                raise AdminError(f"no running pool for stage {stage!r}")
+            return pool.pid, f"pool {stage}"
+        rep = next((r for s in status.stages for r in s.replicas if r.replica == replica), None)
+        if rep is None or not rep.pid:
+            raise AdminError(f"no running replica {replica!r} (see `status`)")
+        return rep.pid, replica
+
+    def drain(self, replica: str) -> str:
+        return self._ask(DrainReplica(replica))
+
+    def scale(self, stage: str, replicas: int) -> str:
+        if replicas < 0:
+            raise AdminError("--replicas must be >= 0")
+        return self._ask(ScaleStage(stage, replicas))
+
+
+def attach(admin_port: int) -> Admin:
+    """Attach to the admin on ``admin_port``.
+
+    Raises:
+        AdminError: nothing listens there.
+    """
+    from thespian.actors import ActorSystem
+
+    from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
+    from omni_actors.system.leader import ACTOR_BASE
+    from omni_actors.system.processes import port_in_use
+
+    if not port_in_use(admin_port):
+        raise AdminError(f"no actor system is listening on admin port {admin_port}")
+    asys = ActorSystem(ACTOR_BASE, {"Admin Port": admin_port})
+    return Admin(asys, asys.createActor(CoordinatorActor, globalName=COORDINATOR_NAME))
