@@ -238,6 +238,8 @@ class StagePoolActor(ActorTypeDispatcher):
     def _redispatch(self, rep: Replica) -> None:
         tasks, rep.in_flight = [t for t, _ in rep.in_flight.values()], {}
         for task in tasks:
+            self._log.warning("task_redispatched", request_id=task.request_id, replica=rep.replica,
+                              attempt=task.attempt + 1)
             retry = dataclasses.replace(task, attempt=task.attempt + 1, exclude=task.exclude + (rep.replica,))
             self._route(retry, why=f"replica {rep.replica} {rep.state.value}: {rep.reason}")
 
