@@ -150,3 +150,67 @@ def test_no_shared_memory_left_after_100_requests_some_cancelled(fanin_leader):
     # and the system still serves after all that
     with urllib.request.urlopen(fanin_leader.base_url + "/stages", timeout=10) as r:
         assert json.loads(r.read())["ready"] is True
+
+
+def test_shutdown_drains_requests_in_flight():
+    """Ctrl-C while a stream is running: the stream still ends with [DONE], then everything exits."""
+    leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
+    try:
+        async def run():
+            body = {"model": "qwen3-omni-cpu-demo", "messages": MESSAGES, "max_tokens": 300, "stream": True}
+            events = []
+            async with aiohttp.ClientSession() as s:
+                async with s.post(leader.base_url + "/chat/completions", json=body) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: "):
+                            events.append(line.strip())
+                            if len(events) == 3:
+                                leader.proc.send_signal(signal.SIGINT)  # mid-stream (300 tokens x 4 ms)
+            return events
+
+        events = asyncio.run(run())
+        assert events[-1] == b"data: [DONE]"
+        text = "".join(json.loads(e[6:])["choices"][0]["delta"].get("content") or ""
+                       for e in events[:-1] if json.loads(e[6:])["choices"])
+        assert len(text.split()) == 300
+        assert leader.proc.wait(15) == 0
+    finally:
+        leader.stop()
+    assert leader.left_after_exit == []
+
+
+def test_stage_scale_and_drain_at_runtime(fanin_leader):
+    """`stage scale` adds replicas and `stage drain` retires one, without restarting anything else."""
+    port = str(fanin_leader.admin_port)
+
+    def table():
+        with urllib.request.urlopen(fanin_leader.base_url + "/stages", timeout=10) as r:
+            return {rep["replica"]: rep for st in json.loads(r.read())["stages"] for rep in st["replicas"]}
+
+    before = table()
+    out = _cli("stage", "scale", "--stage", "talker_a", "--replicas", "2", "--admin-port", port)
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + 15
+    while table().get("talker_a/1", {}).get("state") != "ready" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = table()
+    assert after["talker_a/1"]["state"] == "ready"
+    assert after["thinker/0"]["pid"] == before["thinker/0"]["pid"]  # nothing else restarted
+    out = _cli("stage", "drain", "--replica", "talker_a/0", "--admin-port", port)
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + 15
+    while table()["talker_a/0"]["state"] != "stopped" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert table()["talker_a/0"]["state"] == "stopped"
+    body = json.dumps({"model": "fanin-test", "messages": MESSAGES, "max_tokens": 4,
+                       "modalities": ["text", "audio"]}).encode()
+    with urllib.request.urlopen(urllib.request.Request(fanin_leader.base_url + "/chat/completions", data=body,
+                                                       headers={"Content-Type": "application/json"}),
+                                timeout=30) as r:
+        assert r.status == 200
+    deadline = time.monotonic() + 5  # tables are published every heartbeat interval
+    while table()["talker_a/1"]["completed"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert table()["talker_a/1"]["completed"] >= 1  # the new replica took the work
+    bad = _cli("stage", "drain", "--replica", "nosuch/0", "--admin-port", port)
+    assert bad.returncode == 1 and bad.stderr.startswith("error: ")

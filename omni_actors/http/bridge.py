@@ -140,6 +140,10 @@ class ActorBridge:
             if not finished:
                 self._outbox.put(("cancel", request.request_id))
 
+    def in_flight(self) -> int:
+        """Requests submitted and not yet finished."""
+        return len(self._streams)
+
     async def cancel(self, request_id: str) -> None:
         if request_id in self._streams:
             self._outbox.put(("cancel", request_id))

@@ -208,6 +208,21 @@ async def _serve(asys, coordinator, config, host, port, api_key, stopping: threa
     try:
         while not stopping.is_set():
             await asyncio.sleep(0.2)
+        await _drain(runner, bridge, config.deployment.supervision.drain_timeout_s)
     finally:
         await runner.cleanup()
         bridge.close()
+
+
+async def _drain(runner, bridge, timeout_s: float) -> None:
+    """Stop accepting connections, then let requests in flight finish (up to ``timeout_s``)."""
+    from omni_actors.logs import get_logger
+
+    for site in list(runner.sites):
+        await site.stop()
+    deadline = time.monotonic() + timeout_s
+    in_flight = bridge.in_flight()
+    if in_flight:
+        get_logger(actor="leader").info("draining", requests_in_flight=in_flight, timeout_s=timeout_s)
+    while bridge.in_flight() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
