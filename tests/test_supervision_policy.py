@@ -1,0 +1,65 @@
+"""The supervision policy, as pure rules (no actor system)."""
+
+import pytest
+
+from omni_actors.actors.supervision import HealthPolicy, ReplicaHealth, RestartPolicy
+
+
+def test_restart_backoff_doubles_up_to_the_cap():
+    policy = RestartPolicy(initial_backoff_s=0.5, max_backoff_s=2.0, max_restarts=10, window_s=60)
+    delays = []
+    history: list[float] = []
+    for i in range(5):
+        delays.append(policy.next_delay(history, now=100.0 + i))
+        history.append(100.0 + i)
+    assert delays == [0.5, 1.0, 2.0, 2.0, 2.0]
+
+
+def test_too_many_restarts_in_the_window_gives_up_and_old_ones_age_out():
+    policy = RestartPolicy(initial_backoff_s=0.1, max_backoff_s=1, max_restarts=3, window_s=10)
+    assert policy.next_delay([1.0, 2.0, 3.0], now=5.0) is None
+    assert policy.next_delay([1.0, 2.0, 3.0], now=12.5) == pytest.approx(0.2)  # two aged out, one left
+
+
+def test_a_silent_replica_is_isolated_after_the_missed_heartbeats():
+    policy = HealthPolicy(heartbeat_interval_s=1.0, missed_heartbeats=3)
+    health = ReplicaHealth(last_heartbeat=10.0, progress_at=10.0)
+    assert policy.verdict(health, now=12.9, in_flight=0) is None
+    assert "missed 3 heartbeats" in policy.verdict(health, now=13.1, in_flight=0)
+
+
+def test_a_busy_replica_without_progress_is_stalled_but_an_idle_one_is_not():
+    policy = HealthPolicy(heartbeat_interval_s=1.0, missed_heartbeats=3, stall_timeout_s=2.0)
+    health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
+    for t in (1.0, 2.0, 3.0):
+        health.on_heartbeat(t, progress=0)  # heartbeats keep coming, progress does not move
+    assert policy.verdict(health, now=3.0, in_flight=0) is None
+    assert policy.verdict(health, now=3.0, in_flight=2).startswith("stalled: 2 task(s)")
+
+
+def test_progress_and_dispatch_to_an_idle_replica_reset_the_stall_clock():
+    policy = HealthPolicy(heartbeat_interval_s=1.0, stall_timeout_s=2.0)
+    health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
+    health.on_dispatch(now=5.0, was_idle=True)  # idle for 5 s, then a task: not a stall
+    health.on_heartbeat(5.5, progress=0)
+    assert policy.verdict(health, now=6.0, in_flight=1) is None
+    health.on_heartbeat(6.9, progress=7)
+    assert policy.verdict(health, now=8.5, in_flight=1) is None
+    assert policy.verdict(health, now=9.0, in_flight=1) is not None
+
+
+def test_circuit_breaker_opens_after_consecutive_failures_only():
+    policy = HealthPolicy(breaker_failures=3)
+    health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
+    for ok in (False, False, True, False, False):
+        health.on_task_done(ok, now=0.0)
+    assert policy.verdict(health, now=0.1, in_flight=0) is None
+    health.on_task_done(False, now=0.0)
+    assert "circuit breaker: 3 task failures" in policy.verdict(health, now=0.1, in_flight=0)
+
+
+def test_rate_is_units_per_second_over_recent_heartbeats():
+    health = ReplicaHealth(last_heartbeat=0.0)
+    for t, p in ((1.0, 0), (2.0, 50), (3.0, 100)):
+        health.on_heartbeat(t, p)
+    assert health.rate() == pytest.approx(50.0)
