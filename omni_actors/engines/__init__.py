@@ -2,7 +2,8 @@
 
 :func:`create_backend` picks the backend a stage is deployed with. Backend
 modules are imported lazily, so importing this package stays cheap (numpy at
-most) and never pulls in vLLM.
+most) and never pulls in vLLM: ``backend: vllm`` builds a
+:class:`~omni_actors.engines.vllm.VllmEngine`, which imports vLLM in ``start``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from omni_actors.engines.base import EngineBackend
 __all__ = ["create_backend", "BACKENDS"]
 
 #: Backend names a deployment may ask for, and whether this build provides them.
-BACKENDS = {"synthetic": True, "vllm": False, "vllm_omni": False}
+BACKENDS = {"synthetic": True, "vllm": True, "vllm_omni": False}
 
 
 def create_backend(stage: StageSpec, deployment: StageDeployment, replica: str) -> EngineBackend:
@@ -26,7 +27,7 @@ def create_backend(stage: StageSpec, deployment: StageDeployment, replica: str) 
         replica: the replica name (``"talker/0"``), used in messages.
 
     Raises:
-        NotImplementedError: ``vllm`` / ``vllm_omni`` backends (not built yet).
+        NotImplementedError: the ``vllm_omni`` backend (not built yet).
         ValueError: an unknown backend name.
     """
     backend = deployment.backend
@@ -34,9 +35,13 @@ def create_backend(stage: StageSpec, deployment: StageDeployment, replica: str) 
         from omni_actors.engines.synthetic import SyntheticEngine
 
         return SyntheticEngine(stage, deployment.synthetic, replica)
-    if backend in ("vllm", "vllm_omni"):
+    if backend == "vllm":
+        from omni_actors.engines.vllm import VllmEngine
+
+        return VllmEngine(stage, replica)
+    if backend == "vllm_omni":
         raise NotImplementedError(
             f"backend {backend} is not available yet (issue 3); stage `{stage.name}` "
-            f"replica {replica}: use backend: synthetic")
+            f"replica {replica}: use backend: vllm or synthetic")
     raise ValueError(f"unknown backend `{backend}` for stage `{stage.name}`; "
                      f"known: {', '.join(BACKENDS)}")

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import msgspec
 from aiohttp import web
 
+from omni_actors.http import metrics as M
 from omni_actors.http import protocol as P
 from omni_actors.http.types import (
     Bridge, BridgeEvent, OutputFinal, OutputText, PipelineRequest, RequestDone, RequestFailed,
@@ -35,7 +36,12 @@ _API_KEY: web.AppKey[Any] = web.AppKey("api_key", object)
 _CREATED: web.AppKey[int] = web.AppKey("created", int)
 _MAX_BODY: web.AppKey[int] = web.AppKey("max_body_bytes", int)
 _RID: web.RequestKey[str] = web.RequestKey("request_id", str)
+# Only /health is open. /metrics needs the key when one is set: it shows pids, nodes,
+# devices, failure reasons and traffic volume, and Prometheus sends a bearer token
+# per scrape job (``authorization: {credentials: ...}``), so keeping it closed costs
+# nothing; liveness probes, which cannot, have /health.
 OPEN_PATHS = frozenset({"/health"})
+CHAT_PATH, IMAGES_PATH = "/v1/chat/completions", "/v1/images/generations"
 DEADLINE_GRACE_S = 5.0
 _RID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -226,8 +232,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     async with _Run(bridge, preq) as run:
         async for ev in run:
             if isinstance(ev, OutputText):
+                if ev.text:
+                    M.first_text(request, CHAT_PATH, stream=False)
                 deltas.append(ev.text)
             elif isinstance(ev, OutputFinal) and ev.output_type == "text":
+                if ev.data["text"]:
+                    M.first_text(request, CHAT_PATH, stream=False)
                 text = ev.data["text"]
             elif isinstance(ev, OutputFinal) and ev.output_type == "audio":
                 audio = ev
@@ -276,6 +286,7 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                     if ev.text:
                         streamed.append(ev.text)
                         await send(chunk({"content": ev.text}))
+                        M.first_text(request, CHAT_PATH, stream=True)
                 elif isinstance(ev, OutputFinal) and ev.output_type == "text":
                     # A final text that no delta carried (or only partly) goes out now.
                     so_far, final = "".join(streamed), ev.data["text"]
@@ -283,11 +294,13 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                     if rest:
                         streamed.append(rest)
                         await send(chunk({"content": rest}))
+                        M.first_text(request, CHAT_PATH, stream=True)
                 elif isinstance(ev, OutputFinal) and ev.output_type == "audio":
                     audio = ev
                 elif isinstance(ev, RequestDone):
                     done = ev
                 elif isinstance(ev, RequestFailed):
+                    M.set_outcome(request, ev.status)  # the 200 is sent; count the failure
                     await send(P.error_body(ev.message, ev.type))
             if done is not None:
                 if audio is not None:
@@ -308,6 +321,7 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
             else:
                 _log().exception("http_stream_error", request_id=rid)
                 err = P.ApiError(500, "The server had an error while streaming.", "server_error")
+            M.set_outcome(request, err.status)
             await send(err.body())
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
@@ -359,13 +373,26 @@ async def stages(request: web.Request) -> web.Response:
     return _json(await request.app[BRIDGE_KEY].stages())
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text (see :mod:`omni_actors.http.metrics`).
+
+    The stage table is fetched first (collectors are synchronous); when the
+    bridge fails or times out the answer is still 200, with the request
+    metrics and ``omni_scrape_error 1``.
+    """
+    m: M.Metrics = request.app[M.METRICS_KEY]
+    table = await m.fetch(request.app[BRIDGE_KEY])
+    return web.Response(body=m.render(table), headers={"Content-Type": M.CONTENT_TYPE_LATEST})
+
+
 ROUTES = [
-    web.post("/v1/chat/completions", chat_completions),
-    web.post("/v1/images/generations", images_generations),
+    web.post(CHAT_PATH, M.timed(CHAT_PATH, chat_completions)),
+    web.post(IMAGES_PATH, M.timed(IMAGES_PATH, images_generations)),
     web.get("/v1/models", list_models),
     web.get("/v1/models/{model}", get_model),
     web.get("/v1/stages", stages),
     web.get("/health", health),
+    web.get("/metrics", metrics),
 ]
 
 
@@ -374,7 +401,8 @@ def create_app(bridge: Bridge, *, max_body_bytes: int = 1 << 20,
     """Build the OpenAI-compatible app over ``bridge``.
 
     ``max_body_bytes`` bounds request bodies (413 beyond); ``api_key``, when
-    set, is required as ``Authorization: Bearer <key>`` except on /health.
+    set, is required as ``Authorization: Bearer <key>`` except on /health
+    (``/metrics`` included). Each app has its own metrics registry.
     """
     app = web.Application(client_max_size=max_body_bytes, middlewares=[
         request_id_middleware, error_middleware, auth_middleware])
@@ -382,6 +410,7 @@ def create_app(bridge: Bridge, *, max_body_bytes: int = 1 << 20,
     app[_API_KEY] = api_key or None
     app[_CREATED] = P.now()
     app[_MAX_BODY] = max_body_bytes
+    app[M.METRICS_KEY] = M.Metrics()
     app.add_routes(ROUTES)
     return app
 

