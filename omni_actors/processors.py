@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["thinker2talker", "talker2code2wav", "ar2dit", "default_input"]
+__all__ = ["thinker2talker", "talker2code2wav", "ar2dit", "default_input",
+           "thinker_tokens_to_talker", "talker_tokens_to_code2wav"]
 
 Upstream = dict[int, dict[str, Any]]
 
@@ -144,3 +145,57 @@ def default_input(upstream: Upstream, prompt: str, params: dict[str, Any]) -> di
         merged.update(out)
     merged["prompt"] = prompt
     return merged
+
+
+# -- real engines (vLLM text stages) -------------------------------------------
+
+#: Codec shape of :func:`talker_tokens_to_code2wav`: the synthetic Talker's
+#: defaults (``SyntheticCost.num_codebooks`` / ``codebook_size``).
+TOKEN_CODEBOOKS = 8
+TOKEN_CODEBOOK_SIZE = 2048
+
+
+def thinker_tokens_to_talker(upstream: Upstream, prompt: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Thinker outputs -> a vLLM Talker's input: the Thinker's output tokens are
+    the Talker's prompt.
+
+    Args:
+        upstream: exactly one source (the thinker) with ``token_ids`` (int[T]).
+
+    Returns:
+        ``{"prompt_token_ids": list[int]}`` of length T (a list: what vLLM's
+        ``TokensPrompt`` takes).
+
+    Raises:
+        ValueError: not exactly one source, ``token_ids`` missing or not a 1-D
+            integer array, or empty (vLLM rejects an empty prompt).
+    """
+    fn = "thinker_tokens_to_talker"
+    sid, out = _single(upstream, fn)
+    ids = _array(out, "token_ids", sid, fn, 1, np.int64)
+    if ids.size == 0:
+        raise ValueError(f"{fn}: stage {sid} produced no tokens; the talker needs at least one")
+    return {"prompt_token_ids": ids.tolist()}
+
+
+def talker_tokens_to_code2wav(upstream: Upstream, prompt: str, params: dict[str, Any]) -> dict[str, Any]:
+    """A vLLM Talker's output tokens -> code2wav input, so the synthetic Code2Wav
+    can follow a real Talker: token ``t`` becomes one frame whose codebook ``k``
+    (0..7) holds ``(t * (2k + 1) + 97k) % 2048``.
+
+    Args:
+        upstream: exactly one source (the talker) with ``token_ids`` (int[T]).
+
+    Returns:
+        ``{"codes": int32[T, 8]}`` in [0, 2048) (T may be 0).
+
+    Raises:
+        ValueError: not exactly one source, or ``token_ids`` missing or not a
+            1-D integer array.
+    """
+    fn = "talker_tokens_to_code2wav"
+    sid, out = _single(upstream, fn)
+    ids = _array(out, "token_ids", sid, fn, 1, np.int64)
+    k = np.arange(TOKEN_CODEBOOKS, dtype=np.int64)
+    codes = (ids[:, None] * (2 * k + 1) + 97 * k) % TOKEN_CODEBOOK_SIZE
+    return {"codes": codes.astype(np.int32)}

@@ -119,6 +119,7 @@ class EngineActor(ActorTypeDispatcher):
         self._completed = 0
         self._failed = 0
         self._progress = 0  # backend events produced: the pool's stall watchdog reads it
+        self._progress_at = time.monotonic()
         self._last_ack = time.monotonic()
         self._draining = False
         self._fault: InjectFault | None = None
@@ -178,7 +179,8 @@ class EngineActor(ActorTypeDispatcher):
                 running=load.running if load else 0,
                 waiting=load.waiting if load else 0,
                 completed=self._completed, failed=self._failed,
-                kv_cache_usage=load.kv_cache_usage if load else None, progress=self._progress))
+                kv_cache_usage=load.kv_cache_usage if load else None, progress=self._progress,
+                idle_s=round(time.monotonic() - self._progress_at, 4)))
             self.wakeupAfter(self._spec.heartbeat_interval_s, payload="heartbeat")
         return self._watch()
 
@@ -303,6 +305,7 @@ class EngineActor(ActorTypeDispatcher):
         final: StageFinal | None = None
         async for event in self._faulty(self._backend.generate(task)):
             self._progress += 1
+            self._progress_at = time.monotonic()
             if isinstance(event, TextDelta):
                 if msg.stream_text and event.text:
                     self._rt.emit(msg.reply_to, StageDelta(msg.request_id, msg.stage_id, event.text))

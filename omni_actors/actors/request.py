@@ -139,6 +139,8 @@ class RequestActor(ActorTypeDispatcher):
             self._pools[stage_id] = pool
             task = self._running.get(stage_id)
             if task is not None:
+                self._log.warning("stage_retry", request_id=task.request_id, stage_id=stage_id,
+                                  error="the stage's pool was replaced")
                 self._resend(dataclasses.replace(task, attempt=task.attempt + 1))
 
     def receiveMsg_CancelRequest(self, msg: CancelRequest, sender):

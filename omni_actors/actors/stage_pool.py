@@ -133,7 +133,7 @@ class StagePoolActor(ActorTypeDispatcher):
         rep = self._replicas.get(msg.replica)
         if rep is not None and rep.health is not None:
             rep.running, rep.waiting, rep.kv_cache_usage = msg.running, msg.waiting, msg.kv_cache_usage
-            rep.health.on_heartbeat(time.monotonic(), msg.progress)
+            rep.health.on_heartbeat(time.monotonic(), msg.progress, msg.idle_s)
 
     def receiveMsg_PoolStateAck(self, msg, sender):
         self._last_ack = time.monotonic()
@@ -359,6 +359,12 @@ class StagePoolActor(ActorTypeDispatcher):
             rep.failed += 1
         if rep.health is not None:
             rep.health.on_task_done(msg.ok, now)
+            if not msg.ok and rep.state == ReplicaState.READY:
+                # judge now: a success before the next tick would reset the breaker's count
+                why = self._health.verdict(rep.health, now, len(rep.in_flight))
+                if why:
+                    self._isolate(rep, why)
+                    return
         if rep.state == ReplicaState.DRAINING and not rep.in_flight:
             self.send(rep.address, DrainReplica(rep.replica))
 

@@ -52,10 +52,13 @@ class ReplicaHealth:
     consecutive_failures: int = 0
     history: list[tuple[float, int]] = field(default_factory=list)  # (time, progress) for rates
 
-    def on_heartbeat(self, now: float, progress: int) -> None:
+    def on_heartbeat(self, now: float, progress: int, idle_s: float | None = None) -> None:
+        """``idle_s``: the engine's own count of seconds since its last progress,
+        so the stall clock starts when progress stopped, not when we heard of it."""
         self.last_heartbeat = now
         if progress != self.progress:
-            self.progress, self.progress_at = progress, now
+            self.progress = progress
+            self.progress_at = now if idle_s is None else max(self.progress_at, now - idle_s)
         self.history.append((now, progress))
         del self.history[:-6]
 

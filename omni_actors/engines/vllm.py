@@ -26,12 +26,16 @@ when unset (FIELD_NOTES.md "vLLM on this CPU": multiprocess workers took 30 s
 and 3 GiB). ``AsyncLLM`` always runs the engine core in a child process; with
 that setting the model runs inside it instead of in one more process.
 
-The engine core child is tied to the thread that started it: it gets
-``PR_SET_PDEATHSIG`` = SIGKILL (Linux), so no orphan holds memory or a GPU
-when the replica process dies, however it dies. Its fatal exception is
-written to a file we read, so start-up and engine-death errors name the root
-cause (``Unsupported CPU attention configuration: head_dim=16...``) instead
-of vLLM's "see root cause above".
+The engine core child is tied to the thread that started it (SIGKILL when
+that thread's process dies: no orphan holds memory or a GPU), and start-up
+and engine-death errors name its root cause (``Unsupported CPU attention
+configuration: head_dim=16...``) instead of vLLM's "see root cause above":
+see :mod:`omni_actors.engines.vllm_core`. A dead engine fails every later
+task and says why in :attr:`VllmEngine.failure`.
+
+Threading: every method runs on the backend's loop thread, except ``load()``
+(safe from any thread). ``start()`` must run on the thread that keeps running
+the loop (the parent-death signal follows that thread).
 """
 
 from __future__ import annotations
@@ -40,7 +44,6 @@ import asyncio
 import dataclasses
 import itertools
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -49,6 +52,7 @@ import numpy as np
 
 from omni_actors.config import StageSpec
 from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta
+from omni_actors.engines.vllm_core import CoreWatch, one_line
 from omni_actors.logs import get_logger
 
 __all__ = ["VllmEngine", "OMNI_ONLY_KEYS", "split_engine_args"]
@@ -90,50 +94,6 @@ def split_engine_args(engine_args: dict[str, Any], accepted: set[str]) -> tuple[
     passed = {k: v for k, v in engine_args.items() if k in accepted}
     unknown = sorted(k for k in engine_args if k not in accepted and k not in OMNI_ONLY_KEYS)
     return passed, unknown
-
-
-class _CoreLauncher:
-    """Replaces ``EngineCoreProc.run_engine_core`` while our engine core is spawned.
-
-    Pickled into the child (spawn): there it asks the kernel for SIGKILL when
-    the spawning thread's process dies, then runs vLLM's own entry point and
-    writes its fatal exception (one line) to ``error_file``.
-    """
-
-    def __init__(self, error_file: str, parent_pid: int):
-        self.error_file = error_file
-        self.parent_pid = parent_pid
-
-    def __call__(self, *args, **kwargs):
-        _set_parent_death_signal()
-        if os.getppid() != self.parent_pid:  # parent died before prctl took effect
-            os._exit(1)
-        from vllm.v1.engine.core import EngineCoreProc
-
-        try:
-            return EngineCoreProc.run_engine_core(*args, **kwargs)
-        except Exception as exc:
-            try:
-                Path(self.error_file).write_text(_one_line(exc))
-            except OSError:
-                pass
-            raise
-
-
-def _set_parent_death_signal() -> None:
-    try:
-        import ctypes
-        import signal
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG (Linux only)
-    except (OSError, AttributeError):
-        pass
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class _LoadRecorder:
@@ -184,7 +144,7 @@ class VllmEngine:
         self._aborted: set[str] = set()
         self._ids = itertools.count()
         self._stats: tuple[int, int, float] | None = None
-        self._error_file: str | None = None
+        self._watch: CoreWatch | None = None
         self._dead: str | None = None
         self._log = get_logger(backend="vllm", replica=replica)
         #: Seconds ``start`` took (import + engine + warm-up), for logs and benchmarks.
@@ -209,8 +169,13 @@ class VllmEngine:
         try:
             await self._start()
         except Exception as exc:
-            cause = self._root_cause(exc)
-            await self._teardown()
+            watch, self._watch = self._watch, None
+            if watch and self._llm is not None and isinstance(exc, self._vllm["EngineDeadError"]):
+                await watch.await_root_cause(exc)  # died in the warm-up: let it write why
+            await self._teardown()  # waits for the engine core to exit
+            cause = watch.root_cause(exc) if watch else one_line(exc)
+            if watch:
+                watch.close()
             raise RuntimeError(f"vLLM engine for stage `{self.stage.name}` ({self.replica}), "
                                f"model `{self.stage.engine_args.get('model')}`: {cause}") from None
         self.startup_s = time.monotonic() - t0
@@ -243,17 +208,10 @@ class VllmEngine:
         passed["model"] = str(Path(model).expanduser()) if str(model).startswith("~") else model
         engine_args = v["AsyncEngineArgs"](**passed)
 
-        fd, self._error_file = tempfile.mkstemp(prefix="omni-actors-vllm-", suffix=".err")
-        os.close(fd)
-        core = v["EngineCoreProc"]
-        original = core.__dict__.get("run_engine_core")
-        core.run_engine_core = staticmethod(_CoreLauncher(self._error_file, os.getpid()))
-        try:
+        self._watch = CoreWatch(self.replica)
+        with self._watch.spawning(v["EngineCoreProc"]):
             self._llm = v["AsyncLLM"].from_engine_args(
                 engine_args, stat_loggers=[lambda vllm_config, engine_index=0: _LoadRecorder(self)])
-        finally:
-            if original is not None:
-                core.run_engine_core = original
         await self._warm_up()
 
     def _import_vllm(self) -> None:
@@ -263,10 +221,8 @@ class VllmEngine:
             from vllm.v1.engine.async_llm import AsyncLLM
             from vllm.v1.engine.core import EngineCoreProc
             from vllm.v1.engine.exceptions import EngineDeadError
-            from vllm.v1.metrics.loggers import StatLoggerBase
         except ImportError as exc:
             raise RuntimeError(f"vLLM is not installed here ({exc}): {_INSTALL_HINT}") from None
-        StatLoggerBase.register(_LoadRecorder)
         self._vllm = dict(AsyncEngineArgs=AsyncEngineArgs, AsyncLLM=AsyncLLM,
                           EngineCoreProc=EngineCoreProc, EngineDeadError=EngineDeadError,
                           RequestOutputKind=RequestOutputKind, SamplingParams=SamplingParams)
@@ -277,19 +233,6 @@ class VllmEngine:
         async for _ in self._llm.generate({"prompt_token_ids": [0]}, params,
                                           request_id=f"warmup:{self.replica}"):
             pass
-
-    def _root_cause(self, exc: BaseException) -> str:
-        """The child's fatal exception when it wrote one, else ``exc`` as one line."""
-        if self._error_file:
-            try:
-                text = Path(self._error_file).read_text().strip()
-            except OSError:
-                text = ""
-            if text:
-                return text
-        if isinstance(exc, RuntimeError) and str(exc).startswith("vLLM is not installed"):
-            return str(exc)
-        return _one_line(exc)
 
     async def shutdown(self) -> None:
         """Abort every task, then stop the engine core (waits for it to exit)."""
@@ -303,10 +246,15 @@ class VllmEngine:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
             except Exception as exc:  # noqa: BLE001 - shutdown is best effort
-                self._log.warning("vllm_shutdown_failed", error=_one_line(exc))
-        if self._error_file:
-            Path(self._error_file).unlink(missing_ok=True)
-            self._error_file = None
+                self._log.warning("vllm_shutdown_failed", error=one_line(exc))
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can no longer serve (its core died), else None."""
+        return self._dead
 
     def load(self) -> BackendLoad:
         """Running and waiting requests and KV-cache usage (0..1) as the engine
@@ -333,7 +281,7 @@ class VllmEngine:
         try:
             await self._llm.abort(list(ids))
         except Exception as exc:  # noqa: BLE001 - abort never raises
-            self._log.warning("vllm_abort_failed", request_id=request_id, error=_one_line(exc))
+            self._log.warning("vllm_abort_failed", request_id=request_id, error=one_line(exc))
 
     # -- tasks -----------------------------------------------------------
     async def generate(self, task: BackendTask) -> AsyncIterator[BackendEvent]:
@@ -373,13 +321,13 @@ class VllmEngine:
                     token_ids.extend(ids)
                     yield TextDelta(text=comp.text, token_ids=ids)
         except self._vllm["EngineDeadError"] as exc:
-            self._dead = self._root_cause(exc)
+            self._dead = await self._watch.await_root_cause(exc) if self._watch else one_line(exc)
             self._log.error("vllm_engine_dead", error=self._dead)
             raise RuntimeError(f"vLLM engine {self.replica} died: {self._dead}") from None
         except Exception as exc:
             if _is_client_error(exc):
-                raise ValueError(_one_line(exc)) from None
-            raise RuntimeError(_one_line(exc.__cause__ or exc)) from None
+                raise ValueError(one_line(exc)) from None
+            raise RuntimeError(one_line(exc.__cause__ or exc)) from None
         finally:
             # Our consumer stopped early (aclose/cancel): closing vLLM's stream aborts
             # the request there now rather than when the generator is collected.
@@ -414,7 +362,7 @@ class VllmEngine:
                 **params, n=1, output_kind=self._vllm["RequestOutputKind"].DELTA)
         except Exception as exc:  # vLLM raises ValueError, TypeError or VLLMValidationError
             if _is_client_error(exc):
-                raise ValueError(f"invalid sampling parameters: {_one_line(exc)}") from None
+                raise ValueError(f"invalid sampling parameters: {one_line(exc)}") from None
             raise
 
 

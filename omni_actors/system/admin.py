@@ -60,7 +60,10 @@ class Admin:
         if fault in SIGNAL_FAULTS or fault in ("kill-pool", "kill-coordinator"):
             pid, target = self._pid_of(fault, replica, stage)
             at = time.time()
-            os.kill(pid, SIGNAL_FAULTS.get(fault, signal.SIGKILL))
+            try:
+                os.kill(pid, SIGNAL_FAULTS.get(fault, signal.SIGKILL))
+            except ProcessLookupError:
+                raise AdminError(f"{target} (pid {pid}) is not running any more") from None
             return {"fault": fault, "target": target, "pid": pid, "at": at}
         if fault in ENGINE_FAULTS:
             if not replica:
@@ -82,6 +85,8 @@ class Admin:
         rep = next((r for s in status.stages for r in s.replicas if r.replica == replica), None)
         if rep is None or not rep.pid:
             raise AdminError(f"no running replica {replica!r} (see `status`)")
+        if rep.state.value not in ("ready", "starting", "draining", "isolated") and fault != "sigcont":
+            raise AdminError(f"{replica} is {rep.state.value}, not running (see `status`)")
         return rep.pid, replica
 
     def drain(self, replica: str) -> str:

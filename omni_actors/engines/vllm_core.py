@@ -1,0 +1,142 @@
+"""vLLM's engine-core child process, as a replica needs it: tied to us, and telling why it died.
+
+``AsyncLLM`` (vLLM 0.32) always runs its ``EngineCore`` in a child process
+started with ``spawn`` (also with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, which
+only keeps the model runner inside that child). Two things a replica needs
+that vLLM does not give:
+
+- **No orphans.** Seen here: SIGKILL the parent and the EngineCore (1.7 GiB
+  for the tiny model) lives on, re-parented to init. :class:`CoreWatch`
+  makes the child ask the kernel for SIGKILL when the *thread* that spawned it
+  exits (``PR_SET_PDEATHSIG``, Linux only; elsewhere nothing changes), so the
+  engine must be started from the thread that keeps serving it (the
+  backend's loop thread).
+- **The root cause.** A start-up or fatal engine error reaches the parent as
+  "Engine core initialization failed. See root cause above" or
+  ``EngineDeadError``; the cause is only in the child's log. The child writes
+  its exception, as one line, to a file the parent reads.
+
+How: while :meth:`CoreWatch.spawning` is active, ``EngineCoreProc.run_engine_core``
+(the target vLLM passes to ``Process``) is a picklable :class:`_CoreLauncher`
+that does both, then runs vLLM's own entry point. If a vLLM version renames
+that entry point, the patch is skipped and only these two extras are lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+__all__ = ["CoreWatch", "one_line"]
+
+
+def one_line(exc: BaseException) -> str:
+    """``"Type: message"`` with all whitespace runs folded to one space."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class CoreWatch:
+    """The error file and the spawn-time patch for one engine.
+
+    Args:
+        tag: put in the error file's name (``/tmp/omni-actors-vllm-<tag>-*.err``).
+    """
+
+    def __init__(self, tag: str = "engine"):
+        safe = "".join(c if c.isalnum() else "-" for c in tag)
+        fd, self.error_file = tempfile.mkstemp(prefix=f"omni-actors-vllm-{safe}-", suffix=".err")
+        os.close(fd)
+
+    @contextlib.contextmanager
+    def spawning(self, engine_core_proc: type):
+        """Patch ``engine_core_proc.run_engine_core`` while the engine is created."""
+        original = engine_core_proc.__dict__.get("run_engine_core")
+        if original is None:
+            yield
+            return
+        engine_core_proc.run_engine_core = staticmethod(_CoreLauncher(self.error_file, os.getpid()))
+        try:
+            yield
+        finally:
+            engine_core_proc.run_engine_core = original
+
+    def root_cause(self, exc: BaseException) -> str:
+        """What the child wrote, else ``exc`` as one line."""
+        try:
+            text = Path(self.error_file).read_text().strip()
+        except OSError:
+            text = ""
+        return text or one_line(exc)
+
+    async def await_root_cause(self, exc: BaseException, timeout_s: float = 5.0) -> str:
+        """:meth:`root_cause`, waiting up to ``timeout_s`` for a dying child to write it."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if Path(self.error_file).stat().st_size:
+                    break
+            except OSError:
+                break
+            await asyncio.sleep(0.05)
+        return self.root_cause(exc)
+
+    def close(self) -> None:
+        """Remove the error file."""
+        Path(self.error_file).unlink(missing_ok=True)
+
+
+class _CoreLauncher:
+    """Stands in for ``EngineCoreProc.run_engine_core``; pickled into the child."""
+
+    def __init__(self, error_file: str, parent_pid: int):
+        self.error_file = error_file
+        self.parent_pid = parent_pid
+
+    def __call__(self, *args, **kwargs):
+        _set_parent_death_signal()
+        if os.getppid() != self.parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+        from vllm.v1.engine.core import EngineCoreProc
+
+        send_dead = getattr(EngineCoreProc, "_send_engine_dead", None)
+        if send_dead is not None:
+            # A fatal error in the busy loop: write it before the parent hears of the
+            # death (it may stop this process before the exception reaches us below).
+            def _send_engine_dead(core, *a, **kw):
+                self._write(sys.exc_info()[1])
+                return send_dead(core, *a, **kw)
+
+            EngineCoreProc._send_engine_dead = _send_engine_dead
+        try:
+            return EngineCoreProc.run_engine_core(*args, **kwargs)
+        except Exception as exc:  # a start-up failure: the parent waits for our exit
+            self._write(exc)
+            raise
+
+    def _write(self, exc: BaseException | None) -> None:
+        if exc is None:
+            return
+        try:
+            path = Path(self.error_file)
+            if not path.stat().st_size:
+                path.write_text(one_line(exc))
+        except OSError:
+            pass
+
+
+def _set_parent_death_signal() -> None:
+    """``prctl(PR_SET_PDEATHSIG, SIGKILL)``; a no-op where there is no prctl."""
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

@@ -1,0 +1,36 @@
+"""Kill the coordinator under load."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_actors.system.faultlab import (assert_no_request_lost, replicas, run_scenario, wait_gone,
+                                         wait_no_segments)
+
+from .conftest import CLIENTS, HEARTBEAT_S, REQUEST_TIMEOUT_S
+
+pytestmark = pytest.mark.system
+
+
+def test_killed_coordinator_is_recreated_and_the_old_tree_winds_down(leader):
+    """The coordinator process is SIGKILLed; its pools and their engines lose their supervisor.
+
+    The leader's watchdog finds it gone (``coordinator_restarted``) and deploys
+    the config to a new one, which starts new pools and replicas; the API
+    server re-subscribes and routes new requests there, while requests already
+    running finish on the old pools. The old pools, no longer acked, drain
+    their engines and exit. Users see only 200s.
+    """
+    r = run_scenario(leader, "kill-coordinator", clients=CLIENTS, request_timeout_s=REQUEST_TIMEOUT_S)
+
+    assert_no_request_lost(r)
+    assert r.isolation_ms is not None and r.isolation_ms < 3 * HEARTBEAT_S * 1000, r.events
+    assert r.disturbed and r.restored_at is not None, r.after
+    assert r.after["coordinator_pid"] != r.before["coordinator_pid"]
+    assert all(rep["state"] == "ready" for rep in replicas(r.after).values())
+    assert [st["ready_replicas"] for st in r.after["stages"]] == [st["ready_replicas"] for st in r.before["stages"]]
+    old = {r.before["coordinator_pid"]} | {st["pid"] for st in r.before["stages"]} \
+        | {rep["pid"] for rep in replicas(r.before).values()}
+    # old pools orphan after 5 missed acks, then drain their engines and exit
+    assert wait_gone(leader, old, timeout_s=12 * HEARTBEAT_S) == []
+    assert wait_no_segments(leader) == []

@@ -1,0 +1,32 @@
+"""SIGKILL a Talker replica under load: nothing is lost, it is replaced at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_actors.system.faultlab import (assert_no_request_lost, replicas, run_scenario, wait_gone,
+                                         wait_no_segments)
+
+from .conftest import CLIENTS, REQUEST_TIMEOUT_S
+
+pytestmark = pytest.mark.system
+
+
+def test_sigkilled_replica_is_isolated_at_once_its_tasks_rerun_and_it_is_restarted(leader):
+    """talker/0 is SIGKILLed while 8 clients keep sending text+audio requests.
+
+    The pool hears of the exit (ChildActorExited) at once, re-dispatches its
+    in-flight tasks to talker/1 and restarts it after the backoff (0.5 s). Users
+    see only 200s.
+    """
+    r = run_scenario(leader, "sigkill", target="talker/0", clients=CLIENTS, request_timeout_s=REQUEST_TIMEOUT_S)
+
+    assert_no_request_lost(r)
+    assert r.isolation_ms is not None and r.isolation_ms < 1000, r.events
+    assert r.disturbed and set(r.target_states) - {"ready"}, r.target_states  # it left the routing table
+    assert r.restored_at is not None, r.after
+    old, new = replicas(r.before)["talker/0"], replicas(r.after)["talker/0"]
+    assert new["state"] == "ready" and new["restarts"] >= old["restarts"] + 1 and new["pid"] != old["pid"]
+    assert all(rep["state"] == "ready" for rep in replicas(r.after).values())
+    assert wait_gone(leader, [old["pid"]], timeout_s=2) == []
+    assert wait_no_segments(leader) == []

@@ -1,0 +1,31 @@
+"""A Talker replica slowed down 5x under load."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_actors.system.faultlab import assert_no_request_lost, replicas, run_scenario, wait_no_segments
+
+from .conftest import CLIENTS, REQUEST_TIMEOUT_S
+
+pytestmark = pytest.mark.system
+
+
+def test_replica_slowed_5x_fails_nothing_and_gets_less_work(leader):
+    """talker/0 takes 5x as long per step; it still heartbeats and progresses.
+
+    Isolation is not expected: a slow replica is not a broken one. Nothing
+    fails, and least-loaded routing (fewest tasks in flight) sends it less
+    work than talker/1, since its tasks stay in flight longer.
+    """
+    r = run_scenario(leader, "slow", target="talker/0", factor=5.0, clients=CLIENTS,
+                     request_timeout_s=REQUEST_TIMEOUT_S, hold_s=4.0, expect_disturbance=False)
+
+    assert_no_request_lost(r)
+    assert all(o.status == 200 for o in r.outcomes)
+    assert r.isolated_at is None and r.target_states == ["ready"] and not r.disturbed
+    before, after = replicas(r.before), replicas(r.after)
+    done = {name: after[name]["completed"] - before[name]["completed"] for name in ("talker/0", "talker/1")}
+    assert 0 < done["talker/0"] < done["talker/1"], done
+    assert after["talker/0"]["pid"] == before["talker/0"]["pid"] and after["talker/0"]["restarts"] == 0
+    assert wait_no_segments(leader) == []

