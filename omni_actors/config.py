@@ -154,7 +154,7 @@ class Deployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The deployment block. Defaults: heartbeat 1 s (issue 4); ready timeout
     60 s; request timeout 300 s; 64 KiB inline threshold as vLLM-Omni's."""
 
-    served_model_name: str
+    served_model_name: Annotated[str, msgspec.Meta(min_length=1)]
     heartbeat_interval_s: PositiveFloat = 1.0
     ready_timeout_s: PositiveFloat = 60.0
     request_timeout_s: PositiveFloat = 300.0
@@ -294,12 +294,33 @@ def load_config(path: str | Path) -> PipelineConfig:
     except OSError as exc:
         raise ConfigError(source, "", f"cannot read config: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as exc:
+        raise ConfigError(source, f"line {exc.line}", f"duplicate key `{exc.key}`") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(source, where, f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
     return parse_config(data, source)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, line: int):
+        self.key, self.line = key, line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, except that a key given twice in one mapping is an
+    error (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(str(key), key_node.start_mark.line + 1)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def _check_graph(cfg: PipelineConfig, source: str) -> None:
@@ -342,6 +363,32 @@ def _check_graph(cfg: PipelineConfig, source: str) -> None:
         if name not in names:
             raise ConfigError(source, f"deployment.stages.{name}",
                               f"no stage named `{name}`; stages: {sorted(names)}")
+    _check_stage_settings(cfg, source)
+
+
+def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
+    """Per-stage settings that only make sense together with the deployment."""
+    from omni_actors.engines.synthetic import SUPPORTED_STAGES
+
+    limit = cfg.deployment.max_tokens_limit
+    for i, s in enumerate(cfg.stage_args):
+        max_tokens = s.default_sampling_params.get("max_tokens")
+        path = f"stage_args[{i}].default_sampling_params.max_tokens"
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 1):
+            raise ConfigError(source, path, f"expected an integer >= 1, got `{max_tokens!r}`")
+        if max_tokens is not None and max_tokens > limit:
+            raise ConfigError(source, path, f"{max_tokens} is over deployment.max_tokens_limit ({limit})")
+        dep = cfg.deployment_of(s)
+        if dep.backend == "synthetic":
+            kind = dep.synthetic.kind or s.name
+            if kind not in SUPPORTED_STAGES:
+                where = (f"deployment.stages.{s.name}.synthetic.kind" if dep.synthetic.kind
+                         else f"stage_args[{i}].engine_args.model_stage")
+                raise ConfigError(source, where,
+                                  f"the synthetic engine has no `{kind}` stage; one of: "
+                                  f"{', '.join(SUPPORTED_STAGES)} (or set "
+                                  f"deployment.stages.{s.name}.synthetic.kind)")
 
 
 def _check_acyclic(cfg: PipelineConfig, source: str) -> None:

@@ -384,6 +384,7 @@ class StageDone:
     final: ConnectorRef | None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    finish_reason: str | None = None  #: "stop" or "length", for text stages
 
 
 @dataclass(frozen=True)
@@ -406,6 +407,7 @@ class TaskFinished:
     request_id: str
     stage_id: int
     ok: bool
+    cancelled: bool = False  #: ended by a cancel (client gone): neither a success nor a failure
 
 
 @dataclass(frozen=True)
@@ -437,5 +439,6 @@ class RequestFinished:
     message: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    finish_reason: str | None = None  #: of the final text stage
     stage_replicas: dict[int, str] = field(default_factory=dict)  #: which replica ran each stage
     request_actor: ActorAddress = None  #: the sender, free for the next request

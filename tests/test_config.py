@@ -379,3 +379,31 @@ def test_stage_deployment_must_be_a_mapping(tmp_path: Path) -> None:
     err = refused(tmp_path, variant(lambda d: d["deployment"]["stages"].update(talker=[2])))
     assert err.path == "deployment.stages.talker"
     assert "object" in err.message
+
+
+def test_empty_served_model_name(tmp_path: Path) -> None:
+    err = refused(tmp_path, variant(lambda d: d["deployment"].update(served_model_name="")))
+    assert err.path == "deployment.served_model_name"
+
+
+def test_default_max_tokens_over_the_limit(tmp_path: Path) -> None:
+    def mutate(d):
+        d["deployment"]["max_tokens_limit"] = 8
+        d["stage_args"][0]["default_sampling_params"] = {"max_tokens": 32}
+    err = refused(tmp_path, variant(mutate))
+    assert err.path == "stage_args[0].default_sampling_params.max_tokens"
+    assert "over deployment.max_tokens_limit (8)" in err.message
+
+
+def test_duplicate_yaml_key_names_its_line(tmp_path: Path) -> None:
+    text = yaml.safe_dump(BASE, sort_keys=False) + "deployment:\n  served_model_name: again\n"
+    err = refused(tmp_path, text)
+    assert err.path.startswith("line ")
+    assert err.message == "duplicate key `deployment`"
+
+
+def test_synthetic_stage_name_it_cannot_emulate(tmp_path: Path) -> None:
+    err = refused(tmp_path, variant(lambda d: (d["stage_args"][1]["engine_args"].update(model_stage="bogus"),
+                                               d["deployment"]["stages"].pop("talker"))))
+    assert err.path == "stage_args[1].engine_args.model_stage"
+    assert "no `bogus` stage" in err.message and "synthetic.kind" in err.message

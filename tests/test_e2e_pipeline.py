@@ -51,6 +51,12 @@ def test_text_chat_with_openai_client(openai_client):
     assert resp.choices[0].finish_reason == "length"
 
 
+def test_finish_reason_is_length_when_the_stage_default_max_tokens_is_reached(openai_client):
+    resp = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES)  # stage default: 32
+    assert resp.usage.completion_tokens == 32
+    assert resp.choices[0].finish_reason == "length"
+
+
 def test_same_request_same_output(openai_client):
     """The synthetic engine is deterministic: same prompt and seed, same text."""
     a = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=5)
@@ -174,6 +180,7 @@ BAD_REQUESTS = [
     ("bad modalities", {"model": MODEL, "messages": MESSAGES, "modalities": ["video"]}, 400),
     ("negative max_tokens", {"model": MODEL, "messages": MESSAGES, "max_tokens": -1}, 400),
     ("huge max_tokens", {"model": MODEL, "messages": MESSAGES, "max_tokens": 10**9}, 400),
+    ("nested too deeply", b"[" * 100_000 + b"]" * 100_000, 400),
     ("body over the limit", {"model": MODEL, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}, 413),
 ]
 

@@ -259,12 +259,13 @@ class EngineActor(ActorTypeDispatcher):
         self._tasks[key] = asyncio.current_task()
         replica = self._spec.replica
         emit = self._rt.emit
-        ok = False
+        ok = cancelled = False
         try:
             done = await self._execute(msg)
             emit(msg.reply_to, done)
             ok = True
         except asyncio.CancelledError:
+            cancelled = True
             self._log.info("stage_cancelled", request_id=msg.request_id)
         except Exception as exc:  # noqa: BLE001 - a task failure fails the task, not the replica
             kind = ErrorKind.BAD_REQUEST if isinstance(exc, ValueError) else ErrorKind.ENGINE_ERROR
@@ -275,9 +276,9 @@ class EngineActor(ActorTypeDispatcher):
             self._tasks.pop(key, None)
             if ok:
                 self._completed += 1
-            else:
+            elif not cancelled:
                 self._failed += 1
-            emit(self._pool, TaskFinished(replica, msg.request_id, msg.stage_id, ok))
+            emit(self._pool, TaskFinished(replica, msg.request_id, msg.stage_id, ok, cancelled))
             if self._draining and not self._tasks:
                 emit(self.myAddress, DrainReplica(replica))  # the actor thread exits us
 
@@ -323,5 +324,10 @@ class EngineActor(ActorTypeDispatcher):
         except BaseException:
             release_all([output, final_ref])
             raise
+        finish = final.finish_reason
+        if finish is None:
+            limit = sampling.get("max_tokens")
+            finish = "length" if limit is not None and final.num_output_tokens >= int(limit) else "stop"
         return StageDone(msg.request_id, msg.stage_id, self._spec.replica, output, final_ref,
-                         prompt_tokens=final.num_prompt_tokens, output_tokens=final.num_output_tokens)
+                         prompt_tokens=final.num_prompt_tokens, output_tokens=final.num_output_tokens,
+                         finish_reason=finish)

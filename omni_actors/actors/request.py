@@ -47,6 +47,7 @@ class RequestActor(ActorTypeDispatcher):
         self._pools: dict[int, object] = {}
         self._owned = []  # intermediate refs to release at the end
         self._tokens = [0, 0]
+        self._finish_reason = None
 
     def _current(self, request_id: str) -> bool:
         return self._req is not None and self._req.request_id == request_id
@@ -104,6 +105,7 @@ class RequestActor(ActorTypeDispatcher):
             self._tokens[0] = max(self._tokens[0], msg.prompt_tokens)
         if planned.final_output_type == "text":
             self._tokens[1] += msg.output_tokens
+            self._finish_reason = msg.finish_reason
         if len(self._done) == len(self._req.plan.stages):
             self._finish(None, "")
         else:
@@ -163,5 +165,6 @@ class RequestActor(ActorTypeDispatcher):
                        replicas={names[sid]: d.replica for sid, d in self._done.items()})
         self.send(req.reply_to, RequestFinished(
             req.request_id, error, message, prompt_tokens=self._tokens[0], completion_tokens=self._tokens[1],
+            finish_reason=self._finish_reason,
             stage_replicas={sid: d.replica for sid, d in self._done.items()}, request_actor=self.myAddress))
         self._reset()

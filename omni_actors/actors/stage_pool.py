@@ -355,9 +355,11 @@ class StagePoolActor(ActorTypeDispatcher):
             took = now - entry[1]
             rep.latency[next(i for i, b in enumerate(LATENCY_BUCKETS_S) if took <= b)] += 1
             rep.latency_sum += took
+        elif msg.cancelled:
+            pass  # the client went away: says nothing about the replica's health
         else:
             rep.failed += 1
-        if rep.health is not None:
+        if rep.health is not None and not msg.cancelled:
             rep.health.on_task_done(msg.ok, now)
             if not msg.ok and rep.state == ReplicaState.READY:
                 # judge now: a success before the next tick would reset the breaker's count

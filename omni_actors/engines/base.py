@@ -55,6 +55,10 @@ class StageFinal:
     outputs: dict[str, Any]
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    #: why generation stopped: "stop" (end of sequence / stop string) or "length"
+    #: (``max_tokens`` reached); None when the backend does not say (then the
+    #: EngineActor infers it from the token count).
+    finish_reason: str | None = None
 
 
 BackendEvent = Union[TextDelta, StageFinal]

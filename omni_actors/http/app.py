@@ -74,6 +74,8 @@ async def _read_json(request: web.Request) -> Any:
         return msgspec.json.decode(body)
     except msgspec.MsgspecError as e:
         raise P.ApiError(400, f"We could not parse the JSON body of your request: {e}") from None
+    except RecursionError:
+        raise P.ApiError(400, "We could not parse the JSON body of your request: nested too deeply") from None
 
 
 # ---------------------------------------------------------------- middlewares
@@ -251,7 +253,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         payload = P.audio_payload(await _wav(audio), text, created)
     elif "audio" in creq.output_types:
         _log().warning("http_no_audio", request_id=preq.request_id)
-    finish = P.finish_reason(done.completion_tokens, creq.max_tokens or bridge.max_tokens_limit)
+    finish = done.finish_reason or P.finish_reason(done.completion_tokens, creq.max_tokens)
     return _json(P.chat_completion(preq.request_id, creq.model, created, text, payload, finish,
                                    P.usage_dict(done.prompt_tokens, done.completion_tokens)))
 
@@ -306,8 +308,8 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                 if audio is not None:
                     payload = P.audio_payload(await _wav(audio), "".join(streamed), created)
                     await send(chunk({"audio": payload}))
-                limit = creq.max_tokens or bridge.max_tokens_limit
-                await send(chunk({}, P.finish_reason(done.completion_tokens, limit)))
+                finish = done.finish_reason or P.finish_reason(done.completion_tokens, creq.max_tokens)
+                await send(chunk({}, finish))
                 if iu:
                     await send(P.usage_chunk(rid, creq.model, created, P.usage_dict(
                         done.prompt_tokens, done.completion_tokens)))

@@ -235,7 +235,7 @@ class ActorBridge:
         elif isinstance(msg, RequestFinished):
             self._outbox.put(("finished", msg.request_id, msg.request_actor))
             if msg.error is None:
-                event = RequestDone(msg.prompt_tokens, msg.completion_tokens)
+                event = RequestDone(msg.prompt_tokens, msg.completion_tokens, msg.finish_reason)
             else:
                 status = HTTP_STATUS.get(msg.error, 500)
                 kind = {503: "service_unavailable", 504: "timeout", 400: "invalid_request_error"}.get(

@@ -54,6 +54,7 @@ class RequestDone:
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    finish_reason: str | None = None  #: "stop" or "length" when the pipeline says
 
 
 @dataclass

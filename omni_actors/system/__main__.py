@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="Thespian admin port (default 1900)")
     start.add_argument("--api-key", default=os.environ.get("OMNI_ACTORS_API_KEY"),
                        help="require this bearer key on the API (default $OMNI_ACTORS_API_KEY)")
-    start.add_argument("--log-level", default=None, help="debug, info, warning, error (default info)")
+    start.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
+                       help="default: $OMNI_ACTORS_LOG_LEVEL or info")
 
     def admin_port(sp):
         sp.add_argument("--admin-port", type=int, default=DEFAULT_ADMIN_PORT,
@@ -173,6 +174,11 @@ def cmd_status(admin, args) -> int:
     from omni_actors.system.leader import print_status_table
 
     status = admin.status()
+    state = _read_state(args.admin_port)
+    if state is not None and not _alive(state["pid"]):
+        print(f"warning: the leader (pid {state['pid']}) is not running, so the HTTP API is down; "
+              f"`python -m omni_actors.system stop --admin-port {args.admin_port}` cleans up",
+              file=sys.stderr)
     if args.json:
         print(json.dumps(status_to_dict(status), indent=2))
     else:

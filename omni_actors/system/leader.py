@@ -85,6 +85,17 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     from omni_actors.logs import get_logger, thespian_log_defs
     from omni_actors.messages import Deploy, SystemStatus
 
+    import socket as _socket
+
+    for name, value in (("--port", port), ("--admin-port", admin_port)):
+        if not 1 <= value <= 65535:
+            raise StartError(f"{name} must be a TCP port, 1..65535 (got {value})")
+    if port == admin_port:
+        raise StartError(f"--port and --admin-port must differ (both {port})")
+    try:
+        _socket.getaddrinfo(host, port, type=_socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise StartError(f"--host {host!r} is not a usable address: {exc}") from None
     if port_in_use(admin_port):
         raise StartError(f"admin port {admin_port} is in use (another system? "
                          f"`python -m omni_actors.system stop --admin-port {admin_port}`)")
@@ -100,10 +111,14 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     _become_subreaper()
 
     stopping = threading.Event()
+    leader_pid = os.getpid()
 
     def interrupt(signum, frame):
         # Until the API serves, a signal aborts start-up (the finally below cleans up);
-        # after that it asks the serve loop to stop.
+        # after that it asks the serve loop to stop. Processes forked from here (the
+        # Thespian admin) inherit this handler: they leave their own shutdown to the leader.
+        if os.getpid() != leader_pid:
+            return
         if serving.is_set():
             stopping.set()
         else:
@@ -114,9 +129,13 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         signal.signal(sig, interrupt)
 
     t0 = time.monotonic()
-    asys = ActorSystem(ACTOR_BASE, {"Admin Port": admin_port}, logDefs=thespian_log_defs())
     sfile = state_file(admin_port)
+    asys = None
     try:
+        try:
+            asys = ActorSystem(ACTOR_BASE, {"Admin Port": admin_port}, logDefs=thespian_log_defs())
+        except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
+            raise StartError(f"the actor system did not start on admin port {admin_port}: {exc}") from None
         coordinator = asys.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
         status = asys.ask(coordinator, Deploy(config), config.deployment.ready_timeout_s + 15)
         if not isinstance(status, SystemStatus):
@@ -142,7 +161,8 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         stopping.set()  # ends the coordinator watchdog before the system goes away
         t1 = time.monotonic()
         try:
-            asys.shutdown()
+            if asys is not None:
+                asys.shutdown()
         finally:
             left = kill_system(system_id)
             removed = sweep_segments(shm_prefix)
