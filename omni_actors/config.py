@@ -377,7 +377,9 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
                                        or max_tokens < 1):
             raise ConfigError(source, path, f"expected an integer >= 1, got `{max_tokens!r}`")
-        if max_tokens is not None and max_tokens > limit:
+        # Only text the client receives is bound by the API's limit: a Talker's or
+        # Code2Wav's own budget (4096, 65536 in vLLM-Omni's Qwen3-Omni YAML) is not.
+        if max_tokens is not None and max_tokens > limit and s.final_output_type == "text":
             raise ConfigError(source, path, f"{max_tokens} is over deployment.max_tokens_limit ({limit})")
         dep = cfg.deployment_of(s)
         if dep.backend == "synthetic":

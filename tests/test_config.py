@@ -407,3 +407,10 @@ def test_synthetic_stage_name_it_cannot_emulate(tmp_path: Path) -> None:
                                                d["deployment"]["stages"].pop("talker"))))
     assert err.path == "stage_args[1].engine_args.model_stage"
     assert "no `bogus` stage" in err.message and "synthetic.kind" in err.message
+
+
+def test_non_text_stage_budgets_are_not_bound_by_the_api_limit(tmp_path: Path) -> None:
+    def mutate(d):
+        d["deployment"]["max_tokens_limit"] = 2048
+        d["stage_args"][2]["default_sampling_params"] = {"max_tokens": 65536}  # Code2Wav, as vLLM-Omni ships
+    assert load_config(write(tmp_path, variant(mutate))).stage(2).default_sampling_params["max_tokens"] == 65536

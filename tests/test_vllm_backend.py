@@ -298,7 +298,11 @@ def test_replica_thread_exit_leaves_no_engine_core_behind(tiny_model):
             return True
 
     assert _settles(lambda: all(gone(pid) for pid in started), 10)
-    eng._llm.shutdown()  # release its sockets in this process
+    # Release its sockets here. vLLM closes them on the loop when the loop is open but
+    # not running, so close it first: a context left with open sockets blocks forever
+    # in zmq's term() when the garbage collector gets to it.
+    lt.loop.close()
+    eng._llm.shutdown()
 
 
 # -- stage processors (no vLLM needed) ----------------------------------------------
