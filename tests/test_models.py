@@ -94,7 +94,8 @@ def test_transformers_loads_the_model_and_tokenizer(built):
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
                                    add_generation_prompt=True)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert tok.eos_token == "<|im_end|>" and model.generation_config.eos_token_id == tok.eos_token_id
+    assert tok.eos_token == "<|im_end|>"
+    assert model.generation_config.eos_token_id == tok.eos_token_id
     assert tok.decode(tok("Tell me about the sea.")["input_ids"]) == "Tell me about the sea."
 
 

