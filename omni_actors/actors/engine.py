@@ -32,6 +32,8 @@ from omni_actors.messages import (CancelStage, DrainReplica, EngineFailed, Engin
 
 #: Missing pool acks for this many heartbeat intervals means the pool is gone.
 ORPHAN_AFTER_INTERVALS = 3
+#: How long an exiting replica waits for its backend to stop (a vLLM core takes about 2.5 s).
+SHUTDOWN_TIMEOUT_S = 5.0
 from omni_actors.processors import default_input
 
 #: Which output fields go to the client for each final output type.
@@ -170,6 +172,12 @@ class EngineActor(ActorTypeDispatcher):
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
         if msg.payload == "heartbeat" and self._spec is not None:
             interval = self._spec.heartbeat_interval_s
+            failure = getattr(self._backend, "failure", None) if self._ready else None
+            if failure:
+                # The engine died under us (a vLLM core crash): no more work, the pool restarts us.
+                self._log.error("engine_dead", reason=failure)
+                self._ready = False
+                self.send(self._pool, EngineFailed(self._spec.replica, failure))
             if not self._draining and time.monotonic() - self._last_ack > ORPHAN_AFTER_INTERVALS * interval:
                 self._log.warning("pool_lost_draining", in_flight=len(self._tasks))
                 self._start_drain()
@@ -224,6 +232,13 @@ class EngineActor(ActorTypeDispatcher):
 
     def receiveMsg_ActorExitRequest(self, msg: ActorExitRequest, sender):
         if self._rt is not None:
+            if self._backend is not None:
+                # Stop the engine cleanly (a vLLM core is a child process), within a bound.
+                done = asyncio.run_coroutine_threadsafe(self._backend.shutdown(), self._rt.loop)
+                try:
+                    done.result(timeout=SHUTDOWN_TIMEOUT_S)
+                except Exception as exc:  # noqa: BLE001 - exiting anyway
+                    self._log.warning("backend_shutdown_incomplete", error=str(exc) or type(exc).__name__)
             self._rt.stop()  # daemon thread: in-flight tasks end with the process
             self._rt = None
         return None

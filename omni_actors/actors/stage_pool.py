@@ -125,7 +125,10 @@ class StagePoolActor(ActorTypeDispatcher):
         rep = self._replicas.get(msg.replica)
         if rep is None or rep.state not in _ALIVE:
             return
-        self._set_down(rep, ReplicaState.FAILED, msg.reason)
+        if rep.state == ReplicaState.READY:
+            self._isolate(rep, f"engine died: {msg.reason}")  # it ran before: restart it
+            return
+        self._set_down(rep, ReplicaState.FAILED, msg.reason)  # it never loaded: retrying fails the same way
         self.send(rep.address, ActorExitRequest())
 
     def receiveMsg_Heartbeat(self, msg: Heartbeat, sender):
