@@ -116,7 +116,10 @@ class StageDeployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     replicas: PositiveInt = 1
     backend: Literal["synthetic", "vllm", "vllm_omni"] = "synthetic"
+    #: devices each replica takes on one node (its tensor-parallel size); ignored on CPU nodes
     devices_per_replica: PositiveInt = 1
+    #: nodes this stage may run on (placement rule); empty: any node that accepts it
+    nodes: list[str] = []
     synthetic: SyntheticCost = msgspec.field(default_factory=SyntheticCost)
 
 

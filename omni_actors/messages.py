@@ -34,6 +34,7 @@ ActorAddress = Any  # thespian.actors.ActorAddress; kept loose so this module im
 class ReplicaState(str, enum.Enum):
     """Lifecycle of one engine replica."""
 
+    PENDING = "pending"  #: waiting for a node with free devices (placement); retried as nodes join
     STARTING = "starting"  #: created; backend loading; no work routed
     READY = "ready"  #: loaded and taking work
     ISOLATED = "isolated"  #: unhealthy (``reason`` says why): no new work; being killed, then restarted
@@ -41,6 +42,10 @@ class ReplicaState(str, enum.Enum):
     DEAD = "dead"  #: its process exited; a restart is pending (backoff)
     FAILED = "failed"  #: down for good: failed to load, or restarted too often; ``reason`` says why
     STOPPED = "stopped"  #: drained or scaled down on purpose
+
+
+#: ``reason`` of a PENDING replica whose placement request is still out.
+PLACING = "waiting for placement"
 
 
 class FaultKind(str, enum.Enum):
@@ -68,9 +73,95 @@ class ErrorKind(str, enum.Enum):
 @dataclass(frozen=True)
 class Deploy:
     """CLI -> Coordinator: serve this config. Answered with :class:`SystemStatus`
-    once every replica is ready or failed (or ``ready_timeout_s`` passed)."""
+    once every replica is ready, failed or pending placement (or ``ready_timeout_s`` passed)."""
 
     config: PipelineConfig
+    leader_node: "NodeInfo | None" = None  #: the leader host's own node (it runs replicas too)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A host that offers devices to replicas (from its admin's capabilities)."""
+
+    name: str
+    devices: tuple[str, ...] = ()  #: GPU ids it offers; empty: a CPU node (replicas get no devices)
+    stages: tuple[str, ...] = ()  #: stages it accepts; empty: any
+    admin: ActorAddress = None
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    name: str
+    alive: bool
+    devices: tuple[str, ...]
+    used: dict[str, str]  #: device -> replica holding it
+    stages: tuple[str, ...]
+    replicas: tuple[str, ...]  #: replicas placed there
+    last_seen_age_s: float | None = None
+
+
+@dataclass(frozen=True)
+class PlaceReplica:
+    """Pool -> Coordinator: pick a node and ``devices`` free devices for ``replica``.
+    Answered with :class:`Placement` or :class:`PlacementFailed`."""
+
+    stage: str
+    replica: str
+    devices: int
+    nodes: tuple[str, ...] = ()  #: allowed nodes (the stage's placement rule); empty: any
+
+
+@dataclass(frozen=True)
+class Placement:
+    replica: str
+    node: str
+    devices: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PlacementFailed:
+    replica: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReleasePlacement:
+    """Pool -> Coordinator: ``replica`` is gone; its devices are free again."""
+
+    replica: str
+
+
+@dataclass(frozen=True)
+class NodesChanged:
+    """Coordinator -> pools: a node joined or came back; retry pending placements."""
+
+
+@dataclass(frozen=True)
+class NodeLost:
+    """Coordinator -> pools: ``node`` stopped answering; its replicas are gone."""
+
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class StartNodeAgent:
+    """Coordinator -> the NodeAgentActor it placed on a member host."""
+
+    node: str
+    interval_s: float
+
+
+@dataclass(frozen=True)
+class NodeHeartbeat:
+    """NodeAgent -> Coordinator every interval; answered with :class:`NodeHeartbeatAck`."""
+
+    node: str
+
+
+@dataclass(frozen=True)
+class NodeHeartbeatAck:
+    pass
 
 
 @dataclass(frozen=True)
@@ -163,6 +254,7 @@ class SystemStatus:
     ready: bool  #: every stage has at least one READY replica
     stages: tuple[PoolState, ...]
     coordinator_pid: int | None = None
+    nodes: tuple[NodeStatus, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -188,6 +280,8 @@ class StartEngine:
     deployment: StageDeployment
     heartbeat_interval_s: float
     inline_threshold_bytes: int
+    node: str = ""
+    devices: tuple[str, ...] | None = None  #: pinned devices; None: leave CUDA_VISIBLE_DEVICES alone (CPU node)
 
 
 @dataclass(frozen=True)
@@ -199,6 +293,7 @@ class EngineReady:
     node: str = ""
     devices: str = ""
     backend: str = ""
+    host: str = ""  #: the machine's hostname (where ``pid`` means something)
 
 
 @dataclass(frozen=True)

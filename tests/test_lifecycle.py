@@ -21,7 +21,6 @@ import pytest
 
 from omni_actors.connectors import list_segments
 from omni_actors.system.local import LocalLeader
-from omni_actors.system.processes import system_pids
 
 from conftest import CONFIGS, ROOT, TEST_CONFIGS
 
@@ -37,7 +36,7 @@ def _cli(*args, env=None, timeout=60) -> subprocess.CompletedProcess:
 def test_ctrl_c_stops_every_process_within_seconds():
     leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
     try:
-        pids = system_pids(leader.system_id)
+        pids = leader.pids()
         # admin + coordinator + 3 pools + 4 engines + request actors, at least
         assert len(pids) >= 9
         body = json.dumps({"model": "qwen3-omni-cpu-demo", "messages": MESSAGES, "max_tokens": 4}).encode()
@@ -69,7 +68,7 @@ def test_stop_command_and_status_command():
         assert stop.returncode == 0, stop.stderr
         leader.proc.wait(10)
         assert leader.proc.returncode == 0
-        assert system_pids(leader.system_id) == []
+        assert leader.pids() == []
     finally:
         leader.stop()
 

@@ -20,21 +20,30 @@ import dataclasses
 import os
 import time
 
-from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExited, WakeupMessage
+from thespian.actors import (ActorExitRequest, ActorSystemConventionUpdate, ActorTypeDispatcher, ChildActorExited,
+                             WakeupMessage)
 
+from omni_actors.actors.node_agent import NODE_CAPABILITY, NodeAgentActor
 from omni_actors.actors.stage_pool import StagePoolActor
 from omni_actors.actors.supervision import RestartPolicy
 from omni_actors.logs import get_logger
-from omni_actors.messages import (AdminReply, Deploy, DrainReplica, GetRoutes, GetStatus, InjectFault, PoolState,
-                                  PoolStateAck, ReplicaState, ReplicaStatus, Routes, ScaleStage, ShutdownDone,
-                                  ShutdownSystem, StartPool, Subscribe, SystemStatus, WhoAmI, YouAre)
+from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainReplica, GetRoutes, GetStatus, InjectFault, NodeHeartbeat,
+                                  NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, PlaceReplica, Placement,
+                                  PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
+                                  ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, StartNodeAgent,
+                                  StartPool, Subscribe, SystemStatus, WhoAmI, YouAre)
+from omni_actors.placement import Inventory, PlacementError
+
+#: A member node whose agent has been silent this many heartbeat intervals is lost.
+NODE_MISSED_HEARTBEATS = 3
 
 #: The coordinator's ``globalName``.
 COORDINATOR_NAME = "omni-actors-coordinator"
 #: A subscriber that has not renewed its lease for this long is dropped.
 SUBSCRIPTION_LEASE_S = 10.0
 
-_SETTLED = (ReplicaState.READY, ReplicaState.FAILED, ReplicaState.DEAD, ReplicaState.STOPPED)
+_SETTLED = (ReplicaState.READY, ReplicaState.FAILED, ReplicaState.DEAD, ReplicaState.STOPPED,
+            ReplicaState.PENDING)
 
 
 class CoordinatorActor(ActorTypeDispatcher):
@@ -48,6 +57,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._deploy_waiters: list[object] = []
         self._subscribers: list[tuple[object, float]] = []
         self._stopping = False
+        self._inventory = Inventory()
+        self._leader_node = ""
         self._log = get_logger(actor="coordinator")
 
     # -- deployment -------------------------------------------------------
@@ -56,6 +67,11 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._config = cfg = msg.config
             r = cfg.deployment.supervision.restart
             self._restart = RestartPolicy(r.initial_backoff_s, r.max_backoff_s, r.max_restarts, r.window_s)
+            leader = msg.leader_node or NodeInfo("local")
+            self._leader_node = leader.name
+            self._inventory.add(leader)
+            self.notifyOnSystemRegistrationChanges(True)  # member hosts joining the convention
+            self.wakeupAfter(cfg.deployment.heartbeat_interval_s, payload="node_check")
             for stage in cfg.stage_args:
                 self._states[stage.stage_id] = PoolState(stage.stage_id, stage.name, ())
                 self._pool_restarts[stage.stage_id] = []
@@ -83,7 +99,8 @@ class CoordinatorActor(ActorTypeDispatcher):
             replicas = self._states[stage.stage_id].replicas
             if len(replicas) < self._config.deployment_of(stage).replicas:
                 return False
-            if any(r.state not in _SETTLED for r in replicas):
+            if any(r.state not in _SETTLED or (r.state == ReplicaState.PENDING and r.reason == PLACING)
+                   for r in replicas):
                 return False
         return True
 
@@ -114,6 +131,15 @@ class CoordinatorActor(ActorTypeDispatcher):
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
         if msg.payload == "deploy_deadline":
             self._answer_deploy_waiters(force=True)
+        elif msg.payload == "node_check":
+            interval = self._config.deployment.heartbeat_interval_s
+            now = time.monotonic()
+            for name, node in list(self._inventory.nodes.items()):
+                if name == self._leader_node:
+                    node.last_seen = now  # our own host: alive while we are
+                elif node.alive and now - node.last_seen > NODE_MISSED_HEARTBEATS * interval:
+                    self._lose_node(name, f"missed {NODE_MISSED_HEARTBEATS} node heartbeats")
+            self.wakeupAfter(interval, payload="node_check")
         elif isinstance(msg.payload, tuple) and msg.payload[0] == "restart_pool" and not self._stopping:
             stage = self._config.stage(msg.payload[1])
             self._pool_restarts[stage.stage_id].append(time.monotonic())
@@ -139,6 +165,52 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._publish_status()
             if delay is not None:
                 self.wakeupAfter(delay, payload=("restart_pool", stage_id))
+
+    # -- nodes and placement ----------------------------------------------
+    def receiveMsg_ActorSystemConventionUpdate(self, msg: ActorSystemConventionUpdate, sender):
+        caps = msg.remoteCapabilities or {}
+        name = caps.get(NODE_CAPABILITY)
+        if not name or self._config is None:
+            return
+        if not msg.remoteAdded:
+            self._lose_node(name, "left the convention")
+            return
+        info = NodeInfo(name, _split(caps.get("omni_devices")), _split(caps.get("omni_stages")),
+                        msg.remoteAdminAddress)
+        self._inventory.add(info)
+        agent = self.createActor(NodeAgentActor, targetActorRequirements={NODE_CAPABILITY: name})
+        self.send(agent, StartNodeAgent(name, self._config.deployment.heartbeat_interval_s))
+        self._log.info("node_joined", node=name, devices=list(info.devices), stages=list(info.stages))
+        for pool in self._pools.values():
+            self.send(pool, NodesChanged())
+        self._publish_status()
+
+    def _lose_node(self, name: str, reason: str) -> None:
+        node = self._inventory.nodes.get(name)
+        if node is None or not node.alive:
+            return
+        lost = self._inventory.lose(name)
+        self._log.error("node_lost", node=name, reason=reason, replicas=lost)
+        for pool in self._pools.values():
+            self.send(pool, NodeLost(name, reason))
+        self._publish_status()
+
+    def receiveMsg_NodeHeartbeat(self, msg: NodeHeartbeat, sender):
+        self.send(sender, NodeHeartbeatAck())
+        node = self._inventory.nodes.get(msg.node)
+        if node is not None:
+            node.last_seen = time.monotonic()
+
+    def receiveMsg_PlaceReplica(self, msg: PlaceReplica, sender):
+        try:
+            node, devices = self._inventory.place(msg.stage, msg.replica, msg.devices, msg.nodes)
+        except PlacementError as exc:
+            self.send(sender, PlacementFailed(msg.replica, str(exc)))
+            return
+        self.send(sender, Placement(msg.replica, node, devices))
+
+    def receiveMsg_ReleasePlacement(self, msg: ReleasePlacement, sender):
+        self._inventory.release(msg.replica)
 
     # -- discovery and subscriptions --------------------------------------
     def receiveMsg_GetStatus(self, msg: GetStatus, sender):
@@ -212,7 +284,15 @@ class CoordinatorActor(ActorTypeDispatcher):
         ready = bool(stages) and all(any(r.state == ReplicaState.READY for r in st.replicas) for st in stages)
         model = self._config.deployment.served_model_name if self._config else ""
         return SystemStatus(query_id=query_id or str(time.time()), model=model, ready=ready, stages=stages,
-                            coordinator_pid=os.getpid())
+                            coordinator_pid=os.getpid(), nodes=self._inventory.status())
+
+
+def _split(value) -> tuple[str, ...]:
+    """``"0,1"`` or ``["0", "1"]`` -> ``("0", "1")``; None or "" -> ``()``."""
+    if not value:
+        return ()
+    items = value.split(",") if isinstance(value, str) else value
+    return tuple(str(i).strip() for i in items if str(i).strip())
 
 
 def _states_of(state: PoolState) -> tuple:

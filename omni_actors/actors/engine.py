@@ -21,8 +21,9 @@ from typing import Any
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ThespianWatch, WakeupMessage, WatchMessage
 
+from omni_actors.actors.node_agent import on_node
 from omni_actors.config import resolve_processor
-from omni_actors.connectors import make_connector, release_all
+from omni_actors.connectors import ConnectorError, make_connector, release_all
 from omni_actors.engines import create_backend
 from omni_actors.engines.base import BackendTask, StageFinal, TextDelta
 from omni_actors.logs import get_logger
@@ -110,6 +111,9 @@ class LoopThread:
 class EngineActor(ActorTypeDispatcher):
     """Hosts one engine backend; see the module docstring for the threading model."""
 
+    # Placed by the coordinator: created with targetActorRequirements={"omni_node": N}.
+    actorSystemCapabilityCheck = staticmethod(on_node)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._rt: LoopThread | None = None
@@ -139,13 +143,21 @@ class EngineActor(ActorTypeDispatcher):
         self._log = self._log.bind(stage=msg.stage.name, replica=msg.replica)
         self._connector = make_connector(msg.inline_threshold_bytes)
         func = msg.stage.custom_process_input_func
-        devices = msg.stage.runtime.devices
+        # Pinning: set before the backend (and CUDA) is imported in this process. The
+        # coordinator's placement decides; without one (a CPU node), vLLM-Omni's own
+        # single-host `runtime.devices` still applies.
+        devices = ",".join(msg.devices) if msg.devices else msg.stage.runtime.devices
         if devices is not None:
-            # Pinning: set before the backend (and CUDA) is imported in this process.
             os.environ["CUDA_VISIBLE_DEVICES"] = str(devices)
         self._rt = LoopThread()
         try:
-            self._processor = resolve_processor(func) if func else default_input
+            if msg.deployment.backend == "vllm_omni":
+                # vLLM-Omni processors have vLLM-Omni's signature: the backend runs them.
+                from omni_actors.engines.vllm_omni import stage_inputs
+
+                self._processor = stage_inputs
+            else:
+                self._processor = resolve_processor(func) if func else default_input
             self._backend = create_backend(msg.stage, msg.deployment, msg.replica)
         except Exception as exc:  # noqa: BLE001 - any load failure is reported, not raised
             self._log.error("engine_load_failed", error=str(exc))
@@ -165,9 +177,9 @@ class EngineActor(ActorTypeDispatcher):
             return
         self._ready = True
         self._log.info("engine_ready", load_s=round(time.monotonic() - t0, 3), pid=os.getpid())
-        self._rt.emit(self._pool, EngineReady(spec.replica, os.getpid(), socket.gethostname(),
+        self._rt.emit(self._pool, EngineReady(spec.replica, os.getpid(), spec.node,
                                               os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-                                              spec.deployment.backend))
+                                              spec.deployment.backend, socket.gethostname()))
 
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
         if msg.payload == "heartbeat" and self._spec is not None:
@@ -282,6 +294,11 @@ class EngineActor(ActorTypeDispatcher):
         except asyncio.CancelledError:
             cancelled = True
             self._log.info("stage_cancelled", request_id=msg.request_id)
+        except ConnectorError as exc:
+            # Inputs are released only when their request ends: it ended (the client left)
+            # while this task was on its way. Nothing to report, and not this replica's fault.
+            cancelled = True
+            self._log.info("stage_inputs_released", request_id=msg.request_id, error=str(exc))
         except Exception as exc:  # noqa: BLE001 - a task failure fails the task, not the replica
             kind = ErrorKind.BAD_REQUEST if isinstance(exc, ValueError) else ErrorKind.ENGINE_ERROR
             self._log.warning("stage_failed", request_id=msg.request_id, error=str(exc))

@@ -28,10 +28,12 @@ from omni_actors.actors.engine import EngineActor
 from omni_actors.actors.supervision import HealthPolicy, ReplicaHealth, RestartPolicy
 from omni_actors.balancing import POLICIES, ReplicaLoad
 from omni_actors.logs import get_logger
-from omni_actors.messages import (LATENCY_BUCKETS_S, AdminReply, CancelStage, DrainReplica, EngineFailed,
-                                  EngineReady, ErrorKind, Heartbeat, HeartbeatAck, InjectFault, PoolState,
-                                  PoolStateAck, ReplicaState, ReplicaStatus, ScaleStage, StageFailed,
-                                  StageTask, StartEngine, StartPool, TaskFinished)
+from omni_actors.messages import (LATENCY_BUCKETS_S, PLACING, AdminReply, CancelStage, DrainReplica, EngineFailed,
+                                  EngineReady, ErrorKind, Heartbeat, HeartbeatAck, InjectFault, NodeLost,
+                                  NodesChanged, PlaceReplica, Placement, PlacementFailed, PoolState,
+                                  PoolStateAck, ReleasePlacement, ReplicaState, ReplicaStatus, ScaleStage,
+                                  StageFailed, StageTask, StartEngine, StartPool, TaskFinished)
+from omni_actors.actors.node_agent import NODE_CAPABILITY
 
 #: Ticks per heartbeat interval: how often health is judged.
 TICKS_PER_INTERVAL = 4
@@ -40,13 +42,15 @@ ORPHAN_AFTER_INTERVALS = 5
 
 _ROUTABLE = (ReplicaState.READY,)
 _ALIVE = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING, ReplicaState.ISOLATED)
+#: Ticks between placement retries for replicas still waiting for a node.
+PLACEMENT_RETRY_TICKS = 8
 
 
 @dataclass
 class Replica:
     replica: str
-    address: object
-    state: ReplicaState = ReplicaState.STARTING
+    address: object  # None until placed and created
+    state: ReplicaState = ReplicaState.PENDING
     reason: str = ""
     in_flight: dict[tuple[str, int], tuple[StageTask, float]] = field(default_factory=dict)
     dispatched: int = 0
@@ -57,8 +61,10 @@ class Replica:
     kv_cache_usage: float | None = None
     pid: int | None = None
     node: str = ""
+    host: str = ""
     devices: str = ""
     backend: str = ""
+    placing: bool = False  # a PlaceReplica is out
     restarts: list[float] = field(default_factory=list)
     health: ReplicaHealth | None = None
     latency: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS_S))
@@ -101,13 +107,58 @@ class StagePoolActor(ActorTypeDispatcher):
         return rid
 
     def _launch(self, replica_id: str, restarts: list[float] | None = None) -> None:
+        """Ask the coordinator where the replica goes; it starts on :class:`Placement`."""
+        rep = Replica(replica_id, None, restarts=restarts or [], reason=PLACING)
+        self._replicas[replica_id] = rep
+        self._place(rep)
+
+    def _place(self, rep: Replica) -> None:
+        dep = self._spec.deployment
+        rep.placing = True
+        self.send(self._coordinator, PlaceReplica(self._spec.stage.name, rep.replica, dep.devices_per_replica,
+                                                  tuple(dep.nodes)))
+
+    def receiveMsg_Placement(self, msg: Placement, sender):
+        rep = self._replicas.get(msg.replica)
+        if rep is None or rep.state != ReplicaState.PENDING or self._orphaned:
+            self.send(sender, ReleasePlacement(msg.replica))  # scaled down or gone meanwhile
+            return
         spec = self._spec
-        address = self.createActor(EngineActor)
-        self._replicas[replica_id] = Replica(replica_id, address, restarts=restarts or [])
-        self.send(address, StartEngine(replica_id, spec.stage, spec.deployment,
-                                       spec.heartbeat_interval_s, spec.inline_threshold_bytes))
-        self.wakeupAfter(spec.ready_timeout_s, payload=("ready_deadline", replica_id, address))
-        self._log.info("replica_launched", replica=replica_id)
+        rep.placing = False
+        try:
+            address = self.createActor(EngineActor, targetActorRequirements={NODE_CAPABILITY: msg.node})
+        except Exception as exc:  # noqa: BLE001 - e.g. the node's admin vanished
+            rep.reason = f"could not start on {msg.node}: {exc}"
+            self.send(sender, ReleasePlacement(msg.replica))
+            self._publish()
+            return
+        rep.address, rep.node, rep.devices = address, msg.node, ",".join(msg.devices)
+        rep.state, rep.reason = ReplicaState.STARTING, ""
+        self.send(address, StartEngine(rep.replica, spec.stage, spec.deployment, spec.heartbeat_interval_s,
+                                       spec.inline_threshold_bytes, msg.node, msg.devices or None))
+        self.wakeupAfter(spec.ready_timeout_s, payload=("ready_deadline", rep.replica, address))
+        self._log.info("replica_launched", replica=rep.replica, node=msg.node, devices=rep.devices)
+        self._publish()
+
+    def receiveMsg_PlacementFailed(self, msg: PlacementFailed, sender):
+        rep = self._replicas.get(msg.replica)
+        if rep is not None and rep.state == ReplicaState.PENDING:
+            changed = rep.reason != msg.reason
+            rep.placing, rep.reason = False, msg.reason
+            if changed:  # retried every few ticks: log and publish news only
+                self._log.warning("replica_not_placed", replica=msg.replica, reason=msg.reason)
+                self._publish()
+
+    def receiveMsg_NodesChanged(self, msg: NodesChanged, sender):
+        for rep in self._replicas.values():
+            if rep.state == ReplicaState.PENDING and not rep.placing:
+                self._place(rep)
+
+    def receiveMsg_NodeLost(self, msg: NodeLost, sender):
+        for rep in list(self._replicas.values()):
+            if rep.node == msg.node and rep.state in _ALIVE:
+                rep.reason = f"node {msg.node} lost: {msg.reason}"
+                self._gone(rep, rep.reason)
 
     # -- registration -----------------------------------------------------
     def receiveMsg_EngineReady(self, msg: EngineReady, sender):
@@ -115,7 +166,8 @@ class StagePoolActor(ActorTypeDispatcher):
         if rep and rep.state == ReplicaState.STARTING:
             now = time.monotonic()
             rep.state, rep.reason = ReplicaState.READY, ""
-            rep.pid, rep.node, rep.devices, rep.backend = msg.pid, msg.node, msg.devices, msg.backend
+            rep.pid, rep.host, rep.backend = msg.pid, msg.host, msg.backend
+            rep.devices = msg.devices or rep.devices
             rep.health = ReplicaHealth(last_heartbeat=now, progress_at=now)
             self._log.info("replica_ready", replica=msg.replica, pid=msg.pid, node=msg.node)
             self._publish()
@@ -172,6 +224,10 @@ class StagePoolActor(ActorTypeDispatcher):
                     self._isolate(rep, why)
             elif rep.state == ReplicaState.DRAINING and not rep.in_flight:
                 self.send(rep.address, DrainReplica(rep.replica))
+        if self._ticks % PLACEMENT_RETRY_TICKS == 0:
+            for rep in self._replicas.values():
+                if rep.state == ReplicaState.PENDING and not rep.placing:
+                    self._place(rep)  # devices may have been freed by another stage
         expired = [(t, d) for t, d in self._pending if now >= d]
         if expired:
             self._pending = [(t, d) for t, d in self._pending if now < d]
@@ -184,37 +240,53 @@ class StagePoolActor(ActorTypeDispatcher):
             for rep in self._replicas.values():
                 if rep.state in _ALIVE:
                     self.send(rep.address, DrainReplica(rep.replica))
-        if self._orphaned and not any(r.state in _ALIVE for r in self._replicas.values()):
+        if self._orphaned and not any(r.state in _ALIVE and r.address is not None
+                                      for r in self._replicas.values()):
             self.send(self.myAddress, ActorExitRequest())
 
     def _isolate(self, rep: Replica, why: str) -> None:
         self._log.error("replica_isolated", replica=rep.replica, reason=why)
         rep.state, rep.reason = ReplicaState.ISOLATED, why
         self._redispatch(rep)
-        self._kill(rep)
+        if not self._kill(rep):
+            # On another host: no ChildActorExited may ever come (the host may be gone).
+            self._gone(rep, why)
         self._publish()
 
-    def _kill(self, rep: Replica) -> None:
+    def _kill(self, rep: Replica) -> bool:
         """SIGKILL a replica on this host (a hung process cannot take an exit
-        request); elsewhere, ask it to exit."""
-        if rep.pid and rep.node == socket.gethostname():
+        request) and return True; elsewhere, ask it to exit and return False."""
+        if rep.pid and rep.host == socket.gethostname():
             try:
                 os.kill(rep.pid, signal.SIGKILL)
-                return
             except ProcessLookupError:
-                return
-        self.send(rep.address, ActorExitRequest())
+                pass
+            return True
+        if rep.address is not None:
+            self.send(rep.address, ActorExitRequest())
+        return False
 
     def _set_down(self, rep: Replica, state: ReplicaState, reason: str) -> None:
         rep.state, rep.reason = state, reason
         self._log.error("replica_down", replica=rep.replica, state=state.value, reason=reason)
         self._redispatch(rep)
+        self._release(rep)
         self._publish()
+
+    def _release(self, rep: Replica) -> None:
+        if self._coordinator is not None:
+            self.send(self._coordinator, ReleasePlacement(rep.replica))
 
     def receiveMsg_ChildActorExited(self, msg: ChildActorExited, sender):
         rep = next((r for r in self._replicas.values() if r.address == msg.childAddress), None)
-        if rep is None:
-            return
+        if rep is not None:
+            self._gone(rep, rep.reason if rep.state == ReplicaState.ISOLATED else "process exited")
+
+    def _gone(self, rep: Replica, cause: str) -> None:
+        """The replica's process is gone (exited, killed, or lost with its node):
+        free its devices, re-dispatch its work, and restart it if it should run."""
+        rep.address = None  # a late ChildActorExited for it changes nothing
+        self._release(rep)
         if rep.state in (ReplicaState.FAILED, ReplicaState.STOPPED):
             self._redispatch(rep)
             self._publish()
@@ -224,7 +296,6 @@ class StagePoolActor(ActorTypeDispatcher):
             self._redispatch(rep)
             self._publish()
             return
-        cause = rep.reason if rep.state == ReplicaState.ISOLATED else "process exited"
         rep.state, rep.reason = ReplicaState.DEAD, cause
         self._log.error("replica_exited", replica=rep.replica, reason=cause)
         self._redispatch(rep)
@@ -287,16 +358,18 @@ class StagePoolActor(ActorTypeDispatcher):
         self._publish()
 
     def receiveMsg_ScaleStage(self, msg: ScaleStage, sender):
-        live = [r for r in self._replicas.values() if r.state in (ReplicaState.STARTING, ReplicaState.READY,
-                                                                   ReplicaState.DEAD, ReplicaState.ISOLATED)]
+        live = [r for r in self._replicas.values() if r.state in (ReplicaState.PENDING, ReplicaState.STARTING,
+                                                                   ReplicaState.READY, ReplicaState.DEAD,
+                                                                   ReplicaState.ISOLATED)]
         if msg.replicas > len(live):
             for _ in range(msg.replicas - len(live)):
                 self._launch(self._new_replica_id())
         else:
             # retire the least busy, newest first
             for rep in sorted(live, key=lambda r: (len(r.in_flight), -self._index(r)))[:len(live) - msg.replicas]:
-                if rep.state == ReplicaState.DEAD:
+                if rep.state in (ReplicaState.DEAD, ReplicaState.PENDING):
                     rep.state, rep.reason = ReplicaState.STOPPED, "scaled down"
+                    self._release(rep)
                 else:
                     self._drain(rep, "scaled down")
         self._publish()
@@ -319,7 +392,8 @@ class StagePoolActor(ActorTypeDispatcher):
             ready = [r for r in self._replicas.values() if r.state in _ROUTABLE]
         chosen = self._policy([ReplicaLoad(r.replica, len(r.in_flight), r.dispatched) for r in ready])
         if chosen is None:
-            if any(r.state in (ReplicaState.STARTING, ReplicaState.DEAD, ReplicaState.ISOLATED)
+            if any(r.state in (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.DEAD,
+                               ReplicaState.ISOLATED)
                    for r in self._replicas.values()) and self._spec.supervision.queue_timeout_s > 0:
                 self._pending.append((task, time.monotonic() + self._spec.supervision.queue_timeout_s))
             else:

@@ -14,7 +14,7 @@ from omni_actors.engines.base import EngineBackend
 __all__ = ["create_backend", "BACKENDS"]
 
 #: Backend names a deployment may ask for, and whether this build provides them.
-BACKENDS = {"synthetic": True, "vllm": True, "vllm_omni": False}
+BACKENDS = {"synthetic": True, "vllm": True, "vllm_omni": True}
 
 
 def create_backend(stage: StageSpec, deployment: StageDeployment, replica: str) -> EngineBackend:
@@ -27,7 +27,6 @@ def create_backend(stage: StageSpec, deployment: StageDeployment, replica: str) 
         replica: the replica name (``"talker/0"``), used in messages.
 
     Raises:
-        NotImplementedError: the ``vllm_omni`` backend (not built yet).
         ValueError: an unknown backend name.
     """
     backend = deployment.backend
@@ -40,8 +39,8 @@ def create_backend(stage: StageSpec, deployment: StageDeployment, replica: str) 
 
         return VllmEngine(stage, replica)
     if backend == "vllm_omni":
-        raise NotImplementedError(
-            f"backend {backend} is not available yet (issue 3); stage `{stage.name}` "
-            f"replica {replica}: use backend: vllm or synthetic")
+        from omni_actors.engines.vllm_omni import VllmOmniEngine
+
+        return VllmOmniEngine(stage, replica)
     raise ValueError(f"unknown backend `{backend}` for stage `{stage.name}`; "
                      f"known: {', '.join(BACKENDS)}")

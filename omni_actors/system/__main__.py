@@ -1,4 +1,4 @@
-"""``python -m omni_actors.system <verb>``: start, stop, status.
+"""``python -m omni_actors.system <verb>``: start, stop, status, inject, stage, api, shell.
 
 Errors print one line on stderr and exit non-zero (2 for bad arguments or
 config, 1 for a system that cannot start or cannot be reached).
@@ -25,6 +25,13 @@ def _parser() -> argparse.ArgumentParser:
     start = sub.add_parser("start", help="start a host (the convention leader serves the API)")
     start.add_argument("--convention-leader", action="store_true",
                        help="start the leader: admin, coordinator, stage pools, engines, API server")
+    start.add_argument("--convention-address", default=None, metavar="HOST:PORT",
+                       help="join the leader's convention at HOST:PORT (its admin port) as a member host")
+    start.add_argument("--devices", default="", help="device ids this host offers to replicas, e.g. 0,1,2,3 "
+                       "(default: none, a CPU host: replicas are not pinned)")
+    start.add_argument("--node-name", default=None,
+                       help="this host's node name (default: the hostname; members: hostname-ADMINPORT)")
+    start.add_argument("--stages", default="", help="member: only these stages, e.g. talker,code2wav (default any)")
     start.add_argument("--config", default=None,
                        help="pipeline + deployment YAML (default: configs/cpu_omni_demo.yaml)")
     start.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
@@ -57,6 +64,24 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--count", type=int, default=1, help="for `raise`: how many next tasks raise (default 1)")
     sp.add_argument("--json", action="store_true", help="print what was done as JSON")
 
+    sp = sub.add_parser("api", help="serve one more API server, attached to a running system on this host")
+    admin_port(sp)
+    sp.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    sp.add_argument("--port", type=int, required=True, help="HTTP port")
+    sp.add_argument("--api-key", default=os.environ.get("OMNI_ACTORS_API_KEY"),
+                    help="require this bearer key on the API (default $OMNI_ACTORS_API_KEY)")
+    sp.add_argument("--request-actors", type=int, default=None,
+                    help="RequestActors created up front (default: the deployment's request_actors)")
+    sp.add_argument("--convention-address", default=None, metavar="HOST:PORT",
+                    help="join from another host (not available yet)")
+    sp.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
+                    help="default: $OMNI_ACTORS_LOG_LEVEL or info")
+
+    sp = sub.add_parser("shell", help="interactive admin shell (nodes, stages, replicas, scale, drain, ...)")
+    admin_port(sp)
+    sp.add_argument("-c", "--command", action="append", default=[], metavar="LINE",
+                    help="run this shell command and exit (repeatable) instead of the interactive loop")
+
     stage = sub.add_parser("stage", help="act on one stage at runtime").add_subparsers(dest="action", required=True)
     sp = stage.add_parser("drain", help="finish a replica's work, then stop it")
     admin_port(sp)
@@ -78,9 +103,11 @@ def cmd_start(args) -> int:
     from omni_actors.logs import configure_logging
     from omni_actors.system.leader import StartError, run_leader
 
-    if not args.convention_leader:
-        return _fail("joining a convention as a member host is not available yet; "
-                     "use --convention-leader", 2)
+    devices = tuple(d.strip() for d in args.devices.split(",") if d.strip())
+    if args.convention_leader == bool(args.convention_address):
+        return _fail("give exactly one of --convention-leader or --convention-address HOST:PORT", 2)
+    if args.convention_address:
+        return _start_member(args, devices)
     try:
         config = load_config(args.config or DEFAULT_CONFIG)
     except ConfigError as exc:
@@ -89,7 +116,27 @@ def cmd_start(args) -> int:
     configure_logging(args.log_level)
     try:
         return run_leader(config, host=args.host, port=args.port, admin_port=args.admin_port,
-                          api_key=args.api_key)
+                          api_key=args.api_key, node=args.node_name or "", devices=devices)
+    except StartError as exc:
+        return _fail(str(exc))
+
+
+def _start_member(args, devices: tuple[str, ...]) -> int:
+    from omni_actors.logs import configure_logging
+    from omni_actors.system.leader import StartError
+    from omni_actors.system.member import default_node_name, run_member
+
+    host, _, port = args.convention_address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return _fail(f"--convention-address must be HOST:PORT, got {args.convention_address!r}", 2)
+    if args.admin_port == DEFAULT_ADMIN_PORT and int(port) == DEFAULT_ADMIN_PORT:
+        return _fail("a member needs its own --admin-port (the leader uses 1900)", 2)
+    _ensure_system_id()
+    configure_logging(args.log_level)
+    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
+    try:
+        return run_member((host, int(port)), admin_port=args.admin_port,
+                          node=args.node_name or default_node_name(args.admin_port), devices=devices, stages=stages)
     except StartError as exc:
         return _fail(str(exc))
 
@@ -107,7 +154,12 @@ def _ensure_system_id() -> None:
 
     if os.environ.get(ENV_SYSTEM_ID):
         return
-    env = {**os.environ, ENV_SYSTEM_ID: uuid.uuid4().hex}
+    env = {**os.environ, ENV_SYSTEM_ID: uuid.uuid4().hex,
+           # Thespian's convention timers (read at import, "M:S"): a member that stops
+           # re-registering is dropped in seconds, not its default minutes. Our own node
+           # heartbeats detect a lost host faster still.
+           "CONVENTION_REREGISTRATION_PERIOD": os.environ.get("CONVENTION_REREGISTRATION_PERIOD", "0:05"),
+           "CONVENTION_RESTART_PERIOD": os.environ.get("CONVENTION_RESTART_PERIOD", "0:05")}
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, list(sys.orig_argv), env)
@@ -148,7 +200,7 @@ def cmd_stop(args) -> int:
             time.sleep(0.1)
     if _alive(pid):
         os.kill(pid, signal.SIGKILL)
-    killed = kill_system(state["system_id"])
+    killed = kill_system(state["system_id"], sessions=state.get("sessions", ()))
     sweep_segments(f"oa-{args.admin_port}-")
     state_file(args.admin_port).unlink(missing_ok=True)
     print(f"stopped the system on admin port {args.admin_port}"
@@ -203,9 +255,33 @@ def cmd_stage(admin, args) -> int:
     return 0
 
 
+def cmd_api(args) -> int:
+    from omni_actors.logs import configure_logging
+    from omni_actors.system.api_server import ApiServerError, run_api
+
+    if args.convention_address:
+        return _fail("joining from another host (--convention-address) is not available yet; "
+                     "run `api` on the leader's host with --admin-port", 2)
+    if args.request_actors is not None and args.request_actors < 1:
+        return _fail("--request-actors must be >= 1", 2)
+    configure_logging(args.log_level)
+    try:
+        return run_api(host=args.host, port=args.port, admin_port=args.admin_port, api_key=args.api_key,
+                       request_actors=args.request_actors)
+    except ApiServerError as exc:
+        return _fail(str(exc))
+
+
+def cmd_shell(args) -> int:
+    from omni_actors.system.shell import run_shell
+
+    return run_shell(args.admin_port, commands=args.command)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    verbs = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "inject": cmd_inject, "stage": cmd_stage}
+    verbs = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "inject": cmd_inject, "stage": cmd_stage,
+             "api": cmd_api, "shell": cmd_shell}
     return verbs[args.verb](args)
 
 

@@ -294,10 +294,9 @@ def wait_ready(leader, timeout_s: float = 30.0) -> dict:
 
 def wait_gone(leader, pids, timeout_s: float = 10.0) -> list[int]:
     """Wait until none of ``pids`` is a live process of the system; returns those still alive."""
-    from omni_actors.system.processes import system_pids
 
     deadline = time.monotonic() + timeout_s
-    while (left := sorted(set(pids) & set(system_pids(leader.system_id)))) and time.monotonic() < deadline:
+    while (left := sorted(set(pids) & set(leader.pids()))) and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 

@@ -13,6 +13,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -20,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from omni_actors.config import PipelineConfig
-from omni_actors.system.processes import ENV_SYSTEM_ID, kill_system, port_in_use
+from omni_actors.system.processes import ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use
 
 ACTOR_BASE = "multiprocTCPBase"
 PR_SET_CHILD_SUBREAPER = 36
@@ -71,8 +72,16 @@ def print_status_table(status, out=sys.stdout) -> None:
     print(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}", file=out)
 
 
+def node_capabilities(admin_port: int, node: str, devices: tuple[str, ...], stages: tuple[str, ...]) -> dict:
+    """Thespian capabilities of a host: where placement finds it (see actors.node_agent)."""
+    from omni_actors.actors.node_agent import NODE_CAPABILITY
+
+    return {"Admin Port": admin_port, NODE_CAPABILITY: node, "omni_devices": ",".join(devices),
+            "omni_stages": ",".join(stages)}
+
+
 def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
-               api_key: str | None = None) -> int:
+               api_key: str | None = None, node: str = "", devices: tuple[str, ...] = ()) -> int:
     """Run the leader in the foreground until SIGINT/SIGTERM. Returns the exit code.
 
     Raises:
@@ -83,7 +92,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
     from omni_actors.connectors import sweep_segments
     from omni_actors.logs import get_logger, thespian_log_defs
-    from omni_actors.messages import Deploy, SystemStatus
+    from omni_actors.messages import Deploy, NodeInfo, SystemStatus
 
     import socket as _socket
 
@@ -129,15 +138,19 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         signal.signal(sig, interrupt)
 
     t0 = time.monotonic()
+    leader_node = NodeInfo(node or socket.gethostname(), tuple(devices))
     sfile = state_file(admin_port)
     asys = None
+    sessions: list[int] = []
     try:
         try:
-            asys = ActorSystem(ACTOR_BASE, {"Admin Port": admin_port}, logDefs=thespian_log_defs())
+            asys = ActorSystem(ACTOR_BASE, node_capabilities(admin_port, leader_node.name, devices, ()),
+                               logDefs=thespian_log_defs())
         except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
             raise StartError(f"the actor system did not start on admin port {admin_port}: {exc}") from None
+        sessions = child_sessions()  # the admin's session: the whole actor tree lives in it
         coordinator = asys.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
-        status = asys.ask(coordinator, Deploy(config), config.deployment.ready_timeout_s + 15)
+        status = asys.ask(coordinator, Deploy(config, leader_node), config.deployment.ready_timeout_s + 15)
         if not isinstance(status, SystemStatus):
             raise StartError("the coordinator did not answer the deployment in time")
         print_status_table(status)
@@ -146,11 +159,13 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                   file=sys.stderr)
         sfile.parent.mkdir(parents=True, exist_ok=True)
         sfile.write_text(json.dumps({"pid": os.getpid(), "admin_port": admin_port, "host": host,
+                                     "sessions": sessions,
                                      "port": port, "system_id": system_id, "config": config.source,
                                      "model": config.deployment.served_model_name}))
         log.info("leader_started", admin_port=admin_port, startup_s=round(time.monotonic() - t0, 2))
         serving.set()
-        threading.Thread(target=_watch_coordinator, args=(asys, config, stopping), name="coordinator-watchdog",
+        threading.Thread(target=_watch_coordinator, args=(asys, config, leader_node, stopping),
+                         name="coordinator-watchdog",
                          daemon=True).start()
         asyncio.run(_serve(asys, coordinator, config, host, port, api_key, stopping))
         return 0
@@ -164,7 +179,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             if asys is not None:
                 asys.shutdown()
         finally:
-            left = kill_system(system_id)
+            left = kill_system(system_id, sessions=sessions)
             removed = sweep_segments(shm_prefix)
             sfile.unlink(missing_ok=True)
             log.info("leader_stopped", shutdown_s=round(time.monotonic() - t1, 2),
@@ -172,7 +187,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             print("omni-actors stopped", flush=True)
 
 
-def _watch_coordinator(asys, config: PipelineConfig, stopping: threading.Event) -> None:
+def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: threading.Event) -> None:
     """Keep one deployed coordinator alive (the leader supervises the top of the tree).
 
     Every heartbeat interval: look the coordinator up by ``globalName`` (Thespian
@@ -196,7 +211,7 @@ def _watch_coordinator(asys, config: PipelineConfig, stopping: threading.Event) 
                     misses, last_pid = 0, status.coordinator_pid
                 elif isinstance(status, SystemStatus):
                     log.warning("coordinator_restarted", pid=status.coordinator_pid)
-                    ctx.tell(address, Deploy(config))
+                    ctx.tell(address, Deploy(config, leader_node))
                     misses, last_pid = 0, status.coordinator_pid
                 else:
                     misses += 1

@@ -76,6 +76,7 @@ class LocalLeader:
             if b"serving model" in self.stdout_path.read_bytes() and self._healthy():
                 state = json.loads((self._dir / f"leader-{self.admin_port}.json").read_text())
                 self.system_id = state["system_id"]
+                self.sessions = state.get("sessions", [])
                 return self
             time.sleep(0.1)
         self.stop()
@@ -109,9 +110,13 @@ class LocalLeader:
         self.exit_code = self.proc.returncode
         if getattr(self, "system_id", None):
             #: what the leader's own shutdown left behind (tests assert it is empty)
-            self.left_after_exit = system_pids(self.system_id)
-            kill_system(self.system_id)
+            self.left_after_exit = system_pids(self.system_id, sessions=self.sessions)
+            kill_system(self.system_id, sessions=self.sessions)
         return self.exit_code
+
+    def pids(self) -> list[int]:
+        """Live processes of this system (leader, admin, every actor)."""
+        return system_pids(self.system_id, sessions=self.sessions) if getattr(self, "system_id", None) else []
 
     def __enter__(self) -> "LocalLeader":
         return self.start()

@@ -1,10 +1,12 @@
-"""Finding and ending the processes of one actor system.
+"""Finding and ending the processes of one actor system (Linux ``/proc``).
 
-Thespian's admin daemonises (``setsid``) and every actor is a forked process,
-so process groups do not cover them. Instead the leader puts a unique
-``OMNI_ACTORS_SYSTEM_ID`` in its environment before the actor system starts;
-every admin and actor process inherits it, and ``/proc/<pid>/environ`` names
-them all (Linux).
+Thespian's admin daemonises into a session of its own (``setsid``) and every
+actor is forked from it, so the admin's **session** holds the whole actor
+tree: the leader (or member) records the sessions of the children it starts
+(:func:`child_sessions`). As a second net, the CLI puts a unique
+``OMNI_ACTORS_SYSTEM_ID`` in its environment at exec time, which forks
+inherit; ``/proc/<pid>/environ`` shows it, except where a process retitled
+itself over its environment block (seen here for actors of member hosts).
 """
 
 from __future__ import annotations
@@ -18,7 +20,29 @@ from pathlib import Path
 ENV_SYSTEM_ID = "OMNI_ACTORS_SYSTEM_ID"
 
 
-def system_pids(system_id: str, *, exclude_self: bool = True) -> list[int]:
+def _stat(entry: Path) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name: state, ppid, pgrp, session, ..."""
+    try:
+        return (entry / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def child_sessions(pid: int | None = None) -> list[int]:
+    """Sessions of ``pid``'s children (zombies too) other than ``pid``'s own:
+    called right after the actor system starts, these are its admin's session."""
+    pid = pid or os.getpid()
+    own = os.getsid(pid)
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat(entry)
+            if fields and int(fields[1]) == pid and int(fields[3]) != own:
+                found.add(int(fields[3]))
+    return sorted(found)
+
+
+def system_pids(system_id: str, *, exclude_self: bool = True, sessions: tuple[int, ...] | list[int] = ()) -> list[int]:
     """PIDs of live processes started with ``OMNI_ACTORS_SYSTEM_ID=system_id``.
 
     With ``exclude_self``, this process is left out. Multiprocessing resource
@@ -27,6 +51,7 @@ def system_pids(system_id: str, *, exclude_self: bool = True) -> list[int]:
     """
     needle = f"{ENV_SYSTEM_ID}={system_id}".encode()
     me = os.getpid()
+    sessions = set(sessions)
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -34,12 +59,14 @@ def system_pids(system_id: str, *, exclude_self: bool = True) -> list[int]:
         pid = int(entry.name)
         if exclude_self and pid == me:
             continue
+        fields = _stat(entry)
+        if fields is None or fields[0] == "Z":  # zombies hold nothing
+            continue
         try:
             env = (entry / "environ").read_bytes()
-            stat = (entry / "stat").read_text()
         except OSError:
             continue
-        if needle not in env.split(b"\0") or ") Z " in stat:  # zombies hold nothing
+        if int(fields[3]) not in sessions and not (system_id and needle in env.split(b"\0")):
             continue
         if _is_tracker(entry):
             continue  # multiprocessing's resource tracker: exits by itself once its owners have
@@ -54,13 +81,18 @@ def _is_tracker(entry: Path) -> bool:
         return False
 
 
-def kill_system(system_id: str, grace_s: float = 3.0) -> int:
-    """SIGTERM, then SIGKILL after ``grace_s``, every process of a system.
+def kill_system(system_id: str, grace_s: float = 3.0, sessions: tuple[int, ...] | list[int] = ()) -> int:
+    """SIGTERM, then SIGKILL after ``grace_s``, every process of a system
+    (by its id and by its admins' ``sessions``).
 
     Returns:
         How many processes were still alive at the start.
     """
-    pids = system_pids(system_id)
+    def alive():
+        return system_pids(system_id, sessions=sessions)
+
+    pids = alive()
+    initial = len(pids)
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
         for pid in pids:
             try:
@@ -68,11 +100,12 @@ def kill_system(system_id: str, grace_s: float = 3.0) -> int:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and system_pids(system_id):
+        while time.monotonic() < deadline and alive():
             time.sleep(0.05)
-        if not system_pids(system_id):
+        pids = alive()
+        if not pids:
             break
-    return len(pids)
+    return initial
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:

@@ -1,0 +1,56 @@
+"""NodeAgentActor: the coordinator's eyes on a member host.
+
+Thespian notices a SIGKILLed member host only after minutes by default (seen
+here), so the coordinator places one agent on every member host and expects a
+heartbeat from it every interval; three missed and the node is lost (its
+replicas are re-placed). An agent that stops getting acks (its coordinator
+was replaced) exits.
+"""
+
+from __future__ import annotations
+
+import time
+
+from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
+
+from omni_actors.messages import NodeHeartbeat, NodeHeartbeatAck, StartNodeAgent
+
+#: Placement key in an admin's Thespian capabilities: the node name.
+NODE_CAPABILITY = "omni_node"
+#: An agent without acks for this many intervals exits.
+ORPHAN_AFTER_INTERVALS = 5
+
+
+def on_node(capabilities: dict, requirements: dict | None) -> bool:
+    """``actorSystemCapabilityCheck`` for actors placed on a named node: an actor
+    created with ``targetActorRequirements={"omni_node": N}`` goes to the admin
+    whose capabilities say ``omni_node: N``; without requirements, anywhere."""
+    want = (requirements or {}).get(NODE_CAPABILITY)
+    return want is None or capabilities.get(NODE_CAPABILITY) == want
+
+
+class NodeAgentActor(ActorTypeDispatcher):
+    actorSystemCapabilityCheck = staticmethod(on_node)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._spec: StartNodeAgent | None = None
+        self._coordinator = None
+        self._last_ack = time.monotonic()
+
+    def receiveMsg_StartNodeAgent(self, msg: StartNodeAgent, sender):
+        self._spec, self._coordinator = msg, sender
+        self.send(sender, NodeHeartbeat(msg.node))
+        self.wakeupAfter(msg.interval_s)
+
+    def receiveMsg_NodeHeartbeatAck(self, msg: NodeHeartbeatAck, sender):
+        self._last_ack = time.monotonic()
+
+    def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
+        if self._spec is None:
+            return
+        if time.monotonic() - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.interval_s:
+            self.send(self.myAddress, ActorExitRequest())
+            return
+        self.send(self._coordinator, NodeHeartbeat(self._spec.node))
+        self.wakeupAfter(self._spec.interval_s)

