@@ -177,3 +177,82 @@ def test_consuming_stage_runs_vllm_omni_default_processor(rt):
             rt.run(collect(eng, bad))
     finally:
         rt.run(eng.shutdown())
+
+
+# -- end to end: configs/cpu_vllm_omni.yaml over real HTTP ------------------------------
+
+OMNI_CONFIG = __import__("pathlib").Path(__file__).resolve().parent.parent / "configs" / "cpu_vllm_omni.yaml"
+SEA = "Tell me about the sea."
+
+
+@pytest.fixture(scope="module")
+def omni_chain(tmp_path_factory):
+    """The shipped config with the tiny model's real path, served by the real CLI
+    (three vLLM-Omni engines at 1:2 plus synthetic Code2Wav: about 90 s to start
+    on 2 cores, about 10 GiB)."""
+    import yaml
+
+    from omni_actors.config import load_config
+    from omni_actors.models import ensure_tiny_model
+    from omni_actors.system.local import LocalLeader
+
+    tiny = ensure_tiny_model()
+    cfg = yaml.safe_load(OMNI_CONFIG.read_text())
+    for st in cfg["stage_args"]:
+        if st["engine_args"]["model_stage"] in ("thinker", "talker"):
+            st["engine_args"]["model"] = str(tiny)
+    path = tmp_path_factory.mktemp("omni") / "cpu_vllm_omni.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    leader = LocalLeader(path, start_timeout_s=300)
+    leader.start()
+    try:
+        yield leader, load_config(path), tiny
+    finally:
+        leader.stop(timeout_s=60)
+        assert leader.left_after_exit == [], f"left behind: {leader.left_after_exit}"
+
+
+@pytest.mark.system
+@pytest.mark.timeout(600)
+@needs_omni
+def test_omni_chain_matches_transformers_and_talker_gets_thinker_tokens(omni_chain):
+    """Thinker text equals transformers' greedy generate() (streaming and not), and the
+    audio is byte-identical to the reference built from those Thinker tokens: the
+    Talker's prompt, built by vLLM-Omni's default processor in the Talker replica,
+    was exactly the Thinker's tokens."""
+    import base64
+    import io
+    import wave
+
+    import openai
+    from test_vllm_chain import Reference  # the same transformers + synthetic Code2Wav reference
+
+    leader, config, tiny = omni_chain
+    ref = Reference(tiny, config)
+    client = openai.OpenAI(base_url=leader.base_url, api_key="unused", max_retries=0, timeout=120)
+    model = config.deployment.served_model_name
+    messages = [{"role": "user", "content": SEA}]
+    thinker_sp = config.stage_by_name("thinker").default_sampling_params
+    talker_sp = config.stage_by_name("talker").default_sampling_params
+
+    want_ids = ref.generate(ref.prompt_ids(messages), 12)
+    resp = client.chat.completions.create(model=model, messages=messages, max_tokens=12,
+                                          temperature=0.0)
+    assert resp.usage.completion_tokens == len(want_ids)
+    assert resp.choices[0].message.content == ref.tok.decode(want_ids, skip_special_tokens=True)
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=12,
+                                                 temperature=0.0, stream=True))
+    deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(deltas) > 1 and "".join(deltas) == resp.choices[0].message.content
+
+    thinker_ids = ref.generate(ref.prompt_ids(messages), thinker_sp["max_tokens"])
+    _, want_pcm = ref.audio(thinker_ids, talker_sp["max_tokens"])
+    resp = client.chat.completions.create(model=model, messages=messages,
+                                          modalities=["text", "audio"],
+                                          audio={"voice": "default", "format": "wav"})
+    msg = resp.choices[0].message
+    assert msg.content == ref.tok.decode(thinker_ids, skip_special_tokens=True)
+    with wave.open(io.BytesIO(base64.b64decode(msg.audio.data))) as w:
+        got_pcm = w.readframes(w.getnframes())
+    assert got_pcm == want_pcm
+    client.close()

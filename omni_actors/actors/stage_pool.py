@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExited, PoisonMessage, WakeupMessage
 
 from omni_actors.actors.engine import EngineActor
+from omni_actors.actors.pool_admin import PoolAdminMixin
 from omni_actors.actors.supervision import HealthPolicy, ReplicaHealth, RestartPolicy
 from omni_actors.balancing import POLICIES, ReplicaLoad
 from omni_actors.logs import get_logger
-from omni_actors.messages import (LATENCY_BUCKETS_S, PLACING, AdminReply, CancelStage, DrainReplica, EngineFailed,
-                                  EngineReady, ErrorKind, Heartbeat, HeartbeatAck, InjectFault, NodeLost,
+from omni_actors.messages import (LATENCY_BUCKETS_S, PLACING, CancelStage, DrainReplica, EngineFailed,
+                                  EngineReady, ErrorKind, Heartbeat, HeartbeatAck, NodeLost,
                                   NodesChanged, PlaceReplica, Placement, PlacementFailed, PoolState,
-                                  PoolStateAck, ReleasePlacement, ReplicaState, ReplicaStatus, ScaleStage,
+                                  ReleasePlacement, ReplicaState, ReplicaStatus,
                                   StageFailed, StageTask, StartEngine, StartPool, TaskFinished)
 from omni_actors.actors.node_agent import NODE_CAPABILITY
 
@@ -71,7 +72,7 @@ class Replica:
     latency_sum: float = 0.0
 
 
-class StagePoolActor(ActorTypeDispatcher):
+class StagePoolActor(PoolAdminMixin, ActorTypeDispatcher):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._spec: StartPool | None = None
@@ -331,53 +332,6 @@ class StagePoolActor(ActorTypeDispatcher):
     def receiveMsg_ActorExitRequest(self, msg, sender):
         self._orphaned = True  # shutting down: replicas that exit now are not restarted
         return None  # Thespian sends our children their own exit requests
-
-    # -- admin ------------------------------------------------------------
-    def receiveMsg_InjectFault(self, msg: InjectFault, sender):
-        rep = self._replicas.get(msg.replica)
-        if rep is None or rep.state not in _ALIVE:
-            self.send(msg.reply_to or sender, AdminReply(False, f"no live replica {msg.replica}"))
-            return
-        self.send(rep.address, msg)
-        self._log.warning("fault_injected", replica=msg.replica, kind=msg.kind.value, factor=msg.factor)
-        self.send(msg.reply_to or sender, AdminReply(True, f"{msg.kind.value} injected into {msg.replica}"))
-
-    def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):
-        rep = self._replicas.get(msg.replica)
-        if rep is None or rep.state not in (ReplicaState.READY, ReplicaState.STARTING):
-            self.send(msg.reply_to or sender, AdminReply(False, f"{msg.replica} is not a ready or starting replica"))
-            return
-        self._drain(rep, "drained on request")
-        self.send(msg.reply_to or sender, AdminReply(True, f"draining {msg.replica} ({len(rep.in_flight)} in flight)"))
-
-    def _drain(self, rep: Replica, why: str) -> None:
-        rep.state, rep.reason = ReplicaState.DRAINING, why
-        self._log.info("replica_draining", replica=rep.replica, in_flight=len(rep.in_flight))
-        if not rep.in_flight:
-            self.send(rep.address, DrainReplica(rep.replica))
-        self._publish()
-
-    def receiveMsg_ScaleStage(self, msg: ScaleStage, sender):
-        live = [r for r in self._replicas.values() if r.state in (ReplicaState.PENDING, ReplicaState.STARTING,
-                                                                   ReplicaState.READY, ReplicaState.DEAD,
-                                                                   ReplicaState.ISOLATED)]
-        if msg.replicas > len(live):
-            for _ in range(msg.replicas - len(live)):
-                self._launch(self._new_replica_id())
-        else:
-            # retire the least busy, newest first
-            for rep in sorted(live, key=lambda r: (len(r.in_flight), -self._index(r)))[:len(live) - msg.replicas]:
-                if rep.state in (ReplicaState.DEAD, ReplicaState.PENDING):
-                    rep.state, rep.reason = ReplicaState.STOPPED, "scaled down"
-                    self._release(rep)
-                else:
-                    self._drain(rep, "scaled down")
-        self._publish()
-        self.send(msg.reply_to or sender, AdminReply(True, f"{self._spec.stage.name}: {len(live)} -> {msg.replicas} replicas"))
-
-    @staticmethod
-    def _index(rep: Replica) -> int:
-        return int(rep.replica.rsplit("/", 1)[1])
 
     # -- request plane ----------------------------------------------------
     def receiveMsg_StageTask(self, msg: StageTask, sender):

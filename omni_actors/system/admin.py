@@ -83,8 +83,10 @@ class Admin:
                 raise AdminError(f"no running pool for stage {stage!r}")
             return pool.pid, f"pool {stage}"
         rep = next((r for s in status.stages for r in s.replicas if r.replica == replica), None)
-        if rep is None or not rep.pid:
-            raise AdminError(f"no running replica {replica!r} (see `status`)")
+        if rep is None:
+            raise AdminError(f"no replica named {replica!r} (see `status`)")
+        if not rep.pid:
+            raise AdminError(f"{replica} is {rep.state.value}, not running (see `status`)")
         if rep.state.value not in ("ready", "starting", "draining", "isolated") and fault != "sigcont":
             raise AdminError(f"{replica} is {rep.state.value}, not running (see `status`)")
         return rep.pid, replica

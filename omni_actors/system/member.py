@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import threading
-import time
 
 from omni_actors.system.leader import ACTOR_BASE, StartError, node_capabilities
 from omni_actors.system.processes import ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use

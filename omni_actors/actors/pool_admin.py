@@ -1,0 +1,60 @@
+"""The stage pool's admin requests: fault injection, drain, scale.
+
+A mixin of :class:`~omni_actors.actors.stage_pool.StagePoolActor` (it uses the
+pool's replica table and helpers); each request is answered with an
+:class:`~omni_actors.messages.AdminReply` to its ``reply_to``.
+"""
+
+from __future__ import annotations
+
+from omni_actors.messages import AdminReply, DrainReplica, InjectFault, ReplicaState, ScaleStage
+
+_ALIVE = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING, ReplicaState.ISOLATED)
+
+
+class PoolAdminMixin:
+    def receiveMsg_InjectFault(self, msg: InjectFault, sender):
+        rep = self._replicas.get(msg.replica)
+        if rep is None or rep.state not in _ALIVE:
+            self.send(msg.reply_to or sender, AdminReply(False, f"no live replica {msg.replica}"))
+            return
+        self.send(rep.address, msg)
+        self._log.warning("fault_injected", replica=msg.replica, kind=msg.kind.value, factor=msg.factor)
+        self.send(msg.reply_to or sender, AdminReply(True, f"{msg.kind.value} injected into {msg.replica}"))
+
+    def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):
+        rep = self._replicas.get(msg.replica)
+        if rep is None or rep.state not in (ReplicaState.READY, ReplicaState.STARTING):
+            self.send(msg.reply_to or sender, AdminReply(False, f"{msg.replica} is not a ready or starting replica"))
+            return
+        self._drain(rep, "drained on request")
+        self.send(msg.reply_to or sender, AdminReply(True, f"draining {msg.replica} ({len(rep.in_flight)} in flight)"))
+
+    def _drain(self, rep, why: str) -> None:
+        rep.state, rep.reason = ReplicaState.DRAINING, why
+        self._log.info("replica_draining", replica=rep.replica, in_flight=len(rep.in_flight))
+        if not rep.in_flight:
+            self.send(rep.address, DrainReplica(rep.replica))
+        self._publish()
+
+    def receiveMsg_ScaleStage(self, msg: ScaleStage, sender):
+        live = [r for r in self._replicas.values() if r.state in (ReplicaState.PENDING, ReplicaState.STARTING,
+                                                                   ReplicaState.READY, ReplicaState.DEAD,
+                                                                   ReplicaState.ISOLATED)]
+        if msg.replicas > len(live):
+            for _ in range(msg.replicas - len(live)):
+                self._launch(self._new_replica_id())
+        else:
+            # retire the least busy, newest first
+            for rep in sorted(live, key=lambda r: (len(r.in_flight), -self._index(r)))[:len(live) - msg.replicas]:
+                if rep.state in (ReplicaState.DEAD, ReplicaState.PENDING):
+                    rep.state, rep.reason = ReplicaState.STOPPED, "scaled down"
+                    self._release(rep)
+                else:
+                    self._drain(rep, "scaled down")
+        self._publish()
+        self.send(msg.reply_to or sender, AdminReply(True, f"{self._spec.stage.name}: {len(live)} -> {msg.replicas} replicas"))
+
+    @staticmethod
+    def _index(rep) -> int:
+        return int(rep.replica.rsplit("/", 1)[1])

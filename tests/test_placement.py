@@ -1,0 +1,280 @@
+"""Placement rules (omni_actors.placement.Inventory), pure: no actors, no processes.
+
+The invariants checked on random sequences: a device is never given to two
+replicas, a replica's devices are all on one node (its own), it gets exactly
+the devices it asked for on a GPU node and none on a CPU node, and a lost
+node holds nothing.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from omni_actors.messages import NodeInfo
+from omni_actors.placement import Inventory, PlacementError
+
+
+def inventory(*nodes: NodeInfo) -> Inventory:
+    inv = Inventory()
+    for n in nodes:
+        inv.add(n)
+    return inv
+
+
+def holdings(inv: Inventory) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """replica -> (node, devices), from the inventory's own books."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    for name, node in inv.nodes.items():
+        for replica in node.replicas:
+            assert replica not in out, f"{replica} is on two nodes: {out[replica][0]} and {name}"
+            out[replica] = (name, sorted(d for d, r in node.used.items() if r == replica))
+    return {r: (n, tuple(d)) for r, (n, d) in out.items()}
+
+
+def check_invariants(inv: Inventory, given: dict[str, tuple[str, tuple[str, ...]]],
+                     wanted: dict[str, int]) -> None:
+    """``given``: what place() returned for each replica still held."""
+    seen: dict[tuple[str, str], str] = {}
+    for replica, (node, devices) in given.items():
+        n = inv.nodes[node]
+        assert n.alive, f"{replica} is held on lost node {node}"
+        assert replica in n.replicas
+        if n.info.devices:
+            assert len(devices) == wanted[replica], (replica, devices)
+            assert len(set(devices)) == len(devices), (replica, devices)
+        else:
+            assert devices == (), f"a CPU node pinned devices {devices} to {replica}"
+        for d in devices:
+            assert d in n.info.devices, f"{replica} got {d}, which {node} does not offer"
+            assert (node, d) not in seen, f"device {node}:{d} given to {seen[(node, d)]} and {replica}"
+            seen[(node, d)] = replica
+            assert n.used[d] == replica
+    assert holdings(inv) == {r: (n, tuple(sorted(d))) for r, (n, d) in given.items()}
+    for name, n in inv.nodes.items():
+        assert set(n.used) <= set(n.info.devices)
+        assert set(n.used.values()) <= set(n.replicas), f"{name} holds devices for unknown replicas"
+        if not n.alive:
+            assert not n.used and not n.replicas, f"lost node {name} still holds {n.used} {n.replicas}"
+
+
+def test_random_place_release_lose_never_overlaps():
+    """2000 random operations on 5 nodes (GPU and CPU), TP 1, 2 and 4, a few stage rules."""
+    rng = random.Random(1234)
+    stages = ("thinker", "talker", "code2wav")
+    node_specs = [
+        NodeInfo("a", ("0", "1", "2", "3")),
+        NodeInfo("b", ("0", "1", "2", "3", "4", "5", "6", "7")),  # same ids as a: (node, id) is the device
+        NodeInfo("c", ("4", "5"), stages=("talker",)),
+        NodeInfo("d", ("8", "9", "10")),
+        NodeInfo("cpu"),
+    ]
+    inv = inventory(*node_specs)
+    given: dict[str, tuple[str, tuple[str, ...]]] = {}
+    wanted: dict[str, int] = {}
+    placed = refused = lost_nodes = 0
+    for step in range(2000):
+        op = rng.random()
+        if op < 0.55:
+            stage = rng.choice(stages)
+            replica = f"{stage}/{rng.randrange(12)}"
+            tp = rng.choice((1, 1, 2, 4))
+            allowed = rng.choice(((), (), ("a", "b"), ("c", "cpu"), ("d",)))
+            before = holdings(inv)
+            try:
+                node, devices = inv.place(stage, replica, tp, allowed)
+            except PlacementError as exc:
+                refused += 1
+                assert f"no node has {tp} free device(s) for a {stage} replica" in str(exc)
+                # a refused re-placement still released what the replica held
+                given.pop(replica, None)
+                before.pop(replica, None)
+                assert holdings(inv) == before, "a refused placement changed what others hold"
+            else:
+                placed += 1
+                assert not allowed or node in allowed
+                assert inv.nodes[node].accepts(stage)
+                given[replica], wanted[replica] = (node, devices), tp
+        elif op < 0.85:
+            if given:
+                replica = rng.choice(sorted(given))
+                inv.release(replica)
+                given.pop(replica)
+        elif op < 0.93:
+            name = rng.choice(node_specs).name
+            was_alive = inv.nodes[name].alive
+            held = sorted(r for r, (n, _) in given.items() if n == name)
+            lost = inv.lose(name)
+            assert sorted(lost) == (held if was_alive else [])
+            for r in held:
+                given.pop(r)
+            lost_nodes += 1
+        else:
+            spec = rng.choice(node_specs)
+            if not inv.nodes[spec.name].alive:
+                inv.add(spec)  # it came back: empty
+        check_invariants(inv, given, wanted)
+    assert placed > 300 and refused > 50 and lost_nodes > 50, (placed, refused, lost_nodes)
+
+
+def test_fill_every_device_then_refuse():
+    inv = inventory(NodeInfo("m1", ("0", "1", "2")), NodeInfo("m2", ("3", "4", "5")))
+    got = [inv.place("talker", f"talker/{i}", 1) for i in range(6)]
+    assert sorted(d for _, ds in got for d in ds) == ["0", "1", "2", "3", "4", "5"]
+    with pytest.raises(PlacementError) as err:
+        inv.place("talker", "talker/6", 1)
+    assert str(err.value) == ("no node has 1 free device(s) for a talker replica "
+                              "(m1: 0 of 3 devices free; m2: 0 of 3 devices free)")
+    inv.release("talker/4")
+    node, devices = inv.place("talker", "talker/6", 1)
+    assert (node, devices) == got[4]  # the one freed, nothing else
+
+
+def test_tp4_takes_four_devices_on_one_node():
+    inv = inventory(NodeInfo("m1", ("0", "1", "2")), NodeInfo("m2", ("3", "4", "5", "6", "7")))
+    node, devices = inv.place("dit", "dit/0", 4)
+    assert node == "m2" and devices == ("3", "4", "5", "6")
+    assert inv.nodes["m2"].free == ["7"]
+
+
+def test_tp4_is_refused_when_no_single_node_has_four_free_even_if_the_total_does():
+    inv = inventory(NodeInfo("m1", ("0", "1", "2")), NodeInfo("m2", ("3", "4", "5")))
+    assert sum(len(n.free) for n in inv.nodes.values()) == 6
+    with pytest.raises(PlacementError) as err:
+        inv.place("dit", "dit/0", 4)
+    message = str(err.value)
+    assert message.startswith("no node has 4 free device(s) for a dit replica")
+    assert "m1: 3 of 3 devices free" in message and "m2: 3 of 3 devices free" in message
+    assert all(not n.used and not n.replicas for n in inv.nodes.values())  # nothing half-taken
+
+
+def test_tp4_after_fragmentation():
+    """Two TP1 replicas on an 8-device node leave 6: one TP4 fits, a second does not."""
+    inv = inventory(NodeInfo("big", tuple(str(i) for i in range(8))))
+    inv.place("talker", "talker/0", 1)
+    inv.place("talker", "talker/1", 1)
+    node, devices = inv.place("ar", "ar/0", 4)
+    assert node == "big" and len(devices) == 4 and not {"0", "1"} & set(devices)
+    with pytest.raises(PlacementError, match=r"big: 2 of 8 devices free"):
+        inv.place("ar", "ar/1", 4)
+
+
+def test_error_names_lost_nodes_filtered_nodes_and_empty_inventories():
+    inv = inventory(NodeInfo("m1", ("0",)), NodeInfo("m2", ("1",), stages=("talker",)), NodeInfo("m3", ("2",)))
+    inv.place("code2wav", "code2wav/0", 1)  # on m1 or m3
+    inv.place("code2wav", "code2wav/1", 1)
+    inv.lose("m3")
+    with pytest.raises(PlacementError) as err:
+        inv.place("code2wav", "code2wav/2", 1)
+    assert "m2: does not take code2wav" in str(err.value)
+    assert "m3: lost" in str(err.value)
+    assert "m1: 0 of 1 devices free" in str(err.value)
+    with pytest.raises(PlacementError, match=r"\(no node named gpu9\)"):
+        inv.place("talker", "talker/0", 1, ("gpu9",))
+    with pytest.raises(PlacementError, match=r"\(no nodes\)"):
+        Inventory().place("talker", "talker/0", 1)
+
+
+def test_node_stage_filter_is_honoured():
+    inv = inventory(NodeInfo("talkers", ("0", "1"), stages=("talker",)), NodeInfo("any", ("2",)))
+    assert inv.place("code2wav", "code2wav/0", 1) == ("any", ("2",))
+    with pytest.raises(PlacementError, match="talkers: does not take code2wav"):
+        inv.place("code2wav", "code2wav/1", 1)
+    assert inv.place("talker", "talker/0", 1)[0] == "talkers"
+
+
+def test_allowed_nodes_rule_is_honoured():
+    inv = inventory(NodeInfo("leader", ("0", "1", "2", "3")), NodeInfo("m1", ("4",)), NodeInfo("m2", ("5",)))
+    for i in range(2):
+        node, _ = inv.place("talker", f"talker/{i}", 1, ("m1", "m2"))
+        assert node in ("m1", "m2")
+    with pytest.raises(PlacementError) as err:  # the leader has 4 free, but is not allowed
+        inv.place("talker", "talker/2", 1, ("m1", "m2"))
+    assert "leader" not in str(err.value)
+    assert inv.place("thinker", "thinker/0", 1, ("leader",))[0] == "leader"
+
+
+def test_lost_node_frees_its_devices_and_reports_its_replicas():
+    inv = inventory(NodeInfo("m1", ("0", "1", "2", "3")), NodeInfo("m2", ("4", "5", "6", "7")))
+    placed = {f"talker/{i}": inv.place("talker", f"talker/{i}", 1) for i in range(4)}
+    on_m2 = sorted(r for r, (n, _) in placed.items() if n == "m2")
+    assert len(on_m2) == 2  # spread
+    assert sorted(inv.lose("m2")) == on_m2
+    assert inv.lose("m2") == []  # lost once
+    assert inv.lose("nosuch") == []
+    status = {s.name: s for s in inv.status()}
+    assert status["m2"].alive is False and status["m2"].used == {} and status["m2"].replicas == ()
+    # the lost replicas are re-placed on what is left
+    for r in on_m2:
+        assert inv.place("talker", r, 1)[0] == "m1"
+    assert len(inv.nodes["m1"].free) == 0
+    # m2 comes back, empty, and takes work again
+    inv.add(NodeInfo("m2", ("4", "5", "6", "7")))
+    assert inv.place("talker", "talker/4", 1) == ("m2", ("4",))
+
+
+def test_rejoined_node_offers_its_new_device_list():
+    inv = inventory(NodeInfo("m1", ("0", "1")))
+    inv.place("talker", "talker/0", 2)
+    inv.lose("m1")
+    inv.add(NodeInfo("m1", ("2", "3", "4")))
+    assert inv.place("talker", "talker/0", 3) == ("m1", ("2", "3", "4"))
+
+
+def test_cpu_nodes_take_any_number_of_replicas_and_pin_nothing():
+    inv = inventory(NodeInfo("cpu"))
+    for i in range(50):
+        assert inv.place("talker", f"talker/{i}", 4) == ("cpu", ())  # TP is ignored on a CPU node
+    assert len(inv.nodes["cpu"].replicas) == 50
+    inv.release("talker/7")
+    assert len(inv.nodes["cpu"].replicas) == 49
+
+
+def test_spread_prefers_the_node_with_fewer_replicas_of_the_stage():
+    inv = inventory(NodeInfo("m1", ("0", "1", "2", "3")), NodeInfo("m2", ("4", "5", "6", "7")))
+    nodes = [inv.place("talker", f"talker/{i}", 1)[0] for i in range(4)]
+    assert sorted(nodes) == ["m1", "m1", "m2", "m2"]
+    # code2wav spreads by its own count: it does not avoid the talkers' nodes
+    nodes = [inv.place("code2wav", f"code2wav/{i}", 1)[0] for i in range(2)]
+    assert sorted(nodes) == ["m1", "m2"]
+
+
+def test_spread_ties_go_to_most_free_devices_then_name():
+    inv = inventory(NodeInfo("b", ("0", "1")), NodeInfo("a", ("2", "3")), NodeInfo("c", ("4", "5", "6")))
+    assert inv.place("talker", "talker/0", 1)[0] == "c"  # most free
+    assert inv.place("code2wav", "code2wav/0", 1)[0] == "a"  # a, b, c all 2 free: by name
+    assert inv.place("code2wav", "code2wav/1", 1)[0] == "b"  # b and c tie (no code2wav, 2 free): by name
+
+
+def test_spread_beats_free_devices():
+    inv = inventory(NodeInfo("big", tuple(str(i) for i in range(8))), NodeInfo("small", ("8", "9")))
+    assert inv.place("talker", "talker/0", 1)[0] == "big"  # most free
+    assert inv.place("talker", "talker/1", 1)[0] == "small"  # 7 free on big, but it has a talker already
+
+
+def test_spread_with_a_cpu_node():
+    inv = inventory(NodeInfo("cpu"), NodeInfo("gpu", ("0",)))
+    nodes = [inv.place("talker", f"talker/{i}", 1)[0] for i in range(4)]
+    assert nodes.count("gpu") == 1 and nodes.count("cpu") == 3  # gpu full after one
+
+
+def test_placing_again_releases_what_the_replica_held():
+    inv = inventory(NodeInfo("m1", ("0", "1")))
+    assert inv.place("talker", "talker/0", 1) == ("m1", ("0",))
+    assert inv.place("talker", "talker/0", 2) == ("m1", ("0", "1"))  # its old device counts as free
+    assert inv.nodes["m1"].used == {"0": "talker/0", "1": "talker/0"}
+    inv.release("talker/0")
+    inv.release("talker/0")  # twice: harmless
+    assert inv.nodes["m1"].used == {} and inv.nodes["m1"].replicas == {}
+
+
+def test_status_shows_who_holds_what():
+    inv = inventory(NodeInfo("m2", ("3", "4")), NodeInfo("m1", ("0",)))
+    inv.place("talker", "talker/0", 1, ("m1",))
+    inv.place("dit", "dit/0", 2, ("m2",))
+    status = inv.status()
+    assert [s.name for s in status] == ["m1", "m2"]
+    assert status[0].used == {"0": "talker/0"} and status[0].replicas == ("talker/0",)
+    assert status[1].used == {"3": "dit/0", "4": "dit/0"} and status[1].alive
+    assert status[1].last_seen_age_s is not None and status[1].last_seen_age_s >= 0
