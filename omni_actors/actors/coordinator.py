@@ -173,6 +173,11 @@ class CoordinatorActor(ActorTypeDispatcher):
         if not name or self._config is None:
             return
         if not msg.remoteAdded:
+            node = self._inventory.nodes.get(name)
+            if node is not None and node.info.admin is not None and node.info.admin != msg.remoteAdminAddress:
+                # Thespian dropping the admin of a node that has rejoined since (a new admin): not this node
+                self._log.info("node_stale_registration_dropped", node=name, admin=str(msg.remoteAdminAddress))
+                return
             self._lose_node(name, "left the convention")
             return
         info = NodeInfo(name, _split(caps.get("omni_devices")), _split(caps.get("omni_stages")),

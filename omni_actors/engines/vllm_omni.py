@@ -165,7 +165,12 @@ class VllmOmniEngine:
         with os.fdopen(fd, "w") as f:
             v["yaml"].safe_dump(deploy, f)
         self._deploy_file = path
-        self._omni = v["AsyncOmni"](model=model, deploy_config=path)
+        try:
+            self._omni = v["AsyncOmni"](model=model, deploy_config=path)
+        finally:
+            # Read once at start-up: nothing is left behind, however the replica ends.
+            Path(path).unlink(missing_ok=True)
+            self._deploy_file = None
         await self._warm_up()
 
     def _import(self) -> None:
