@@ -42,7 +42,11 @@ Limits (vLLM-Omni 0.30): producer-side payloads that vLLM-Omni moves between
 stages inside its model runners (``custom_process_next_stage_input_func``,
 e.g. Qwen3-Omni's thinker hidden states) do not cross replicas: only what a
 stage returns in its ``RequestOutput`` does. Token hand-overs (the default
-processor, ``*_token_only`` processors, ``ar2diffusion``) work.
+processor, ``*_token_only`` processors, ``ar2diffusion``) work. Diffusion
+stages (``engine_args.stage_type: diffusion``) get ``OmniDiffusionSamplingParams``;
+they and the model-specific processors are untested here (no such model runs
+on this CPU). ``load()`` has no KV-cache usage (``AsyncOmni`` does not expose
+its stage scheduler's stats).
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ class VllmOmniEngine:
         self._aborted: set[str] = set()
         self._ids = itertools.count()
         self._deploy_file: str | None = None
+        self._diffusion = str(stage.engine_args.get("stage_type", "")).lower() == "diffusion"
         self._dead: str | None = None
         self._log = get_logger(backend="vllm_omni", replica=replica)
         #: Seconds ``start`` took (import + engine + warm-up).
@@ -250,7 +255,7 @@ class VllmOmniEngine:
         return {"pipeline": name, "async_chunk": False, "stages": [stage]}
 
     async def _warm_up(self) -> None:
-        if self._processor is not None or str(self.stage.engine_args.get("stage_type")) == "diffusion":
+        if self._processor is not None or self._diffusion:
             return  # consuming stages get token prompts; one engine step proves little more
         params = self._v["SamplingParams"](max_tokens=1, temperature=0.0)
         async for _ in self._omni.generate({"prompt_token_ids": [0]}, request_id=f"warmup:{self.replica}",
@@ -354,8 +359,14 @@ class VllmOmniEngine:
         v = self._v
         try:
             prompt = self._engine_prompt(task)
-            params = v["SamplingParams"](**task.sampling_params, n=1,
-                                         output_kind=v["RequestOutputKind"].DELTA)
+            if self._diffusion:
+                # Diffusion stages take vLLM-Omni's own parameters (steps, guidance, size).
+                from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+                params = OmniDiffusionSamplingParams(**task.sampling_params)
+            else:
+                params = v["SamplingParams"](**task.sampling_params, n=1,
+                                             output_kind=v["RequestOutputKind"].DELTA)
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(_one_line(exc)) from None
         vid = f"{task.request_id}:{self.stage.stage_id}:{next(self._ids)}"
