@@ -126,7 +126,9 @@ def test_admin_shell_in_a_pty(tmp_path):
 
             nodes = shell.command("nodes")
             host = os.uname().nodename
-            assert re.search(rf"^{re.escape(host)} \(this host.*4 replicas, 4 ready, devices 0,1,2", nodes, re.M), nodes
+            # the coordinator's inventory: this host, a CPU node (no --devices), with all 4 replicas
+            assert re.search(rf"^{re.escape(host)} \(admin port \d+, control plane\): 4 replicas, 4 ready, "
+                             r"no devices \(CPU\)", nodes, re.M), nodes
             for replica in ("thinker/0", "talker/0", "talker/1", "code2wav/0"):
                 assert re.search(rf"^\s+{replica}\s+ready\s+\d+\s+\d", nodes, re.M), nodes
             assert re.search(r"^\s+coordinator\s+-\s+\d+", nodes, re.M), nodes

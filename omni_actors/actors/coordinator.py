@@ -203,7 +203,15 @@ class CoordinatorActor(ActorTypeDispatcher):
     def receiveMsg_NodeHeartbeat(self, msg: NodeHeartbeat, sender):
         self.send(sender, NodeHeartbeatAck())
         node = self._inventory.nodes.get(msg.node)
-        if node is not None:
+        if node is not None and not node.alive:
+            # It was declared lost (paused, partitioned) but is back: its old replicas
+            # were told to exit; it starts again with all its devices free.
+            self._inventory.add(node.info)
+            self._log.warning("node_back", node=msg.node)
+            for pool in self._pools.values():
+                self.send(pool, NodesChanged())
+            self._publish_status()
+        elif node is not None:
             node.last_seen = time.monotonic()
 
     def receiveMsg_PlaceReplica(self, msg: PlaceReplica, sender):

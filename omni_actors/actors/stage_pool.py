@@ -159,6 +159,10 @@ class StagePoolActor(PoolAdminMixin, ActorTypeDispatcher):
         for rep in list(self._replicas.values()):
             if rep.node == msg.node and rep.state in _ALIVE:
                 rep.reason = f"node {msg.node} lost: {msg.reason}"
+                if rep.address is not None:
+                    # If the host is alive after all (a pause, a partition), the old
+                    # engine must not keep its devices: it is told to exit.
+                    self.send(rep.address, ActorExitRequest())
                 self._gone(rep, rep.reason)
 
     # -- registration -----------------------------------------------------
@@ -170,7 +174,7 @@ class StagePoolActor(PoolAdminMixin, ActorTypeDispatcher):
             rep.pid, rep.host, rep.backend = msg.pid, msg.host, msg.backend
             rep.devices = msg.devices or rep.devices
             rep.health = ReplicaHealth(last_heartbeat=now, progress_at=now)
-            self._log.info("replica_ready", replica=msg.replica, pid=msg.pid, node=msg.node)
+            self._log.info("replica_ready", replica=msg.replica, engine_pid=msg.pid, node=msg.node)
             self._publish()
             self._drain_pending()
 
@@ -185,8 +189,13 @@ class StagePoolActor(PoolAdminMixin, ActorTypeDispatcher):
         self.send(rep.address, ActorExitRequest())
 
     def receiveMsg_Heartbeat(self, msg: Heartbeat, sender):
-        self.send(sender, HeartbeatAck())
         rep = self._replicas.get(msg.replica)
+        if rep is None or rep.address != sender:
+            # An engine we gave up on (its node was declared lost, it was replaced):
+            # no ack, and an exit request, so it does not hold devices twice.
+            self.send(sender, ActorExitRequest())
+            return
+        self.send(sender, HeartbeatAck())
         if rep is not None and rep.health is not None:
             rep.running, rep.waiting, rep.kv_cache_usage = msg.running, msg.waiting, msg.kv_cache_usage
             rep.health.on_heartbeat(time.monotonic(), msg.progress, msg.idle_s)

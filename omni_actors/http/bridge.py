@@ -277,6 +277,9 @@ def status_to_dict(status: SystemStatus) -> dict[str, Any]:
         "model": status.model,
         "ready": status.ready,
         "coordinator_pid": status.coordinator_pid,
+        "nodes": [{"name": n.name, "alive": n.alive, "devices": list(n.devices), "used": dict(n.used),
+                   "stages": list(n.stages), "replicas": list(n.replicas),
+                   "last_seen_age_s": n.last_seen_age_s} for n in status.nodes],
         "stages": [
             {"stage_id": st.stage_id, "stage": st.stage, "pid": st.pid, "pending": st.pending,
              "restarts": st.restarts,

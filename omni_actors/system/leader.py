@@ -59,16 +59,20 @@ def _become_subreaper() -> None:
 
 def print_status_table(status, out=sys.stdout) -> None:
     """Print a ``SystemStatus`` as a table: stage, replica, state, load, reason."""
-    rows = [("STAGE", "REPLICA", "STATE", "PID", "IN_FLIGHT", "DONE", "FAILED", "RESTARTS", "REASON")]
+    rows = [("STAGE", "REPLICA", "STATE", "NODE", "DEVICES", "PID", "IN_FLIGHT", "DONE", "FAILED", "RESTARTS",
+             "REASON")]
     for st in status.stages:
         for r in st.replicas:
-            rows.append((st.stage, r.replica, r.state.value, str(r.pid or "-"), str(r.in_flight),
-                         str(r.completed), str(r.failed), str(r.restarts), r.reason))
+            rows.append((st.stage, r.replica, r.state.value, r.node or "-", r.devices or "-", str(r.pid or "-"),
+                         str(r.in_flight), str(r.completed), str(r.failed), str(r.restarts), r.reason))
         if not st.replicas:
-            rows.append((st.stage, "-", "no replicas", "", "", "", "", "", ""))
-    widths = [max(len(row[i]) for row in rows) for i in range(8)]
+            rows.append((st.stage, "-", "no replicas", "", "", "", "", "", "", "", ""))
+    widths = [max(len(row[i]) for row in rows) for i in range(10)]
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[8], file=out)
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[10], file=out)
+    lost = [n.name for n in status.nodes if not n.alive]
+    if len(status.nodes) > 1 or lost:
+        print("nodes: " + ", ".join(f"{n.name}{'' if n.alive else ' (LOST)'}" for n in status.nodes), file=out)
     print(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}", file=out)
 
 

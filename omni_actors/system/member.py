@@ -34,6 +34,9 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         raise StartError(f"admin port {admin_port} is in use")
     if not port_in_use(port, host):
         raise StartError(f"no convention leader answers at {host}:{port}")
+    shm_prefix = f"oa-{admin_port}-"
+    os.environ["OMNI_ACTORS_SHM_PREFIX"] = shm_prefix  # this host's buffers, for its reaper
+    sweep_segments(shm_prefix)
     log = get_logger(actor="member", node=node)
     stopping = threading.Event()
     me = os.getpid()
@@ -60,7 +63,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         if asys is not None:
             asys.shutdown()
         killed = kill_system(os.environ.get(ENV_SYSTEM_ID, ""), sessions=sessions)
-        sweep_segments(f"oa-{admin_port}-")
+        sweep_segments(shm_prefix)
         log.info("member_stopped", processes_killed=killed)
         print("omni-actors member stopped", flush=True)
 

@@ -247,16 +247,24 @@ class AdminShell(cmd.Cmd):
                 by_node[r.node or "(not reported yet)"].append(r)
         control = [("coordinator", "-", status.coordinator_pid or "-", "-")]
         control += [(f"pool {st.stage}", "-", st.pid or "-", "-") for st in status.stages]
-        nodes = sorted(set(by_node) | {here}, key=lambda n: (n != here, n))
+        # The coordinator's node inventory: every host, idle or lost ones too.
+        inventory = {n.name: n for n in status.nodes}
+        leader = next(iter(inventory), here) if len(inventory) == 1 else (
+            here if here in inventory else next(iter(inventory), here))
+        nodes = sorted(set(by_node) | set(inventory), key=lambda n: (n != leader, n))
         for node in nodes:
             reps = by_node.get(node, [])
-            devices = sorted({d for r in reps for d in (r.devices or "").split(",") if d})
+            inv = inventory.get(node)
             ready = sum(1 for r in reps if r.state.value == "ready")
-            extra = " (this host: admin port %d, control plane)" % self.admin_port if node == here else ""
-            self._out(f"{node}{extra}: {len(reps)} replicas, {ready} ready, "
-                      f"devices {','.join(devices) if devices else '-'}")
+            if inv is not None and inv.devices:
+                devices = f"devices {','.join(inv.devices)} ({len(inv.devices) - len(inv.used)} free)"
+            else:
+                devices = "no devices (CPU)"
+            alive = "" if inv is None or inv.alive else " LOST"
+            extra = " (admin port %d, control plane)" % self.admin_port if node == leader else ""
+            self._out(f"{node}{alive}{extra}: {len(reps)} replicas, {ready} ready, {devices}")
             rows = [("  WHAT", "STATE", "PID", "DEVICES")]
-            if node == here:
+            if node == leader:
                 rows += [(f"  {w}", s, p, d) for w, s, p, d in control]
             rows += [(f"  {r.replica}", r.state.value, r.pid or "-", r.devices or "-") for r in reps]
             _table(rows, self.stdout)
