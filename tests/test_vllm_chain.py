@@ -84,6 +84,18 @@ def _pcm(wav_bytes: bytes) -> bytes:
         return w.readframes(w.getnframes())
 
 
+def _assert_same_pcm(got: bytes, want: bytes, what: str) -> None:
+    """Byte-identical int16 PCM, or a short message: lengths and the first differing sample."""
+    if got == want:
+        return
+    a, b = np.frombuffer(got, "<i2"), np.frombuffer(want, "<i2")
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    first = f"first differing sample {diff[0]}" if diff.size else f"identical first {n} samples"
+    raise AssertionError(f"{what}: got {len(a)} samples ({len(a) / 1920:g} Talker tokens), want "
+                         f"{len(b)} ({len(b) / 1920:g}); {first}")
+
+
 def _messages(question: str) -> list[dict]:
     return [{"role": "user", "content": question}]
 
@@ -103,7 +115,7 @@ def _config_copy(tiny_model: Path, path: Path, edit=None) -> Path:
 
 def _stop_and_check(leader: LocalLeader) -> None:
     leader.stop(timeout_s=60)
-    assert leader.left_after_exit == [], f"the leader left processes behind: {leader.left_after_exit}"
+    assert leader.left_after_exit == [], f"left behind: {leader.left_after_exit}"
 
 
 # -- fixtures -----------------------------------------------------------------------
@@ -360,19 +372,12 @@ def test_talker_received_exactly_the_thinker_tokens(client, reference, chain_con
                                           audio={"voice": "default", "format": "wav"})
     msg = resp.choices[0].message
     assert msg.content == reference.text(prompt_ids, thinker_ids)
-    got_pcm = _pcm(base64.b64decode(msg.audio.data))
-    assert len(got_pcm) == len(want_pcm), (
-        f"{len(got_pcm) // 2} samples, want {len(want_pcm) // 2} (48 Talker tokens x 1920)")
-    assert got_pcm == want_pcm
+    _assert_same_pcm(_pcm(base64.b64decode(msg.audio.data)), want_pcm, "the returned audio")
     # and a Talker prompt one token short would have given other audio
     _, other = reference.audio(thinker_ids[:-1], talker_sp["max_tokens"])
     assert other != want_pcm
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the request's sampling parameters (max_tokens, temperature, seed) go to every stage "
-    "(EngineActor._execute merges them over each stage's default_sampling_params), so the "
-    "Talker runs with the client's max_tokens instead of its own 48"))
 def test_request_max_tokens_limits_the_text_not_the_talker(client, reference, chain_config):
     config = chain_config[1]
     talker_sp = config.stage_by_name("talker").default_sampling_params
@@ -381,12 +386,9 @@ def test_request_max_tokens_limits_the_text_not_the_talker(client, reference, ch
     resp = client.chat.completions.create(model=MODEL, messages=_messages(SEA), max_tokens=8,
                                           modalities=["text", "audio"],
                                           audio={"voice": "default", "format": "wav"})
-    got_pcm = _pcm(base64.b64decode(resp.choices[0].message.audio.data))
     assert resp.usage.completion_tokens == 8
-    assert len(got_pcm) == len(want_pcm), (
-        f"the Talker made {len(got_pcm) // 2 // 1920} tokens, not its own "
-        f"max_tokens {talker_sp['max_tokens']}")
-    assert got_pcm == want_pcm
+    _assert_same_pcm(_pcm(base64.b64decode(resp.choices[0].message.audio.data)), want_pcm,
+                     f"the Talker should make its own max_tokens {talker_sp['max_tokens']}")
 
 
 def test_both_talker_replicas_get_work_under_concurrent_audio_requests(chain, client):
@@ -441,9 +443,10 @@ def test_cancelling_a_stream_aborts_it_inside_the_vllm_engines(chain, client):
     def log_says_aborted():
         return vllm_log.search(chain.stdout_path.read_text(errors="replace"))
 
-    assert _wait_for(log_says_aborted, 5, 0.05), \
-        f"vLLM (thinker) logged no abort of {rid}:0:*"
+    found = _wait_for(log_says_aborted, 5, 0.05)
+    assert found, f"vLLM (thinker) logged no abort of {rid}:0:*"
     aborted_s = time.monotonic() - closed_at
+    print(f"vLLM logged {found.group(0)!r} within {aborted_s * 1000:.0f} ms of the disconnect")
 
     def all_idle():
         table = _stage_table(chain)
@@ -462,3 +465,60 @@ def test_cancelling_a_stream_aborts_it_inside_the_vllm_engines(chain, client):
     # the engines still serve
     ok = client.chat.completions.create(model=MODEL, messages=_messages(SEA), max_tokens=4)
     assert ok.usage.completion_tokens == 4
+
+
+def test_heartbeats_show_the_stream_running_then_zero_once_it_is_cancelled(chain):
+    """The thinker's ``running`` in /v1/stages is vLLM's own count (scheduler stats, via
+    heartbeats): 1 while a long stream generates, 0 within a few seconds of the client
+    going away, long before the stream would have ended."""
+    time.sleep(1.2)
+    body = {"model": MODEL, "messages": _messages(SEA), "max_tokens": 400, "stream": True}
+
+    async def scenario() -> tuple[str, int, bool, float]:
+        import aiohttp
+
+        loop = asyncio.get_running_loop()
+        seen_running = asyncio.Event()
+
+        async def watch():
+            while not seen_running.is_set():
+                table = await loop.run_in_executor(None, _stage_table, chain)
+                if table["thinker/0"]["running"] >= 1:
+                    seen_running.set()
+                await asyncio.sleep(0.1)
+
+        rid, chunks, finished = None, 0, False
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(chain.base_url + "/chat/completions", json=body)
+            watcher = asyncio.create_task(watch())
+            try:
+                async for line in resp.content:
+                    if line.startswith(b"data: [DONE]"):
+                        finished = True
+                        break
+                    if line.startswith(b"data: "):
+                        rid = rid or json.loads(line[6:])["id"]
+                        chunks += 1
+                    if seen_running.is_set():
+                        break
+            finally:
+                watcher.cancel()
+                resp.close()
+        return rid, chunks, finished, time.monotonic()
+
+    rid, chunks, finished, closed_at = asyncio.run(scenario())
+    if finished:
+        pytest.skip(f"the stream ended ({chunks} chunks) before a heartbeat showed it running")
+
+    def thinker_idle():
+        row = _stage_table(chain)["thinker/0"]
+        return row if row["running"] == 0 and row["in_flight"] == 0 else None
+
+    row = _wait_for(thinker_idle, 5, 0.1)
+    idle_s = time.monotonic() - closed_at
+    assert row is not None, "the thinker still reports the stream running 5 s after the cancel"
+    print(f"{rid}: running seen after {chunks} chunks; running 0 {idle_s:.2f} s after the "
+          "disconnect")
+    log = chain.stdout_path.read_text(errors="replace")
+    assert re.search(rf"(Request {re.escape(rid)}:0:\d+\S* aborted"
+                     rf"|Aborted request\(s\) {re.escape(rid)}:0:)", log)

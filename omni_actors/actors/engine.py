@@ -33,8 +33,9 @@ from omni_actors.messages import (CancelStage, DrainReplica, EngineFailed, Engin
 
 #: Missing pool acks for this many heartbeat intervals means the pool is gone.
 ORPHAN_AFTER_INTERVALS = 3
-#: How long an exiting replica waits for its backend to stop (a vLLM core takes about 2.5 s).
-SHUTDOWN_TIMEOUT_S = 5.0
+#: How long an exiting replica waits for its backend to stop (a vLLM core takes 2.5 s alone,
+#: over 5 s when three stop at once on 2 cores).
+SHUTDOWN_TIMEOUT_S = 10.0
 from omni_actors.processors import default_input
 
 #: Which output fields go to the client for each final output type.
@@ -42,20 +43,30 @@ FINAL_FIELDS = {"text": ("text",), "audio": ("audio", "sample_rate"), "image": (
 
 
 def coalesce_deltas(items: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
-    """Merge consecutive text deltas of one stage task into one message.
+    """Merge the text deltas of each stage task queued since the last drain into one message.
 
-    Each actor message costs about 1 ms of CPU here, and a fast stage emits
-    many tokens between two drains of the outbox; the client still sees every
-    token, in order, only fewer messages carry them.
+    Each actor message costs about 1 ms of CPU here, and a stage emits many
+    tokens between two drains of the outbox (one per running request per
+    engine step); the client still sees every token, in order, only fewer
+    messages carry them. A delta is merged into an earlier one of the same task
+    only while no other message for that request came in between, so a
+    ``StageDone`` never overtakes text.
     """
     out: list[tuple[Any, Any]] = []
+    open_delta: dict[tuple[str, str, int], int] = {}  # (address, request, stage) -> index in out
     for address, message in items:
-        if out and isinstance(message, StageDelta):
-            last_address, last = out[-1]
-            if (isinstance(last, StageDelta) and last.request_id == message.request_id
-                    and last.stage_id == message.stage_id and last_address == address):
-                out[-1] = (address, StageDelta(last.request_id, last.stage_id, last.text + message.text))
+        request_id = getattr(message, "request_id", None)
+        if isinstance(message, StageDelta):
+            key = (str(address), request_id, message.stage_id)  # ActorAddress is not hashable
+            i = open_delta.get(key)
+            if i is not None:
+                first = out[i][1]
+                out[i] = (address, StageDelta(first.request_id, first.stage_id, first.text + message.text))
                 continue
+            open_delta[key] = len(out)
+        elif request_id is not None:
+            for key in [k for k in open_delta if k[1] == request_id]:
+                del open_delta[key]
         out.append((address, message))
     return out
 

@@ -77,7 +77,11 @@ class RequestActor(ActorTypeDispatcher):
             inputs = tuple((src, self._done[src].output) for src in st.sources)
             task = StageTask(
                 request_id=req.request_id, stage_id=st.stage_id, prompt=req.prompt, inputs=inputs,
-                sampling_params=req.sampling_params, params=req.params,
+                # The client's max_tokens / temperature / seed are about the text it reads: they
+                # go to the final text stage; other stages run their default_sampling_params
+                # (a Talker's own token budget is not the client's max_tokens).
+                sampling_params=req.sampling_params if st.final_output_type == "text" else {},
+                params=req.params,
                 stream_text=st.final_output_type == "text", final_output_type=st.final_output_type,
                 needs_output=st.needs_output, reply_to=self.myAddress)
             self._running[st.stage_id] = task
