@@ -216,3 +216,38 @@ def test_stage_scale_and_drain_at_runtime(fanin_leader):
     assert table()["talker_a/1"]["completed"] >= 1  # the new replica took the work
     bad = _cli("stage", "drain", "--replica", "nosuch/0", "--admin-port", port)
     assert bad.returncode == 1 and bad.stderr.startswith("error: ")
+
+
+def test_stage_launch_and_stop_act_on_one_stage(image_leader):
+    port = str(image_leader.admin_port)
+
+    def dit_states():
+        with urllib.request.urlopen(image_leader.base_url + "/stages", timeout=10) as r:
+            st = next(s for s in json.loads(r.read())["stages"] if s["stage"] == "dit")
+        return [rep["state"] for rep in st["replicas"]]
+
+    out = _cli("stage", "launch", "--stage", "dit", "--replicas", "1", "--admin-port", port)
+    assert out.returncode == 0 and "2 -> 3" in out.stdout, out.stdout + out.stderr
+    deadline = time.monotonic() + 15
+    while dit_states().count("ready") < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert dit_states().count("ready") == 3
+    out = _cli("stage", "stop", "--stage", "dit", "--admin-port", port)
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + 15
+    while set(dit_states()) != {"stopped"} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert set(dit_states()) == {"stopped"}
+    # the image stage has no replica now: a clear 503, and the AR stage was not touched
+    body = json.dumps({"model": "glm-image-cpu-demo", "prompt": "a boat", "size": "64x64",
+                       "response_format": "b64_json"}).encode()
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(urllib.request.Request(image_leader.base_url + "/images/generations", data=body,
+                                                      headers={"Content-Type": "application/json"}), timeout=30)
+    assert err.value.code == 503 and "dit" in json.loads(err.value.read())["error"]["message"]
+    out = _cli("stage", "scale", "--stage", "dit", "--replicas", "1", "--admin-port", port)
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + 15  # leave the shared image leader as it was: one ready DiT at least
+    while "ready" not in dit_states() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "ready" in dit_states()

@@ -90,6 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     admin_port(sp)
     sp.add_argument("--stage", required=True)
     sp.add_argument("--replicas", type=int, required=True)
+    sp = stage.add_parser("launch", help="add N replicas to a stage (placed where devices are free)")
+    admin_port(sp)
+    sp.add_argument("--stage", required=True)
+    sp.add_argument("--replicas", type=int, default=1)
+    sp = stage.add_parser("stop", help="drain and stop every replica of a stage")
+    admin_port(sp)
+    sp.add_argument("--stage", required=True)
     return p
 
 
@@ -250,8 +257,14 @@ def cmd_inject(admin, args) -> int:
 def cmd_stage(admin, args) -> int:
     if args.action == "drain":
         print(admin.drain(args.replica))
-    else:
+    elif args.action == "scale":
         print(admin.scale(args.stage, args.replicas))
+    elif args.action == "launch":
+        if args.replicas < 1:
+            return _fail("--replicas must be >= 1")
+        print(admin.scale(args.stage, admin.running(args.stage) + args.replicas))
+    else:
+        print(admin.scale(args.stage, 0))
     return 0
 
 

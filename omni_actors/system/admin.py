@@ -91,6 +91,13 @@ class Admin:
             raise AdminError(f"{replica} is {rep.state.value}, not running (see `status`)")
         return rep.pid, replica
 
+    def running(self, stage: str) -> int:
+        """Replicas of ``stage`` that count toward its size (as the pool counts them)."""
+        st = next((s for s in self.status().stages if s.stage == stage), None)
+        if st is None:
+            raise AdminError(f"no stage named {stage!r}")
+        return sum(1 for r in st.replicas if r.state.value in ("pending", "starting", "ready", "dead", "isolated"))
+
     def drain(self, replica: str) -> str:
         return self._ask(DrainReplica(replica))
 
