@@ -25,7 +25,7 @@ from omni_actors.engines.base import BackendTask, StageFinal, TextDelta
 from omni_actors.engines.vllm_omni import VllmOmniEngine, stage_inputs
 
 SKIP_REASON = ("vllm_omni is not importable here: vLLM-Omni needs its own venv "
-               "(pip install -e '.[vllm-omni]', see the README)")
+               "(on a GPU host: pip install -e '.[vllm-omni]'; on this CPU: make test-vllm-omni)")
 
 
 def _omni_importable() -> bool:
