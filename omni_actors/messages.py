@@ -44,6 +44,9 @@ class ReplicaState(str, enum.Enum):
     STOPPED = "stopped"  #: drained or scaled down on purpose
 
 
+#: States in which a replica has (or is getting) a process of its own.
+LIVE_STATES = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING, ReplicaState.ISOLATED)
+
 #: ``reason`` of a PENDING replica whose placement request is still out.
 PLACING = "waiting for placement"
 

@@ -7,9 +7,8 @@ pool's replica table and helpers); each request is answered with an
 
 from __future__ import annotations
 
+from omni_actors.messages import LIVE_STATES as _ALIVE
 from omni_actors.messages import AdminReply, DrainReplica, InjectFault, ReplicaState, ScaleStage
-
-_ALIVE = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING, ReplicaState.ISOLATED)
 
 
 class PoolAdminMixin:

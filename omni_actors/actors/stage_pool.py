@@ -24,17 +24,14 @@ from dataclasses import dataclass, field
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExited, PoisonMessage, WakeupMessage
 
-from omni_actors.actors.engine import EngineActor
 from omni_actors.actors.pool_admin import PoolAdminMixin
+from omni_actors.actors.pool_placement import PoolPlacementMixin
 from omni_actors.actors.supervision import HealthPolicy, ReplicaHealth, RestartPolicy
 from omni_actors.balancing import POLICIES, ReplicaLoad
 from omni_actors.logs import get_logger
-from omni_actors.messages import (LATENCY_BUCKETS_S, PLACING, CancelStage, DrainReplica, EngineFailed,
-                                  EngineReady, ErrorKind, Heartbeat, HeartbeatAck, NodeLost,
-                                  NodesChanged, PlaceReplica, Placement, PlacementFailed, PoolState,
-                                  ReleasePlacement, ReplicaState, ReplicaStatus,
-                                  StageFailed, StageTask, StartEngine, StartPool, TaskFinished)
-from omni_actors.actors.node_agent import NODE_CAPABILITY
+from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, CancelStage, DrainReplica, EngineFailed,
+                                  EngineReady, ErrorKind, Heartbeat, HeartbeatAck, PoolState, ReleasePlacement,
+                                  ReplicaState, ReplicaStatus, StageFailed, StageTask, StartPool, TaskFinished)
 
 #: Ticks per heartbeat interval: how often health is judged.
 TICKS_PER_INTERVAL = 4
@@ -42,7 +39,7 @@ TICKS_PER_INTERVAL = 4
 ORPHAN_AFTER_INTERVALS = 5
 
 _ROUTABLE = (ReplicaState.READY,)
-_ALIVE = (ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DRAINING, ReplicaState.ISOLATED)
+_ALIVE = LIVE_STATES
 #: Ticks between placement retries for replicas still waiting for a node.
 PLACEMENT_RETRY_TICKS = 8
 
@@ -72,7 +69,7 @@ class Replica:
     latency_sum: float = 0.0
 
 
-class StagePoolActor(PoolAdminMixin, ActorTypeDispatcher):
+class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._spec: StartPool | None = None
@@ -112,58 +109,6 @@ class StagePoolActor(PoolAdminMixin, ActorTypeDispatcher):
         rep = Replica(replica_id, None, restarts=restarts or [], reason=PLACING)
         self._replicas[replica_id] = rep
         self._place(rep)
-
-    def _place(self, rep: Replica) -> None:
-        dep = self._spec.deployment
-        rep.placing = True
-        self.send(self._coordinator, PlaceReplica(self._spec.stage.name, rep.replica, dep.devices_per_replica,
-                                                  tuple(dep.nodes)))
-
-    def receiveMsg_Placement(self, msg: Placement, sender):
-        rep = self._replicas.get(msg.replica)
-        if rep is None or rep.state != ReplicaState.PENDING or self._orphaned:
-            self.send(sender, ReleasePlacement(msg.replica))  # scaled down or gone meanwhile
-            return
-        spec = self._spec
-        rep.placing = False
-        try:
-            address = self.createActor(EngineActor, targetActorRequirements={NODE_CAPABILITY: msg.node})
-        except Exception as exc:  # noqa: BLE001 - e.g. the node's admin vanished
-            rep.reason = f"could not start on {msg.node}: {exc}"
-            self.send(sender, ReleasePlacement(msg.replica))
-            self._publish()
-            return
-        rep.address, rep.node, rep.devices = address, msg.node, ",".join(msg.devices)
-        rep.state, rep.reason = ReplicaState.STARTING, ""
-        self.send(address, StartEngine(rep.replica, spec.stage, spec.deployment, spec.heartbeat_interval_s,
-                                       spec.inline_threshold_bytes, msg.node, msg.devices or None))
-        self.wakeupAfter(spec.ready_timeout_s, payload=("ready_deadline", rep.replica, address))
-        self._log.info("replica_launched", replica=rep.replica, node=msg.node, devices=rep.devices)
-        self._publish()
-
-    def receiveMsg_PlacementFailed(self, msg: PlacementFailed, sender):
-        rep = self._replicas.get(msg.replica)
-        if rep is not None and rep.state == ReplicaState.PENDING:
-            changed = rep.reason != msg.reason
-            rep.placing, rep.reason = False, msg.reason
-            if changed:  # retried every few ticks: log and publish news only
-                self._log.warning("replica_not_placed", replica=msg.replica, reason=msg.reason)
-                self._publish()
-
-    def receiveMsg_NodesChanged(self, msg: NodesChanged, sender):
-        for rep in self._replicas.values():
-            if rep.state == ReplicaState.PENDING and not rep.placing:
-                self._place(rep)
-
-    def receiveMsg_NodeLost(self, msg: NodeLost, sender):
-        for rep in list(self._replicas.values()):
-            if rep.node == msg.node and rep.state in _ALIVE:
-                rep.reason = f"node {msg.node} lost: {msg.reason}"
-                if rep.address is not None:
-                    # If the host is alive after all (a pause, a partition), the old
-                    # engine must not keep its devices: it is told to exit.
-                    self.send(rep.address, ActorExitRequest())
-                self._gone(rep, rep.reason)
 
     # -- registration -----------------------------------------------------
     def receiveMsg_EngineReady(self, msg: EngineReady, sender):
@@ -235,9 +180,7 @@ class StagePoolActor(PoolAdminMixin, ActorTypeDispatcher):
             elif rep.state == ReplicaState.DRAINING and not rep.in_flight:
                 self.send(rep.address, DrainReplica(rep.replica))
         if self._ticks % PLACEMENT_RETRY_TICKS == 0:
-            for rep in self._replicas.values():
-                if rep.state == ReplicaState.PENDING and not rep.placing:
-                    self._place(rep)  # devices may have been freed by another stage
+            self._retry_placements()  # devices may have been freed by another stage
         expired = [(t, d) for t, d in self._pending if now >= d]
         if expired:
             self._pending = [(t, d) for t, d in self._pending if now < d]

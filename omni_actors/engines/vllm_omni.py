@@ -64,6 +64,7 @@ import numpy as np
 
 from omni_actors.config import StageSpec
 from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta
+from omni_actors.engines.vllm_core import one_line
 from omni_actors.logs import get_logger
 
 __all__ = ["VllmOmniEngine", "stage_inputs", "PIPELINE_KEYS"]
@@ -95,11 +96,6 @@ def _is_cpu_build() -> bool:
         return True
     except metadata.PackageNotFoundError:
         return False
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class VllmOmniEngine:
@@ -143,7 +139,7 @@ class VllmOmniEngine:
             await self._teardown()
             raise RuntimeError(
                 f"vLLM-Omni stage `{self.stage.name}` ({self.replica}), model "
-                f"`{self.stage.engine_args.get('model')}`: {_one_line(exc)}") from None
+                f"`{self.stage.engine_args.get('model')}`: {one_line(exc)}") from None
         self.startup_s = time.monotonic() - t0
         self._log.info("vllm_omni_engine_started", startup_s=round(self.startup_s, 2))
 
@@ -197,7 +193,7 @@ class VllmOmniEngine:
         except ModuleNotFoundError as exc:
             raise RuntimeError(f"vLLM-Omni is not installed here ({exc}): {_INSTALL_HINT}") from None
         except Exception as exc:  # noqa: BLE001 - e.g. torchvision built for another torch
-            raise RuntimeError(f"vLLM-Omni cannot be imported here ({_one_line(exc)}): "
+            raise RuntimeError(f"vLLM-Omni cannot be imported here ({one_line(exc)}): "
                                f"{_INSTALL_HINT}") from None
         self._v = dict(yaml=yaml, SamplingParams=SamplingParams, RequestOutputKind=RequestOutputKind,
                        CompletionOutput=CompletionOutput, RequestOutput=RequestOutput,
@@ -215,7 +211,7 @@ class VllmOmniEngine:
         try:
             fn = getattr(importlib.import_module(module), attr)
         except (ImportError, AttributeError) as exc:
-            raise ValueError(f"custom_process_input_func `{dotted}`: {_one_line(exc)}") from None
+            raise ValueError(f"custom_process_input_func `{dotted}`: {one_line(exc)}") from None
         if not callable(fn):
             raise ValueError(f"custom_process_input_func `{dotted}` is not callable")
         return fn
@@ -273,7 +269,7 @@ class VllmOmniEngine:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, omni.shutdown)
             except Exception as exc:  # noqa: BLE001 - best effort
-                self._log.warning("vllm_omni_shutdown_failed", error=_one_line(exc))
+                self._log.warning("vllm_omni_shutdown_failed", error=one_line(exc))
         if self._deploy_file:
             Path(self._deploy_file).unlink(missing_ok=True)
             self._deploy_file = None
@@ -295,7 +291,7 @@ class VllmOmniEngine:
         try:
             await self._omni.abort(list(ids))
         except Exception as exc:  # noqa: BLE001 - abort never raises
-            self._log.warning("vllm_omni_abort_failed", request_id=request_id, error=_one_line(exc))
+            self._log.warning("vllm_omni_abort_failed", request_id=request_id, error=one_line(exc))
 
     # -- tasks -----------------------------------------------------------
     def _engine_prompt(self, task: BackendTask):
@@ -368,7 +364,7 @@ class VllmOmniEngine:
                 params = v["SamplingParams"](**task.sampling_params, n=1,
                                              output_kind=v["RequestOutputKind"].DELTA)
         except (ValueError, TypeError, KeyError) as exc:
-            raise ValueError(_one_line(exc)) from None
+            raise ValueError(one_line(exc)) from None
         vid = f"{task.request_id}:{self.stage.stage_id}:{next(self._ids)}"
         self._inflight.setdefault(task.request_id, set()).add(vid)
         texts: list[str] = []
@@ -402,8 +398,8 @@ class VllmOmniEngine:
                     yield TextDelta(text=comp.text or "", token_ids=ids)
         except Exception as exc:
             if isinstance(exc, (ValueError, TypeError)):
-                raise ValueError(_one_line(exc)) from None
-            raise RuntimeError(_one_line(exc.__cause__ or exc)) from None
+                raise ValueError(one_line(exc)) from None
+            raise RuntimeError(one_line(exc.__cause__ or exc)) from None
         finally:
             await stream.aclose()
             left = self._inflight.get(task.request_id)

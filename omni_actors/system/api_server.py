@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sys
 import threading
 import time
@@ -108,19 +107,11 @@ def run_api(*, host: str, port: int, admin_port: int, api_key: str | None = None
     from omni_actors.http.bridge import BridgeError
     from omni_actors.logs import get_logger
     from omni_actors.system.admin import AdminError, attach
-    from omni_actors.system.processes import port_in_use
+    from omni_actors.system.processes import serve_args_error
 
-    for name, value in (("--port", port), ("--admin-port", admin_port)):
-        if not 1 <= value <= 65535:
-            raise ApiServerError(f"{name} must be a TCP port, 1..65535 (got {value})")
-    if port == admin_port:
-        raise ApiServerError(f"--port and --admin-port must differ (both {port})")
-    try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        raise ApiServerError(f"--host {host!r} is not a usable address: {exc}") from None
-    if port_in_use(port, host if host not in ("0.0.0.0", "") else "127.0.0.1"):
-        raise ApiServerError(f"HTTP port {port} on {host} is in use")
+    problem = serve_args_error(host, port, admin_port)
+    if problem:
+        raise ApiServerError(problem)
 
     stopping, started, lost = threading.Event(), threading.Event(), threading.Event()
 
@@ -173,6 +164,7 @@ async def _serve(asys, coordinator, *, host: str, port: int, admin_port: int, ap
                  stopping: threading.Event, lost: threading.Event) -> None:
     from omni_actors.http.app import start_http
     from omni_actors.http.bridge import ActorBridge
+    from omni_actors.system.leader import drain_http
     from omni_actors.system.processes import port_in_use
 
     loop = asyncio.get_running_loop()
@@ -199,12 +191,7 @@ async def _serve(asys, coordinator, *, host: str, port: int, admin_port: int, ap
                               file=sys.stderr, flush=True)
                         break
                     next_check = time.monotonic() + ADMIN_CHECK_EVERY_S
-            # drain: no new connections, requests in flight finish (up to drain_timeout_s)
-            for site in list(runner.sites):
-                await site.stop()
-            deadline = time.monotonic() + drain_timeout_s
-            while bridge.in_flight() and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await drain_http(runner, bridge, drain_timeout_s)
         finally:
             await runner.cleanup()
     finally:

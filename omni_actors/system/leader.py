@@ -21,7 +21,8 @@ import uuid
 from pathlib import Path
 
 from omni_actors.config import PipelineConfig
-from omni_actors.system.processes import ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use
+from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use,
+                                          serve_args_error)
 
 ACTOR_BASE = "multiprocTCPBase"
 PR_SET_CHILD_SUBREAPER = 36
@@ -98,22 +99,12 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     from omni_actors.logs import get_logger, thespian_log_defs
     from omni_actors.messages import Deploy, NodeInfo, SystemStatus
 
-    import socket as _socket
-
-    for name, value in (("--port", port), ("--admin-port", admin_port)):
-        if not 1 <= value <= 65535:
-            raise StartError(f"{name} must be a TCP port, 1..65535 (got {value})")
-    if port == admin_port:
-        raise StartError(f"--port and --admin-port must differ (both {port})")
-    try:
-        _socket.getaddrinfo(host, port, type=_socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
-        raise StartError(f"--host {host!r} is not a usable address: {exc}") from None
+    problem = serve_args_error(host, port, admin_port)
+    if problem:
+        raise StartError(problem)
     if port_in_use(admin_port):
         raise StartError(f"admin port {admin_port} is in use (another system? "
                          f"`python -m omni_actors.system stop --admin-port {admin_port}`)")
-    if port_in_use(port, host if host not in ("0.0.0.0", "") else "127.0.0.1"):
-        raise StartError(f"HTTP port {port} on {host} is in use")
     # Set at exec time by the CLI (see __main__._ensure_system_id), so /proc shows it.
     system_id = os.environ.get(ENV_SYSTEM_ID) or uuid.uuid4().hex
     os.environ[ENV_SYSTEM_ID] = system_id
@@ -247,13 +238,13 @@ async def _serve(asys, coordinator, config, host, port, api_key, stopping: threa
     try:
         while not stopping.is_set():
             await asyncio.sleep(0.2)
-        await _drain(runner, bridge, config.deployment.supervision.drain_timeout_s)
+        await drain_http(runner, bridge, config.deployment.supervision.drain_timeout_s)
     finally:
         await runner.cleanup()
         bridge.close()
 
 
-async def _drain(runner, bridge, timeout_s: float) -> None:
+async def drain_http(runner, bridge, timeout_s: float) -> None:
     """Stop accepting connections, then let requests in flight finish (up to ``timeout_s``)."""
     from omni_actors.logs import get_logger
 
@@ -262,6 +253,6 @@ async def _drain(runner, bridge, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     in_flight = bridge.in_flight()
     if in_flight:
-        get_logger(actor="leader").info("draining", requests_in_flight=in_flight, timeout_s=timeout_s)
+        get_logger(actor="api").info("draining", requests_in_flight=in_flight, timeout_s=timeout_s)
     while bridge.in_flight() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

@@ -108,6 +108,26 @@ def kill_system(system_id: str, grace_s: float = 3.0, sessions: tuple[int, ...] 
     return initial
 
 
+def serve_args_error(host: str, port: int, admin_port: int) -> str | None:
+    """Why ``--host``/``--port``/``--admin-port`` cannot be served, as one line, or None.
+
+    Checks ranges, that the two ports differ, that the host resolves, and that
+    nothing listens on the HTTP port already.
+    """
+    for name, value in (("--port", port), ("--admin-port", admin_port)):
+        if not 1 <= value <= 65535:
+            return f"{name} must be a TCP port, 1..65535 (got {value})"
+    if port == admin_port:
+        return f"--port and --admin-port must differ (both {port})"
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        return f"--host {host!r} is not a usable address: {exc}"
+    if port_in_use(port, host if host not in ("0.0.0.0", "") else "127.0.0.1"):
+        return f"HTTP port {port} on {host} is in use"
+    return None
+
+
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     """True when something accepts TCP connections on ``host:port``."""
     with socket.socket() as s:

@@ -1,0 +1,74 @@
+"""The stage pool's side of placement: where each replica runs.
+
+A mixin of :class:`~omni_actors.actors.stage_pool.StagePoolActor`. A replica
+starts PENDING; the pool asks the coordinator for a node and devices
+(:class:`~omni_actors.messages.PlaceReplica`), creates the EngineActor on that
+node when the answer comes, retries pending replicas when nodes change, and
+gives up the replicas of a node that is lost.
+"""
+
+from __future__ import annotations
+
+from thespian.actors import ActorExitRequest
+
+from omni_actors.actors.engine import EngineActor
+from omni_actors.actors.node_agent import NODE_CAPABILITY
+from omni_actors.messages import (LIVE_STATES, NodeLost, NodesChanged, PlaceReplica, Placement, PlacementFailed,
+                                  ReleasePlacement, ReplicaState, StartEngine)
+
+
+class PoolPlacementMixin:
+    def _place(self, rep) -> None:
+        dep = self._spec.deployment
+        rep.placing = True
+        self.send(self._coordinator, PlaceReplica(self._spec.stage.name, rep.replica, dep.devices_per_replica,
+                                                  tuple(dep.nodes)))
+
+    def receiveMsg_Placement(self, msg: Placement, sender):
+        rep = self._replicas.get(msg.replica)
+        if rep is None or rep.state != ReplicaState.PENDING or self._orphaned:
+            self.send(sender, ReleasePlacement(msg.replica))  # scaled down or gone meanwhile
+            return
+        spec = self._spec
+        rep.placing = False
+        try:
+            address = self.createActor(EngineActor, targetActorRequirements={NODE_CAPABILITY: msg.node})
+        except Exception as exc:  # noqa: BLE001 - e.g. the node's admin vanished
+            rep.reason = f"could not start on {msg.node}: {exc}"
+            self.send(sender, ReleasePlacement(msg.replica))
+            self._publish()
+            return
+        rep.address, rep.node, rep.devices = address, msg.node, ",".join(msg.devices)
+        rep.state, rep.reason = ReplicaState.STARTING, ""
+        self.send(address, StartEngine(rep.replica, spec.stage, spec.deployment, spec.heartbeat_interval_s,
+                                       spec.inline_threshold_bytes, msg.node, msg.devices or None))
+        self.wakeupAfter(spec.ready_timeout_s, payload=("ready_deadline", rep.replica, address))
+        self._log.info("replica_launched", replica=rep.replica, node=msg.node, devices=rep.devices)
+        self._publish()
+
+    def receiveMsg_PlacementFailed(self, msg: PlacementFailed, sender):
+        rep = self._replicas.get(msg.replica)
+        if rep is not None and rep.state == ReplicaState.PENDING:
+            changed = rep.reason != msg.reason
+            rep.placing, rep.reason = False, msg.reason
+            if changed:  # retried every few ticks: log and publish news only
+                self._log.warning("replica_not_placed", replica=msg.replica, reason=msg.reason)
+                self._publish()
+
+    def receiveMsg_NodesChanged(self, msg: NodesChanged, sender):
+        self._retry_placements()
+
+    def _retry_placements(self) -> None:
+        for rep in self._replicas.values():
+            if rep.state == ReplicaState.PENDING and not rep.placing:
+                self._place(rep)
+
+    def receiveMsg_NodeLost(self, msg: NodeLost, sender):
+        for rep in list(self._replicas.values()):
+            if rep.node == msg.node and rep.state in LIVE_STATES:
+                rep.reason = f"node {msg.node} lost: {msg.reason}"
+                if rep.address is not None:
+                    # If the host is alive after all (a pause, a partition), the old
+                    # engine must not keep its devices: it is told to exit.
+                    self.send(rep.address, ActorExitRequest())
+                self._gone(rep, rep.reason)
