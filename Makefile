@@ -60,7 +60,7 @@ install-vllm-omni-cpu: .venv-omni/.installed-omni
 	bash scripts/install_vllm_omni_cpu.sh .venv-omni
 
 test-vllm-omni: install-vllm-omni-cpu
-	.venv-omni/bin/python -m pytest tests/test_vllm_omni_backend.py
+	.venv-omni/bin/python -m pytest tests/test_vllm_omni_backend.py tests/test_vllm_omni_deploy.py
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py

@@ -153,6 +153,25 @@ class Supervision(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     restart: RestartSpec = msgspec.field(default_factory=RestartSpec)
 
 
+class Streaming(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Streaming between stages (the ``deployment.streaming`` block).
+
+    When ``enabled``, an edge whose two stages both support chunks streams:
+    the producer sends its outputs in chunks as it makes them and the
+    consumer starts on the first one (see ``omni_actors.engines.stream_edges``
+    for which stages do; other edges pass whole outputs). Defaults: off;
+    ``chunk_tokens`` 8 Thinker tokens per chunk; at most
+    ``max_buffered_chunks`` 16 chunks per edge produced and not yet consumed
+    (the producer waits: backpressure); a consumer that gets no chunk for
+    ``chunk_timeout_s`` 10 s fails with an error naming the upstream stage.
+    """
+
+    enabled: bool = False
+    chunk_tokens: PositiveInt = 8
+    max_buffered_chunks: Annotated[int, msgspec.Meta(ge=2)] = 16
+    chunk_timeout_s: PositiveFloat = 10.0
+
+
 class Deployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The deployment block. Defaults: heartbeat 1 s (issue 4); ready timeout
     60 s; request timeout 300 s; 64 KiB inline threshold as vLLM-Omni's."""
@@ -166,6 +185,7 @@ class Deployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     inline_threshold_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 * 1024
     request_actors: PositiveInt = 16
     supervision: Supervision = msgspec.field(default_factory=Supervision)
+    streaming: Streaming = msgspec.field(default_factory=Streaming)
     stages: dict[str, StageDeployment] = {}
 
 
@@ -267,6 +287,11 @@ def parse_config(data: Any, source: str = "<memory>") -> PipelineConfig:
     """
     if not isinstance(data, dict):
         raise ConfigError(source, "", "expected a mapping with `stage_args` and `deployment`")
+    if "stages" in data or "base_config" in data:
+        # vLLM-Omni's deploy format (a `stages:` list; the topology elsewhere).
+        from omni_actors.vllm_omni_deploy import parse_deploy_config
+
+        return parse_deploy_config(data, source)
     for key in ("stage_args", "deployment"):
         if key not in data:
             raise ConfigError(source, key, "required field is missing")

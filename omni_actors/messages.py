@@ -101,6 +101,8 @@ class NodeStatus:
     stages: tuple[str, ...]
     replicas: tuple[str, ...]  #: replicas placed there
     last_seen_age_s: float | None = None
+    data_service: str | None = None  #: ``host:port`` of its data service (connectors across hosts)
+    buffers: int | None = None  #: live shared-memory segments there (last heartbeat); None: unknown
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,7 @@ class PlaceReplica:
     replica: str
     devices: int
     nodes: tuple[str, ...] = ()  #: allowed nodes (the stage's placement rule); empty: any
+    pin_devices: tuple[str, ...] = ()  #: a pinned replica: exactly these devices of ``nodes[0]``
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,7 @@ class StartNodeAgent:
 
     node: str
     interval_s: float
+    reap_after_s: float | None = None  #: the host's data service reaps buffers older than this
 
 
 @dataclass(frozen=True)
@@ -160,6 +164,8 @@ class NodeHeartbeat:
     """NodeAgent -> Coordinator every interval; answered with :class:`NodeHeartbeatAck`."""
 
     node: str
+    data_service: str | None = None  #: ``host:port`` of the host's data service
+    buffers: int | None = None  #: live shared-memory segments of the host
 
 
 @dataclass(frozen=True)
@@ -361,6 +367,26 @@ class ScaleStage:
 
 
 @dataclass(frozen=True)
+class LaunchReplicas:
+    """-> Coordinator -> pool: add replicas to ``stage``.
+
+    ``node``: only on that node; ``devices``: exactly these devices (of
+    ``node``, or of the one node that offers them), ``devices_per_replica``
+    each; ``replicas`` None then means one per that many devices. The
+    coordinator checks it against its inventory (an :class:`AdminReply` with
+    the reason when it cannot be done) and fills ``pins``: one ``(node,
+    devices)`` per new replica, which the replica keeps across restarts.
+    """
+
+    stage: str
+    replicas: int | None = None
+    node: str = ""
+    devices: tuple[str, ...] = ()
+    pins: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    reply_to: ActorAddress = None
+
+
+@dataclass(frozen=True)
 class AdminReply:
     """Answer to an admin request (inject, drain, scale): ok or why not."""
 
@@ -390,7 +416,9 @@ class PlannedStage:
     sources: tuple[int, ...]  #: upstream stage ids, in engine_input_source order
     pool: ActorAddress
     final_output_type: str | None  #: set when this stage's output goes to the client
-    needs_output: bool  #: some planned stage consumes this one's outputs
+    needs_output: bool  #: some planned stage consumes this one's outputs (whole, not chunked)
+    stream_source: int | None = None  #: the source whose outputs reach this stage in chunks
+    emits_chunks: bool = False  #: this stage can send chunks (to a streaming consumer or the client)
 
 
 @dataclass(frozen=True)
@@ -412,6 +440,10 @@ class RunRequest:
     timeout_s: float
     reply_to: ActorAddress
     max_attempts: int = 3  #: a stage task is tried on at most this many replicas
+    stream_outputs: bool = False  #: the client streams: final audio goes out in chunks where it can
+    chunk_window: int = 16  #: chunks per edge produced and not yet consumed (backpressure)
+    chunk_timeout_s: float = 10.0  #: longest a consumer waits for its next upstream chunk
+    chunk_tokens: int = 8  #: Thinker tokens per chunk
 
 
 @dataclass(frozen=True)
@@ -449,6 +481,19 @@ class StageTask:
     reply_to: ActorAddress  #: the RequestActor
     attempt: int = 0
     exclude: tuple[str, ...] = ()  #: replicas that already failed this task
+    #: Streaming between stages: the source whose outputs arrive as :class:`InputChunk` s
+    #: (the engine answers :class:`StageAccepted` first), and whether to send the outputs
+    #: as :class:`StageChunk` s too; with the window, timeout and chunk size to use.
+    stream_source: int | None = None
+    emit_chunks: bool = False
+    chunk_window: int = 16
+    chunk_timeout_s: float = 10.0
+    chunk_tokens: int = 8
+
+    @property
+    def streaming(self) -> bool:
+        """A streaming task: a dead replica's one is failed to the RequestActor, not re-sent."""
+        return self.stream_source is not None or self.emit_chunks
 
 
 @dataclass(frozen=True)
@@ -483,6 +528,69 @@ class StageDone:
     prompt_tokens: int = 0
     output_tokens: int = 0
     finish_reason: str | None = None  #: "stop" or "length", for text stages
+    chunks: int = 0  #: how many :class:`StageChunk` s came before this (streaming)
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class StageAccepted:
+    """Engine -> RequestActor: a task with a ``stream_source`` started here;
+    send its :class:`InputChunk` s to the sender."""
+
+    request_id: str
+    stage_id: int
+    attempt: int
+
+
+@dataclass(frozen=True)
+class StageChunk:
+    """Engine -> RequestActor: chunk ``seq`` (0, 1, ...) of a stage's outputs, by reference.
+
+    Owned by the RequestActor (released at request end). The sender waits
+    for :class:`ChunkAck` s once ``chunk_window`` chunks are unacknowledged.
+    """
+
+    request_id: str
+    stage_id: int
+    seq: int
+    ref: ConnectorRef
+    attempt: int
+
+
+@dataclass(frozen=True)
+class InputChunk:
+    """RequestActor -> the consuming engine: chunk ``seq`` of ``source``'s outputs.
+
+    ``ref`` is None on the end marker: ``source`` finished after ``seq`` chunks.
+    """
+
+    request_id: str
+    stage_id: int
+    source: int
+    seq: int
+    ref: ConnectorRef | None
+    attempt: int
+
+
+@dataclass(frozen=True)
+class ChunkConsumed:
+    """Consuming engine -> RequestActor: chunks of ``source`` up to ``seq`` (exclusive) are consumed."""
+
+    request_id: str
+    stage_id: int
+    source: int
+    upto: int
+    attempt: int
+
+
+@dataclass(frozen=True)
+class ChunkAck:
+    """RequestActor -> producing engine: its chunks up to ``upto`` (exclusive) are consumed."""
+
+    request_id: str
+    stage_id: int
+    upto: int
+    attempt: int
 
 
 @dataclass(frozen=True)
@@ -517,6 +625,18 @@ class OutputDelta:
 
 
 @dataclass(frozen=True)
+class OutputChunk:
+    """RequestActor -> bridge: a chunk of a final output (streamed audio) by
+    reference; the bridge fetches and releases it."""
+
+    request_id: str
+    stage_id: int
+    output_type: str
+    ref: ConnectorRef
+    seq: int = 0  #: 0, 1, ... per request: messages may overtake each other, the bridge reorders
+
+
+@dataclass(frozen=True)
 class OutputReady:
     """RequestActor -> bridge: a final output by reference; the bridge fetches
     and releases it."""
@@ -540,3 +660,4 @@ class RequestFinished:
     finish_reason: str | None = None  #: of the final text stage
     stage_replicas: dict[int, str] = field(default_factory=dict)  #: which replica ran each stage
     request_actor: ActorAddress = None  #: the sender, free for the next request
+    output_chunks: int = 0  #: :class:`OutputChunk` s sent before this (the bridge waits for them all)

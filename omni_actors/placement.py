@@ -12,6 +12,12 @@ Rules:
   nodes its config allows (``deployment.stages.<stage>.nodes``);
 - among the nodes that fit, the one with the fewest replicas of that stage
   wins (spread), then the one with the most free devices, then by name.
+
+A replica launched with explicit devices (``stage launch --devices 2,3
+--node N``) is *pinned*: :meth:`Inventory.plan_launch` checks the request
+against the inventory (one line per reason it cannot be done), and every
+placement of that replica, its restarts included, takes exactly those devices
+of that node or none (it then waits, pending, with the reason).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ class Node:
     last_seen: float = field(default_factory=time.monotonic)
     used: dict[str, str] = field(default_factory=dict)  # device -> replica
     replicas: dict[str, str] = field(default_factory=dict)  # replica -> stage
+    data_service: str | None = None  # host:port of its data service (from its heartbeats)
+    buffers: int | None = None  # its live shared-memory segments (from its heartbeats)
 
     @property
     def free(self) -> list[str]:
@@ -61,13 +69,20 @@ class Inventory:
         node.alive, node.used, node.replicas = False, {}, {}
         return lost
 
-    def place(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...] = ()) -> tuple[str, tuple[str, ...]]:
+    def place(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...] = (),
+              pin: tuple[str, ...] = ()) -> tuple[str, tuple[str, ...]]:
         """Choose ``(node, devices)`` for ``replica``; releases what it held before.
 
+        With ``pin`` (device ids), the replica takes exactly those devices of
+        the one node in ``allowed``, or nothing.
+
         Raises:
-            PlacementError: no alive node that accepts the stage has enough free devices.
+            PlacementError: no alive node that accepts the stage has enough free devices
+                (pinned: the node is lost, or a pinned device is held by another replica).
         """
         self.release(replica)
+        if pin:
+            return self._place_pinned(stage, replica, allowed[0] if allowed else "", pin)
         fits = []
         for node in self.nodes.values():
             if not node.alive or not node.accepts(stage) or (allowed and node.info.name not in allowed):
@@ -84,6 +99,103 @@ class Inventory:
             node.used[d] = replica
         node.replicas[replica] = stage
         return node.info.name, chosen
+
+    def _place_pinned(self, stage: str, replica: str, name: str, pin: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+        node = self.nodes.get(name)
+        if node is None or not node.alive:
+            raise PlacementError(f"{replica} is pinned to devices {','.join(pin)} of node {name or '?'}, "
+                                 f"which is {'lost' if node is not None else 'not known'}")
+        missing = [d for d in pin if d not in node.info.devices]
+        if missing:
+            raise PlacementError(f"node {name} no longer offers device(s) {','.join(missing)} "
+                                 f"that {replica} is pinned to")
+        held = [f"{d} (held by {node.used[d]})" for d in pin if d in node.used]
+        if held:
+            raise PlacementError(f"{replica} is pinned to devices {','.join(pin)} of node {name}; "
+                                 f"waiting for device {', '.join(held)}")
+        for d in pin:
+            node.used[d] = replica
+        node.replicas[replica] = stage
+        return name, tuple(pin)
+
+    def plan_launch(self, stage: str, replicas: int | None, devices_per_replica: int, *,
+                    allowed: tuple[str, ...] = (), node: str = "",
+                    devices: tuple[str, ...] = ()) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """Check a ``stage launch`` that names a node and/or devices; return one
+        ``(node, devices)`` pin per new replica (in order; ``devices`` empty when
+        only the node is pinned). Nothing is taken yet: each replica takes its pin
+        when it is placed.
+
+        ``replicas`` None means ``len(devices) / devices_per_replica`` (1 without devices).
+        ``allowed`` is the stage's own node rule (``deployment.stages.<stage>.nodes``).
+
+        Raises:
+            PlacementError: the count does not divide, a device is given twice, is not on the
+                node, or is held by another replica; the node is unknown, lost, does not take
+                the stage, is outside the stage's node rule, or has no room.
+        """
+        k = devices_per_replica
+        if len(set(devices)) != len(devices):
+            twice = sorted({d for d in devices if devices.count(d) > 1})
+            raise PlacementError(f"device(s) {','.join(twice)} given twice")
+        if devices:
+            if len(devices) % k:
+                raise PlacementError(f"{len(devices)} device(s) ({','.join(devices)}) do not split into "
+                                     f"replicas of {k} device(s) each (devices_per_replica of {stage})")
+            if replicas is None:
+                replicas = len(devices) // k
+            elif replicas * k != len(devices):
+                raise PlacementError(f"{replicas} replica(s) of {stage} at {k} device(s) each need "
+                                     f"{replicas * k} device(s); --devices gives {len(devices)}")
+        replicas = 1 if replicas is None else replicas
+        if replicas < 1:
+            raise PlacementError("--replicas must be >= 1")
+        if not node:
+            if not devices:
+                return ()  # nothing pinned: placement decides
+            node = self._node_offering(stage, devices, allowed)
+        n = self.nodes.get(node)
+        if n is None:
+            known = ", ".join(sorted(self.nodes)) or "none"
+            raise PlacementError(f"no node named {node!r} (nodes: {known})")
+        if not n.alive:
+            raise PlacementError(f"node {node} is lost")
+        if not n.accepts(stage):
+            raise PlacementError(f"node {node} does not take {stage} (it takes {','.join(n.info.stages)})")
+        if allowed and node not in allowed:
+            raise PlacementError(f"{stage} may run only on {', '.join(allowed)} "
+                                 f"(deployment.stages.{stage}.nodes), not on {node}")
+        if devices:
+            if not n.info.devices:
+                raise PlacementError(f"node {node} offers no devices (a CPU node): drop --devices")
+            missing = [d for d in devices if d not in n.info.devices]
+            if missing:
+                raise PlacementError(f"device(s) {','.join(missing)} not on node {node} "
+                                     f"(it offers {','.join(n.info.devices)})")
+            held = [f"{d} (held by {n.used[d]})" for d in devices if d in n.used]
+            if held:
+                raise PlacementError(f"device(s) already taken on node {node}: {', '.join(held)}")
+            return tuple((node, tuple(devices[i:i + k])) for i in range(0, len(devices), k))
+        if n.info.devices and len(n.free) < replicas * k:
+            raise PlacementError(f"node {node} has {len(n.free)} free device(s); {replicas} replica(s) of "
+                                 f"{stage} need {replicas * k}")
+        return tuple((node, ()) for _ in range(replicas))
+
+    def _node_offering(self, stage: str, devices: tuple[str, ...], allowed: tuple[str, ...]) -> str:
+        """The one alive node that offers all ``devices`` (device ids repeat across hosts)."""
+        offering = [n.info.name for n in self.nodes.values()
+                    if n.alive and all(d in n.info.devices for d in devices)]
+        if len(offering) > 1:
+            fit = [name for name in offering if self.nodes[name].accepts(stage) and (not allowed or name in allowed)]
+            offering = fit if len(fit) == 1 else offering
+        if not offering:
+            where = "; ".join(f"{n.info.name}: {','.join(n.info.devices) or 'none'}"
+                              for n in self.nodes.values() if n.alive) or "no nodes"
+            raise PlacementError(f"no node offers device(s) {','.join(devices)} ({where})")
+        if len(offering) > 1:
+            raise PlacementError(f"device(s) {','.join(devices)} are on several nodes ({', '.join(sorted(offering))}): "
+                                 f"say which with --node")
+        return offering[0]
 
     def release(self, replica: str) -> None:
         for node in self.nodes.values():
@@ -108,5 +220,5 @@ class Inventory:
         now = time.monotonic()
         return tuple(
             NodeStatus(n.info.name, n.alive, n.info.devices, dict(n.used), n.info.stages,
-                       tuple(sorted(n.replicas)), round(now - n.last_seen, 3))
+                       tuple(sorted(n.replicas)), round(now - n.last_seen, 3), n.data_service, n.buffers)
             for n in sorted(self.nodes.values(), key=lambda n: n.info.name))

@@ -1,5 +1,7 @@
-"""Connectors: stage outputs round-trip by reference, across processes, and
-every shared-memory segment goes away exactly when its owner releases it."""
+"""Connectors: stage outputs round-trip by reference, across processes and
+nodes, every get is a read-only view (zero copy), and every shared-memory
+segment goes away exactly when its owner releases it (locally or through the
+owning node's data service)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omni_actors.connectors import ConnectorError, ConnectorRef, list_segments, make_connector, \
-    release_all, sweep_segments
+from omni_actors.connectors import ConnectorError, ConnectorRef, DataService, DataServiceError, \
+    NodeConnector, list_segments, make_connector, release_all, sweep_segments
+from omni_actors.connectors import data_service
+from omni_actors.connectors.data_service import NODE_ENV, SERVICE_ENV
 from omni_actors.connectors.inline import ALIGN
 from omni_actors.connectors.shm import PREFIX_ENV, ShmConnector
 
@@ -64,10 +68,18 @@ def assert_same_outputs(got: dict, want: dict) -> None:
             assert got[key].dtype == value.dtype, key
             assert got[key].shape == value.shape, key
             np.testing.assert_array_equal(got[key], value, err_msg=key)
-            assert got[key].flags.c_contiguous and got[key].flags.writeable, key
+            assert got[key].flags.c_contiguous and not got[key].flags.writeable, key
             assert not np.shares_memory(got[key], value), key
         else:
             assert got[key] == value and type(got[key]) is type(value), key
+
+
+@pytest.fixture
+def service(prefix):
+    """A data service for ``prefix`` on loopback, in this process (node ``far``)."""
+    with DataService("127.0.0.1", 0, prefix, node="far") as svc:
+        yield svc
+    data_service.close_connections()
 
 
 @pytest.mark.parametrize("threshold,kind", [(10**9, "inline"), (0, "shm")])
@@ -79,6 +91,103 @@ def test_round_trip_preserves_every_dtype_shape_and_value(prefix, threshold, kin
     assert_same_outputs(connector.get(ref), outputs)
     assert_same_outputs(connector.get(pickle.loads(pickle.dumps(ref))), outputs)
     connector.release(ref)
+
+
+def test_remote_round_trip_through_the_data_service_of_another_node(prefix, service):
+    producer = NodeConnector(0, prefix, node="far", service=service.address)
+    consumer = NodeConnector(node="near", service="127.0.0.1:1")  # its own service is never asked
+    outputs = sample_outputs()
+    ref = pickle.loads(pickle.dumps(producer.put(outputs)))
+    assert (ref.kind, ref.node, ref.service) == ("shm", "far", service.address)
+    assert_same_outputs(consumer.get(ref), outputs)
+    assert_same_outputs(consumer.get(ref), outputs)  # the connection is reused
+    assert service.stats()["gets"] == 2
+    consumer.release(ref)
+    assert list_segments(prefix) == [] and service.stats()["releases"] == 1
+    with pytest.raises(ConnectorError, match=f"{ref.location}.*not found.*released"):
+        consumer.get(ref)
+
+
+def test_same_node_reads_in_place_and_tcp_mode_always_goes_through_the_service(prefix, service):
+    local = NodeConnector(0, prefix, node="far", service=service.address)
+    ref = local.put({"x": np.arange(1000.0)})
+    assert local.get(ref)["x"].sum() == np.arange(1000.0).sum()
+    assert service.stats()["gets"] == 0  # same node: mapped, no transfer
+    forced = NodeConnector(0, prefix, mode="tcp", node="far", service=service.address)
+    tref = forced.put({"x": np.arange(1000.0)})
+    assert tref.kind == "tcp"
+    np.testing.assert_array_equal(local.get(tref)["x"], np.arange(1000.0))
+    assert service.stats()["gets"] == 1
+    release_all([ref, tref])
+    assert list_segments(prefix) == []
+
+
+@pytest.mark.parametrize("mode,threshold,kind", [("inline", 0, "inline"), ("shm", 10**9, "shm"),
+                                                 ("auto", 10**9, "inline"), ("auto", 0, "shm")])
+def test_mode_forces_a_connector_whatever_the_size(prefix, mode, threshold, kind):
+    ref = make_connector(threshold, prefix=prefix, mode=mode).put({"x": np.ones(3000)})
+    assert ref.kind == kind
+    release_all([ref])
+    with pytest.raises(ValueError, match="mode"):
+        make_connector(mode="rdma")
+
+
+def test_node_and_service_come_from_the_environment(monkeypatch, prefix, service):
+    monkeypatch.setenv(NODE_ENV, "far")
+    monkeypatch.setenv(SERVICE_ENV, service.address)
+    ref = make_connector(0, prefix=prefix).put({"x": np.ones(10)})
+    assert (ref.node, ref.service) == ("far", service.address)
+    monkeypatch.setenv(NODE_ENV, "near")  # a reader on another node fetches it
+    assert make_connector().get(ref)["x"].tolist() == [1.0] * 10
+    assert service.stats()["gets"] == 1
+    release_all([ref])  # through the service: one request
+    assert list_segments(prefix) == [] and service.stats()["releases"] == 1
+    monkeypatch.delenv(NODE_ENV)
+    monkeypatch.delenv(SERVICE_ENV)
+    plain = make_connector(0, prefix=prefix).put({"x": np.ones(10)})
+    assert (plain.node, plain.service) == (None, None)
+    release_all([plain])
+
+
+def test_release_all_batches_remote_refs_per_service_and_never_raises(prefix, service):
+    producer = NodeConnector(0, prefix, node="far", service=service.address)
+    refs = [producer.put({"x": np.full(100, i)}) for i in range(5)]
+    local = make_connector(0, prefix=prefix + "here-").put({"x": np.ones(4)})
+    dead = ConnectorRef(kind="shm", size=8, layout=(), location=prefix + "dead", node="gone",
+                        service="127.0.0.1:1")
+    orphan = ConnectorRef(kind="shm", size=8, layout=(), location=prefix + "orphan", node="gone")
+    release_all([None, *refs, refs[0], local, dead, orphan])  # logs the dead and the orphan
+    assert list_segments(prefix) == []
+    stats = service.stats()
+    assert stats["releases"] == 5 and stats["segments"] == 0
+
+
+def test_get_from_an_unreachable_service_raises_data_service_error(prefix):
+    ref = ConnectorRef(kind="shm", size=8, layout=(), location=prefix + "x", node="gone",
+                       service="127.0.0.1:1")
+    with pytest.raises(DataServiceError, match="127.0.0.1:1"):
+        NodeConnector(node="near").get(ref)
+    no_service = ConnectorRef(kind="shm", size=8, layout=(), location=prefix + "x", node="gone")
+    with pytest.raises(ConnectorError, match="no data service"):
+        NodeConnector(node="near").get(no_service)
+
+
+def test_get_is_zero_copy_read_only_and_outlives_release(prefix):
+    connector = make_connector(0, prefix=prefix)
+    big = np.arange(1 << 20, dtype=np.float32)
+    ref = connector.put({"big": big, "small": np.arange(3)})
+    out = connector.get(ref)
+    again = connector.get(ref)["big"]
+    with pytest.raises(ValueError, match="read-only"):
+        out["big"][0] = 1
+    assert not out["big"].flags.owndata and not out["big"].flags.writeable
+    assert not np.shares_memory(out["big"], again)  # two mappings, one segment
+    connector.release(ref)
+    assert list_segments(prefix) == []
+    np.testing.assert_array_equal(out["big"], big)  # the mapping keeps the pages
+    writable = np.array(out["big"])  # what a consumer that must write does
+    writable[0] = 7
+    assert writable.flags.writeable and out["big"][0] == 0
 
 
 def test_arrays_are_packed_at_64_byte_aligned_offsets(prefix):
@@ -249,3 +358,16 @@ def test_default_prefix_comes_from_the_environment(monkeypatch, prefix):
     release_all([ref])
     monkeypatch.delenv(PREFIX_ENV)
     assert ShmConnector().prefix == "omni-actors-"
+
+
+def test_a_large_put_round_trips_exactly(prefix):
+    rng = np.random.default_rng(3)
+    outputs = {"a": rng.integers(0, 255, 9_000_001, dtype=np.uint8),  # odd sizes: parts end mid-page
+               "meta": "x", "b": rng.standard_normal((1031, 2049)).astype(np.float32)}
+    connector = make_connector(0, prefix=prefix)
+    ref = connector.put(outputs)
+    assert ref.size > 16 << 20
+    got = connector.get(ref)
+    np.testing.assert_array_equal(got["a"], outputs["a"])
+    np.testing.assert_array_equal(got["b"], outputs["b"])
+    connector.release(ref)

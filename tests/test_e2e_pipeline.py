@@ -75,7 +75,10 @@ def test_text_and_audio_returns_playable_wav(openai_client):
     assert _wav_seconds(wav) == pytest.approx(10 * 2 * 1920 / 24000)
 
 
-def test_streaming_sends_several_text_deltas_then_audio(omni_leader):
+def test_streaming_sends_text_deltas_and_audio_parts_as_they_are_made(omni_leader):
+    """The demo streams between stages: audio arrives as base64 PCM16 parts
+    (one id), the last audio delta carries the transcript, and the parts
+    joined are the PCM of the non-streamed WAV."""
     async def run():
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "stream": True,
                 "modalities": ["text", "audio"]}
@@ -88,21 +91,31 @@ def test_streaming_sends_several_text_deltas_then_audio(omni_leader):
                     line = line.strip()
                     if line.startswith(b"data: "):
                         events.append(line[6:])
-        return events
+            async with s.post(omni_leader.base_url + "/chat/completions",
+                              json={**body, "stream": False}) as r:
+                whole = await r.json()
+        return events, whole
 
-    events = asyncio.run(run())
+    events, whole = asyncio.run(run())
     assert events[-1] == b"[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    kinds = []
+    kinds, text, pcm, audio = [], "", b"", []
     for c in chunks:
         delta = c["choices"][0]["delta"] if c["choices"] else {}
         if delta.get("content"):
             kinds.append("text")
+            text += delta["content"]
         if delta.get("audio"):
             kinds.append("audio")
-            assert _wav_seconds(base64.b64decode(delta["audio"]["data"])) > 0
+            audio.append(delta["audio"])
+            pcm += base64.b64decode(delta["audio"].get("data", ""))
     assert kinds.count("text") > 1
-    assert kinds[-1] == "audio" and kinds.count("audio") == 1
+    assert sum(1 for a in audio if a.get("data")) > 1
+    assert len({a["id"] for a in audio}) == 1
+    assert audio[-1]["transcript"] == text and "data" not in audio[-1]
+    wav = base64.b64decode(whole["choices"][0]["message"]["audio"]["data"])
+    with wave.open(io.BytesIO(wav)) as w:
+        assert w.readframes(w.getnframes()) == pcm
 
 
 def test_streaming_with_openai_client_matches_non_streaming(openai_client):

@@ -278,3 +278,75 @@ def test_status_shows_who_holds_what():
     assert status[0].used == {"0": "talker/0"} and status[0].replicas == ("talker/0",)
     assert status[1].used == {"3": "dit/0", "4": "dit/0"} and status[1].alive
     assert status[1].last_seen_age_s is not None and status[1].last_seen_age_s >= 0
+
+
+# -- stage launch --node / --devices (pinned replicas) ---------------------------------------------
+def test_launch_with_devices_splits_them_per_replica_on_the_node_that_offers_them():
+    inv = inventory(NodeInfo("m1", ("0", "1", "2", "3")), NodeInfo("m2", ("4", "5", "6", "7")))
+    assert inv.plan_launch("talker", None, 1, devices=("5", "6")) == (("m2", ("5",)), ("m2", ("6",)))
+    assert inv.plan_launch("dit", None, 2, devices=("0", "1", "2", "3")) == (("m1", ("0", "1")), ("m1", ("2", "3")))
+    assert inv.plan_launch("dit", 2, 2, node="m2", devices=("7", "6", "5", "4")) == (
+        ("m2", ("7", "6")), ("m2", ("5", "4")))  # in the order given
+    # the pins are taken by placement, exactly, and kept by the replica's next placement (a restart)
+    for i, (node, devs) in enumerate(inv.plan_launch("talker", None, 1, devices=("5", "6"))):
+        assert inv.place("talker", f"talker/{i}", 1, (node,), pin=devs) == (node, devs)
+    assert inv.place("talker", "talker/1", 1, ("m2",), pin=("6",)) == ("m2", ("6",))
+    assert holdings(inv) == {"talker/0": ("m2", ("5",)), "talker/1": ("m2", ("6",))}
+
+
+def test_launch_errors_are_one_clear_line_each():
+    inv = inventory(NodeInfo("m1", ("0", "1", "2", "3")), NodeInfo("m2", ("0", "1")),
+                    NodeInfo("cpu"), NodeInfo("talkers", ("8",), stages=("talker",)))
+    inv.place("talker", "talker/0", 1, ("m1",), pin=("2",))
+    cases = [
+        (dict(replicas=None, k=2, devices=("0", "1", "3")), r"3 device\(s\) \(0,1,3\) do not split into replicas of 2"),
+        (dict(replicas=2, k=1, devices=("0",)), r"2 replica\(s\) of talker at 1 device\(s\) each need 2 device\(s\); "
+                                                r"--devices gives 1"),
+        (dict(replicas=None, k=1, devices=("1", "1")), r"device\(s\) 1 given twice"),
+        (dict(replicas=None, k=1, devices=("0",)),
+         r"device\(s\) 0 are on several nodes \(m1, m2\): say which with --node"),
+        (dict(replicas=None, k=1, devices=("9",)), r"no node offers device\(s\) 9 \(m1: 0,1,2,3; m2: 0,1; cpu: none"),
+        (dict(replicas=None, k=1, devices=("5",), node="m2"), r"device\(s\) 5 not on node m2 \(it offers 0,1\)"),
+        (dict(replicas=None, k=1, devices=("2", "3"), node="m1"), r"already taken on node m1: 2 \(held by talker/0\)"),
+        (dict(replicas=None, k=1, devices=("0",), node="cpu"), r"node cpu offers no devices"),
+        (dict(replicas=1, k=1, node="nope"), r"no node named 'nope' \(nodes: cpu, m1, m2, talkers\)"),
+        (dict(replicas=3, k=1, node="m2"), r"node m2 has 2 free device\(s\); 3 replica\(s\) of talker need 3"),
+    ]
+    for kw, pattern in cases:
+        with pytest.raises(PlacementError, match=pattern):
+            inv.plan_launch("talker", kw["replicas"], kw["k"], node=kw.get("node", ""), devices=kw.get("devices", ()))
+    with pytest.raises(PlacementError, match="node talkers does not take code2wav"):
+        inv.plan_launch("code2wav", 1, 1, node="talkers")
+    with pytest.raises(PlacementError,
+                       match=r"talker may run only on m2 \(deployment.stages.talker.nodes\), not on m1"):
+        inv.plan_launch("talker", 1, 1, allowed=("m2",), node="m1")
+    inv.lose("m2")
+    with pytest.raises(PlacementError, match="node m2 is lost"):
+        inv.plan_launch("talker", 1, 1, node="m2")
+    # devices that repeat across hosts: a lost host does not count, so m1 is the only one
+    assert inv.plan_launch("talker", None, 1, devices=("0",)) == (("m1", ("0",)),)
+
+
+def test_launch_on_a_node_only_pins_the_node_and_cpu_nodes_take_any_number():
+    inv = inventory(NodeInfo("m1", ("0", "1")), NodeInfo("cpu"))
+    assert inv.plan_launch("talker", 2, 1, node="m1") == (("m1", ()), ("m1", ()))
+    assert inv.plan_launch("talker", 5, 1, node="cpu") == (("cpu", ()),) * 5
+    assert inv.plan_launch("talker", 3, 1) == ()  # nothing named: placement decides
+    assert inv.place("talker", "talker/0", 1, ("cpu",)) == ("cpu", ())
+
+
+def test_a_pinned_replica_waits_for_its_own_devices_and_node():
+    inv = inventory(NodeInfo("m1", ("0", "1")), NodeInfo("m2", ("2", "3")))
+    inv.place("talker", "talker/0", 1, ("m1",), pin=("0",))
+    with pytest.raises(PlacementError, match=r"talker/1 is pinned to devices 0 of node m1; waiting for device "
+                                             r"0 \(held by talker/0\)"):
+        inv.place("talker", "talker/1", 1, ("m1",), pin=("0",))
+    assert holdings(inv) == {"talker/0": ("m1", ("0",))}  # a refused placement holds nothing
+    inv.lose("m1")
+    with pytest.raises(PlacementError, match="pinned to devices 0 of node m1, which is lost"):
+        inv.place("talker", "talker/0", 1, ("m1",), pin=("0",))
+    inv.add(NodeInfo("m1", ("0", "1")))  # back: the pinned replica returns to its device
+    assert inv.place("talker", "talker/0", 1, ("m1",), pin=("0",)) == ("m1", ("0",))
+    inv.add(NodeInfo("m1", ("1",)))  # back without device 0
+    with pytest.raises(PlacementError, match=r"node m1 no longer offers device\(s\) 0 that talker/0 is pinned to"):
+        inv.place("talker", "talker/0", 1, ("m1",), pin=("0",))

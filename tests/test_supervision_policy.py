@@ -58,6 +58,21 @@ def test_circuit_breaker_opens_after_consecutive_failures_only():
     assert "circuit breaker: 3 task failures" in policy.verdict(health, now=0.1, in_flight=0)
 
 
+def test_a_success_of_a_task_sent_before_the_failures_does_not_close_the_breaker():
+    """Long (streaming) tasks that began while the replica was fine may end
+    fine between its failures: only a task sent after the last failure
+    vouches for the replica now."""
+    policy = HealthPolicy(breaker_failures=3)
+    health = ReplicaHealth(last_heartbeat=4.0, progress_at=0.0)
+    health.on_task_done(False, now=1.0)
+    health.on_task_done(False, now=2.0)
+    health.on_task_done(True, now=2.5, dispatched_at=0.5)  # sent before the failures
+    health.on_task_done(False, now=3.0)
+    assert "3 task failures" in policy.verdict(health, now=3.1, in_flight=0)
+    health.on_task_done(True, now=4.0, dispatched_at=3.5)  # sent after the last failure
+    assert policy.verdict(health, now=4.1, in_flight=0) is None
+
+
 def test_rate_is_units_per_second_over_recent_heartbeats():
     health = ReplicaHealth(last_heartbeat=0.0)
     for t, p in ((1.0, 0), (2.0, 50), (3.0, 100)):

@@ -26,8 +26,10 @@ from thespian.actors import (ActorExitRequest, ActorSystemConventionUpdate, Acto
 from omni_actors.actors.node_agent import NODE_CAPABILITY, NodeAgentActor
 from omni_actors.actors.stage_pool import StagePoolActor
 from omni_actors.actors.supervision import RestartPolicy
+from omni_actors.connectors import data_service, default_prefix, list_segments
 from omni_actors.logs import get_logger
-from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainReplica, GetRoutes, GetStatus, InjectFault, NodeHeartbeat,
+from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainReplica, GetRoutes, GetStatus, InjectFault,
+                                  LaunchReplicas, NodeHeartbeat,
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, PlaceReplica, Placement,
                                   PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
                                   ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, StartNodeAgent,
@@ -137,6 +139,9 @@ class CoordinatorActor(ActorTypeDispatcher):
             for name, node in list(self._inventory.nodes.items()):
                 if name == self._leader_node:
                     node.last_seen = now  # our own host: alive while we are
+                    # and its data plane, as a member's agent reports it in heartbeats
+                    node.data_service = os.environ.get(data_service.SERVICE_ENV)
+                    node.buffers = len(list_segments(default_prefix()))
                 elif node.alive and now - node.last_seen > NODE_MISSED_HEARTBEATS * interval:
                     self._lose_node(name, f"missed {NODE_MISSED_HEARTBEATS} node heartbeats")
             self.wakeupAfter(interval, payload="node_check")
@@ -184,7 +189,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                         msg.remoteAdminAddress)
         self._inventory.add(info)
         agent = self.createActor(NodeAgentActor, targetActorRequirements={NODE_CAPABILITY: name})
-        self.send(agent, StartNodeAgent(name, self._config.deployment.heartbeat_interval_s))
+        self.send(agent, StartNodeAgent(name, self._config.deployment.heartbeat_interval_s,
+                                        reap_after_s=self._config.deployment.request_timeout_s + 30))
         self._log.info("node_joined", node=name, devices=list(info.devices), stages=list(info.stages))
         for pool in self._pools.values():
             self.send(pool, NodesChanged())
@@ -213,10 +219,14 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._publish_status()
         elif node is not None:
             node.last_seen = time.monotonic()
+        node = self._inventory.nodes.get(msg.node)
+        if node is not None:
+            node.data_service, node.buffers = msg.data_service, msg.buffers
 
     def receiveMsg_PlaceReplica(self, msg: PlaceReplica, sender):
         try:
-            node, devices = self._inventory.place(msg.stage, msg.replica, msg.devices, msg.nodes)
+            node, devices = self._inventory.place(msg.stage, msg.replica, msg.devices, msg.nodes,
+                                                  pin=msg.pin_devices)
         except PlacementError as exc:
             self.send(sender, PlacementFailed(msg.replica, str(exc)))
             return
@@ -281,6 +291,23 @@ class CoordinatorActor(ActorTypeDispatcher):
 
     def receiveMsg_ScaleStage(self, msg: ScaleStage, sender):
         self._forward_admin(self._pool_of_replica(msg.stage + "/"), msg, sender, msg.stage)
+
+    def receiveMsg_LaunchReplicas(self, msg: LaunchReplicas, sender):
+        """Check a launch that names a node or devices against the inventory, then pass
+        it to the pool with one pin per replica (or the reason it cannot be done)."""
+        reply_to = msg.reply_to or sender
+        pool = self._pool_of_replica(msg.stage + "/")
+        if pool is None:
+            self.send(reply_to, AdminReply(False, f"no stage named {msg.stage!r}"))
+            return
+        dep = self._config.deployment_of(self._config.stage_by_name(msg.stage))
+        try:
+            pins = self._inventory.plan_launch(msg.stage, msg.replicas, dep.devices_per_replica,
+                                               allowed=tuple(dep.nodes), node=msg.node, devices=msg.devices)
+        except PlacementError as exc:
+            self.send(reply_to, AdminReply(False, str(exc)))
+            return
+        self.send(pool, dataclasses.replace(msg, pins=pins, reply_to=reply_to))
 
     # -- shutdown ---------------------------------------------------------
     def receiveMsg_ActorExitRequest(self, msg: ActorExitRequest, sender):

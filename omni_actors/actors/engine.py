@@ -25,11 +25,13 @@ from omni_actors.actors.node_agent import on_node
 from omni_actors.config import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
 from omni_actors.engines import create_backend
-from omni_actors.engines.base import BackendTask, StageFinal, TextDelta
+from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal, TextDelta, UpstreamTimeout
 from omni_actors.logs import get_logger
-from omni_actors.messages import (CancelStage, DrainReplica, EngineFailed, EngineReady, ErrorKind, FaultKind,
-                                  Heartbeat, HeartbeatAck, InjectFault, StageDelta, StageDone, StageFailed,
-                                  StageTask, StartEngine, TaskFinished)
+from omni_actors.processors import default_input
+from omni_actors.messages import (CancelStage, ChunkAck, ChunkConsumed, DrainReplica, EngineFailed, EngineReady,
+                                  ErrorKind, FaultKind, Heartbeat, HeartbeatAck, InjectFault, InputChunk,
+                                  StageAccepted, StageChunk, StageDelta, StageDone, StageFailed, StageTask,
+                                  StartEngine, TaskFinished)
 
 #: Missing pool acks for this many heartbeat intervals means the pool is gone.
 ORPHAN_AFTER_INTERVALS = 3
@@ -37,10 +39,11 @@ ORPHAN_AFTER_INTERVALS = 3
 #: second per stream): an actor message costs about 1 ms of CPU here, so one per
 #: token would cap a replica near a thousand tokens a second, all streams together.
 STREAM_FLUSH_S = 0.02
+#: Inputs at least this large are read on a worker thread (see EngineActor._fetch).
+FETCH_ON_THREAD_BYTES = 1 << 20
 #: How long an exiting replica waits for its backend to stop (a vLLM core takes 2.5 s alone,
 #: over 5 s when three stop at once on 2 cores).
 SHUTDOWN_TIMEOUT_S = 10.0
-from omni_actors.processors import default_input
 
 #: Which output fields go to the client for each final output type.
 FINAL_FIELDS = {"text": ("text",), "audio": ("audio", "sample_rate"), "image": ("image",)}
@@ -151,6 +154,9 @@ class EngineActor(ActorTypeDispatcher):
         self._backend = None
         self._ready = False
         self._tasks: dict[tuple[str, int], asyncio.Task] = {}
+        # Streaming between stages, per (request, stage), on the loop thread:
+        self._inputs: dict[tuple[str, int], tuple[int, asyncio.Queue]] = {}  # attempt, input chunks
+        self._credits: dict[tuple[str, int], list] = {}  # [attempt, chunks acknowledged, wake-up event]
         self._completed = 0
         self._failed = 0
         self._progress = 0  # backend events produced: the pool's stall watchdog reads it
@@ -303,6 +309,28 @@ class EngineActor(ActorTypeDispatcher):
             self._rt.loop.call_soon_threadsafe(self._cancel, msg.request_id, msg.stage_id)
         return self._watch()
 
+    def receiveMsg_InputChunk(self, msg: InputChunk, sender):
+        if self._rt is not None:
+            self._rt.loop.call_soon_threadsafe(self._on_input_chunk, msg)
+        return self._watch()
+
+    def _on_input_chunk(self, msg: InputChunk) -> None:
+        """On the loop thread: queue a chunk for its task (stale attempts are dropped)."""
+        entry = self._inputs.get((msg.request_id, msg.stage_id))
+        if entry is not None and entry[0] == msg.attempt:
+            entry[1].put_nowait(msg)
+
+    def receiveMsg_ChunkAck(self, msg: ChunkAck, sender):
+        if self._rt is not None:
+            self._rt.loop.call_soon_threadsafe(self._on_chunk_ack, msg)
+        return self._watch()
+
+    def _on_chunk_ack(self, msg: ChunkAck) -> None:
+        credit = self._credits.get((msg.request_id, msg.stage_id))
+        if credit is not None and credit[0] == msg.attempt and msg.upto > credit[1]:
+            credit[1] = msg.upto
+            credit[2].set()
+
     def _cancel(self, request_id: str, stage_id: int) -> None:
         """On the loop thread: abort the backend's work and the task."""
         task = self._tasks.get((request_id, stage_id))
@@ -328,6 +356,13 @@ class EngineActor(ActorTypeDispatcher):
             # while this task was on its way. Nothing to report, and not this replica's fault.
             cancelled = True
             self._log.info("stage_inputs_released", request_id=msg.request_id, error=str(exc))
+        except UpstreamTimeout as exc:
+            # A neighbour stage stopped streaming: the request fails with the reason; this
+            # replica is healthy (not counted as its failure).
+            cancelled = True
+            self._log.warning("stage_stream_timeout", request_id=msg.request_id, error=str(exc))
+            emit(msg.reply_to, StageFailed(msg.request_id, msg.stage_id, replica, ErrorKind.TIMEOUT,
+                                           f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt))
         except Exception as exc:  # noqa: BLE001 - a task failure fails the task, not the replica
             kind = ErrorKind.BAD_REQUEST if isinstance(exc, ValueError) else ErrorKind.ENGINE_ERROR
             self._log.warning("stage_failed", request_id=msg.request_id, error=str(exc))
@@ -335,6 +370,8 @@ class EngineActor(ActorTypeDispatcher):
                                            f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt))
         finally:
             self._tasks.pop(key, None)
+            self._inputs.pop(key, None)
+            self._credits.pop(key, None)
             if ok:
                 self._completed += 1
             elif not cancelled:
@@ -360,12 +397,23 @@ class EngineActor(ActorTypeDispatcher):
             yield event
 
     async def _execute(self, msg: StageTask) -> StageDone:
-        upstream = {sid: self._connector.get(ref) for sid, ref in msg.inputs}
-        engine_input = self._processor(upstream, msg.prompt, msg.params)
+        key = (msg.request_id, msg.stage_id)
+        stream = None
+        if msg.stream_source is not None:
+            queue_ = asyncio.Queue()  # bounded by the producer's window (credits), not here
+            self._inputs[key] = (msg.attempt, queue_)
+            stream = self._input_chunks(msg, queue_)
+            self._rt.emit(msg.reply_to, StageAccepted(msg.request_id, msg.stage_id, msg.attempt))
+        if msg.emit_chunks:
+            self._credits[key] = [msg.attempt, 0, asyncio.Event()]
+        upstream = {sid: await self._fetch(ref) for sid, ref in msg.inputs}
+        engine_input = self._processor(upstream, msg.prompt, msg.params) if stream is None else {}
         sampling = {**self._spec.stage.default_sampling_params, **msg.sampling_params}
-        task = BackendTask(msg.request_id, engine_input, sampling, dict(msg.params))
+        task = BackendTask(msg.request_id, engine_input, sampling, dict(msg.params), input_stream=stream,
+                           emit_chunks=msg.emit_chunks, chunk_tokens=msg.chunk_tokens)
         final: StageFinal | None = None
         first_text = True
+        chunks = 0
         async for event in self._faulty(self._backend.generate(task)):
             self._progress += 1
             self._progress_at = time.monotonic()
@@ -376,6 +424,13 @@ class EngineActor(ActorTypeDispatcher):
                     self._rt.emit(msg.reply_to, StageDelta(msg.request_id, msg.stage_id, event.text),
                                   urgent=first_text)
                     first_text = False
+            elif isinstance(event, OutputChunk):
+                if msg.emit_chunks:
+                    await self._wait_credit(msg, chunks)
+                    ref = self._connector.put(event.outputs)
+                    self._rt.emit(msg.reply_to, StageChunk(msg.request_id, msg.stage_id, chunks, ref,
+                                                           msg.attempt))
+                    chunks += 1
             elif isinstance(event, StageFinal):
                 final = event
         if final is None:
@@ -384,7 +439,8 @@ class EngineActor(ActorTypeDispatcher):
         try:
             if msg.needs_output:
                 output = self._connector.put(final.outputs)
-            if msg.final_output_type:
+            if msg.final_output_type and not (chunks and msg.final_output_type == "audio"):
+                # (audio sent in chunks went to the client already)
                 fields = FINAL_FIELDS.get(msg.final_output_type, ())
                 final_ref = self._connector.put({k: final.outputs[k] for k in fields if k in final.outputs})
         except BaseException:
@@ -396,4 +452,58 @@ class EngineActor(ActorTypeDispatcher):
             finish = "length" if limit is not None and final.num_output_tokens >= int(limit) else "stop"
         return StageDone(msg.request_id, msg.stage_id, self._spec.replica, output, final_ref,
                          prompt_tokens=final.num_prompt_tokens, output_tokens=final.num_output_tokens,
-                         finish_reason=finish)
+                         finish_reason=finish, chunks=chunks, attempt=msg.attempt)
+
+    async def _fetch(self, ref) -> dict[str, Any]:
+        """Read a connector ref. A large one runs on a worker thread: fetched from
+        another node's data service it can take 0.1 s per 256 MB here, and the
+        loop must keep every other task streaming meanwhile."""
+        if ref.size < FETCH_ON_THREAD_BYTES:
+            return self._connector.get(ref)
+        return await asyncio.to_thread(self._connector.get, ref)
+
+    async def _input_chunks(self, msg: StageTask, chunks: asyncio.Queue):
+        """The processed input chunks of a streaming task, in order, until the end marker.
+
+        Reports progress (:class:`ChunkConsumed`) every half window, so the
+        producer, which waits at a full window, never stalls on us.
+
+        Raises:
+            UpstreamTimeout: no chunk for ``chunk_timeout_s``.
+        """
+        src, seq, every = msg.stream_source, 0, max(1, msg.chunk_window // 2)
+        early: dict[int, InputChunk] = {}  # chunks may overtake each other in transit
+        end_at = None
+        while True:
+            while seq not in early and seq != end_at:
+                try:
+                    item = await asyncio.wait_for(chunks.get(), msg.chunk_timeout_s)
+                except asyncio.TimeoutError:
+                    raise UpstreamTimeout(f"no chunk from upstream stage {src} within {msg.chunk_timeout_s:g} s "
+                                          f"(after {seq} chunks): its replica died or stalled") from None
+                if item.ref is None:
+                    end_at = item.seq
+                elif item.seq >= seq:
+                    early[item.seq] = item  # (a replayed duplicate of an earlier one is dropped)
+            if seq == end_at:
+                return
+            outputs = await self._fetch(early.pop(seq).ref)
+            seq += 1
+            yield self._processor({src: outputs}, msg.prompt, msg.params)
+            if seq % every == 0:
+                self._rt.emit(msg.reply_to, ChunkConsumed(msg.request_id, msg.stage_id, src, seq, msg.attempt))
+
+    async def _wait_credit(self, msg: StageTask, seq: int) -> None:
+        """Backpressure: wait until fewer than ``chunk_window`` chunks are unconsumed.
+
+        Raises:
+            UpstreamTimeout: nothing was consumed for ``chunk_timeout_s`` (the consumer is gone).
+        """
+        credit = self._credits[(msg.request_id, msg.stage_id)]
+        while seq - credit[1] >= msg.chunk_window:
+            credit[2].clear()
+            try:
+                await asyncio.wait_for(credit[2].wait(), msg.chunk_timeout_s)
+            except asyncio.TimeoutError:
+                raise UpstreamTimeout(f"the downstream stage consumed no chunk within {msg.chunk_timeout_s:g} s "
+                                      f"({seq - credit[1]} chunks waiting)") from None

@@ -5,14 +5,21 @@ here), so the coordinator places one agent on every member host and expects a
 heartbeat from it every interval; three missed and the node is lost (its
 replicas are re-placed). An agent that stops getting acks (its coordinator
 was replaced) exits.
+
+The agent also looks after the host's data service: it sets its reap age from
+the config, and every heartbeat carries the service's address and the host's
+live shared-memory buffer count (``status`` shows both per node).
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
 
+from omni_actors.connectors import data_service, default_prefix, list_segments
+from omni_actors.logs import get_logger
 from omni_actors.messages import NodeHeartbeat, NodeHeartbeatAck, StartNodeAgent
 
 #: Placement key in an admin's Thespian capabilities: the node name.
@@ -40,8 +47,21 @@ class NodeAgentActor(ActorTypeDispatcher):
 
     def receiveMsg_StartNodeAgent(self, msg: StartNodeAgent, sender):
         self._spec, self._coordinator = msg, sender
-        self.send(sender, NodeHeartbeat(msg.node))
+        service = os.environ.get(data_service.SERVICE_ENV)
+        if msg.reap_after_s and service:
+            try:
+                data_service.configure(service, reap_after_s=msg.reap_after_s)
+            except Exception as exc:  # noqa: BLE001 - the heartbeat matters more
+                get_logger(actor="node_agent", node=msg.node).warning(
+                    "data_service_config_failed", service=service, error=str(exc))
+            finally:
+                data_service.close_connections()
+        self.send(sender, self._heartbeat())
         self.wakeupAfter(msg.interval_s)
+
+    def _heartbeat(self) -> NodeHeartbeat:
+        return NodeHeartbeat(self._spec.node, os.environ.get(data_service.SERVICE_ENV),
+                             len(list_segments(default_prefix())))
 
     def receiveMsg_NodeHeartbeatAck(self, msg: NodeHeartbeatAck, sender):
         self._last_ack = time.monotonic()
@@ -52,5 +72,5 @@ class NodeAgentActor(ActorTypeDispatcher):
         if time.monotonic() - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.interval_s:
             self.send(self.myAddress, ActorExitRequest())
             return
-        self.send(self._coordinator, NodeHeartbeat(self._spec.node))
+        self.send(self._coordinator, self._heartbeat())
         self.wakeupAfter(self._spec.interval_s)

@@ -1,4 +1,4 @@
-"""The stage pool's admin requests: fault injection, drain, scale.
+"""The stage pool's admin requests: fault injection, drain, scale, launch.
 
 A mixin of :class:`~omni_actors.actors.stage_pool.StagePoolActor` (it uses the
 pool's replica table and helpers); each request is answered with an
@@ -8,10 +8,14 @@ pool's replica table and helpers); each request is answered with an
 from __future__ import annotations
 
 from omni_actors.messages import LIVE_STATES as _ALIVE
-from omni_actors.messages import AdminReply, DrainReplica, InjectFault, ReplicaState, ScaleStage
+from omni_actors.messages import AdminReply, DrainReplica, InjectFault, LaunchReplicas, ReplicaState, ScaleStage
 
 
 class PoolAdminMixin:
+    #: States of the replicas that count toward a stage's size (``scale`` and ``launch``).
+    _COUNTED = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.READY, ReplicaState.DEAD,
+                ReplicaState.ISOLATED)
+
     def receiveMsg_InjectFault(self, msg: InjectFault, sender):
         rep = self._replicas.get(msg.replica)
         if rep is None or rep.state not in _ALIVE:
@@ -37,9 +41,7 @@ class PoolAdminMixin:
         self._publish()
 
     def receiveMsg_ScaleStage(self, msg: ScaleStage, sender):
-        live = [r for r in self._replicas.values() if r.state in (ReplicaState.PENDING, ReplicaState.STARTING,
-                                                                   ReplicaState.READY, ReplicaState.DEAD,
-                                                                   ReplicaState.ISOLATED)]
+        live = [r for r in self._replicas.values() if r.state in self._COUNTED]
         if msg.replicas > len(live):
             for _ in range(msg.replicas - len(live)):
                 self._launch(self._new_replica_id())
@@ -53,6 +55,25 @@ class PoolAdminMixin:
                     self._drain(rep, "scaled down")
         self._publish()
         self.send(msg.reply_to or sender, AdminReply(True, f"{self._spec.stage.name}: {len(live)} -> {msg.replicas} replicas"))
+
+    def receiveMsg_LaunchReplicas(self, msg: LaunchReplicas, sender):
+        """Add replicas; each pinned one (``msg.pins``, checked by the coordinator) keeps its
+        node and devices for life, restarts included."""
+        before = sum(1 for r in self._replicas.values() if r.state in self._COUNTED)
+        pins = msg.pins or ((None,) * (msg.replicas or 1))
+        launched = []
+        for pin in pins:
+            rid = self._new_replica_id()
+            if pin is not None:
+                self._pins[rid] = (pin[0], tuple(pin[1]))
+            launched.append(rid + (f" on {pin[0]}" + (f" devices {','.join(pin[1])}" if pin[1] else "")
+                                   if pin else ""))
+            self._launch(rid)
+        self._log.info("replicas_launched", replicas=launched)
+        self._publish()
+        self.send(msg.reply_to or sender, AdminReply(
+            True, f"{self._spec.stage.name}: {before} -> {before + len(pins)} replicas; launched "
+                  + ", ".join(launched)))
 
     @staticmethod
     def _index(rep) -> int:

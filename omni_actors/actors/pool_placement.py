@@ -5,6 +5,10 @@ starts PENDING; the pool asks the coordinator for a node and devices
 (:class:`~omni_actors.messages.PlaceReplica`), creates the EngineActor on that
 node when the answer comes, retries pending replicas when nodes change, and
 gives up the replicas of a node that is lost.
+
+A replica launched with ``--node``/``--devices`` is pinned (``self._pins``):
+each of its placements, restarts included, asks for that node (and exactly
+those devices) only, so it comes back where it was or waits, pending.
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ class PoolPlacementMixin:
     def _place(self, rep) -> None:
         dep = self._spec.deployment
         rep.placing = True
+        pin = self._pins.get(rep.replica)
+        nodes, devices = ((pin[0],), tuple(pin[1])) if pin else (tuple(dep.nodes), ())
         self.send(self._coordinator, PlaceReplica(self._spec.stage.name, rep.replica, dep.devices_per_replica,
-                                                  tuple(dep.nodes)))
+                                                  nodes, pin_devices=devices))
 
     def receiveMsg_Placement(self, msg: Placement, sender):
         rep = self._replicas.get(msg.replica)

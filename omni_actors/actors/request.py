@@ -13,6 +13,18 @@ ready RequestActors and reuses each one after it reports
 :class:`~omni_actors.messages.RequestFinished`; state is reset per request.
 Messages for a request that is no longer current (a late ``StageDone`` after a
 cancel) only have their buffers released.
+
+Streaming between stages (``deployment.streaming``): a producer sends its
+outputs as :class:`~omni_actors.messages.StageChunk` s; its streaming consumer
+is dispatched on the first chunk, answers ``StageAccepted``, and gets every
+chunk so far and each new one as an ``InputChunk`` (then an end marker once
+the producer is done). The RequestActor keeps every chunk ref (released at
+the end), so a consumer retried on another replica is replayed from chunk 0.
+Credits bound the buffers: the consumer reports ``ChunkConsumed``, the
+producer gets ``ChunkAck`` s and pauses with ``chunk_window`` chunks
+unacknowledged. A streaming stage that fails is retried together with its
+streaming consumers, unless part of their output already reached the client:
+then the request ends with an error that says so.
 """
 
 from __future__ import annotations
@@ -24,9 +36,9 @@ from thespian.actors import ActorTypeDispatcher, WakeupMessage
 
 from omni_actors.connectors import make_connector, release_all
 from omni_actors.logs import get_logger
-from omni_actors.messages import (CancelRequest, CancelStage, ErrorKind, OutputDelta, OutputReady,
-                                  RequestFinished, RoutesChanged, RunRequest, StageDelta, StageDone, StageFailed,
-                                  StageTask)
+from omni_actors.messages import (CancelRequest, CancelStage, ChunkAck, ChunkConsumed, ErrorKind, InputChunk,
+                                  OutputChunk, OutputDelta, OutputReady, RequestFinished, RoutesChanged, RunRequest,
+                                  StageAccepted, StageChunk, StageDelta, StageDone, StageFailed, StageTask)
 
 #: Stage failures worth another replica: the engine raised, or was going away.
 RETRYABLE = (ErrorKind.ENGINE_ERROR, ErrorKind.UNAVAILABLE)
@@ -48,6 +60,18 @@ class RequestActor(ActorTypeDispatcher):
         self._owned = []  # intermediate refs to release at the end
         self._tokens = [0, 0]
         self._finish_reason = None
+        # Streaming between stages, per stage id:
+        self._chunks: dict[int, list] = {}  # producer -> its chunk refs, by seq
+        self._chunk_total: dict[int, int] = {}  # producer -> chunk count, once it is done
+        self._producer: dict[int, object] = {}  # producer -> the engine sending its chunks
+        self._consumer: dict[int, object] = {}  # consumer -> the engine that accepted it
+        self._sent: dict[int, int] = {}  # consumer -> chunks sent to it (end marker: -1)
+        self._consumed: dict[int, int] = {}  # consumer -> chunks it consumed
+        self._acked: dict[int, int] = {}  # producer -> chunks acknowledged to it
+        self._to_client: set[int] = set()  # stages whose output (part of it) reached the client
+        self._early: dict[int, dict[int, object]] = {}  # producer -> chunks that came before their turn
+        self._done_waiting: dict[int, StageDone] = {}  # producer done before all its chunks came
+        self._client_chunks = 0  # OutputChunks sent to the bridge
 
     def _current(self, request_id: str) -> bool:
         return self._req is not None and self._req.request_id == request_id
@@ -60,6 +84,9 @@ class RequestActor(ActorTypeDispatcher):
         self._reset()
         self._req = msg
         self._pools = {s.stage_id: s.pool for s in msg.plan.stages}
+        self._plan = {s.stage_id: s for s in msg.plan.stages}
+        self._stream_consumers = {sid: [s.stage_id for s in msg.plan.stages if s.stream_source == sid]
+                                  for sid in self._plan}
         self._started = time.monotonic()
         self.wakeupAfter(msg.timeout_s, payload=msg.request_id)
         self._dispatch_ready()
@@ -69,12 +96,15 @@ class RequestActor(ActorTypeDispatcher):
         for st in req.plan.stages:
             if st.stage_id in self._done or st.stage_id in self._running:
                 continue
-            if not all(src in self._done for src in st.sources):
+            stream = st.stream_source
+            if not all(src in self._done for src in st.sources if src != stream):
                 continue
+            if stream is not None and not (stream in self._done or self._chunks.get(stream)):
+                continue  # a streaming consumer starts on its source's first chunk
             if self._pools.get(st.stage_id) is None:
                 self._finish(ErrorKind.UNAVAILABLE, f"stage {st.stage} has no pool")
                 return
-            inputs = tuple((src, self._done[src].output) for src in st.sources)
+            inputs = tuple((src, self._done[src].output) for src in st.sources if src != stream)
             task = StageTask(
                 request_id=req.request_id, stage_id=st.stage_id, prompt=req.prompt, inputs=inputs,
                 # The client's max_tokens / temperature / seed are about the text it reads: they
@@ -83,24 +113,143 @@ class RequestActor(ActorTypeDispatcher):
                 sampling_params=req.sampling_params if st.final_output_type == "text" else {},
                 params=req.params,
                 stream_text=st.final_output_type == "text", final_output_type=st.final_output_type,
-                needs_output=st.needs_output, reply_to=self.myAddress)
+                needs_output=st.needs_output, reply_to=self.myAddress,
+                stream_source=stream, emit_chunks=self._emits_chunks(st),
+                chunk_window=req.chunk_window, chunk_timeout_s=req.chunk_timeout_s,
+                chunk_tokens=req.chunk_tokens)
             self._running[st.stage_id] = task
             self.send(self._pools[st.stage_id], task)
 
+    def _emits_chunks(self, st) -> bool:
+        """Chunks go to a streaming consumer, or (final audio) to a streaming client."""
+        if self._stream_consumers.get(st.stage_id):
+            return True
+        return st.emits_chunks and st.final_output_type == "audio" and self._req.stream_outputs
+
+    def _task_of(self, request_id: str, stage_id: int, attempt: int) -> StageTask | None:
+        """The running task a streaming message belongs to (None: stale, drop it)."""
+        if not self._current(request_id):
+            return None
+        task = self._running.get(stage_id)
+        return task if task is not None and task.attempt == attempt else None
+
     def receiveMsg_StageDelta(self, msg: StageDelta, sender):
         if self._current(msg.request_id):
+            if self._req.stream_outputs:  # (a non-streaming client gets the final text only)
+                self._to_client.add(msg.stage_id)
             self.send(self._req.reply_to, OutputDelta(msg.request_id, msg.text))
 
+    # -- streaming between stages -------------------------------------------
+    def receiveMsg_StageChunk(self, msg: StageChunk, sender):
+        task = self._task_of(msg.request_id, msg.stage_id, msg.attempt)
+        if task is None:
+            release_all([msg.ref])
+            return
+        # Thespian keeps several transmits in flight per sender: chunks may overtake
+        # each other, so they are put back in order by seq here.
+        early = self._early.setdefault(msg.stage_id, {})
+        early[msg.seq] = msg.ref
+        self._producer[msg.stage_id] = sender
+        chunks = self._chunks.setdefault(msg.stage_id, [])
+        consumers = self._stream_consumers[msg.stage_id]
+        while len(chunks) in early:
+            ref = early.pop(len(chunks))
+            chunks.append(ref)  # kept (released at the end) for replays to a retried consumer
+            if not consumers:  # final audio to a streaming client: the bridge fetches and releases it
+                self._to_client.add(msg.stage_id)
+                self.send(self._req.reply_to, OutputChunk(msg.request_id, msg.stage_id,
+                                                          self._plan[msg.stage_id].final_output_type, ref,
+                                                          self._client_chunks))
+                self._client_chunks += 1
+                chunks[-1] = None  # the bridge owns it now
+                self._ack(msg.stage_id, len(chunks))
+        for dst in consumers:
+            self._feed(dst)
+        waiting = self._done_waiting.get(msg.stage_id)
+        if waiting is not None and len(chunks) >= waiting.chunks:
+            del self._done_waiting[msg.stage_id]
+            self.receiveMsg_StageDone(waiting, sender)
+        else:
+            self._dispatch_ready()
+
+    def receiveMsg_StageAccepted(self, msg: StageAccepted, sender):
+        task = self._task_of(msg.request_id, msg.stage_id, msg.attempt)
+        if task is None or task.stream_source is None:
+            return
+        self._consumer[msg.stage_id] = sender
+        self._sent[msg.stage_id] = 0
+        self._feed(msg.stage_id)
+
+    def _feed(self, dst: int) -> None:
+        """Send consumer ``dst`` the chunks of its source it has not had, then the end marker."""
+        engine, sent = self._consumer.get(dst), self._sent.get(dst, 0)
+        if engine is None or sent < 0:
+            return
+        task, src = self._running[dst], self._plan[dst].stream_source
+        chunks = self._chunks.get(src, [])
+        for seq in range(sent, len(chunks)):  # (the consumer puts them back in order by seq)
+            self.send(engine, InputChunk(task.request_id, dst, src, seq, chunks[seq], task.attempt))
+        self._sent[dst] = len(chunks)
+        if self._chunk_total.get(src) == len(chunks):
+            self.send(engine, InputChunk(task.request_id, dst, src, len(chunks), None, task.attempt))
+            self._sent[dst] = -1
+
+    def receiveMsg_ChunkConsumed(self, msg: ChunkConsumed, sender):
+        if self._task_of(msg.request_id, msg.stage_id, msg.attempt) is None:
+            return
+        self._consumed[msg.stage_id] = max(self._consumed.get(msg.stage_id, 0), msg.upto)
+        consumers = self._stream_consumers[msg.source]
+        self._ack(msg.source, min(self._consumed.get(d, 0) for d in consumers))
+
+    def _ack(self, producer: int, upto: int) -> None:
+        """Credit the producer once half a window is consumed (fewer messages, no stall)."""
+        task = self._running.get(producer)
+        if task is None or producer not in self._producer:
+            return
+        if upto - self._acked.get(producer, 0) >= max(1, task.chunk_window // 2):
+            self._acked[producer] = upto
+            self.send(self._producer[producer], ChunkAck(task.request_id, producer, upto, task.attempt))
+
+    def _downstream(self, stage_id: int) -> set[int]:
+        """``stage_id`` and every stage that streams from it, transitively."""
+        out, stack = set(), [stage_id]
+        while stack:
+            sid = stack.pop()
+            if sid not in out:
+                out.add(sid)
+                stack.extend(self._stream_consumers.get(sid, ()))
+        return out
+
+    def _forget_stream(self, stages: set[int]) -> None:
+        """Drop the streaming state of ``stages`` (their chunks are released)."""
+        for sid in stages:
+            release_all(self._chunks.pop(sid, []))
+            release_all(self._early.pop(sid, {}).values())
+            for table in (self._chunk_total, self._producer, self._consumer, self._sent, self._consumed,
+                          self._acked, self._done_waiting):
+                table.pop(sid, None)
+
+    # -- stage results ---------------------------------------------------------
     def receiveMsg_StageDone(self, msg: StageDone, sender):
-        if not self._current(msg.request_id) or msg.stage_id not in self._running:
+        task = self._running.get(msg.stage_id) if self._current(msg.request_id) else None
+        if task is None or (task.streaming and msg.attempt != task.attempt):
             release_all([msg.output, msg.final])
+            return
+        if task.emit_chunks and len(self._chunks.get(msg.stage_id, ())) < msg.chunks:
+            self._done_waiting[msg.stage_id] = msg  # it overtook its last chunks: wait for them
             return
         del self._running[msg.stage_id]
         self._done[msg.stage_id] = msg
         if msg.output is not None:
             self._owned.append(msg.output)
-        planned = next(s for s in self._req.plan.stages if s.stage_id == msg.stage_id)
-        if planned.final_output_type and msg.final is not None:
+        planned = self._plan[msg.stage_id]
+        if task.emit_chunks:
+            self._chunk_total[msg.stage_id] = msg.chunks
+            for dst in self._stream_consumers[msg.stage_id]:
+                self._feed(dst)
+        if msg.final is not None and msg.stage_id in self._to_client and planned.final_output_type == "audio":
+            release_all([msg.final])  # its audio went out in chunks
+        elif planned.final_output_type and msg.final is not None:
             self.send(self._req.reply_to, OutputReady(msg.request_id, msg.stage_id,
                                                       planned.final_output_type, msg.final))
         elif msg.final is not None:
@@ -122,14 +271,26 @@ class RequestActor(ActorTypeDispatcher):
         if msg.attempt < task.attempt:
             return  # an attempt that was already retried
         attempt = msg.attempt + 1  # the pool may have re-dispatched it already (a dead replica)
-        if msg.replica and msg.kind in RETRYABLE and attempt < self._req.max_attempts:
+        retry = bool(msg.replica) and msg.kind in RETRYABLE and attempt < self._req.max_attempts
+        message = msg.message
+        if task.streaming:
+            affected = self._downstream(msg.stage_id)
+            if retry and affected & self._to_client:
+                retry = False
+                message += " (part of the output had already reached the client, so it was not retried)"
+            elif retry:
+                for sid in affected - {msg.stage_id}:  # its streaming consumers start over with it
+                    if self._running.pop(sid, None) is not None:
+                        self.send(self._pools[sid], CancelStage(msg.request_id, sid))
+                self._forget_stream(affected)
+        if retry:
             # An engine failed this task: try another replica of the stage.
             self._log.warning("stage_retry", request_id=msg.request_id, stage_id=msg.stage_id,
                               replica=msg.replica, error=msg.message)
             self._resend(dataclasses.replace(task, attempt=attempt, exclude=task.exclude + (msg.replica,)))
             return
         del self._running[msg.stage_id]
-        self._finish(msg.kind, msg.message)
+        self._finish(msg.kind, message)
 
     def _resend(self, task: StageTask) -> None:
         self._running[task.stage_id] = task
@@ -144,7 +305,10 @@ class RequestActor(ActorTypeDispatcher):
                 continue
             self._pools[stage_id] = pool
             task = self._running.get(stage_id)
-            if task is not None:
+            if task is not None and task.streaming:
+                self.receiveMsg_StageFailed(StageFailed(task.request_id, stage_id, "pool", ErrorKind.UNAVAILABLE,
+                                                        "the stage's pool was replaced", task.attempt), sender)
+            elif task is not None:
                 self._log.warning("stage_retry", request_id=task.request_id, stage_id=stage_id,
                                   error="the stage's pool was replaced")
                 self._resend(dataclasses.replace(task, attempt=task.attempt + 1))
@@ -162,6 +326,7 @@ class RequestActor(ActorTypeDispatcher):
         for stage_id in self._running:
             self.send(self._pools[stage_id], CancelStage(req.request_id, stage_id))
         release_all(self._owned)
+        self._forget_stream(set(self._chunks))
         names = {s.stage_id: s.stage for s in req.plan.stages}
         self._log.info("request_finished", request_id=req.request_id,
                        error=error.value if error else None, message=message or None,
@@ -170,5 +335,6 @@ class RequestActor(ActorTypeDispatcher):
         self.send(req.reply_to, RequestFinished(
             req.request_id, error, message, prompt_tokens=self._tokens[0], completion_tokens=self._tokens[1],
             finish_reason=self._finish_reason,
-            stage_replicas={sid: d.replica for sid, d in self._done.items()}, request_actor=self.myAddress))
+            stage_replicas={sid: d.replica for sid, d in self._done.items()}, request_actor=self.myAddress,
+            output_chunks=self._client_chunks))
         self._reset()

@@ -77,6 +77,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         self._replicas: dict[str, Replica] = {}
         self._pending: list[tuple[StageTask, float]] = []
         self._next_index = 0
+        self._pins: dict[str, tuple[str, tuple[str, ...]]] = {}  # replica -> (node, devices) it is pinned to
         self._last_ack = time.monotonic()
         self._orphaned = False
         self._ticks = 0
@@ -197,11 +198,15 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                                       for r in self._replicas.values()):
             self.send(self.myAddress, ActorExitRequest())
 
-    def _isolate(self, rep: Replica, why: str) -> None:
+    def _isolate(self, rep: Replica, why: str, hard: bool = True) -> None:
+        """Take ``rep`` out of routing, re-dispatch its work and end its process:
+        SIGKILL when ``hard`` and local (hung replicas), else an exit request."""
         self._log.error("replica_isolated", replica=rep.replica, reason=why)
         rep.state, rep.reason = ReplicaState.ISOLATED, why
         self._redispatch(rep)
-        if not self._kill(rep):
+        if not hard and rep.address is not None:
+            self.send(rep.address, ActorExitRequest())
+        elif not self._kill(rep):
             # On another host: no ChildActorExited may ever come (the host may be gone).
             self._gone(rep, why)
         self._publish()
@@ -239,12 +244,13 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         """The replica's process is gone (exited, killed, or lost with its node):
         free its devices, re-dispatch its work, and restart it if it should run."""
         rep.address = None  # a late ChildActorExited for it changes nothing
-        self._release(rep)
         if rep.state in (ReplicaState.FAILED, ReplicaState.STOPPED):
+            self._release(rep)
             self._redispatch(rep)
             self._publish()
             return
         if rep.state == ReplicaState.DRAINING:
+            self._release(rep)
             rep.state, rep.reason = ReplicaState.STOPPED, rep.reason or "drained"
             self._redispatch(rep)
             self._publish()
@@ -254,10 +260,13 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         self._redispatch(rep)
         delay = self._restart.next_delay(rep.restarts, time.monotonic())
         if delay is None or self._orphaned:
+            self._release(rep)
             rep.state = ReplicaState.FAILED
             rep.reason = (f"{cause}; gave up after {len(rep.restarts)} restarts in "
                           f"{self._restart.window_s:g} s")
         else:
+            if not self._pins.get(rep.replica, ("", ()))[1]:
+                self._release(rep)  # a replica pinned to devices keeps them for its restart
             rep.reason = f"{cause}; restarting in {delay:g} s"
             self.wakeupAfter(delay, payload=("restart", rep.replica))
         self._publish()
@@ -265,6 +274,14 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
     def _redispatch(self, rep: Replica) -> None:
         tasks, rep.in_flight = [t for t, _ in rep.in_flight.values()], {}
         for task in tasks:
+            if task.streaming:
+                # Chunks already went out from (or into) the lost replica: its RequestActor
+                # decides (retry the streaming stages together, or fail the request).
+                self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, rep.replica,
+                                                     ErrorKind.UNAVAILABLE,
+                                                     f"replica {rep.replica} {rep.state.value} mid-stream: "
+                                                     f"{rep.reason}", task.attempt))
+                continue
             self._log.warning("task_redispatched", request_id=task.request_id, replica=rep.replica,
                               attempt=task.attempt + 1)
             retry = dataclasses.replace(task, attempt=task.attempt + 1, exclude=task.exclude + (rep.replica,))
@@ -343,12 +360,15 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         else:
             rep.failed += 1
         if rep.health is not None and not msg.cancelled:
-            rep.health.on_task_done(msg.ok, now)
+            rep.health.on_task_done(msg.ok, now, dispatched_at=entry[1])
             if not msg.ok and rep.state == ReplicaState.READY:
                 # judge now: a success before the next tick would reset the breaker's count
                 why = self._health.verdict(rep.health, now, len(rep.in_flight))
                 if why:
-                    self._isolate(rep, why)
+                    # It answers (it just reported a failure): ask it to exit rather than
+                    # SIGKILL it, so the messages it has sent (the failure itself) are not
+                    # lost in transit with its process.
+                    self._isolate(rep, why, hard=False)
                     return
         if rep.state == ReplicaState.DRAINING and not rep.in_flight:
             self.send(rep.address, DrainReplica(rep.replica))

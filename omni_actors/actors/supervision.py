@@ -50,6 +50,7 @@ class ReplicaHealth:
     progress: int = 0
     progress_at: float = 0.0
     consecutive_failures: int = 0
+    last_failure_at: float = float("-inf")
     history: list[tuple[float, int]] = field(default_factory=list)  # (time, progress) for rates
 
     def on_heartbeat(self, now: float, progress: int, idle_s: float | None = None) -> None:
@@ -67,10 +68,18 @@ class ReplicaHealth:
         if was_idle:
             self.progress_at = now
 
-    def on_task_done(self, ok: bool, now: float) -> None:
-        self.consecutive_failures = 0 if ok else self.consecutive_failures + 1
+    def on_task_done(self, ok: bool, now: float, dispatched_at: float | None = None) -> None:
+        """A task ended. Failures count in a row; a success resets the count only
+        if its task was dispatched after the last failure: a long task (a
+        streaming one waits for its input) that began before the replica broke
+        says nothing about its state now."""
         if ok:
+            if dispatched_at is None or dispatched_at > self.last_failure_at:
+                self.consecutive_failures = 0
             self.progress_at = now  # finishing a task is progress
+        else:
+            self.consecutive_failures += 1
+            self.last_failure_at = now
 
     def rate(self) -> float:
         """Units (tokens, frames, items) per second over the last few heartbeats."""

@@ -1,86 +1,186 @@
 """Connectors: stage outputs travel between actors by reference.
 
-Use :func:`make_connector` for same-host traffic: small outputs ride inline
-in the ref, larger ones go through shared memory. Whoever owns a request
-releases its refs (:func:`release_all`) however the request ends.
+Use :func:`make_connector`: small outputs ride inline in the ref, larger ones
+go into a shared-memory segment on the producer's node. A consumer on that
+node maps the segment (zero copy); a consumer on another node fetches it from
+the node's data service (:mod:`omni_actors.connectors.data_service`). Whoever
+owns a request releases its refs (:func:`release_all`) however the request ends.
+
+Every ``get`` returns read-only arrays (views on the buffer the data arrived
+in); copy before modifying.
+
+Environment (set by the host's leader/member for every actor it starts):
+
+- ``OMNI_ACTORS_NODE``: this node's name; unset: a single-host system
+  (refs carry no node, every reader maps the segment).
+- ``OMNI_ACTORS_DATA_SERVICE``: ``host:port`` of this node's data service.
+- ``OMNI_ACTORS_SHM_PREFIX``: prefix of this node's segment names.
+- ``OMNI_ACTORS_CONNECTOR``: default mode, see :data:`MODES`.
 """
 
 from __future__ import annotations
 
+import collections
+import os
 from typing import Any, Iterable
 
 import structlog
 
+from omni_actors.connectors import data_service
 from omni_actors.connectors.base import Connector, ConnectorRef, FieldLayout
-from omni_actors.connectors.inline import ConnectorError, InlineConnector, plan
-from omni_actors.connectors.shm import ShmConnector, default_prefix, list_segments, \
-    sweep_segments
+from omni_actors.connectors.data_service import NODE_ENV, SERVICE_ENV, DataService, DataServiceError
+from omni_actors.connectors.inline import ConnectorError, InlineConnector, plan, read_outputs
+from omni_actors.connectors.shm import ShmConnector, _unlink, default_prefix, list_segments, \
+    segment_usage, sweep_segments
 
 __all__ = [
-    "Connector", "ConnectorError", "ConnectorRef", "FieldLayout", "InlineConnector",
-    "LocalConnector", "ShmConnector", "default_prefix", "list_segments", "make_connector",
-    "release_all", "sweep_segments",
+    "Connector", "ConnectorError", "ConnectorRef", "DataService", "DataServiceError", "FieldLayout",
+    "InlineConnector", "LocalConnector", "MODES", "NodeConnector", "ShmConnector", "default_prefix",
+    "list_segments", "local_node", "make_connector", "release_all", "segment_usage", "sweep_segments",
 ]
 
 log = structlog.get_logger(__name__)
 
 DEFAULT_INLINE_THRESHOLD = 65536  # bytes; a 64 KiB message costs little next to a shm round trip
+MODE_ENV = "OMNI_ACTORS_CONNECTOR"
+
+#: How ``put`` stores outputs (any connector reads every kind of ref):
+#: ``auto``: inline up to the threshold, else a segment, read in place on its
+#: node and fetched from the node's data service elsewhere; ``inline``: always
+#: inline, whatever the size; ``shm``: always a segment (outputs with array
+#: bytes); ``tcp``: as ``auto``, but every reader of a segment fetches it
+#: through the data service, even on its own node.
+MODES = ("auto", "inline", "shm", "tcp")
+
+SEGMENT_KINDS = ("shm", "tcp")
 
 
-class LocalConnector:
-    """Same-host connector: inline up to ``inline_threshold_bytes`` of packed
-    array data, shared memory above. ``get``/``release`` dispatch on
-    ``ref.kind``, so any process can read or release any local ref.
+def local_node() -> str | None:
+    """This process's node name (``$OMNI_ACTORS_NODE``), or None on a single-host system."""
+    return os.environ.get(NODE_ENV) or None
+
+
+class NodeConnector:
+    """The connector of one process on one node (see :data:`MODES`).
+
+    ``get``/``release`` dispatch on the ref (its ``kind``, and for segments
+    whether its ``node`` is this one), so any process can read or release any
+    ref of the system. ``node``/``service`` default to the environment.
     """
 
     def __init__(self, inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
-                 prefix: str | None = None) -> None:
+                 prefix: str | None = None, *, mode: str | None = None,
+                 node: str | None = None, service: str | None = None) -> None:
         if inline_threshold_bytes < 0:
             raise ValueError(f"inline_threshold_bytes must be >= 0, got {inline_threshold_bytes}")
+        mode = mode or os.environ.get(MODE_ENV) or "auto"
+        if mode not in MODES:
+            raise ValueError(f"connector mode must be one of {', '.join(MODES)}; got {mode!r}")
+        self.mode = mode
         self.inline_threshold_bytes = inline_threshold_bytes
+        self.node = node if node is not None else local_node()
+        self.service = service if service is not None else (os.environ.get(SERVICE_ENV) or None)
         self.inline = InlineConnector()
-        self.shm = ShmConnector(prefix)
+        self.shm = ShmConnector(prefix, node=self.node, service=self.service,
+                                kind="tcp" if mode == "tcp" else "shm")
 
     def put(self, outputs: dict[str, Any]) -> ConnectorRef:
         """Raises TypeError (unpackable dtype) or OSError (shm full)."""
         layout, size, arrays = plan(outputs)
-        target = self.inline if size <= self.inline_threshold_bytes else self.shm
-        return target.put_planned(layout, size, arrays)
+        if self.mode == "inline" or (self.mode != "shm" and size <= self.inline_threshold_bytes):
+            return self.inline.put_planned(layout, size, arrays)
+        return self.shm.put_planned(layout, size, arrays)
 
     def get(self, ref: ConnectorRef) -> dict[str, Any]:
-        """Raises ConnectorError if the data is gone or the kind is unknown."""
-        return self._for(ref).get(ref)
+        """The outputs, as read-only arrays (and small values).
+
+        Raises:
+            ConnectorError: the data is gone (released, reaped) or the kind is unknown.
+            DataServiceError: the data lives on another node whose data service
+                cannot be reached.
+        """
+        if ref.kind == "inline":
+            return self.inline.get(ref)
+        if ref.kind not in SEGMENT_KINDS:
+            raise ConnectorError(f"unknown connector kind {ref.kind!r}")
+        if not self._remote(ref, for_read=True):
+            return self.shm.get(ref)
+        if ref.size == 0:
+            return read_outputs(b"", ref.layout)
+        return read_outputs(data_service.fetch(ref.service, ref.location, ref.size), ref.layout)
 
     def release(self, ref: ConnectorRef) -> None:
-        """Idempotent; a no-op for inline refs."""
-        self._for(ref).release(ref)
+        """Unlink the ref's segment (through its node's data service when it is
+        elsewhere). Idempotent; a no-op for inline refs. When the owning node's
+        data service cannot be reached it logs and returns: that node's reaper
+        frees the segment later.
 
-    def _for(self, ref: ConnectorRef) -> InlineConnector | ShmConnector:
+        Raises:
+            ConnectorError: the kind is unknown, or a remote segment has no service.
+        """
         if ref.kind == "inline":
-            return self.inline
-        if ref.kind == "shm":
-            return self.shm
-        raise ConnectorError(f"unknown connector kind {ref.kind!r}")
+            return
+        if ref.kind not in SEGMENT_KINDS or not ref.location:
+            raise ConnectorError(f"unknown connector kind {ref.kind!r}")
+        if not self._remote(ref, for_read=False):
+            _unlink(ref.location)
+            return
+        try:
+            data_service.release(ref.service, [ref.location])
+        except DataServiceError as exc:
+            log.warning("connector_release_failed", location=ref.location, error=str(exc))
+
+    def _remote(self, ref: ConnectorRef, *, for_read: bool) -> bool:
+        """Whether ``ref`` must go through its node's data service from here."""
+        here = ref.node is None or ref.node == self.node
+        if here and not (for_read and ref.kind == "tcp"):
+            return False
+        if not ref.service:
+            if here:
+                return False  # a tcp ref without a service: read it in place
+            raise ConnectorError(f"segment {ref.location!r} lives on node {ref.node!r}, "
+                                 f"which has no data service (this is node {self.node!r})")
+        return True
+
+
+#: The former name (same-host only): kept for callers that import it.
+LocalConnector = NodeConnector
 
 
 def make_connector(inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
-                   prefix: str | None = None) -> Connector:
-    """The connector engines use: see :class:`LocalConnector`.
+                   prefix: str | None = None, *, mode: str | None = None) -> Connector:
+    """The connector engines, RequestActors and API servers use: see :class:`NodeConnector`.
 
     ``prefix`` names new shm segments; default ``$OMNI_ACTORS_SHM_PREFIX``,
-    else ``"omni-actors-"``.
+    else ``"omni-actors-"``. ``mode`` defaults to ``$OMNI_ACTORS_CONNECTOR``,
+    else ``"auto"`` (see :data:`MODES`).
     """
-    return LocalConnector(inline_threshold_bytes, prefix)
+    return NodeConnector(inline_threshold_bytes, prefix, mode=mode)
 
 
 def release_all(refs: Iterable[ConnectorRef | None]) -> None:
-    """Release every ref (None entries skipped); logs failures, never raises."""
-    connector = None
+    """Release every ref (None entries skipped): segments on this node are unlinked
+    here, the others with one request per owning data service. Logs failures,
+    never raises."""
+    here = local_node()
+    remote: dict[str, list[str]] = collections.defaultdict(list)
     for ref in refs:
         if ref is None or ref.kind == "inline":
             continue
         try:
-            connector = connector or LocalConnector()
-            connector.release(ref)
-        except Exception:
+            if ref.kind not in SEGMENT_KINDS or not ref.location:
+                raise ConnectorError(f"unknown connector kind {ref.kind!r}")
+            if ref.node is None or ref.node == here or not ref.service:
+                if ref.node not in (None, here):
+                    raise ConnectorError(f"segment {ref.location!r} lives on node {ref.node!r}, "
+                                         "which has no data service")
+                _unlink(ref.location)
+            else:
+                remote[ref.service].append(ref.location)
+        except Exception:  # noqa: BLE001
             log.warning("connector_release_failed", location=ref.location, exc_info=True)
+    for service, names in remote.items():
+        try:
+            data_service.release(service, list(dict.fromkeys(names)))
+        except Exception:  # noqa: BLE001
+            log.warning("connector_release_failed", service=service, segments=len(names), exc_info=True)

@@ -33,12 +33,18 @@ class ConnectorRef:
     """A reference to stage outputs.
 
     Attributes:
-        kind: ``"inline"`` (bytes ride in ``payload``) or ``"shm"`` (a
-            ``multiprocessing.shared_memory`` segment named ``location``).
+        kind: ``"inline"`` (bytes ride in ``payload``), ``"shm"`` (a POSIX
+            shared-memory segment named ``location`` on node ``node``: mapped
+            there, fetched from ``service`` elsewhere) or ``"tcp"`` (such a
+            segment, always fetched from ``service``, even on its own node).
         size: bytes of array data.
         layout: one :class:`FieldLayout` per output field.
-        location: the segment name for ``shm``; None for inline.
+        location: the segment name for ``shm``/``tcp``; None for inline.
         payload: the packed array bytes for ``inline``; None otherwise.
+        node: the node the segment lives on (``$OMNI_ACTORS_NODE`` of its
+            producer); None: a single-host system, every reader is local.
+        service: ``"host:port"`` of that node's data service
+            (``$OMNI_ACTORS_DATA_SERVICE`` of the producer), or None.
     """
 
     kind: str
@@ -46,6 +52,8 @@ class ConnectorRef:
     layout: tuple[FieldLayout, ...]
     location: str | None = None
     payload: bytes | None = None
+    node: str | None = None
+    service: str | None = None
 
 
 class Connector(Protocol):

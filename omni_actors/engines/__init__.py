@@ -8,10 +8,10 @@ most) and never pulls in vLLM: ``backend: vllm`` builds a
 
 from __future__ import annotations
 
-from omni_actors.config import StageDeployment, StageSpec
+from omni_actors.config import PipelineConfig, StageDeployment, StageSpec
 from omni_actors.engines.base import EngineBackend
 
-__all__ = ["create_backend", "BACKENDS"]
+__all__ = ["create_backend", "BACKENDS", "chunk_capabilities", "stream_edges"]
 
 #: Backend names a deployment may ask for, and whether this build provides them.
 BACKENDS = {"synthetic": True, "vllm": True, "vllm_omni": True}
@@ -44,3 +44,35 @@ def create_backend(stage: StageSpec, deployment: StageDeployment, replica: str) 
         return VllmOmniEngine(stage, replica)
     raise ValueError(f"unknown backend `{backend}` for stage `{stage.name}`; "
                      f"known: {', '.join(BACKENDS)}")
+
+
+def chunk_capabilities(stage: StageSpec, deployment: StageDeployment) -> tuple[bool, bool]:
+    """``(emits, accepts)``: whether this stage's backend can send its outputs
+    in chunks as it makes them, and start on chunks of its input.
+
+    Only the synthetic engine does today: thinker, talker and code2wav emit
+    chunks (tokens + hidden states, codec frames, audio), talker and
+    code2wav accept them. vLLM engines take whole prompts, so edges into
+    them pass whole outputs.
+    """
+    if deployment.backend != "synthetic":
+        return False, False
+    from omni_actors.engines.synthetic import CHUNK_INPUT_STAGES, CHUNK_OUTPUT_STAGES
+
+    kind = deployment.synthetic.kind or str(stage.engine_args.get("model_stage", ""))
+    return kind in CHUNK_OUTPUT_STAGES, kind in CHUNK_INPUT_STAGES
+
+
+def stream_edges(config: PipelineConfig) -> dict[int, int]:
+    """``{consumer stage_id: producer stage_id}`` for every edge that streams.
+
+    An edge streams when ``deployment.streaming.enabled``, the consumer has
+    exactly one source, the producer emits chunks and the consumer accepts
+    them (:func:`chunk_capabilities`). Empty when streaming is off.
+    """
+    if not config.deployment.streaming.enabled:
+        return {}
+    caps = {s.stage_id: chunk_capabilities(s, config.deployment_of(s)) for s in config.stage_args}
+    return {s.stage_id: s.engine_input_source[0] for s in config.stage_args
+            if len(s.engine_input_source) == 1 and caps[s.stage_id][1]
+            and caps[s.engine_input_source[0]][0]}

@@ -32,12 +32,26 @@ class BackendTask:
         sampling_params: the stage's ``default_sampling_params`` overlaid with
             the request's (``max_tokens``, ``temperature``, ``seed``...).
         params: request-level parameters (image ``width``/``height``...).
+        input_stream: streaming between stages: the processed input arrives
+            in chunks from this async iterator (``engine_input`` is then
+            empty); it ends when the upstream stage is done, and raises
+            :class:`UpstreamTimeout` when a chunk is late.
+        emit_chunks: send outputs as :class:`OutputChunk` events as they are
+            made (a backend that cannot simply never does).
+        chunk_tokens: Thinker tokens per output chunk.
     """
 
     request_id: str
     engine_input: dict[str, Any]
     sampling_params: dict[str, Any] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
+    input_stream: AsyncIterator[dict[str, Any]] | None = None
+    emit_chunks: bool = False
+    chunk_tokens: int = 8
+
+
+class UpstreamTimeout(TimeoutError):
+    """No chunk came from the upstream stage within ``chunk_timeout_s``."""
 
 
 @dataclass
@@ -46,6 +60,15 @@ class TextDelta:
 
     text: str
     token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class OutputChunk:
+    """Part of a stage's outputs, made so far and not sent before (same fields
+    as the stage's final outputs, covering the next slice: tokens, frames,
+    samples). The :class:`StageFinal` that follows still holds everything."""
+
+    outputs: dict[str, Any]
 
 
 @dataclass
@@ -61,7 +84,7 @@ class StageFinal:
     finish_reason: str | None = None
 
 
-BackendEvent = Union[TextDelta, StageFinal]
+BackendEvent = Union[TextDelta, OutputChunk, StageFinal]
 
 
 @dataclass

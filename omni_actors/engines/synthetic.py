@@ -22,6 +22,16 @@ whitespace-separated prompt words; ``width``/``height`` come from
 ``sampling_params["seed"]`` (default 0), through sha256 and numpy's PCG64
 (never ``hash()``), so they are byte-identical across processes (code2wav
 audio uses float32 ``sin``, whose last bit may differ between CPU types).
+
+Streaming between stages: with ``task.emit_chunks`` thinker yields an
+:class:`OutputChunk` every ``task.chunk_tokens`` tokens (``token_ids``,
+``text`` and the matching ``hidden_states`` rows, the prompt rows in the
+first), talker one per input chunk (or per ``chunk_tokens`` tokens of a
+whole input) and code2wav one per input chunk of frames. With
+``task.input_stream`` talker and code2wav start on the first input chunk.
+Talker codes and code2wav audio are computed token by token and frame by
+frame (phase carried exactly in integers), so the outputs are the same
+however the input was chunked.
 """
 
 from __future__ import annotations
@@ -38,11 +48,15 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from omni_actors.config import StageSpec, SyntheticCost
-from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta
+from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, OutputChunk, StageFinal, TextDelta
 
-__all__ = ["SyntheticEngine", "SUPPORTED_STAGES", "SAMPLE_RATE", "token_id"]
+__all__ = ["SyntheticEngine", "SUPPORTED_STAGES", "SAMPLE_RATE", "token_id", "CHUNK_INPUT_STAGES",
+           "CHUNK_OUTPUT_STAGES"]
 
 SUPPORTED_STAGES = ("thinker", "talker", "code2wav", "ar", "dit")
+#: Stages that can send their outputs in chunks, and start on chunks of their input.
+CHUNK_OUTPUT_STAGES = ("thinker", "talker", "code2wav")
+CHUNK_INPUT_STAGES = ("talker", "code2wav")
 #: Sample rate of code2wav audio (Hz, mono int16 PCM).
 SAMPLE_RATE = 24000
 #: Token id space of the thinker (ids are ``crc32(word) % VOCAB_SIZE``).
@@ -94,8 +108,9 @@ class _Plan:
 
     prefill_units: int
     decode_units: int
-    final: StageFinal
+    final: StageFinal | None
     deltas: list[TextDelta] | None = None  # one per decode unit (thinker only)
+    chunks: dict[int, OutputChunk] | None = None  # sent after decode unit k (streaming)
 
 
 class SyntheticEngine:
@@ -181,17 +196,26 @@ class SyntheticEngine:
         if not self._started:
             raise RuntimeError(f"synthetic engine {self.replica} is not started")
         parse, compute = _STAGE_FNS[self.stage_name]
-        args = parse(task)  # validate before queueing
+        streamed = task.input_stream is not None
+        if streamed and self.stage_name not in CHUNK_INPUT_STAGES:
+            raise ValueError(f"{self.stage_name}: cannot take its input in chunks")
+        args = None if streamed else parse(task)  # validate before queueing
         rid = task.request_id
         self._inflight[rid] = self._inflight.get(rid, 0) + 1
         try:
             if not await self._acquire(rid):
                 return
             try:
-                t0 = asyncio.get_running_loop().time()  # compute time counts as cost
-                plan = compute(self.cost, *args)
-                async for ev in self._run(rid, plan, t0):
-                    yield ev
+                if streamed:
+                    async for ev in self._run_streamed(task, parse):
+                        yield ev
+                else:
+                    t0 = asyncio.get_running_loop().time()  # compute time counts as cost
+                    plan = compute(self.cost, *args)
+                    if task.emit_chunks:
+                        _add_chunks(plan, self.stage_name, self.cost, task.chunk_tokens)
+                    async for ev in self._run(rid, plan, t0):
+                        yield ev
             finally:
                 self._release()
         finally:
@@ -202,16 +226,37 @@ class SyntheticEngine:
                 del self._inflight[rid]
                 self._aborted.discard(rid)
 
+    async def _run_streamed(self, task: BackendTask, parse) -> AsyncIterator[BackendEvent]:
+        """Talker / code2wav on an input that arrives in chunks: each chunk is
+        paid for and answered (one :class:`OutputChunk`) as it comes."""
+        loop, rid = asyncio.get_running_loop(), task.request_id
+        state = _STREAM_STATES[self.stage_name](self.cost, task)
+        async for engine_input in task.input_stream:
+            piece = BackendTask(rid, engine_input, task.sampling_params, task.params)
+            t0 = loop.time()
+            prefill, decode, outputs = state.feed(*parse(piece)[:state.nargs])
+            plan = _Plan(prefill, decode, None,
+                         chunks={decode - 1: OutputChunk(outputs)} if task.emit_chunks and decode else None)
+            async for ev in self._run(rid, plan, t0):
+                yield ev
+            if rid in self._aborted:
+                return
+        await asyncio.sleep(0)
+        if rid not in self._aborted:
+            yield state.final()
+
     async def _run(self, rid: str, plan: _Plan, t0: float) -> AsyncIterator[BackendEvent]:
-        cost, aborted, deltas = self.cost, self._aborted, plan.deltas
+        cost, aborted, deltas, chunks = self.cost, self._aborted, plan.deltas, plan.chunks or {}
         per = cost.decode_ms_per_token / 1000.0
         if cost.prefill_ms_per_token == 0 and per == 0:  # hot path: one yield to the loop
             await asyncio.sleep(0)
-            if deltas:
-                for d in deltas:
-                    if rid in aborted:
-                        return
-                    yield d
+            for k in range(plan.decode_units if (deltas or chunks) else 0):
+                if rid in aborted:
+                    return
+                if deltas is not None:
+                    yield deltas[k]
+                if k in chunks:
+                    yield chunks[k]
         else:
             loop = asyncio.get_running_loop()
             deadline = t0 + cost.prefill_ms_per_token * plan.prefill_units / 1000.0
@@ -229,7 +274,9 @@ class SyntheticEngine:
                     return
                 if deltas is not None:
                     yield deltas[k]
-        if rid in aborted:
+                if k in chunks:
+                    yield chunks[k]
+        if rid in aborted or plan.final is None:
             return
         yield plan.final
 
@@ -346,13 +393,43 @@ def _parse_talker(task: BackendTask) -> tuple:
 
 def _compute_talker(cost: SyntheticCost, token_ids: np.ndarray, hidden: np.ndarray,
                     seed: int) -> _Plan:
-    rng = _rng("talker", token_ids.astype("<i4").tobytes(), hidden.astype("<f4").tobytes(),
-               repr(hidden.shape), seed)
-    frames = len(token_ids) * cost.frames_per_token
-    codes = rng.integers(0, cost.codebook_size, size=(frames, cost.num_codebooks), dtype=np.int32)
-    final = StageFinal(outputs={"codes": codes}, num_prompt_tokens=len(token_ids),
-                       num_output_tokens=frames)
-    return _Plan(len(token_ids), frames, final)
+    state = _TalkerState(cost, seed)
+    units, frames, _ = state.feed(token_ids, hidden)
+    return _Plan(units, frames, state.final())
+
+
+class _TalkerState:
+    """Talker codes token by token: frame codes of token ``i`` come from
+    sha256(position i, token id, its hidden-state row, seed), so chunking the
+    input does not change them. Hidden rows: the last ``T`` rows of each
+    input belong to its ``T`` tokens (earlier rows are the prompt's)."""
+
+    nargs = 2
+
+    def __init__(self, cost: SyntheticCost, task_or_seed: Any) -> None:
+        self.cost = cost
+        self.seed = task_or_seed if isinstance(task_or_seed, int) else _seed(task_or_seed, "talker")
+        self.pos = 0
+        self.parts: list[np.ndarray] = []
+
+    def feed(self, token_ids: np.ndarray, hidden: np.ndarray) -> tuple[int, int, dict[str, Any]]:
+        cost, n = self.cost, len(token_ids)
+        rows = hidden[max(0, len(hidden) - n):].astype("<f4")
+        codes = np.empty((n * cost.frames_per_token, cost.num_codebooks), dtype=np.int32)
+        for j in range(n):
+            row = rows[j - (n - len(rows))].tobytes() if j >= n - len(rows) else b""
+            rng = _rng("talker", self.pos + j, int(token_ids[j]), row, self.seed)
+            codes[j * cost.frames_per_token:(j + 1) * cost.frames_per_token] = rng.integers(
+                0, cost.codebook_size, size=(cost.frames_per_token, cost.num_codebooks), dtype=np.int32)
+        self.pos += n
+        self.parts.append(codes)
+        return n, len(codes), {"codes": codes}
+
+    def final(self) -> StageFinal:
+        codes = (np.concatenate(self.parts) if self.parts
+                 else np.empty((0, self.cost.num_codebooks), dtype=np.int32))
+        return StageFinal(outputs={"codes": codes}, num_prompt_tokens=self.pos,
+                          num_output_tokens=len(codes))
 
 
 def _parse_code2wav(task: BackendTask) -> tuple:
@@ -364,25 +441,55 @@ def _parse_code2wav(task: BackendTask) -> tuple:
 
 
 def _compute_code2wav(cost: SyntheticCost, codes: np.ndarray) -> _Plan:
-    frames, spf = codes.shape[0], cost.samples_per_frame
-    k = min(3, codes.shape[1])
-    # Each frame: k sinusoids at 110..1050 Hz picked by its first k codes, phase-
-    # continuous across frames. float32 and in place: ~0.5 ms per 64 frames.
-    freqs = 110.0 + (codes[:, :k].T.astype(np.int64) % 48).astype(np.float64) * 20.0  # [k, F]
-    step = freqs * (2.0 * np.pi / SAMPLE_RATE)  # radians per sample
-    start = (np.cumsum(step * spf, axis=1) - step * spf) % (2.0 * np.pi)
-    t = np.arange(spf, dtype=np.float32)
-    wave = np.zeros(frames * spf, dtype=np.float32)
-    for j in range(k):
-        ph = step[j].astype(np.float32)[:, None] * t[None, :]
-        ph += start[j].astype(np.float32)[:, None]
-        np.sin(ph, out=ph)
-        wave += ph.reshape(-1)
-    wave *= np.float32(0.6 * 32767.0 / k)
-    audio = np.rint(wave).astype(np.int16)
-    final = StageFinal(outputs={"audio": audio, "sample_rate": SAMPLE_RATE},
-                       num_prompt_tokens=frames, num_output_tokens=0)
-    return _Plan(frames, frames, final)
+    state = _Code2WavState(cost)
+    units, frames, _ = state.feed(codes)
+    return _Plan(units, frames, state.final())
+
+
+class _Code2WavState:
+    """Audio frame by frame: each frame is ``k`` sinusoids at integer
+    frequencies 110..1050 Hz picked by its first ``k`` codes, phase-continuous
+    across frames. The phase is carried as an exact integer (cycles times the
+    sample rate), so audio made chunk by chunk equals audio made at once."""
+
+    nargs = 1
+
+    def __init__(self, cost: SyntheticCost, task: Any = None) -> None:
+        self.cost = cost
+        self.acc: np.ndarray | None = None  # [k] int64: sum of freq * samples so far, mod SAMPLE_RATE
+        self.parts: list[np.ndarray] = []
+        self.frames = 0
+
+    def feed(self, codes: np.ndarray) -> tuple[int, int, dict[str, Any]]:
+        frames, spf = codes.shape[0], self.cost.samples_per_frame
+        k = min(3, codes.shape[1])
+        if self.acc is None:
+            self.acc = np.zeros(k, dtype=np.int64)
+        k = len(self.acc)
+        freqs = 110 + (codes[:, :k].T.astype(np.int64) % 48) * 20  # [k, F] integer Hz
+        adv = freqs * spf  # each frame advances the phase by freq*spf / SR cycles
+        start_int = (self.acc[:, None] + np.cumsum(adv, axis=1) - adv) % SAMPLE_RATE
+        if frames:
+            self.acc = (self.acc + adv.sum(axis=1)) % SAMPLE_RATE
+        step = (freqs * (2.0 * np.pi / SAMPLE_RATE)).astype(np.float32)  # radians per sample
+        start = (start_int * (2.0 * np.pi / SAMPLE_RATE)).astype(np.float32)
+        t = np.arange(spf, dtype=np.float32)
+        wave = np.zeros(frames * spf, dtype=np.float32)
+        for j in range(k):
+            ph = step[j][:, None] * t[None, :]
+            ph += start[j][:, None]
+            np.sin(ph, out=ph)
+            wave += ph.reshape(-1)
+        wave *= np.float32(0.6 * 32767.0 / max(k, 1))
+        audio = np.rint(wave).astype(np.int16)
+        self.parts.append(audio)
+        self.frames += frames
+        return frames, frames, {"audio": audio, "sample_rate": SAMPLE_RATE}
+
+    def final(self) -> StageFinal:
+        audio = np.concatenate(self.parts) if self.parts else np.empty(0, dtype=np.int16)
+        return StageFinal(outputs={"audio": audio, "sample_rate": SAMPLE_RATE},
+                          num_prompt_tokens=self.frames, num_output_tokens=0)
 
 
 def _parse_ar(task: BackendTask) -> tuple:
@@ -437,3 +544,30 @@ def _compute_dit(cost: SyntheticCost, prior: np.ndarray, prompt: str, width: int
 
 _STAGE_FNS = {name: (globals()[f"_parse_{name}"], globals()[f"_compute_{name}"])
               for name in SUPPORTED_STAGES}
+_STREAM_STATES = {"talker": _TalkerState, "code2wav": _Code2WavState}
+
+
+def _add_chunks(plan: _Plan, stage: str, cost: SyntheticCost, chunk_tokens: int) -> None:
+    """Split a whole-input plan's outputs into :class:`OutputChunk` s sent along
+    the way: thinker every ``chunk_tokens`` tokens, talker every
+    ``chunk_tokens`` tokens' frames, code2wav every ``chunk_tokens *
+    frames_per_token`` frames. ar and dit send none."""
+    out, n = plan.final.outputs, plan.decode_units
+    if stage not in CHUNK_OUTPUT_STAGES or n == 0:
+        return
+    step = chunk_tokens if stage == "thinker" else chunk_tokens * cost.frames_per_token
+    chunks: dict[int, OutputChunk] = {}
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        if stage == "thinker":
+            prompt_rows = len(out["hidden_states"]) - n
+            rows = out["hidden_states"][(0 if a == 0 else prompt_rows + a):prompt_rows + b]
+            text = "".join(d.text for d in plan.deltas[a:b])
+            part = {"text": text, "token_ids": out["token_ids"][a:b], "hidden_states": rows}
+        elif stage == "talker":
+            part = {"codes": out["codes"][a:b]}
+        else:
+            spf = cost.samples_per_frame
+            part = {"audio": out["audio"][a * spf:b * spf], "sample_rate": out["sample_rate"]}
+        chunks[b - 1] = OutputChunk(part)
+    plan.chunks = chunks

@@ -19,7 +19,7 @@ from aiohttp import web
 from omni_actors.http import metrics as M
 from omni_actors.http import protocol as P
 from omni_actors.http.types import (
-    Bridge, BridgeEvent, OutputFinal, OutputText, PipelineRequest, RequestDone, RequestFailed,
+    Bridge, BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone, RequestFailed,
 )
 
 __all__ = ["create_app", "start_http", "BRIDGE_KEY"]
@@ -203,11 +203,11 @@ class _Run:
 
 def _pipeline_request(request: web.Request, prefix: str, prompt: str,
                       output_types: frozenset[str], sampling: dict, params: dict,
-                      ) -> PipelineRequest:
+                      stream: bool = False) -> PipelineRequest:
     rid = f"{prefix}-{uuid.uuid4().hex}"
     request[_RID] = rid
     return PipelineRequest(rid, prompt, output_types, sampling, params,
-                           request.app[BRIDGE_KEY].request_timeout_s)
+                           request.app[BRIDGE_KEY].request_timeout_s, stream)
 
 
 def _failed(ev: RequestFailed) -> P.ApiError:
@@ -227,7 +227,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     bridge: Bridge = request.app[BRIDGE_KEY]
     creq = P.parse_chat_request(await _read_json(request), bridge)
     preq = _pipeline_request(request, "chatcmpl", creq.prompt, creq.output_types,
-                             creq.sampling_params(), creq.params())
+                             creq.sampling_params(), creq.params(), creq.stream)
     if creq.stream:
         return await _stream_chat(request, bridge, creq, preq)
     created, deltas, text, audio, done = P.now(), [], None, None, RequestDone()
@@ -260,7 +260,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest,
                        preq: PipelineRequest) -> web.StreamResponse:
-    """SSE: role chunk, content deltas, audio delta, finish chunk, usage, [DONE].
+    """SSE: role chunk, content deltas, audio delta(s), finish chunk, usage, [DONE].
+
+    Audio goes out as one delta with a base64 WAV, or, when the pipeline
+    streams between stages, as deltas of base64 PCM16 (mono, little-endian,
+    at the stage's sample rate) as the last stage makes them, all with one
+    ``id``, then a last audio delta with the transcript and ``expires_at``.
 
     The response starts on the first event, so a failure before it is still
     a plain error response with its status.
@@ -275,7 +280,7 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
     def chunk(delta: dict, finish: str | None = None) -> dict:
         return P.chat_chunk(rid, creq.model, created, delta, finish, iu)
 
-    streamed, audio, done = [], None, None
+    streamed, audio, done, audio_id = [], None, None, None
     async with _Run(bridge, preq) as run:
         try:
             async for ev in run:
@@ -299,6 +304,9 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                         M.first_text(request, CHAT_PATH, stream=True)
                 elif isinstance(ev, OutputFinal) and ev.output_type == "audio":
                     audio = ev
+                elif isinstance(ev, OutputPart) and ev.output_type == "audio":
+                    audio_id = audio_id or P.audio_id()
+                    await send(chunk({"audio": P.audio_part(audio_id, ev.data["audio"])}))
                 elif isinstance(ev, RequestDone):
                     done = ev
                 elif isinstance(ev, RequestFailed):
@@ -308,6 +316,8 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                 if audio is not None:
                     payload = P.audio_payload(await _wav(audio), "".join(streamed), created)
                     await send(chunk({"audio": payload}))
+                elif audio_id is not None:
+                    await send(chunk({"audio": P.audio_end(audio_id, "".join(streamed), created)}))
                 finish = done.finish_reason or P.finish_reason(done.completion_tokens, creq.max_tokens)
                 await send(chunk({}, finish))
                 if iu:

@@ -29,10 +29,11 @@ from typing import Any, AsyncIterator
 from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
 from omni_actors.actors.request import RequestActor
 from omni_actors.connectors import make_connector
-from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputText, PipelineRequest, RequestDone,
+from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone,
                                     RequestFailed)
 from omni_actors.logs import get_logger
-from omni_actors.messages import (CancelRequest, ErrorKind, GetRoutes, GetStatus, OutputDelta, OutputReady,
+from omni_actors.messages import (CancelRequest, ErrorKind, GetRoutes, GetStatus, OutputChunk, OutputDelta,
+                                  OutputReady,
                                   RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe, SystemStatus,
                                   WhoAmI, YouAre)
 
@@ -70,6 +71,9 @@ class ActorBridge:
         self._connect_timeout_s = connect_timeout_s
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
+        #: request -> [next part seq, parts that came early, RequestFinished waiting for parts]
+        #: (receiver thread only)
+        self._parts: dict[str, list] = {}
         self._queries: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
         self._connector = make_connector()
@@ -118,9 +122,14 @@ class ActorBridge:
         timeout = request.timeout_s or self.request_timeout_s
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = stream
+        streaming = self._routes.config.deployment.streaming
         self._outbox.put(("run", RunRequest(request.request_id, request.prompt, plan,
                                             dict(request.sampling_params), dict(request.params),
-                                            timeout, self._address, self._max_attempts)))
+                                            timeout, self._address, self._max_attempts,
+                                            stream_outputs=request.stream,
+                                            chunk_window=streaming.max_buffered_chunks,
+                                            chunk_timeout_s=streaming.chunk_timeout_s,
+                                            chunk_tokens=streaming.chunk_tokens)))
         finished = False
         deadline = time.monotonic() + timeout + 5.0  # the RequestActor's own deadline fires first
         try:
@@ -223,6 +232,20 @@ class ActorBridge:
         """Receiver thread: turn an actor message into a loop-side event."""
         if isinstance(msg, OutputDelta):
             self._deliver(msg.request_id, OutputText(msg.text))
+        elif isinstance(msg, OutputChunk):
+            # Actor messages may overtake each other: parts are put back in order by
+            # seq, and the request's end waits for its last part (see RequestFinished).
+            if msg.request_id not in self._streams:  # the request is over (client gone)
+                self._connector.release(msg.ref)
+                return
+            parts = self._parts.setdefault(msg.request_id, [0, {}, None])
+            parts[1][msg.seq] = msg
+            while parts[0] in parts[1]:
+                self._deliver_part(parts[1].pop(parts[0]))
+                parts[0] += 1
+            finished = parts[2]
+            if finished is not None and parts[0] >= finished.output_chunks:
+                self._on_message(finished)
         elif isinstance(msg, OutputReady):
             try:
                 data = self._connector.get(msg.ref)
@@ -233,6 +256,11 @@ class ActorBridge:
                 self._connector.release(msg.ref)
             self._deliver(msg.request_id, OutputFinal(msg.stage_id, msg.output_type, data))
         elif isinstance(msg, RequestFinished):
+            parts = self._parts.get(msg.request_id)
+            if parts is not None and parts[0] < msg.output_chunks and msg.error is None:
+                parts[2] = msg  # parts still on their way: end the request after them
+                return
+            self._parts.pop(msg.request_id, None)
             self._outbox.put(("finished", msg.request_id, msg.request_actor))
             if msg.error is None:
                 event = RequestDone(msg.prompt_tokens, msg.completion_tokens, msg.finish_reason)
@@ -249,6 +277,16 @@ class ActorBridge:
                 self._routes = msg
                 self._log.info("routes_changed", version=msg.version)
                 self._outbox.put(("routes", msg))
+
+    def _deliver_part(self, msg: OutputChunk) -> None:
+        try:
+            data = self._connector.get(msg.ref)
+        except Exception as exc:  # noqa: BLE001
+            self._deliver(msg.request_id, RequestFailed(500, f"streamed output lost: {exc}"))
+            return
+        finally:
+            self._connector.release(msg.ref)
+        self._deliver(msg.request_id, OutputPart(msg.stage_id, msg.output_type, data))
 
     def _deliver(self, request_id: str, event: BridgeEvent) -> None:
         self._loop.call_soon_threadsafe(self._put, request_id, event)
@@ -279,7 +317,8 @@ def status_to_dict(status: SystemStatus) -> dict[str, Any]:
         "coordinator_pid": status.coordinator_pid,
         "nodes": [{"name": n.name, "alive": n.alive, "devices": list(n.devices), "used": dict(n.used),
                    "stages": list(n.stages), "replicas": list(n.replicas),
-                   "last_seen_age_s": n.last_seen_age_s} for n in status.nodes],
+                   "last_seen_age_s": n.last_seen_age_s, "data_service": n.data_service,
+                   "buffers": n.buffers} for n in status.nodes],
         "stages": [
             {"stage_id": st.stage_id, "stage": st.stage, "pid": st.pid, "pending": st.pending,
              "restarts": st.restarts,

@@ -343,10 +343,28 @@ def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def audio_id() -> str:
+    """A new audio id (``audio_<hex>``)."""
+    return f"audio_{uuid.uuid4().hex}"
+
+
 def audio_payload(wav: bytes, transcript: str, created: int) -> dict[str, Any]:
     """``message.audio`` / ``delta.audio``: id, base64 WAV, expiry, transcript."""
-    return {"id": f"audio_{uuid.uuid4().hex}", "data": base64.b64encode(wav).decode("ascii"),
+    return {"id": audio_id(), "data": base64.b64encode(wav).decode("ascii"),
             "expires_at": created + AUDIO_TTL_S, "transcript": transcript}
+
+
+def audio_part(audio_id_: str, pcm: Any) -> dict[str, Any]:
+    """A streamed ``delta.audio``: ``{"id", "data"}``, data = base64 of int16
+    little-endian PCM samples (``pcm``: an int16 array [samples])."""
+    import numpy as np
+
+    return {"id": audio_id_, "data": base64.b64encode(np.asarray(pcm, dtype="<i2").tobytes()).decode("ascii")}
+
+
+def audio_end(audio_id_: str, transcript: str, created: int) -> dict[str, Any]:
+    """The last streamed ``delta.audio``: id, transcript, expiry (no data)."""
+    return {"id": audio_id_, "transcript": transcript, "expires_at": created + AUDIO_TTL_S}
 
 
 def chat_completion(

@@ -17,6 +17,8 @@ class PipelineRequest:
         sampling_params: per-request overrides (``max_tokens``, ``temperature``, ``seed``).
         params: request parameters for stages (``width``, ``height`` for images).
         timeout_s: deadline for the whole request, seconds.
+        stream: the client reads a stream (SSE): final audio may arrive in
+            parts (:class:`OutputPart`) when the pipeline streams between stages.
     """
 
     request_id: str
@@ -25,6 +27,7 @@ class PipelineRequest:
     sampling_params: dict[str, Any] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
     timeout_s: float | None = None
+    stream: bool = False
 
 
 @dataclass
@@ -42,6 +45,17 @@ class OutputFinal:
     ndarray [samples], "sample_rate": int}``; ``image``: ``{"image": uint8
     ndarray [H, W, 3]}``.
     """
+
+    stage_id: int
+    output_type: str
+    data: dict[str, Any]
+
+
+@dataclass
+class OutputPart:
+    """A part of a final output, in order, as the last stage makes it
+    (streamed audio: ``{"audio": int16 ndarray [samples], "sample_rate": int}``).
+    When parts came, no :class:`OutputFinal` follows for that output."""
 
     stage_id: int
     output_type: str
@@ -67,7 +81,7 @@ class RequestFailed:
     type: str = "server_error"
 
 
-BridgeEvent = Union[OutputText, OutputFinal, RequestDone, RequestFailed]
+BridgeEvent = Union[OutputText, OutputPart, OutputFinal, RequestDone, RequestFailed]
 
 
 class Bridge(Protocol):

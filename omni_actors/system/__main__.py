@@ -64,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--count", type=int, default=1, help="for `raise`: how many next tasks raise (default 1)")
     sp.add_argument("--json", action="store_true", help="print what was done as JSON")
 
-    sp = sub.add_parser("api", help="serve one more API server, attached to a running system on this host")
+    sp = sub.add_parser("api", help="serve one more API server, attached to a running system on this host "
+                        "(--admin-port) or on any host (--convention-address)")
     admin_port(sp)
     sp.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     sp.add_argument("--port", type=int, required=True, help="HTTP port")
@@ -73,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--request-actors", type=int, default=None,
                     help="RequestActors created up front (default: the deployment's request_actors)")
     sp.add_argument("--convention-address", default=None, metavar="HOST:PORT",
-                    help="join from another host (not available yet)")
+                    help="the convention leader's admin address, to serve from another host (starts no admin "
+                         "here; instead of --admin-port)")
     sp.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
                     help="default: $OMNI_ACTORS_LOG_LEVEL or info")
 
@@ -90,10 +92,16 @@ def _parser() -> argparse.ArgumentParser:
     admin_port(sp)
     sp.add_argument("--stage", required=True)
     sp.add_argument("--replicas", type=int, required=True)
-    sp = stage.add_parser("launch", help="add N replicas to a stage (placed where devices are free)")
+    sp = stage.add_parser("launch", help="add N replicas to a stage (placed where devices are free, "
+                          "or on the --node / --devices you name)")
     admin_port(sp)
     sp.add_argument("--stage", required=True)
-    sp.add_argument("--replicas", type=int, default=1)
+    sp.add_argument("--replicas", type=int, default=None,
+                    help="how many (default 1; with --devices: one per devices_per_replica of them)")
+    sp.add_argument("--devices", default="", metavar="IDS",
+                    help="exactly these device ids, e.g. 2,3, split devices_per_replica per replica, all on one "
+                         "node; the replicas stay pinned to them (restarts included)")
+    sp.add_argument("--node", default="", help="only on this node (its --node-name)")
     sp = stage.add_parser("stop", help="drain and stop every replica of a stage")
     admin_port(sp)
     sp.add_argument("--stage", required=True)
@@ -133,9 +141,10 @@ def _start_member(args, devices: tuple[str, ...]) -> int:
     from omni_actors.system.leader import StartError
     from omni_actors.system.member import default_node_name, run_member
 
-    host, _, port = args.convention_address.rpartition(":")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    convention = _host_port(args.convention_address)
+    if convention is None:
         return _fail(f"--convention-address must be HOST:PORT, got {args.convention_address!r}", 2)
+    host, port = convention
     if args.admin_port == DEFAULT_ADMIN_PORT and int(port) == DEFAULT_ADMIN_PORT:
         return _fail("a member needs its own --admin-port (the leader uses 1900)", 2)
     _ensure_system_id()
@@ -146,6 +155,14 @@ def _start_member(args, devices: tuple[str, ...]) -> int:
                           node=args.node_name or default_node_name(args.admin_port), devices=devices, stages=stages)
     except StartError as exc:
         return _fail(str(exc))
+
+
+def _host_port(text: str) -> tuple[str, int] | None:
+    """``"HOST:PORT"`` -> ``(HOST, PORT)``, or None when it is not that."""
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        return None
+    return host, int(port)
 
 
 def _ensure_system_id() -> None:
@@ -260,9 +277,9 @@ def cmd_stage(admin, args) -> int:
     elif args.action == "scale":
         print(admin.scale(args.stage, args.replicas))
     elif args.action == "launch":
-        if args.replicas < 1:
-            return _fail("--replicas must be >= 1")
-        print(admin.scale(args.stage, admin.running(args.stage) + args.replicas))
+        if args.replicas is not None and args.replicas < 1:
+            return _fail("--replicas must be >= 1", 2)
+        print(admin.launch(args.stage, args.replicas, node=args.node, devices=args.devices))
     else:
         print(admin.scale(args.stage, 0))
     return 0
@@ -272,15 +289,19 @@ def cmd_api(args) -> int:
     from omni_actors.logs import configure_logging
     from omni_actors.system.api_server import ApiServerError, run_api
 
+    convention = None
     if args.convention_address:
-        return _fail("joining from another host (--convention-address) is not available yet; "
-                     "run `api` on the leader's host with --admin-port", 2)
+        convention = _host_port(args.convention_address)
+        if convention is None:
+            return _fail(f"--convention-address must be HOST:PORT, got {args.convention_address!r}", 2)
+        if args.admin_port != DEFAULT_ADMIN_PORT:
+            return _fail("give --convention-address HOST:PORT or --admin-port, not both", 2)
     if args.request_actors is not None and args.request_actors < 1:
         return _fail("--request-actors must be >= 1", 2)
     configure_logging(args.log_level)
     try:
-        return run_api(host=args.host, port=args.port, admin_port=args.admin_port, api_key=args.api_key,
-                       request_actors=args.request_actors)
+        return run_api(host=args.host, port=args.port, admin_port=args.admin_port, convention=convention,
+                       api_key=args.api_key, request_actors=args.request_actors)
     except ApiServerError as exc:
         return _fail(str(exc))
 

@@ -14,8 +14,8 @@ import signal
 import time
 from dataclasses import dataclass
 
-from omni_actors.messages import (AdminReply, DrainReplica, FaultKind, GetStatus, InjectFault, ScaleStage,
-                                  SystemStatus)
+from omni_actors.messages import (AdminReply, DrainReplica, FaultKind, GetStatus, InjectFault, LaunchReplicas,
+                                  ScaleStage, SystemStatus)
 
 #: Faults done from outside the process, with a signal, and the ones an engine does to itself.
 SIGNAL_FAULTS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP, "sigcont": signal.SIGCONT}
@@ -91,13 +91,6 @@ class Admin:
             raise AdminError(f"{replica} is {rep.state.value}, not running (see `status`)")
         return rep.pid, replica
 
-    def running(self, stage: str) -> int:
-        """Replicas of ``stage`` that count toward its size (as the pool counts them)."""
-        st = next((s for s in self.status().stages if s.stage == stage), None)
-        if st is None:
-            raise AdminError(f"no stage named {stage!r}")
-        return sum(1 for r in st.replicas if r.state.value in ("pending", "starting", "ready", "dead", "isolated"))
-
     def drain(self, replica: str) -> str:
         return self._ask(DrainReplica(replica))
 
@@ -105,6 +98,27 @@ class Admin:
         if replicas < 0:
             raise AdminError("--replicas must be >= 0")
         return self._ask(ScaleStage(stage, replicas))
+
+    def launch(self, stage: str, replicas: int | None = None, *, node: str = "",
+               devices: tuple[str, ...] | str = ()) -> str:
+        """Add replicas to ``stage``: ``replicas`` of them (default 1, or one per
+        ``devices_per_replica`` of ``devices``), only on ``node`` if given, on exactly
+        ``devices`` if given (they stay pinned there, restarts included).
+
+        Raises:
+            AdminError: the reason it cannot be done (a device not on the node or taken,
+                a count that does not divide, an unknown stage or node, ...).
+        """
+        if isinstance(devices, str):
+            devices = split_devices(devices)
+        if replicas is not None and replicas < 1:
+            raise AdminError("--replicas must be >= 1")
+        return self._ask(LaunchReplicas(stage, replicas, node=node, devices=tuple(devices)))
+
+
+def split_devices(text: str) -> tuple[str, ...]:
+    """``"2, 3"`` -> ``("2", "3")``."""
+    return tuple(d.strip() for d in text.split(",") if d.strip())
 
 
 def attach(admin_port: int) -> Admin:

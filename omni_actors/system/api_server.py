@@ -7,6 +7,14 @@ the coordinator up by its ``globalName``, builds an :class:`ActorBridge` on it
 and serves the same pipeline as the leader's own API server. Any number of
 them can run beside the leader's; each one is independent of the others.
 
+``api --port P --convention-address HOST:PORT`` does the same from any host:
+it starts no admin of its own but talks straight to the convention leader's
+admin at HOST:PORT (see :mod:`omni_actors.system.remote`; a member's admin
+address works too), so its lookups reach the same coordinator and its
+RequestActors are created by the leader's admin, as for an API server on the
+leader's host. It binds only its HTTP port (``--host``) and the sockets on
+which actors reply to it; nothing else is left on its host when it exits.
+
 On SIGINT/SIGTERM it stops accepting connections, lets its requests in flight
 finish (up to ``drain_timeout_s``), and stops **only itself**: it never calls
 ``ActorSystem.shutdown()`` (that would stop the whole system). The
@@ -16,9 +24,6 @@ each an ``ActorExitRequest`` when we close. (A server killed with SIGKILL
 cannot do that: its RequestActors then stay, idle, until the system stops.)
 If the system itself goes away (its admin stops listening), the server notices
 within :data:`ADMIN_CHECK_EVERY_S` and exits with status 1.
-
-Joining from another host (``--convention-address HOST:PORT``) is future work:
-it needs the member-host convention support of issue 5's "Hosts" bullet.
 """
 
 from __future__ import annotations
@@ -97,21 +102,26 @@ class TrackingSystem:
         return told
 
 
-def run_api(*, host: str, port: int, admin_port: int, api_key: str | None = None,
-            request_actors: int | None = None, connect_timeout_s: float = 10.0) -> int:
+def run_api(*, host: str, port: int, admin_port: int | None = None, convention: tuple[str, int] | None = None,
+            api_key: str | None = None, request_actors: int | None = None, connect_timeout_s: float = 10.0) -> int:
     """Serve the running system's pipeline on ``host:port`` until SIGINT/SIGTERM. Returns the exit code.
 
+    Attaches to the admin on ``admin_port`` (this host) or, given ``convention``
+    (``(host, port)`` of the convention leader's admin), to that one from here.
+
     Raises:
-        ApiServerError: bad or busy port, no admin on ``admin_port``, or no deployed coordinator.
+        ApiServerError: bad or busy port, no admin there, or no deployed coordinator.
     """
     from omni_actors.http.bridge import BridgeError
     from omni_actors.logs import get_logger
     from omni_actors.system.admin import AdminError, attach
-    from omni_actors.system.processes import serve_args_error
+    from omni_actors.system.processes import port_in_use, serve_args_error
+    from omni_actors.system.remote import RemoteSystem, attach_remote
 
-    problem = serve_args_error(host, port, admin_port)
+    problem = serve_args_error(host, port, None if convention else admin_port)
     if problem:
         raise ApiServerError(problem)
+    where = f"the convention at {convention[0]}:{convention[1]}" if convention else f"admin port {admin_port}"
 
     stopping, started, lost = threading.Event(), threading.Event(), threading.Event()
 
@@ -125,29 +135,31 @@ def run_api(*, host: str, port: int, admin_port: int, api_key: str | None = None
         signal.signal(sig, interrupt)
 
     log = get_logger(actor="api")
+    admin = None
     try:
         try:
-            admin = attach(admin_port)
+            admin = attach_remote(*convention) if convention else attach(admin_port)
         except AdminError as exc:
             raise ApiServerError(str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
-            raise ApiServerError(f"cannot attach to the admin on port {admin_port}: {exc}") from None
+            raise ApiServerError(f"cannot attach to {where}: {exc}") from None
         from omni_actors.messages import GetRoutes, Routes
 
         routes = admin.asys.ask(admin.coordinator, GetRoutes(), connect_timeout_s)
         if not isinstance(routes, Routes) or routes.config is None:
-            raise ApiServerError(f"the coordinator on admin port {admin_port} did not answer with a "
+            raise ApiServerError(f"the coordinator of {where} did not answer with a "
                                  f"deployed pipeline within {connect_timeout_s:g} s")
         deployment = routes.config.deployment
         tracking = TrackingSystem(admin.asys)
+        alive = admin.asys.admin_alive if convention else (lambda: port_in_use(admin_port))
         try:
-            asyncio.run(_serve(tracking, admin.coordinator, host=host, port=port, admin_port=admin_port,
+            asyncio.run(_serve(tracking, admin.coordinator, host=host, port=port, where=where, alive=alive,
                                api_key=api_key, request_actors=request_actors or deployment.request_actors,
                                drain_timeout_s=deployment.supervision.drain_timeout_s,
                                connect_timeout_s=connect_timeout_s, started=started, stopping=stopping,
                                lost=lost))
         except BridgeError as exc:
-            raise ApiServerError(f"the coordinator on admin port {admin_port} did not answer: {exc}") from None
+            raise ApiServerError(f"the coordinator of {where} did not answer: {exc}") from None
         finally:
             # with the system gone there is nothing left to end (and each tell would wait on a dead peer)
             ended = 0 if lost.is_set() else tracking.exit_request_actors()
@@ -157,15 +169,17 @@ def run_api(*, host: str, port: int, admin_port: int, api_key: str | None = None
     except KeyboardInterrupt:
         print("interrupted during start-up", file=sys.stderr)
         return 130
+    finally:
+        if admin is not None and isinstance(admin.asys, RemoteSystem):
+            admin.asys.close()  # our sockets only (an attached local ActorSystem is left as it is)
 
 
-async def _serve(asys, coordinator, *, host: str, port: int, admin_port: int, api_key: str | None,
+async def _serve(asys, coordinator, *, host: str, port: int, where: str, alive, api_key: str | None,
                  request_actors: int, drain_timeout_s: float, connect_timeout_s: float, started: threading.Event,
                  stopping: threading.Event, lost: threading.Event) -> None:
     from omni_actors.http.app import start_http
     from omni_actors.http.bridge import ActorBridge
     from omni_actors.system.leader import drain_http
-    from omni_actors.system.processes import port_in_use
 
     loop = asyncio.get_running_loop()
     bridge = ActorBridge(asys, coordinator, request_actors=request_actors,
@@ -179,15 +193,15 @@ async def _serve(asys, coordinator, *, host: str, port: int, admin_port: int, ap
         started.set()
         shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
         print(f"omni-actors API server serving model {bridge.model_name!r} at http://{shown}:{port}/v1 "
-              f"(attached to admin port {admin_port}); Ctrl-C to stop this server only", flush=True)
+              f"(attached to {where}); Ctrl-C to stop this server only", flush=True)
         try:
             next_check = time.monotonic() + ADMIN_CHECK_EVERY_S
             while not stopping.is_set():
                 await asyncio.sleep(0.2)
                 if time.monotonic() >= next_check:
-                    if not await loop.run_in_executor(None, port_in_use, admin_port):
+                    if not await loop.run_in_executor(None, alive):
                         lost.set()
-                        print(f"error: the system on admin port {admin_port} is gone; stopping this API server",
+                        print(f"error: the system on {where} is gone; stopping this API server",
                               file=sys.stderr, flush=True)
                         break
                     next_check = time.monotonic() + ADMIN_CHECK_EVERY_S

@@ -73,7 +73,9 @@ def print_status_table(status, out=sys.stdout) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[10], file=out)
     lost = [n.name for n in status.nodes if not n.alive]
     if len(status.nodes) > 1 or lost:
-        print("nodes: " + ", ".join(f"{n.name}{'' if n.alive else ' (LOST)'}" for n in status.nodes), file=out)
+        print("nodes: " + ", ".join(f"{n.name}{'' if n.alive else ' (LOST)'}"
+                                    f"{'' if n.buffers is None else f' ({n.buffers} buffers)'}"
+                                    for n in status.nodes), file=out)
     print(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}", file=out)
 
 
@@ -83,6 +85,18 @@ def node_capabilities(admin_port: int, node: str, devices: tuple[str, ...], stag
 
     return {"Admin Port": admin_port, NODE_CAPABILITY: node, "omni_devices": ",".join(devices),
             "omni_stages": ",".join(stages)}
+
+
+def start_data_service(node: str, default_host: str, reap_after_s: float):
+    """Start this host's data service (``omni_actors.connectors.data_service``) before
+    its Thespian admin, so that every actor forked from the admin stamps its
+    connector refs with this node and service. Raises StartError."""
+    from omni_actors.connectors.data_service import start_node_service
+
+    try:
+        return start_node_service(node, default_host, reap_after_s=reap_after_s)
+    except OSError as exc:
+        raise StartError(f"the data service could not start on {default_host}: {exc}") from None
 
 
 def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
@@ -135,9 +149,10 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     t0 = time.monotonic()
     leader_node = NodeInfo(node or socket.gethostname(), tuple(devices))
     sfile = state_file(admin_port)
-    asys = None
+    asys = data = None
     sessions: list[int] = []
     try:
+        data = start_data_service(leader_node.name, host, config.deployment.request_timeout_s + 30)
         try:
             asys = ActorSystem(ACTOR_BASE, node_capabilities(admin_port, leader_node.name, devices, ()),
                                logDefs=thespian_log_defs())
@@ -176,6 +191,8 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         finally:
             left = kill_system(system_id, sessions=sessions)
             removed = sweep_segments(shm_prefix)
+            if data is not None:
+                data.stop()
             sfile.unlink(missing_ok=True)
             log.info("leader_stopped", shutdown_s=round(time.monotonic() - t1, 2),
                      processes_killed=left, shm_segments_removed=removed)

@@ -13,7 +13,7 @@ import signal
 import socket
 import threading
 
-from omni_actors.system.leader import ACTOR_BASE, StartError, node_capabilities
+from omni_actors.system.leader import ACTOR_BASE, StartError, node_capabilities, start_data_service
 from omni_actors.system.processes import ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use
 
 
@@ -27,6 +27,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     from thespian.actors import ActorSystem
 
     from omni_actors.connectors import sweep_segments
+    from omni_actors.connectors.data_service import DEFAULT_REAP_AFTER_S, local_address_towards
     from omni_actors.logs import get_logger, thespian_log_defs
 
     host, port = convention
@@ -44,9 +45,12 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         signal.signal(sig, lambda *_: stopping.set() if os.getpid() == me else None)
     caps = node_capabilities(admin_port, node, devices, stages)
     caps["Convention Address.IPv4"] = (host, port)
-    asys = None
+    asys = data = None
     sessions: list[int] = []
     try:
+        # Bound to the address this host uses to reach the leader; the coordinator's
+        # node agent sets the reap age from the config (see actors.node_agent).
+        data = start_data_service(node, local_address_towards(host, port), DEFAULT_REAP_AFTER_S)
         try:
             asys = ActorSystem(ACTOR_BASE, caps, logDefs=thespian_log_defs())
         except Exception as exc:  # noqa: BLE001
@@ -64,6 +68,8 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
             asys.shutdown()
         killed = kill_system(os.environ.get(ENV_SYSTEM_ID, ""), sessions=sessions)
         sweep_segments(shm_prefix)
+        if data is not None:
+            data.stop()
         log.info("member_stopped", processes_killed=killed)
         print("omni-actors member stopped", flush=True)
 

@@ -108,14 +108,15 @@ def kill_system(system_id: str, grace_s: float = 3.0, sessions: tuple[int, ...] 
     return initial
 
 
-def serve_args_error(host: str, port: int, admin_port: int) -> str | None:
+def serve_args_error(host: str, port: int, admin_port: int | None) -> str | None:
     """Why ``--host``/``--port``/``--admin-port`` cannot be served, as one line, or None.
 
     Checks ranges, that the two ports differ, that the host resolves, and that
-    nothing listens on the HTTP port already.
+    nothing listens on the HTTP port already. ``admin_port`` None: no admin
+    on this host (an API server attached to another host's convention).
     """
     for name, value in (("--port", port), ("--admin-port", admin_port)):
-        if not 1 <= value <= 65535:
+        if value is not None and not 1 <= value <= 65535:
             return f"{name} must be a TCP port, 1..65535 (got {value})"
     if port == admin_port:
         return f"--port and --admin-port must differ (both {port})"

@@ -10,7 +10,8 @@ stage names and replica ids:
     stages                     every stage: pool pid, replicas ready/total, load
     replicas [STAGE]           every replica (of one stage): state, pid, node, devices, load
     scale STAGE N              run N replicas of STAGE
-    launch STAGE [N]           add N replicas (default 1) to STAGE
+    launch STAGE [N] [--node NODE] [--devices IDS]
+                               add N replicas (default 1) to STAGE, on NODE / pinned to IDS
     drain REPLICA              finish its work, then stop it
     inject FAULT [TARGET] [V]  fault injection (see `help inject`)
     requests                   tasks in flight and waiting, by stage
@@ -204,7 +205,19 @@ class AdminShell(cmd.Cmd):
     def _complete_stage_first(self, text, line, begidx, endidx):
         return self._match(text, self._known()[0]) if self._position(line, begidx) == 0 else []
 
-    complete_replicas = complete_scale = complete_launch = _complete_stage_first
+    complete_replicas = complete_scale = _complete_stage_first
+
+    def complete_launch(self, text, line, begidx, endidx):
+        if self._position(line, begidx) == 0:
+            return self._match(text, self._known()[0])
+        before = line[:begidx].split()
+        if before and before[-1] == "--node":
+            try:
+                nodes = [n.name for n in self.admin.status(timeout_s=2.0).nodes if n.alive]
+            except Exception:  # noqa: BLE001 - completion must never fail loudly
+                nodes = []
+            return self._match(text, nodes)
+        return self._match(text, ["--node", "--devices"]) if text.startswith("-") else []
 
     def complete_drain(self, text, line, begidx, endidx):
         return self._match(text, self._known()[1]) if self._position(line, begidx) == 0 else []
@@ -303,14 +316,19 @@ class AdminShell(cmd.Cmd):
         self._out(self.admin.scale(stage, self._int(n, "N")))
 
     def do_launch(self, arg):
-        """launch STAGE [N]: add N replicas (default 1) to STAGE (a `scale` to running + N)."""
-        words = self._args(arg, 1, 2, "launch STAGE [N]")
-        n = self._int(words[1], "N") if len(words) > 1 else 1
-        if n < 1:
+        """launch STAGE [N] [--node NODE] [--devices IDS]: add N replicas to STAGE (default 1; with
+        --devices, one per devices_per_replica of them). --node: only on that node. --devices 2,3:
+        exactly those devices (on one node), which the replicas keep across restarts."""
+        usage = "launch STAGE [N] [--node NODE] [--devices IDS]"
+        words, options = _options(self._args(arg, 1, 6, usage), ("--node", "--devices"), usage)
+        if not 1 <= len(words) <= 2:
+            raise AdminError(f"usage: {usage}")
+        n = self._int(words[1], "N") if len(words) > 1 else None
+        if n is not None and n < 1:
             raise AdminError("N must be >= 1")
-        st = self._stage(self._status(), words[0])
-        running = sum(1 for r in st.replicas if r.state.value in LIVE_STATES)
-        self._out(self.admin.scale(words[0], running + n))
+        self._stage(self._status(), words[0])
+        self._out(self.admin.launch(words[0], n, node=options.get("--node", ""),
+                                    devices=options.get("--devices", "")))
 
     def do_drain(self, arg):
         """drain REPLICA: stop routing to REPLICA (STAGE/N), let its work finish, then stop it."""
@@ -408,6 +426,28 @@ class AdminShell(cmd.Cmd):
     def do_EOF(self, arg):
         self._out()
         return True
+
+
+def _options(words: list[str], names: tuple[str, ...], usage: str) -> tuple[list[str], dict[str, str]]:
+    """Split ``--name VALUE`` / ``--name=VALUE`` options (of ``names``) from positional words."""
+    rest, options = [], {}
+    i = 0
+    while i < len(words):
+        word = words[i]
+        name, eq, value = word.partition("=")
+        if name in names:
+            if not eq:
+                if i + 1 >= len(words):
+                    raise AdminError(f"{name} needs a value; usage: {usage}")
+                i += 1
+                value = words[i]
+            options[name] = value
+        elif word.startswith("--"):
+            raise AdminError(f"unknown option {name}; usage: {usage}")
+        else:
+            rest.append(word)
+        i += 1
+    return rest, options
 
 
 def _tail(path: Path, n: int, block: int = 65536) -> list[str]:

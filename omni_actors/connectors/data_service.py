@@ -1,0 +1,709 @@
+"""The per-node data service: serves this node's shared-memory segments to other nodes.
+
+One runs on every host of a system (started by the leader and by each member
+before their Thespian admin, see ``omni_actors.system``), bound to the
+interface the host uses to reach the others. It serves the segments of its
+prefix (``$OMNI_ACTORS_SHM_PREFIX``) over plain TCP:
+
+- ``get``: the raw bytes of a segment, sent from the segment itself
+  (``os.sendfile``; ``sendall`` of a read-only mapping where sendfile is not
+  supported), nothing pickled, nothing copied in user space;
+- ``release``: unlink segments (the request owner, on another node, is done);
+- ``stats``: live segments and bytes under the prefix, and counters;
+- ``config``: change ``reap_after_s`` (a member learns it from the coordinator).
+
+A reaper thread unlinks segments of the prefix older than ``reap_after_s``
+(by their ``/dev/shm`` mtime): what a dead replica or a crashed request left.
+
+Wire format (big-endian). A request is ``u32 length`` + a JSON object of that
+many bytes (at most :data:`MAX_REQUEST` bytes): ``{"op": "get", "name": N,
+"size": S}``, ``{"op": "release", "names": [...]}``, ``{"op": "stats"}``,
+``{"op": "config", "reap_after_s": X}``. A reply is ``u8 status`` + ``u64
+length`` + that many bytes: the segment's bytes for a ``get``, JSON for
+``release``/``stats``/``config``, a UTF-8 message for an error. A connection
+serves requests until the client closes it. No request is unpickled or
+executed: the worst a client can do is read or unlink segments of the prefix
+(the cluster network is the trust boundary, as for the actor transport).
+
+The client side (:func:`fetch`, :func:`release`, :func:`stats`,
+:func:`configure`) keeps one connection per service per thread, receives a
+segment with ``recv_into`` straight into the buffer the arrays are then views
+on, and reuses such buffers once the consumer has dropped every array on them
+(:class:`ReceivePool`).
+
+Run one by hand (or from a benchmark): ``python -m omni_actors.connectors.data_service
+--host 127.0.0.1 --port 0 --prefix oa-test-`` prints ``READY host:port``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import mmap
+import os
+import signal
+import socket
+import socketserver
+import struct
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+import structlog
+
+from omni_actors.connectors.inline import ConnectorError
+from omni_actors.connectors.shm import SHM_DIR, _unlink, check_name, default_prefix, list_segments, \
+    open_segment, segment_usage
+
+log = structlog.get_logger(__name__)
+
+NODE_ENV = "OMNI_ACTORS_NODE"  #: this process's node name (set by the host's leader/member)
+SERVICE_ENV = "OMNI_ACTORS_DATA_SERVICE"  #: ``host:port`` of this node's data service
+HOST_ENV = "OMNI_ACTORS_DATA_HOST"  #: interface the host's data service binds (overrides the default)
+POOL_ENV = "OMNI_ACTORS_RECV_POOL_BYTES"  #: most bytes of receive buffers a process keeps for reuse
+
+REQUEST_HEADER = struct.Struct("!I")
+REPLY_HEADER = struct.Struct("!BQ")
+MAX_REQUEST = 1 << 20  #: bytes of one request's JSON
+RELEASE_BATCH = 2000  #: names per release request (keeps a request well under MAX_REQUEST)
+
+OK, NOT_FOUND, BAD_REQUEST, FAILED = 0, 1, 2, 3
+
+DEFAULT_REAP_AFTER_S = 900.0
+CONNECT_TIMEOUT_S = 5.0
+#: Releases give up sooner (they are retried by no one: the owner's reaper frees what they miss),
+#: and skip a service that could not be reached within the last DOWN_FOR_S.
+RELEASE_CONNECT_TIMEOUT_S = 1.0
+DOWN_FOR_S = 3.0
+IO_TIMEOUT_S = 60.0  #: longest wait for one recv/send of a transfer
+RECV_CHUNK = 1 << 22
+DEFAULT_POOL_BYTES = 256 << 20
+POOL_MIN_BUFFER = 1 << 20  #: smaller receive buffers come from malloc, which reuses memory by itself
+
+
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+
+class DataServiceError(ConnectionError):
+    """The data service could not be reached, or broke the protocol."""
+
+
+def parse_address(service: str) -> tuple[str, int]:
+    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``. Raises ValueError."""
+    host, sep, port = service.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"data service address must be host:port, got {service!r}")
+    return host.strip("[]"), int(port)
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """The local IP this host uses to reach ``host`` (a UDP connect sends nothing);
+    127.0.0.1 if there is no route."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, port or 9))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+
+
+def node_service_host(default: str) -> tuple[str, str | None]:
+    """Where a host's data service binds, and the address it advertises if not that.
+
+    ``$OMNI_ACTORS_DATA_HOST``, else ``$THESPIAN_BASE_IPADDR`` (the address the
+    host's Thespian admin advertises), else ``default`` (the leader's HTTP
+    interface, or a member's own address towards its leader). A wildcard binds
+    every interface and advertises the address of the default route.
+    """
+    host = os.environ.get(HOST_ENV) or os.environ.get("THESPIAN_BASE_IPADDR") or default
+    if host in _WILDCARDS:
+        return host or "0.0.0.0", local_address_towards("8.8.8.8", 80)
+    return host, None
+
+
+def start_node_service(node: str, default_host: str, *, reap_after_s: float,
+                       prefix: str | None = None) -> DataService:
+    """Start this host's data service (see :func:`node_service_host`) and export
+    ``OMNI_ACTORS_NODE`` and ``OMNI_ACTORS_DATA_SERVICE``, so that every process
+    started from here on (the Thespian admin and its actors) stamps its refs.
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+    host, advertise = node_service_host(default_host)
+    service = DataService(host, 0, prefix, reap_after_s=reap_after_s, node=node, advertise=advertise)
+    service.start()
+    os.environ[NODE_ENV] = node
+    os.environ[SERVICE_ENV] = service.address
+    return service
+
+
+# -- server -------------------------------------------------------------------------------------
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes, or None on a clean EOF before the first byte."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            if got == 0:
+                return None
+            raise ConnectionError(f"peer closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: "_Server"
+
+    def handle(self) -> None:
+        sock = self.request
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        service = self.server.service
+        service._track(sock, True)
+        try:
+            while not service._stopping.is_set():
+                head = _recv_exact(sock, REQUEST_HEADER.size)
+                if head is None:
+                    return
+                (length,) = REQUEST_HEADER.unpack(head)
+                if length > MAX_REQUEST:
+                    _reply(sock, BAD_REQUEST, f"request of {length} bytes is over the limit "
+                                              f"of {MAX_REQUEST}".encode())
+                    return  # the stream cannot be resynchronised: close it
+                body = _recv_exact(sock, length) if length else b""
+                if body is None:
+                    return
+                service._serve_one(sock, body)
+        except (OSError, ConnectionError):
+            pass  # the client went away mid-request; nothing to answer
+        except Exception:  # noqa: BLE001 - a bad client never kills the server
+            log.warning("data_service_handler_error", exc_info=True)
+        finally:
+            service._track(sock, False)
+
+
+def _reply(sock: socket.socket, status: int, body: bytes) -> None:
+    sock.sendall(REPLY_HEADER.pack(status, len(body)) + body)
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+
+    def __init__(self, address, service: "DataService", family: int) -> None:
+        self.address_family = family
+        self.service = service
+        super().__init__(address, _Handler)
+
+
+_LIVE: "weakref.WeakSet[DataService]" = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    """After a fork: the child must not keep this process's sockets (a leaked
+    listener would accept connections nobody serves; a leaked connection would
+    keep a client waiting for an EOF). Close the child's copies only."""
+    for service in list(_LIVE):
+        service._forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+class DataService:
+    """A node's data service: a threaded TCP server plus a reaper thread.
+
+    Args:
+        host: interface to bind (``"127.0.0.1"``, an address, ``"0.0.0.0"``).
+        port: port to bind; 0 picks a free one (see :attr:`address`).
+        prefix: the segments it serves, releases and reaps; default
+            ``$OMNI_ACTORS_SHM_PREFIX``.
+        reap_after_s: segments older than this are unlinked by the reaper.
+        reap_every_s: how often the reaper looks (default: ``reap_after_s / 4``,
+            between 0.05 and 5 s).
+        node: this node's name (reported by ``stats``).
+        advertise: the host clients should connect to (default ``host``; a
+            wildcard ``host`` advertises 127.0.0.1 unless this is given).
+
+    ``start()`` binds and starts serving; ``stop()`` closes every connection.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, prefix: str | None = None, *,
+                 reap_after_s: float = DEFAULT_REAP_AFTER_S, reap_every_s: float | None = None,
+                 node: str | None = None, advertise: str | None = None) -> None:
+        self.host, self.port, self.advertise = host, port, advertise
+        self.prefix = prefix or default_prefix()
+        if check_name(self.prefix) is not None:
+            raise ValueError(f"invalid prefix {self.prefix!r}")
+        self.node = node
+        self.reap_after_s = float(reap_after_s)
+        self._reap_every_s = reap_every_s
+        self._server: _Server | None = None
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._counters = {"gets": 0, "bytes_served": 0, "releases": 0, "reaped": 0, "errors": 0}
+        self._pid = os.getpid()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        """``"host:port"`` clients use: ``advertise`` or the bound host, and the bound port."""
+        if self._server is None:
+            raise RuntimeError("the data service is not started")
+        host = self.advertise or (self.host if self.host not in _WILDCARDS else "127.0.0.1")
+        port = self._server.server_address[1]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def start(self) -> "DataService":
+        """Bind and serve. Raises OSError if the address cannot be bound."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        self._server = _Server((self.host, self.port), self, family)
+        serve = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                 name="data-service", daemon=True)
+        reap = threading.Thread(target=self._reap_loop, name="data-service-reaper", daemon=True)
+        self._threads = [serve, reap]
+        for t in self._threads:
+            t.start()
+        _LIVE.add(self)
+        log.info("data_service_started", address=self.address, prefix=self.prefix,
+                 reap_after_s=self.reap_after_s)
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close every connection. Idempotent."""
+        if self._server is None or self._stopping.is_set() or self._pid != os.getpid():
+            return  # not started, stopped, or a forked child's copy (see _forget_after_fork)
+        self._stopping.set()
+        self._server.shutdown()
+        self._server.server_close()
+        with self._lock:
+            conns = list(self._conns)
+        for sock in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(timeout=5)
+        _LIVE.discard(self)
+
+    def __enter__(self) -> "DataService":
+        return self.start() if self._server is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _forget_after_fork(self) -> None:
+        # No locks or events here: another thread of the parent may have held them at the fork.
+        self._pid = -1
+        if self._server is not None:
+            self._server.socket.close()
+        for sock in list(self._conns):
+            sock.close()
+        self._conns.clear()
+
+    def _track(self, sock: socket.socket, add: bool) -> None:
+        with self._lock:
+            (self._conns.add if add else self._conns.discard)(sock)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for key, n in deltas.items():
+                self._counters[key] += n
+
+    # -- requests ---------------------------------------------------------------------------
+    def _serve_one(self, sock: socket.socket, body: bytes) -> None:
+        try:
+            req = json.loads(body)
+            if not isinstance(req, dict):
+                raise ValueError("a request is a JSON object")
+        except ValueError as exc:
+            self._count(errors=1)
+            _reply(sock, BAD_REQUEST, f"malformed request: {exc}".encode())
+            return
+        op = req.get("op")
+        handler = {"get": self._get, "release": self._release, "stats": self._stats,
+                   "config": self._config}.get(op)
+        if handler is None:
+            self._count(errors=1)
+            _reply(sock, BAD_REQUEST, f"unknown op {op!r}; ops: get, release, stats, config".encode())
+            return
+        handler(sock, req)
+
+    def _get(self, sock: socket.socket, req: dict) -> None:
+        name, size = req.get("name"), req.get("size")
+        problem = check_name(name, self.prefix)
+        if problem is None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+            problem = f"size must be an int >= 0, got {size!r}"
+        if problem is not None:
+            self._count(errors=1)
+            _reply(sock, BAD_REQUEST, problem.encode())
+            return
+        try:
+            fd, actual = open_segment(name)
+        except FileNotFoundError:
+            self._count(errors=1)
+            _reply(sock, NOT_FOUND, f"segment {name!r} not found on node {self.node or '?'}: "
+                                    "already released, or reaped".encode())
+            return
+        except OSError as exc:
+            self._count(errors=1)
+            _reply(sock, FAILED, f"cannot open segment {name!r}: {exc}".encode())
+            return
+        try:
+            if size > actual:
+                self._count(errors=1)
+                _reply(sock, BAD_REQUEST, f"segment {name!r} has {actual} bytes, "
+                                          f"{size} were asked".encode())
+                return
+            self._count(gets=1, bytes_served=size)  # before the bytes: a client may ask stats next
+            sock.sendall(REPLY_HEADER.pack(OK, size))
+            _send_segment(sock, fd, size)
+        finally:
+            os.close(fd)
+
+    def _release(self, sock: socket.socket, req: dict) -> None:
+        names = req.get("names")
+        if not isinstance(names, list):
+            self._count(errors=1)
+            _reply(sock, BAD_REQUEST, b"release needs a list of names")
+            return
+        bad = [p for p in (check_name(n, self.prefix) for n in names) if p is not None]
+        if bad:
+            self._count(errors=1)
+            _reply(sock, BAD_REQUEST, f"{len(bad)} bad name(s), nothing released: {bad[0]}".encode())
+            return
+        removed = 0
+        try:
+            for n in names:
+                removed += _unlink(n)
+        except OSError as exc:
+            self._count(releases=removed, errors=1)
+            _reply(sock, FAILED, f"released {removed}, then: {exc}".encode())
+            return
+        self._count(releases=removed)
+        _reply(sock, OK, json.dumps({"released": removed, "missing": len(names) - removed}).encode())
+
+    def _stats(self, sock: socket.socket, req: dict) -> None:
+        _reply(sock, OK, json.dumps(self.stats()).encode())
+
+    def _config(self, sock: socket.socket, req: dict) -> None:
+        value = req.get("reap_after_s")
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                self._count(errors=1)
+                _reply(sock, BAD_REQUEST, f"reap_after_s must be a number > 0, got {value!r}".encode())
+                return
+            self.reap_after_s = float(value)
+            log.info("data_service_configured", reap_after_s=self.reap_after_s)
+        _reply(sock, OK, json.dumps({"reap_after_s": self.reap_after_s}).encode())
+
+    def stats(self) -> dict[str, Any]:
+        """Live segments of the prefix (count and bytes) and the counters."""
+        segments, nbytes = segment_usage(self.prefix)
+        with self._lock:
+            counters = dict(self._counters)
+        return {"node": self.node, "prefix": self.prefix, "segments": segments, "bytes": nbytes,
+                "reap_after_s": self.reap_after_s, **counters}
+
+    # -- reaper -----------------------------------------------------------------------------
+    def reap(self, now: float | None = None) -> int:
+        """Unlink the segments of the prefix older than ``reap_after_s``; how many."""
+        now = time.time() if now is None else now
+        removed = 0
+        for name in list_segments(self.prefix):
+            try:
+                age = now - os.stat(os.path.join(SHM_DIR, name)).st_mtime
+            except FileNotFoundError:
+                continue
+            if age > self.reap_after_s and _unlink(name):
+                removed += 1
+                log.warning("data_service_reaped", segment=name, age_s=round(age, 1))
+        if removed:
+            self._count(reaped=removed)
+        return removed
+
+    def _reap_loop(self) -> None:
+        while True:
+            every = self._reap_every_s or min(5.0, max(0.05, self.reap_after_s / 4))
+            if self._stopping.wait(every):
+                return
+            try:
+                self.reap()
+            except Exception:  # noqa: BLE001 - the reaper outlives any one bad pass
+                log.warning("data_service_reap_failed", exc_info=True)
+
+
+def _send_segment(sock: socket.socket, fd: int, size: int) -> None:
+    """Send ``size`` bytes of segment ``fd`` from the kernel's copy (sendfile), or
+    from a read-only mapping where sendfile is not supported."""
+    sent = 0
+    try:
+        while sent < size:
+            n = os.sendfile(sock.fileno(), fd, sent, size - sent)
+            if n == 0:
+                raise ConnectionError("sendfile sent nothing")
+            sent += n
+    except OSError as exc:
+        if sent or exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as m:
+            view = memoryview(m)
+            try:
+                sock.sendall(view)
+            finally:
+                view.release()
+
+
+# -- client -------------------------------------------------------------------------------------
+
+class _Connections(threading.local):
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.by_service: dict[str, socket.socket] = {}
+
+
+_conns = _Connections()
+_down: dict[str, float] = {}  # service -> when a connection to it last failed (monotonic)
+
+
+def _connection(service: str, quick: bool = False) -> tuple[socket.socket, bool]:
+    """This thread's connection to ``service``: ``(socket, reused)``. ``quick``
+    (releases): a short connect timeout, and no attempt at a service that
+    could not be reached a moment ago."""
+    if _conns.pid != os.getpid():  # forked: the parent's sockets are not ours to use
+        for sock in _conns.by_service.values():
+            sock.close()
+        _conns.by_service, _conns.pid = {}, os.getpid()
+    sock = _conns.by_service.get(service)
+    if sock is not None:
+        return sock, True
+    failed_at = _down.get(service)
+    if quick and failed_at is not None and time.monotonic() - failed_at < DOWN_FOR_S:
+        raise DataServiceError(f"data service {service} unreachable (a moment ago); not retried yet")
+    try:
+        host, port = parse_address(service)
+        sock = socket.create_connection((host, port),
+                                        timeout=RELEASE_CONNECT_TIMEOUT_S if quick else CONNECT_TIMEOUT_S)
+    except (OSError, ValueError) as exc:
+        _down[service] = time.monotonic()
+        raise DataServiceError(f"data service {service} unreachable: {exc}") from None
+    _down.pop(service, None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.settimeout(IO_TIMEOUT_S)
+    _conns.by_service[service] = sock
+    return sock, False
+
+
+def _drop(service: str) -> None:
+    sock = _conns.by_service.pop(service, None)
+    if sock is not None:
+        sock.close()
+
+
+def _request(service: str, req: dict, into: np.ndarray | None = None,
+             quick: bool = False) -> tuple[int, bytes | np.ndarray]:
+    """Send ``req``, return ``(status, body)``. With ``into`` (an OK ``get``), the
+    body is received into that preallocated buffer, which must have the body's size.
+
+    A connection that was reused and turns out dead is replaced once (the
+    requests are idempotent). Raises DataServiceError.
+    """
+    payload = json.dumps(req).encode()
+    message = REQUEST_HEADER.pack(len(payload)) + payload
+    for attempt in (0, 1):
+        sock, reused = _connection(service, quick)
+        try:
+            sock.sendall(message)
+            head = _recv_exact(sock, REPLY_HEADER.size)
+            if head is None:
+                raise ConnectionError("closed by the data service")
+        except (OSError, ConnectionError) as exc:
+            _drop(service)
+            if reused and attempt == 0:
+                continue
+            raise DataServiceError(f"data service {service}: {exc}") from None
+        status, length = REPLY_HEADER.unpack(head)
+        try:
+            if status == OK and into is not None:
+                if length != into.nbytes:
+                    raise ConnectionError(f"sent {length} bytes, {into.nbytes} were asked")
+                _recv_into(sock, memoryview(into))
+                return status, into
+            if length > MAX_REQUEST:
+                raise ConnectionError(f"a reply of {length} bytes (status {status}) is not a reply")
+            body = _recv_exact(sock, length) if length else b""
+            return status, body or b""
+        except (OSError, ConnectionError) as exc:
+            _drop(service)
+            raise DataServiceError(f"data service {service}: {exc}") from None
+    raise AssertionError("unreachable")
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got, total = 0, view.nbytes
+    while got < total:
+        n = sock.recv_into(view[got:], min(total - got, RECV_CHUNK))
+        if n == 0:
+            raise ConnectionError(f"closed after {got} of {total} bytes")
+        got += n
+
+
+def _error(status: int, body: bytes, service: str) -> ConnectorError | DataServiceError:
+    text = body.decode("utf-8", "replace")
+    if status in (NOT_FOUND, BAD_REQUEST):
+        return ConnectorError(f"{text} (data service {service})")
+    return DataServiceError(f"data service {service} failed: {text}")
+
+
+class ReceivePool:
+    """Receive buffers, reused once nothing refers to them any more.
+
+    Filling fresh memory costs page faults (and, for huge pages, compaction
+    stalls: seen here at 256 MB) on top of the transfer; a buffer whose arrays
+    the consumer has dropped is already mapped. A buffer is handed out as a
+    view (``buf[:size]``): every array built on it keeps ``buf`` referenced, so
+    a buffer whose only reference is the pool's is free. At most ``max_bytes``
+    are kept; buffers under :data:`POOL_MIN_BUFFER` are not pooled.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._bufs: list[np.ndarray] = []
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        probe = [np.empty(1, dtype=np.uint8)]
+        self._free_refs = sys.getrefcount(probe[0])  # refs of a pooled buffer nobody else holds
+
+    def take(self, size: int) -> np.ndarray:
+        """A writable uint8 array of ``size`` bytes that nothing else uses."""
+        if size < POOL_MIN_BUFFER or size > self.max_bytes:
+            return np.empty(size, dtype=np.uint8)
+        with self._lock:
+            if self._pid != os.getpid():  # forked: the parent's arrays may still live here
+                self._bufs, self._pid = [], os.getpid()
+            free = [i for i in range(len(self._bufs)) if sys.getrefcount(self._bufs[i]) <= self._free_refs]
+            fits = [i for i in free if size <= self._bufs[i].nbytes <= 2 * size]
+            if fits:
+                best = min(fits, key=lambda i: self._bufs[i].nbytes)
+                return self._bufs[best][:size]
+            buf = np.empty(size, dtype=np.uint8)  # numpy asks for huge pages on big buffers
+            held = sum(b.nbytes for b in self._bufs)
+            for i in sorted(free, key=lambda i: self._bufs[i].nbytes, reverse=True):
+                if held + size <= self.max_bytes:
+                    break
+                held -= self._bufs[i].nbytes
+                self._bufs[i] = None  # type: ignore[call-overload]
+            self._bufs = [b for b in self._bufs if b is not None]
+            if held + size <= self.max_bytes:
+                self._bufs.append(buf)
+                return buf[:size]
+            return buf
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(b.nbytes for b in self._bufs)
+
+
+_pool = ReceivePool(int(os.environ.get(POOL_ENV) or DEFAULT_POOL_BYTES))
+
+
+def fetch(service: str, name: str, size: int) -> np.ndarray:
+    """The first ``size`` bytes of segment ``name`` from ``service``: a read-only
+    uint8 array of its own, received straight into it (no extra copy); its
+    memory may be reused by a later fetch once nothing refers to it.
+
+    Raises:
+        ConnectorError: the segment is gone (released, reaped) or smaller than ``size``.
+        DataServiceError: the service is unreachable or broke the protocol.
+    """
+    buf = _pool.take(size)
+    status, body = _request(service, {"op": "get", "name": name, "size": size}, into=buf)
+    if status != OK:
+        raise _error(status, body, service)
+    buf.flags.writeable = False
+    return buf
+
+
+def release(service: str, names: list[str]) -> int:
+    """Unlink segments ``names`` on ``service``'s node; how many were still there.
+
+    Raises:
+        ConnectorError: a name is not one of that service's segments.
+        DataServiceError: the service is unreachable.
+    """
+    removed = 0
+    for i in range(0, len(names), RELEASE_BATCH):
+        status, body = _request(service, {"op": "release", "names": names[i:i + RELEASE_BATCH]}, quick=True)
+        if status != OK:
+            raise _error(status, body, service)
+        removed += json.loads(body)["released"]
+    return removed
+
+
+def stats(service: str) -> dict[str, Any]:
+    """The service's ``stats``: segments, bytes, gets, bytes_served, releases, reaped, ..."""
+    status, body = _request(service, {"op": "stats"})
+    if status != OK:
+        raise _error(status, body, service)
+    return json.loads(body)
+
+
+def configure(service: str, *, reap_after_s: float | None = None) -> dict[str, Any]:
+    """Change the service's settings; returns them."""
+    req: dict[str, Any] = {"op": "config"}
+    if reap_after_s is not None:
+        req["reap_after_s"] = reap_after_s
+    status, body = _request(service, req)
+    if status != OK:
+        raise _error(status, body, service)
+    return json.loads(body)
+
+
+def close_connections() -> None:
+    """Close this thread's connections to every data service."""
+    for service in list(_conns.by_service):
+        _drop(service)
+
+
+# -- command line -------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m omni_actors.connectors.data_service",
+                                     description="Serve this node's shared-memory segments over TCP.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--prefix", default=None, help="segment prefix (default $OMNI_ACTORS_SHM_PREFIX)")
+    parser.add_argument("--reap-after-s", type=float, default=DEFAULT_REAP_AFTER_S)
+    parser.add_argument("--node", default=None)
+    args = parser.parse_args(argv)
+    from omni_actors.logs import configure_logging
+
+    configure_logging()  # JSON lines on stderr; stdout carries only the READY line
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    service = DataService(args.host, args.port, args.prefix, reap_after_s=args.reap_after_s,
+                          node=args.node).start()
+    print(f"READY {service.address}", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        service.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Talking to a convention leader's admin from another host, with no admin of our own.
+
+Thespian's ``ActorSystem()`` always talks to an admin on *this* host (it
+derives the admin's address from the local interface and starts one when
+none listens), and ``globalName`` lookups are per admin: an admin of our own,
+even one that joined the convention, would answer a coordinator lookup with a
+new, empty coordinator of its own. So an API server on another host does what
+``ActorSystem.private()`` does under the hood, but aimed at the leader:
+
+- one external TCP transport (a listening socket on the interface that routes
+  to the leader; the leader's actors send their replies there), and
+- per ``private()`` context, a Thespian ``BaseContext`` whose admin is the
+  **leader's** admin, so ``createActor`` (RequestActors, the coordinator's
+  ``globalName`` lookup) is done by the leader's admin, exactly as for an API
+  server on the leader's host; ``tell``/``ask``/``listen`` go actor to actor.
+
+Nothing is started on this host: no admin, no actor process. What this
+process creates (its RequestActors) lives in the leader's admin and is ended
+by the API server when it stops (see ``api_server``), or with the system.
+This uses Thespian 4.0.1 internals (``BaseContext``, ``TCPTransport``),
+the same ones ``ActorSystem.private()`` uses; ``pyproject`` pins Thespian.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+from omni_actors.system.admin import Admin, AdminError
+from omni_actors.system.processes import port_in_use
+
+#: Seconds to wait for the leader's admin to answer a status request.
+ADMIN_ANSWER_S = 5.0
+
+
+class RemoteSystem:
+    """A stand-in for ``ActorSystem`` that talks to the admin at ``(host, port)``.
+
+    Offers what the bridge and :class:`~omni_actors.system.admin.Admin` use:
+    ``private()`` contexts, and ``createActor``/``tell``/``ask``/``listen`` on
+    a main context (one thread at a time). Never shuts the remote system down.
+    """
+
+    def __init__(self, host: str, port: int):
+        from thespian.system.transport import ExternalInterfaceTransportInit
+        from thespian.system.transport.TCPTransport import TCPTransport
+
+        self.host, self.port = host, port
+        caps = {"Convention Address.IPv4": (host, port), "Admin Port": port}
+        self._transport = TCPTransport(ExternalInterfaceTransportInit(), caps, None, None)
+        self.admin_address = TCPTransport.getAddressFromString((host, port))
+        self._lock = threading.Lock()
+        self._main = None
+
+    def retarget(self, admin_address) -> None:
+        """Talk to another admin from now on (the convention leader, found through a member)."""
+        self.admin_address = admin_address
+        self._close_main()
+
+    @contextmanager
+    def private(self):
+        ctx = self._context()
+        try:
+            yield ctx
+        finally:
+            ctx.exit_clone()
+
+    def _context(self):
+        from thespian.actors import ExternalContext
+        from thespian.system.systemBase import BaseContext
+
+        return ExternalContext(BaseContext(self.admin_address, self._transport))
+
+    def _main_context(self):
+        with self._lock:
+            if self._main is None:
+                self._main = self._context()
+            return self._main
+
+    def createActor(self, *args, **kwargs):
+        return self._main_context().createActor(*args, **kwargs)
+
+    def tell(self, *args, **kwargs):
+        return self._main_context().tell(*args, **kwargs)
+
+    def ask(self, *args, **kwargs):
+        return self._main_context().ask(*args, **kwargs)
+
+    def listen(self, *args, **kwargs):
+        return self._main_context().listen(*args, **kwargs)
+
+    def admin_alive(self) -> bool:
+        """Whether the admin still accepts connections."""
+        host, port = self.admin_address.addressDetails.sockname[:2]
+        return port_in_use(port, host)
+
+    def _close_main(self) -> None:
+        with self._lock:
+            main, self._main = self._main, None
+        if main is not None:
+            main.exit_clone()
+
+    def close(self) -> None:
+        """Close our sockets (the remote system is left as it is)."""
+        self._close_main()
+        self._transport.close()
+
+
+def attach_remote(host: str, port: int) -> Admin:
+    """An :class:`Admin` on the convention whose admin listens at ``host:port``:
+    the leader's admin, or a member's (then its convention leader is used).
+
+    Raises:
+        AdminError: nothing listens there, it is not a Thespian admin, or no leader is known.
+    """
+    from thespian.system.messages.status import Thespian_StatusReq, Thespian_SystemStatus
+
+    from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
+
+    if not port_in_use(port, host):
+        raise AdminError(f"no convention leader answers at {host}:{port}")
+    try:
+        system = RemoteSystem(host, port)
+    except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
+        raise AdminError(f"cannot reach {host}:{port}: {exc}") from None
+    try:
+        status = system.ask(system.admin_address, Thespian_StatusReq(), ADMIN_ANSWER_S)
+        if not isinstance(status, Thespian_SystemStatus):
+            raise AdminError(f"{host}:{port} is not a Thespian admin (no answer within {ADMIN_ANSWER_S:g} s)")
+        if status.capabilities.get("Convention Address.IPv4"):
+            # a member host's admin: go to its convention leader
+            leader = status.conventionLeader
+            if leader is None:
+                raise AdminError(f"{host}:{port} is a member host's admin that knows no convention leader")
+            system.retarget(leader)
+            status = system.ask(system.admin_address, Thespian_StatusReq(), ADMIN_ANSWER_S)
+            if not isinstance(status, Thespian_SystemStatus):
+                raise AdminError(f"the convention leader {leader} did not answer within {ADMIN_ANSWER_S:g} s")
+        coordinator = status.globalActors.get(COORDINATOR_NAME)
+        if coordinator is None:  # being restarted by the leader's watchdog: the lookup waits for it
+            coordinator = system.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
+        return Admin(system, coordinator)
+    except BaseException:
+        system.close()
+        raise

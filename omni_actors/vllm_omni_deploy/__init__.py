@@ -1,0 +1,307 @@
+"""vLLM-Omni's deploy format (``stages:`` with ``num_replicas``) as a config.
+
+Since vLLM-Omni's config refactor (PR #2383, spring 2026; its legacy
+``stage_args`` loader went in August 2026, PR #6200; 0.30.0 ships only this
+format, in ``vllm_omni/deploy/*.yaml``, and refuses ``stage_args``) a model is
+described in two parts:
+
+- the **topology**, frozen in Python: a ``PipelineConfig`` of
+  ``StagePipelineConfig`` entries in the model's ``pipeline.py``
+  (``model_stage``, ``execution_type``, ``input_sources``, ``final_output``,
+  ``final_output_type``, input processors...), registered by key in
+  ``vllm_omni/config/pipeline_registry.py``;
+- the **deploy file**, YAML: pipeline-wide engine settings (``dtype``,
+  ``trust_remote_code``...), ``async_chunk``, named ``connectors`` and
+  ``edges``, per-platform overlays (``platforms``), an optional
+  ``base_config`` to inherit from, the registry key (``pipeline``), and a
+  ``stages`` list of per-stage knobs by ``stage_id``: ``devices``,
+  ``num_replicas``, ``env``, ``input_connectors`` / ``output_connectors``,
+  ``default_sampling_params`` and any engine argument, flat or under
+  ``engine_args`` / ``engine_extras`` (``devices``, ``num_replicas`` and
+  ``env`` may also sit under ``runtime``).
+
+A config file here is such a deploy file, unchanged, plus our keys beside it:
+``deployment`` (required, as in every config), ``topology`` (the stage graph,
+for when vLLM-Omni's registry is not at hand) and ``model`` (the checkpoint for
+every stage that names none; vLLM-Omni takes it from the command line). Where
+the topology comes from: :mod:`omni_actors.vllm_omni_deploy.topology`; how the
+file and its ``base_config`` chain are read: :mod:`omni_actors.vllm_omni_deploy.files`.
+
+:func:`parse_deploy_config` turns the pair into our :class:`PipelineConfig`
+(a :class:`DeployPipelineConfig`, which also keeps the vLLM-Omni settings that
+have no ``stage_args`` equivalent, in :class:`VllmOmniDeploy`):
+
+- each topology stage becomes a ``stage_args`` entry: ``engine_args`` holds
+  ``model_stage``, ``model``, the topology's engine-facing fields
+  (``model_arch``, ``worker_type`` or ``stage_type: diffusion``,
+  ``hf_config_name``, ``engine_output_type``...), the pipeline-wide settings
+  and the stage's own engine arguments (the stage's win);
+  ``engine_input_source`` is ``input_sources``; ``runtime.devices`` is
+  ``devices``; ``default_sampling_params`` are the stage's with the
+  topology's ``sampling_constraints`` on top, as vLLM-Omni merges them;
+- processors are the whole-output ones (``sync_process_input_func`` before
+  ``custom_process_input_func``; ``custom_process_next_stage_input_func``),
+  because stages hand over whole outputs here: ``async_chunk`` is kept, not
+  applied;
+- ``deployment.stages.<name>`` gets, where our block does not say otherwise:
+  ``replicas`` from ``num_replicas``, ``backend: vllm_omni``, and
+  ``devices_per_replica`` from ``tensor_parallel_size`` x
+  ``pipeline_parallel_size`` x ``data_parallel_size`` when over 1;
+- ``connectors``, ``edges``, ``input_connectors`` / ``output_connectors``
+  (each a connector name or an inline ``{name, extra}``), ``env`` and
+  ``platforms`` are checked for shape and kept in ``config.vllm_omni``;
+  they are not applied (our connectors carry stage outputs), nor are
+  platform overlays;
+- a ``stages`` entry (or connector key, or edge) naming a ``stage_id`` the
+  topology lacks is refused (vLLM-Omni skips such a stage entry silently).
+
+Errors are :class:`~omni_actors.config.ConfigError` naming the file and the
+YAML path in it (``stages[1].num_replicas``, ``topology.stages[0].model_stage``),
+or ``pipeline`` for a topology from vLLM-Omni's registry.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from omni_actors.config import ConfigError, PipelineConfig, _convert, parse_config
+from omni_actors.vllm_omni_deploy.files import (ConnectorSpec, Edge, check_connectors, deep_merge,
+                                                resolve)
+from omni_actors.vllm_omni_deploy.topology import Topology, TopologyStage, resolve_topology
+
+__all__ = ["ConnectorSpec", "Edge", "TopologyStage", "Topology", "StageDeploySettings",
+           "VllmOmniDeploy", "DeployPipelineConfig", "is_deploy_format", "parse_deploy_config"]
+
+#: Deploy-file settings vLLM-Omni applies to every stage's engine.
+PIPELINE_WIDE = ("trust_remote_code", "distributed_executor_backend", "dtype", "quantization",
+                 "enable_prefix_caching", "enable_chunked_prefill", "data_parallel_size",
+                 "pipeline_parallel_size", "custom_voice_dir")
+#: Stage keys that are not engine arguments.
+_STAGE_OWN = frozenset({"stage_id", "devices", "num_replicas", "env", "async_chunk",
+                        "input_connectors", "output_connectors", "default_sampling_params",
+                        "default_pooling_params", "engine_args", "engine_extras", "runtime"})
+
+
+class StageDeploySettings(msgspec.Struct, kw_only=True):
+    """What a deploy file says about one stage beyond its engine arguments."""
+
+    stage_id: int
+    num_replicas: int | None = None
+    devices: str | None = None
+    env: dict[str, Any] | None = None
+    async_chunk: bool | None = None
+    input_connectors: dict[str, str | ConnectorSpec] = {}
+    output_connectors: dict[str, str | ConnectorSpec] = {}
+
+
+class VllmOmniDeploy(msgspec.Struct, kw_only=True):
+    """The vLLM-Omni deploy settings a config keeps (not applied here)."""
+
+    #: the registry key the topology came from; None: the file's ``topology`` block
+    pipeline: str | None = None
+    #: the deploy files read, the loaded file last (its ``base_config`` chain before it)
+    files: list[str] = []
+    async_chunk: bool = True
+    connectors: dict[str, ConnectorSpec] = {}
+    edges: list[Edge] = []
+    #: by stage name
+    stages: dict[str, StageDeploySettings] = {}
+    platforms: dict[str, Any] = {}
+    #: the other top-level keys (``session_mode``, ``model_runner``, ``duplex_session``...)
+    settings: dict[str, Any] = {}
+
+
+class DeployPipelineConfig(PipelineConfig, kw_only=True):
+    """A :class:`PipelineConfig` loaded from a vLLM-Omni deploy file."""
+
+    vllm_omni: VllmOmniDeploy = msgspec.field(default_factory=VllmOmniDeploy)
+
+
+# -- loading ----------------------------------------------------------------
+
+
+def is_deploy_format(data: Any) -> bool:
+    """Whether a decoded config is in vLLM-Omni's deploy format."""
+    return isinstance(data, dict) and ("stages" in data or "base_config" in data)
+
+
+def parse_deploy_config(data: dict[str, Any], source: str = "<memory>") -> DeployPipelineConfig:
+    """Validate a decoded deploy-format config (a deploy file plus ``deployment``).
+
+    ``base_config`` is read relative to ``source``'s folder (the working
+    folder for ``<memory>``), then, for a bare file name, from the installed
+    ``vllm_omni/deploy``.
+
+    Raises:
+        ConfigError: naming the file and YAML path of the first bad field.
+    """
+    if "stage_args" in data:
+        raise ConfigError(source, "stage_args", "a config has either `stage_args` (vLLM-Omni's "
+                          "legacy stage configs) or `stages` (its deploy format), not both")
+    if "deployment" not in data:
+        raise ConfigError(source, "deployment", "required field is missing")
+    files: list[str] = []
+    merged, origin = resolve(data, source, files, chain=(source,))
+    topo, key = resolve_topology(data, merged, files, source)
+    by_id = {s.stage_id: s for s in topo.stages}
+    for sid, (src, i) in origin.items():
+        if sid not in by_id:
+            raise ConfigError(src, f"stages[{i}].stage_id",
+                              f"no stage {sid} in the topology; its stages: {sorted(by_id)}")
+    for name, spec in (merged.get("connectors") or {}).items():
+        _convert(spec, ConnectorSpec, source, f"connectors.{name}")
+    check_connectors(merged, origin, by_id, source)
+
+    stages = {int(s["stage_id"]): s for s in merged.get("stages") or []}
+    stage_args = [_stage_args(ts, topo, stages.get(ts.stage_id, {}), merged, data.get("model"))
+                  for ts in topo.stages]
+    deployment = _deployment(data.get("deployment"), topo, stages, merged)
+    try:
+        cfg = parse_config({"stage_args": stage_args, "deployment": deployment}, source)
+    except ConfigError as exc:
+        raise _where(exc, topo, key, origin) from None
+
+    names = {ts.stage_id: ts.model_stage for ts in topo.stages}
+    kept = VllmOmniDeploy(
+        pipeline=key, files=files,
+        async_chunk=bool(merged.get("async_chunk", True)),
+        connectors=_convert(merged.get("connectors") or {}, dict[str, ConnectorSpec], source),
+        edges=_convert(merged.get("edges") or [], list[Edge], source),
+        stages={names[sid]: _settings(sid, s, source) for sid, s in stages.items()},
+        platforms=merged.get("platforms") or {},
+        settings={k: v for k, v in merged.items()
+                  if k not in ("async_chunk", "connectors", "edges", "stages", "platforms")
+                  and k not in PIPELINE_WIDE})
+    return DeployPipelineConfig(**msgspec.structs.asdict(cfg), vllm_omni=kept)
+
+
+# -- conversion -------------------------------------------------------------
+
+
+def _stage_args(ts: TopologyStage, topo: Topology, stage: dict[str, Any],
+                merged: dict[str, Any], model: Any) -> dict[str, Any]:
+    engine: dict[str, Any] = {"model_stage": ts.model_stage}
+    if model is not None:
+        engine["model"] = model
+    arch = ts.model_arch or topo.model_arch
+    if arch:
+        engine["model_arch"] = arch
+    if ts.execution_type == "diffusion":
+        engine["stage_type"] = "diffusion"
+    else:
+        engine["worker_type"] = "generation" if ts.execution_type == "llm_generation" else "ar"
+    for f in ("hf_config_name", "engine_output_type", "model_subdir", "tokenizer_subdir",
+              "omni_kv_config", "custom_process_next_stage_input_func"):
+        if getattr(ts, f) is not None:
+            engine[f] = getattr(ts, f)
+    for f, name in (("requires_multimodal_data", "requires_multimodal_data"),
+                    ("requires_full_payload_input", "requires_full_payload_input"),
+                    ("owns_tokenizer", "is_comprehension")):
+        if getattr(ts, f):
+            engine[name] = True
+    engine.update({k: merged[k] for k in PIPELINE_WIDE if merged.get(k) is not None})
+    engine.update(_engine_args(stage))
+    mine = stage.get("default_sampling_params") or {}
+    must = ts.sampling_constraints
+    sampling = {**mine, **must}
+    if "stop_token_ids" in must:  # the topology's stop tokens join the stage's
+        sampling["stop_token_ids"] = list(dict.fromkeys([*(mine.get("stop_token_ids") or []),
+                                                         *(must["stop_token_ids"] or [])]))
+    entry: dict[str, Any] = {
+        "stage_id": ts.stage_id, "engine_args": engine,
+        "engine_input_source": list(ts.input_sources),
+        "custom_process_input_func": ts.sync_process_input_func or ts.custom_process_input_func,
+        "final_output": ts.final_output, "final_output_type": ts.final_output_type,
+        "default_sampling_params": sampling}
+    devices = _own(stage, "devices")
+    if devices is not None:
+        entry["runtime"] = {"devices": str(devices)}
+    return entry
+
+
+def _engine_args(stage: dict[str, Any]) -> dict[str, Any]:
+    """A stage entry's engine arguments as vLLM-Omni reads them: the flat keys,
+    then ``engine_args`` over them, both over ``engine_extras``."""
+    flat = deep_merge({k: v for k, v in stage.items() if k not in _STAGE_OWN},
+                      stage.get("engine_args") or {})
+    return deep_merge(stage.get("engine_extras") or {}, flat)
+
+
+def _own(stage: dict[str, Any], key: str) -> Any:
+    """``devices``, ``num_replicas``, ``env``: under ``runtime`` first, as vLLM-Omni reads them."""
+    runtime = stage.get("runtime") or {}
+    return runtime.get(key, stage.get(key))
+
+
+def _deployment(raw: Any, topo: Topology, stages: dict[int, dict[str, Any]],
+                merged: dict[str, Any]) -> Any:
+    """Our block, with what the deploy file says filled in where it is silent."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("stages", {}), dict):
+        return raw  # parse_config names what is wrong
+    ours = dict(raw.get("stages") or {})
+    for ts in topo.stages:
+        entry = ours.get(ts.model_stage, {})
+        if not isinstance(entry, dict):
+            continue
+        stage = stages.get(ts.stage_id, {})
+        filled = {"backend": "vllm_omni"}
+        if _own(stage, "num_replicas") is not None:
+            filled["replicas"] = _own(stage, "num_replicas")
+        if ts.execution_type != "diffusion":  # a diffusion stage's size is its parallel_config's
+            engine = _engine_args(stage)
+            size = 1
+            for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+                v = engine.get(k, merged.get(k)) or 1
+                size *= v if isinstance(v, int) and not isinstance(v, bool) else 1
+            if size > 1:
+                filled["devices_per_replica"] = size
+        ours[ts.model_stage] = {**filled, **entry}
+    return {**raw, "stages": ours}
+
+
+def _settings(sid: int, stage: dict[str, Any], source: str) -> StageDeploySettings:
+    devices = _own(stage, "devices")
+    return _convert({"stage_id": sid, "num_replicas": _own(stage, "num_replicas"),
+                     "devices": None if devices is None else str(devices),
+                     "env": _own(stage, "env"), "async_chunk": stage.get("async_chunk"),
+                     "input_connectors": stage.get("input_connectors") or {},
+                     "output_connectors": stage.get("output_connectors") or {}},
+                    StageDeploySettings, source)
+
+
+#: ``stage_args`` fields that come from the topology, and their names there.
+_FROM_TOPOLOGY = {"stage_id": "stage_id", "engine_args.model_stage": "model_stage",
+                  "engine_input_source": "input_sources", "final_output": "final_output",
+                  "final_output_type": "final_output_type",
+                  "custom_process_input_func": "custom_process_input_func"}
+
+
+def _where(exc: ConfigError, topo: Topology, key: str | None,
+           origin: dict[int, tuple[str, int]]) -> ConfigError:
+    """An error about the converted ``stage_args`` told in the file's own terms."""
+    m = re.match(r"stage_args(?:\[(\d+)\])?\.?(.*)", exc.path)
+    if m is None:
+        return exc  # deployment.*: our block, same path
+    index, rest = m.group(1), m.group(2)
+    ts = topo.stages[int(index)] if index is not None else None
+    field = re.split(r"\[", rest, maxsplit=1)[0]
+    if ts is None or field in _FROM_TOPOLOGY:
+        if key is not None:  # from vLLM-Omni's registry: no YAML path to name
+            stage = f", stage {ts.stage_id} `{ts.model_stage}`" if ts else ""
+            return ConfigError(exc.source, "pipeline",
+                               f"vLLM-Omni pipeline `{key}`{stage}: {exc.message}")
+        if ts is None:
+            return ConfigError(exc.source, "topology.stages", exc.message)
+        there = _FROM_TOPOLOGY.get(field, field)
+        if field == "custom_process_input_func" and ts.sync_process_input_func:
+            there = "sync_process_input_func"  # the one chosen
+        tail = rest.replace(field, there, 1)
+        return ConfigError(exc.source, f"topology.stages[{index}].{tail}", exc.message)
+    if ts.stage_id not in origin:
+        return ConfigError(exc.source, f"topology.stages[{index}]", exc.message)
+    src, i = origin[ts.stage_id]
+    tail = rest.removeprefix("engine_args.").replace("runtime.devices", "devices")
+    return ConfigError(src, f"stages[{i}].{tail}", exc.message)

@@ -1,0 +1,290 @@
+"""The per-node data service: serves its node's segments to other nodes over TCP,
+releases them, reaps what nobody released, and survives any client."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from omni_actors.connectors import ConnectorError, DataService, NodeConnector, list_segments, \
+    release_all, sweep_segments
+from omni_actors.connectors import data_service as ds
+from omni_actors.connectors.shm import SHM_DIR
+
+from test_connectors import assert_same_outputs, sample_outputs
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def prefix():
+    p = f"oa-test-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+    yield p
+    sweep_segments(p)
+
+
+@pytest.fixture
+def service(prefix):
+    with DataService("127.0.0.1", 0, prefix, node="far") as svc:
+        yield svc
+    ds.close_connections()
+
+
+@pytest.fixture
+def service_process(prefix):
+    """A data service in a process of its own (as on another host): its address."""
+    proc = subprocess.Popen([sys.executable, "-m", "omni_actors.connectors.data_service", "--host", "127.0.0.1",
+                             "--port", "0", "--prefix", prefix, "--node", "far"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY "), line
+        yield line.split()[1]
+    finally:
+        ds.close_connections()
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def producer(prefix: str, service: str) -> NodeConnector:
+    return NodeConnector(0, prefix, node="far", service=service)
+
+
+def consumer() -> NodeConnector:
+    return NodeConnector(node="near")
+
+
+def raw_request(sock: socket.socket, body: bytes) -> tuple[int, bytes]:
+    sock.sendall(struct.pack("!I", len(body)) + body)
+    head = b""
+    while len(head) < 9:
+        chunk = sock.recv(9 - len(head))
+        if not chunk:
+            raise ConnectionError("closed")
+        head += chunk
+    status, length = struct.unpack("!BQ", head)
+    data = b""
+    while len(data) < length:
+        data += sock.recv(length - len(data))
+    return status, data
+
+
+def connect(address: str) -> socket.socket:
+    sock = socket.create_connection(ds.parse_address(address), timeout=5)
+    return sock
+
+
+def test_round_trip_of_every_dtype_through_a_service_in_another_process(prefix, service_process):
+    connector = producer(prefix, service_process)
+    outputs = sample_outputs()
+    ref = pickle.loads(pickle.dumps(connector.put(outputs)))
+    got = consumer().get(ref)
+    assert_same_outputs(got, outputs)
+    with pytest.raises(ValueError, match="read-only"):
+        got["hidden_states"][0, 0] = 1.0
+    big = np.random.default_rng(2).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
+    bref = connector.put({"big": big, "ids": np.arange(5)})
+    np.testing.assert_array_equal(consumer().get(bref)["big"], big)
+    stats = ds.stats(service_process)
+    assert stats["gets"] == 2 and stats["segments"] == 2 and stats["bytes"] == ref.size + bref.size
+    assert stats["bytes_served"] == ref.size + bref.size
+    release_all([ref, bref])  # one request to the service
+    assert list_segments(prefix) == []
+    assert ds.stats(service_process)["releases"] == 2
+    with pytest.raises(ConnectorError, match=f"{ref.location}.*released"):
+        consumer().get(ref)
+
+
+def test_concurrent_gets_from_many_threads_each_see_the_same_bytes(prefix, service):
+    audio = np.arange(-30_000, 30_000, dtype=np.int16)
+    ref = producer(prefix, service.address).put({"audio": audio})
+    sums, errors = [], []
+
+    def read():
+        try:
+            for _ in range(10):
+                sums.append(int(consumer().get(ref)["audio"].astype(np.int64).sum()))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+        finally:
+            ds.close_connections()
+
+    threads = [threading.Thread(target=read) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and sums == [int(audio.astype(np.int64).sum())] * 60
+    release_all([ref])
+
+
+def test_release_unlinks_and_is_idempotent(prefix, service):
+    connector = producer(prefix, service.address)
+    refs = [connector.put({"x": np.full(100, i)}) for i in range(3)]
+    assert ds.release(service.address, [r.location for r in refs]) == 3
+    assert list_segments(prefix) == []
+    assert ds.release(service.address, [r.location for r in refs]) == 0
+    consumer().release(refs[0])  # a single release, already gone: silent
+
+
+def test_reaper_unlinks_old_segments_and_keeps_young_ones(prefix):
+    connector = NodeConnector(0, prefix)
+    old = [connector.put({"x": np.ones(100)}) for _ in range(2)]
+    young = connector.put({"x": np.ones(100)})
+    past = time.time() - 120
+    for ref in old:
+        os.utime(os.path.join(SHM_DIR, ref.location), (past, past))
+    # A service of a longer prefix (another host's) reaps only its own old segment, in its thread.
+    with DataService("127.0.0.1", 0, prefix + "r-", reap_after_s=60, reap_every_s=0.05) as svc:
+        stranger = NodeConnector(0, prefix + "r-").put({"x": np.ones(100)})
+        os.utime(os.path.join(SHM_DIR, stranger.location), (past, past))
+        deadline = time.monotonic() + 5
+        while svc.stats()["reaped"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert svc.stats()["reaped"] == 1 and list_segments(prefix + "r-") == []
+    assert sorted(list_segments(prefix)) == sorted(r.location for r in old + [young])
+    svc = DataService("127.0.0.1", 0, prefix, reap_after_s=60)
+    assert svc.reap() == 2 and list_segments(prefix) == [young.location]
+    assert svc.reap(now=time.time() + 61) == 1 and list_segments(prefix) == []
+
+
+def test_config_changes_the_reap_age(prefix, service):
+    assert ds.configure(service.address, reap_after_s=5)["reap_after_s"] == 5
+    assert service.stats()["reap_after_s"] == 5
+    with pytest.raises(ConnectorError, match="reap_after_s"):
+        ds.configure(service.address, reap_after_s=-1)
+
+
+@pytest.mark.parametrize("body,status,match", [
+    (b"not json", ds.BAD_REQUEST, "malformed"),
+    (b"[1, 2]", ds.BAD_REQUEST, "JSON object"),
+    (b'{"op": "explode"}', ds.BAD_REQUEST, "unknown op"),
+    (b'{"op": "get", "name": "elsewhere-1", "size": 1}', ds.BAD_REQUEST, "not under prefix"),
+    (b'{"op": "get", "name": "PFX../etc/passwd", "size": 1}', ds.BAD_REQUEST, "invalid segment name"),
+    (b'{"op": "get", "name": "PFXnope", "size": -1}', ds.BAD_REQUEST, "size"),
+    (b'{"op": "get", "name": "PFXnope", "size": "8"}', ds.BAD_REQUEST, "size"),
+    (b'{"op": "get", "name": "PFXnope", "size": 8}', ds.NOT_FOUND, "not found"),
+    (b'{"op": "get", "name": "PFXbig", "size": 1000000}', ds.BAD_REQUEST, "has 800 bytes"),
+    (b'{"op": "release", "names": "PFXa"}', ds.BAD_REQUEST, "list"),
+    (b'{"op": "release", "names": ["PFXa", "other"]}', ds.BAD_REQUEST, "nothing released"),
+])
+def test_bad_requests_get_a_clear_error_and_the_connection_keeps_serving(prefix, service, body, status, match):
+    ref = producer(prefix, service.address).put({"x": np.ones(100)})  # 800 bytes
+    os.rename(os.path.join(SHM_DIR, ref.location), os.path.join(SHM_DIR, prefix + "big"))
+    with connect(service.address) as sock:
+        got, text = raw_request(sock, body.replace(b"PFX", prefix.encode()))
+        assert got == status and match in text.decode()
+        got, text = raw_request(sock, b'{"op": "stats"}')  # same connection, still served
+        assert got == ds.OK and json.loads(text)["segments"] == 1
+    assert list_segments(prefix) == [prefix + "big"]
+
+
+def test_garbage_oversize_and_vanishing_clients_never_stop_the_server(prefix, service):
+    with connect(service.address) as sock:  # a request over the size limit: error, then closed
+        sock.sendall(struct.pack("!I", ds.MAX_REQUEST + 1))
+        status, length = struct.unpack("!BQ", sock.recv(9))
+        assert status == ds.BAD_REQUEST and b"over the limit" in sock.recv(length)
+        assert sock.recv(1) == b""
+    for junk in (b"\x00", b"\x00\x00\x00\x10{\"op\"", os.urandom(64)):
+        with connect(service.address) as sock:  # half a request, then gone
+            sock.sendall(junk)
+    ref = producer(prefix, service.address).put({"x": np.arange(10)})
+    assert consumer().get(ref)["x"].tolist() == list(range(10))
+    release_all([ref])
+
+
+def test_a_client_reconnects_after_the_service_restarts(prefix):
+    svc = DataService("127.0.0.1", 0, prefix).start()
+    address = svc.address
+    port = ds.parse_address(address)[1]
+    connector = producer(prefix, address)
+    ref = connector.put({"x": np.arange(10)})
+    assert consumer().get(ref)["x"].tolist() == list(range(10))  # opens this thread's connection
+    svc.stop()
+    with DataService("127.0.0.1", port, prefix):  # same address, new process-side state
+        assert consumer().get(ref)["x"].tolist() == list(range(10))  # stale connection replaced
+    release_all([ref])
+    ds.close_connections()
+
+
+def test_a_forked_child_does_not_keep_the_service_listening(prefix):
+    svc = DataService("127.0.0.1", 0, prefix).start()
+    address = svc.address
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child (as a Thespian admin forked from a leader) just lives a while
+        os.close(write)
+        os.read(read, 1)
+        os._exit(0)
+    os.close(read)
+    try:
+        svc.stop()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(ds.parse_address(address), timeout=2).close()
+    finally:
+        os.close(write)
+        os.waitpid(pid, 0)
+
+
+def test_command_line_serves_and_stops_on_sigterm(prefix, service_process):
+    assert ds.stats(service_process)["prefix"] == prefix
+
+
+def test_receive_buffers_are_reused_only_once_nothing_refers_to_them(prefix, service):
+    connector = producer(prefix, service.address)
+    ones, twos = (connector.put({"x": np.full(1 << 18, v, dtype=np.float64)}) for v in (1.0, 2.0))  # 2 MiB each
+
+    def address(arr):
+        return arr.__array_interface__["data"][0]
+
+    a = consumer().get(ones)["x"]
+    b = consumer().get(twos)["x"]
+    assert address(a) != address(b) and a.sum() == 1 << 18 and b.sum() == 2 << 18
+    where = address(a)
+    c = consumer().get(twos)["x"]  # a is alive: its buffer is not reused
+    assert address(c) != where and a.sum() == 1 << 18
+    del a
+    d = consumer().get(twos)["x"]  # now it is
+    assert address(d) == where and d.sum() == 2 << 18 and not d.flags.writeable
+    release_all([ones, twos])
+
+
+def test_receive_pool_keeps_at_most_its_bytes():
+    pool = ds.ReceivePool(max_bytes=5 << 20)
+    small = pool.take(1000)
+    assert pool.held_bytes() == 0 and small.nbytes == 1000
+    held = [pool.take(2 << 20), pool.take(2 << 20)]
+    assert pool.held_bytes() == 4 << 20
+    extra = pool.take(2 << 20)  # no room, nothing free: a buffer of its own
+    assert pool.held_bytes() == 4 << 20 and extra.nbytes == 2 << 20
+    del held
+    again = pool.take(3 << 20)  # the free 2 MiB ones are too small: one is evicted to make room
+    assert pool.held_bytes() == 5 << 20 and again.nbytes == 3 << 20
+    assert pool.take(2 << 20).nbytes == 2 << 20 and pool.held_bytes() == 5 << 20  # the one kept
+
+
+def test_a_release_to_a_service_that_just_failed_gives_up_at_once():
+    dead = f"127.0.0.1:{ds.parse_address('127.0.0.1:1')[1]}"
+    with pytest.raises(ds.DataServiceError, match="unreachable"):
+        ds.release(dead, ["x"])
+    with pytest.raises(ds.DataServiceError, match="not retried yet"):
+        ds.release(dead, ["x"])
+    with pytest.raises(ds.DataServiceError, match="unreachable"):
+        ds.fetch("not-an-address", "x", 8)

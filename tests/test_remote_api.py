@@ -1,0 +1,239 @@
+"""``api --convention-address HOST:PORT``: one more API server that reaches the
+leader's coordinator from another host.
+
+It starts no admin of its own: it talks straight to the leader's admin (see
+omni_actors.system.remote). On loopback: it serves beside the leader's own API
+server, leaves no process behind when it stops (SIGINT or SIGKILL), and the
+leader keeps serving. Given a member host's admin address it finds the leader
+through it. The last test puts it in a network namespace of its own (another
+IP, no loopback path to the leader), where this runs as root with ``ip netns``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from omni_actors.system.local import LocalLeader, free_port
+from omni_actors.system.processes import kill_system, system_pids
+
+from conftest import CONFIGS, ROOT
+from test_multihost import NETNS_NET, Member, Namespaces, _netns_unavailable
+
+pytestmark = pytest.mark.system
+MODEL = "qwen3-omni-cpu-demo"
+
+
+@pytest.fixture(scope="module")
+def leader():
+    leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
+    yield leader
+    # what the API servers left (the RequestActors of the one killed with SIGKILL) ends with the system
+    assert leader.stop() == 0
+    assert leader.left_after_exit == []
+
+
+class RemoteApi:
+    """``python -m omni_actors.system api --convention-address ...`` in a child process, marked
+    with its own ``OMNI_ACTORS_SYSTEM_ID`` so that anything it started could be found."""
+
+    def __init__(self, convention: str, *extra: str, prefix: list[str] | None = None, env: dict | None = None):
+        self.port = free_port()
+        self.marker = uuid.uuid4().hex
+        self.proc = subprocess.Popen(
+            [*(prefix or []), sys.executable, "-m", "omni_actors.system", "api", "--port", str(self.port),
+             "--convention-address", convention, "--request-actors", "2", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env={**os.environ, "OMNI_ACTORS_SYSTEM_ID": self.marker, **(env or {})})
+        self.first_line = self.proc.stdout.readline()
+        assert f"at http://127.0.0.1:{self.port}/v1 (attached to the convention at {convention})" in \
+            self.first_line, (self.first_line, self.proc.stderr.read() if self.proc.poll() is not None else "")
+
+    def others(self) -> list[int]:
+        """Processes it started: its children, or anything carrying its marker but itself."""
+        kids = [int(e.name) for e in Path("/proc").iterdir()
+                if e.name.isdigit() and _ppid(int(e.name)) == self.proc.pid]
+        return sorted(set(kids) | set(system_pids(self.marker)) - {self.proc.pid})
+
+    def stop(self, sig=signal.SIGINT) -> tuple[str, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.communicate(timeout=30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _chat(port: int, text: str = "Tell me about the sea.") -> tuple[str, int]:
+    import openai
+
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                       timeout=60) as client:
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                           max_tokens=6, modalities=["text", "audio"],
+                                           audio={"voice": "default", "format": "wav"})
+    return r.choices[0].message.content, len(r.choices[0].message.audio.data)
+
+
+def test_api_from_another_host_serves_beside_the_leader_and_leaves_nothing(leader):
+    _chat(leader.port)  # answered once the leader's own bridge has made its RequestActors
+    t0 = time.monotonic()
+    before = set(system_pids(leader.system_id, sessions=leader.sessions))
+    api = RemoteApi(f"127.0.0.1:{leader.admin_port}")
+    try:
+        started = time.monotonic() - t0
+        ports = [leader.port, api.port] * 4
+        with ThreadPoolExecutor(len(ports)) as pool:
+            answers = list(pool.map(_chat, ports))
+        assert len(set(answers)) == 1 and answers[0][0] and answers[0][1] > 1000, answers  # same pipeline, same seed
+        with urllib.request.urlopen(f"http://127.0.0.1:{api.port}/v1/stages", timeout=10) as r:
+            stages = json.loads(r.read())
+        assert [s["stage"] for s in stages["stages"]] == ["thinker", "talker", "code2wav"]
+        assert all(r["state"] == "ready" for s in stages["stages"] for r in s["replicas"])
+        assert api.others() == []  # no admin, no actor of its own on its host
+        # its RequestActors were made by the leader's admin: they are the leader system's processes
+        assert len(set(system_pids(leader.system_id, sessions=leader.sessions)) - before) >= 2
+        out, err = api.stop(signal.SIGINT)
+        assert api.proc.returncode == 0, err
+        assert "omni-actors API server stopped" in out
+    finally:
+        api.stop(signal.SIGKILL)
+    assert api.others() == []
+    deadline = time.monotonic() + 10
+    while set(system_pids(leader.system_id, sessions=leader.sessions)) - before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert set(system_pids(leader.system_id, sessions=leader.sessions)) - before == set()  # its RequestActors ended
+    assert _chat(leader.port) == answers[0]  # the leader serves on
+
+    # killed outright: nothing of it is left on its host, and the leader serves on
+    api = RemoteApi(f"127.0.0.1:{leader.admin_port}")
+    try:
+        assert _chat(api.port) == answers[0]
+        api.proc.kill()
+        api.proc.wait(10)
+        assert api.others() == []
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"http://127.0.0.1:{api.port}/health", timeout=2)
+        assert _chat(leader.port) == answers[0]
+    finally:
+        api.stop(signal.SIGKILL)
+    print(f"\nremote API server: serving {started:.2f} s after start; scenario {time.monotonic() - t0:.1f} s")
+
+
+def test_api_finds_the_leader_through_a_member_and_refuses_bad_addresses(leader, tmp_path):
+    # a member host (a CPU node; every replica is placed already, so nothing goes there)
+    member = Member(tmp_path, f"127.0.0.1:{leader.admin_port}", "frontend", "").start()
+    try:
+        api = RemoteApi(f"127.0.0.1:{member.admin_port}")
+        try:
+            assert _chat(api.port)[0]
+            out, err = api.stop(signal.SIGINT)
+            assert api.proc.returncode == 0, err
+        finally:
+            api.stop(signal.SIGKILL)
+        assert api.others() == []
+    finally:
+        member.stop()
+    assert member.left_after_exit == []
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "omni_actors.system", "api", "--port", str(free_port()), *args],
+                              capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+    nobody = free_port()
+    for args, code, message in (
+            (("--convention-address", f"127.0.0.1:{nobody}"), 1,
+             f"error: no convention leader answers at 127.0.0.1:{nobody}"),
+            (("--convention-address", "127.0.0.1"), 2,
+             "error: --convention-address must be HOST:PORT, got '127.0.0.1'"),
+            (("--convention-address", f"127.0.0.1:{leader.admin_port}", "--admin-port", "1901"), 2,
+             "error: give --convention-address HOST:PORT or --admin-port, not both")):
+        out = run(*args)
+        assert (out.returncode, out.stderr.strip()) == (code, message), out.stderr
+
+
+def test_api_in_another_network_namespace_serves_through_the_leaders_admin(request, tmp_path):
+    why = _netns_unavailable()
+    if why:
+        print(f"\nskipped: {why}")
+        pytest.skip(why)
+    ns = Namespaces()
+    request.addfinalizer(ns.teardown)
+    try:
+        ns.setup()
+    except subprocess.CalledProcessError as exc:
+        why = f"cannot build network namespaces with veth pairs here: {' '.join(exc.cmd)}: {exc.stderr.strip()}"
+        print(f"\nskipped: {why}")
+        pytest.skip(why)
+    t0 = time.monotonic()
+    # the leader in the hub namespace (198.18.0.1), the API server in m1's (198.18.0.2): no shared loopback
+    port, admin_port = free_port(), free_port()
+    state = tmp_path / "state"
+    out, err = tmp_path / "leader.out", tmp_path / "leader.err"
+    with open(out, "wb") as o, open(err, "wb") as e:
+        leader = subprocess.Popen([*ns.exec_prefix(ns.hub), sys.executable, "-m", "omni_actors.system", "start",
+                                   "--convention-leader", "--config", str(CONFIGS / "cpu_omni_demo.yaml"),
+                                   "--port", str(port), "--admin-port", str(admin_port)],
+                                  stdout=o, stderr=e, stdin=subprocess.DEVNULL, cwd=ROOT,
+                                  env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(state),
+                                       "THESPIAN_BASE_IPADDR": f"{NETNS_NET}.1"})
+
+    def stop_leader():
+        if leader.poll() is None:
+            leader.send_signal(signal.SIGINT)
+            try:
+                leader.wait(20)
+            except subprocess.TimeoutExpired:
+                leader.kill()
+        try:
+            recorded = json.loads((state / f"leader-{admin_port}.json").read_text())
+            kill_system(recorded["system_id"], grace_s=1.0, sessions=recorded.get("sessions", []))
+        except (OSError, ValueError, KeyError):
+            pass
+    request.addfinalizer(stop_leader)
+    deadline = time.monotonic() + 60
+    while b"serving model" not in out.read_bytes():
+        assert leader.poll() is None and time.monotonic() < deadline, \
+            (out.read_bytes() + err.read_bytes()[-2000:]).decode(errors="replace")
+        time.sleep(0.1)
+
+    api = RemoteApi(f"{NETNS_NET}.1:{admin_port}", prefix=ns.exec_prefix(ns.m1))
+    try:
+        client = subprocess.run([*ns.exec_prefix(ns.m1), sys.executable, "-c", (
+            "import json, sys, urllib.request\n"
+            "body = {'model': sys.argv[2], 'messages': [{'role': 'user', 'content': 'hi'}],\n"
+            "        'modalities': ['text', 'audio'], 'max_tokens': 6}\n"
+            "req = urllib.request.Request(sys.argv[1] + '/chat/completions', json.dumps(body).encode(),\n"
+            "                             {'Content-Type': 'application/json'})\n"
+            "m = json.load(urllib.request.urlopen(req, timeout=60))['choices'][0]['message']\n"
+            "print(json.dumps([m['content'], len(m['audio']['data'])]))\n"),
+            f"http://127.0.0.1:{api.port}/v1", MODEL], capture_output=True, text=True, timeout=90, cwd=ROOT)
+        assert client.returncode == 0, client.stderr[-2000:]
+        text, audio = json.loads(client.stdout)
+        assert text and audio > 1000
+        stopped, err_text = api.stop(signal.SIGINT)
+        assert api.proc.returncode == 0, err_text
+        assert "omni-actors API server stopped" in stopped
+    finally:
+        api.stop(signal.SIGKILL)
+    assert api.others() == []
+    print(f"\nremote API server in another network namespace: scenario {time.monotonic() - t0:.1f} s")

@@ -1,0 +1,175 @@
+"""``stage launch --node N --devices 2,3``: replicas on a named node, pinned to named devices.
+
+A leader (a CPU node, the demo's 1:2:1 on it) and one member host ``m1``
+offering devices 0-3, each its own admin on loopback, started with the real
+CLI. Launches that name devices take exactly those (split
+``devices_per_replica`` each), keep them across restarts, and free them when
+scaled down; launches that cannot be done fail with one line and exit 1
+(the admin shell shows the same errors). The rules themselves are unit-tested
+in tests/test_placement.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from omni_actors.system.local import LocalLeader
+
+from conftest import CONFIGS, ROOT
+from test_multihost import Member
+
+pytestmark = pytest.mark.system
+
+
+@pytest.fixture(scope="module")
+def system(request, tmp_path_factory):
+    leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml", extra_args=["--node-name", "leader"])
+    request.addfinalizer(leader.stop)
+    leader.start()
+    member = Member(tmp_path_factory.mktemp("members"), f"127.0.0.1:{leader.admin_port}", "m1", "0,1,2,3")
+    request.addfinalizer(member.stop)  # last in, first out: the member stops before the leader
+    member.start()
+    _wait(leader, lambda st: any(n["name"] == "m1" and n["alive"] for n in st["nodes"]), "m1 joined")
+    leader.member = member
+    return leader
+
+
+def _cli(leader: LocalLeader, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "omni_actors.system", *args, "--admin-port", str(leader.admin_port)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)})
+
+
+def _status(leader: LocalLeader) -> dict:
+    """The stage table and nodes, as ``status --json`` prints them (from the HTTP API: quicker to poll)."""
+    with urllib.request.urlopen(leader.base_url + "/stages", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _reps(status: dict) -> dict[str, dict]:
+    return {r["replica"]: r for st in status["stages"] for r in st["replicas"]}
+
+
+def _wait(leader: LocalLeader, predicate, what: str, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = _status(leader)
+        if predicate(status):
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} within {timeout_s:g} s: " + "; ".join(
+                f"{r['replica']} {r['state']} {r['node']}:{r['devices']} {r['reason']}"
+                for r in _reps(status).values()))
+        time.sleep(0.2)
+
+
+def _on(leader: LocalLeader, placed: dict[str, tuple[str, str]], **extra) -> dict:
+    """Wait until each replica in ``placed`` is ready on (node, devices)."""
+    def ok(status):
+        reps = _reps(status)
+        return all(r in reps and reps[r]["state"] == "ready" and (reps[r]["node"], reps[r]["devices"]) == where
+                   for r, where in placed.items())
+    return _wait(leader, ok, f"ready on {placed}", **extra)
+
+
+def _used(status: dict, node: str = "m1") -> dict[str, str]:
+    return next(n["used"] for n in status["nodes"] if n["name"] == node)
+
+
+def _error(out: subprocess.CompletedProcess, text: str) -> None:
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: "), out.stderr
+    assert text in out.stderr, out.stderr
+
+
+def test_launch_on_named_devices_pins_them_for_life_and_refuses_what_cannot_be_done(system):
+    leader = system
+    t0 = time.monotonic()
+    out = _cli(leader, "stage", "launch", "--stage", "talker", "--devices", "1,2", "--node", "m1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "talker: 2 -> 4 replicas; launched talker/2 on m1 devices 1, talker/3 on m1 devices 2"
+    status = _on(leader, {"talker/2": ("m1", "1"), "talker/3": ("m1", "2")})
+    assert _used(status) == {"1": "talker/2", "2": "talker/3"}
+    assert {r: v["node"] for r, v in _reps(status).items() if r.startswith("talker")} == {
+        "talker/0": "leader", "talker/1": "leader", "talker/2": "m1", "talker/3": "m1"}
+
+    # what cannot be done: one line, exit 1, nothing launched
+    _error(_cli(leader, "stage", "launch", "--stage", "talker", "--devices", "1", "--node", "m1"),
+           "device(s) already taken on node m1: 1 (held by talker/2)")
+    _error(_cli(leader, "stage", "launch", "--stage", "talker", "--devices", "7", "--node", "m1"),
+           "device(s) 7 not on node m1 (it offers 0,1,2,3)")
+    _error(_cli(leader, "stage", "launch", "--stage", "talker", "--devices", "7"),
+           "no node offers device(s) 7 (leader: none; m1: 0,1,2,3)")
+    _error(_cli(leader, "stage", "launch", "--stage", "talker", "--devices", "0,3", "--replicas", "1"),
+           "1 replica(s) of talker at 1 device(s) each need 1 device(s); --devices gives 2")
+    _error(_cli(leader, "stage", "launch", "--stage", "talker", "--devices", "0", "--node", "leader"),
+           "node leader offers no devices (a CPU node): drop --devices")
+    _error(_cli(leader, "stage", "launch", "--stage", "talker", "--node", "nope"),
+           "no node named 'nope' (nodes: leader, m1)")
+    _error(_cli(leader, "stage", "launch", "--stage", "nope", "--node", "m1"), "no stage named 'nope'")
+    assert len(_reps(_status(leader))) == 6
+
+    # --node alone: that node, the first free device there
+    out = _cli(leader, "stage", "launch", "--stage", "code2wav", "--node", "m1")
+    assert out.returncode == 0, out.stderr
+    _on(leader, {"code2wav/1": ("m1", "0")})
+
+    # a pinned replica that dies comes back on the same devices (held for it meanwhile)
+    pid = _reps(_status(leader))["talker/3"]["pid"]
+    out = _cli(leader, "inject", "sigkill", "--replica", "talker/3")
+    assert out.returncode == 0, out.stderr
+    status = _wait(leader, lambda st: _reps(st)["talker/3"]["restarts"] == 1 and
+                   _reps(st)["talker/3"]["state"] == "ready", "talker/3 restarted")
+    rep = _reps(status)["talker/3"]
+    assert (rep["node"], rep["devices"]) == ("m1", "2") and rep["pid"] != pid
+
+    # the admin shell launches the same way, and says why not in one line
+    def shell(*lines: str) -> subprocess.CompletedProcess:
+        args = [a for line in lines for a in ("-c", line)]
+        return subprocess.run([sys.executable, "-m", "omni_actors.system", "shell", "--admin-port",
+                               str(leader.admin_port), *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    out = shell("launch talker --node m1 --devices 3")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "talker: 4 -> 5 replicas; launched talker/4 on m1 devices 3"
+    status = _on(leader, {"talker/4": ("m1", "3")})
+    assert _used(status) == {"0": "code2wav/1", "1": "talker/2", "2": "talker/3", "3": "talker/4"}
+    out = shell("launch talker 1 --devices=3 --node m1", "launch talker --devices")
+    assert out.returncode == 1
+    assert out.stderr.splitlines() == ["error: device(s) already taken on node m1: 3 (held by talker/4)",
+                                       "error: --devices needs a value; usage: launch STAGE [N] [--node NODE] "
+                                       "[--devices IDS]"]
+
+    # scaling down drains the newest (idle) replicas and frees their devices; they can be named again
+    out = _cli(leader, "stage", "scale", "--stage", "talker", "--replicas", "2")
+    assert out.returncode == 0, out.stderr
+    status = _wait(leader, lambda st: all(_reps(st)[f"talker/{i}"]["state"] == "stopped" for i in (2, 3, 4))
+                   and _used(st) == {"0": "code2wav/1"}, "talker/2-4 stopped, devices 1-3 free")
+    out = _cli(leader, "stage", "launch", "--stage", "talker", "--devices", "3,1,2")
+    assert out.returncode == 0, out.stderr
+    assert "talker: 2 -> 5 replicas" in out.stdout
+    _on(leader, {"talker/5": ("m1", "3"), "talker/6": ("m1", "1"), "talker/7": ("m1", "2")})
+    print(f"\nlaunch/pin/restart/scale scenario: {time.monotonic() - t0:.1f} s")
+
+
+def test_pinned_replicas_of_a_lost_node_wait_for_it_and_come_back_on_their_devices(system):
+    leader = system
+    t0 = time.monotonic()
+    pinned = {r: (v["node"], v["devices"]) for r, v in _reps(_status(leader)).items()
+              if v["node"] == "m1" and v["state"] == "ready"}
+    assert len(pinned) >= 2, pinned  # what the test above left there
+    leader.member.kill()  # the whole host at once
+    status = _wait(leader, lambda st: all(_reps(st)[r]["state"] == "pending" for r in pinned),
+                   "m1's replicas pending", timeout_s=30)
+    reasons = {r: _reps(status)[r]["reason"] for r in pinned}
+    assert any("which is lost" in why for why in reasons.values()), reasons
+    leader.member.start()  # the same host again: its pinned replicas return to their devices
+    _on(leader, pinned, timeout_s=30)
+    print(f"\nm1 lost and back, {len(pinned)} pinned replicas on their devices again: "
+          f"{time.monotonic() - t0:.1f} s")
