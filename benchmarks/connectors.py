@@ -20,35 +20,55 @@ baselines measured in the same run:
 - **raw socket**: the bytes sent over loopback TCP by another process and
   received with ``recv_into`` into a preallocated (reused) buffer.
 
+The shared-memory and cross-host rows are measured twice where it can be:
+with segments in ``/dev/shm`` (the default) and in a **huge-page tmpfs**, a
+private tmpfs mounted with ``huge=within_size`` in a temporary folder for the
+run (``$OMNI_ACTORS_SHM_DIR`` pointing at it, for this process and its data
+service). Writing a fresh segment costs a page fault per page: per 4 KiB page
+in a ``/dev/shm`` without huge pages (``shmem_enabled`` ``never``, the header
+says), per 2 MiB in the huge-page tmpfs. Mounting needs root; otherwise (or
+with ``--no-huge-tmpfs``) that variant is skipped and the output says why.
+
 Each figure is the median (and best) of ``--reps`` repetitions; releases are
-not timed. Ratios: shared memory / memory copy (target >= 0.5) and cross-host
-/ raw socket (target >= 0.5), both on best-of-N, plus the cross-host get alone
-(the transfer, without the put) / raw socket.
+not timed. Ratios, per segment directory: shared memory / memory copy
+(target >= 0.5) and cross-host / raw socket (target >= 0.5), both on
+best-of-N, plus the cross-host get alone (the transfer, without the put) /
+raw socket.
+
+Section ``first_audio``: time to first audio with and without streaming
+between stages (``benchmarks/first_audio.py``; target: streaming <= 0.3x).
 
     python benchmarks/connectors.py                   # every section, default sizes
-    python benchmarks/connectors.py --sizes 1,16 --reps 3
+    python benchmarks/connectors.py --sizes 1,16 --reps 3 --skip-first-audio
+    python benchmarks/connectors.py --sections first_audio
     python benchmarks/connectors.py --json out.json
 
-Everything it starts (the data service, the socket sender, the actor system)
-is stopped and every segment it made is unlinked, whatever happens.
+Everything it starts (the data services, the socket sender, the actor system,
+the leaders of the first-audio section) is stopped, every segment it made is
+unlinked and the tmpfs it mounted is unmounted, whatever happens (Ctrl-C and
+SIGTERM included).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import multiprocessing
 import os
 import pickle
+import signal
 import socket
 import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # runnable as `python benchmarks/connectors.py` without installing
@@ -59,6 +79,7 @@ from thespian.actors import Actor, ActorSystem  # noqa: E402
 
 from omni_actors.connectors import NodeConnector, release_all, sweep_segments  # noqa: E402
 from omni_actors.connectors import data_service  # noqa: E402
+from omni_actors.connectors.shm import DIR_ENV, SHM_DIR  # noqa: E402
 
 MB = 1 << 20
 DEFAULT_SIZES = (1, 16, 64, 256)
@@ -83,8 +104,8 @@ def measure(fn: Callable[[], Any], reps: int, after: Callable[[Any], None] | Non
     return {"median_s": statistics.median(times), "best_s": min(times)}
 
 
-def row(path: str, nbytes: int, timing: dict | None, note: str = "") -> dict:
-    r = {"path": path, "bytes": nbytes, "note": note}
+def row(path: str, nbytes: int, timing: dict | None, note: str = "", segdir: str | None = None) -> dict:
+    r = {"path": path, "bytes": nbytes, "note": note, "segdir": segdir}
     if timing:
         r.update(timing, median_gbps=nbytes / timing["median_s"] / 1e9, best_gbps=nbytes / timing["best_s"] / 1e9)
     return r
@@ -138,14 +159,15 @@ class RawSocket:
 # --------------------------------------------------------------------- data service in another process
 
 class ServiceProcess:
-    """``python -m omni_actors.connectors.data_service`` for ``prefix``: another host's service."""
+    """``python -m omni_actors.connectors.data_service`` for ``prefix``: another host's service,
+    serving the segments of ``shm_dir`` (its ``$OMNI_ACTORS_SHM_DIR``, as a host's actors inherit it)."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, shm_dir: str = SHM_DIR) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omni_actors.connectors.data_service", "--host", "127.0.0.1", "--port", "0",
              "--prefix", prefix, "--node", "bench-far"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)})
+            env={**os.environ, "PYTHONPATH": str(REPO), DIR_ENV: shm_dir})
         line = self.proc.stdout.readline()
         if not line.startswith("READY "):
             self.close()
@@ -217,6 +239,73 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# --------------------------------------------------------------------- huge-page tmpfs
+
+HUGE_LABEL = "huge-page tmpfs"
+
+
+@contextlib.contextmanager
+def huge_tmpfs(size_bytes: int, disabled: bool = False) -> Iterator[tuple[str | None, str]]:
+    """A private tmpfs with ``huge=within_size`` in a temporary folder, for the ``with`` block:
+    ``(path, mount options)``, or ``(None, why it was skipped)``. Unmounted (lazily if
+    still busy) and removed afterwards, whatever happens."""
+    if disabled:
+        yield None, "--no-huge-tmpfs"
+        return
+    if not sys.platform.startswith("linux"):
+        yield None, "not Linux"
+        return
+    if os.geteuid() != 0:
+        yield None, "mounting a tmpfs needs root (run as root, or mount one yourself and set OMNI_ACTORS_SHM_DIR)"
+        return
+    path = tempfile.mkdtemp(prefix="oa-bench-huge-")
+    size_mb = max(64, -(-size_bytes // MB))
+    options = f"size={size_mb}m,huge=within_size,mode=0700"
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "oa-bench-huge", path],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        os.rmdir(path)
+        yield None, f"mount failed: {exc}"
+        return
+    if done.returncode != 0:
+        os.rmdir(path)
+        yield None, f"mount failed: {(done.stderr or done.stdout).strip() or f'exit {done.returncode}'}"
+        return
+    try:
+        yield path, _mount_options(path) or options
+    finally:
+        gc.collect()  # drop mappings of its (unlinked) segments, or the unmount finds it busy
+        if subprocess.run(["umount", path], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", path], capture_output=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+
+
+def _mount_options(path: str) -> str:
+    """The options ``/proc/mounts`` shows for the mount at ``path`` ("" if none)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            fields = line.split()
+            if len(fields) > 3 and fields[1] == path:
+                return fields[3]
+    return ""
+
+
+@contextlib.contextmanager
+def _segment_dir(path: str) -> Iterator[None]:
+    """``$OMNI_ACTORS_SHM_DIR`` = ``path`` in this process for the ``with`` block."""
+    before = os.environ.get(DIR_ENV)
+    os.environ[DIR_ENV] = path
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(DIR_ENV, None)
+        else:
+            os.environ[DIR_ENV] = before
+
+
 # --------------------------------------------------------------------- section: transfer
 
 def section_transfer(args) -> dict:
@@ -224,130 +313,201 @@ def section_transfer(args) -> dict:
     reps = args.reps
     prefix = f"oa-bench-{os.getpid()}-{uuid.uuid4().hex[:6]}-"
     rows: list[dict] = []
-    service = raw = asys = None
+    dirs: dict[str, str] = {"/dev/shm": SHM_DIR}  # label -> directory of the segments
+    services: dict[str, ServiceProcess] = {}
+    raw = asys = None
+    # Room for the largest payload a few times over (a put, a get's segment, one being released).
+    with huge_tmpfs(3 * max(sizes) * MB + 64 * MB, disabled=args.no_huge_tmpfs) as (huge, huge_note):
+        try:
+            if huge is not None:
+                dirs[HUGE_LABEL] = huge
+            for label, path in dirs.items():
+                services[label] = ServiceProcess(prefix, path)
+            raw = RawSocket(max(sizes) * MB)
+            inline = NodeConnector(mode="inline", node="bench-far")
+            shm = {label: NodeConnector(0, prefix, node="bench-far", service=services[label].address)
+                   for label in dirs}
+            near = NodeConnector(node="bench-near")  # a reader on another node
+            port = _free_port()
+            asys = ActorSystem("multiprocTCPBase", {"Admin Port": port},
+                               logDefs={"version": 1, "disable_existing_loggers": False,
+                                        "root": {"level": "CRITICAL"}})
+            receiver, sender = asys.createActor(Receiver), asys.createActor(Sender)
+
+            for size in sizes:
+                nbytes = size * MB
+                n = max(2, reps // 2) if size >= 256 else reps * 3 if size <= 4 else reps
+                arr = np.random.default_rng(size).standard_normal(nbytes // 4, dtype=np.float32)
+                out = {"x": arr}
+                print(f"  {size} MB ...", file=sys.stderr, flush=True)
+
+                rows.append(row("memory copy (np.copy)", nbytes, measure(lambda: np.copy(arr), n)))
+                previous = _set_madvise_hugepage(False)
+                try:
+                    rows.append(row("memory copy, 4 KiB pages (no THP)", nbytes,
+                                    measure(lambda: np.copy(arr), n)))
+                finally:
+                    _set_madvise_hugepage(previous)
+
+                def inline_put_get():
+                    ref = pickle.loads(pickle.dumps(inline.put(out), protocol=pickle.HIGHEST_PROTOCOL))
+                    return inline.get(ref)
+                rows.append(row("inline (put, ref pickled+unpickled, get)", nbytes, measure(inline_put_get, n)))
+
+                for label, path in dirs.items():
+                    with _segment_dir(path):
+                        rows.extend(_segment_rows(label, shm[label], near, out, arr, nbytes, n))
+
+                rows.append(row("raw loopback socket (recv_into)", nbytes, measure(lambda: raw.transfer(nbytes), n)))
+
+                if size <= args.actor_max_mb:
+                    times = []
+                    for _ in range(max(1, min(n, 3 if size < 64 else 2))):
+                        took = asys.ask(sender, ("send", receiver, nbytes), 300)
+                        if not isinstance(took, float):
+                            raise RuntimeError(f"the actor message of {size} MB got no answer")
+                        times.append(took)
+                    rows.append(row("actor message (Thespian TCP)", nbytes,
+                                    {"median_s": statistics.median(times), "best_s": min(times)}))
+                else:
+                    rows.append(row("actor message (Thespian TCP)", nbytes, None,
+                                    note=f"not sent: over {args.actor_max_mb} MB (see the smaller sizes' rate)"))
+        finally:
+            if asys is not None:
+                asys.shutdown()
+            if raw is not None:
+                raw.close()
+            for service in services.values():
+                service.close()
+            for path in dirs.values():
+                sweep_segments(prefix, path)
+    return {"rows": rows, "dirs": list(dirs), "huge_tmpfs": {"mounted": huge is not None, "note": huge_note},
+            "ratios": _ratios(rows, sizes, list(dirs))}
+
+
+def _segment_rows(label: str, shm: NodeConnector, near: NodeConnector, out: dict, arr: np.ndarray,
+                  nbytes: int, n: int) -> list[dict]:
+    """The shared-memory and cross-host rows with segments in the directory ``label``
+    (``$OMNI_ACTORS_SHM_DIR`` is set to it around this call)."""
+    rows = []
+
+    def shm_put_get():
+        ref = shm.put(out)
+        return ref, shm.get(ref)
+    rows.append(row("shared memory (put, get maps)", nbytes,
+                    measure(shm_put_get, n, after=lambda r: release_all([r[0]])), segdir=label))
+
+    def shm_put_get_touch():
+        ref = shm.put(out)
+        got = shm.get(ref)
+        int(got["x"].view(np.uint8)[::4096].sum())  # the page faults a reader pays on first touch
+        return ref, got
+    rows.append(row("shared memory + reader touches every page", nbytes,
+                    measure(shm_put_get_touch, n, after=lambda r: release_all([r[0]])), segdir=label))
+
+    def cross_put_get():
+        ref = shm.put(out)
+        return ref, near.get(ref)
+    rows.append(row("cross-host, loopback (put, get fetches)", nbytes,
+                    measure(cross_put_get, n, after=lambda r: release_all([r[0]])), segdir=label))
+    ref = shm.put(out)
     try:
-        service = ServiceProcess(prefix)
-        raw = RawSocket(max(sizes) * MB)
-        inline = NodeConnector(mode="inline", node="bench-far")
-        shm = NodeConnector(0, prefix, node="bench-far", service=service.address)
-        near = NodeConnector(node="bench-near")  # a reader on another node
-        port = _free_port()
-        asys = ActorSystem("multiprocTCPBase", {"Admin Port": port},
-                           logDefs={"version": 1, "disable_existing_loggers": False, "root": {"level": "CRITICAL"}})
-        receiver, sender = asys.createActor(Receiver), asys.createActor(Sender)
-
-        for size in sizes:
-            nbytes = size * MB
-            n = max(2, reps // 2) if size >= 256 else reps * 3 if size <= 4 else reps
-            arr = np.random.default_rng(size).standard_normal(nbytes // 4, dtype=np.float32)
-            out = {"x": arr}
-            print(f"  {size} MB ...", file=sys.stderr, flush=True)
-
-            rows.append(row("memory copy (np.copy)", nbytes, measure(lambda: np.copy(arr), n)))
-            previous = _set_madvise_hugepage(False)
-            try:
-                rows.append(row("memory copy, 4 KiB pages (no THP)", nbytes, measure(lambda: np.copy(arr), n)))
-            finally:
-                _set_madvise_hugepage(previous)
-
-            def inline_put_get():
-                ref = pickle.loads(pickle.dumps(inline.put(out), protocol=pickle.HIGHEST_PROTOCOL))
-                return inline.get(ref)
-            rows.append(row("inline (put, ref pickled+unpickled, get)", nbytes, measure(inline_put_get, n)))
-
-            def shm_put_get():
-                ref = shm.put(out)
-                return ref, shm.get(ref)
-            rows.append(row("shared memory (put, get maps)", nbytes,
-                            measure(shm_put_get, n, after=lambda r: release_all([r[0]]))))
-
-            def shm_put_get_touch():
-                ref = shm.put(out)
-                got = shm.get(ref)
-                int(got["x"].view(np.uint8)[::4096].sum())  # the page faults a reader pays on first touch
-                return ref, got
-            rows.append(row("shared memory + reader touches every page", nbytes,
-                            measure(shm_put_get_touch, n, after=lambda r: release_all([r[0]]))))
-
-            def cross_put_get():
-                ref = shm.put(out)
-                return ref, near.get(ref)
-            rows.append(row("cross-host, loopback (put, get fetches)", nbytes,
-                            measure(cross_put_get, n, after=lambda r: release_all([r[0]]))))
-            ref = shm.put(out)
-            try:
-                got = near.get(ref)["x"]
-                assert np.array_equal(got, arr), "cross-host bytes differ"
-                del got
-                rows.append(row("cross-host get alone (the transfer)", nbytes, measure(lambda: near.get(ref), n)))
-            finally:
-                release_all([ref])
-
-            rows.append(row("raw loopback socket (recv_into)", nbytes, measure(lambda: raw.transfer(nbytes), n)))
-
-            if size <= args.actor_max_mb:
-                times = []
-                for _ in range(max(1, min(n, 3 if size < 64 else 2))):
-                    took = asys.ask(sender, ("send", receiver, nbytes), 300)
-                    if not isinstance(took, float):
-                        raise RuntimeError(f"the actor message of {size} MB got no answer")
-                    times.append(took)
-                rows.append(row("actor message (Thespian TCP)", nbytes,
-                                {"median_s": statistics.median(times), "best_s": min(times)}))
-            else:
-                rows.append(row("actor message (Thespian TCP)", nbytes, None,
-                                note=f"not sent: over {args.actor_max_mb} MB (see the smaller sizes' rate)"))
+        got = near.get(ref)["x"]
+        assert np.array_equal(got, arr), "cross-host bytes differ"
+        del got
+        rows.append(row("cross-host get alone (the transfer)", nbytes, measure(lambda: near.get(ref), n),
+                        segdir=label))
     finally:
-        if asys is not None:
-            asys.shutdown()
-        if raw is not None:
-            raw.close()
-        if service is not None:
-            service.close()
-        sweep_segments(prefix)
-    return {"rows": rows, "ratios": _ratios(rows, sizes)}
+        release_all([ref])
+    return rows
 
 
-def _ratios(rows: list[dict], sizes) -> list[dict]:
-    def best(path_start: str, nbytes: int) -> float | None:
+def _ratios(rows: list[dict], sizes, dirs: list[str]) -> dict[str, list[dict]]:
+    """Per segment directory: per size, the ratios (best-of-N)."""
+    def best(path_start: str, nbytes: int, segdir: str | None = None) -> float | None:
         for r in rows:
-            if r["bytes"] == nbytes and r["path"].startswith(path_start) and "best_gbps" in r:
+            if (r["bytes"] == nbytes and r["path"].startswith(path_start) and "best_gbps" in r
+                    and r.get("segdir") == segdir):
                 return r["best_gbps"]
         return None
 
-    out = []
-    for size in sizes:
-        nbytes = size * MB
-        copy, shm = best("memory copy", nbytes), best("shared memory", nbytes)
-        raw, cross, get = best("raw loopback", nbytes), best("cross-host, loopback", nbytes), \
-            best("cross-host get alone", nbytes)
-        out.append({"size_mb": size, "shm_over_copy": shm / copy, "cross_over_raw": cross / raw,
-                    "cross_get_over_raw": get / raw, "shm_over_copy_4k": shm / best("memory copy, 4 KiB", nbytes)})
+    out: dict[str, list[dict]] = {}
+    for label in dirs:
+        out[label] = []
+        for size in sizes:
+            nbytes = size * MB
+            copy, copy4k, raw = best("memory copy (", nbytes), best("memory copy, 4 KiB", nbytes), \
+                best("raw loopback", nbytes)
+            shm, cross, get = best("shared memory (", nbytes, label), best("cross-host, loopback", nbytes, label), \
+                best("cross-host get alone", nbytes, label)
+            out[label].append({"size_mb": size, "shm_over_copy": shm / copy, "cross_over_raw": cross / raw,
+                               "cross_get_over_raw": get / raw, "shm_over_copy_4k": shm / copy4k})
     return out
 
 
 def print_transfer(result: dict) -> None:
     print("\n== transfer: put+get throughput (median of reps; best in brackets) ==")
-    print(f"{'size':>7}  {'path':<44} {'ms':>9} {'GB/s':>7} {'(best)':>8}")
+    huge = result["huge_tmpfs"]
+    if huge["mounted"]:
+        print(f"segments in /dev/shm, and in a {HUGE_LABEL} mounted for this run ({huge['note']})")
+    else:
+        print(f"segments in /dev/shm only; the {HUGE_LABEL} variant was skipped: {huge['note']}")
+    width = 44 + max(len(f" [{d}]") for d in result["dirs"])
+    print(f"{'size':>7}  {'path':<{width}} {'ms':>9} {'GB/s':>7} {'(best)':>8}")
     last = None
     for r in result["rows"]:
         size = f"{r['bytes'] // MB} MB"
         if last is not None and size != last:
             print()
         last = size
+        path = r["path"] + (f" [{r['segdir']}]" if r.get("segdir") else "")
         if "median_s" in r:
-            print(f"{size:>7}  {r['path']:<44} {r['median_s'] * 1e3:9.2f} {r['median_gbps']:7.2f} "
+            print(f"{size:>7}  {path:<{width}} {r['median_s'] * 1e3:9.2f} {r['median_gbps']:7.2f} "
                   f"({r['best_gbps']:6.2f})")
         else:
-            print(f"{size:>7}  {r['path']:<44} {'-':>9} {'-':>7} {'':>8}  {r['note']}")
-    print(f"\nratios (best-of-N; target >= {TARGET}):")
-    print(f"{'size':>7}  {'shm / memory copy':>18}  {'cross-host / raw socket':>24}  {'cross-host get / raw':>21}"
-          f"  {'(shm / 4 KiB copy)':>19}")
-    for q in result["ratios"]:
-        def fmt(v):
-            return f"{v:.2f} {'ok' if v >= TARGET else 'MISS'}"
-        print(f"{q['size_mb']:>4} MB  {fmt(q['shm_over_copy']):>18}  {fmt(q['cross_over_raw']):>24}  "
-              f"{fmt(q['cross_get_over_raw']):>21}  {q['shm_over_copy_4k']:>19.2f}")
+            print(f"{size:>7}  {path:<{width}} {'-':>9} {'-':>7} {'':>8}  {r['note']}")
+
+    def fmt(v):
+        return f"{v:.2f} {'ok' if v >= TARGET else 'MISS'}"
+
+    verdicts = []
+    for label, ratios in result["ratios"].items():
+        print(f"\nratios, segments in {label} (best-of-N; target >= {TARGET}):")
+        print(f"{'size':>7}  {'shm / memory copy':>18}  {'cross-host / raw socket':>24}  "
+              f"{'cross-host get / raw':>21}  {'(shm / 4 KiB copy)':>19}")
+        for q in ratios:
+            print(f"{q['size_mb']:>4} MB  {fmt(q['shm_over_copy']):>18}  {fmt(q['cross_over_raw']):>24}  "
+                  f"{fmt(q['cross_get_over_raw']):>21}  {q['shm_over_copy_4k']:>19.2f}")
+        verdicts.append((label, [q["size_mb"] for q in ratios if q["shm_over_copy"] < TARGET],
+                         [q["size_mb"] for q in ratios if q["cross_over_raw"] < TARGET]))
+    print(f"\ntargets (>= {TARGET} at every size):")
+    for label, shm_miss, cross_miss in verdicts:
+        def said(miss):
+            return "met" if not miss else f"NOT met (at {', '.join(f'{m} MB' for m in miss)})"
+        print(f"  segments in {label + ':':<{max(len(v[0]) for v in verdicts) + 1}} "
+              f"shared memory / memory copy {said(shm_miss)}; cross-host / raw socket {said(cross_miss)}")
+    both = [label for label, shm_miss, cross_miss in verdicts if not shm_miss and not cross_miss]
+    print(f"  both targets met with segments in: {', '.join(both) if both else 'neither'}")
+    if not huge["mounted"]:
+        print(f"  ({HUGE_LABEL} not measured: {huge['note']})")
+
+
+# --------------------------------------------------------------------- section: first_audio
+
+def section_first_audio(args) -> dict:
+    """Time to first audio, streaming vs whole outputs (benchmarks/first_audio.py); it prints its table."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    from first_audio import print_first_audio
+
+    print("\n== first audio: streaming between stages vs whole outputs ==", flush=True)
+    ratio = print_first_audio(args.first_audio_requests, args.first_audio_max_tokens)
+    return {"streaming_over_whole": ratio, "target": 0.3, "met": ratio <= 0.3}
+
+
+def print_first_audio_result(result: dict) -> None:
+    pass  # printed as it ran (print_first_audio)
 
 
 # --------------------------------------------------------------------- main
@@ -355,6 +515,7 @@ def print_transfer(result: dict) -> None:
 #: name -> (run(args) -> result, print(result)); run in this order.
 SECTIONS: dict[str, tuple[Callable[[Any], dict], Callable[[dict], None]]] = {
     "transfer": (section_transfer, print_transfer),
+    "first_audio": (section_first_audio, print_first_audio_result),
 }
 
 
@@ -368,21 +529,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="repetitions per figure (up to 4 MB: three times as many; 256 MB and up: half)")
     p.add_argument("--actor-max-mb", type=int, default=ACTOR_MAX_MB,
                    help="largest actor message sent, in MB")
+    p.add_argument("--no-huge-tmpfs", action="store_true",
+                   help="do not mount a huge-page tmpfs for the segments (only /dev/shm)")
+    p.add_argument("--skip-first-audio", action="store_true", help="leave out the first_audio section")
+    p.add_argument("--first-audio-requests", type=int, default=10,
+                   help="streamed requests per mode in first_audio (default 10)")
+    p.add_argument("--first-audio-max-tokens", type=int, default=64,
+                   help="Thinker tokens per request in first_audio (default 64)")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    if args.skip_first_audio:
+        args.sections = [s for s in args.sections if s != "first_audio"]
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown or not args.sizes or min(args.sizes) <= 0:
         p.error(f"unknown section(s) {unknown}" if unknown else "sizes must be positive")
     return args
 
 
+def _interrupt(signum, frame):
+    """SIGTERM unwinds like Ctrl-C, so every ``finally`` runs (data services, leaders, the tmpfs mount)."""
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}, {os.cpu_count()} CPUs; transparent huge pages: "
           f"anon {_sysfs('/sys/kernel/mm/transparent_hugepage/enabled')}, "
-          f"shmem {_sysfs('/sys/kernel/mm/transparent_hugepage/shmem_enabled')}", flush=True)
+          f"shmem {_sysfs('/sys/kernel/mm/transparent_hugepage/shmem_enabled')}; "
+          f"/dev/shm mounted {_mount_options('/dev/shm') or '?'}", flush=True)
+    signal.signal(signal.SIGTERM, _interrupt)
     results = {}
     for name in args.sections:
         run, show = SECTIONS[name]

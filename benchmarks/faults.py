@@ -69,7 +69,7 @@ def run_one(config: Path, label: str, fault: str, kwargs: dict, clients: int) ->
         r = run_scenario(leader, fault, clients=clients, **kwargs)
     finally:
         leader.stop()
-    left = {"processes": leader.left_after_exit, "segments": list_segments(f"oa-{leader.admin_port}-")}
+    left = {"processes": leader.left_after_exit, "segments": list_segments(f"oa-{leader.admin_port}-", leader.shm_dir)}
     latencies = sorted(o.end - o.start for o in r.outcomes)
     return {"label": label, "fault": fault, "target": r.target,
             "isolation_ms": r.isolation_ms and round(r.isolation_ms, 1),

@@ -34,6 +34,8 @@ __all__ = [
     "StageDeployment",
     "Deployment",
     "PipelineConfig",
+    "OmniConnectors",
+    "StageConnector",
     "load_config",
     "parse_config",
     "DEFAULT_CONFIG",
@@ -46,6 +48,8 @@ PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
 PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
 OutputType = Literal["text", "audio", "image"]
+#: How engines store their stage outputs: ``omni_actors.connectors.MODES``.
+ConnectorMode = Literal["auto", "inline", "shm", "tcp"]
 
 
 class ConfigError(ValueError):
@@ -174,7 +178,17 @@ class Streaming(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class Deployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The deployment block. Defaults: heartbeat 1 s (issue 4); ready timeout
-    60 s; request timeout 300 s; 64 KiB inline threshold as vLLM-Omni's."""
+    60 s; request timeout 300 s; 64 KiB inline threshold as vLLM-Omni's;
+    connector ``auto``.
+
+    ``connector`` is how every engine stores its stage outputs (see
+    ``omni_actors.connectors.MODES``): ``auto`` inline up to
+    ``inline_threshold_bytes``, else a shared-memory segment read in place on
+    its node and fetched from the node's data service elsewhere; ``inline``
+    always inline; ``shm`` always a segment; ``tcp`` as ``auto`` but every
+    reader fetches segments through the data service. With ``auto``, a
+    process's ``$OMNI_ACTORS_CONNECTOR`` (where set) picks its mode.
+    """
 
     served_model_name: Annotated[str, msgspec.Meta(min_length=1)]
     heartbeat_interval_s: PositiveFloat = 1.0
@@ -183,10 +197,45 @@ class Deployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens_limit: PositiveInt = 4096
     load_balancing: Literal["least_loaded"] = "least_loaded"
     inline_threshold_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 * 1024
+    connector: ConnectorMode = "auto"
     request_actors: PositiveInt = 16
     supervision: Supervision = msgspec.field(default_factory=Supervision)
     streaming: Streaming = msgspec.field(default_factory=Streaming)
     stages: dict[str, StageDeployment] = {}
+
+
+class StageConnector(msgspec.Struct, kw_only=True):
+    """What a vLLM-Omni connector setting made of one producing stage's puts."""
+
+    #: the inline threshold its engines use (``shm_threshold_bytes``); None: the deployment's
+    inline_threshold_bytes: int | None = None
+    #: the settings it came from (YAML paths)
+    origin: list[str] = []
+
+
+class OmniConnectors(msgspec.Struct, kw_only=True):
+    """vLLM-Omni's connector settings in a ``stage_args`` config, and what was made of them.
+
+    vLLM-Omni's legacy stage configs name connectors in a top-level
+    ``runtime`` block (``connectors``: name -> ``{name, extra}``; ``edges``:
+    ``{from, to, window_size, max_inflight}``) and per stage in
+    ``input_connectors`` (``from_stage_N``) / ``output_connectors``
+    (``to_stage_N``): a connector name of ``runtime.connectors`` or an inline
+    ``{name, extra}``. All of it is checked and kept. ``SharedMemoryConnector``
+    has an equivalent here (ours: inline up to its ``shm_threshold_bytes``,
+    default 64 KiB, a shared-memory segment above), so its threshold is applied
+    to the producing stage; any other connector (Mooncake, Yuanrong, Mori,
+    NIXL) is not applied: it needs vLLM-Omni's own connector, and the edge
+    uses ours. ``notes`` says what was and was not applied, one line each.
+    """
+
+    connectors: dict[str, Any] = {}
+    edges: list[Any] = []
+    #: ``"FROM->TO"`` -> the connector class a stage names for that edge
+    by_edge: dict[str, str] = {}
+    #: producing stage name -> what was applied to its engines
+    applied: dict[str, StageConnector] = {}
+    notes: list[str] = []
 
 
 class PipelineConfig(msgspec.Struct, kw_only=True):
@@ -195,6 +244,8 @@ class PipelineConfig(msgspec.Struct, kw_only=True):
     stage_args: list[StageSpec]
     deployment: Deployment
     source: str = "<memory>"
+    #: vLLM-Omni's connector settings (legacy ``runtime`` / ``input_connectors`` / ``output_connectors``)
+    omni_connectors: OmniConnectors = msgspec.field(default_factory=OmniConnectors)
 
     # -- derived views ---------------------------------------------------
     def stage(self, stage_id: int) -> StageSpec:
@@ -218,6 +269,21 @@ class PipelineConfig(msgspec.Struct, kw_only=True):
 
     def consumers(self, stage_id: int) -> list[int]:
         return [s.stage_id for s in self.stage_args if stage_id in s.engine_input_source]
+
+    def connector_mode_of(self, stage: StageSpec) -> str | None:
+        """The connector mode of ``stage``'s engines: ``deployment.connector``;
+        None for ``auto`` (each process's default: ``$OMNI_ACTORS_CONNECTOR``, else auto)."""
+        mode = self.deployment.connector
+        return None if mode == "auto" else mode
+
+    def inline_threshold_of(self, stage: StageSpec) -> int:
+        """The inline threshold of ``stage``'s engines: a vLLM-Omni
+        ``SharedMemoryConnector``'s ``shm_threshold_bytes`` on its output
+        edges, else ``deployment.inline_threshold_bytes``."""
+        applied = self.omni_connectors.applied.get(stage.name)
+        if applied is not None and applied.inline_threshold_bytes is not None:
+            return applied.inline_threshold_bytes
+        return self.deployment.inline_threshold_bytes
 
 
 # -- loading -------------------------------------------------------------
@@ -306,6 +372,7 @@ def parse_config(data: Any, source: str = "<memory>") -> PipelineConfig:
     cfg = _convert({"stage_args": data["stage_args"], "deployment": deployment}, PipelineConfig, source)
     cfg.source = source
     _check_graph(cfg, source)
+    cfg.omni_connectors = _omni_connectors(data, cfg, source)
     return cfg
 
 
@@ -438,6 +505,121 @@ def _check_acyclic(cfg: PipelineConfig, source: str) -> None:
 
     for sid in by_id:
         visit(sid, [])
+
+
+#: vLLM-Omni connector classes with an equivalent here (see :class:`OmniConnectors`).
+SHARED_MEMORY_CONNECTORS = ("SharedMemoryConnector",)
+_EDGE_KEYS = {"input_connectors": re.compile(r"from_stage_(\d+)"),
+              "output_connectors": re.compile(r"to_stage_(\d+)")}
+_NOT_APPLIED = "not applied: needs vLLM-Omni's own connector (e.g. Mooncake)"
+
+
+def _omni_connectors(data: dict[str, Any], cfg: PipelineConfig, source: str) -> OmniConnectors:
+    """Check and map vLLM-Omni's connector settings of a ``stage_args`` config
+    (see :class:`OmniConnectors`). Raises ConfigError naming the YAML path."""
+    from omni_actors.vllm_omni_deploy.files import ConnectorSpec, Edge
+
+    runtime = data.get("runtime")
+    raw_stages = data["stage_args"]
+    if runtime is None and not any(isinstance(st, dict) and (st.get("input_connectors") or st.get("output_connectors"))
+                                   for st in raw_stages):
+        return OmniConnectors()
+    if runtime is None:
+        runtime = {}
+    if not isinstance(runtime, dict):
+        raise ConfigError(source, "runtime", f"expected a mapping (vLLM-Omni's `connectors`, `edges`), "
+                                             f"got `{type(runtime).__name__}`")
+    defined = runtime.get("connectors") or {}
+    if not isinstance(defined, dict):
+        raise ConfigError(source, "runtime.connectors", "expected a mapping of connector names to "
+                                                        "`{name, extra}`")
+    specs = {str(k): _convert(v, ConnectorSpec, source, f"runtime.connectors.{k}") for k, v in defined.items()}
+    edges = _convert(runtime.get("edges") or [], list[Edge], source, "runtime.edges")
+    ids = {st.stage_id: st for st in cfg.stage_args}
+    for j, edge in enumerate(edges):
+        for end, sid in (("from", edge.from_stage), ("to", edge.to_stage)):
+            if sid not in ids:
+                raise ConfigError(source, f"runtime.edges[{j}].{end}",
+                                  f"unknown stage_id {sid}; known: {sorted(ids)}")
+
+    # (from, to) -> (connector spec, where a stage names it, where it is defined), from both ends of each edge
+    by_edge: dict[tuple[int, int], tuple[ConnectorSpec, str, str]] = {}
+    for i, raw in enumerate(raw_stages):
+        me = cfg.stage_args[i].stage_id
+        for field, pattern in _EDGE_KEYS.items():
+            entries = raw.get(field) or {}
+            if not isinstance(entries, dict):
+                raise ConfigError(source, f"stage_args[{i}].{field}",
+                                  "expected a mapping of `from_stage_N` / `to_stage_N` to a connector")
+            for key, ref in entries.items():
+                path = f"stage_args[{i}].{field}.{key}"
+                m = pattern.fullmatch(str(key))
+                if m is None:
+                    want = "from_stage_N" if field == "input_connectors" else "to_stage_N"
+                    raise ConfigError(source, path, f"expected a key `{want}` (N: a stage_id)")
+                other = int(m.group(1))
+                if other not in ids:
+                    raise ConfigError(source, path, f"unknown stage_id {other}; known: {sorted(ids)}")
+                if isinstance(ref, str):
+                    if ref not in specs:
+                        raise ConfigError(source, path, f"no connector `{ref}` under `runtime.connectors`; "
+                                                        f"defined: {sorted(specs) or 'none'}")
+                    spec, named = specs[ref], f"runtime.connectors.{ref}"
+                else:
+                    spec, named = _convert(ref, ConnectorSpec, source, path), path
+                edge = (other, me) if field == "input_connectors" else (me, other)
+                if edge in by_edge and by_edge[edge][0].name != spec.name:
+                    raise ConfigError(source, path, f"edge {edge[0]}->{edge[1]} has connector `{spec.name}` "
+                                                    f"here but `{by_edge[edge][0].name}` at {by_edge[edge][1]}")
+                by_edge.setdefault(edge, (spec, path if named == path else f"{path} -> {named}", named))
+
+    notes: list[str] = []
+    thresholds: dict[int, dict[int, str]] = {}  # producer -> threshold -> where it is set
+    for (src, dst), (spec, where, named) in sorted(by_edge.items()):
+        producer = ids[src].name
+        if src not in ids[dst].engine_input_source:
+            notes.append(f"{where}: edge {src}->{dst} is not in the stage graph (stage {dst}'s "
+                         f"engine_input_source): ignored")
+            continue
+        if spec.name not in SHARED_MEMORY_CONNECTORS:
+            notes.append(f"{where} ({spec.name}) on edge {src}->{dst}: {_NOT_APPLIED}; "
+                         f"{producer}'s outputs go through omni-actors' connectors (deployment.connector: "
+                         f"{cfg.deployment.connector})")
+            continue
+        value = spec.extra.get("shm_threshold_bytes")
+        if cfg.deployment.connector in ("inline", "shm"):
+            notes.append(f"{where} ({spec.name}) on edge {src}->{dst}: not applied: deployment.connector "
+                         f"`{cfg.deployment.connector}` sets how every stage stores its outputs")
+            continue
+        if value is None:
+            notes.append(f"{where} ({spec.name}) on edge {src}->{dst}: applied as omni-actors' shared-memory "
+                         f"connector (inline up to deployment.inline_threshold_bytes, "
+                         f"{cfg.deployment.inline_threshold_bytes})")
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(source, f"{named}.extra.shm_threshold_bytes",
+                              f"expected an integer >= 0, got `{value!r}`")
+        thresholds.setdefault(src, {}).setdefault(value, where)
+    applied: dict[str, StageConnector] = {}
+    for src, found in thresholds.items():
+        producer = ids[src].name
+        where = ", ".join(found.values())
+        if len(found) > 1:
+            notes.append(f"{where}: different shm_threshold_bytes ({', '.join(map(str, found))}) for the "
+                         f"outputs of one stage ({producer}): not applied; it uses "
+                         f"deployment.inline_threshold_bytes ({cfg.deployment.inline_threshold_bytes})")
+            continue
+        (value,) = found
+        applied[producer] = StageConnector(inline_threshold_bytes=value, origin=list(found.values()))
+        notes.append(f"{where} (SharedMemoryConnector): applied to {producer}: inline up to {value} bytes, "
+                     f"a shared-memory segment above")
+    if edges:
+        notes.append("runtime.edges: kept, not applied (flow control between stages is "
+                     "deployment.streaming.max_buffered_chunks)")
+    return OmniConnectors(connectors={k: msgspec.to_builtins(v) for k, v in specs.items()},
+                          edges=[msgspec.to_builtins(e) for e in edges],
+                          by_edge={f"{a}->{b}": spec.name for (a, b), (spec, _, _) in sorted(by_edge.items())},
+                          applied=applied, notes=notes)
 
 
 #: Engine packages whose processors are checked by their engine at load time

@@ -264,6 +264,8 @@ class SystemStatus:
     stages: tuple[PoolState, ...]
     coordinator_pid: int | None = None
     nodes: tuple[NodeStatus, ...] = ()
+    #: config settings accepted but not (or only partly) applied, one line each
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,8 @@ class StartPool:
     inline_threshold_bytes: int
     load_balancing: str = "least_loaded"
     supervision: Supervision = field(default_factory=Supervision)
+    #: how its engines store outputs (``omni_actors.connectors.MODES``); None: each engine's default
+    connector_mode: str | None = None
 
 
 @dataclass(frozen=True)
@@ -291,6 +295,8 @@ class StartEngine:
     inline_threshold_bytes: int
     node: str = ""
     devices: tuple[str, ...] | None = None  #: pinned devices; None: leave CUDA_VISIBLE_DEVICES alone (CPU node)
+    #: ``deployment.connector`` (``omni_actors.connectors.MODES``); None: ``$OMNI_ACTORS_CONNECTOR``, else auto
+    connector_mode: str | None = None
 
 
 @dataclass(frozen=True)

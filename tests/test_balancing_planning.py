@@ -78,9 +78,9 @@ def test_concurrent_requests_spread_by_in_flight() -> None:
 # -- plan_request -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def omni():
-    return load_config(OMNI)
+    return load_config(OMNI)  # fresh per test: some tests change it
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,7 @@ def test_text_only_runs_the_thinker_alone(omni, omni_pools) -> None:
 
 
 def test_text_and_audio_runs_the_whole_chain(omni, omni_pools) -> None:
+    omni.deployment.streaming.enabled = False  # (streamed edges: tests/test_streaming.py)
     plan = plan_request(omni, omni_pools, {"text", "audio"})
     assert [s.stage for s in plan.stages] == ["thinker", "talker", "code2wav"]
     stages = by_name(plan)
@@ -116,6 +117,7 @@ def test_text_and_audio_runs_the_whole_chain(omni, omni_pools) -> None:
 
 
 def test_audio_only_still_runs_the_thinker_but_does_not_return_its_text(omni, omni_pools) -> None:
+    omni.deployment.streaming.enabled = False
     stages = by_name(plan_request(omni, omni_pools, ["audio"]))
     assert list(stages) == ["thinker", "talker", "code2wav"]
     assert stages["thinker"].final_output_type is None

@@ -171,6 +171,29 @@ def test_api_finds_the_leader_through_a_member_and_refuses_bad_addresses(leader,
         assert (out.returncode, out.stderr.strip()) == (code, message), out.stderr
 
 
+def test_status_shell_and_stage_verbs_reach_the_system_through_the_convention_address(leader, tmp_path):
+    """As from another host: no local admin, no state dir, only the leader's admin address."""
+    env = {**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path), "OMNI_ACTORS_HISTORY": str(tmp_path / "h")}
+    address = f"127.0.0.1:{leader.admin_port}"
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "omni_actors.system", *args, "--convention-address", address],
+                              capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+
+    out = cli("status", "--json")
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert {st["stage"] for st in status["stages"]} == {"thinker", "talker", "code2wav"}
+    out = cli("shell", "-c", "nodes", "-c", "scale talker 3", "-c", "replicas talker")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "talker/2" in out.stdout
+    out = cli("stage", "scale", "--stage", "talker", "--replicas", "2")
+    assert out.returncode == 0, out.stderr
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "status", "--convention-address", "nowhere"],
+                         capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert (out.returncode, out.stderr.strip()) == (2, "error: --convention-address must be HOST:PORT, got 'nowhere'")
+
+
 def test_api_in_another_network_namespace_serves_through_the_leaders_admin(request, tmp_path):
     why = _netns_unavailable()
     if why:

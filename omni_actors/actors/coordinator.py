@@ -80,6 +80,11 @@ class CoordinatorActor(ActorTypeDispatcher):
                 self._start_pool(stage)
             self._log.info("deploying", model=cfg.deployment.served_model_name,
                            stages=[s.name for s in cfg.stage_args])
+            for note in cfg.omni_connectors.notes:  # vLLM-Omni connector settings: what was applied
+                if "not applied" in note:
+                    self._log.warning("config_note", note=note)
+                else:
+                    self._log.info("config_note", note=note)
             # Answer even if a pool never reports: ready deadline plus a margin.
             self.wakeupAfter(cfg.deployment.ready_timeout_s + 5.0, payload="deploy_deadline")
             self._publish_routes()  # subscribers that came before the config (after a coordinator restart)
@@ -92,7 +97,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         pool = self.createActor(StagePoolActor)
         self._pools[stage.stage_id] = pool
         self.send(pool, StartPool(stage, cfg.deployment_of(stage), dep.heartbeat_interval_s, dep.ready_timeout_s,
-                                  dep.inline_threshold_bytes, dep.load_balancing, dep.supervision))
+                                  cfg.inline_threshold_of(stage), dep.load_balancing, dep.supervision,
+                                  connector_mode=cfg.connector_mode_of(stage)))
 
     def _settled(self) -> bool:
         if self._config is None:
@@ -323,8 +329,9 @@ class CoordinatorActor(ActorTypeDispatcher):
         stages = tuple(self._states[s.stage_id] for s in self._config.stage_args) if self._config else ()
         ready = bool(stages) and all(any(r.state == ReplicaState.READY for r in st.replicas) for st in stages)
         model = self._config.deployment.served_model_name if self._config else ""
+        notes = tuple(self._config.omni_connectors.notes) if self._config else ()
         return SystemStatus(query_id=query_id or str(time.time()), model=model, ready=ready, stages=stages,
-                            coordinator_pid=os.getpid(), nodes=self._inventory.status())
+                            coordinator_pid=os.getpid(), nodes=self._inventory.status(), notes=notes)
 
 
 def _split(value) -> tuple[str, ...]:

@@ -21,17 +21,17 @@ from typing import Any
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ThespianWatch, WakeupMessage, WatchMessage
 
+from omni_actors.actors.engine_stream import StreamingMixin
 from omni_actors.actors.node_agent import on_node
 from omni_actors.config import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
 from omni_actors.engines import create_backend
 from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal, TextDelta, UpstreamTimeout
 from omni_actors.logs import get_logger
+from omni_actors.messages import (CancelStage, DrainReplica, EngineFailed, EngineReady, ErrorKind, FaultKind,
+                                  Heartbeat, HeartbeatAck, InjectFault, StageAccepted, StageChunk, StageDelta,
+                                  StageDone, StageFailed, StageTask, StartEngine, TaskFinished)
 from omni_actors.processors import default_input
-from omni_actors.messages import (CancelStage, ChunkAck, ChunkConsumed, DrainReplica, EngineFailed, EngineReady,
-                                  ErrorKind, FaultKind, Heartbeat, HeartbeatAck, InjectFault, InputChunk,
-                                  StageAccepted, StageChunk, StageDelta, StageDone, StageFailed, StageTask,
-                                  StartEngine, TaskFinished)
 
 #: Missing pool acks for this many heartbeat intervals means the pool is gone.
 ORPHAN_AFTER_INTERVALS = 3
@@ -39,8 +39,6 @@ ORPHAN_AFTER_INTERVALS = 3
 #: second per stream): an actor message costs about 1 ms of CPU here, so one per
 #: token would cap a replica near a thousand tokens a second, all streams together.
 STREAM_FLUSH_S = 0.02
-#: Inputs at least this large are read on a worker thread (see EngineActor._fetch).
-FETCH_ON_THREAD_BYTES = 1 << 20
 #: How long an exiting replica waits for its backend to stop (a vLLM core takes 2.5 s alone,
 #: over 5 s when three stop at once on 2 cores).
 SHUTDOWN_TIMEOUT_S = 10.0
@@ -140,7 +138,7 @@ class LoopThread:
         self._thread.join(timeout=2.0)
 
 
-class EngineActor(ActorTypeDispatcher):
+class EngineActor(StreamingMixin, ActorTypeDispatcher):
     """Hosts one engine backend; see the module docstring for the threading model."""
 
     # Placed by the coordinator: created with targetActorRequirements={"omni_node": N}.
@@ -176,7 +174,7 @@ class EngineActor(ActorTypeDispatcher):
             return self._watch()
         self._spec, self._pool = msg, sender
         self._log = self._log.bind(stage=msg.stage.name, replica=msg.replica)
-        self._connector = make_connector(msg.inline_threshold_bytes)
+        self._connector = make_connector(msg.inline_threshold_bytes, mode=msg.connector_mode)
         func = msg.stage.custom_process_input_func
         # Pinning: set before the backend (and CUDA) is imported in this process. The
         # coordinator's placement decides; without one (a CPU node), vLLM-Omni's own
@@ -309,28 +307,6 @@ class EngineActor(ActorTypeDispatcher):
             self._rt.loop.call_soon_threadsafe(self._cancel, msg.request_id, msg.stage_id)
         return self._watch()
 
-    def receiveMsg_InputChunk(self, msg: InputChunk, sender):
-        if self._rt is not None:
-            self._rt.loop.call_soon_threadsafe(self._on_input_chunk, msg)
-        return self._watch()
-
-    def _on_input_chunk(self, msg: InputChunk) -> None:
-        """On the loop thread: queue a chunk for its task (stale attempts are dropped)."""
-        entry = self._inputs.get((msg.request_id, msg.stage_id))
-        if entry is not None and entry[0] == msg.attempt:
-            entry[1].put_nowait(msg)
-
-    def receiveMsg_ChunkAck(self, msg: ChunkAck, sender):
-        if self._rt is not None:
-            self._rt.loop.call_soon_threadsafe(self._on_chunk_ack, msg)
-        return self._watch()
-
-    def _on_chunk_ack(self, msg: ChunkAck) -> None:
-        credit = self._credits.get((msg.request_id, msg.stage_id))
-        if credit is not None and credit[0] == msg.attempt and msg.upto > credit[1]:
-            credit[1] = msg.upto
-            credit[2].set()
-
     def _cancel(self, request_id: str, stage_id: int) -> None:
         """On the loop thread: abort the backend's work and the task."""
         task = self._tasks.get((request_id, stage_id))
@@ -453,57 +429,3 @@ class EngineActor(ActorTypeDispatcher):
         return StageDone(msg.request_id, msg.stage_id, self._spec.replica, output, final_ref,
                          prompt_tokens=final.num_prompt_tokens, output_tokens=final.num_output_tokens,
                          finish_reason=finish, chunks=chunks, attempt=msg.attempt)
-
-    async def _fetch(self, ref) -> dict[str, Any]:
-        """Read a connector ref. A large one runs on a worker thread: fetched from
-        another node's data service it can take 0.1 s per 256 MB here, and the
-        loop must keep every other task streaming meanwhile."""
-        if ref.size < FETCH_ON_THREAD_BYTES:
-            return self._connector.get(ref)
-        return await asyncio.to_thread(self._connector.get, ref)
-
-    async def _input_chunks(self, msg: StageTask, chunks: asyncio.Queue):
-        """The processed input chunks of a streaming task, in order, until the end marker.
-
-        Reports progress (:class:`ChunkConsumed`) every half window, so the
-        producer, which waits at a full window, never stalls on us.
-
-        Raises:
-            UpstreamTimeout: no chunk for ``chunk_timeout_s``.
-        """
-        src, seq, every = msg.stream_source, 0, max(1, msg.chunk_window // 2)
-        early: dict[int, InputChunk] = {}  # chunks may overtake each other in transit
-        end_at = None
-        while True:
-            while seq not in early and seq != end_at:
-                try:
-                    item = await asyncio.wait_for(chunks.get(), msg.chunk_timeout_s)
-                except asyncio.TimeoutError:
-                    raise UpstreamTimeout(f"no chunk from upstream stage {src} within {msg.chunk_timeout_s:g} s "
-                                          f"(after {seq} chunks): its replica died or stalled") from None
-                if item.ref is None:
-                    end_at = item.seq
-                elif item.seq >= seq:
-                    early[item.seq] = item  # (a replayed duplicate of an earlier one is dropped)
-            if seq == end_at:
-                return
-            outputs = await self._fetch(early.pop(seq).ref)
-            seq += 1
-            yield self._processor({src: outputs}, msg.prompt, msg.params)
-            if seq % every == 0:
-                self._rt.emit(msg.reply_to, ChunkConsumed(msg.request_id, msg.stage_id, src, seq, msg.attempt))
-
-    async def _wait_credit(self, msg: StageTask, seq: int) -> None:
-        """Backpressure: wait until fewer than ``chunk_window`` chunks are unconsumed.
-
-        Raises:
-            UpstreamTimeout: nothing was consumed for ``chunk_timeout_s`` (the consumer is gone).
-        """
-        credit = self._credits[(msg.request_id, msg.stage_id)]
-        while seq - credit[1] >= msg.chunk_window:
-            credit[2].clear()
-            try:
-                await asyncio.wait_for(credit[2].wait(), msg.chunk_timeout_s)
-            except asyncio.TimeoutError:
-                raise UpstreamTimeout(f"the downstream stage consumed no chunk within {msg.chunk_timeout_s:g} s "
-                                      f"({seq - credit[1]} chunks waiting)") from None

@@ -15,6 +15,8 @@ Environment (set by the host's leader/member for every actor it starts):
   (refs carry no node, every reader maps the segment).
 - ``OMNI_ACTORS_DATA_SERVICE``: ``host:port`` of this node's data service.
 - ``OMNI_ACTORS_SHM_PREFIX``: prefix of this node's segment names.
+- ``OMNI_ACTORS_SHM_DIR``: the directory (a tmpfs) segments live in; default
+  ``/dev/shm``. Read whenever a segment is made, opened, listed or unlinked.
 - ``OMNI_ACTORS_CONNECTOR``: default mode, see :data:`MODES`.
 """
 
@@ -30,13 +32,14 @@ from omni_actors.connectors import data_service
 from omni_actors.connectors.base import Connector, ConnectorRef, FieldLayout
 from omni_actors.connectors.data_service import NODE_ENV, SERVICE_ENV, DataService, DataServiceError
 from omni_actors.connectors.inline import ConnectorError, InlineConnector, plan, read_outputs
-from omni_actors.connectors.shm import ShmConnector, _unlink, default_prefix, list_segments, \
-    segment_usage, sweep_segments
+from omni_actors.connectors.shm import DIR_ENV, SegmentDirError, ShmConnector, _unlink, check_segment_dir, \
+    default_prefix, list_segments, segment_dir, segment_usage, sweep_segments
 
 __all__ = [
-    "Connector", "ConnectorError", "ConnectorRef", "DataService", "DataServiceError", "FieldLayout",
-    "InlineConnector", "LocalConnector", "MODES", "NodeConnector", "ShmConnector", "default_prefix",
-    "list_segments", "local_node", "make_connector", "release_all", "segment_usage", "sweep_segments",
+    "Connector", "ConnectorError", "ConnectorRef", "DIR_ENV", "DataService", "DataServiceError", "FieldLayout",
+    "InlineConnector", "LocalConnector", "MODES", "NodeConnector", "SegmentDirError", "ShmConnector",
+    "check_segment_dir", "default_prefix", "list_segments", "local_node", "make_connector", "release_all",
+    "segment_dir", "segment_usage", "sweep_segments",
 ]
 
 log = structlog.get_logger(__name__)

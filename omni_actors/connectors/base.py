@@ -33,10 +33,11 @@ class ConnectorRef:
     """A reference to stage outputs.
 
     Attributes:
-        kind: ``"inline"`` (bytes ride in ``payload``), ``"shm"`` (a POSIX
-            shared-memory segment named ``location`` on node ``node``: mapped
-            there, fetched from ``service`` elsewhere) or ``"tcp"`` (such a
-            segment, always fetched from ``service``, even on its own node).
+        kind: ``"inline"`` (bytes ride in ``payload``), ``"shm"`` (a
+            shared-memory segment, a file in the node's ``$OMNI_ACTORS_SHM_DIR``,
+            named ``location`` on node ``node``: mapped there, fetched from
+            ``service`` elsewhere) or ``"tcp"`` (such a segment, always
+            fetched from ``service``, even on its own node).
         size: bytes of array data.
         layout: one :class:`FieldLayout` per output field.
         location: the segment name for ``shm``/``tcp``; None for inline.

@@ -3,7 +3,8 @@
 One runs on every host of a system (started by the leader and by each member
 before their Thespian admin, see ``omni_actors.system``), bound to the
 interface the host uses to reach the others. It serves the segments of its
-prefix (``$OMNI_ACTORS_SHM_PREFIX``) over plain TCP:
+prefix (``$OMNI_ACTORS_SHM_PREFIX``, in ``$OMNI_ACTORS_SHM_DIR``, default
+``/dev/shm``) over plain TCP:
 
 - ``get``: the raw bytes of a segment, sent from the segment itself
   (``os.sendfile``; ``sendall`` of a read-only mapping where sendfile is not
@@ -13,7 +14,7 @@ prefix (``$OMNI_ACTORS_SHM_PREFIX``) over plain TCP:
 - ``config``: change ``reap_after_s`` (a member learns it from the coordinator).
 
 A reaper thread unlinks segments of the prefix older than ``reap_after_s``
-(by their ``/dev/shm`` mtime): what a dead replica or a crashed request left.
+(by their files' mtime): what a dead replica or a crashed request left.
 
 Wire format (big-endian). A request is ``u32 length`` + a JSON object of that
 many bytes (at most :data:`MAX_REQUEST` bytes): ``{"op": "get", "name": N,
@@ -56,8 +57,8 @@ import numpy as np
 import structlog
 
 from omni_actors.connectors.inline import ConnectorError
-from omni_actors.connectors.shm import SHM_DIR, _unlink, check_name, default_prefix, list_segments, \
-    open_segment, segment_usage
+from omni_actors.connectors.shm import DIR_ENV, _unlink, check_name, check_segment_dir, default_prefix, \
+    list_segments, open_segment, segment_dir, segment_usage
 
 log = structlog.get_logger(__name__)
 
@@ -265,7 +266,13 @@ class DataService:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def start(self) -> "DataService":
-        """Bind and serve. Raises OSError if the address cannot be bound."""
+        """Bind and serve.
+
+        Raises:
+            SegmentDirError: the segment directory is unusable.
+            OSError: the address cannot be bound.
+        """
+        check_segment_dir()
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         self._server = _Server((self.host, self.port), self, family)
         serve = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
@@ -275,7 +282,7 @@ class DataService:
         for t in self._threads:
             t.start()
         _LIVE.add(self)
-        log.info("data_service_started", address=self.address, prefix=self.prefix,
+        log.info("data_service_started", address=self.address, prefix=self.prefix, dir=segment_dir(),
                  reap_after_s=self.reap_after_s)
         return self
 
@@ -413,7 +420,8 @@ class DataService:
         segments, nbytes = segment_usage(self.prefix)
         with self._lock:
             counters = dict(self._counters)
-        return {"node": self.node, "prefix": self.prefix, "segments": segments, "bytes": nbytes,
+        return {"node": self.node, "prefix": self.prefix, "dir": segment_dir(), "segments": segments,
+                "bytes": nbytes,
                 "reap_after_s": self.reap_after_s, **counters}
 
     # -- reaper -----------------------------------------------------------------------------
@@ -421,9 +429,10 @@ class DataService:
         """Unlink the segments of the prefix older than ``reap_after_s``; how many."""
         now = time.time() if now is None else now
         removed = 0
-        for name in list_segments(self.prefix):
+        directory = segment_dir()
+        for name in list_segments(self.prefix, directory):
             try:
-                age = now - os.stat(os.path.join(SHM_DIR, name)).st_mtime
+                age = now - os.stat(os.path.join(directory, name)).st_mtime
             except FileNotFoundError:
                 continue
             if age > self.reap_after_s and _unlink(name):
@@ -687,7 +696,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", default=None, help="segment prefix (default $OMNI_ACTORS_SHM_PREFIX)")
     parser.add_argument("--reap-after-s", type=float, default=DEFAULT_REAP_AFTER_S)
     parser.add_argument("--node", default=None)
+    parser.add_argument("--shm-dir", default=None,
+                        help=f"directory of the segments (default ${DIR_ENV}, else /dev/shm)")
     args = parser.parse_args(argv)
+    if args.shm_dir:
+        os.environ[DIR_ENV] = args.shm_dir
     from omni_actors.logs import configure_logging
 
     configure_logging()  # JSON lines on stderr; stdout carries only the READY line

@@ -1,4 +1,14 @@
-"""The shared-memory connector: one POSIX segment per ``put`` (read in place on its node).
+"""The shared-memory connector: one segment per ``put`` (read in place on its node).
+
+A segment is a file in a tmpfs directory: ``$OMNI_ACTORS_SHM_DIR``, else
+``/dev/shm`` (on Linux a POSIX ``shm_open`` segment is exactly such a file in
+``/dev/shm``, so the default behaves as POSIX shared memory). The directory
+is read from the environment whenever a segment is made, opened, listed or
+unlinked; every process of one node must see the same one (the leader and
+members export it to the actors they start, see ``start --shm-dir``). A tmpfs
+mounted with ``huge=within_size`` (or ``always``) backs big segments with
+huge pages, which makes writing them several times faster on hosts whose
+``/dev/shm`` has none (``shmem_enabled`` ``never``).
 
 ``put`` creates a segment of exactly the packed size and writes the array
 bytes into it with ``pwrite`` (one copy, no page tables to build: on the VMs
@@ -7,20 +17,20 @@ maps the segment read-only and returns read-only numpy views on the mapping:
 nothing is copied, and the mapping lives as long as any of those arrays (an
 unlinked segment stays readable through a mapping made before the unlink).
 
-Lifetimes are ours, not the interpreter's: segments are created and opened
-with ``_posixshmem`` directly, never through ``multiprocessing``'s resource
-tracker (which would unlink a segment when any process that merely read it
-exits). The request owner releases (unlinks) each segment; the node's data
-service reaps what a crashed producer or request left
+Lifetimes are ours, not the interpreter's: segments are plain files opened
+with ``os.open``, never through ``multiprocessing``'s resource tracker (which
+would unlink a segment when any process that merely read it exits). The
+request owner releases (unlinks) each segment; the node's data service reaps
+what a crashed producer or request left
 (:mod:`omni_actors.connectors.data_service`), and :func:`sweep_segments`
 clears a whole system's prefix at start and stop.
 """
 
 from __future__ import annotations
 
-import _posixshmem  # the C module behind SharedMemory: open/unlink without the tracker
 import mmap
 import os
+import stat
 import sys
 import uuid
 from typing import Any
@@ -33,8 +43,11 @@ from omni_actors.connectors.inline import ConnectorError, InlineConnector, array
 
 PREFIX_ENV = "OMNI_ACTORS_SHM_PREFIX"
 DEFAULT_PREFIX = "omni-actors-"
-SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared memory; used to list, age and sweep
+DIR_ENV = "OMNI_ACTORS_SHM_DIR"  #: the directory segments live in (a tmpfs); default SHM_DIR
+SHM_DIR = "/dev/shm"  #: the default directory: where Linux keeps POSIX shared memory
 NAME_MAX = 255
+#: O_NOFOLLOW as shm_open uses it: a segment name is never followed elsewhere.
+_OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 # Python >= 3.13 can map without keeping a dup of the fd open per mapping.
 _MMAP_KWARGS = {"trackfd": False} if sys.version_info >= (3, 13) else {}
@@ -47,6 +60,47 @@ def default_prefix() -> str:
     so that its data service and sweeps touch only its own segments.
     """
     return os.environ.get(PREFIX_ENV) or DEFAULT_PREFIX
+
+
+class SegmentDirError(OSError):
+    """The segment directory (``$OMNI_ACTORS_SHM_DIR``) is unusable; the message says why."""
+
+
+def segment_dir() -> str:
+    """The directory segments live in: ``$OMNI_ACTORS_SHM_DIR``, else ``/dev/shm``.
+
+    Read from the environment on every call (not validated here: see
+    :func:`check_segment_dir`)."""
+    return os.environ.get(DIR_ENV) or SHM_DIR
+
+
+def check_segment_dir(path: str | None = None) -> str:
+    """``path`` (default :func:`segment_dir`) if segments can live there; returns it.
+
+    Raises:
+        SegmentDirError: it is not absolute, does not exist, is not a
+            directory, or this process cannot create files in it.
+    """
+    path = segment_dir() if path is None else path
+    where = f"segment directory {path!r} (${DIR_ENV} / --shm-dir)"
+    if not path or not os.path.isabs(path):
+        raise SegmentDirError(f"{where} must be an absolute path")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise SegmentDirError(f"{where} does not exist") from None
+    except OSError as exc:
+        raise SegmentDirError(f"{where} cannot be read: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise SegmentDirError(f"{where} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SegmentDirError(f"{where} is not writable by this process")
+    return path
+
+
+def segment_path(name: str, directory: str | None = None) -> str:
+    """The file of segment ``name`` (in ``directory``, default :func:`segment_dir`)."""
+    return os.path.join(segment_dir() if directory is None else directory, name)
 
 
 def check_name(name: str, prefix: str | None = None) -> str | None:
@@ -62,8 +116,12 @@ def check_name(name: str, prefix: str | None = None) -> str | None:
 
 def _unlink(name: str) -> bool:
     """Unlink segment ``name``; False if it was already gone."""
+    return _unlink_in(segment_dir(), name)
+
+
+def _unlink_in(directory: str, name: str) -> bool:
     try:
-        _posixshmem.shm_unlink("/" + name)
+        os.unlink(os.path.join(directory, name))
         return True
     except FileNotFoundError:
         return False
@@ -75,9 +133,15 @@ def create_segment(name: str, size: int, layout: tuple[FieldLayout, ...],
     offsets (gaps read as zeros). Leaves nothing behind when it fails.
 
     Raises:
-        FileExistsError: the name is taken. OSError: ``/dev/shm`` is full.
+        FileExistsError: the name is taken. SegmentDirError: the segment
+        directory is unusable. OSError: the directory's tmpfs is full.
     """
-    fd = _posixshmem.shm_open("/" + name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    directory = segment_dir()
+    try:
+        fd = os.open(os.path.join(directory, name), os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        check_segment_dir(directory)  # raises the clear error when the directory is the problem
+        raise
     try:
         os.ftruncate(fd, size)
         # One writer: tmpfs serialises writes to a file (the inode lock), so threads gain nothing.
@@ -86,7 +150,7 @@ def create_segment(name: str, size: int, layout: tuple[FieldLayout, ...],
                 _pwrite_all(fd, memoryview(array_bytes(arr)), field.offset)
     except BaseException:
         os.close(fd)
-        _unlink(name)
+        _unlink_in(directory, name)
         raise
     os.close(fd)
 
@@ -104,9 +168,9 @@ def open_segment(name: str) -> tuple[int, int]:
     """Open segment ``name`` read-only: ``(fd, size in bytes)``; the caller closes ``fd``.
 
     Raises:
-        FileNotFoundError: no such segment.
+        FileNotFoundError: no such segment (in :func:`segment_dir`).
     """
-    fd = _posixshmem.shm_open("/" + name, os.O_RDONLY, 0)
+    fd = os.open(segment_path(name), os.O_RDONLY | _OPEN_FLAGS)
     try:
         return fd, os.fstat(fd).st_size
     except BaseException:
@@ -123,8 +187,8 @@ def map_segment(name: str, size: int) -> mmap.mmap:
     try:
         fd, actual = open_segment(name)
     except FileNotFoundError:
-        raise ConnectorError(f"shared-memory segment {name!r} not found: already released, "
-                             "or reaped/swept") from None
+        raise ConnectorError(f"shared-memory segment {name!r} not found in {segment_dir()}: already "
+                             "released, or reaped/swept") from None
     try:
         if actual < size:
             raise ConnectorError(f"shared-memory segment {name!r} has {actual} bytes, "
@@ -160,7 +224,8 @@ class ShmConnector:
 
         Raises:
             TypeError: an array's dtype cannot be packed (object, structured).
-            OSError: the segment cannot be created (``/dev/shm`` full).
+            SegmentDirError: the segment directory is unusable.
+            OSError: the segment cannot be created (its tmpfs is full).
         """
         return self.put_planned(*plan(outputs))
 
@@ -197,32 +262,37 @@ class ShmConnector:
             _unlink(ref.location)
 
 
-def list_segments(prefix: str) -> list[str]:
-    """Names of the segments under ``/dev/shm`` that start with ``prefix``, sorted."""
+def list_segments(prefix: str, directory: str | None = None) -> list[str]:
+    """Names of the segments in ``directory`` (default :func:`segment_dir`) that
+    start with ``prefix``, sorted; none if the directory does not exist."""
     if not prefix:
         raise ValueError("refusing an empty prefix: it would match every segment")
     try:
-        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+        return sorted(n for n in os.listdir(segment_dir() if directory is None else directory)
+                      if n.startswith(prefix))
     except FileNotFoundError:
         return []
 
 
-def segment_usage(prefix: str) -> tuple[int, int]:
+def segment_usage(prefix: str, directory: str | None = None) -> tuple[int, int]:
     """``(segments, bytes)`` under ``prefix`` right now."""
+    directory = segment_dir() if directory is None else directory
     count = total = 0
-    for name in list_segments(prefix):
+    for name in list_segments(prefix, directory):
         try:
-            total += os.stat(os.path.join(SHM_DIR, name)).st_size
+            total += os.stat(os.path.join(directory, name)).st_size
             count += 1
         except FileNotFoundError:
             pass
     return count, total
 
 
-def sweep_segments(prefix: str) -> int:
-    """Unlink every segment whose name starts with ``prefix``; return how many.
+def sweep_segments(prefix: str, directory: str | None = None) -> int:
+    """Unlink every segment whose name starts with ``prefix`` (in ``directory``,
+    default :func:`segment_dir`); return how many.
 
     Raises:
         ValueError: ``prefix`` is empty.
     """
-    return sum(_unlink(name) for name in list_segments(prefix))
+    directory = segment_dir() if directory is None else directory
+    return sum(_unlink_in(directory, name) for name in list_segments(prefix, directory))

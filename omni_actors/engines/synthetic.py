@@ -248,34 +248,28 @@ class SyntheticEngine:
     async def _run(self, rid: str, plan: _Plan, t0: float) -> AsyncIterator[BackendEvent]:
         cost, aborted, deltas, chunks = self.cost, self._aborted, plan.deltas, plan.chunks or {}
         per = cost.decode_ms_per_token / 1000.0
-        if cost.prefill_ms_per_token == 0 and per == 0:  # hot path: one yield to the loop
+        loop = asyncio.get_running_loop()
+        hot = cost.prefill_ms_per_token == 0 and per == 0  # zero cost: one yield to the loop
+        if hot:
             await asyncio.sleep(0)
-            for k in range(plan.decode_units if (deltas or chunks) else 0):
-                if rid in aborted:
-                    return
-                if deltas is not None:
-                    yield deltas[k]
-                if k in chunks:
-                    yield chunks[k]
         else:
-            loop = asyncio.get_running_loop()
             deadline = t0 + cost.prefill_ms_per_token * plan.prefill_units / 1000.0
             if not await self._sleep_until(rid, deadline):
                 return
-            n = plan.decode_units
-            for k in range(n):
-                if per:
-                    deadline += per
-                    delay = deadline - loop.time()
-                    if delay >= _MIN_SLEEP_S or (k == n - 1 and delay > 0):
-                        if not await self._sleep_until(rid, deadline):
-                            return
-                if rid in aborted:
-                    return
-                if deltas is not None:
-                    yield deltas[k]
-                if k in chunks:
-                    yield chunks[k]
+        n = plan.decode_units if (deltas or chunks or not hot) else 0
+        for k in range(n):
+            if per:
+                deadline += per
+                delay = deadline - loop.time()
+                if delay >= _MIN_SLEEP_S or (k == n - 1 and delay > 0):
+                    if not await self._sleep_until(rid, deadline):
+                        return
+            if rid in aborted:
+                return
+            if deltas is not None:
+                yield deltas[k]
+            if k in chunks:
+                yield chunks[k]
         if rid in aborted or plan.final is None:
             return
         yield plan.final

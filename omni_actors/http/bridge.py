@@ -247,14 +247,9 @@ class ActorBridge:
             if finished is not None and parts[0] >= finished.output_chunks:
                 self._on_message(finished)
         elif isinstance(msg, OutputReady):
-            try:
-                data = self._connector.get(msg.ref)
-            except Exception as exc:  # noqa: BLE001
-                self._deliver(msg.request_id, RequestFailed(500, f"final output lost: {exc}"))
-                return
-            finally:
-                self._connector.release(msg.ref)
-            self._deliver(msg.request_id, OutputFinal(msg.stage_id, msg.output_type, data))
+            data = self._take(msg, "final output")
+            if data is not None:
+                self._deliver(msg.request_id, OutputFinal(msg.stage_id, msg.output_type, data))
         elif isinstance(msg, RequestFinished):
             parts = self._parts.get(msg.request_id)
             if parts is not None and parts[0] < msg.output_chunks and msg.error is None:
@@ -279,14 +274,20 @@ class ActorBridge:
                 self._outbox.put(("routes", msg))
 
     def _deliver_part(self, msg: OutputChunk) -> None:
+        data = self._take(msg, "streamed output")
+        if data is not None:
+            self._deliver(msg.request_id, OutputPart(msg.stage_id, msg.output_type, data))
+
+    def _take(self, msg: OutputChunk | OutputReady, what: str) -> dict[str, Any] | None:
+        """Fetch ``msg.ref`` and release it (the bridge owns it); on failure the
+        request fails with a 500 that says what was lost, and None is returned."""
         try:
-            data = self._connector.get(msg.ref)
+            return self._connector.get(msg.ref)
         except Exception as exc:  # noqa: BLE001
-            self._deliver(msg.request_id, RequestFailed(500, f"streamed output lost: {exc}"))
-            return
+            self._deliver(msg.request_id, RequestFailed(500, f"{what} lost: {exc}"))
+            return None
         finally:
             self._connector.release(msg.ref)
-        self._deliver(msg.request_id, OutputPart(msg.stage_id, msg.output_type, data))
 
     def _deliver(self, request_id: str, event: BridgeEvent) -> None:
         self._loop.call_soon_threadsafe(self._put, request_id, event)
@@ -303,7 +304,7 @@ class ActorBridge:
 
 
 def status_to_dict(status: SystemStatus) -> dict[str, Any]:
-    """``SystemStatus`` -> JSON-ready ``{"model", "ready", "coordinator_pid", "stages": [...]}``;
+    """``SystemStatus`` -> JSON-ready ``{"model", "ready", "coordinator_pid", "notes", "nodes", "stages": [...]}``;
     each stage lists its replicas with state, reason, load and counters."""
     def replica(r) -> dict[str, Any]:
         d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
@@ -315,6 +316,7 @@ def status_to_dict(status: SystemStatus) -> dict[str, Any]:
         "model": status.model,
         "ready": status.ready,
         "coordinator_pid": status.coordinator_pid,
+        "notes": list(status.notes),
         "nodes": [{"name": n.name, "alive": n.alive, "devices": list(n.devices), "used": dict(n.used),
                    "stages": list(n.stages), "replicas": list(n.replicas),
                    "last_seen_age_s": n.last_seen_age_s, "data_service": n.data_service,

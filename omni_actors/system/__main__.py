@@ -42,16 +42,24 @@ def _parser() -> argparse.ArgumentParser:
                        help="require this bearer key on the API (default $OMNI_ACTORS_API_KEY)")
     start.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
                        help="default: $OMNI_ACTORS_LOG_LEVEL or info")
+    start.add_argument("--shm-dir", default=None, metavar="DIR",
+                       help="directory (a tmpfs) for this host's shared-memory segments, exported to every "
+                            "process it starts as $OMNI_ACTORS_SHM_DIR (default: that variable, else /dev/shm); "
+                            "a tmpfs mounted with huge=within_size is faster where /dev/shm has no huge pages")
 
-    def admin_port(sp):
+    def admin_port(sp, remote: bool = False):
         sp.add_argument("--admin-port", type=int, default=DEFAULT_ADMIN_PORT,
-                        help="admin port of the system (default 1900)")
+                        help="admin port of the system on this host (default 1900)")
+        if remote:
+            sp.add_argument("--convention-address", default=None, metavar="HOST:PORT",
+                            help="reach the system through its convention leader's admin at HOST:PORT, "
+                                 "from any host, instead of a local --admin-port")
 
     sp = sub.add_parser("stop", help="stop the system started on an admin port")
     admin_port(sp)
     sp.add_argument("--timeout", type=float, default=15.0, help="seconds to wait (default 15)")
     sp = sub.add_parser("status", help="print the stage table of a running system")
-    admin_port(sp)
+    admin_port(sp, remote=True)
     sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     from omni_actors.system.admin import FAULTS
@@ -80,21 +88,21 @@ def _parser() -> argparse.ArgumentParser:
                     help="default: $OMNI_ACTORS_LOG_LEVEL or info")
 
     sp = sub.add_parser("shell", help="interactive admin shell (nodes, stages, replicas, scale, drain, ...)")
-    admin_port(sp)
+    admin_port(sp, remote=True)
     sp.add_argument("-c", "--command", action="append", default=[], metavar="LINE",
                     help="run this shell command and exit (repeatable) instead of the interactive loop")
 
     stage = sub.add_parser("stage", help="act on one stage at runtime").add_subparsers(dest="action", required=True)
     sp = stage.add_parser("drain", help="finish a replica's work, then stop it")
-    admin_port(sp)
+    admin_port(sp, remote=True)
     sp.add_argument("--replica", required=True, help="STAGE/N")
     sp = stage.add_parser("scale", help="run N replicas of a stage")
-    admin_port(sp)
+    admin_port(sp, remote=True)
     sp.add_argument("--stage", required=True)
     sp.add_argument("--replicas", type=int, required=True)
     sp = stage.add_parser("launch", help="add N replicas to a stage (placed where devices are free, "
                           "or on the --node / --devices you name)")
-    admin_port(sp)
+    admin_port(sp, remote=True)
     sp.add_argument("--stage", required=True)
     sp.add_argument("--replicas", type=int, default=None,
                     help="how many (default 1; with --devices: one per devices_per_replica of them)")
@@ -103,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
                          "node; the replicas stay pinned to them (restarts included)")
     sp.add_argument("--node", default="", help="only on this node (its --node-name)")
     sp = stage.add_parser("stop", help="drain and stop every replica of a stage")
-    admin_port(sp)
+    admin_port(sp, remote=True)
     sp.add_argument("--stage", required=True)
     return p
 
@@ -121,6 +129,9 @@ def cmd_start(args) -> int:
     devices = tuple(d.strip() for d in args.devices.split(",") if d.strip())
     if args.convention_leader == bool(args.convention_address):
         return _fail("give exactly one of --convention-leader or --convention-address HOST:PORT", 2)
+    problem = _use_shm_dir(args.shm_dir)
+    if problem:
+        return _fail(problem, 2)
     if args.convention_address:
         return _start_member(args, devices)
     try:
@@ -155,6 +166,22 @@ def _start_member(args, devices: tuple[str, ...]) -> int:
                           node=args.node_name or default_node_name(args.admin_port), devices=devices, stages=stages)
     except StartError as exc:
         return _fail(str(exc))
+
+
+def _use_shm_dir(shm_dir: str | None) -> str | None:
+    """Validate the segment directory (``--shm-dir``, else ``$OMNI_ACTORS_SHM_DIR``, else
+    ``/dev/shm``) and export it, so that every process this host starts uses it.
+    Returns what is wrong, or None."""
+    from omni_actors.connectors.shm import DIR_ENV, SegmentDirError, check_segment_dir
+
+    if shm_dir is not None:
+        shm_dir = os.path.abspath(shm_dir) if shm_dir else shm_dir
+        os.environ[DIR_ENV] = shm_dir
+    try:
+        check_segment_dir(shm_dir)
+    except SegmentDirError as exc:
+        return str(exc)
+    return None
 
 
 def _host_port(text: str) -> tuple[str, int] | None:
@@ -225,20 +252,42 @@ def cmd_stop(args) -> int:
     if _alive(pid):
         os.kill(pid, signal.SIGKILL)
     killed = kill_system(state["system_id"], sessions=state.get("sessions", ()))
-    sweep_segments(f"oa-{args.admin_port}-")
+    sweep_segments(f"oa-{args.admin_port}-", state.get("shm_dir"))
     state_file(args.admin_port).unlink(missing_ok=True)
     print(f"stopped the system on admin port {args.admin_port}"
           + (f" ({killed} leftover processes killed)" if killed else ""))
     return 0
 
 
+def _attach(args):
+    """The admin named by ``--convention-address`` (any host) or ``--admin-port`` (this host).
+
+    Raises:
+        AdminError: nothing answers there.
+        ValueError: a malformed --convention-address.
+    """
+    from omni_actors.system.admin import attach
+
+    address = getattr(args, "convention_address", None)
+    if address:
+        from omni_actors.system.remote import attach_remote
+
+        convention = _host_port(address)
+        if convention is None:
+            raise ValueError(f"--convention-address must be HOST:PORT, got {address!r}")
+        return attach_remote(*convention)
+    return attach(args.admin_port)
+
+
 def _admin_verb(fn):
     """Run ``fn(admin, args)`` against the attached admin; AdminError -> one line, exit 1."""
     def run(args) -> int:
-        from omni_actors.system.admin import AdminError, attach
+        from omni_actors.system.admin import AdminError
 
         try:
-            return fn(attach(args.admin_port), args)
+            return fn(_attach(args), args)
+        except ValueError as exc:
+            return _fail(str(exc), 2)
         except AdminError as exc:
             return _fail(str(exc))
     return run
@@ -250,7 +299,7 @@ def cmd_status(admin, args) -> int:
     from omni_actors.system.leader import print_status_table
 
     status = admin.status()
-    state = _read_state(args.admin_port)
+    state = None if getattr(args, "convention_address", None) else _read_state(args.admin_port)
     if state is not None and not _alive(state["pid"]):
         print(f"warning: the leader (pid {state['pid']}) is not running, so the HTTP API is down; "
               f"`python -m omni_actors.system stop --admin-port {args.admin_port}` cleans up",
@@ -309,7 +358,16 @@ def cmd_api(args) -> int:
 def cmd_shell(args) -> int:
     from omni_actors.system.shell import run_shell
 
-    return run_shell(args.admin_port, commands=args.command)
+    from omni_actors.system.admin import AdminError
+
+    try:
+        admin = _attach(args)
+    except ValueError as exc:
+        return _fail(str(exc), 2)
+    except AdminError as exc:
+        return _fail(str(exc))
+    return run_shell(args.admin_port, commands=args.command, admin=admin,
+                     remote=bool(args.convention_address))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,8 @@ class Admin:
 
     asys: object
     coordinator: object
+    #: attached from another host (``--convention-address``): process signals cannot be sent from here
+    remote: bool = False
 
     def status(self, timeout_s: float = 5.0) -> SystemStatus:
         status = self.asys.ask(self.coordinator, GetStatus("admin"), timeout_s)
@@ -58,6 +60,8 @@ class Admin:
             AdminError: unknown fault or target, or the system did not answer.
         """
         if fault in SIGNAL_FAULTS or fault in ("kill-pool", "kill-coordinator"):
+            if self.remote:
+                raise AdminError(f"{fault} signals a process: run it on the leader's host (--admin-port)")
             pid, target = self._pid_of(fault, replica, stage)
             at = time.time()
             try:

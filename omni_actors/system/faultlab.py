@@ -306,7 +306,8 @@ def wait_no_segments(leader, timeout_s: float = 5.0) -> list[str]:
     from omni_actors.connectors import list_segments
 
     deadline = time.monotonic() + timeout_s
-    while (left := list_segments(f"oa-{leader.admin_port}-")) and time.monotonic() < deadline:
+    while (left := list_segments(f"oa-{leader.admin_port}-", getattr(leader, "shm_dir", None))) \
+            and time.monotonic() < deadline:
         time.sleep(0.1)
     return left
 
@@ -318,4 +319,5 @@ def assert_clean_exit(leader) -> None:
     if leader.exit_code is None:
         leader.stop()
     assert leader.left_after_exit == [], f"processes left after stop: {leader.left_after_exit}"
-    assert list_segments(f"oa-{leader.admin_port}-") == [], "shared-memory segments left after stop"
+    assert list_segments(f"oa-{leader.admin_port}-", getattr(leader, "shm_dir", None)) == [], \
+        "shared-memory segments left after stop"

@@ -76,6 +76,8 @@ def print_status_table(status, out=sys.stdout) -> None:
         print("nodes: " + ", ".join(f"{n.name}{'' if n.alive else ' (LOST)'}"
                                     f"{'' if n.buffers is None else f' ({n.buffers} buffers)'}"
                                     for n in status.nodes), file=out)
+    for note in getattr(status, "notes", ()):
+        print(f"note: {note}", file=out)
     print(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}", file=out)
 
 
@@ -109,7 +111,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     from thespian.actors import ActorSystem
 
     from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
-    from omni_actors.connectors import sweep_segments
+    from omni_actors.connectors import SegmentDirError, check_segment_dir, sweep_segments
     from omni_actors.logs import get_logger, thespian_log_defs
     from omni_actors.messages import Deploy, NodeInfo, SystemStatus
 
@@ -119,6 +121,10 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     if port_in_use(admin_port):
         raise StartError(f"admin port {admin_port} is in use (another system? "
                          f"`python -m omni_actors.system stop --admin-port {admin_port}`)")
+    try:
+        shm_dir = check_segment_dir()  # $OMNI_ACTORS_SHM_DIR (--shm-dir), inherited by every actor
+    except SegmentDirError as exc:
+        raise StartError(str(exc)) from None
     # Set at exec time by the CLI (see __main__._ensure_system_id), so /proc shows it.
     system_id = os.environ.get(ENV_SYSTEM_ID) or uuid.uuid4().hex
     os.environ[ENV_SYSTEM_ID] = system_id
@@ -169,10 +175,11 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                   file=sys.stderr)
         sfile.parent.mkdir(parents=True, exist_ok=True)
         sfile.write_text(json.dumps({"pid": os.getpid(), "admin_port": admin_port, "host": host,
-                                     "sessions": sessions,
+                                     "sessions": sessions, "shm_dir": shm_dir,
                                      "port": port, "system_id": system_id, "config": config.source,
                                      "model": config.deployment.served_model_name}))
-        log.info("leader_started", admin_port=admin_port, startup_s=round(time.monotonic() - t0, 2))
+        log.info("leader_started", admin_port=admin_port, shm_dir=shm_dir,
+                 startup_s=round(time.monotonic() - t0, 2))
         serving.set()
         threading.Thread(target=_watch_coordinator, args=(asys, config, leader_node, stopping),
                          name="coordinator-watchdog",

@@ -57,6 +57,7 @@ class LocalLeader:
         self.proc: subprocess.Popen | None = None
         self.exit_code: int | None = None
         self.left_after_exit: list[int] = []
+        self.shm_dir: str | None = None  #: the leader's segment directory (None: this process's)
 
     def start(self) -> "LocalLeader":
         self.port, self.admin_port = free_port(), free_port()
@@ -77,6 +78,7 @@ class LocalLeader:
                 state = json.loads((self._dir / f"leader-{self.admin_port}.json").read_text())
                 self.system_id = state["system_id"]
                 self.sessions = state.get("sessions", [])
+                self.shm_dir = state.get("shm_dir")  # where its segments live (--shm-dir)
                 return self
             time.sleep(0.1)
         self.stop()

@@ -26,7 +26,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     """
     from thespian.actors import ActorSystem
 
-    from omni_actors.connectors import sweep_segments
+    from omni_actors.connectors import SegmentDirError, check_segment_dir, sweep_segments
     from omni_actors.connectors.data_service import DEFAULT_REAP_AFTER_S, local_address_towards
     from omni_actors.logs import get_logger, thespian_log_defs
 
@@ -35,6 +35,10 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         raise StartError(f"admin port {admin_port} is in use")
     if not port_in_use(port, host):
         raise StartError(f"no convention leader answers at {host}:{port}")
+    try:
+        shm_dir = check_segment_dir()  # $OMNI_ACTORS_SHM_DIR (--shm-dir), inherited by every actor
+    except SegmentDirError as exc:
+        raise StartError(str(exc)) from None
     shm_prefix = f"oa-{admin_port}-"
     os.environ["OMNI_ACTORS_SHM_PREFIX"] = shm_prefix  # this host's buffers, for its reaper
     sweep_segments(shm_prefix)
@@ -59,7 +63,8 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         print(f"omni-actors member {node!r} joined the convention at {host}:{port} "
               f"(admin port {admin_port}, devices {','.join(devices) or 'none (CPU)'}, "
               f"stages {','.join(stages) or 'any'}); Ctrl-C to leave", flush=True)
-        log.info("member_started", admin_port=admin_port, devices=list(devices), stages=list(stages))
+        log.info("member_started", admin_port=admin_port, devices=list(devices), stages=list(stages),
+                 shm_dir=shm_dir)
         while not stopping.wait(0.2):
             pass
         return 0

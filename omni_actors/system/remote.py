@@ -139,7 +139,7 @@ def attach_remote(host: str, port: int) -> Admin:
         coordinator = status.globalActors.get(COORDINATOR_NAME)
         if coordinator is None:  # being restarted by the leader's watchdog: the lookup waits for it
             coordinator = system.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
-        return Admin(system, coordinator)
+        return Admin(system, coordinator, remote=True)
     except BaseException:
         system.close()
         raise

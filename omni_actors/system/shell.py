@@ -401,6 +401,8 @@ class AdminShell(cmd.Cmd):
         env = os.environ.get("OMNI_ACTORS_LOG_FILE")
         if env:
             return Path(env)
+        if getattr(self, "remote", False):
+            return None  # the leader's log is on its host
         try:
             from omni_actors.system.leader import state_file
 
@@ -467,16 +469,23 @@ def _tail(path: Path, n: int, block: int = 65536) -> list[str]:
     return data.decode(errors="replace").splitlines()[-n:]
 
 
-def run_shell(admin_port: int, commands: list[str] | tuple[str, ...] = ()) -> int:
-    """Attach and run the shell (or just ``commands``). Returns the exit code."""
+def run_shell(admin_port: int, commands: list[str] | tuple[str, ...] = (), *, admin: Admin | None = None,
+              remote: bool = False) -> int:
+    """Run the shell (or just ``commands``) on ``admin``, else on the admin of
+    ``admin_port`` on this host. ``remote``: attached from another host
+    (``logs`` then has no local file to read). Returns the exit code."""
     from omni_actors.system.admin import attach
 
-    try:
-        admin = attach(admin_port)
-    except AdminError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    if admin is None:
+        try:
+            admin = attach(admin_port)
+        except AdminError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     shell = AdminShell(admin, admin_port)
+    shell.remote = remote
+    if remote:
+        shell.intro = shell.intro.replace(f"on admin port {admin_port}", "attached through the convention leader")
     if commands:
         for line in commands:
             if shell.onecmd(line):

@@ -1,0 +1,102 @@
+"""The streaming half of an EngineActor: input chunks in, credits back.
+
+A task with a ``stream_source`` reads its input as :class:`InputChunk` s that
+the RequestActor relays (put back in order by seq here: Thespian may deliver
+two messages of one sender out of order) and reports what it consumed; a task
+that emits chunks waits for :class:`ChunkAck` s once ``chunk_window`` chunks
+are unconsumed. Both sides give up after ``chunk_timeout_s`` with
+:class:`UpstreamTimeout`. Everything here but the two ``receiveMsg_`` handlers
+runs on the engine's loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from omni_actors.engines.base import UpstreamTimeout
+from omni_actors.messages import ChunkAck, ChunkConsumed, InputChunk, StageTask
+
+#: Inputs at least this large are read on a worker thread (see StreamingMixin._fetch).
+FETCH_ON_THREAD_BYTES = 1 << 20
+
+
+class StreamingMixin:
+    """Needs ``self._rt`` (the loop thread), ``self._connector``,
+    ``self._processor``, ``self._inputs`` and ``self._credits`` (see EngineActor)."""
+
+    def receiveMsg_InputChunk(self, msg: InputChunk, sender):
+        if self._rt is not None:
+            self._rt.loop.call_soon_threadsafe(self._on_input_chunk, msg)
+        return self._watch()
+
+    def _on_input_chunk(self, msg: InputChunk) -> None:
+        """On the loop thread: queue a chunk for its task (stale attempts are dropped)."""
+        entry = self._inputs.get((msg.request_id, msg.stage_id))
+        if entry is not None and entry[0] == msg.attempt:
+            entry[1].put_nowait(msg)
+
+    def receiveMsg_ChunkAck(self, msg: ChunkAck, sender):
+        if self._rt is not None:
+            self._rt.loop.call_soon_threadsafe(self._on_chunk_ack, msg)
+        return self._watch()
+
+    def _on_chunk_ack(self, msg: ChunkAck) -> None:
+        credit = self._credits.get((msg.request_id, msg.stage_id))
+        if credit is not None and credit[0] == msg.attempt and msg.upto > credit[1]:
+            credit[1] = msg.upto
+            credit[2].set()
+
+    async def _fetch(self, ref) -> dict[str, Any]:
+        """Read a connector ref. A large one runs on a worker thread: fetched from
+        another node's data service it can take 0.1 s per 256 MB here, and the
+        loop must keep every other task streaming meanwhile."""
+        if ref.size < FETCH_ON_THREAD_BYTES:
+            return self._connector.get(ref)
+        return await asyncio.to_thread(self._connector.get, ref)
+
+    async def _input_chunks(self, msg: StageTask, chunks: asyncio.Queue):
+        """The processed input chunks of a streaming task, in order, until the end marker.
+
+        Reports progress (:class:`ChunkConsumed`) every half window, so the
+        producer, which waits at a full window, never stalls on us.
+
+        Raises:
+            UpstreamTimeout: no chunk for ``chunk_timeout_s``.
+        """
+        src, seq, every = msg.stream_source, 0, max(1, msg.chunk_window // 2)
+        early: dict[int, InputChunk] = {}  # chunks may overtake each other in transit
+        end_at = None
+        while True:
+            while seq not in early and seq != end_at:
+                try:
+                    item = await asyncio.wait_for(chunks.get(), msg.chunk_timeout_s)
+                except asyncio.TimeoutError:
+                    raise UpstreamTimeout(f"no chunk from upstream stage {src} within {msg.chunk_timeout_s:g} s "
+                                          f"(after {seq} chunks): its replica died or stalled") from None
+                if item.ref is None:
+                    end_at = item.seq
+                elif item.seq >= seq:
+                    early[item.seq] = item  # (a replayed duplicate of an earlier one is dropped)
+            if seq == end_at:
+                return
+            outputs = await self._fetch(early.pop(seq).ref)
+            seq += 1
+            yield self._processor({src: outputs}, msg.prompt, msg.params)
+            if seq % every == 0:
+                self._rt.emit(msg.reply_to, ChunkConsumed(msg.request_id, msg.stage_id, src, seq, msg.attempt))
+
+    async def _wait_credit(self, msg: StageTask, seq: int) -> None:
+        """Backpressure: wait until fewer than ``chunk_window`` chunks are unconsumed.
+
+        Raises:
+            UpstreamTimeout: nothing was consumed for ``chunk_timeout_s`` (the consumer is gone).
+        """
+        credit = self._credits[(msg.request_id, msg.stage_id)]
+        while seq - credit[1] >= msg.chunk_window:
+            credit[2].clear()
+            try:
+                await asyncio.wait_for(credit[2].wait(), msg.chunk_timeout_s)
+            except asyncio.TimeoutError:
+                raise UpstreamTimeout(f"the downstream stage consumed no chunk within {msg.chunk_timeout_s:g} s "
+                                      f"({seq - credit[1]} chunks waiting)") from None
