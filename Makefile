@@ -64,6 +64,7 @@ test-vllm-omni: install-vllm-omni-cpu
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/connectors.py
 
 clean:
 	rm -rf $(VENV) .venv-omni *.egg-info .pytest_cache
