@@ -171,9 +171,9 @@ class Streaming(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """
 
     enabled: bool = False
-    chunk_tokens: PositiveInt = 8
-    max_buffered_chunks: Annotated[int, msgspec.Meta(ge=2)] = 16
-    chunk_timeout_s: PositiveFloat = 10.0
+    chunk_tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 8
+    max_buffered_chunks: Annotated[int, msgspec.Meta(ge=2, le=4096)] = 16
+    chunk_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
 
 
 class Deployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

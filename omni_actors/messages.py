@@ -496,10 +496,13 @@ class StageTask:
     chunk_timeout_s: float = 10.0
     chunk_tokens: int = 8
 
+    client_stream: bool = False  #: its text goes to a client that reads a stream
+
     @property
     def streaming(self) -> bool:
-        """A streaming task: a dead replica's one is failed to the RequestActor, not re-sent."""
-        return self.stream_source is not None or self.emit_chunks
+        """A streaming task (chunks, or text a client reads as it comes): a dead
+        replica's one is failed to the RequestActor, which decides, not re-sent."""
+        return self.stream_source is not None or self.emit_chunks or (self.stream_text and self.client_stream)
 
 
 @dataclass(frozen=True)
@@ -510,11 +513,17 @@ class CancelStage:
 
 @dataclass(frozen=True)
 class StageDelta:
-    """Engine -> RequestActor: new text of a streaming stage."""
+    """Engine -> RequestActor: new text of a streaming stage.
+
+    ``seq`` counts the deltas of one task attempt (0, 1, ...): messages may
+    overtake each other, the RequestActor puts them back in order.
+    """
 
     request_id: str
     stage_id: int
     text: str
+    seq: int = 0
+    attempt: int = 0
 
 
 @dataclass(frozen=True)
@@ -536,6 +545,7 @@ class StageDone:
     finish_reason: str | None = None  #: "stop" or "length", for text stages
     chunks: int = 0  #: how many :class:`StageChunk` s came before this (streaming)
     attempt: int = 0
+    deltas: int = 0  #: how many :class:`StageDelta` s came before this
 
 
 @dataclass(frozen=True)
@@ -561,6 +571,9 @@ class StageChunk:
     seq: int
     ref: ConnectorRef
     attempt: int
+    #: the last of the backend's chunks this one holds (several merge when the sender is busy);
+    #: credits (:class:`ChunkAck`) count the backend's chunks
+    last: int = 0
 
 
 @dataclass(frozen=True)
@@ -576,6 +589,7 @@ class InputChunk:
     seq: int
     ref: ConnectorRef | None
     attempt: int
+    last: int = 0  #: the producer's :attr:`StageChunk.last` (for credits)
 
 
 @dataclass(frozen=True)
@@ -591,7 +605,8 @@ class ChunkConsumed:
 
 @dataclass(frozen=True)
 class ChunkAck:
-    """RequestActor -> producing engine: its chunks up to ``upto`` (exclusive) are consumed."""
+    """RequestActor -> producing engine: its chunks up to ``upto`` (exclusive,
+    counted as its backend made them) are consumed."""
 
     request_id: str
     stage_id: int
@@ -624,10 +639,16 @@ class TaskFinished:
 
 @dataclass(frozen=True)
 class OutputDelta:
-    """RequestActor -> bridge: streamed text."""
+    """RequestActor -> bridge: streamed text.
+
+    ``seq``: every message of one request to the bridge (OutputDelta,
+    OutputChunk, OutputReady) is numbered 0, 1, ...; the bridge delivers them
+    in that order and ends the request after ``RequestFinished.sent`` of them.
+    """
 
     request_id: str
     text: str
+    seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -639,7 +660,7 @@ class OutputChunk:
     stage_id: int
     output_type: str
     ref: ConnectorRef
-    seq: int = 0  #: 0, 1, ... per request: messages may overtake each other, the bridge reorders
+    seq: int = 0  #: see :class:`OutputDelta`
 
 
 @dataclass(frozen=True)
@@ -651,6 +672,7 @@ class OutputReady:
     stage_id: int
     output_type: str
     ref: ConnectorRef
+    seq: int = 0  #: see :class:`OutputDelta`
 
 
 @dataclass(frozen=True)
@@ -666,4 +688,4 @@ class RequestFinished:
     finish_reason: str | None = None  #: of the final text stage
     stage_replicas: dict[int, str] = field(default_factory=dict)  #: which replica ran each stage
     request_actor: ActorAddress = None  #: the sender, free for the next request
-    output_chunks: int = 0  #: :class:`OutputChunk` s sent before this (the bridge waits for them all)
+    sent: int = 0  #: OutputDelta/OutputChunk/OutputReady sent before this (the bridge waits for them all)

@@ -1,6 +1,6 @@
 """Pure logic of the EngineActor's outbox (no actor system)."""
 
-from omni_actors.actors.engine import coalesce_deltas
+from omni_actors.actors.outbox import coalesce_deltas
 from omni_actors.messages import StageDelta, TaskFinished
 
 
@@ -52,3 +52,42 @@ def test_text_never_moves_past_the_end_of_its_own_request():
     done = StageDone("r1", 0, "t/0", None, None)
     items = [("ra1", StageDelta("r1", 0, " a")), ("ra1", done), ("ra1", StageDelta("r1", 0, " late"))]
     assert coalesce_deltas(items) == items
+
+
+def test_chunks_of_one_task_merge_into_one_message_that_says_which_it_holds():
+    import numpy as np
+
+    from omni_actors.actors.outbox import PendingChunk, Sequencer, coalesce
+    from omni_actors.messages import StageChunk, StageDone
+
+    def chunk(i, r="r1"):
+        return ("ra", PendingChunk(r, 1, 0, [{"codes": np.full((2, 3), i), "sample_rate": 24000, "text": str(i)}],
+                                   first=i))
+
+    items = [chunk(0), ("ra", StageDelta("r1", 1, "a")), chunk(1), chunk(2), chunk(0, "r2"),
+             ("ra", StageDelta("r1", 1, "b")), ("ra", StageDone("r1", 1, "t/0", None, None))]
+    merged = coalesce(items)
+    kinds = [type(m).__name__ for _, m in merged]
+    assert kinds == ["PendingChunk", "StageDelta", "PendingChunk", "StageDone"]
+    stored = []
+    seq = Sequencer(lambda outputs: stored.append(outputs) or len(stored))
+    out = [seq.stamp(m) for _, m in merged]
+    first, second = out[0], out[2]
+    assert isinstance(first, StageChunk) and first.seq == 0 and first.last == 2 and first.ref == 1
+    np.testing.assert_array_equal(stored[0]["codes"][:, 0], [0, 0, 1, 1, 2, 2])
+    assert stored[0]["sample_rate"] == 24000 and stored[0]["text"] == "012"
+    assert out[1].seq == 0 and out[1].text == "ab"  # the two deltas of r1 merged
+    assert second.request_id == "r2" and second.seq == 0 and second.last == 0
+    assert (out[3].deltas, out[3].chunks) == (1, 1)
+
+
+def test_sequence_numbers_start_over_for_a_new_attempt_and_end_with_the_task():
+    from omni_actors.actors.outbox import Sequencer
+    from omni_actors.messages import StageDone
+
+    seq = Sequencer(put=lambda outputs: None)
+    assert [seq.stamp(StageDelta("r", 0, "x", attempt=0)).seq for _ in range(3)] == [0, 1, 2]
+    assert seq.stamp(StageDelta("r", 0, "x", attempt=1)).seq == 0
+    assert seq.stamp(StageDone("r", 0, "t/0", None, None, attempt=1)).deltas == 1
+    seq.stamp(TaskFinished("t/0", "r", 0, True))
+    assert seq.stamp(StageDelta("r", 0, "x", attempt=1)).seq == 0

@@ -184,9 +184,16 @@ def test_status_shell_and_stage_verbs_reach_the_system_through_the_convention_ad
     assert out.returncode == 0, out.stderr
     status = json.loads(out.stdout)
     assert {st["stage"] for st in status["stages"]} == {"thinker", "talker", "code2wav"}
-    out = cli("shell", "-c", "nodes", "-c", "scale talker 3", "-c", "replicas talker")
+    out = cli("shell", "-c", "nodes", "-c", "scale talker 3")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "talker/2" in out.stdout
+    assert "(control plane)" in out.stdout and "talker: 2 -> 3 replicas" in out.stdout
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        out = cli("shell", "-c", "replicas talker")
+        if "talker/2  ready" in out.stdout:
+            break
+        time.sleep(0.3)
+    assert "talker/2  ready" in out.stdout, out.stdout + out.stderr
     out = cli("stage", "scale", "--stage", "talker", "--replicas", "2")
     assert out.returncode == 0, out.stderr
     out = subprocess.run([sys.executable, "-m", "omni_actors.system", "status", "--convention-address", "nowhere"],

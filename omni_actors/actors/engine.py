@@ -22,6 +22,7 @@ from typing import Any
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ThespianWatch, WakeupMessage, WatchMessage
 
 from omni_actors.actors.engine_stream import StreamingMixin
+from omni_actors.actors.outbox import PendingChunk, Sequencer, coalesce
 from omni_actors.actors.node_agent import on_node
 from omni_actors.config import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
@@ -29,7 +30,7 @@ from omni_actors.engines import create_backend
 from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal, TextDelta, UpstreamTimeout
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelStage, DrainReplica, EngineFailed, EngineReady, ErrorKind, FaultKind,
-                                  Heartbeat, HeartbeatAck, InjectFault, StageAccepted, StageChunk, StageDelta,
+                                  Heartbeat, HeartbeatAck, InjectFault, StageAccepted, StageDelta,
                                   StageDone, StageFailed, StageTask, StartEngine, TaskFinished)
 from omni_actors.processors import default_input
 
@@ -45,35 +46,6 @@ SHUTDOWN_TIMEOUT_S = 10.0
 
 #: Which output fields go to the client for each final output type.
 FINAL_FIELDS = {"text": ("text",), "audio": ("audio", "sample_rate"), "image": ("image",)}
-
-
-def coalesce_deltas(items: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
-    """Merge the text deltas of each stage task queued since the last drain into one message.
-
-    Each actor message costs about 1 ms of CPU here, and a stage emits many
-    tokens between two drains of the outbox (one per running request per
-    engine step); the client still sees every token, in order, only fewer
-    messages carry them. A delta is merged into an earlier one of the same task
-    only while no other message for that request came in between, so a
-    ``StageDone`` never overtakes text.
-    """
-    out: list[tuple[Any, Any]] = []
-    open_delta: dict[tuple[str, str, int], int] = {}  # (address, request, stage) -> index in out
-    for address, message in items:
-        request_id = getattr(message, "request_id", None)
-        if isinstance(message, StageDelta):
-            key = (str(address), request_id, message.stage_id)  # ActorAddress is not hashable
-            i = open_delta.get(key)
-            if i is not None:
-                first = out[i][1]
-                out[i] = (address, StageDelta(first.request_id, first.stage_id, first.text + message.text))
-                continue
-            open_delta[key] = len(out)
-        elif request_id is not None:
-            for key in [k for k in open_delta if k[1] == request_id]:
-                del open_delta[key]
-        out.append((address, message))
-    return out
 
 
 class LoopThread:
@@ -152,13 +124,15 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._backend = None
         self._ready = False
         self._tasks: dict[tuple[str, int], asyncio.Task] = {}
+        self._sequencer: Sequencer | None = None
         # Streaming between stages, per (request, stage), on the loop thread:
         self._inputs: dict[tuple[str, int], tuple[int, asyncio.Queue]] = {}  # attempt, input chunks
         self._credits: dict[tuple[str, int], list] = {}  # [attempt, chunks acknowledged, wake-up event]
         self._completed = 0
         self._failed = 0
-        self._progress = 0  # backend events produced: the pool's stall watchdog reads it
+        self._progress = 0  # backend events produced, input chunks consumed: the stall watchdog reads it
         self._progress_at = time.monotonic()
+        self._parked = 0  # tasks waiting on a neighbour stage (input chunks, credits)
         self._last_ack = time.monotonic()
         self._draining = False
         self._fault: InjectFault | None = None
@@ -174,7 +148,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             return self._watch()
         self._spec, self._pool = msg, sender
         self._log = self._log.bind(stage=msg.stage.name, replica=msg.replica)
-        self._connector = make_connector(msg.inline_threshold_bytes, mode=msg.connector_mode)
+        self._connector = connector = make_connector(msg.inline_threshold_bytes, mode=msg.connector_mode)
+        self._sequencer = Sequencer(connector.put)
         func = msg.stage.custom_process_input_func
         # Pinning: set before the backend (and CUDA) is imported in this process. The
         # coordinator's placement decides; without one (a CPU node), vLLM-Omni's own
@@ -233,15 +208,38 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 waiting=load.waiting if load else 0,
                 completed=self._completed, failed=self._failed,
                 kv_cache_usage=load.kv_cache_usage if load else None, progress=self._progress,
-                idle_s=round(time.monotonic() - self._progress_at, 4)))
+                idle_s=self._idle_s()))
             self.wakeupAfter(self._spec.heartbeat_interval_s, payload="heartbeat")
         return self._watch()
 
+    def _idle_s(self) -> float:
+        """Seconds without progress, as the stall watchdog should see them: 0
+        with no task here (the pool may still count tasks whose end is in
+        transit: messages can overtake each other) or while every task waits
+        on a neighbour stage (see StreamingMixin)."""
+        if self._parked >= len(self._tasks):
+            return 0.0
+        return round(time.monotonic() - self._progress_at, 4)
+
     def receiveMsg_WatchMessage(self, msg: WatchMessage, sender):
         if self._rt is not None:
-            for address, message in coalesce_deltas(self._rt.drain()):
+            for address, message in coalesce(self._rt.drain()):
+                try:
+                    message = self._sequencer.stamp(message)
+                except Exception as exc:  # noqa: BLE001 - a chunk could not be stored (shm full)
+                    self._chunk_lost(address, message, exc)
+                    continue
                 self.send(address, message)
         return self._watch()
+
+    def _chunk_lost(self, address, chunk: PendingChunk, exc: Exception) -> None:
+        """A chunk's outputs could not be stored: its task fails (and is cancelled here)."""
+        self._log.error("stage_chunk_lost", request_id=chunk.request_id, error=str(exc))
+        replica = self._spec.replica
+        self.send(address, StageFailed(chunk.request_id, chunk.stage_id, replica, ErrorKind.ENGINE_ERROR,
+                                       f"stage {self._spec.stage.name} ({replica}): could not store an output "
+                                       f"chunk: {exc}", chunk.attempt))
+        self._rt.loop.call_soon_threadsafe(self._cancel, chunk.request_id, chunk.stage_id)
 
     def receiveMsg_HeartbeatAck(self, msg: HeartbeatAck, sender):
         self._last_ack = time.monotonic()
@@ -389,7 +387,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                            emit_chunks=msg.emit_chunks, chunk_tokens=msg.chunk_tokens)
         final: StageFinal | None = None
         first_text = True
-        chunks = 0
+        chunks = 0  # made by the backend (several may leave in one message: see actors/outbox.py)
         async for event in self._faulty(self._backend.generate(task)):
             self._progress += 1
             self._progress_at = time.monotonic()
@@ -397,15 +395,14 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 if msg.stream_text and event.text:
                     # The first text goes at once (time to first token); the rest rides
                     # in batches of at most STREAM_FLUSH_S (see LoopThread.emit).
-                    self._rt.emit(msg.reply_to, StageDelta(msg.request_id, msg.stage_id, event.text),
-                                  urgent=first_text)
+                    self._rt.emit(msg.reply_to, StageDelta(msg.request_id, msg.stage_id, event.text,
+                                                           attempt=msg.attempt), urgent=first_text)
                     first_text = False
             elif isinstance(event, OutputChunk):
                 if msg.emit_chunks:
                     await self._wait_credit(msg, chunks)
-                    ref = self._connector.put(event.outputs)
-                    self._rt.emit(msg.reply_to, StageChunk(msg.request_id, msg.stage_id, chunks, ref,
-                                                           msg.attempt))
+                    self._rt.emit(msg.reply_to, PendingChunk(msg.request_id, msg.stage_id, msg.attempt,
+                                                             [event.outputs], chunks))
                     chunks += 1
             elif isinstance(event, StageFinal):
                 final = event
@@ -428,4 +425,4 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             finish = "length" if limit is not None and final.num_output_tokens >= int(limit) else "stop"
         return StageDone(msg.request_id, msg.stage_id, self._spec.replica, output, final_ref,
                          prompt_tokens=final.num_prompt_tokens, output_tokens=final.num_output_tokens,
-                         finish_reason=finish, chunks=chunks, attempt=msg.attempt)
+                         finish_reason=finish, attempt=msg.attempt)  # (deltas, chunks: see Sequencer)

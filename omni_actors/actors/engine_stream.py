@@ -4,14 +4,17 @@ A task with a ``stream_source`` reads its input as :class:`InputChunk` s that
 the RequestActor relays (put back in order by seq here: Thespian may deliver
 two messages of one sender out of order) and reports what it consumed; a task
 that emits chunks waits for :class:`ChunkAck` s once ``chunk_window`` chunks
-are unconsumed. Both sides give up after ``chunk_timeout_s`` with
-:class:`UpstreamTimeout`. Everything here but the two ``receiveMsg_`` handlers
+are unconsumed. A consumer gives up after ``chunk_timeout_s`` without a
+chunk (:class:`UpstreamTimeout`); a producer waits as long as its request
+lives. Everything here but the two ``receiveMsg_`` handlers
 runs on the engine's loop thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from typing import Any
 
 from omni_actors.engines.base import UpstreamTimeout
@@ -23,7 +26,8 @@ FETCH_ON_THREAD_BYTES = 1 << 20
 
 class StreamingMixin:
     """Needs ``self._rt`` (the loop thread), ``self._connector``,
-    ``self._processor``, ``self._inputs`` and ``self._credits`` (see EngineActor)."""
+    ``self._processor``, ``self._inputs``, ``self._credits``, ``self._parked``,
+    ``self._progress`` and ``self._progress_at`` (see EngineActor)."""
 
     def receiveMsg_InputChunk(self, msg: InputChunk, sender):
         if self._rt is not None:
@@ -58,19 +62,22 @@ class StreamingMixin:
     async def _input_chunks(self, msg: StageTask, chunks: asyncio.Queue):
         """The processed input chunks of a streaming task, in order, until the end marker.
 
-        Reports progress (:class:`ChunkConsumed`) every half window, so the
-        producer, which waits at a full window, never stalls on us.
+        Reports progress (:class:`ChunkConsumed`) every half window of the
+        producer's chunks, so the producer, which waits at a full window,
+        never stalls on us.
 
         Raises:
             UpstreamTimeout: no chunk for ``chunk_timeout_s``.
         """
         src, seq, every = msg.stream_source, 0, max(1, msg.chunk_window // 2)
+        reported = 0  # the producer's chunks (not messages: several may share one) reported consumed
         early: dict[int, InputChunk] = {}  # chunks may overtake each other in transit
         end_at = None
         while True:
             while seq not in early and seq != end_at:
                 try:
-                    item = await asyncio.wait_for(chunks.get(), msg.chunk_timeout_s)
+                    with self._parked_while():  # waiting on a neighbour is no stall of ours
+                        item = await asyncio.wait_for(chunks.get(), msg.chunk_timeout_s)
                 except asyncio.TimeoutError:
                     raise UpstreamTimeout(f"no chunk from upstream stage {src} within {msg.chunk_timeout_s:g} s "
                                           f"(after {seq} chunks): its replica died or stalled") from None
@@ -80,23 +87,41 @@ class StreamingMixin:
                     early[item.seq] = item  # (a replayed duplicate of an earlier one is dropped)
             if seq == end_at:
                 return
-            outputs = await self._fetch(early.pop(seq).ref)
+            item = early.pop(seq)
+            outputs = await self._fetch(item.ref)
             seq += 1
+            self._note_progress()  # consuming input is progress, even before the stage outputs anything
             yield self._processor({src: outputs}, msg.prompt, msg.params)
-            if seq % every == 0:
+            if item.last + 1 - reported >= every:
+                reported = item.last + 1
                 self._rt.emit(msg.reply_to, ChunkConsumed(msg.request_id, msg.stage_id, src, seq, msg.attempt))
 
     async def _wait_credit(self, msg: StageTask, seq: int) -> None:
         """Backpressure: wait until fewer than ``chunk_window`` chunks are unconsumed.
 
-        Raises:
-            UpstreamTimeout: nothing was consumed for ``chunk_timeout_s`` (the consumer is gone).
+        No timeout here: a consumer that is slow, queued for a replica, or
+        gone is the RequestActor's to judge (it cancels this task when the
+        request ends: a consumer's failure, the pool's 503, the deadline).
         """
         credit = self._credits[(msg.request_id, msg.stage_id)]
         while seq - credit[1] >= msg.chunk_window:
             credit[2].clear()
-            try:
-                await asyncio.wait_for(credit[2].wait(), msg.chunk_timeout_s)
-            except asyncio.TimeoutError:
-                raise UpstreamTimeout(f"the downstream stage consumed no chunk within {msg.chunk_timeout_s:g} s "
-                                      f"({seq - credit[1]} chunks waiting)") from None
+            with self._parked_while():
+                await credit[2].wait()
+            self._note_progress()
+
+    @contextlib.contextmanager
+    def _parked_while(self):
+        """A task waits on a neighbour stage. While every task of this replica
+        waits so, heartbeats report no idle time: nothing here could progress,
+        so the pool's stall watchdog must not blame this replica."""
+        self._parked += 1
+        try:
+            yield
+        finally:
+            self._parked -= 1
+            self._note_progress()
+
+    def _note_progress(self) -> None:
+        self._progress += 1
+        self._progress_at = time.monotonic()

@@ -62,6 +62,7 @@ class RequestActor(ActorTypeDispatcher):
         self._finish_reason = None
         # Streaming between stages, per stage id:
         self._chunks: dict[int, list] = {}  # producer -> its chunk refs, by seq
+        self._chunk_last: dict[int, list[int]] = {}  # producer -> per chunk, the backend's last chunk in it
         self._chunk_total: dict[int, int] = {}  # producer -> chunk count, once it is done
         self._producer: dict[int, object] = {}  # producer -> the engine sending its chunks
         self._consumer: dict[int, object] = {}  # consumer -> the engine that accepted it
@@ -70,8 +71,9 @@ class RequestActor(ActorTypeDispatcher):
         self._acked: dict[int, int] = {}  # producer -> chunks acknowledged to it
         self._to_client: set[int] = set()  # stages whose output (part of it) reached the client
         self._early: dict[int, dict[int, object]] = {}  # producer -> chunks that came before their turn
-        self._done_waiting: dict[int, StageDone] = {}  # producer done before all its chunks came
-        self._client_chunks = 0  # OutputChunks sent to the bridge
+        self._done_waiting: dict[int, StageDone] = {}  # a stage done before all its chunks/deltas came
+        self._text: dict[int, list] = {}  # stage -> [attempt, next delta seq, deltas that came early]
+        self._out_seq = 0  # messages sent to the bridge for this request (they are numbered)
 
     def _current(self, request_id: str) -> bool:
         return self._req is not None and self._req.request_id == request_id
@@ -116,7 +118,7 @@ class RequestActor(ActorTypeDispatcher):
                 needs_output=st.needs_output, reply_to=self.myAddress,
                 stream_source=stream, emit_chunks=self._emits_chunks(st),
                 chunk_window=req.chunk_window, chunk_timeout_s=req.chunk_timeout_s,
-                chunk_tokens=req.chunk_tokens)
+                chunk_tokens=req.chunk_tokens, client_stream=req.stream_outputs)
             self._running[st.stage_id] = task
             self.send(self._pools[st.stage_id], task)
 
@@ -133,11 +135,42 @@ class RequestActor(ActorTypeDispatcher):
         task = self._running.get(stage_id)
         return task if task is not None and task.attempt == attempt else None
 
+    def _to_bridge(self, make) -> None:
+        """Send ``make(seq)`` to the bridge; the bridge delivers them in seq order."""
+        self.send(self._req.reply_to, make(self._out_seq))
+        self._out_seq += 1
+
     def receiveMsg_StageDelta(self, msg: StageDelta, sender):
-        if self._current(msg.request_id):
+        if not self._current(msg.request_id):
+            return
+        state = self._text.get(msg.stage_id)
+        if state is None or msg.attempt > state[0]:  # (a newer attempt's text starts over)
+            state = self._text[msg.stage_id] = [msg.attempt, 0, {}]
+        elif msg.attempt < state[0]:
+            return
+        state[2][msg.seq] = msg.text  # deltas may overtake each other: back in order by seq
+        while state[1] in state[2]:
+            text = state[2].pop(state[1])
+            state[1] += 1
             if self._req.stream_outputs:  # (a non-streaming client gets the final text only)
                 self._to_client.add(msg.stage_id)
-            self.send(self._req.reply_to, OutputDelta(msg.request_id, msg.text))
+            self._to_bridge(lambda seq: OutputDelta(msg.request_id, text, seq))
+        self._resume_done(msg.stage_id, sender)
+
+    def _incomplete(self, msg: StageDone) -> bool:
+        """Whether chunks or text deltas sent before ``msg`` have not arrived yet."""
+        task = self._running[msg.stage_id]
+        if task.emit_chunks and len(self._chunks.get(msg.stage_id, ())) < msg.chunks:
+            return True
+        state = self._text.get(msg.stage_id)
+        return bool(msg.deltas) and (state is None or state[0] < msg.attempt
+                                     or (state[0] == msg.attempt and state[1] < msg.deltas))
+
+    def _resume_done(self, stage_id: int, sender) -> None:
+        waiting = self._done_waiting.get(stage_id)
+        if waiting is not None and not self._incomplete(waiting):
+            del self._done_waiting[stage_id]
+            self.receiveMsg_StageDone(waiting, sender)
 
     # -- streaming between stages -------------------------------------------
     def receiveMsg_StageChunk(self, msg: StageChunk, sender):
@@ -148,27 +181,26 @@ class RequestActor(ActorTypeDispatcher):
         # Thespian keeps several transmits in flight per sender: chunks may overtake
         # each other, so they are put back in order by seq here.
         early = self._early.setdefault(msg.stage_id, {})
-        early[msg.seq] = msg.ref
+        early[msg.seq] = msg
         self._producer[msg.stage_id] = sender
         chunks = self._chunks.setdefault(msg.stage_id, [])
         consumers = self._stream_consumers[msg.stage_id]
+        lasts = self._chunk_last.setdefault(msg.stage_id, [])
         while len(chunks) in early:
-            ref = early.pop(len(chunks))
+            got = early.pop(len(chunks))
+            ref = got.ref
             chunks.append(ref)  # kept (released at the end) for replays to a retried consumer
+            lasts.append(got.last)
             if not consumers:  # final audio to a streaming client: the bridge fetches and releases it
                 self._to_client.add(msg.stage_id)
-                self.send(self._req.reply_to, OutputChunk(msg.request_id, msg.stage_id,
-                                                          self._plan[msg.stage_id].final_output_type, ref,
-                                                          self._client_chunks))
-                self._client_chunks += 1
+                self._to_bridge(lambda seq: OutputChunk(msg.request_id, msg.stage_id,
+                                                        self._plan[msg.stage_id].final_output_type, ref, seq))
                 chunks[-1] = None  # the bridge owns it now
                 self._ack(msg.stage_id, len(chunks))
         for dst in consumers:
             self._feed(dst)
-        waiting = self._done_waiting.get(msg.stage_id)
-        if waiting is not None and len(chunks) >= waiting.chunks:
-            del self._done_waiting[msg.stage_id]
-            self.receiveMsg_StageDone(waiting, sender)
+        if msg.stage_id in self._done_waiting:
+            self._resume_done(msg.stage_id, sender)
         else:
             self._dispatch_ready()
 
@@ -187,8 +219,9 @@ class RequestActor(ActorTypeDispatcher):
             return
         task, src = self._running[dst], self._plan[dst].stream_source
         chunks = self._chunks.get(src, [])
+        lasts = self._chunk_last.get(src, [])
         for seq in range(sent, len(chunks)):  # (the consumer puts them back in order by seq)
-            self.send(engine, InputChunk(task.request_id, dst, src, seq, chunks[seq], task.attempt))
+            self.send(engine, InputChunk(task.request_id, dst, src, seq, chunks[seq], task.attempt, lasts[seq]))
         self._sent[dst] = len(chunks)
         if self._chunk_total.get(src) == len(chunks):
             self.send(engine, InputChunk(task.request_id, dst, src, len(chunks), None, task.attempt))
@@ -201,11 +234,15 @@ class RequestActor(ActorTypeDispatcher):
         consumers = self._stream_consumers[msg.source]
         self._ack(msg.source, min(self._consumed.get(d, 0) for d in consumers))
 
-    def _ack(self, producer: int, upto: int) -> None:
-        """Credit the producer once half a window is consumed (fewer messages, no stall)."""
+    def _ack(self, producer: int, consumed: int) -> None:
+        """Credit the producer once half a window is consumed (fewer messages, no stall).
+
+        ``consumed`` counts chunk messages; credits count the backend's chunks
+        (several merge into one message when the producer is busy)."""
         task = self._running.get(producer)
-        if task is None or producer not in self._producer:
+        if task is None or producer not in self._producer or consumed <= 0:
             return
+        upto = self._chunk_last[producer][consumed - 1] + 1
         if upto - self._acked.get(producer, 0) >= max(1, task.chunk_window // 2):
             self._acked[producer] = upto
             self.send(self._producer[producer], ChunkAck(task.request_id, producer, upto, task.attempt))
@@ -224,9 +261,9 @@ class RequestActor(ActorTypeDispatcher):
         """Drop the streaming state of ``stages`` (their chunks are released)."""
         for sid in stages:
             release_all(self._chunks.pop(sid, []))
-            release_all(self._early.pop(sid, {}).values())
-            for table in (self._chunk_total, self._producer, self._consumer, self._sent, self._consumed,
-                          self._acked, self._done_waiting):
+            release_all(m.ref for m in self._early.pop(sid, {}).values())
+            for table in (self._chunk_last, self._chunk_total, self._producer, self._consumer, self._sent, self._consumed,
+                          self._acked, self._done_waiting, self._text):
                 table.pop(sid, None)
 
     # -- stage results ---------------------------------------------------------
@@ -235,8 +272,8 @@ class RequestActor(ActorTypeDispatcher):
         if task is None or (task.streaming and msg.attempt != task.attempt):
             release_all([msg.output, msg.final])
             return
-        if task.emit_chunks and len(self._chunks.get(msg.stage_id, ())) < msg.chunks:
-            self._done_waiting[msg.stage_id] = msg  # it overtook its last chunks: wait for them
+        if self._incomplete(msg):
+            self._done_waiting[msg.stage_id] = msg  # it overtook its last chunks or text: wait for them
             return
         del self._running[msg.stage_id]
         self._done[msg.stage_id] = msg
@@ -250,8 +287,9 @@ class RequestActor(ActorTypeDispatcher):
         if msg.final is not None and msg.stage_id in self._to_client and planned.final_output_type == "audio":
             release_all([msg.final])  # its audio went out in chunks
         elif planned.final_output_type and msg.final is not None:
-            self.send(self._req.reply_to, OutputReady(msg.request_id, msg.stage_id,
-                                                      planned.final_output_type, msg.final))
+            final = msg.final
+            self._to_bridge(lambda seq: OutputReady(msg.request_id, msg.stage_id, planned.final_output_type,
+                                                    final, seq))
         elif msg.final is not None:
             self._owned.append(msg.final)
         if planned.final_output_type == "text" or not self._tokens[0]:
@@ -336,5 +374,5 @@ class RequestActor(ActorTypeDispatcher):
             req.request_id, error, message, prompt_tokens=self._tokens[0], completion_tokens=self._tokens[1],
             finish_reason=self._finish_reason,
             stage_replicas={sid: d.replica for sid, d in self._done.items()}, request_actor=self.myAddress,
-            output_chunks=self._client_chunks))
+            sent=self._out_seq))
         self._reset()

@@ -57,9 +57,13 @@ class ReplicaHealth:
         """``idle_s``: the engine's own count of seconds since its last progress,
         so the stall clock starts when progress stopped, not when we heard of it."""
         self.last_heartbeat = now
-        if progress != self.progress:
-            self.progress = progress
-            self.progress_at = now if idle_s is None else max(self.progress_at, now - idle_s)
+        if idle_s is not None:
+            # The engine's own measure wins: it reports 0 while its tasks only wait on
+            # neighbour stages (streaming input, credits), which is no stall of its own.
+            self.progress_at = max(self.progress_at, now - idle_s)
+        elif progress != self.progress:
+            self.progress_at = now
+        self.progress = progress
         self.history.append((now, progress))
         del self.history[:-6]
 

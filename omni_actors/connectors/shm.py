@@ -95,6 +95,16 @@ def check_segment_dir(path: str | None = None) -> str:
         raise SegmentDirError(f"{where} is not a directory")
     if not os.access(path, os.W_OK | os.X_OK):
         raise SegmentDirError(f"{where} is not writable by this process")
+    probe = os.path.join(path, f".omni-actors-probe-{os.getpid()}")
+    try:  # (access() says yes to root everywhere, /proc included: try it)
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, 4096)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise SegmentDirError(f"{where}: cannot create a file there: {exc.strerror or exc}") from None
     return path
 
 

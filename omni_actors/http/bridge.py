@@ -71,9 +71,10 @@ class ActorBridge:
         self._connect_timeout_s = connect_timeout_s
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
-        #: request -> [next part seq, parts that came early, RequestFinished waiting for parts]
-        #: (receiver thread only)
-        self._parts: dict[str, list] = {}
+        #: request -> [next output seq, outputs that came early, RequestFinished waiting for them]
+        #: and the requests that ended lately (receiver thread only)
+        self._inbox: dict[str, list] = {}
+        self._ended: dict[str, None] = {}  # (an ordered set: the oldest go past 4,096)
         self._queries: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
         self._connector = make_connector()
@@ -230,41 +231,26 @@ class ActorBridge:
 
     def _on_message(self, msg: Any) -> None:
         """Receiver thread: turn an actor message into a loop-side event."""
-        if isinstance(msg, OutputDelta):
-            self._deliver(msg.request_id, OutputText(msg.text))
-        elif isinstance(msg, OutputChunk):
-            # Actor messages may overtake each other: parts are put back in order by
-            # seq, and the request's end waits for its last part (see RequestFinished).
-            if msg.request_id not in self._streams:  # the request is over (client gone)
-                self._connector.release(msg.ref)
+        if isinstance(msg, (OutputDelta, OutputChunk, OutputReady)):
+            # Actor messages may overtake each other: a request's outputs are put back
+            # in order by seq, and its end waits for the last of them (RequestFinished.sent).
+            if msg.request_id not in self._streams or msg.request_id in self._ended:
+                self._drop(msg)  # the request is over (the client went away)
                 return
-            parts = self._parts.setdefault(msg.request_id, [0, {}, None])
-            parts[1][msg.seq] = msg
-            while parts[0] in parts[1]:
-                self._deliver_part(parts[1].pop(parts[0]))
-                parts[0] += 1
-            finished = parts[2]
-            if finished is not None and parts[0] >= finished.output_chunks:
-                self._on_message(finished)
-        elif isinstance(msg, OutputReady):
-            data = self._take(msg, "final output")
-            if data is not None:
-                self._deliver(msg.request_id, OutputFinal(msg.stage_id, msg.output_type, data))
+            box = self._inbox.setdefault(msg.request_id, [0, {}, None])
+            box[1][msg.seq] = msg
+            while box[0] in box[1]:
+                self._output(box[1].pop(box[0]))
+                box[0] += 1
+            if box[2] is not None and box[0] >= box[2].sent:
+                self._end(box[2])
         elif isinstance(msg, RequestFinished):
-            parts = self._parts.get(msg.request_id)
-            if parts is not None and parts[0] < msg.output_chunks and msg.error is None:
-                parts[2] = msg  # parts still on their way: end the request after them
+            box = self._inbox.get(msg.request_id)
+            if (box[0] if box else 0) < msg.sent and msg.error is None:
+                box = box or self._inbox.setdefault(msg.request_id, [0, {}, None])
+                box[2] = msg  # outputs still on their way: end the request after them
                 return
-            self._parts.pop(msg.request_id, None)
-            self._outbox.put(("finished", msg.request_id, msg.request_actor))
-            if msg.error is None:
-                event = RequestDone(msg.prompt_tokens, msg.completion_tokens, msg.finish_reason)
-            else:
-                status = HTTP_STATUS.get(msg.error, 500)
-                kind = {503: "service_unavailable", 504: "timeout", 400: "invalid_request_error"}.get(
-                    status, "server_error")
-                event = RequestFailed(status, msg.message, kind)
-            self._deliver(msg.request_id, event)
+            self._end(msg)
         elif isinstance(msg, SystemStatus):
             self._loop.call_soon_threadsafe(self._resolve_query, msg)
         elif isinstance(msg, Routes):
@@ -273,10 +259,39 @@ class ActorBridge:
                 self._log.info("routes_changed", version=msg.version)
                 self._outbox.put(("routes", msg))
 
-    def _deliver_part(self, msg: OutputChunk) -> None:
-        data = self._take(msg, "streamed output")
-        if data is not None:
-            self._deliver(msg.request_id, OutputPart(msg.stage_id, msg.output_type, data))
+    def _output(self, msg: OutputDelta | OutputChunk | OutputReady) -> None:
+        """Deliver one output of a request, in order."""
+        if isinstance(msg, OutputDelta):
+            self._deliver(msg.request_id, OutputText(msg.text))
+            return
+        data = self._take(msg, "streamed output" if isinstance(msg, OutputChunk) else "final output")
+        if data is None:
+            return
+        event = (OutputPart if isinstance(msg, OutputChunk) else OutputFinal)(msg.stage_id, msg.output_type, data)
+        self._deliver(msg.request_id, event)
+
+    def _drop(self, msg: OutputDelta | OutputChunk | OutputReady) -> None:
+        ref = getattr(msg, "ref", None)
+        if ref is not None:
+            self._connector.release(ref)
+
+    def _end(self, msg: RequestFinished) -> None:
+        """The request is over: free its RequestActor and tell the client."""
+        box = self._inbox.pop(msg.request_id, None)
+        for early in (box[1].values() if box else ()):
+            self._drop(early)  # (only when it failed: a finished one waited for them all)
+        self._ended[msg.request_id] = None
+        if len(self._ended) > 4096:
+            del self._ended[next(iter(self._ended))]
+        self._outbox.put(("finished", msg.request_id, msg.request_actor))
+        if msg.error is None:
+            event = RequestDone(msg.prompt_tokens, msg.completion_tokens, msg.finish_reason)
+        else:
+            status = HTTP_STATUS.get(msg.error, 500)
+            kind = {503: "service_unavailable", 504: "timeout", 400: "invalid_request_error"}.get(
+                status, "server_error")
+            event = RequestFailed(status, msg.message, kind)
+        self._deliver(msg.request_id, event)
 
     def _take(self, msg: OutputChunk | OutputReady, what: str) -> dict[str, Any] | None:
         """Fetch ``msg.ref`` and release it (the bridge owns it); on failure the

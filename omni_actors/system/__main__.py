@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import signal
 import sys
 import time
@@ -152,10 +153,10 @@ def _start_member(args, devices: tuple[str, ...]) -> int:
     from omni_actors.system.leader import StartError
     from omni_actors.system.member import default_node_name, run_member
 
-    convention = _host_port(args.convention_address)
-    if convention is None:
-        return _fail(f"--convention-address must be HOST:PORT, got {args.convention_address!r}", 2)
-    host, port = convention
+    try:
+        host, port = _convention(args.convention_address)
+    except ValueError as exc:
+        return _fail(str(exc), 2)
     if args.admin_port == DEFAULT_ADMIN_PORT and int(port) == DEFAULT_ADMIN_PORT:
         return _fail("a member needs its own --admin-port (the leader uses 1900)", 2)
     _ensure_system_id()
@@ -190,6 +191,23 @@ def _host_port(text: str) -> tuple[str, int] | None:
     if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
         return None
     return host, int(port)
+
+
+def _convention(text: str) -> tuple[str, int]:
+    """``--convention-address``: ``(HOST, PORT)`` with HOST resolvable.
+
+    Raises:
+        ValueError: not HOST:PORT, or HOST does not resolve (the message is the CLI's one line).
+    """
+    convention = _host_port(text)
+    if convention is None:
+        raise ValueError(f"--convention-address must be HOST:PORT, got {text!r}")
+    try:
+        socket.getaddrinfo(convention[0], convention[1], type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ValueError(f"--convention-address {text!r}: cannot resolve {convention[0]!r} "
+                         f"({exc.strerror or exc})") from None
+    return convention
 
 
 def _ensure_system_id() -> None:
@@ -269,13 +287,10 @@ def _attach(args):
     from omni_actors.system.admin import attach
 
     address = getattr(args, "convention_address", None)
-    if address:
+    if address is not None:
         from omni_actors.system.remote import attach_remote
 
-        convention = _host_port(address)
-        if convention is None:
-            raise ValueError(f"--convention-address must be HOST:PORT, got {address!r}")
-        return attach_remote(*convention)
+        return attach_remote(*_convention(address))
     return attach(args.admin_port)
 
 
@@ -339,10 +354,11 @@ def cmd_api(args) -> int:
     from omni_actors.system.api_server import ApiServerError, run_api
 
     convention = None
-    if args.convention_address:
-        convention = _host_port(args.convention_address)
-        if convention is None:
-            return _fail(f"--convention-address must be HOST:PORT, got {args.convention_address!r}", 2)
+    if args.convention_address is not None:
+        try:
+            convention = _convention(args.convention_address)
+        except ValueError as exc:
+            return _fail(str(exc), 2)
         if args.admin_port != DEFAULT_ADMIN_PORT:
             return _fail("give --convention-address HOST:PORT or --admin-port, not both", 2)
     if args.request_actors is not None and args.request_actors < 1:

@@ -33,8 +33,11 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     host, port = convention
     if port_in_use(admin_port):
         raise StartError(f"admin port {admin_port} is in use")
-    if not port_in_use(port, host):
-        raise StartError(f"no convention leader answers at {host}:{port}")
+    from omni_actors.system.remote import probe_admin
+
+    problem = probe_admin(host, port)  # (an HTTP port would accept the connection, then never answer)
+    if problem:
+        raise StartError(problem)
     try:
         shm_dir = check_segment_dir()  # $OMNI_ACTORS_SHM_DIR (--shm-dir), inherited by every actor
     except SegmentDirError as exc:

@@ -106,6 +106,25 @@ class RemoteSystem:
         self._transport.close()
 
 
+def probe_admin(host: str, port: int) -> str | None:
+    """None when a Thespian admin answers at ``host:port``, else why not (one line)."""
+    from thespian.system.messages.status import Thespian_StatusReq, Thespian_SystemStatus
+
+    if not port_in_use(port, host):
+        return f"no convention leader answers at {host}:{port}"
+    try:
+        system = RemoteSystem(host, port)
+    except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
+        return f"cannot reach {host}:{port}: {exc}"
+    try:
+        status = system.ask(system.admin_address, Thespian_StatusReq(), ADMIN_ANSWER_S)
+        if not isinstance(status, Thespian_SystemStatus):
+            return f"{host}:{port} is not a Thespian admin (no answer within {ADMIN_ANSWER_S:g} s)"
+        return None
+    finally:
+        system.close()
+
+
 def attach_remote(host: str, port: int) -> Admin:
     """An :class:`Admin` on the convention whose admin listens at ``host:port``:
     the leader's admin, or a member's (then its convention leader is used).

@@ -274,7 +274,8 @@ class AdminShell(cmd.Cmd):
             else:
                 devices = "no devices (CPU)"
             alive = "" if inv is None or inv.alive else " LOST"
-            extra = " (admin port %d, control plane)" % self.admin_port if node == leader else ""
+            port = "" if getattr(self, "remote", False) else "admin port %d, " % self.admin_port
+            extra = f" ({port}control plane)" if node == leader else ""
             self._out(f"{node}{alive}{extra}: {len(reps)} replicas, {ready} ready, {devices}")
             rows = [("  WHAT", "STATE", "PID", "DEVICES")]
             if node == leader:
