@@ -635,6 +635,9 @@ class TaskFinished:
     stage_id: int
     ok: bool
     cancelled: bool = False  #: ended by a cancel (client gone): neither a success nor a failure
+    #: not run: the replica is draining or not ready (``reason``); the pool sends the task elsewhere
+    rejected: bool = False
+    reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,9 @@ STREAM_FLUSH_S = 0.02
 #: over 5 s when three stop at once on 2 cores).
 SHUTDOWN_TIMEOUT_S = 10.0
 
+#: How long a drained replica lingers before it exits, so its last messages leave first.
+EXIT_GRACE_S = 0.5
+
 #: Which output fields go to the client for each final output type.
 FINAL_FIELDS = {"text": ("text",), "audio": ("audio", "sample_rate"), "image": ("image",)}
 
@@ -190,6 +193,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                                               spec.deployment.backend, socket.gethostname()))
 
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
+        if msg.payload == "exit" and self._draining and not self._tasks:
+            self.send(self.myAddress, ActorExitRequest())
+            return self._watch()
         if msg.payload == "heartbeat" and self._spec is not None:
             interval = self._spec.heartbeat_interval_s
             failure = getattr(self._backend, "failure", None) if self._ready else None
@@ -255,8 +261,10 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._exit_if_drained()
 
     def _exit_if_drained(self) -> None:
+        """Exit once drained, a moment after the last task's messages were handed to
+        Thespian: they are still in transit, and go with the process if it exits now."""
         if self._draining and not self._tasks:
-            self.send(self.myAddress, ActorExitRequest())
+            self.wakeupAfter(EXIT_GRACE_S, payload="exit")
 
     def receiveMsg_InjectFault(self, msg: InjectFault, sender):
         self._log.warning("fault_injected", kind=msg.kind.value, factor=msg.factor)
@@ -289,13 +297,11 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
     # -- request plane ----------------------------------------------------
     def receiveMsg_StageTask(self, msg: StageTask, sender):
         if not self._ready or self._draining:
-            self.send(msg.reply_to, StageFailed(msg.request_id, msg.stage_id,
-                                                self._spec.replica if self._spec else "?",
-                                                ErrorKind.UNAVAILABLE,
-                                                "replica is draining" if self._draining else "replica is not ready",
-                                                msg.attempt))
-            self.send(sender, TaskFinished(self._spec.replica if self._spec else "?",
-                                           msg.request_id, msg.stage_id, ok=False))
+            # The pool (alive: it just sent this) re-routes it. A word to the RequestActor
+            # could be lost in transit if this process exits right after.
+            self.send(sender, TaskFinished(self._spec.replica if self._spec else "?", msg.request_id,
+                                           msg.stage_id, ok=False, rejected=True,
+                                           reason="draining" if self._draining else "not ready"))
             return self._watch()
         self._rt.submit(self._run_task(msg))
         return self._watch()

@@ -274,18 +274,20 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
     def _redispatch(self, rep: Replica) -> None:
         tasks, rep.in_flight = [t for t, _ in rep.in_flight.values()], {}
         for task in tasks:
-            if task.streaming:
-                # Chunks already went out from (or into) the lost replica: its RequestActor
-                # decides (retry the streaming stages together, or fail the request).
-                self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, rep.replica,
-                                                     ErrorKind.UNAVAILABLE,
-                                                     f"replica {rep.replica} {rep.state.value} mid-stream: "
-                                                     f"{rep.reason}", task.attempt))
-                continue
-            self._log.warning("task_redispatched", request_id=task.request_id, replica=rep.replica,
-                              attempt=task.attempt + 1)
-            retry = dataclasses.replace(task, attempt=task.attempt + 1, exclude=task.exclude + (rep.replica,))
-            self._route(retry, why=f"replica {rep.replica} {rep.state.value}: {rep.reason}")
+            self._elsewhere(task, rep.replica, f"{rep.state.value}: {rep.reason}")
+
+    def _elsewhere(self, task: StageTask, replica: str, why: str) -> None:
+        """``task`` cannot finish on ``replica``: send it to another one, or, for a
+        streaming task, tell its RequestActor (chunks already went out from or into
+        that replica: it retries the streaming stages together, or fails the request)."""
+        if task.streaming:
+            self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, replica, ErrorKind.UNAVAILABLE,
+                                                 f"replica {replica} {why} mid-stream", task.attempt))
+            return
+        self._log.warning("task_redispatched", request_id=task.request_id, replica=replica,
+                          attempt=task.attempt + 1)
+        retry = dataclasses.replace(task, attempt=task.attempt + 1, exclude=task.exclude + (replica,))
+        self._route(retry, why=f"replica {replica} {why}")
 
     def receiveMsg_PoisonMessage(self, msg: PoisonMessage, sender):
         poisoned = msg.poisonMessage
@@ -348,6 +350,14 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             return
         entry = rep.in_flight.pop((msg.request_id, msg.stage_id), None)
         if entry is None:
+            return
+        if msg.rejected:  # it did not run there (the replica drains or is not ready)
+            if msg.reason == "draining" and rep.state == ReplicaState.READY:
+                # It drains on its own (it missed our acks): no more work; when it
+                # exits it is restarted as any isolated replica is.
+                rep.state, rep.reason = ReplicaState.ISOLATED, "drained itself: it heard nothing from its pool"
+                self._publish()
+            self._elsewhere(entry[0], rep.replica, f"is {msg.reason}")
             return
         now = time.monotonic()
         if msg.ok:
