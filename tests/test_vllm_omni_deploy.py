@@ -169,6 +169,37 @@ def test_connectors_edges_env_and_platforms_are_kept(tmp_path: Path) -> None:
         assert not {"input_connectors", "output_connectors", "env", "num_replicas", "runtime"} & set(s.engine_args)
 
 
+def test_connectors_are_applied_as_a_legacy_configs_are(tmp_path: Path, monkeypatch) -> None:
+    """As ``runtime.connectors`` (tests/test_connector_config.py), notes naming the file's paths:
+    a SharedMemoryConnector's threshold applies; another connector goes to the engines where
+    vllm_omni is installed (here pretended), with the producer's ``omni:`` mode."""
+    from omni_actors.connectors import omni
+
+    monkeypatch.setattr(omni, "available", lambda: True)
+    mooncake = {"name": "MooncakeStoreConnector", "extra": {"master": "10.0.0.1:50051"}}
+    cfg = load_config(write(tmp_path, variant(lambda d: (
+        d["connectors"].update(rdma=mooncake), d["stages"][2]["input_connectors"].update(from_stage_1="rdma")))))
+    thinker, talker, code2wav = cfg.stage_args
+    assert cfg.inline_threshold_of(thinker) == 4096
+    assert omni.parse_mode(cfg.connector_mode_of(talker)).name == "MooncakeStoreConnector"
+    assert omni.parse_mode(cfg.connector_mode_of(code2wav)).inputs[0][0] == "MooncakeStoreConnector"
+    notes = cfg.omni_connectors.notes
+    assert any(n.startswith("stages[0].output_connectors.to_stage_1 -> connectors.fast_path (SharedMemory"
+                            "Connector): applied to thinker: inline up to 4096 bytes") for n in notes), notes
+    assert any(n.startswith("stages[2].input_connectors.from_stage_1 -> connectors.rdma (MooncakeStore"
+                            "Connector): applied to talker") for n in notes), notes
+    assert any(n.startswith("edges: kept, not applied") for n in notes), notes
+    monkeypatch.setattr(omni, "available", lambda: False)
+    cfg = load_config(write(tmp_path, variant(lambda d: (
+        d["connectors"].update(rdma=mooncake), d["stages"][2]["input_connectors"].update(from_stage_1="rdma")))))
+    assert cfg.connector_mode_of(cfg.stage_args[1]) is None
+    assert any("(MooncakeStoreConnector) on edge 1->2: not applied" in n for n in cfg.omni_connectors.notes)
+    with pytest.raises(ConfigError) as exc:
+        load_config(write(tmp_path, variant(lambda d: d["connectors"]["fast_path"]["extra"].update(
+            shm_threshold_bytes=-1))))
+    assert exc.value.path == "connectors.fast_path.extra.shm_threshold_bytes"
+
+
 def test_a_stage_the_deploy_file_does_not_list_gets_defaults(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, variant(lambda d: d["stages"].pop(2))))
     code2wav = cfg.stage_by_name("code2wav")

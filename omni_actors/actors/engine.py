@@ -182,6 +182,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         spec = self._spec
         t0 = time.monotonic()
         try:
+            prepare = getattr(self._connector, "prepare", None)
+            if prepare is not None:  # a vLLM-Omni connector (omni: modes) is built now, not by a task
+                await asyncio.to_thread(prepare)
             await self._backend.start()
         except Exception as exc:  # noqa: BLE001
             self._rt.emit(self._pool, EngineFailed(spec.replica, f"{type(exc).__name__}: {exc}"))
@@ -421,7 +424,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             if msg.final_output_type and not (chunks and msg.final_output_type == "audio"):
                 # (audio sent in chunks went to the client already)
                 fields = FINAL_FIELDS.get(msg.final_output_type, ())
-                final_ref = self._connector.put({k: final.outputs[k] for k in fields if k in final.outputs})
+                final_ref = self._connector.put({k: final.outputs[k] for k in fields if k in final.outputs},
+                                                final=True)
         except BaseException:
             release_all([output, final_ref])
             raise

@@ -17,7 +17,8 @@ Environment (set by the host's leader/member for every actor it starts):
 - ``OMNI_ACTORS_SHM_PREFIX``: prefix of this node's segment names.
 - ``OMNI_ACTORS_SHM_DIR``: the directory (a tmpfs) segments live in; default
   ``/dev/shm``. Read whenever a segment is made, opened, listed or unlinked.
-- ``OMNI_ACTORS_CONNECTOR``: default mode, see :data:`MODES`.
+- ``OMNI_ACTORS_CONNECTOR``: default mode, see :data:`MODES` (or an
+  ``omni:<Name>`` mode: :mod:`omni_actors.connectors.omni`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Any, Iterable
 
 import structlog
 
-from omni_actors.connectors import data_service
-from omni_actors.connectors.base import Connector, ConnectorRef, FieldLayout
+from omni_actors.connectors import data_service, omni
+from omni_actors.connectors.base import Connector, ConnectorRef, FieldLayout, OmniHandle
 from omni_actors.connectors.data_service import NODE_ENV, SERVICE_ENV, DataService, DataServiceError
 from omni_actors.connectors.inline import ConnectorError, InlineConnector, plan, read_outputs
 from omni_actors.connectors.shm import DIR_ENV, SegmentDirError, ShmConnector, _unlink, check_segment_dir, \
@@ -37,7 +38,7 @@ from omni_actors.connectors.shm import DIR_ENV, SegmentDirError, ShmConnector, _
 
 __all__ = [
     "Connector", "ConnectorError", "ConnectorRef", "DIR_ENV", "DataService", "DataServiceError", "FieldLayout",
-    "InlineConnector", "LocalConnector", "MODES", "NodeConnector", "SegmentDirError", "ShmConnector",
+    "InlineConnector", "LocalConnector", "MODES", "NodeConnector", "OmniHandle", "SegmentDirError", "ShmConnector",
     "check_segment_dir", "default_prefix", "list_segments", "local_node", "make_connector", "release_all",
     "segment_dir", "segment_usage", "sweep_segments",
 ]
@@ -52,7 +53,10 @@ MODE_ENV = "OMNI_ACTORS_CONNECTOR"
 #: node and fetched from the node's data service elsewhere; ``inline``: always
 #: inline, whatever the size; ``shm``: always a segment (outputs with array
 #: bytes); ``tcp``: as ``auto``, but every reader of a segment fetches it
-#: through the data service, even on its own node.
+#: through the data service, even on its own node. A mode ``omni:...``
+#: (:func:`omni_actors.connectors.omni.encode_mode`) is ``auto`` with vLLM-Omni's
+#: connector in place of the segment, where ``vllm_omni`` is importable (else
+#: plain ``auto``, logged).
 MODES = ("auto", "inline", "shm", "tcp")
 
 SEGMENT_KINDS = ("shm", "tcp")
@@ -71,27 +75,62 @@ class NodeConnector:
     ref of the system. ``node``/``service`` default to the environment.
     """
 
+    adapter: omni.OmniAdapter | None = None  #: where outputs over the threshold go in an ``omni:`` mode
+
     def __init__(self, inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
                  prefix: str | None = None, *, mode: str | None = None,
                  node: str | None = None, service: str | None = None) -> None:
         if inline_threshold_bytes < 0:
             raise ValueError(f"inline_threshold_bytes must be >= 0, got {inline_threshold_bytes}")
         mode = mode or os.environ.get(MODE_ENV) or "auto"
-        if mode not in MODES:
-            raise ValueError(f"connector mode must be one of {', '.join(MODES)}; got {mode!r}")
-        self.mode = mode
+        self.omni_mode = omni.parse_mode(mode)  # raises ValueError if it does not parse
+        if self.omni_mode is None and mode not in MODES:
+            raise ValueError(f"connector mode must be one of {', '.join(MODES)} or omni:<Name>; got {mode!r}")
+        self.mode = "auto" if self.omni_mode else mode
         self.inline_threshold_bytes = inline_threshold_bytes
         self.node = node if node is not None else local_node()
         self.service = service if service is not None else (os.environ.get(SERVICE_ENV) or None)
         self.inline = InlineConnector()
         self.shm = ShmConnector(prefix, node=self.node, service=self.service,
                                 kind="tcp" if mode == "tcp" else "shm")
+        spec = self.omni_mode
+        if spec is not None and (spec.name or spec.inputs):
+            if not omni.available():
+                log.warning("omni_connector_not_applied", connector=spec.name,
+                            reason="vllm_omni is not installed in this process: outputs go through "
+                                   "omni-actors' connectors")
+                self.omni_mode = None
+            elif spec.name:
+                self.adapter = omni.OmniAdapter(spec.name, spec.extra, stage=spec.stage,
+                                             prefix=self.shm.prefix, node=self.node)
 
-    def put(self, outputs: dict[str, Any]) -> ConnectorRef:
-        """Raises TypeError (unpackable dtype) or OSError (shm full)."""
+    def prepare(self) -> None:
+        """Build the vLLM-Omni connectors of an ``omni:`` mode now (its own and
+        those of its inputs; seconds: it imports vLLM-Omni), so no task waits
+        for that. A no-op in other modes; where the import fails it falls back
+        to ``auto`` and logs. Raises ValueError: vLLM-Omni could not build a
+        connector (its message says why)."""
+        spec = self.omni_mode
+        if spec is None:
+            return
+        try:
+            for name, extra in spec.inputs:
+                omni.connector(name, extra)
+            if self.adapter is not None:
+                self.adapter.open()
+        except omni.OmniUnavailable as exc:
+            log.warning("omni_connector_not_applied", connector=spec.name, reason=str(exc))
+            self.omni_mode = self.adapter = None
+
+    def put(self, outputs: dict[str, Any], *, final: bool = False) -> ConnectorRef:
+        """Raises TypeError (unpackable dtype) or OSError (shm full, the
+        vLLM-Omni connector refused). ``final``: the outputs go to the API
+        server, not to another stage: never through a vLLM-Omni connector."""
         layout, size, arrays = plan(outputs)
         if self.mode == "inline" or (self.mode != "shm" and size <= self.inline_threshold_bytes):
             return self.inline.put_planned(layout, size, arrays)
+        if self.adapter is not None and not final:
+            return self.adapter.put_planned(layout, size, arrays)
         return self.shm.put_planned(layout, size, arrays)
 
     def get(self, ref: ConnectorRef) -> dict[str, Any]:
@@ -101,9 +140,13 @@ class NodeConnector:
             ConnectorError: the data is gone (released, reaped) or the kind is unknown.
             DataServiceError: the data lives on another node whose data service
                 cannot be reached.
+            OmniConnectorError: a vLLM-Omni connector's ref could not be read
+                (see :func:`omni_actors.connectors.omni.get`).
         """
         if ref.kind == "inline":
             return self.inline.get(ref)
+        if ref.kind == omni.KIND:
+            return omni.get(ref)
         if ref.kind not in SEGMENT_KINDS:
             raise ConnectorError(f"unknown connector kind {ref.kind!r}")
         if not self._remote(ref, for_read=True):
@@ -122,6 +165,9 @@ class NodeConnector:
             ConnectorError: the kind is unknown, or a remote segment has no service.
         """
         if ref.kind == "inline":
+            return
+        if ref.kind == omni.KIND:
+            omni.release(ref)
             return
         if ref.kind not in SEGMENT_KINDS or not ref.location:
             raise ConnectorError(f"unknown connector kind {ref.kind!r}")
@@ -156,19 +202,23 @@ def make_connector(inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
 
     ``prefix`` names new shm segments; default ``$OMNI_ACTORS_SHM_PREFIX``,
     else ``"omni-actors-"``. ``mode`` defaults to ``$OMNI_ACTORS_CONNECTOR``,
-    else ``"auto"`` (see :data:`MODES`).
+    else ``"auto"`` (see :data:`MODES`; ``omni:...``: see :meth:`NodeConnector.prepare`).
     """
     return NodeConnector(inline_threshold_bytes, prefix, mode=mode)
 
 
 def release_all(refs: Iterable[ConnectorRef | None]) -> None:
     """Release every ref (None entries skipped): segments on this node are unlinked
-    here, the others with one request per owning data service. Logs failures,
-    never raises."""
+    here, the others with one request per owning data service; a vLLM-Omni
+    connector's refs through that connector (:func:`omni_actors.connectors.omni.release`).
+    Logs failures, never raises."""
     here = local_node()
     remote: dict[str, list[str]] = collections.defaultdict(list)
     for ref in refs:
         if ref is None or ref.kind == "inline":
+            continue
+        if ref.kind == omni.KIND:
+            omni.release(ref)  # never raises
             continue
         try:
             if ref.kind not in SEGMENT_KINDS or not ref.location:

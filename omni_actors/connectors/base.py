@@ -29,6 +29,24 @@ class FieldLayout:
 
 
 @dataclass(frozen=True)
+class OmniHandle:
+    """Where a vLLM-Omni connector keeps one ``put`` (a ref of kind ``"omni"``).
+
+    ``connector`` and ``extra`` (its settings as JSON, sorted keys) are what
+    any process needs to build the same connector with vLLM-Omni's factory;
+    ``from_stage``/``to_stage``/``key`` are what its ``put`` was called with;
+    ``metadata`` is what that ``put`` returned (transport handles, or None).
+    """
+
+    connector: str
+    extra: str
+    from_stage: str
+    to_stage: str
+    key: str
+    metadata: Any = None
+
+
+@dataclass(frozen=True)
 class ConnectorRef:
     """A reference to stage outputs.
 
@@ -37,15 +55,19 @@ class ConnectorRef:
             shared-memory segment, a file in the node's ``$OMNI_ACTORS_SHM_DIR``,
             named ``location`` on node ``node``: mapped there, fetched from
             ``service`` elsewhere) or ``"tcp"`` (such a segment, always
-            fetched from ``service``, even on its own node).
+            fetched from ``service``, even on its own node) or ``"omni"``
+            (the packed array bytes kept by a vLLM-Omni connector, see ``omni``).
         size: bytes of array data.
         layout: one :class:`FieldLayout` per output field.
-        location: the segment name for ``shm``/``tcp``; None for inline.
+        location: the segment name for ``shm``/``tcp``, the key for
+            ``omni``; None for inline.
         payload: the packed array bytes for ``inline``; None otherwise.
         node: the node the segment lives on (``$OMNI_ACTORS_NODE`` of its
             producer); None: a single-host system, every reader is local.
         service: ``"host:port"`` of that node's data service
             (``$OMNI_ACTORS_DATA_SERVICE`` of the producer), or None.
+        omni: for ``omni`` refs, the vLLM-Omni connector and what its ``put``
+            returned (:mod:`omni_actors.connectors.omni`); None otherwise.
     """
 
     kind: str
@@ -55,6 +77,7 @@ class ConnectorRef:
     payload: bytes | None = None
     node: str | None = None
     service: str | None = None
+    omni: OmniHandle | None = None
 
 
 class Connector(Protocol):

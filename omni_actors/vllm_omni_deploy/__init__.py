@@ -50,8 +50,9 @@ have no ``stage_args`` equivalent, in :class:`VllmOmniDeploy`):
 - ``connectors``, ``edges``, ``input_connectors`` / ``output_connectors``
   (each a connector name or an inline ``{name, extra}``), ``env`` and
   ``platforms`` are checked for shape and kept in ``config.vllm_omni``;
-  they are not applied (our connectors carry stage outputs), nor are
-  platform overlays;
+  the connector settings are then mapped as a legacy config's
+  (``config.omni_connectors``, see :class:`~omni_actors.config.OmniConnectors`:
+  notes name this file's paths); ``env`` and platform overlays are not applied;
 - a ``stages`` entry (or connector key, or edge) naming a ``stage_id`` the
   topology lacks is refused (vLLM-Omni skips such a stage entry silently).
 
@@ -67,7 +68,8 @@ from typing import Any
 
 import msgspec
 
-from omni_actors.config import ConfigError, PipelineConfig, _convert, parse_config
+from omni_actors.config import ConfigError, OmniConnectors, PipelineConfig, _convert, _omni_connectors, \
+    parse_config
 from omni_actors.vllm_omni_deploy.files import (ConnectorSpec, Edge, check_connectors, deep_merge,
                                                 resolve)
 from omni_actors.vllm_omni_deploy.topology import Topology, TopologyStage, resolve_topology
@@ -163,6 +165,7 @@ def parse_deploy_config(data: dict[str, Any], source: str = "<memory>") -> Deplo
         cfg = parse_config({"stage_args": stage_args, "deployment": deployment}, source)
     except ConfigError as exc:
         raise _where(exc, topo, key, origin) from None
+    cfg.omni_connectors = _connectors(merged, stages, topo, origin, cfg, source)
 
     names = {ts.stage_id: ts.model_stage for ts in topo.stages}
     kept = VllmOmniDeploy(
@@ -179,6 +182,32 @@ def parse_deploy_config(data: dict[str, Any], source: str = "<memory>") -> Deplo
 
 
 # -- conversion -------------------------------------------------------------
+
+
+def _connectors(merged: dict[str, Any], stages: dict[int, dict[str, Any]], topo: Topology,
+                origin: dict[int, tuple[str, int]], cfg: PipelineConfig, source: str) -> OmniConnectors:
+    """The file's ``connectors`` / ``edges`` / ``input_connectors`` / ``output_connectors``
+    mapped as a legacy config's are (:class:`~omni_actors.config.OmniConnectors`), its notes
+    and errors naming the deploy file's paths."""
+    fields = ("input_connectors", "output_connectors")
+    per_stage = [{f: stages.get(ts.stage_id, {}).get(f) or {} for f in fields} for ts in topo.stages]
+    runtime = {"connectors": merged.get("connectors") or {}, "edges": merged.get("edges") or []}
+    if not (runtime["connectors"] or runtime["edges"]):
+        runtime = None
+
+    def ours(text: str) -> str:
+        def stage(m: re.Match) -> str:
+            return f"stages[{origin.get(topo.stages[int(m.group(1))].stage_id, (source, '?'))[1]}]"
+        text = re.sub(r"stage_args\[(\d+)\]", stage, text)
+        return re.sub(r"\bruntime\.(connectors|edges)", r"\1", text)
+
+    try:
+        found = _omni_connectors({"runtime": runtime, "stage_args": per_stage}, cfg, source)
+    except ConfigError as exc:
+        raise ConfigError(exc.source, ours(exc.path), ours(exc.message)) from None
+    found.notes = [ours(n) for n in found.notes]
+    return found
+
 
 
 def _stage_args(ts: TopologyStage, topo: Topology, stage: dict[str, Any],
