@@ -26,11 +26,9 @@ serves requests until the client closes it. No request is unpickled or
 executed: the worst a client can do is read or unlink segments of the prefix
 (the cluster network is the trust boundary, as for the actor transport).
 
-The client side (:func:`fetch`, :func:`release`, :func:`stats`,
-:func:`configure`) keeps one connection per service per thread, receives a
-segment with ``recv_into`` straight into the buffer the arrays are then views
-on, and reuses such buffers once the consumer has dropped every array on them
-(:class:`ReceivePool`).
+The wire protocol and the client side (:func:`fetch`, :func:`release`,
+:func:`stats`, :func:`configure`, re-exported here) are in
+:mod:`omni_actors.connectors.data_client`.
 
 Run one by hand (or from a benchmark): ``python -m omni_actors.connectors.data_service
 --host 127.0.0.1 --port 0 --prefix oa-test-`` prints ``READY host:port``.
@@ -46,17 +44,18 @@ import os
 import signal
 import socket
 import socketserver
-import struct
 import sys
 import threading
 import time
 import weakref
 from typing import Any
 
-import numpy as np
 import structlog
 
-from omni_actors.connectors.inline import ConnectorError
+from omni_actors.connectors.data_client import (  # noqa: F401 - the client side, re-exported
+    BAD_REQUEST, FAILED, MAX_REQUEST, NOT_FOUND, OK, POOL_ENV, RECV_CHUNK, RELEASE_BATCH, REPLY_HEADER,
+    REQUEST_HEADER, DataServiceError, ReceivePool, _recv_exact, close_connections, configure, fetch,
+    parse_address, release, stats)
 from omni_actors.connectors.shm import DIR_ENV, _unlink, check_name, check_segment_dir, default_prefix, \
     list_segments, open_segment, segment_dir, segment_usage
 
@@ -65,40 +64,15 @@ log = structlog.get_logger(__name__)
 NODE_ENV = "OMNI_ACTORS_NODE"  #: this process's node name (set by the host's leader/member)
 SERVICE_ENV = "OMNI_ACTORS_DATA_SERVICE"  #: ``host:port`` of this node's data service
 HOST_ENV = "OMNI_ACTORS_DATA_HOST"  #: interface the host's data service binds (overrides the default)
-POOL_ENV = "OMNI_ACTORS_RECV_POOL_BYTES"  #: most bytes of receive buffers a process keeps for reuse
 
-REQUEST_HEADER = struct.Struct("!I")
-REPLY_HEADER = struct.Struct("!BQ")
-MAX_REQUEST = 1 << 20  #: bytes of one request's JSON
-RELEASE_BATCH = 2000  #: names per release request (keeps a request well under MAX_REQUEST)
 
-OK, NOT_FOUND, BAD_REQUEST, FAILED = 0, 1, 2, 3
 
 DEFAULT_REAP_AFTER_S = 900.0
-CONNECT_TIMEOUT_S = 5.0
 #: Releases give up sooner (they are retried by no one: the owner's reaper frees what they miss),
 #: and skip a service that could not be reached within the last DOWN_FOR_S.
-RELEASE_CONNECT_TIMEOUT_S = 1.0
-DOWN_FOR_S = 3.0
-IO_TIMEOUT_S = 60.0  #: longest wait for one recv/send of a transfer
-RECV_CHUNK = 1 << 22
-DEFAULT_POOL_BYTES = 256 << 20
-POOL_MIN_BUFFER = 1 << 20  #: smaller receive buffers come from malloc, which reuses memory by itself
 
 
 _WILDCARDS = ("", "0.0.0.0", "::")
-
-
-class DataServiceError(ConnectionError):
-    """The data service could not be reached, or broke the protocol."""
-
-
-def parse_address(service: str) -> tuple[str, int]:
-    """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``. Raises ValueError."""
-    host, sep, port = service.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"data service address must be host:port, got {service!r}")
-    return host.strip("[]"), int(port)
 
 
 def local_address_towards(host: str, port: int) -> str:
@@ -145,20 +119,6 @@ def start_node_service(node: str, default_host: str, *, reap_after_s: float,
 
 
 # -- server -------------------------------------------------------------------------------------
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    """``n`` bytes, or None on a clean EOF before the first byte."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            if got == 0:
-                return None
-            raise ConnectionError(f"peer closed after {got} of {n} bytes")
-        got += k
-    return bytes(buf)
-
 
 class _Handler(socketserver.BaseRequestHandler):
     server: "_Server"
@@ -473,217 +433,6 @@ def _send_segment(sock: socket.socket, fd: int, size: int) -> None:
                 sock.sendall(view)
             finally:
                 view.release()
-
-
-# -- client -------------------------------------------------------------------------------------
-
-class _Connections(threading.local):
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.by_service: dict[str, socket.socket] = {}
-
-
-_conns = _Connections()
-_down: dict[str, float] = {}  # service -> when a connection to it last failed (monotonic)
-
-
-def _connection(service: str, quick: bool = False) -> tuple[socket.socket, bool]:
-    """This thread's connection to ``service``: ``(socket, reused)``. ``quick``
-    (releases): a short connect timeout, and no attempt at a service that
-    could not be reached a moment ago."""
-    if _conns.pid != os.getpid():  # forked: the parent's sockets are not ours to use
-        for sock in _conns.by_service.values():
-            sock.close()
-        _conns.by_service, _conns.pid = {}, os.getpid()
-    sock = _conns.by_service.get(service)
-    if sock is not None:
-        return sock, True
-    failed_at = _down.get(service)
-    if quick and failed_at is not None and time.monotonic() - failed_at < DOWN_FOR_S:
-        raise DataServiceError(f"data service {service} unreachable (a moment ago); not retried yet")
-    try:
-        host, port = parse_address(service)
-        sock = socket.create_connection((host, port),
-                                        timeout=RELEASE_CONNECT_TIMEOUT_S if quick else CONNECT_TIMEOUT_S)
-    except (OSError, ValueError) as exc:
-        _down[service] = time.monotonic()
-        raise DataServiceError(f"data service {service} unreachable: {exc}") from None
-    _down.pop(service, None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.settimeout(IO_TIMEOUT_S)
-    _conns.by_service[service] = sock
-    return sock, False
-
-
-def _drop(service: str) -> None:
-    sock = _conns.by_service.pop(service, None)
-    if sock is not None:
-        sock.close()
-
-
-def _request(service: str, req: dict, into: np.ndarray | None = None,
-             quick: bool = False) -> tuple[int, bytes | np.ndarray]:
-    """Send ``req``, return ``(status, body)``. With ``into`` (an OK ``get``), the
-    body is received into that preallocated buffer, which must have the body's size.
-
-    A connection that was reused and turns out dead is replaced once (the
-    requests are idempotent). Raises DataServiceError.
-    """
-    payload = json.dumps(req).encode()
-    message = REQUEST_HEADER.pack(len(payload)) + payload
-    for attempt in (0, 1):
-        sock, reused = _connection(service, quick)
-        try:
-            sock.sendall(message)
-            head = _recv_exact(sock, REPLY_HEADER.size)
-            if head is None:
-                raise ConnectionError("closed by the data service")
-        except (OSError, ConnectionError) as exc:
-            _drop(service)
-            if reused and attempt == 0:
-                continue
-            raise DataServiceError(f"data service {service}: {exc}") from None
-        status, length = REPLY_HEADER.unpack(head)
-        try:
-            if status == OK and into is not None:
-                if length != into.nbytes:
-                    raise ConnectionError(f"sent {length} bytes, {into.nbytes} were asked")
-                _recv_into(sock, memoryview(into))
-                return status, into
-            if length > MAX_REQUEST:
-                raise ConnectionError(f"a reply of {length} bytes (status {status}) is not a reply")
-            body = _recv_exact(sock, length) if length else b""
-            return status, body or b""
-        except (OSError, ConnectionError) as exc:
-            _drop(service)
-            raise DataServiceError(f"data service {service}: {exc}") from None
-    raise AssertionError("unreachable")
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got, total = 0, view.nbytes
-    while got < total:
-        n = sock.recv_into(view[got:], min(total - got, RECV_CHUNK))
-        if n == 0:
-            raise ConnectionError(f"closed after {got} of {total} bytes")
-        got += n
-
-
-def _error(status: int, body: bytes, service: str) -> ConnectorError | DataServiceError:
-    text = body.decode("utf-8", "replace")
-    if status in (NOT_FOUND, BAD_REQUEST):
-        return ConnectorError(f"{text} (data service {service})")
-    return DataServiceError(f"data service {service} failed: {text}")
-
-
-class ReceivePool:
-    """Receive buffers, reused once nothing refers to them any more.
-
-    Filling fresh memory costs page faults (and, for huge pages, compaction
-    stalls: seen here at 256 MB) on top of the transfer; a buffer whose arrays
-    the consumer has dropped is already mapped. A buffer is handed out as a
-    view (``buf[:size]``): every array built on it keeps ``buf`` referenced, so
-    a buffer whose only reference is the pool's is free. At most ``max_bytes``
-    are kept; buffers under :data:`POOL_MIN_BUFFER` are not pooled.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._bufs: list[np.ndarray] = []
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-        probe = [np.empty(1, dtype=np.uint8)]
-        self._free_refs = sys.getrefcount(probe[0])  # refs of a pooled buffer nobody else holds
-
-    def take(self, size: int) -> np.ndarray:
-        """A writable uint8 array of ``size`` bytes that nothing else uses."""
-        if size < POOL_MIN_BUFFER or size > self.max_bytes:
-            return np.empty(size, dtype=np.uint8)
-        with self._lock:
-            if self._pid != os.getpid():  # forked: the parent's arrays may still live here
-                self._bufs, self._pid = [], os.getpid()
-            free = [i for i in range(len(self._bufs)) if sys.getrefcount(self._bufs[i]) <= self._free_refs]
-            fits = [i for i in free if size <= self._bufs[i].nbytes <= 2 * size]
-            if fits:
-                best = min(fits, key=lambda i: self._bufs[i].nbytes)
-                return self._bufs[best][:size]
-            buf = np.empty(size, dtype=np.uint8)  # numpy asks for huge pages on big buffers
-            held = sum(b.nbytes for b in self._bufs)
-            for i in sorted(free, key=lambda i: self._bufs[i].nbytes, reverse=True):
-                if held + size <= self.max_bytes:
-                    break
-                held -= self._bufs[i].nbytes
-                self._bufs[i] = None  # type: ignore[call-overload]
-            self._bufs = [b for b in self._bufs if b is not None]
-            if held + size <= self.max_bytes:
-                self._bufs.append(buf)
-                return buf[:size]
-            return buf
-
-    def held_bytes(self) -> int:
-        with self._lock:
-            return sum(b.nbytes for b in self._bufs)
-
-
-_pool = ReceivePool(int(os.environ.get(POOL_ENV) or DEFAULT_POOL_BYTES))
-
-
-def fetch(service: str, name: str, size: int) -> np.ndarray:
-    """The first ``size`` bytes of segment ``name`` from ``service``: a read-only
-    uint8 array of its own, received straight into it (no extra copy); its
-    memory may be reused by a later fetch once nothing refers to it.
-
-    Raises:
-        ConnectorError: the segment is gone (released, reaped) or smaller than ``size``.
-        DataServiceError: the service is unreachable or broke the protocol.
-    """
-    buf = _pool.take(size)
-    status, body = _request(service, {"op": "get", "name": name, "size": size}, into=buf)
-    if status != OK:
-        raise _error(status, body, service)
-    buf.flags.writeable = False
-    return buf
-
-
-def release(service: str, names: list[str]) -> int:
-    """Unlink segments ``names`` on ``service``'s node; how many were still there.
-
-    Raises:
-        ConnectorError: a name is not one of that service's segments.
-        DataServiceError: the service is unreachable.
-    """
-    removed = 0
-    for i in range(0, len(names), RELEASE_BATCH):
-        status, body = _request(service, {"op": "release", "names": names[i:i + RELEASE_BATCH]}, quick=True)
-        if status != OK:
-            raise _error(status, body, service)
-        removed += json.loads(body)["released"]
-    return removed
-
-
-def stats(service: str) -> dict[str, Any]:
-    """The service's ``stats``: segments, bytes, gets, bytes_served, releases, reaped, ..."""
-    status, body = _request(service, {"op": "stats"})
-    if status != OK:
-        raise _error(status, body, service)
-    return json.loads(body)
-
-
-def configure(service: str, *, reap_after_s: float | None = None) -> dict[str, Any]:
-    """Change the service's settings; returns them."""
-    req: dict[str, Any] = {"op": "config"}
-    if reap_after_s is not None:
-        req["reap_after_s"] = reap_after_s
-    status, body = _request(service, req)
-    if status != OK:
-        raise _error(status, body, service)
-    return json.loads(body)
-
-
-def close_connections() -> None:
-    """Close this thread's connections to every data service."""
-    for service in list(_conns.by_service):
-        _drop(service)
 
 
 # -- command line -------------------------------------------------------------------------------
