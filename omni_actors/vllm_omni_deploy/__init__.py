@@ -68,8 +68,8 @@ from typing import Any
 
 import msgspec
 
-from omni_actors.config import ConfigError, OmniConnectors, PipelineConfig, _convert, _omni_connectors, \
-    parse_config
+from omni_actors.config import ConfigError, OmniConnectors, PipelineConfig, _convert, parse_config
+from omni_actors.connector_config import omni_connectors
 from omni_actors.vllm_omni_deploy.files import (ConnectorSpec, Edge, check_connectors, deep_merge,
                                                 resolve)
 from omni_actors.vllm_omni_deploy.topology import Topology, TopologyStage, resolve_topology
@@ -202,7 +202,7 @@ def _connectors(merged: dict[str, Any], stages: dict[int, dict[str, Any]], topo:
         return re.sub(r"\bruntime\.(connectors|edges)", r"\1", text)
 
     try:
-        found = _omni_connectors({"runtime": runtime, "stage_args": per_stage}, cfg, source)
+        found = omni_connectors({"runtime": runtime, "stage_args": per_stage}, cfg, source)
     except ConfigError as exc:
         raise ConfigError(exc.source, ours(exc.path), ours(exc.message)) from None
     found.notes = [ours(n) for n in found.notes]
