@@ -105,11 +105,10 @@ class Inventory:
         if node is None or not node.alive:
             raise PlacementError(f"{replica} is pinned to devices {','.join(pin)} of node {name or '?'}, "
                                  f"which is {'lost' if node is not None else 'not known'}")
-        missing = [d for d in pin if d not in node.info.devices]
+        missing, held = _missing_and_held(node, pin)
         if missing:
             raise PlacementError(f"node {name} no longer offers device(s) {','.join(missing)} "
                                  f"that {replica} is pinned to")
-        held = [f"{d} (held by {node.used[d]})" for d in pin if d in node.used]
         if held:
             raise PlacementError(f"{replica} is pinned to devices {','.join(pin)} of node {name}; "
                                  f"waiting for device {', '.join(held)}")
@@ -168,11 +167,10 @@ class Inventory:
         if devices:
             if not n.info.devices:
                 raise PlacementError(f"node {node} offers no devices (a CPU node): drop --devices")
-            missing = [d for d in devices if d not in n.info.devices]
+            missing, held = _missing_and_held(n, devices)
             if missing:
                 raise PlacementError(f"device(s) {','.join(missing)} not on node {node} "
                                      f"(it offers {','.join(n.info.devices)})")
-            held = [f"{d} (held by {n.used[d]})" for d in devices if d in n.used]
             if held:
                 raise PlacementError(f"device(s) already taken on node {node}: {', '.join(held)}")
             return tuple((node, tuple(devices[i:i + k])) for i in range(0, len(devices), k))
@@ -222,3 +220,10 @@ class Inventory:
             NodeStatus(n.info.name, n.alive, n.info.devices, dict(n.used), n.info.stages,
                        tuple(sorted(n.replicas)), round(now - n.last_seen, 3), n.data_service, n.buffers)
             for n in sorted(self.nodes.values(), key=lambda n: n.info.name))
+
+
+def _missing_and_held(node, devices) -> tuple[list[str], list[str]]:
+    """Of ``devices``: those ``node`` does not offer, and those another replica
+    holds there (as ``"D (held by REPLICA)"``)."""
+    return ([d for d in devices if d not in node.info.devices],
+            [f"{d} (held by {node.used[d]})" for d in devices if d in node.used])

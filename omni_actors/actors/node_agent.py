@@ -18,7 +18,7 @@ import time
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
 
-from omni_actors.connectors import data_service, default_prefix, list_segments
+from omni_actors.connectors import SERVICE_ENV, data_client, default_prefix, list_segments
 from omni_actors.logs import get_logger
 from omni_actors.messages import NodeHeartbeat, NodeHeartbeatAck, StartNodeAgent
 
@@ -47,20 +47,20 @@ class NodeAgentActor(ActorTypeDispatcher):
 
     def receiveMsg_StartNodeAgent(self, msg: StartNodeAgent, sender):
         self._spec, self._coordinator = msg, sender
-        service = os.environ.get(data_service.SERVICE_ENV)
+        service = os.environ.get(SERVICE_ENV)
         if msg.reap_after_s and service:
             try:
-                data_service.configure(service, reap_after_s=msg.reap_after_s)
+                data_client.configure(service, reap_after_s=msg.reap_after_s)
             except Exception as exc:  # noqa: BLE001 - the heartbeat matters more
                 get_logger(actor="node_agent", node=msg.node).warning(
                     "data_service_config_failed", service=service, error=str(exc))
             finally:
-                data_service.close_connections()
+                data_client.close_connections()
         self.send(sender, self._heartbeat())
         self.wakeupAfter(msg.interval_s)
 
     def _heartbeat(self) -> NodeHeartbeat:
-        return NodeHeartbeat(self._spec.node, os.environ.get(data_service.SERVICE_ENV),
+        return NodeHeartbeat(self._spec.node, os.environ.get(SERVICE_ENV),
                              len(list_segments(default_prefix())))
 
     def receiveMsg_NodeHeartbeatAck(self, msg: NodeHeartbeatAck, sender):

@@ -89,10 +89,6 @@ def coalesce(items: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     return out
 
 
-#: The former name (deltas were the only thing merged).
-coalesce_deltas = coalesce
-
-
 class Sequencer:
     """Numbers each task's text deltas and chunks as they are sent, stores
     chunk outputs with ``put`` (outputs dict -> ConnectorRef), and stamps each

@@ -29,16 +29,17 @@ from typing import Any, Iterable
 
 import structlog
 
-from omni_actors.connectors import data_service, omni
+from omni_actors.connectors import data_client, omni
 from omni_actors.connectors.base import Connector, ConnectorRef, FieldLayout, OmniHandle
-from omni_actors.connectors.data_service import NODE_ENV, SERVICE_ENV, DataService, DataServiceError
+from omni_actors.connectors.data_client import DataServiceError
+from omni_actors.connectors.data_service import NODE_ENV, SERVICE_ENV, DataService
 from omni_actors.connectors.inline import ConnectorError, InlineConnector, plan, read_outputs
 from omni_actors.connectors.shm import DIR_ENV, SegmentDirError, ShmConnector, _unlink, check_segment_dir, \
     default_prefix, list_segments, segment_dir, segment_usage, sweep_segments
 
 __all__ = [
     "Connector", "ConnectorError", "ConnectorRef", "DIR_ENV", "DataService", "DataServiceError", "FieldLayout",
-    "InlineConnector", "LocalConnector", "MODES", "NodeConnector", "OmniHandle", "SegmentDirError", "ShmConnector",
+    "InlineConnector", "MODES", "NodeConnector", "OmniHandle", "SegmentDirError", "ShmConnector",
     "check_segment_dir", "default_prefix", "list_segments", "local_node", "make_connector", "release_all",
     "segment_dir", "segment_usage", "sweep_segments",
 ]
@@ -153,7 +154,7 @@ class NodeConnector:
             return self.shm.get(ref)
         if ref.size == 0:
             return read_outputs(b"", ref.layout)
-        return read_outputs(data_service.fetch(ref.service, ref.location, ref.size), ref.layout)
+        return read_outputs(data_client.fetch(ref.service, ref.location, ref.size), ref.layout)
 
     def release(self, ref: ConnectorRef) -> None:
         """Unlink the ref's segment (through its node's data service when it is
@@ -175,7 +176,7 @@ class NodeConnector:
             _unlink(ref.location)
             return
         try:
-            data_service.release(ref.service, [ref.location])
+            data_client.release(ref.service, [ref.location])
         except DataServiceError as exc:
             log.warning("connector_release_failed", location=ref.location, error=str(exc))
 
@@ -191,9 +192,6 @@ class NodeConnector:
                                  f"which has no data service (this is node {self.node!r})")
         return True
 
-
-#: The former name (same-host only): kept for callers that import it.
-LocalConnector = NodeConnector
 
 
 def make_connector(inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
@@ -234,6 +232,6 @@ def release_all(refs: Iterable[ConnectorRef | None]) -> None:
             log.warning("connector_release_failed", location=ref.location, exc_info=True)
     for service, names in remote.items():
         try:
-            data_service.release(service, list(dict.fromkeys(names)))
+            data_client.release(service, list(dict.fromkeys(names)))
         except Exception:  # noqa: BLE001
             log.warning("connector_release_failed", service=service, segments=len(names), exc_info=True)
