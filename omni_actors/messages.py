@@ -13,10 +13,11 @@ Who sends what:
   (:class:`PoolState`).
 - request plane: bridge -> RequestActor (:class:`RunRequest`,
   :class:`CancelRequest`); RequestActor -> pool -> engine (:class:`StageTask`,
-  :class:`CancelStage`); engine -> RequestActor (:class:`StageDelta`,
+  :class:`CancelStage`); engine -> RequestActor (:class:`TextStarted`,
   :class:`StageDone`, :class:`StageFailed`); engine -> pool
-  (:class:`TaskFinished`); RequestActor -> bridge (:class:`OutputDelta`,
-  :class:`OutputReady`, :class:`RequestFinished`).
+  (:class:`TaskFinished`); engine -> bridge (:class:`OutputDeltas`: streamed
+  text goes straight to the client's API server); RequestActor -> bridge
+  (:class:`OutputChunk`, :class:`OutputReady`, :class:`RequestFinished`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class NodeStatus:
     last_seen_age_s: float | None = None
     data_service: str | None = None  #: ``host:port`` of its data service (connectors across hosts)
     buffers: int | None = None  #: live shared-memory segments there (last heartbeat); None: unknown
+    free_buffers: int | None = None  #: free (recycled, unclaimed) segments there, apart from ``buffers``
+    free_bytes: int | None = None  #: their bytes
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,8 @@ class NodeHeartbeat:
     node: str
     data_service: str | None = None  #: ``host:port`` of the host's data service
     buffers: int | None = None  #: live shared-memory segments of the host
+    free_buffers: int | None = None  #: free (recycled, unclaimed) segments of the host, apart from ``buffers``
+    free_bytes: int | None = None  #: their bytes
 
 
 @dataclass(frozen=True)
@@ -299,6 +304,10 @@ class StartEngine:
     #: ``deployment.connector`` (``omni_actors.connectors.MODES``) or an ``omni:`` mode
     #: (``omni_actors.connectors.omni``); None: ``$OMNI_ACTORS_CONNECTOR``, else auto
     connector_mode: str | None = None
+    #: Seconds without the pool's heartbeat acks after which the replica takes its pool
+    #: for gone and drains; the pool sends ``missed_heartbeats`` intervals (the silence
+    #: it tolerates from the replica). 0: ``ORPHAN_AFTER_INTERVALS`` intervals.
+    orphan_after_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -483,7 +492,7 @@ class StageTask:
     inputs: tuple[tuple[int, ConnectorRef], ...]
     sampling_params: dict[str, Any]
     params: dict[str, Any]
-    stream_text: bool  #: send :class:`StageDelta`s (a final text stage)
+    stream_text: bool  #: a final text stage (its final output carries the whole text)
     final_output_type: str | None
     needs_output: bool
     reply_to: ActorAddress  #: the RequestActor
@@ -498,13 +507,16 @@ class StageTask:
     chunk_timeout_s: float = 10.0
     chunk_tokens: int = 8
 
-    client_stream: bool = False  #: its text goes to a client that reads a stream
+    client_stream: bool = False  #: the client reads a stream (SSE)
+    #: Where this task's text deltas go as :class:`OutputDelta` s: the bridge of a
+    #: client that reads a stream (None: no deltas; the final output has the text).
+    text_to: ActorAddress = None
 
     @property
     def streaming(self) -> bool:
         """A streaming task (chunks, or text a client reads as it comes): a dead
         replica's one is failed to the RequestActor, which decides, not re-sent."""
-        return self.stream_source is not None or self.emit_chunks or (self.stream_text and self.client_stream)
+        return self.stream_source is not None or self.emit_chunks or self.text_to is not None
 
 
 @dataclass(frozen=True)
@@ -514,17 +526,13 @@ class CancelStage:
 
 
 @dataclass(frozen=True)
-class StageDelta:
-    """Engine -> RequestActor: new text of a streaming stage.
-
-    ``seq`` counts the deltas of one task attempt (0, 1, ...): messages may
-    overtake each other, the RequestActor puts them back in order.
-    """
+class TextStarted:
+    """Engine -> RequestActor: this task attempt's text began to go to the
+    client (its :class:`OutputDelta` s go straight to the bridge), so a failure
+    from now on is not retried unseen: it ends the request with an error."""
 
     request_id: str
     stage_id: int
-    text: str
-    seq: int = 0
     attempt: int = 0
 
 
@@ -547,7 +555,7 @@ class StageDone:
     finish_reason: str | None = None  #: "stop" or "length", for text stages
     chunks: int = 0  #: how many :class:`StageChunk` s came before this (streaming)
     attempt: int = 0
-    deltas: int = 0  #: how many :class:`StageDelta` s came before this
+    deltas: int = 0  #: how many :class:`OutputDelta` s this attempt sent the bridge before this
 
 
 @dataclass(frozen=True)
@@ -644,16 +652,29 @@ class TaskFinished:
 
 @dataclass(frozen=True)
 class OutputDelta:
-    """RequestActor -> bridge: streamed text.
+    """Engine -> bridge (inside :class:`OutputDeltas`): new text of a task
+    whose client reads a stream; it does not pass through the RequestActor.
 
-    ``seq``: every message of one request to the bridge (OutputDelta,
-    OutputChunk, OutputReady) is numbered 0, 1, ...; the bridge delivers them
-    in that order and ends the request after ``RequestFinished.sent`` of them.
+    ``seq`` counts the deltas of one task attempt (0, 1, ...): messages may
+    overtake each other, the bridge puts them back in order. Text of an older
+    ``attempt`` than one seen is dropped; a newer attempt after some text went
+    out fails the request (the client would read the text twice).
     """
 
     request_id: str
     text: str
     seq: int = 0
+    stage_id: int = 0
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class OutputDeltas:
+    """Engine -> bridge: the text deltas that piled up for one bridge since the
+    engine last sent, every request's in one message (an actor message costs
+    about 1 ms of CPU here; one per request per flush would cost as many)."""
+
+    deltas: tuple[OutputDelta, ...]
 
 
 @dataclass(frozen=True)
@@ -665,7 +686,10 @@ class OutputChunk:
     stage_id: int
     output_type: str
     ref: ConnectorRef
-    seq: int = 0  #: see :class:`OutputDelta`
+    #: every message of one request from its RequestActor to the bridge (OutputChunk,
+    #: OutputReady) is numbered 0, 1, ...; the bridge delivers them in that order and
+    #: ends the request after ``RequestFinished.sent`` of them
+    seq: int = 0
 
 
 @dataclass(frozen=True)
@@ -677,7 +701,10 @@ class OutputReady:
     stage_id: int
     output_type: str
     ref: ConnectorRef
-    seq: int = 0  #: see :class:`OutputDelta`
+    seq: int = 0  #: see :class:`OutputChunk`
+    #: (attempt, n): deliver this only after the first n :class:`OutputDelta` s of that
+    #: attempt of the text stage (a final text must not overtake the deltas it completes)
+    after_text: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -693,4 +720,5 @@ class RequestFinished:
     finish_reason: str | None = None  #: of the final text stage
     stage_replicas: dict[int, str] = field(default_factory=dict)  #: which replica ran each stage
     request_actor: ActorAddress = None  #: the sender, free for the next request
-    sent: int = 0  #: OutputDelta/OutputChunk/OutputReady sent before this (the bridge waits for them all)
+    sent: int = 0  #: OutputChunk/OutputReady sent before this (the bridge waits for them all)
+    after_text: tuple[int, int] | None = None  #: as :attr:`OutputReady.after_text` (success only)

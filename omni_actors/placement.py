@@ -41,6 +41,8 @@ class Node:
     replicas: dict[str, str] = field(default_factory=dict)  # replica -> stage
     data_service: str | None = None  # host:port of its data service (from its heartbeats)
     buffers: int | None = None  # its live shared-memory segments (from its heartbeats)
+    free_buffers: int | None = None  # its free (recycled) segments, and their bytes
+    free_bytes: int | None = None
 
     @property
     def free(self) -> list[str]:
@@ -218,7 +220,8 @@ class Inventory:
         now = time.monotonic()
         return tuple(
             NodeStatus(n.info.name, n.alive, n.info.devices, dict(n.used), n.info.stages,
-                       tuple(sorted(n.replicas)), round(now - n.last_seen, 3), n.data_service, n.buffers)
+                       tuple(sorted(n.replicas)), round(now - n.last_seen, 3), n.data_service, n.buffers,
+                       n.free_buffers, n.free_bytes)
             for n in sorted(self.nodes.values(), key=lambda n: n.info.name))
 
 

@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 import yaml
 
-from omni_actors.connectors import data_service, list_segments
+from omni_actors.connectors import data_service, list_free_segments, list_segments
 from omni_actors.system.local import LocalLeader
 
 from conftest import TEST_CONFIGS
@@ -150,6 +150,13 @@ def test_a_thousand_requests_with_client_disconnects_leak_nothing(cluster):
                 data_service.stats(a)["segments"] for a in services.values())):
             time.sleep(0.1)
 
+    def trimmed() -> dict[str, list[str]]:
+        """Free (recycled) segments go once idle for free_idle_s (2 s), trimmed every 0.5 s."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(list_free_segments(p) for p in prefixes):
+            time.sleep(0.1)
+        return {p: list_free_segments(p) for p in prefixes}
+
     def rss() -> dict[str, int]:
         pids = {"api server (leader)": cluster.leader.proc.pid}
         pids.update({r["replica"]: r["pid"] for r in cluster.replicas() if r["state"] == "ready"})
@@ -159,6 +166,7 @@ def test_a_thousand_requests_with_client_disconnects_leak_nothing(cluster):
     assert all(r.get("cancelled") or r["status"] == 200 for r in warm)
     quiet()
     base = rss()
+    recycled_before = sum(data_service.stats(a)["recycled"] for a in services.values())
     t0 = time.monotonic()
     results = asyncio.run(load(1000))
     took = time.monotonic() - t0
@@ -170,9 +178,17 @@ def test_a_thousand_requests_with_client_disconnects_leak_nothing(cluster):
     assert {p: list_segments(p) for p in prefixes} == {p: [] for p in prefixes}
     buffers = {node: data_service.stats(addr)["segments"] for node, addr in services.items()}
     assert buffers == {node: 0 for node in services}, buffers
+    # Completed requests handed their segments back for reuse (through the owning node's service,
+    # every hand-over crossing hosts here); once idle, the free ones are trimmed too.
+    recycled = sum(data_service.stats(a)["recycled"] for a in services.values()) - recycled_before
+    assert recycled > 0
+    assert trimmed() == {p: [] for p in prefixes}
+    free = {node: data_service.stats(addr)["free_segments"] for node, addr in services.items()}
+    assert free == {node: 0 for node in services}, free
     now = rss()
     grown = {name: (base[name], now[name]) for name in base if name in now and now[name] > base[name] * 1.10}
-    print(f"\n1,000 requests ({cancelled} cancelled by their client) in {took:.1f} s; RSS KiB after "
+    print(f"\n1,000 requests ({cancelled} cancelled by their client) in {took:.1f} s, {recycled} segments "
+          f"recycled; RSS KiB after "
           f"warm-up -> after: " + ", ".join(f"{n} {base[n]} -> {now.get(n)}" for n in base))
     assert not grown, f"RSS grew more than 10%: {grown}"
     assert set(now) == set(base), "a replica was replaced during the run"

@@ -1,7 +1,12 @@
 """Pure logic of the EngineActor's outbox (no actor system)."""
 
 from omni_actors.actors.outbox import coalesce
-from omni_actors.messages import StageDelta, TaskFinished
+from omni_actors.messages import OutputDelta, TaskFinished
+
+
+def StageDelta(request_id, stage_id, text, **kw):
+    """A text delta of one task (the engine sends these straight to the bridge)."""
+    return OutputDelta(request_id, text, stage_id=stage_id, **kw)
 
 
 def test_consecutive_deltas_of_one_task_merge_in_order():
@@ -15,7 +20,7 @@ def test_deltas_of_other_requests_or_targets_stay_apart():
              ("ra1", StageDelta("r1", 0, " b")), ("pool", TaskFinished("t/0", "r1", 0, True)),
              ("ra1", StageDelta("r1", 0, " c")), ("ra1", StageDelta("r1", 0, " d"))]
     out = coalesce(items)
-    assert [m.text if isinstance(m, StageDelta) else "finished" for _, m in out] == [
+    assert [m.text if isinstance(m, OutputDelta) else "finished" for _, m in out] == [
         " a b", " x", "finished", " c d"]
 
 
@@ -68,7 +73,7 @@ def test_chunks_of_one_task_merge_into_one_message_that_says_which_it_holds():
              ("ra", StageDelta("r1", 1, "b")), ("ra", StageDone("r1", 1, "t/0", None, None))]
     merged = coalesce(items)
     kinds = [type(m).__name__ for _, m in merged]
-    assert kinds == ["PendingChunk", "StageDelta", "PendingChunk", "StageDone"]
+    assert kinds == ["PendingChunk", "OutputDelta", "PendingChunk", "StageDone"]
     stored = []
     seq = Sequencer(lambda outputs: stored.append(outputs) or len(stored))
     out = [seq.stamp(m) for _, m in merged]
@@ -91,3 +96,19 @@ def test_sequence_numbers_start_over_for_a_new_attempt_and_end_with_the_task():
     assert seq.stamp(StageDone("r", 0, "t/0", None, None, attempt=1)).deltas == 1
     seq.stamp(TaskFinished("t/0", "r", 0, True))
     assert seq.stamp(StageDelta("r", 0, "x", attempt=1)).seq == 0
+
+
+def test_text_deltas_for_one_bridge_travel_in_one_message_in_order():
+    from omni_actors.actors.outbox import bundle
+    from omni_actors.messages import OutputDeltas, StageDone
+
+    done = StageDone("r1", 0, "t/0", None, None)
+    items = [(Address("bridge"), StageDelta("r1", 0, "a", seq=0)), (Address("ra1"), done),
+             (Address("bridge"), StageDelta("r2", 0, "x", seq=3)), (Address("other"), StageDelta("r3", 0, "q")),
+             (Address("bridge"), StageDelta("r1", 0, "b", seq=1))]
+    out = bundle(items)
+    assert [str(a) for a, _ in out] == ["ActorAddr-bridge", "ActorAddr-ra1", "ActorAddr-other"]
+    first = out[0][1]
+    assert isinstance(first, OutputDeltas)
+    assert [(d.request_id, d.text, d.seq) for d in first.deltas] == [("r1", "a", 0), ("r2", "x", 3), ("r1", "b", 1)]
+    assert out[1][1] is done and isinstance(out[2][1], OutputDeltas) and len(out[2][1].deltas) == 1

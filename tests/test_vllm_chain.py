@@ -131,7 +131,11 @@ def tiny_model() -> Path:
 def chain_config(tiny_model, tmp_path_factory):
     from omni_actors.config import load_config
 
-    path = _config_copy(tiny_model, tmp_path_factory.mktemp("chain") / "cpu_vllm_chain.yaml")
+    def faster_heartbeats(cfg):  # vLLM's running count shows within a stream of ~1 s (see below)
+        cfg["deployment"]["heartbeat_interval_s"] = 0.25
+        cfg["deployment"]["supervision"]["missed_heartbeats"] = 12  # 3 s of silence, as shipped
+
+    path = _config_copy(tiny_model, tmp_path_factory.mktemp("chain") / "cpu_vllm_chain.yaml", faster_heartbeats)
     return path, load_config(path)
 
 

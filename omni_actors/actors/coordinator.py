@@ -26,7 +26,7 @@ from thespian.actors import (ActorExitRequest, ActorSystemConventionUpdate, Acto
 from omni_actors.actors.node_agent import NODE_CAPABILITY, NodeAgentActor
 from omni_actors.actors.stage_pool import StagePoolActor
 from omni_actors.actors.supervision import RestartPolicy
-from omni_actors.connectors import data_service, default_prefix, list_segments
+from omni_actors.connectors import data_service, default_prefix, free_usage, list_segments
 from omni_actors.logs import get_logger
 from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainReplica, GetRoutes, GetStatus, InjectFault,
                                   LaunchReplicas, NodeHeartbeat,
@@ -148,6 +148,7 @@ class CoordinatorActor(ActorTypeDispatcher):
                     # and its data plane, as a member's agent reports it in heartbeats
                     node.data_service = os.environ.get(data_service.SERVICE_ENV)
                     node.buffers = len(list_segments(default_prefix()))
+                    node.free_buffers, node.free_bytes = free_usage(default_prefix())
                 elif node.alive and now - node.last_seen > NODE_MISSED_HEARTBEATS * interval:
                     self._lose_node(name, f"missed {NODE_MISSED_HEARTBEATS} node heartbeats")
             self.wakeupAfter(interval, payload="node_check")
@@ -228,6 +229,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         node = self._inventory.nodes.get(msg.node)
         if node is not None:
             node.data_service, node.buffers = msg.data_service, msg.buffers
+            node.free_buffers, node.free_bytes = msg.free_buffers, msg.free_bytes
 
     def receiveMsg_PlaceReplica(self, msg: PlaceReplica, sender):
         try:

@@ -22,7 +22,7 @@ from typing import Any
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ThespianWatch, WakeupMessage, WatchMessage
 
 from omni_actors.actors.engine_stream import StreamingMixin
-from omni_actors.actors.outbox import PendingChunk, Sequencer, coalesce
+from omni_actors.actors.outbox import PendingChunk, Sequencer, bundle, coalesce
 from omni_actors.actors.node_agent import on_node
 from omni_actors.config import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
@@ -30,8 +30,8 @@ from omni_actors.engines import create_backend
 from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal, TextDelta, UpstreamTimeout
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelStage, DrainReplica, EngineFailed, EngineReady, ErrorKind, FaultKind,
-                                  Heartbeat, HeartbeatAck, InjectFault, StageAccepted, StageDelta,
-                                  StageDone, StageFailed, StageTask, StartEngine, TaskFinished)
+                                  Heartbeat, HeartbeatAck, InjectFault, OutputDelta, StageAccepted, StageDone,
+                                  StageFailed, StageTask, StartEngine, TaskFinished, TextStarted)
 from omni_actors.processors import default_input
 
 #: Missing pool acks for this many heartbeat intervals means the pool is gone.
@@ -207,7 +207,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 self._log.error("engine_dead", reason=failure)
                 self._ready = False
                 self.send(self._pool, EngineFailed(self._spec.replica, failure))
-            if not self._draining and time.monotonic() - self._last_ack > ORPHAN_AFTER_INTERVALS * interval:
+            orphan_after_s = max(ORPHAN_AFTER_INTERVALS * interval, self._spec.orphan_after_s)
+            if not self._draining and time.monotonic() - self._last_ack > orphan_after_s:
                 self._log.warning("pool_lost_draining", in_flight=len(self._tasks))
                 self._start_drain()
             load = self._backend.load() if (self._backend and self._ready) else None
@@ -232,12 +233,13 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
 
     def receiveMsg_WatchMessage(self, msg: WatchMessage, sender):
         if self._rt is not None:
+            stamped = []
             for address, message in coalesce(self._rt.drain()):
                 try:
-                    message = self._sequencer.stamp(message)
+                    stamped.append((address, self._sequencer.stamp(message)))
                 except Exception as exc:  # noqa: BLE001 - a chunk could not be stored (shm full)
                     self._chunk_lost(address, message, exc)
-                    continue
+            for address, message in bundle(stamped):
                 self.send(address, message)
         return self._watch()
 
@@ -401,12 +403,15 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             self._progress += 1
             self._progress_at = time.monotonic()
             if isinstance(event, TextDelta):
-                if msg.stream_text and event.text:
-                    # The first text goes at once (time to first token); the rest rides
-                    # in batches of at most STREAM_FLUSH_S (see LoopThread.emit).
-                    self._rt.emit(msg.reply_to, StageDelta(msg.request_id, msg.stage_id, event.text,
-                                                           attempt=msg.attempt), urgent=first_text)
-                    first_text = False
+                if msg.text_to is not None and event.text:
+                    # Straight to the client's bridge. The first text goes at once (time to
+                    # first token), then the RequestActor learns that text reached the client;
+                    # the rest rides in batches of at most STREAM_FLUSH_S (see LoopThread.emit).
+                    self._rt.emit(msg.text_to, OutputDelta(msg.request_id, event.text, stage_id=msg.stage_id,
+                                                           attempt=msg.attempt), urgent=False)
+                    if first_text:
+                        self._rt.emit(msg.reply_to, TextStarted(msg.request_id, msg.stage_id, msg.attempt))
+                        first_text = False
             elif isinstance(event, OutputChunk):
                 if msg.emit_chunks:
                     await self._wait_credit(msg, chunks)

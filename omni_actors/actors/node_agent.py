@@ -8,7 +8,7 @@ was replaced) exits.
 
 The agent also looks after the host's data service: it sets its reap age from
 the config, and every heartbeat carries the service's address and the host's
-live shared-memory buffer count (``status`` shows both per node).
+live shared-memory buffer count, free (recycled) ones apart (``status`` shows them per node).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
 
-from omni_actors.connectors import SERVICE_ENV, data_client, default_prefix, list_segments
+from omni_actors.connectors import SERVICE_ENV, data_client, default_prefix, free_usage, list_segments
 from omni_actors.logs import get_logger
 from omni_actors.messages import NodeHeartbeat, NodeHeartbeatAck, StartNodeAgent
 
@@ -60,8 +60,9 @@ class NodeAgentActor(ActorTypeDispatcher):
         self.wakeupAfter(msg.interval_s)
 
     def _heartbeat(self) -> NodeHeartbeat:
+        free = free_usage(default_prefix())
         return NodeHeartbeat(self._spec.node, os.environ.get(SERVICE_ENV),
-                             len(list_segments(default_prefix())))
+                             len(list_segments(default_prefix())), free[0], free[1])
 
     def receiveMsg_NodeHeartbeatAck(self, msg: NodeHeartbeatAck, sender):
         self._last_ack = time.monotonic()

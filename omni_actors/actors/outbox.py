@@ -7,9 +7,10 @@ drain (:func:`coalesce`): text deltas into one delta, output chunks into one
 chunk. Under load fewer, larger messages go out; unloaded, every token and
 chunk goes out on its own. Then :class:`Sequencer` numbers each task's deltas
 and chunks (Thespian keeps up to 20 transmits in flight per sender, so two
-messages can overtake each other: the RequestActor reorders by number), puts
+messages can overtake each other: the receiver reorders by number), puts
 each chunk's outputs into the connector, and tells the task's ``StageDone``
-how many of each went before it.
+how many of each went before it. Last, :func:`bundle` puts every text delta
+for one bridge into one message, whatever request it belongs to.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from omni_actors.messages import StageChunk, StageDelta, StageDone, TaskFinished
+from omni_actors.messages import OutputDelta, OutputDeltas, StageChunk, StageDone, TaskFinished
 
 
 @dataclass
@@ -69,13 +70,13 @@ def coalesce(items: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     open_at: dict[tuple, int] = {}  # (kind, address, request, stage, attempt) -> index in out
     for address, message in items:
         request_id = getattr(message, "request_id", None)
-        if isinstance(message, (StageDelta, PendingChunk)):
+        if isinstance(message, (OutputDelta, PendingChunk)):
             # (str(address): Thespian's ActorAddress is not hashable)
             key = (type(message).__name__, str(address), request_id, message.stage_id, message.attempt)
             i = open_at.get(key)
             if i is not None:
                 first = out[i][1]
-                if isinstance(message, StageDelta):
+                if isinstance(message, OutputDelta):
                     out[i] = (address, dataclasses.replace(first, text=first.text + message.text))
                 else:
                     first.outputs.extend(message.outputs)
@@ -110,7 +111,7 @@ class Sequencer:
         return counts
 
     def stamp(self, message: Any) -> Any:
-        if isinstance(message, StageDelta):
+        if isinstance(message, OutputDelta):
             counts = self._counts(message.request_id, message.stage_id, message.attempt)
             counts[1] += 1
             return dataclasses.replace(message, seq=counts[1] - 1)
@@ -126,3 +127,22 @@ class Sequencer:
         if isinstance(message, TaskFinished):  # the task's last message
             self._sent.pop((message.request_id, message.stage_id), None)
         return message
+
+
+def bundle(items: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """Every :class:`OutputDelta` for one address, in order, as one
+    :class:`OutputDeltas` where the first of them was; other messages keep
+    their places. (Only text deltas go from an engine to a bridge, so nothing
+    else to that address is overtaken.)"""
+    out: list[tuple[Any, Any]] = []
+    batches: dict[str, list[OutputDelta]] = {}  # str(address): ActorAddress is not hashable
+    for address, message in items:
+        if isinstance(message, OutputDelta):
+            batch = batches.get(str(address))
+            if batch is None:
+                batch = batches[str(address)] = []
+                out.append((address, batch))
+            batch.append(message)
+        else:
+            out.append((address, message))
+    return [(a, OutputDeltas(tuple(m)) if isinstance(m, list) else m) for a, m in out]

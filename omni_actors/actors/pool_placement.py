@@ -48,7 +48,8 @@ class PoolPlacementMixin:
         rep.state, rep.reason = ReplicaState.STARTING, ""
         self.send(address, StartEngine(rep.replica, spec.stage, spec.deployment, spec.heartbeat_interval_s,
                                        spec.inline_threshold_bytes, msg.node, msg.devices or None,
-                                       connector_mode=spec.connector_mode))
+                                       connector_mode=spec.connector_mode,
+                                       orphan_after_s=spec.supervision.missed_heartbeats * spec.heartbeat_interval_s))
         self.wakeupAfter(spec.ready_timeout_s, payload=("ready_deadline", rep.replica, address))
         self._log.info("replica_launched", replica=rep.replica, node=msg.node, devices=rep.devices)
         self._publish()

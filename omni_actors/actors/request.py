@@ -3,10 +3,16 @@
 A stage is dispatched to its pool as soon as every stage in its
 ``engine_input_source`` is done (fan-in waits for all sources); upstream
 outputs pass as connector references only. Text deltas of a final text stage
-are forwarded to the bridge as they come; each final output goes to the
-bridge by reference (the bridge fetches and releases it). At the end, however
+whose client reads a stream go from the engine straight to the bridge (this
+actor only hears that text started: :class:`~omni_actors.messages.TextStarted`);
+each final output goes to the bridge by reference (the bridge fetches and
+releases it), after the text deltas it completes. At the end, however
 the request ends (done, stage error, client cancel, deadline), every running
-stage is cancelled and every intermediate buffer is released.
+stage is cancelled and every intermediate buffer is released: recycled for
+later puts on its node when the request completed and no stage ran twice
+(every engine that read the buffer has finished with it), unlinked otherwise
+(a cancelled, failed, timed-out or retried stage may still be reading; an
+unlinked segment stays valid for its mappings).
 
 Creating an actor is a fork (about 8 ms here), so the bridge keeps a pool of
 ready RequestActors and reuses each one after it reports
@@ -37,8 +43,8 @@ from thespian.actors import ActorTypeDispatcher, WakeupMessage
 from omni_actors.connectors import make_connector, release_all
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelRequest, CancelStage, ChunkAck, ChunkConsumed, ErrorKind, InputChunk,
-                                  OutputChunk, OutputDelta, OutputReady, RequestFinished, RoutesChanged, RunRequest,
-                                  StageAccepted, StageChunk, StageDelta, StageDone, StageFailed, StageTask)
+                                  OutputChunk, OutputReady, RequestFinished, RoutesChanged, RunRequest, StageAccepted,
+                                  StageChunk, StageDone, StageFailed, StageTask, TextStarted)
 
 #: Stage failures worth another replica: the engine raised, or was going away.
 RETRYABLE = (ErrorKind.ENGINE_ERROR, ErrorKind.UNAVAILABLE)
@@ -58,6 +64,7 @@ class RequestActor(ActorTypeDispatcher):
         self._running: dict[int, StageTask] = {}  # the last task sent, per running stage
         self._pools: dict[int, object] = {}
         self._owned = []  # intermediate refs to release at the end
+        self._retried = False  # a task was sent again: an earlier attempt may still read its inputs
         self._tokens = [0, 0]
         self._finish_reason = None
         # Streaming between stages, per stage id:
@@ -71,8 +78,7 @@ class RequestActor(ActorTypeDispatcher):
         self._acked: dict[int, int] = {}  # producer -> chunks acknowledged to it
         self._to_client: set[int] = set()  # stages whose output (part of it) reached the client
         self._early: dict[int, dict[int, object]] = {}  # producer -> chunks that came before their turn
-        self._done_waiting: dict[int, StageDone] = {}  # a stage done before all its chunks/deltas came
-        self._text: dict[int, list] = {}  # stage -> [attempt, next delta seq, deltas that came early]
+        self._done_waiting: dict[int, StageDone] = {}  # a stage done before all its chunks came
         self._out_seq = 0  # messages sent to the bridge for this request (they are numbered)
 
     def _current(self, request_id: str) -> bool:
@@ -118,7 +124,8 @@ class RequestActor(ActorTypeDispatcher):
                 needs_output=st.needs_output, reply_to=self.myAddress,
                 stream_source=stream, emit_chunks=self._emits_chunks(st),
                 chunk_window=req.chunk_window, chunk_timeout_s=req.chunk_timeout_s,
-                chunk_tokens=req.chunk_tokens, client_stream=req.stream_outputs)
+                chunk_tokens=req.chunk_tokens, client_stream=req.stream_outputs,
+                text_to=req.reply_to if st.final_output_type == "text" and req.stream_outputs else None)
             self._running[st.stage_id] = task
             self.send(self._pools[st.stage_id], task)
 
@@ -140,31 +147,22 @@ class RequestActor(ActorTypeDispatcher):
         self.send(self._req.reply_to, make(self._out_seq))
         self._out_seq += 1
 
-    def receiveMsg_StageDelta(self, msg: StageDelta, sender):
-        if not self._current(msg.request_id):
-            return
-        state = self._text.get(msg.stage_id)
-        if state is None or msg.attempt > state[0]:  # (a newer attempt's text starts over)
-            state = self._text[msg.stage_id] = [msg.attempt, 0, {}]
-        elif msg.attempt < state[0]:
-            return
-        state[2][msg.seq] = msg.text  # deltas may overtake each other: back in order by seq
-        while state[1] in state[2]:
-            text = state[2].pop(state[1])
-            state[1] += 1
-            if self._req.stream_outputs:  # (a non-streaming client gets the final text only)
-                self._to_client.add(msg.stage_id)
-            self._to_bridge(lambda seq: OutputDelta(msg.request_id, text, seq))
-        self._resume_done(msg.stage_id, sender)
+    def receiveMsg_TextStarted(self, msg: TextStarted, sender):
+        if self._task_of(msg.request_id, msg.stage_id, msg.attempt) is not None:
+            self._to_client.add(msg.stage_id)
+
+    def _after_text(self) -> tuple[int, int] | None:
+        """(attempt, deltas) of the text stage's finished attempt, whose deltas went
+        straight to the bridge: what a final output must not overtake."""
+        for sid, done in self._done.items():
+            if done.deltas and self._plan[sid].final_output_type == "text":
+                return done.attempt, done.deltas
+        return None
 
     def _incomplete(self, msg: StageDone) -> bool:
-        """Whether chunks or text deltas sent before ``msg`` have not arrived yet."""
+        """Whether chunks sent before ``msg`` have not arrived yet."""
         task = self._running[msg.stage_id]
-        if task.emit_chunks and len(self._chunks.get(msg.stage_id, ())) < msg.chunks:
-            return True
-        state = self._text.get(msg.stage_id)
-        return bool(msg.deltas) and (state is None or state[0] < msg.attempt
-                                     or (state[0] == msg.attempt and state[1] < msg.deltas))
+        return task.emit_chunks and len(self._chunks.get(msg.stage_id, ())) < msg.chunks
 
     def _resume_done(self, stage_id: int, sender) -> None:
         waiting = self._done_waiting.get(stage_id)
@@ -257,13 +255,13 @@ class RequestActor(ActorTypeDispatcher):
                 stack.extend(self._stream_consumers.get(sid, ()))
         return out
 
-    def _forget_stream(self, stages: set[int]) -> None:
+    def _forget_stream(self, stages: set[int], recycle: bool = False) -> None:
         """Drop the streaming state of ``stages`` (their chunks are released)."""
         for sid in stages:
-            release_all(self._chunks.pop(sid, []))
-            release_all(m.ref for m in self._early.pop(sid, {}).values())
+            release_all(self._chunks.pop(sid, []), recycle=recycle)
+            release_all((m.ref for m in self._early.pop(sid, {}).values()), recycle=recycle)
             for table in (self._chunk_last, self._chunk_total, self._producer, self._consumer, self._sent, self._consumed,
-                          self._acked, self._done_waiting, self._text):
+                          self._acked, self._done_waiting):
                 table.pop(sid, None)
 
     # -- stage results ---------------------------------------------------------
@@ -285,11 +283,11 @@ class RequestActor(ActorTypeDispatcher):
             for dst in self._stream_consumers[msg.stage_id]:
                 self._feed(dst)
         if msg.final is not None and msg.stage_id in self._to_client and planned.final_output_type == "audio":
-            release_all([msg.final])  # its audio went out in chunks
+            release_all([msg.final], recycle=True)  # its audio went out in chunks; nobody else got this ref
         elif planned.final_output_type and msg.final is not None:
             final = msg.final
             self._to_bridge(lambda seq: OutputReady(msg.request_id, msg.stage_id, planned.final_output_type,
-                                                    final, seq))
+                                                    final, seq, after_text=self._after_text()))
         elif msg.final is not None:
             self._owned.append(msg.final)
         if planned.final_output_type == "text" or not self._tokens[0]:
@@ -331,6 +329,7 @@ class RequestActor(ActorTypeDispatcher):
         self._finish(msg.kind, message)
 
     def _resend(self, task: StageTask) -> None:
+        self._retried = True
         self._running[task.stage_id] = task
         self.send(self._pools[task.stage_id], task)
 
@@ -363,8 +362,13 @@ class RequestActor(ActorTypeDispatcher):
         req = self._req
         for stage_id in self._running:
             self.send(self._pools[stage_id], CancelStage(req.request_id, stage_id))
-        release_all(self._owned)
-        self._forget_stream(set(self._chunks))
+        # Completed, every stage once (a pool re-dispatches a task on its own: attempt > 0): every
+        # engine that read these buffers is done with them, so they are recycled. Otherwise one may
+        # still be reading them: unlinked (its mapping keeps the pages).
+        recycle = error is None and not self._running and not self._retried \
+            and all(d.attempt == 0 for d in self._done.values())
+        release_all(self._owned, recycle=recycle)
+        self._forget_stream(set(self._chunks), recycle=recycle)
         names = {s.stage_id: s.stage for s in req.plan.stages}
         self._log.info("request_finished", request_id=req.request_id,
                        error=error.value if error else None, message=message or None,
@@ -374,5 +378,5 @@ class RequestActor(ActorTypeDispatcher):
             req.request_id, error, message, prompt_tokens=self._tokens[0], completion_tokens=self._tokens[1],
             finish_reason=self._finish_reason,
             stage_replicas={sid: d.replica for sid, d in self._done.items()}, request_actor=self.myAddress,
-            sent=self._out_seq))
+            sent=self._out_seq, after_text=None if error else self._after_text()))
         self._reset()

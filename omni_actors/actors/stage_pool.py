@@ -4,7 +4,11 @@ Supervision follows ``omni_actors.actors.supervision`` (the policy, in one
 place). In short: a replica that misses heartbeats, stalls, or trips its
 circuit breaker is ISOLATED (no new work), killed, and restarted with
 backoff; one whose process exits is restarted the same way; its in-flight
-tasks go at once to another replica of the stage. A replica that fails to
+tasks go at once to another replica of the stage. Tasks it reported
+finished just before it died are handed back to their RequestActors too:
+its report to us and its results to them travel separately, and what was
+still queued in the dead process is lost (a RequestActor that has the
+results ignores that). A replica that fails to
 load is FAILED and not retried (a bad model path fails the same way again).
 Tasks that find no ready replica wait up to ``queue_timeout_s`` for one (a
 restart, a late start), then the request gets a clear 503.
@@ -51,6 +55,8 @@ class Replica:
     state: ReplicaState = ReplicaState.PENDING
     reason: str = ""
     in_flight: dict[tuple[str, int], tuple[StageTask, float]] = field(default_factory=dict)
+    #: tasks it reported finished lately, oldest first: (request, stage) -> (task, when)
+    finished: dict[tuple[str, int], tuple[StageTask, float]] = field(default_factory=dict)
     dispatched: int = 0
     completed: int = 0
     failed: int = 0
@@ -94,6 +100,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                                     sup.circuit_breaker_failures)
         r = sup.restart
         self._restart = RestartPolicy(r.initial_backoff_s, r.max_backoff_s, r.max_restarts, r.window_s)
+        # A hung replica is found out within this (missed heartbeats or a stall), plus a margin:
+        # results it had not sent by then are lost with it.
+        self._finished_window_s = max(sup.missed_heartbeats * msg.heartbeat_interval_s, sup.stall_timeout_s) + 1.0
         self._log = self._log.bind(stage=msg.stage.name)
         for _ in range(msg.deployment.replicas):
             self._launch(self._new_replica_id())
@@ -258,6 +267,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         rep.state, rep.reason = ReplicaState.DEAD, cause
         self._log.error("replica_exited", replica=rep.replica, reason=cause)
         self._redispatch(rep)
+        self._hand_back_finished(rep, cause)
         delay = self._restart.next_delay(rep.restarts, time.monotonic())
         if delay is None or self._orphaned:
             self._release(rep)
@@ -275,6 +285,19 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         tasks, rep.in_flight = [t for t, _ in rep.in_flight.values()], {}
         for task in tasks:
             self._elsewhere(task, rep.replica, f"{rep.state.value}: {rep.reason}")
+
+    def _hand_back_finished(self, rep: Replica, cause: str) -> None:
+        """The replica died: its tasks that finished within the window may have lost
+        their results (queued behind our TaskFinished in the dead process). Their
+        RequestActors retry those they still wait for and ignore the others."""
+        horizon = time.monotonic() - self._finished_window_s
+        for task, at in rep.finished.values():
+            if at >= horizon:
+                self.send(task.reply_to, StageFailed(
+                    task.request_id, task.stage_id, rep.replica, ErrorKind.UNAVAILABLE,
+                    f"replica {rep.replica} died ({cause}) right after this task: its results were lost",
+                    task.attempt))
+        rep.finished.clear()
 
     def _elsewhere(self, task: StageTask, replica: str, why: str) -> None:
         """``task`` cannot finish on ``replica``: send it to another one, or, for a
@@ -360,6 +383,10 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             self._elsewhere(entry[0], rep.replica, f"is {msg.reason}")
             return
         now = time.monotonic()
+        if not msg.cancelled:
+            rep.finished[(msg.request_id, msg.stage_id)] = (entry[0], now)
+            while rep.finished and next(iter(rep.finished.values()))[1] < now - self._finished_window_s:
+                del rep.finished[next(iter(rep.finished))]
         if msg.ok:
             rep.completed += 1
             took = now - entry[1]

@@ -4,7 +4,10 @@ Use :func:`make_connector`: small outputs ride inline in the ref, larger ones
 go into a shared-memory segment on the producer's node. A consumer on that
 node maps the segment (zero copy); a consumer on another node fetches it from
 the node's data service (:mod:`omni_actors.connectors.data_service`). Whoever
-owns a request releases its refs (:func:`release_all`) however the request ends.
+owns a request releases its refs (:func:`release_all`) however the request ends:
+segments are unlinked, or, with ``recycle=True`` where the owner knows nobody
+reads them any more (a request that completed), kept for a later ``put`` on
+their node (:mod:`omni_actors.connectors.shm`, "Segment recycling").
 
 Every ``get`` returns read-only arrays (views on the buffer the data arrived
 in); copy before modifying.
@@ -17,6 +20,11 @@ Environment (set by the host's leader/member for every actor it starts):
 - ``OMNI_ACTORS_SHM_PREFIX``: prefix of this node's segment names.
 - ``OMNI_ACTORS_SHM_DIR``: the directory (a tmpfs) segments live in; default
   ``/dev/shm``. Read whenever a segment is made, opened, listed or unlinked.
+- ``OMNI_ACTORS_SHM_FREE_IDLE_S`` / ``OMNI_ACTORS_SHM_FREE_BYTES``: how long a
+  recycled segment may wait for a ``put`` (default 2 s) and how many bytes of
+  them a node keeps per prefix (default half its tmpfs, at most 1 GiB);
+  ``OMNI_ACTORS_SHM_MAP_CACHE_BYTES``: how many bytes of reused segments a
+  producer keeps mapped to write them again (default 1 GiB; 0: off).
 - ``OMNI_ACTORS_CONNECTOR``: default mode, see :data:`MODES` (or an
   ``omni:<Name>`` mode: :mod:`omni_actors.connectors.omni`).
 """
@@ -27,6 +35,7 @@ import collections
 import os
 from typing import Any, Iterable
 
+import numpy as np
 import structlog
 
 from omni_actors.connectors import data_client, omni
@@ -34,14 +43,16 @@ from omni_actors.connectors.base import Connector, ConnectorRef, FieldLayout, Om
 from omni_actors.connectors.data_client import DataServiceError
 from omni_actors.connectors.data_service import NODE_ENV, SERVICE_ENV, DataService
 from omni_actors.connectors.inline import ConnectorError, InlineConnector, plan, read_outputs
-from omni_actors.connectors.shm import DIR_ENV, SegmentDirError, ShmConnector, _unlink, check_segment_dir, \
-    default_prefix, list_segments, segment_dir, segment_usage, sweep_segments
+from omni_actors.connectors.shm import DIR_ENV, SegmentDirError, ShmConnector, check_segment_dir, \
+    default_prefix, free_usage, list_free_segments, list_segments, release_segments, segment_dir, \
+    segment_usage, size_class, sweep_segments, trim_free_segments
 
 __all__ = [
     "Connector", "ConnectorError", "ConnectorRef", "DIR_ENV", "DataService", "DataServiceError", "FieldLayout",
     "InlineConnector", "MODES", "NodeConnector", "OmniHandle", "SegmentDirError", "ShmConnector",
-    "check_segment_dir", "default_prefix", "list_segments", "local_node", "make_connector", "release_all",
-    "segment_dir", "segment_usage", "sweep_segments",
+    "check_segment_dir", "default_prefix", "free_usage", "list_free_segments", "list_segments", "local_node",
+    "make_connector", "release_all", "release_segments", "segment_dir", "segment_usage", "size_class",
+    "sweep_segments", "trim_free_segments",
 ]
 
 log = structlog.get_logger(__name__)
@@ -156,11 +167,13 @@ class NodeConnector:
             return read_outputs(b"", ref.layout)
         return read_outputs(data_client.fetch(ref.service, ref.location, ref.size), ref.layout)
 
-    def release(self, ref: ConnectorRef) -> None:
+    def release(self, ref: ConnectorRef, *, recycle: bool = False) -> None:
         """Unlink the ref's segment (through its node's data service when it is
-        elsewhere). Idempotent; a no-op for inline refs. When the owning node's
-        data service cannot be reached it logs and returns: that node's reaper
-        frees the segment later.
+        elsewhere), or with ``recycle`` keep it for a later ``put`` on its node:
+        only when no process still reads it (see :func:`release_all`).
+        Idempotent; a no-op for inline refs. When the owning node's data
+        service cannot be reached it logs and returns: that node's reaper frees
+        the segment later.
 
         Raises:
             ConnectorError: the kind is unknown, or a remote segment has no service.
@@ -173,12 +186,32 @@ class NodeConnector:
         if ref.kind not in SEGMENT_KINDS or not ref.location:
             raise ConnectorError(f"unknown connector kind {ref.kind!r}")
         if not self._remote(ref, for_read=False):
-            _unlink(ref.location)
+            release_segments([ref.location], recycle=recycle)
             return
         try:
-            data_client.release(ref.service, [ref.location])
+            data_client.release(ref.service, [ref.location], recycle=recycle)
         except DataServiceError as exc:
             log.warning("connector_release_failed", location=ref.location, error=str(exc))
+
+    def take(self, ref: ConnectorRef) -> dict[str, Any]:
+        """``get`` for the ref's one and last reader, which then releases it: the
+        arrays are the caller's own (copied where ``get`` would map a segment in
+        place; data fetched from another node or inline already is), so the
+        segment is recycled (``release(ref, recycle=True)``). Whatever fails, the
+        ref is released (unlinked) before the error is raised.
+
+        Raises:
+            as :meth:`get`.
+        """
+        try:
+            out = self.get(ref)
+            if ref.kind in SEGMENT_KINDS and ref.size and not self._remote(ref, for_read=True):
+                out = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}
+        except BaseException:
+            self.release(ref)
+            raise
+        self.release(ref, recycle=True)  # (the mapping's views are gone: out holds copies)
+        return out
 
     def _remote(self, ref: ConnectorRef, *, for_read: bool) -> bool:
         """Whether ``ref`` must go through its node's data service from here."""
@@ -205,12 +238,21 @@ def make_connector(inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
     return NodeConnector(inline_threshold_bytes, prefix, mode=mode)
 
 
-def release_all(refs: Iterable[ConnectorRef | None]) -> None:
+def release_all(refs: Iterable[ConnectorRef | None], *, recycle: bool = False) -> None:
     """Release every ref (None entries skipped): segments on this node are unlinked
     here, the others with one request per owning data service; a vLLM-Omni
     connector's refs through that connector (:func:`omni_actors.connectors.omni.release`).
-    Logs failures, never raises."""
+    Logs failures, never raises.
+
+    ``recycle``: keep the segments for later ``put`` s on their nodes instead
+    (:func:`omni_actors.connectors.shm.release_segments`; within each node's
+    budget, the rest unlinked). Only where the caller knows that no process
+    still reads them, through a mapping made before: the request completed and
+    every task that got them as input finished. Where an engine may still be
+    reading (a cancel, an error, a timeout, a retry, a stale message), leave
+    it off: an unlinked segment stays valid for its mappings."""
     here = local_node()
+    local: list[str] = []
     remote: dict[str, list[str]] = collections.defaultdict(list)
     for ref in refs:
         if ref is None or ref.kind == "inline":
@@ -225,13 +267,18 @@ def release_all(refs: Iterable[ConnectorRef | None]) -> None:
                 if ref.node not in (None, here):
                     raise ConnectorError(f"segment {ref.location!r} lives on node {ref.node!r}, "
                                          "which has no data service")
-                _unlink(ref.location)
+                local.append(ref.location)
             else:
                 remote[ref.service].append(ref.location)
         except Exception:  # noqa: BLE001
             log.warning("connector_release_failed", location=ref.location, exc_info=True)
+    if local:
+        try:
+            release_segments(list(dict.fromkeys(local)), recycle=recycle)
+        except Exception:  # noqa: BLE001
+            log.warning("connector_release_failed", segments=len(local), exc_info=True)
     for service, names in remote.items():
         try:
-            data_client.release(service, list(dict.fromkeys(names)))
+            data_client.release(service, list(dict.fromkeys(names)), recycle=recycle)
         except Exception:  # noqa: BLE001
             log.warning("connector_release_failed", service=service, segments=len(names), exc_info=True)

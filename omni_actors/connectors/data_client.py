@@ -2,7 +2,8 @@
 
 Wire format (big-endian). A request is ``u32 length`` + a JSON object of that
 many bytes (at most :data:`MAX_REQUEST` bytes): ``{"op": "get", "name": N,
-"size": S}``, ``{"op": "release", "names": [...]}``, ``{"op": "stats"}``,
+"size": S}``, ``{"op": "release", "names": [...]}`` (with ``"recycle": true``:
+keep them for later puts on that node, see :func:`release`), ``{"op": "stats"}``,
 ``{"op": "config", "reap_after_s": X}``. A reply is ``u8 status`` + ``u64
 length`` + that many bytes: the segment's bytes for a ``get``, JSON for
 ``release``/``stats``/``config``, a UTF-8 message for an error.
@@ -243,8 +244,12 @@ def fetch(service: str, name: str, size: int) -> np.ndarray:
     return buf
 
 
-def release(service: str, names: list[str]) -> int:
-    """Unlink segments ``names`` on ``service``'s node; how many were still there.
+def release(service: str, names: list[str], *, recycle: bool = False) -> int:
+    """Unlink segments ``names`` on ``service``'s node, or with ``recycle`` keep them
+    there for later puts (within that node's budget; see
+    :func:`omni_actors.connectors.shm.release_segments`: only segments nobody
+    reads any more); how many were still there. (A service that predates
+    ``recycle`` unlinks them.)
 
     Raises:
         ConnectorError: a name is not one of that service's segments.
@@ -252,7 +257,10 @@ def release(service: str, names: list[str]) -> int:
     """
     removed = 0
     for i in range(0, len(names), RELEASE_BATCH):
-        status, body = _request(service, {"op": "release", "names": names[i:i + RELEASE_BATCH]}, quick=True)
+        req: dict[str, Any] = {"op": "release", "names": names[i:i + RELEASE_BATCH]}
+        if recycle:
+            req["recycle"] = True
+        status, body = _request(service, req, quick=True)
         if status != OK:
             raise _error(status, body, service)
         removed += json.loads(body)["released"]
@@ -260,7 +268,8 @@ def release(service: str, names: list[str]) -> int:
 
 
 def stats(service: str) -> dict[str, Any]:
-    """The service's ``stats``: segments, bytes, gets, bytes_served, releases, reaped, ..."""
+    """The service's ``stats``: segments and bytes in use, free_segments and free_bytes
+    (recycled, unclaimed), gets, bytes_served, releases, recycled, reaped, trimmed, ..."""
     status, body = _request(service, {"op": "stats"})
     if status != OK:
         raise _error(status, body, service)

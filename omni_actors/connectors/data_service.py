@@ -9,19 +9,26 @@ prefix (``$OMNI_ACTORS_SHM_PREFIX``, in ``$OMNI_ACTORS_SHM_DIR``, default
 - ``get``: the raw bytes of a segment, sent from the segment itself
   (``os.sendfile``; ``sendall`` of a read-only mapping where sendfile is not
   supported), nothing pickled, nothing copied in user space;
-- ``release``: unlink segments (the request owner, on another node, is done);
-- ``stats``: live segments and bytes under the prefix, and counters;
+- ``release``: unlink segments (the request owner, on another node, is done),
+  or with ``"recycle": true`` keep them as free segments of this node for
+  later puts (:func:`omni_actors.connectors.shm.release_segments`);
+- ``stats``: in-use segments and bytes under the prefix, free (recycled,
+  unclaimed) ones apart, and counters;
 - ``config``: change ``reap_after_s`` (a member learns it from the coordinator).
 
 A reaper thread unlinks segments of the prefix older than ``reap_after_s``
-(by their files' mtime): what a dead replica or a crashed request left.
+(by their files' mtime): what a dead replica or a crashed request left; and
+every ``free_idle_s / 4`` it trims the prefix's free segments: those idle
+longer than ``free_idle_s`` go, then the oldest until they fit
+``free_budget_bytes`` (:func:`omni_actors.connectors.shm.trim_free_segments`).
 
 Wire format (big-endian). A request is ``u32 length`` + a JSON object of that
 many bytes (at most :data:`MAX_REQUEST` bytes): ``{"op": "get", "name": N,
 "size": S}``, ``{"op": "release", "names": [...]}``, ``{"op": "stats"}``,
-``{"op": "config", "reap_after_s": X}``. A reply is ``u8 status`` + ``u64
-length`` + that many bytes: the segment's bytes for a ``get``, JSON for
-``release``/``stats``/``config``, a UTF-8 message for an error. A connection
+``{"op": "config", "reap_after_s": X}``; a release may add ``"recycle": true``.
+A reply is ``u8 status`` + ``u64 length`` + that many bytes: the segment's
+bytes for a ``get``, JSON for ``release``/``stats``/``config``, a UTF-8
+message for an error. A connection
 serves requests until the client closes it. No request is unpickled or
 executed: the worst a client can do is read or unlink segments of the prefix
 (the cluster network is the trust boundary, as for the actor transport).
@@ -57,7 +64,8 @@ from omni_actors.connectors.data_client import (  # noqa: F401 - the client side
     REQUEST_HEADER, DataServiceError, ReceivePool, _recv_exact, close_connections, configure, fetch,
     parse_address, release, stats)
 from omni_actors.connectors.shm import DIR_ENV, _unlink, check_name, check_segment_dir, default_prefix, \
-    list_segments, open_segment, segment_dir, segment_usage
+    free_budget, free_idle_s, free_usage, list_segments, open_segment, release_segments, segment_dir, \
+    segment_usage, trim_free_segments
 
 log = structlog.get_logger(__name__)
 
@@ -73,6 +81,7 @@ DEFAULT_REAP_AFTER_S = 900.0
 
 
 _WILDCARDS = ("", "0.0.0.0", "::")
+_free_idle_default = free_idle_s  # (the constructor's argument shadows the name)
 
 
 def local_address_towards(host: str, port: int) -> str:
@@ -190,6 +199,12 @@ class DataService:
         reap_after_s: segments older than this are unlinked by the reaper.
         reap_every_s: how often the reaper looks (default: ``reap_after_s / 4``,
             between 0.05 and 5 s).
+        free_idle_s: free (recycled) segments unclaimed this long are unlinked
+            (default :func:`~omni_actors.connectors.shm.free_idle_s`: 2 s); the
+            trim runs every ``free_idle_s / 4`` (0.05 s at least).
+        free_budget_bytes: most bytes of free segments kept (default
+            :func:`~omni_actors.connectors.shm.free_budget`); it also bounds
+            recycling releases that come through this service.
         node: this node's name (reported by ``stats``).
         advertise: the host clients should connect to (default ``host``; a
             wildcard ``host`` advertises 127.0.0.1 unless this is given).
@@ -199,7 +214,8 @@ class DataService:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, prefix: str | None = None, *,
                  reap_after_s: float = DEFAULT_REAP_AFTER_S, reap_every_s: float | None = None,
-                 node: str | None = None, advertise: str | None = None) -> None:
+                 node: str | None = None, advertise: str | None = None, free_idle_s: float | None = None,
+                 free_budget_bytes: int | None = None) -> None:
         self.host, self.port, self.advertise = host, port, advertise
         self.prefix = prefix or default_prefix()
         if check_name(self.prefix) is not None:
@@ -207,12 +223,15 @@ class DataService:
         self.node = node
         self.reap_after_s = float(reap_after_s)
         self._reap_every_s = reap_every_s
+        self.free_idle_s = float(free_idle_s if free_idle_s is not None else _free_idle_default())
+        self.free_budget_bytes = int(free_budget_bytes if free_budget_bytes is not None else free_budget())
         self._server: _Server | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
-        self._counters = {"gets": 0, "bytes_served": 0, "releases": 0, "reaped": 0, "errors": 0}
+        self._counters = {"gets": 0, "bytes_served": 0, "releases": 0, "recycled": 0, "reaped": 0, "trimmed": 0,
+                          "errors": 0}
         self._pid = os.getpid()
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -243,7 +262,8 @@ class DataService:
             t.start()
         _LIVE.add(self)
         log.info("data_service_started", address=self.address, prefix=self.prefix, dir=segment_dir(),
-                 reap_after_s=self.reap_after_s)
+                 reap_after_s=self.reap_after_s, free_idle_s=self.free_idle_s,
+                 free_budget_bytes=self.free_budget_bytes)
         return self
 
     def stop(self) -> None:
@@ -346,20 +366,22 @@ class DataService:
             _reply(sock, BAD_REQUEST, b"release needs a list of names")
             return
         bad = [p for p in (check_name(n, self.prefix) for n in names) if p is not None]
+        recycle = req.get("recycle", False)
+        if not bad and not isinstance(recycle, bool):
+            bad = [f"recycle must be true or false, got {recycle!r}"]
         if bad:
             self._count(errors=1)
             _reply(sock, BAD_REQUEST, f"{len(bad)} bad name(s), nothing released: {bad[0]}".encode())
             return
-        removed = 0
         try:
-            for n in names:
-                removed += _unlink(n)
-        except OSError as exc:
-            self._count(releases=removed, errors=1)
-            _reply(sock, FAILED, f"released {removed}, then: {exc}".encode())
+            removed, recycled = release_segments(names, recycle=recycle, budget=self.free_budget_bytes)
+        except OSError as exc:  # (not a missing segment: those count as missing)
+            self._count(errors=1)
+            _reply(sock, FAILED, f"release failed: {exc}".encode())
             return
-        self._count(releases=removed)
-        _reply(sock, OK, json.dumps({"released": removed, "missing": len(names) - removed}).encode())
+        self._count(releases=removed, recycled=recycled)
+        _reply(sock, OK, json.dumps({"released": removed, "missing": len(names) - removed,
+                                     "recycled": recycled}).encode())
 
     def _stats(self, sock: socket.socket, req: dict) -> None:
         _reply(sock, OK, json.dumps(self.stats()).encode())
@@ -376,13 +398,16 @@ class DataService:
         _reply(sock, OK, json.dumps({"reap_after_s": self.reap_after_s}).encode())
 
     def stats(self) -> dict[str, Any]:
-        """Live segments of the prefix (count and bytes) and the counters."""
+        """In-use segments of the prefix (count and bytes), free ones (recycled,
+        unclaimed) apart, the settings and the counters."""
         segments, nbytes = segment_usage(self.prefix)
+        free_segments, free_bytes = free_usage(self.prefix)
         with self._lock:
             counters = dict(self._counters)
         return {"node": self.node, "prefix": self.prefix, "dir": segment_dir(), "segments": segments,
-                "bytes": nbytes,
-                "reap_after_s": self.reap_after_s, **counters}
+                "bytes": nbytes, "free_segments": free_segments, "free_bytes": free_bytes,
+                "reap_after_s": self.reap_after_s, "free_idle_s": self.free_idle_s,
+                "free_budget_bytes": self.free_budget_bytes, **counters}
 
     # -- reaper -----------------------------------------------------------------------------
     def reap(self, now: float | None = None) -> int:
@@ -402,13 +427,28 @@ class DataService:
             self._count(reaped=removed)
         return removed
 
+    def trim(self, now: float | None = None) -> int:
+        """Unlink the prefix's free segments idle over ``free_idle_s``, then the
+        oldest until they fit ``free_budget_bytes``; how many."""
+        removed = trim_free_segments(self.prefix, idle_s=self.free_idle_s, budget=self.free_budget_bytes,
+                                     now=now)
+        if removed:
+            self._count(trimmed=removed)
+            log.debug("data_service_trimmed", segments=removed)
+        return removed
+
     def _reap_loop(self) -> None:
+        next_reap = time.monotonic() + (self._reap_every_s or min(5.0, max(0.05, self.reap_after_s / 4)))
         while True:
-            every = self._reap_every_s or min(5.0, max(0.05, self.reap_after_s / 4))
-            if self._stopping.wait(every):
+            reap_every = self._reap_every_s or min(5.0, max(0.05, self.reap_after_s / 4))
+            trim_every = max(0.05, self.free_idle_s / 4)
+            if self._stopping.wait(min(reap_every, trim_every)):
                 return
             try:
-                self.reap()
+                self.trim()
+                if time.monotonic() >= next_reap:
+                    next_reap = time.monotonic() + reap_every
+                    self.reap()
             except Exception:  # noqa: BLE001 - the reaper outlives any one bad pass
                 log.warning("data_service_reap_failed", exc_info=True)
 
@@ -444,6 +484,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--prefix", default=None, help="segment prefix (default $OMNI_ACTORS_SHM_PREFIX)")
     parser.add_argument("--reap-after-s", type=float, default=DEFAULT_REAP_AFTER_S)
+    parser.add_argument("--free-idle-s", type=float, default=None,
+                        help="unlink free (recycled) segments unclaimed this long (default "
+                             "$OMNI_ACTORS_SHM_FREE_IDLE_S, else 2)")
+    parser.add_argument("--free-budget-bytes", type=int, default=None,
+                        help="most bytes of free segments kept (default $OMNI_ACTORS_SHM_FREE_BYTES, "
+                             "else half the tmpfs, at most 1 GiB)")
     parser.add_argument("--node", default=None)
     parser.add_argument("--shm-dir", default=None,
                         help=f"directory of the segments (default ${DIR_ENV}, else /dev/shm)")
@@ -457,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     service = DataService(args.host, args.port, args.prefix, reap_after_s=args.reap_after_s,
-                          node=args.node).start()
+                          node=args.node, free_idle_s=args.free_idle_s,
+                          free_budget_bytes=args.free_budget_bytes).start()
     print(f"READY {service.address}", flush=True)
     try:
         while not stop.wait(0.5):

@@ -37,7 +37,7 @@ def create_backend(stage: StageSpec, deployment: StageDeployment, replica: str) 
     if backend == "vllm":
         from omni_actors.engines.vllm import VllmEngine
 
-        return VllmEngine(stage, replica)
+        return VllmEngine(stage, replica, cpus=deployment.cpus)
     if backend == "vllm_omni":
         from omni_actors.engines.vllm_omni import VllmOmniEngine
 

@@ -52,7 +52,7 @@ import numpy as np
 
 from omni_actors.config import StageSpec
 from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta
-from omni_actors.engines.vllm_core import CoreWatch, one_line
+from omni_actors.engines.vllm_core import CoreWatch, one_line, parse_cpus, pinned
 from omni_actors.logs import get_logger
 
 __all__ = ["VllmEngine", "OMNI_ONLY_KEYS", "split_engine_args"]
@@ -133,11 +133,15 @@ class VllmEngine:
             (``model`` is required).
         replica: the replica name (``"thinker/0"``), used in messages and
             vLLM request ids.
+        cpus: ``deployment.stages.<stage>.cpus``: on a CPU build, the CPU list the
+            engine core runs on, one OpenMP thread per CPU (:func:`pinned`);
+            ignored on GPU builds. A CPU not on this node fails ``start``.
     """
 
-    def __init__(self, stage: StageSpec, replica: str):
+    def __init__(self, stage: StageSpec, replica: str, *, cpus: str = ""):
         self.stage = stage
         self.replica = replica
+        self.cpus = cpus
         self._llm = None
         self._vllm: dict[str, Any] = {}  # the vLLM names we use, imported by start()
         self._sampling_fields: frozenset[str] = frozenset()
@@ -210,8 +214,9 @@ class VllmEngine:
         passed["model"] = str(Path(model).expanduser()) if str(model).startswith("~") else model
         engine_args = v["AsyncEngineArgs"](**passed)
 
+        cpus = parse_cpus(self.cpus) if cpu else frozenset()  # (ValueError: not on this node)
         self._watch = CoreWatch(self.replica)
-        with self._watch.spawning(v["EngineCoreProc"]):
+        with self._watch.spawning(v["EngineCoreProc"]), pinned(cpus):
             self._llm = v["AsyncLLM"].from_engine_args(
                 engine_args, stat_loggers=[lambda vllm_config, engine_index=0: _LoadRecorder(self)])
         await self._warm_up()

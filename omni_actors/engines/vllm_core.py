@@ -32,7 +32,51 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["CoreWatch", "one_line"]
+__all__ = ["CoreWatch", "one_line", "parse_cpus", "pinned"]
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """A Linux CPU list (``"1"``, ``"0-3"``, ``"0,2-3"``) as a set; empty for ``""``.
+
+    Raises:
+        ValueError: it does not parse, a range runs backwards, or a CPU is not
+            one this process may run on (the message names those it may).
+    """
+    cpus: set[int] = set()
+    for part in filter(None, text.replace(" ", "").split(",")):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or int(hi or lo) < int(lo):
+            raise ValueError(f"cpus {text!r}: {part!r} is not a CPU number or range")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    if cpus - allowed:
+        raise ValueError(f"cpus {text!r}: CPU {min(cpus - allowed)} is not available here "
+                         f"(this node has {','.join(map(str, sorted(allowed)))})")
+    return frozenset(cpus)
+
+
+@contextlib.contextmanager
+def pinned(cpus: frozenset[int]):
+    """Processes this thread starts inside run on ``cpus``, with one OpenMP
+    thread per CPU (``OMP_NUM_THREADS``); nothing changes for an empty set.
+
+    The calling thread's affinity (a thread's own, on Linux) and the variable
+    are set for the block only; a child inherits both when it is created.
+    """
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    affinity, omp = os.sched_getaffinity(0), os.environ.get("OMP_NUM_THREADS")
+    os.sched_setaffinity(0, cpus)
+    os.environ["OMP_NUM_THREADS"] = str(len(cpus))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, affinity)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
 
 
 def one_line(exc: BaseException) -> str:

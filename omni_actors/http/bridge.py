@@ -13,6 +13,14 @@ threads, each owning its own ``private()`` context:
   connector and released on this thread, so a buffer is freed even when the
   client has gone.
 
+A request's messages come from two senders: its RequestActor (audio parts,
+final outputs, the end) and the replica of its final text stage (text
+deltas, straight from the engine, several requests' in one
+:class:`~omni_actors.messages.OutputDeltas`). Each sender numbers its own;
+the receiver puts each series back in order, holds a final output or the end
+until the text deltas it says came before it are in, and fails a request
+whose text stage was retried after part of its text went out.
+
 Neither thread ever runs on the event loop, so no handler blocks.
 """
 
@@ -33,9 +41,8 @@ from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputPart, Output
                                     RequestFailed)
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelRequest, ErrorKind, GetRoutes, GetStatus, OutputChunk, OutputDelta,
-                                  OutputReady,
-                                  RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe, SystemStatus,
-                                  WhoAmI, YouAre)
+                                  OutputDeltas, OutputReady, RequestFinished, Routes, RoutesChanged, RunRequest,
+                                  Subscribe, SystemStatus, WhoAmI, YouAre)
 
 #: How often the bridge renews its subscription with the coordinator (a lease:
 #: a coordinator restarted after a crash learns of us within this time).
@@ -49,6 +56,22 @@ HTTP_STATUS = {ErrorKind.UNAVAILABLE: 503, ErrorKind.TIMEOUT: 504, ErrorKind.ENG
 
 class BridgeError(RuntimeError):
     """The bridge could not reach the coordinator."""
+
+
+@dataclasses.dataclass
+class _Inbox:
+    """One request's messages that came before their turn (receiver thread only)."""
+
+    seq: int = 0  #: the next RequestActor message to deliver
+    early: dict = dataclasses.field(default_factory=dict)  #: RequestActor messages by seq
+    finished: RequestFinished | None = None  #: the end, waiting for outputs still on their way
+    text_attempt: int = 0  #: the text stage's attempt whose deltas are delivered
+    text_seq: int = 0  #: the next text delta of that attempt
+    text_early: dict = dataclasses.field(default_factory=dict)  #: its deltas by seq
+
+    def after(self, after_text: tuple[int, int] | None) -> bool:
+        """Whether the text deltas a message must follow are all delivered."""
+        return after_text is None or (self.text_attempt == after_text[0] and self.text_seq >= after_text[1])
 
 
 class ActorBridge:
@@ -71,9 +94,8 @@ class ActorBridge:
         self._connect_timeout_s = connect_timeout_s
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
-        #: request -> [next output seq, outputs that came early, RequestFinished waiting for them]
-        #: and the requests that ended lately (receiver thread only)
-        self._inbox: dict[str, list] = {}
+        #: request -> what came early, and the requests that ended lately (receiver thread only)
+        self._inbox: dict[str, _Inbox] = {}
         self._ended: dict[str, None] = {}  # (an ordered set: the oldest go past 4,096)
         self._queries: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
@@ -231,24 +253,25 @@ class ActorBridge:
 
     def _on_message(self, msg: Any) -> None:
         """Receiver thread: turn an actor message into a loop-side event."""
-        if isinstance(msg, (OutputDelta, OutputChunk, OutputReady)):
-            # Actor messages may overtake each other: a request's outputs are put back
-            # in order by seq, and its end waits for the last of them (RequestFinished.sent).
-            if msg.request_id not in self._streams or msg.request_id in self._ended:
+        # Actor messages may overtake each other: each series is put back in order by
+        # seq, and the end waits for the last outputs (RequestFinished.sent, .after_text).
+        if isinstance(msg, OutputDeltas):
+            for delta in msg.deltas:
+                self._text(delta)
+        elif isinstance(msg, (OutputChunk, OutputReady)):
+            box = self._box(msg.request_id)
+            if box is None:
                 self._drop(msg)  # the request is over (the client went away)
                 return
-            box = self._inbox.setdefault(msg.request_id, [0, {}, None])
-            box[1][msg.seq] = msg
-            while box[0] in box[1]:
-                self._output(box[1].pop(box[0]))
-                box[0] += 1
-            if box[2] is not None and box[0] >= box[2].sent:
-                self._end(box[2])
+            box.early[msg.seq] = msg
+            self._pump(box)
         elif isinstance(msg, RequestFinished):
             box = self._inbox.get(msg.request_id)
-            if (box[0] if box else 0) < msg.sent and msg.error is None:
-                box = box or self._inbox.setdefault(msg.request_id, [0, {}, None])
-                box[2] = msg  # outputs still on their way: end the request after them
+            live = msg.request_id in self._streams and msg.request_id not in self._ended
+            if live and msg.error is None and ((box.seq if box else 0) < msg.sent or msg.after_text is not None):
+                box = box or self._inbox.setdefault(msg.request_id, _Inbox())
+                box.finished = msg  # (ends now if nothing is on its way)
+                self._pump(box)
                 return
             self._end(msg)
         elif isinstance(msg, SystemStatus):
@@ -259,18 +282,55 @@ class ActorBridge:
                 self._log.info("routes_changed", version=msg.version)
                 self._outbox.put(("routes", msg))
 
-    def _output(self, msg: OutputDelta | OutputChunk | OutputReady) -> None:
-        """Deliver one output of a request, in order."""
-        if isinstance(msg, OutputDelta):
-            self._deliver(msg.request_id, OutputText(msg.text))
+    def _box(self, request_id: str) -> _Inbox | None:
+        """The request's inbox; None when it is over (the client went away)."""
+        if request_id not in self._streams or request_id in self._ended:
+            return None
+        return self._inbox.setdefault(request_id, _Inbox())
+
+    def _pump(self, box: _Inbox) -> None:
+        """Deliver a request's RequestActor messages whose turn came, then its end."""
+        while box.seq in box.early and box.after(getattr(box.early[box.seq], "after_text", None)):
+            self._output(box.early.pop(box.seq))
+            box.seq += 1
+        done = box.finished
+        if done is not None and box.seq >= done.sent and box.after(done.after_text):
+            self._end(done)
+
+    def _text(self, delta: OutputDelta) -> None:
+        """A text delta from the engine: delivered in seq order within its attempt."""
+        rid = delta.request_id
+        box = self._box(rid)
+        if box is None or delta.attempt < box.text_attempt:
             return
+        if delta.attempt > box.text_attempt:
+            if box.text_seq:
+                # The stage was retried although its text had begun to reach the client
+                # (the replica died before the RequestActor heard of it): the client would
+                # read the text twice. End the request instead.
+                self._inbox.pop(rid, None)
+                self._ended[rid] = None
+                self._outbox.put(("cancel", rid))
+                self._deliver(rid, RequestFailed(
+                    500, f"stage {delta.stage_id} failed after part of its text had reached the client "
+                         "(it was not retried)"))
+                return
+            box.text_attempt, box.text_seq, box.text_early = delta.attempt, 0, {}
+        box.text_early[delta.seq] = delta.text
+        while box.text_seq in box.text_early:
+            self._deliver(rid, OutputText(box.text_early.pop(box.text_seq)))
+            box.text_seq += 1
+        self._pump(box)
+
+    def _output(self, msg: OutputChunk | OutputReady) -> None:
+        """Deliver one RequestActor output of a request, in order."""
         data = self._take(msg, "streamed output" if isinstance(msg, OutputChunk) else "final output")
         if data is None:
             return
         event = (OutputPart if isinstance(msg, OutputChunk) else OutputFinal)(msg.stage_id, msg.output_type, data)
         self._deliver(msg.request_id, event)
 
-    def _drop(self, msg: OutputDelta | OutputChunk | OutputReady) -> None:
+    def _drop(self, msg: OutputChunk | OutputReady) -> None:
         ref = getattr(msg, "ref", None)
         if ref is not None:
             self._connector.release(ref)
@@ -278,7 +338,7 @@ class ActorBridge:
     def _end(self, msg: RequestFinished) -> None:
         """The request is over: free its RequestActor and tell the client."""
         box = self._inbox.pop(msg.request_id, None)
-        for early in (box[1].values() if box else ()):
+        for early in (box.early.values() if box else ()):
             self._drop(early)  # (only when it failed: a finished one waited for them all)
         self._ended[msg.request_id] = None
         if len(self._ended) > 4096:
@@ -294,15 +354,15 @@ class ActorBridge:
         self._deliver(msg.request_id, event)
 
     def _take(self, msg: OutputChunk | OutputReady, what: str) -> dict[str, Any] | None:
-        """Fetch ``msg.ref`` and release it (the bridge owns it); on failure the
-        request fails with a 500 that says what was lost, and None is returned."""
+        """Fetch ``msg.ref`` and release it (the bridge owns it): ``take`` copies what it
+        would map in place, so the segment can be recycled while the event is still
+        to be encoded. On failure (the ref is unlinked) the request fails with a 500
+        that says what was lost, and None is returned."""
         try:
-            return self._connector.get(msg.ref)
+            return self._connector.take(msg.ref)
         except Exception as exc:  # noqa: BLE001
             self._deliver(msg.request_id, RequestFailed(500, f"{what} lost: {exc}"))
             return None
-        finally:
-            self._connector.release(msg.ref)
 
     def _deliver(self, request_id: str, event: BridgeEvent) -> None:
         self._loop.call_soon_threadsafe(self._put, request_id, event)
@@ -335,7 +395,8 @@ def status_to_dict(status: SystemStatus) -> dict[str, Any]:
         "nodes": [{"name": n.name, "alive": n.alive, "devices": list(n.devices), "used": dict(n.used),
                    "stages": list(n.stages), "replicas": list(n.replicas),
                    "last_seen_age_s": n.last_seen_age_s, "data_service": n.data_service,
-                   "buffers": n.buffers} for n in status.nodes],
+                   "buffers": n.buffers, "free_buffers": n.free_buffers, "free_bytes": n.free_bytes}
+                  for n in status.nodes],
         "stages": [
             {"stage_id": st.stage_id, "stage": st.stage, "pid": st.pid, "pending": st.pending,
              "restarts": st.restarts,

@@ -1,0 +1,101 @@
+"""The bridge's receiver logic (no actor system): a request's messages come from
+two senders, its RequestActor and its text stage's replica, each numbered on
+its own, and the client must see them in a sensible order whatever order they
+arrive in."""
+
+from __future__ import annotations
+
+import pytest
+
+from omni_actors.connectors import make_connector
+from omni_actors.http.bridge import ActorBridge
+from omni_actors.http.types import OutputFinal, OutputText, RequestDone, RequestFailed
+from omni_actors.messages import OutputDelta, OutputDeltas, OutputReady, RequestFinished
+
+
+class Loop:
+    """Runs what the receiver thread hands to the event loop at once."""
+
+    def call_soon_threadsafe(self, fn, *args):
+        fn(*args)
+
+
+class Stream(list):
+    def put_nowait(self, event):
+        self.append(event)
+
+
+@pytest.fixture
+def bridge():
+    b = ActorBridge(asys=None, coordinator=None)
+    b._loop = Loop()
+    return b
+
+
+def _open(bridge: ActorBridge, rid: str) -> Stream:
+    stream = bridge._streams[rid] = Stream()
+    return stream
+
+
+def deltas(rid, *items, attempt=0):
+    """``items``: (seq, text) pairs, as the engine would send them in one message."""
+    return OutputDeltas(tuple(OutputDelta(rid, text, seq, stage_id=0, attempt=attempt) for seq, text in items))
+
+
+def seen(stream: Stream) -> list:
+    out = []
+    for ev in stream:
+        if isinstance(ev, OutputText):
+            out.append(ev.text)
+        elif isinstance(ev, OutputFinal):
+            out.append(("final", ev.data["text"]))
+        elif isinstance(ev, RequestDone):
+            out.append("done")
+        elif isinstance(ev, RequestFailed):
+            out.append(("failed", ev.status))
+    return out
+
+
+def test_text_deltas_are_put_back_in_order_and_the_final_text_and_end_wait_for_them(bridge):
+    stream = _open(bridge, "r1")
+    final = make_connector().put({"text": "abcd"}, final=True)
+    # The RequestActor's messages overtake the engine's last deltas.
+    bridge._on_message(deltas("r1", (1, "b")))
+    bridge._on_message(OutputReady("r1", 0, "text", final, seq=0, after_text=(0, 4)))
+    bridge._on_message(RequestFinished("r1", sent=1, after_text=(0, 4), request_actor="ra"))
+    assert seen(stream) == []  # delta 0 has not come: nothing goes out of order
+    bridge._on_message(deltas("r1", (0, "a"), (3, "d")))
+    assert seen(stream) == ["a", "b"]
+    bridge._on_message(deltas("r1", (2, "c")))
+    assert seen(stream) == ["a", "b", "c", "d", ("final", "abcd"), "done"]
+    assert bridge._outbox.get_nowait() == ("finished", "r1", "ra")  # its RequestActor is free again
+
+
+def test_a_retried_attempts_text_replaces_an_unseen_one_and_older_text_is_dropped(bridge):
+    stream = _open(bridge, "r2")
+    bridge._on_message(deltas("r2", (1, "late part of attempt 0")))  # seq 0 never came: nothing went out
+    bridge._on_message(deltas("r2", (0, "x"), attempt=1))
+    bridge._on_message(deltas("r2", (0, "stale"), attempt=0))
+    bridge._on_message(deltas("r2", (1, "y"), attempt=1))
+    bridge._on_message(RequestFinished("r2", after_text=(1, 2), request_actor="ra"))
+    assert seen(stream) == ["x", "y", "done"]
+
+
+def test_text_of_a_new_attempt_after_some_text_went_out_fails_the_request(bridge):
+    stream = _open(bridge, "r3")
+    bridge._on_message(deltas("r3", (0, "hello")))
+    bridge._on_message(deltas("r3", (0, "hello again"), attempt=1))
+    assert seen(stream) == ["hello", ("failed", 500)]
+    assert "reached the client" in stream[-1].message
+    assert bridge._outbox.get_nowait() == ("cancel", "r3")  # its RequestActor stops the retry
+    bridge._on_message(deltas("r3", (1, "more"), attempt=1))
+    bridge._on_message(RequestFinished("r3", after_text=(1, 2), request_actor="ra"))
+    assert seen(stream)[:2] == ["hello", ("failed", 500)] and "more" not in seen(stream)
+    assert bridge._outbox.get_nowait() == ("finished", "r3", "ra")
+
+
+def test_the_end_of_a_request_whose_client_left_frees_its_request_actor_at_once(bridge):
+    # No stream: the client went away. Text the bridge will never deliver must not hold it.
+    bridge._on_message(deltas("gone", (0, "a")))
+    bridge._on_message(RequestFinished("gone", after_text=(0, 5), request_actor="ra"))
+    assert bridge._outbox.get_nowait() == ("finished", "gone", "ra")
