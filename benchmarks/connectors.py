@@ -15,7 +15,7 @@ baselines measured in the same run:
   Each repetition's segment is released as a completed request releases it:
   recycled (``release_all(..., recycle=True)``), so the next put claims it and
   writes over pages already there, through the mapping it kept (segment
-  recycling, :mod:`omni_actors.connectors.shm`). Those rows are timed in
+  recycling, :mod:`omni_actors.connectors.recycling`). Those rows are timed in
   that steady state: two untimed repetitions first (the first makes the
   segment, the second reuses it with ``pwrite`` and maps it). A third row
   releases with an unlink instead, after unlinking the free segments and

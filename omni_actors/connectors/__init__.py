@@ -7,7 +7,7 @@ the node's data service (:mod:`omni_actors.connectors.data_service`). Whoever
 owns a request releases its refs (:func:`release_all`) however the request ends:
 segments are unlinked, or, with ``recycle=True`` where the owner knows nobody
 reads them any more (a request that completed), kept for a later ``put`` on
-their node (:mod:`omni_actors.connectors.shm`, "Segment recycling").
+their node (:mod:`omni_actors.connectors.recycling`).
 
 Every ``get`` returns read-only arrays (views on the buffer the data arrived
 in); copy before modifying.
@@ -43,9 +43,10 @@ from omni_actors.connectors.base import Connector, ConnectorRef, FieldLayout, Om
 from omni_actors.connectors.data_client import DataServiceError
 from omni_actors.connectors.data_service import NODE_ENV, SERVICE_ENV, DataService
 from omni_actors.connectors.inline import ConnectorError, InlineConnector, plan, read_outputs
+from omni_actors.connectors.recycling import free_usage, list_free_segments, size_class, \
+    trim_free_segments
 from omni_actors.connectors.shm import DIR_ENV, SegmentDirError, ShmConnector, check_segment_dir, \
-    default_prefix, free_usage, list_free_segments, list_segments, release_segments, segment_dir, \
-    segment_usage, size_class, sweep_segments, trim_free_segments
+    default_prefix, list_segments, release_segments, segment_dir, segment_usage, sweep_segments
 
 __all__ = [
     "Connector", "ConnectorError", "ConnectorRef", "DIR_ENV", "DataService", "DataServiceError", "FieldLayout",

@@ -7,6 +7,7 @@ owner ``release``s the buffer when its request ends, however it ends.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -86,3 +87,24 @@ class Connector(Protocol):
     def get(self, ref: ConnectorRef) -> dict[str, Any]: ...
 
     def release(self, ref: ConnectorRef) -> None: ...
+
+
+# -- the segment directory: where shared-memory segments (shm.py) and free ones (recycling.py) live
+DIR_ENV = "OMNI_ACTORS_SHM_DIR"  #: the directory segments live in (a tmpfs); default SHM_DIR
+SHM_DIR = "/dev/shm"  #: the default directory: where Linux keeps POSIX shared memory
+
+
+def segment_dir() -> str:
+    """The directory segments live in: ``$OMNI_ACTORS_SHM_DIR``, else ``/dev/shm``.
+
+    Read from the environment on every call (not validated here: see
+    :func:`~omni_actors.connectors.shm.check_segment_dir`)."""
+    return os.environ.get(DIR_ENV) or SHM_DIR
+
+
+def _unlink_in(directory: str, name: str) -> bool:
+    try:
+        os.unlink(os.path.join(directory, name))
+        return True
+    except (FileNotFoundError, IsADirectoryError):  # (a free directory is no segment)
+        return False

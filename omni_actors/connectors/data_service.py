@@ -20,7 +20,7 @@ A reaper thread unlinks segments of the prefix older than ``reap_after_s``
 (by their files' mtime): what a dead replica or a crashed request left; and
 every ``free_idle_s / 4`` it trims the prefix's free segments: those idle
 longer than ``free_idle_s`` go, then the oldest until they fit
-``free_budget_bytes`` (:func:`omni_actors.connectors.shm.trim_free_segments`).
+``free_budget_bytes`` (:func:`omni_actors.connectors.recycling.trim_free_segments`).
 
 Wire format (big-endian). A request is ``u32 length`` + a JSON object of that
 many bytes (at most :data:`MAX_REQUEST` bytes): ``{"op": "get", "name": N,
@@ -63,9 +63,9 @@ from omni_actors.connectors.data_client import (  # noqa: F401 - the client side
     BAD_REQUEST, FAILED, MAX_REQUEST, NOT_FOUND, OK, POOL_ENV, RECV_CHUNK, RELEASE_BATCH, REPLY_HEADER,
     REQUEST_HEADER, DataServiceError, ReceivePool, _recv_exact, close_connections, configure, fetch,
     parse_address, release, stats)
+from omni_actors.connectors.recycling import free_budget, free_idle_s, free_usage, trim_free_segments
 from omni_actors.connectors.shm import DIR_ENV, _unlink, check_name, check_segment_dir, default_prefix, \
-    free_budget, free_idle_s, free_usage, list_segments, open_segment, release_segments, segment_dir, \
-    segment_usage, trim_free_segments
+    list_segments, open_segment, release_segments, segment_dir, segment_usage
 
 log = structlog.get_logger(__name__)
 
@@ -200,10 +200,10 @@ class DataService:
         reap_every_s: how often the reaper looks (default: ``reap_after_s / 4``,
             between 0.05 and 5 s).
         free_idle_s: free (recycled) segments unclaimed this long are unlinked
-            (default :func:`~omni_actors.connectors.shm.free_idle_s`: 2 s); the
+            (default :func:`~omni_actors.connectors.recycling.free_idle_s`: 2 s); the
             trim runs every ``free_idle_s / 4`` (0.05 s at least).
         free_budget_bytes: most bytes of free segments kept (default
-            :func:`~omni_actors.connectors.shm.free_budget`); it also bounds
+            :func:`~omni_actors.connectors.recycling.free_budget`); it also bounds
             recycling releases that come through this service.
         node: this node's name (reported by ``stats``).
         advertise: the host clients should connect to (default ``host``; a
