@@ -145,8 +145,12 @@ class Direct:
         self.engine_args = passed
         from omni_actors.engines.vllm_core import pinned
 
-        with pinned(self.cpus if self._cpu else frozenset()):  # as VllmEngine with `cpus`
+        from omni_actors.engines.vllm_core import keep_off
+
+        cpus = self.cpus if self._cpu else frozenset()
+        with pinned(cpus):  # as VllmEngine with `cpus`
             self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**passed))
+        keep_off(cpus)
         return time.perf_counter() - t0
 
     async def stream(self, i: int, max_tokens: int) -> tuple[float, int, int]:
@@ -364,13 +368,15 @@ def main(argv=None) -> int:
     loop = asyncio.new_event_loop()  # one loop for the direct engine and the HTTP client
     out: dict[str, Any] = {}
     try:
-        startup = loop.run_until_complete(direct.start())
-        print(f"  direct AsyncLLM up in {startup:.1f} s "
-              f"(engine args {json.dumps(direct.engine_args)})", flush=True)
+        # The leader first: its processes must not inherit this process's affinity once
+        # the direct engine moved it off the engine's CPUs (as a replica moves itself).
         t0 = time.perf_counter()
         leader.start()
         print(f"  leader up in {time.perf_counter() - t0:.1f} s ({leader.base_url}; "
               f"config {config_path})", flush=True)
+        startup = loop.run_until_complete(direct.start())
+        print(f"  direct AsyncLLM up in {startup:.1f} s "
+              f"(engine args {json.dumps(direct.engine_args)})", flush=True)
         results = loop.run_until_complete(bench(args, leader.base_url, direct))
         derived = report(results, args)
         out = {"model": model, "config": args.config, "engine_args": direct.engine_args,

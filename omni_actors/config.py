@@ -127,7 +127,8 @@ class StageDeployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: CPU cores its engines compute on, a Linux CPU list ("1", "0-3", "0,2"): what pinned
     #: devices are on a GPU node. vLLM backend on a CPU build: the engine core process
     #: runs there with one OpenMP thread per core (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``
-    #: binds only its multiprocess workers). Empty (default): not pinned, vLLM's threads.
+    #: binds only its multiprocess workers), and the replica's own threads move off those
+    #: CPUs. Empty (default): not pinned, vLLM's threads.
     cpus: Annotated[str, msgspec.Meta(pattern=r"^$|^\d+(-\d+)?(,\d+(-\d+)?)*$")] = ""
     synthetic: SyntheticCost = msgspec.field(default_factory=SyntheticCost)
 

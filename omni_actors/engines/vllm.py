@@ -52,7 +52,7 @@ import numpy as np
 
 from omni_actors.config import StageSpec
 from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta
-from omni_actors.engines.vllm_core import CoreWatch, one_line, parse_cpus, pinned
+from omni_actors.engines.vllm_core import CoreWatch, keep_off, one_line, parse_cpus, pinned
 from omni_actors.logs import get_logger
 
 __all__ = ["VllmEngine", "OMNI_ONLY_KEYS", "split_engine_args"]
@@ -219,6 +219,7 @@ class VllmEngine:
         with self._watch.spawning(v["EngineCoreProc"]), pinned(cpus):
             self._llm = v["AsyncLLM"].from_engine_args(
                 engine_args, stat_loggers=[lambda vllm_config, engine_index=0: _LoadRecorder(self)])
+        keep_off(cpus)  # the replica's own threads (actor, vLLM's output handling) stay off those CPUs
         await self._warm_up()
 
     def _import_vllm(self) -> None:

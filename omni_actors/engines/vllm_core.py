@@ -32,7 +32,32 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["CoreWatch", "one_line", "parse_cpus", "pinned"]
+__all__ = ["CoreWatch", "keep_off", "one_line", "parse_cpus", "pinned"]
+
+
+def _cpu_list(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in filter(None, text.replace(" ", "").split(",")):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or int(hi or lo) < int(lo):
+            raise ValueError(f"{part!r} is not a CPU number or range")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def node_cpus() -> frozenset[int]:
+    """The CPUs processes of this node may run on: the cgroup's cpuset where there is
+    one, else the online CPUs (not this thread's affinity, which a parent or
+    :func:`keep_off` may have narrowed)."""
+    for path in ("/sys/fs/cgroup/cpuset.cpus.effective", "/sys/devices/system/cpu/online"):
+        try:
+            with open(path) as f:
+                cpus = _cpu_list(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if cpus:
+            return frozenset(cpus)
+    return frozenset(range(os.cpu_count() or 1))
 
 
 def parse_cpus(text: str) -> frozenset[int]:
@@ -40,19 +65,34 @@ def parse_cpus(text: str) -> frozenset[int]:
 
     Raises:
         ValueError: it does not parse, a range runs backwards, or a CPU is not
-            one this process may run on (the message names those it may).
+            on this node (:func:`node_cpus`; the message names those it has).
     """
-    cpus: set[int] = set()
-    for part in filter(None, text.replace(" ", "").split(",")):
-        lo, dash, hi = part.partition("-")
-        if not lo.isdigit() or (dash and not hi.isdigit()) or int(hi or lo) < int(lo):
-            raise ValueError(f"cpus {text!r}: {part!r} is not a CPU number or range")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    try:
+        cpus = _cpu_list(text)
+    except ValueError as exc:
+        raise ValueError(f"cpus {text!r}: {exc}") from None
+    allowed = node_cpus()
     if cpus - allowed:
         raise ValueError(f"cpus {text!r}: CPU {min(cpus - allowed)} is not available here "
                          f"(this node has {','.join(map(str, sorted(allowed)))})")
     return frozenset(cpus)
+
+
+def keep_off(cpus: frozenset[int]) -> None:
+    """Move every thread of this process off ``cpus`` (onto the others it may use),
+    so that the kernel does not wake them on the CPUs an engine core computes on;
+    nothing happens when ``cpus`` is empty or covers every CPU of the node.
+    Threads started later inherit the mask of the thread that starts them."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return
+    others = (os.sched_getaffinity(0) - cpus) or (node_cpus() - cpus)
+    if not others:
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), others)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that just ended
 
 
 @contextlib.contextmanager
