@@ -3,6 +3,7 @@ releases them, reaps what nobody released, and survives any client."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -42,11 +43,12 @@ def service(prefix):
     ds.close_connections()
 
 
-@pytest.fixture
-def service_process(prefix):
-    """A data service in a process of its own (as on another host): its address."""
+@contextlib.contextmanager
+def data_service_process(prefix: str, *args: str):
+    """A data service of node "far" in a process of its own (as on another host),
+    with extra command-line ``args``: its address. Stopped on exit."""
     proc = subprocess.Popen([sys.executable, "-m", "omni_actors.connectors.data_service", "--host", "127.0.0.1",
-                             "--port", "0", "--prefix", prefix, "--node", "far"],
+                             "--port", "0", "--prefix", prefix, "--node", "far", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
@@ -61,6 +63,13 @@ def service_process(prefix):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def service_process(prefix):
+    """A data service in a process of its own (as on another host): its address."""
+    with data_service_process(prefix) as address:
+        yield address
 
 
 def producer(prefix: str, service: str) -> NodeConnector:

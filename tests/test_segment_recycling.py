@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -295,22 +294,10 @@ def test_a_full_tmpfs_gives_back_free_segments_then_fails_cleanly(prefix, tmp_pa
 @pytest.fixture
 def service_process(prefix):
     """A data service in a process of its own (another host's): its address."""
-    proc = subprocess.Popen([sys.executable, "-m", "omni_actors.connectors.data_service", "--host", "127.0.0.1",
-                             "--port", "0", "--prefix", prefix, "--node", "far", "--free-idle-s", "600"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("READY "), line
-        yield line.split()[1]
-    finally:
-        ds.close_connections()
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    from test_data_service import data_service_process
+
+    with data_service_process(prefix, "--free-idle-s", "600") as address:
+        yield address
 
 
 def test_a_remote_owner_recycles_through_the_segments_data_service(prefix, service_process):
