@@ -46,7 +46,7 @@ import time
 
 import numpy as np
 
-from omni_actors.connectors.base import DIR_ENV, SHM_DIR, FieldLayout, _unlink_in, segment_dir  # noqa: F401
+from omni_actors.connectors.base import FieldLayout, _unlink_in, segment_dir
 from omni_actors.connectors.inline import array_bytes
 
 # -- segment recycling (see the module docstring) ------------------------------------------------
