@@ -129,7 +129,7 @@ class StageDeployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: runs there with one OpenMP thread per core (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``
     #: binds only its multiprocess workers), and the replica's own threads move off those
     #: CPUs. Empty (default): not pinned, vLLM's threads.
-    cpus: Annotated[str, msgspec.Meta(pattern=r"^$|^\d+(-\d+)?(,\d+(-\d+)?)*$")] = ""
+    cpus: str = ""
     synthetic: SyntheticCost = msgspec.field(default_factory=SyntheticCost)
 
 
@@ -409,7 +409,29 @@ def parse_config(data: Any, source: str = "<memory>") -> PipelineConfig:
     from omni_actors.connector_config import omni_connectors  # (it needs the types above)
 
     cfg.omni_connectors = omni_connectors(data, cfg, source)
+    _check_cpus(cfg, source)
     return cfg
+
+
+def _check_cpus(cfg: PipelineConfig, source: str) -> None:
+    """``deployment.stages.<stage>.cpus`` parses as a CPU list (whether the node has
+    those CPUs is checked where the replica starts); on a backend that cannot pin
+    its engine it is noted as not applied (``status`` shows the notes)."""
+    from omni_actors.engines.vllm_core import _cpu_list
+
+    for s in cfg.stage_args:
+        dep = cfg.deployment_of(s)
+        if not dep.cpus:
+            continue
+        try:
+            _cpu_list(dep.cpus)
+        except ValueError as exc:
+            raise ConfigError(source, f"deployment.stages.{s.name}.cpus", str(exc)) from None
+        if dep.backend != "vllm":
+            note = (f"deployment.stages.{s.name}.cpus: not applied: only the vllm backend pins its engine "
+                    f"(backend: {dep.backend})")
+            if note not in cfg.omni_connectors.notes:
+                cfg.omni_connectors.notes.append(note)
 
 
 def load_config(path: str | Path) -> PipelineConfig:

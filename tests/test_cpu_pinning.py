@@ -54,7 +54,11 @@ def test_the_config_names_a_bad_cpu_list_by_its_path(tmp_path):
     raw["deployment"]["stages"]["thinker"]["cpus"] = "1-x"
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(raw))
-    with pytest.raises(ConfigError, match=r"deployment\.stages\.thinker\.cpus"):
+    with pytest.raises(ConfigError, match=r"deployment\.stages\.thinker\.cpus: '1-x' is not a CPU number or range"):
+        load_config(path)
+    raw["deployment"]["stages"]["thinker"]["cpus"] = "3-1"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"deployment\.stages\.thinker\.cpus: '3-1' is not"):
         load_config(path)
     raw["deployment"]["stages"]["thinker"]["cpus"] = "0-1,3"
     path.write_text(yaml.safe_dump(raw))
@@ -73,3 +77,17 @@ def test_a_replica_moves_its_own_threads_off_its_engines_cpus():
     threads = out.split()  # every thread: the main one, the one already running, any other
     assert len(threads) >= 2 and set(threads) == {others}
     assert engine in node_cpus()
+
+
+def test_cpus_on_a_backend_that_cannot_pin_says_so_in_the_notes(tmp_path):
+    import yaml
+
+    from omni_actors.config import load_config
+
+    raw = yaml.safe_load(open("configs/cpu_omni_demo.yaml"))
+    raw["deployment"]["stages"]["thinker"]["cpus"] = "0"
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    notes = load_config(path).omni_connectors.notes
+    assert "deployment.stages.thinker.cpus: not applied: only the vllm backend pins its engine (backend: synthetic)" \
+        in notes

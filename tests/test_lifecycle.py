@@ -105,6 +105,29 @@ def test_engine_that_cannot_load_shows_failed_and_requests_get_503():
         leader.stop()
 
 
+def test_a_prefill_longer_than_the_stall_timeout_is_work_not_a_hang():
+    """2,500 prompt words at 1 ms each (2.5 s) on a stage with stall_timeout_s 1 s: the
+    backend's own activity counts as progress, so the replica is not isolated and the
+    request succeeds (before, it was killed as stalled, and a few such prompts took
+    the stage down for good)."""
+    leader = LocalLeader(TEST_CONFIGS / "slow_prefill.yaml").start()
+    try:
+        body = json.dumps({"model": "slow-prefill-test", "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "sea " * 2500}]}).encode()
+        t0 = time.monotonic()
+        with urllib.request.urlopen(urllib.request.Request(leader.base_url + "/chat/completions", data=body,
+                                                           headers={"Content-Type": "application/json"}),
+                                    timeout=60) as r:
+            answer = json.loads(r.read())
+        assert time.monotonic() - t0 > 2.0  # the prefill really outlasted the stall timeout
+        assert answer["usage"]["completion_tokens"] == 4
+        with urllib.request.urlopen(leader.base_url + "/stages", timeout=10) as r:
+            replica = json.loads(r.read())["stages"][0]["replicas"][0]
+        assert replica["state"] == "ready" and replica["restarts"] == 0, replica
+    finally:
+        leader.stop()
+
+
 def test_bad_config_fails_at_load_with_its_yaml_path(tmp_path):
     bad = tmp_path / "bad.yaml"
     text = (CONFIGS / "cpu_omni_demo.yaml").read_text().replace("replicas: 2", "replicas: zero")

@@ -226,10 +226,12 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         """Seconds without progress, as the stall watchdog should see them: 0
         with no task here (the pool may still count tasks whose end is in
         transit: messages can overtake each other) or while every task waits
-        on a neighbour stage (see StreamingMixin)."""
+        on a neighbour stage (see StreamingMixin). The backend's own activity
+        (``active_at``: a prefill step) counts as progress."""
         if self._parked >= len(self._tasks):
             return 0.0
-        return round(time.monotonic() - self._progress_at, 4)
+        last = max(self._progress_at, getattr(self._backend, "active_at", 0.0) or 0.0)
+        return round(max(0.0, time.monotonic() - last), 4)
 
     def receiveMsg_WatchMessage(self, msg: WatchMessage, sender):
         if self._rt is not None:

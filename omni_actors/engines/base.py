@@ -102,6 +102,10 @@ class EngineBackend(Protocol):
     Errors: ``start`` raises on any load failure (the message reaches
     ``status``); ``generate`` raises on a task failure (the task fails, the
     replica stays up); ``abort`` never raises.
+
+    A backend may also have ``active_at`` (``time.monotonic()`` of its last
+    work that yields no event: a prefill step): the stall watchdog counts it
+    as progress, so a long prompt is not taken for a hang.
     """
 
     async def start(self) -> None: ...

@@ -41,6 +41,7 @@ import collections
 import hashlib
 import math
 import numbers
+import time
 import zlib
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -141,6 +142,7 @@ class SyntheticEngine:
         self._waiters: collections.deque[tuple[str, asyncio.Future[bool]]] = collections.deque()
         self._inflight: dict[str, int] = {}
         self._aborted: set[str] = set()
+        self.active_at = 0.0  #: monotonic time of the last prefill slice (see EngineBackend)
 
     # -- lifecycle -------------------------------------------------------
     async def start(self) -> None:
@@ -282,6 +284,7 @@ class SyntheticEngine:
             if delay <= 0:
                 return rid not in self._aborted
             await asyncio.sleep(min(delay, _MAX_SLEEP_S))
+            self.active_at = time.monotonic()  # a long prefill is work, not a hang
             if rid in self._aborted:
                 return False
 

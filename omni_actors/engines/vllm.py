@@ -111,6 +111,8 @@ class _LoadRecorder:
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         if scheduler_stats is not None:
+            if scheduler_stats.num_running_reqs:  # an engine step ran (a prefill one too)
+                self._owner.active_at = time.monotonic()
             self._owner._stats = (scheduler_stats.num_running_reqs,
                                   scheduler_stats.num_waiting_reqs,
                                   float(scheduler_stats.kv_cache_usage))
@@ -149,6 +151,7 @@ class VllmEngine:
         self._aborted: set[str] = set()
         self._ids = itertools.count()
         self._stats: tuple[int, int, float] | None = None
+        self.active_at = 0.0  #: monotonic time of the last engine step with running requests
         self._watch: CoreWatch | None = None
         self._dead: str | None = None
         self._log = get_logger(backend="vllm", replica=replica)
