@@ -478,6 +478,11 @@ def test_official_openai_client():
         assert r.choices[0].message.content == "Hello world"
         assert wav_info(r.choices[0].message.audio.data)[0] == 24000
         assert r.usage.total_tokens == 8
+        raw = client.chat.completions.create(  # OpenAI's pcm16: the same samples, no WAV header
+            model=MODEL, messages=[{"role": "user", "content": "hi"}],
+            modalities=["text", "audio"], audio={"voice": "Chelsie", "format": "pcm16"})
+        pcm = base64.b64decode(raw.choices[0].message.audio.data)
+        assert base64.b64decode(r.choices[0].message.audio.data).endswith(pcm) and len(pcm) > 0
 
         stream = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,

@@ -214,9 +214,15 @@ def _failed(ev: RequestFailed) -> P.ApiError:
     return P.ApiError(ev.status, ev.message, ev.type)
 
 
-async def _wav(ev: OutputFinal) -> bytes:
+async def _wav(ev: OutputFinal, fmt: str = "wav") -> bytes:
+    """The whole audio output as ``fmt``: a WAV file, or (``"pcm16"``) its raw int16
+    little-endian samples."""
     from omni_actors.media import encode_wav
 
+    if fmt == "pcm16":
+        import numpy as np
+
+        return np.asarray(ev.data["audio"], dtype="<i2").tobytes()
     return await asyncio.to_thread(encode_wav, ev.data["audio"], int(ev.data["sample_rate"]))
 
 
@@ -250,7 +256,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     text = "".join(deltas) if text is None else text
     payload = None
     if audio is not None:
-        payload = P.audio_payload(await _wav(audio), text, created)
+        payload = P.audio_payload(await _wav(audio, creq.audio_format), text, created)
     elif "audio" in creq.output_types:
         _log().warning("http_no_audio", request_id=preq.request_id)
     finish = done.finish_reason or P.finish_reason(done.completion_tokens, creq.max_tokens)
@@ -314,7 +320,7 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                     await send(P.error_body(ev.message, ev.type))
             if done is not None:
                 if audio is not None:
-                    payload = P.audio_payload(await _wav(audio), "".join(streamed), created)
+                    payload = P.audio_payload(await _wav(audio, creq.audio_format), "".join(streamed), created)
                     await send(chunk({"audio": payload}))
                 elif audio_id is not None:
                     await send(chunk({"audio": P.audio_end(audio_id, "".join(streamed), created)}))

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
-AUDIO_FORMATS = frozenset({"wav"})
+AUDIO_FORMATS = frozenset({"wav", "pcm16"})  #: pcm16: raw int16 little-endian samples, as streamed parts are
 DEFAULT_SIZE = "256x256"
 MIN_SIDE, MAX_SIDE, SIDE_MULTIPLE = 64, 1024, 8
 AUDIO_TTL_S = 3600
@@ -149,6 +149,7 @@ class ChatRequest:
     voice: str | None = None
     stream: bool = False
     include_usage: bool = False
+    audio_format: str = "wav"  #: of a whole audio output: "wav" or "pcm16" (streamed parts are always pcm16)
 
     def sampling_params(self) -> dict[str, Any]:
         """``max_tokens`` / ``temperature`` / ``seed``, only those given."""
@@ -219,10 +220,11 @@ def _modalities(body: dict, bridge: Bridge) -> frozenset[str]:
     return frozenset(mods)
 
 
-def _audio(body: dict) -> str | None:
+def _audio(body: dict) -> tuple[str | None, str]:
+    """``(voice, format)`` from the ``audio`` object (format default ``"wav"``)."""
     audio = body.get("audio")
     if audio is None:
-        return None
+        return None, "wav"
     if not isinstance(audio, dict):
         raise _bad("Invalid type for 'audio': expected an object.", "audio")
     fmt = audio.get("format", "wav")
@@ -232,7 +234,7 @@ def _audio(body: dict) -> str | None:
     voice = audio.get("voice")
     if voice is not None and (not isinstance(voice, str) or not voice):
         raise _bad("Invalid type for 'audio.voice': expected a non-empty string.", "audio.voice")
-    return voice
+    return voice, fmt
 
 
 def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
@@ -245,7 +247,7 @@ def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
     model = _check_model(body, bridge, "text", "/v1/chat/completions")
     prompt = render_prompt(body.get("messages"))
     output_types = _modalities(body, bridge)
-    voice = _audio(body)
+    voice, audio_format = _audio(body)
     limit = bridge.max_tokens_limit
     max_tokens = _opt_int(body, "max_tokens", 1, limit)
     mct = _opt_int(body, "max_completion_tokens", 1, limit)
@@ -267,7 +269,7 @@ def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
         raise _bad("Invalid type for 'stream_options': expected an object.", "stream_options")
     include_usage = bool(_opt_bool(opts or {}, "include_usage"))
     return ChatRequest(model, prompt, output_types, max_tokens, temperature, seed, voice,
-                       stream, include_usage)
+                       stream, include_usage, audio_format)
 
 
 # --------------------------------------------------------------------- images
