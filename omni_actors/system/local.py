@@ -68,7 +68,10 @@ class LocalLeader:
         cmd = [sys.executable, "-m", "omni_actors.system", "start", "--convention-leader",
                "--config", self.config, "--port", str(self.port), "--admin-port", str(self.admin_port),
                "--log-level", self.log_level, *self.extra_args]
-        with open(self.stdout_path, "wb") as out, open(self.log_path, "wb") as err:
+        # Append mode (O_APPEND): every actor process of the system writes to these files
+        # through inherited descriptors; without it two writes can land at one offset and
+        # one log line overwrites another (seen: a lost coordinator_restarted event).
+        with open(self.stdout_path, "ab") as out, open(self.log_path, "ab") as err:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env)
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
