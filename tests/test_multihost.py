@@ -106,7 +106,7 @@ class Member:
         cmd = [*self.prefix, sys.executable, "-m", "omni_actors.system", "start",
                "--convention-address", self.convention, "--admin-port", str(self.admin_port),
                "--node-name", self.name, "--devices", self.devices]
-        with open(self.out, "ab") as out, open(self.err, "ab") as err:
+        with open(self.out, "wb") as out, open(self.err, "wb") as err:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=ROOT,
                                          env={**os.environ, **self.env})
         deadline = time.monotonic() + timeout_s
@@ -670,7 +670,7 @@ def test_netns_members_in_network_namespaces_serve_1nm(request, tmp_path):
     state = tmp_path / "state"
     env = {**os.environ, "OMNI_ACTORS_STATE_DIR": str(state), "THESPIAN_BASE_IPADDR": f"{NETNS_NET}.1"}
     out, err = tmp_path / "leader.out", tmp_path / "leader.err"
-    with open(out, "ab") as o, open(err, "ab") as e:
+    with open(out, "wb") as o, open(err, "wb") as e:
         leader = subprocess.Popen([*ns.exec_prefix(ns.hub), sys.executable, "-m", "omni_actors.system", "start",
                                    "--convention-leader", "--config", str(CONFIG), "--node-name", "leader",
                                    "--port", str(port), "--admin-port", str(admin_port)],

@@ -219,7 +219,7 @@ def test_api_in_another_network_namespace_serves_through_the_leaders_admin(reque
     port, admin_port = free_port(), free_port()
     state = tmp_path / "state"
     out, err = tmp_path / "leader.out", tmp_path / "leader.err"
-    with open(out, "ab") as o, open(err, "ab") as e:
+    with open(out, "wb") as o, open(err, "wb") as e:
         leader = subprocess.Popen([*ns.exec_prefix(ns.hub), sys.executable, "-m", "omni_actors.system", "start",
                                    "--convention-leader", "--config", str(CONFIGS / "cpu_omni_demo.yaml"),
                                    "--port", str(port), "--admin-port", str(admin_port)],
