@@ -33,7 +33,11 @@ def configure_logging(level: str | None = None, stream=None) -> None:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(name, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        # One write per event, newline included (PrintLogger's print() makes two when the
+        # stream is unbuffered, PYTHONUNBUFFERED=1): every actor process shares the file,
+        # and two writes let another process's line in between (seen: two events merged
+        # on one line, unparseable).
+        logger_factory=structlog.WriteLoggerFactory(stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
 
