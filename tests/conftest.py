@@ -16,6 +16,24 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 TEST_CONFIGS = Path(__file__).resolve().parent / "configs"
 
+#: Why a vLLM-Omni test is skipped where vllm_omni does not import.
+OMNI_SKIP_REASON = ("vllm_omni is not importable here: vLLM-Omni needs its own venv "
+                    "(on a GPU host: pip install -e '.[vllm-omni]'; on this CPU: make test-vllm-omni)")
+
+
+def omni_importable(module: str = "vllm_omni") -> bool:
+    """Whether ``module`` (a part of vLLM-Omni) imports here: vllm_omni is installed and
+    its dependencies load (it fails beside a torchvision built for another torch)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm_omni") is None:
+        return False
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
 
 def _leader(request, config: Path) -> LocalLeader:
     leader = LocalLeader(config)

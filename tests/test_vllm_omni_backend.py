@@ -24,18 +24,11 @@ from omni_actors.engines import create_backend
 from omni_actors.engines.base import BackendTask, StageFinal, TextDelta
 from omni_actors.engines.vllm_omni import VllmOmniEngine, stage_inputs
 
-SKIP_REASON = ("vllm_omni is not importable here: vLLM-Omni needs its own venv "
-               "(on a GPU host: pip install -e '.[vllm-omni]'; on this CPU: make test-vllm-omni)")
+from conftest import OMNI_SKIP_REASON as SKIP_REASON, omni_importable
 
 
 def _omni_importable() -> bool:
-    if importlib.util.find_spec("vllm_omni") is None:
-        return False
-    try:
-        import vllm_omni  # noqa: F401 - fails beside a torchvision built for another torch
-    except Exception:  # noqa: BLE001
-        return False
-    return True
+    return omni_importable("vllm_omni")
 
 
 needs_omni = pytest.mark.skipif(not _omni_importable(), reason=SKIP_REASON)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
-import importlib.util
 import io
 import json
 import multiprocessing
@@ -38,20 +37,12 @@ from omni_actors.connectors import NodeConnector, list_segments, make_connector,
 from omni_actors.connectors import omni
 from omni_actors.connectors.omni import OmniConnectorError, encode_mode, parse_mode
 
+from conftest import OMNI_SKIP_REASON as SKIP_REASON, omni_importable
 from test_config import BASE
-
-SKIP_REASON = ("vllm_omni is not importable here: vLLM-Omni needs its own venv "
-               "(on a GPU host: pip install -e '.[vllm-omni]'; on this CPU: make test-vllm-omni)")
 
 
 def _omni_importable() -> bool:
-    if importlib.util.find_spec("vllm_omni") is None:
-        return False
-    try:
-        import vllm_omni.distributed.omni_connectors.factory  # noqa: F401
-    except Exception:  # noqa: BLE001 - e.g. a torchvision built for another torch
-        return False
-    return True
+    return omni_importable("vllm_omni.distributed.omni_connectors.factory")
 
 
 pytestmark = pytest.mark.skipif(not _omni_importable(), reason=SKIP_REASON)

@@ -341,13 +341,9 @@ def _omni_package() -> Path | None:
 
 
 def _registry_importable() -> bool:
-    if importlib.util.find_spec("vllm_omni") is None:
-        return False
-    try:
-        import vllm_omni.config.pipeline_registry  # noqa: F401
-    except Exception:  # noqa: BLE001 - e.g. a torchvision built for another torch
-        return False
-    return True
+    from conftest import omni_importable
+
+    return omni_importable("vllm_omni.config.pipeline_registry")
 
 
 PACKAGE = _omni_package()
