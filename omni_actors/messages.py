@@ -492,7 +492,6 @@ class StageTask:
     inputs: tuple[tuple[int, ConnectorRef], ...]
     sampling_params: dict[str, Any]
     params: dict[str, Any]
-    stream_text: bool  #: a final text stage (its final output carries the whole text)
     final_output_type: str | None
     needs_output: bool
     reply_to: ActorAddress  #: the RequestActor
@@ -507,7 +506,6 @@ class StageTask:
     chunk_timeout_s: float = 10.0
     chunk_tokens: int = 8
 
-    client_stream: bool = False  #: the client reads a stream (SSE)
     #: Where this task's text deltas go as :class:`OutputDelta` s: the bridge of a
     #: client that reads a stream (None: no deltas; the final output has the text).
     text_to: ActorAddress = None

@@ -120,11 +120,11 @@ class RequestActor(ActorTypeDispatcher):
                 # (a Talker's own token budget is not the client's max_tokens).
                 sampling_params=req.sampling_params if st.final_output_type == "text" else {},
                 params=req.params,
-                stream_text=st.final_output_type == "text", final_output_type=st.final_output_type,
+                final_output_type=st.final_output_type,
                 needs_output=st.needs_output, reply_to=self.myAddress,
                 stream_source=stream, emit_chunks=self._emits_chunks(st),
                 chunk_window=req.chunk_window, chunk_timeout_s=req.chunk_timeout_s,
-                chunk_tokens=req.chunk_tokens, client_stream=req.stream_outputs,
+                chunk_tokens=req.chunk_tokens,
                 text_to=req.reply_to if st.final_output_type == "text" and req.stream_outputs else None)
             self._running[st.stage_id] = task
             self.send(self._pools[st.stage_id], task)
