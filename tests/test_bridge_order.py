@@ -68,7 +68,7 @@ def test_text_deltas_are_put_back_in_order_and_the_final_text_and_end_wait_for_t
     assert seen(stream) == ["a", "b"]
     bridge._on_message(deltas("r1", (2, "c")))
     assert seen(stream) == ["a", "b", "c", "d", ("final", "abcd"), "done"]
-    assert bridge._outbox.get_nowait() == ("finished", "r1", "ra")  # its RequestActor is free again
+    assert bridge._outbox("r1").get_nowait() == ("finished", "r1", "ra")  # its RequestActor is free again
 
 
 def test_a_retried_attempts_text_replaces_an_unseen_one_and_older_text_is_dropped(bridge):
@@ -87,15 +87,15 @@ def test_text_of_a_new_attempt_after_some_text_went_out_fails_the_request(bridge
     bridge._on_message(deltas("r3", (0, "hello again"), attempt=1))
     assert seen(stream) == ["hello", ("failed", 500)]
     assert "reached the client" in stream[-1].message
-    assert bridge._outbox.get_nowait() == ("cancel", "r3")  # its RequestActor stops the retry
+    assert bridge._outbox("r3").get_nowait() == ("cancel", "r3")  # its RequestActor stops the retry
     bridge._on_message(deltas("r3", (1, "more"), attempt=1))
     bridge._on_message(RequestFinished("r3", after_text=(1, 2), request_actor="ra"))
     assert seen(stream)[:2] == ["hello", ("failed", 500)] and "more" not in seen(stream)
-    assert bridge._outbox.get_nowait() == ("finished", "r3", "ra")
+    assert bridge._outbox("r3").get_nowait() == ("finished", "r3", "ra")
 
 
 def test_the_end_of_a_request_whose_client_left_frees_its_request_actor_at_once(bridge):
     # No stream: the client went away. Text the bridge will never deliver must not hold it.
     bridge._on_message(deltas("gone", (0, "a")))
     bridge._on_message(RequestFinished("gone", after_text=(0, 5), request_actor="ra"))
-    assert bridge._outbox.get_nowait() == ("finished", "gone", "ra")
+    assert bridge._outbox("gone").get_nowait() == ("finished", "gone", "ra")

@@ -1,12 +1,16 @@
 """ActorBridge: the HTTP layer's link to the actor system.
 
 Thespian's external API blocks, and one ``ActorSystem`` handle shared by
-threads mixes up replies (seen here: 163 of 200 wrong). So the bridge runs two
+threads mixes up replies (seen here: 163 of 200 wrong). So the bridge runs its
 threads, each owning its own ``private()`` context:
 
-- the **sender** thread drains a queue of outgoing work: it owns the pool of
-  ready RequestActors (creating more when all are busy) and the map from
-  request id to the RequestActor running it;
+- the **sender** threads (``senders``, default 4) each drain a queue of
+  outgoing work: each owns a share of the ready RequestActors (creating more
+  when all of its share are busy) and the map from request id to the
+  RequestActor running it, for the requests hashed to it. A Thespian external
+  ``tell`` waits for the receiver's acknowledgement (about 1.5 ms here), so
+  one sender would start simultaneous requests one after another; several
+  start them side by side;
 - the **receiver** thread sits in ``listen()``; every message carries its
   ``request_id`` and is handed to the event loop with
   ``loop.call_soon_threadsafe``. Final outputs are fetched from their
@@ -80,19 +84,25 @@ class ActorBridge:
     Args:
         asys: the process's ``ActorSystem`` (only ``private()`` contexts are used).
         coordinator: the CoordinatorActor's address.
-        request_actors: RequestActors created up front (``deployment.request_actors``).
+        request_actors: RequestActors created up front (``deployment.request_actors``),
+            shared out among the sender threads.
         connect_timeout_s: how long to wait for the coordinator at start.
+        senders: sender threads (at most ``request_actors``; default 4, see above).
 
     Raises:
         BridgeError: from :meth:`start` when the coordinator does not answer.
     """
 
-    def __init__(self, asys, coordinator, *, request_actors: int = 16, connect_timeout_s: float = 10.0):
+    def __init__(self, asys, coordinator, *, request_actors: int = 16, connect_timeout_s: float = 10.0,
+                 senders: int = 4):
         self._asys = asys
         self._coordinator = coordinator
         self._n_actors = request_actors
         self._connect_timeout_s = connect_timeout_s
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        #: one queue per sender thread; a request's work always goes to the same one
+        self._outboxes: list[queue.SimpleQueue] = [queue.SimpleQueue()
+                                                   for _ in range(max(1, min(senders, request_actors)))]
+        self._senders: list[threading.Thread] = []
         self._streams: dict[str, asyncio.Queue] = {}
         #: request -> what came early, and the requests that ended lately (receiver thread only)
         self._inbox: dict[str, _Inbox] = {}
@@ -118,8 +128,12 @@ class ActorBridge:
         if not ready.wait(self._connect_timeout_s + 1) or errors:
             self._stop.set()
             raise BridgeError(errors[0] if errors else "coordinator did not answer")
-        self._sender = threading.Thread(target=self._send_loop, name="bridge-send", daemon=True)
-        self._sender.start()
+        n = len(self._outboxes)
+        for i, outbox in enumerate(self._outboxes):
+            actors = self._n_actors // n + (i < self._n_actors % n)
+            t = threading.Thread(target=self._send_loop, args=(outbox, actors), name=f"bridge-send-{i}", daemon=True)
+            t.start()
+            self._senders.append(t)
         cfg = self._routes.config
         self.model_name = cfg.deployment.served_model_name
         self.output_types = frozenset(cfg.output_types())
@@ -129,10 +143,17 @@ class ActorBridge:
 
     def close(self) -> None:
         self._stop.set()
-        self._outbox.put(None)
-        for t in (getattr(self, "_sender", None), getattr(self, "_receiver", None)):
+        for outbox in self._outboxes:
+            outbox.put(None)
+        for t in (*self._senders, getattr(self, "_receiver", None)):
             if t is not None:
                 t.join(timeout=3)
+
+    def _outbox(self, request_id: str | None = None) -> queue.SimpleQueue:
+        """The queue of the sender thread that owns ``request_id`` (None: any, the first)."""
+        if request_id is None:
+            return self._outboxes[0]
+        return self._outboxes[hash(request_id) % len(self._outboxes)]
 
     # -- the Bridge protocol ----------------------------------------------
     async def submit(self, request: PipelineRequest) -> AsyncIterator[BridgeEvent]:
@@ -146,7 +167,7 @@ class ActorBridge:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request.request_id] = stream
         streaming = self._routes.config.deployment.streaming
-        self._outbox.put(("run", RunRequest(request.request_id, request.prompt, plan,
+        self._outbox(request.request_id).put(("run", RunRequest(request.request_id, request.prompt, plan,
                                             dict(request.sampling_params), dict(request.params),
                                             timeout, self._address, self._max_attempts,
                                             stream_outputs=request.stream,
@@ -170,7 +191,7 @@ class ActorBridge:
         finally:
             self._streams.pop(request.request_id, None)
             if not finished:
-                self._outbox.put(("cancel", request.request_id))
+                self._outbox(request.request_id).put(("cancel", request.request_id))
 
     def in_flight(self) -> int:
         """Requests submitted and not yet finished."""
@@ -178,7 +199,7 @@ class ActorBridge:
 
     async def cancel(self, request_id: str) -> None:
         if request_id in self._streams:
-            self._outbox.put(("cancel", request_id))
+            self._outbox(request_id).put(("cancel", request_id))
 
     async def stages(self) -> dict[str, Any]:
         """The coordinator's stage table as JSON-ready dicts (see ``status_to_dict``)."""
@@ -189,19 +210,19 @@ class ActorBridge:
         query_id = f"q{next(self._ids)}"
         fut = self._loop.create_future()
         self._queries[query_id] = fut
-        self._outbox.put(("tell", self._coordinator, GetStatus(query_id, reply_to=self._address)))
+        self._outbox().put(("tell", self._coordinator, GetStatus(query_id, reply_to=self._address)))
         try:
             return await asyncio.wait_for(fut, timeout_s)
         finally:
             self._queries.pop(query_id, None)
 
     # -- threads ----------------------------------------------------------
-    def _send_loop(self) -> None:
+    def _send_loop(self, outbox: queue.SimpleQueue, n_actors: int) -> None:
         with self._asys.private() as ctx:
-            free = [ctx.createActor(RequestActor) for _ in range(self._n_actors)]
+            free = [ctx.createActor(RequestActor) for _ in range(n_actors)]
             running: dict[str, Any] = {}
             while True:
-                item = self._outbox.get()
+                item = outbox.get()
                 if item is None:
                     return
                 kind = item[0]
@@ -280,7 +301,8 @@ class ActorBridge:
             if msg.config is not None and (msg.version != self._routes.version or msg.pools != self._routes.pools):
                 self._routes = msg
                 self._log.info("routes_changed", version=msg.version)
-                self._outbox.put(("routes", msg))
+                for outbox in self._outboxes:  # every sender tells its requests
+                    outbox.put(("routes", msg))
 
     def _box(self, request_id: str) -> _Inbox | None:
         """The request's inbox; None when it is over (the client went away)."""
@@ -310,7 +332,7 @@ class ActorBridge:
                 # read the text twice. End the request instead.
                 self._inbox.pop(rid, None)
                 self._ended[rid] = None
-                self._outbox.put(("cancel", rid))
+                self._outbox(rid).put(("cancel", rid))
                 self._deliver(rid, RequestFailed(
                     500, f"stage {delta.stage_id} failed after part of its text had reached the client "
                          "(it was not retried)"))
@@ -343,7 +365,7 @@ class ActorBridge:
         self._ended[msg.request_id] = None
         if len(self._ended) > 4096:
             del self._ended[next(iter(self._ended))]
-        self._outbox.put(("finished", msg.request_id, msg.request_actor))
+        self._outbox(msg.request_id).put(("finished", msg.request_id, msg.request_actor))
         if msg.error is None:
             event = RequestDone(msg.prompt_tokens, msg.completion_tokens, msg.finish_reason)
         else:
