@@ -91,3 +91,50 @@ def test_cpus_on_a_backend_that_cannot_pin_says_so_in_the_notes(tmp_path):
     notes = load_config(path).omni_connectors.notes
     assert "deployment.stages.thinker.cpus: not applied: only the vllm backend pins its engine (backend: synthetic)" \
         in notes
+
+
+_LEADER_PROBE = """
+import os, subprocess, sys
+from omni_actors.config import load_config
+from omni_actors.system.leader import keep_off_engine_cpus
+kept = keep_off_engine_cpus(load_config(sys.argv[1]), sys.argv[2])
+child = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                       capture_output=True, text=True, check=True).stdout.strip()
+print(sorted(kept), sorted(os.sched_getaffinity(0)), child, sep="|")
+"""
+
+
+def _leader_probe(tmp_path, stage_deployment: dict, node: str = "here") -> list[str]:
+    import yaml
+
+    raw = yaml.safe_load(open("configs/cpu_vllm_chain.yaml"))
+    raw["deployment"]["stages"]["thinker"].update(stage_deployment)
+    path = tmp_path / "chain.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = subprocess.run([sys.executable, "-c", _LEADER_PROBE, str(path), node], capture_output=True, text=True,
+                         check=True).stdout
+    return out.strip().split("|")
+
+
+@pytest.mark.skipif(len(ALLOWED) < 2, reason="needs 2 CPUs")
+def test_the_leaders_processes_keep_off_the_cpus_reserved_for_engine_cores(tmp_path):
+    """The leader moves itself off a vLLM stage's ``cpus`` before it forks the data
+    service, the Thespian admin and every actor: they inherit it, so the API server,
+    RequestActors and pools do not compute on an engine core's CPU."""
+    from omni_actors.engines.vllm import _is_cpu_build
+
+    engine = ALLOWED[-1]
+    others = str(sorted(set(ALLOWED) - {engine}))
+    kept, own, child = _leader_probe(tmp_path, {"cpus": str(engine)})
+    if not _is_cpu_build():
+        # Only a CPU build of vLLM pins its engine core: nothing is reserved then.
+        assert (kept, own, child) == ("[]", str(ALLOWED), str(ALLOWED))
+        return
+    assert (kept, own, child) == (f"[{engine}]", others, others)
+    # A stage placed on other nodes reserves nothing here.
+    assert _leader_probe(tmp_path, {"cpus": str(engine), "nodes": ["elsewhere"]}) == ["[]", str(ALLOWED),
+                                                                                   str(ALLOWED)]
+    # Every CPU reserved: nowhere else to go, nothing moves.
+    every = f"{ALLOWED[0]}-{ALLOWED[-1]}" if ALLOWED == list(range(ALLOWED[0], ALLOWED[-1] + 1)) else \
+        ",".join(map(str, ALLOWED))
+    assert _leader_probe(tmp_path, {"cpus": every})[0] == "[]"
