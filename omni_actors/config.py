@@ -129,7 +129,7 @@ class StageDeployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: runs there with one OpenMP thread per core (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``
     #: binds only its multiprocess workers), and the replica's own threads move off those
     #: CPUs. Empty (default): not pinned, vLLM's threads.
-    cpus: str = ""
+    cpus: str | int = ""  # (a bare number in YAML, e.g. cpus: 3, is one CPU; made a str at load)
     synthetic: SyntheticCost = msgspec.field(default_factory=SyntheticCost)
 
 
@@ -421,6 +421,10 @@ def _check_cpus(cfg: PipelineConfig, source: str) -> None:
 
     for s in cfg.stage_args:
         dep = cfg.deployment_of(s)
+        if isinstance(dep.cpus, int):
+            if dep.cpus < 0:
+                raise ConfigError(source, f"deployment.stages.{s.name}.cpus", f"{dep.cpus} is not a CPU number")
+            dep.cpus = str(dep.cpus)
         if not dep.cpus:
             continue
         try:

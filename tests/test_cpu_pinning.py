@@ -63,6 +63,13 @@ def test_the_config_names_a_bad_cpu_list_by_its_path(tmp_path):
     raw["deployment"]["stages"]["thinker"]["cpus"] = "0-1,3"
     path.write_text(yaml.safe_dump(raw))
     assert load_config(path).deployment.stages["thinker"].cpus == "0-1,3"
+    raw["deployment"]["stages"]["thinker"]["cpus"] = 1  # YAML `cpus: 1`: one CPU, not a type error
+    path.write_text(yaml.safe_dump(raw))
+    assert load_config(path).deployment.stages["thinker"].cpus == "1"
+    raw["deployment"]["stages"]["thinker"]["cpus"] = -1
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"deployment\.stages\.thinker\.cpus: -1 is not a CPU number"):
+        load_config(path)
 
 
 @pytest.mark.skipif(len(ALLOWED) < 2, reason="needs 2 CPUs")
