@@ -10,6 +10,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import aiohttp
 import pytest
 
 from omni_actors.connectors import list_segments
+from omni_actors.system import local
 from omni_actors.system.local import LocalLeader
 
 from conftest import CONFIGS, ROOT, TEST_CONFIGS
@@ -71,6 +73,44 @@ def test_stop_command_and_status_command():
         assert leader.pids() == []
     finally:
         leader.stop()
+
+
+def test_a_leader_whose_port_is_taken_before_it_binds_starts_again_on_fresh_ports(monkeypatch):
+    """The HTTP port first handed to the leader has a listener by the time the leader
+    starts (as when another process grabs a picked port): LocalLeader sees the leader's
+    port error and starts it again on fresh ports, saying so."""
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    picks = []
+
+    class Taken:  # stands for a reservation whose port someone else listens on
+        def getsockname(self):
+            return ("0.0.0.0", taken)
+
+        def close(self):
+            pass
+
+    def reserve_port():
+        picks.append(None)
+        return Taken() if len(picks) == 1 else real_reserve_port()
+
+    real_reserve_port = local.reserve_port
+    monkeypatch.setattr(local, "reserve_port", reserve_port)
+    leader = LocalLeader(CONFIGS / "cpu_image_demo.yaml")
+    try:
+        leader.start()
+        assert leader.port != taken
+        assert len(leader.start_attempts_failed) == 1
+        assert f"HTTP port {taken} on" in leader.start_attempts_failed[0] and "is in use" in \
+            leader.start_attempts_failed[0], leader.start_attempts_failed
+        with urllib.request.urlopen(leader.base_url + "/models", timeout=10) as r:
+            assert r.status == 200
+    finally:
+        leader.stop()
+        squatter.close()
+    assert leader.left_after_exit == []
 
 
 def test_status_of_nothing_is_a_clear_error():

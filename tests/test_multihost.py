@@ -37,7 +37,7 @@ import aiohttp
 import pytest
 
 from omni_actors.system.faultlab import LoadGenerator, read_events
-from omni_actors.system.local import LocalLeader, free_port
+from omni_actors.system.local import LocalLeader, free_port, reserve_port
 from omni_actors.system.processes import kill_system, system_pids
 
 from conftest import ROOT, TEST_CONFIGS
@@ -92,7 +92,9 @@ class Member:
     def __init__(self, workdir: Path, convention: str, name: str, devices: str, *,
                  env: dict[str, str] | None = None, prefix: list[str] | None = None, admin_port: int = 0):
         self.name, self.devices, self.convention = name, devices, convention
-        self.admin_port = admin_port or free_port()
+        #: held until the member's admin listens on it (see reserve_port)
+        self._reserved = None if admin_port else reserve_port()
+        self.admin_port = admin_port or self._reserved.getsockname()[1]
         self.env, self.prefix = env or {}, prefix or []
         self.workdir = workdir
         self.proc: subprocess.Popen | None = None
@@ -109,15 +111,20 @@ class Member:
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=ROOT,
                                          env={**os.environ, **self.env})
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"member {self.name} exited with {self.proc.returncode}: {self.tail()}")
-            if b"joined the convention" in self.out.read_bytes():
-                break
-            time.sleep(0.05)
-        else:
-            raise RuntimeError(f"member {self.name} did not start within {timeout_s:g} s: {self.tail()}")
+        try:
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"member {self.name} exited with {self.proc.returncode}: {self.tail()}")
+                if b"joined the convention" in self.out.read_bytes():
+                    break
+                time.sleep(0.05)
+            else:
+                raise RuntimeError(f"member {self.name} did not start within {timeout_s:g} s: {self.tail()}")
+        finally:
+            if self._reserved is not None:  # its admin listens on the port now, or it has exited
+                self._reserved.close()
+                self._reserved = None
         admin = admin_pid(self.admin_port)
         assert admin is not None, f"no admin process for member {self.name} on port {self.admin_port}"
         self.session = os.getsid(admin)
