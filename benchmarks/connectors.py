@@ -10,12 +10,14 @@ baselines measured in the same run:
   ``shmem_enabled`` is ``never``: printed in the header);
 - **inline**: the bytes ride in the ref (put, the ref pickled and unpickled as
   an actor message carries it, get);
-- **shared memory**: put into a segment, get maps it in place (zero copy;
-  the reader pays the page faults on first touch: a second row includes them).
+- **shared memory**: put into a segment, get maps it in place (zero copy; a
+  second row has the reader touch every page, as a consumer does).
   Each repetition's segment is released as a completed request releases it:
   recycled (``release_all(..., recycle=True)``), so the next put claims it and
-  writes over pages already there, through the mapping it kept (segment
-  recycling, :mod:`omni_actors.connectors.recycling`). Those rows are timed in
+  writes over pages already there, through the mapping it kept, and the get
+  reads it through the mapping it kept of that file (page tables and all:
+  segment recycling, :mod:`omni_actors.connectors.recycling`, and
+  :mod:`omni_actors.connectors.mappings`). Those rows are timed in
   that steady state: two untimed repetitions first (the first makes the
   segment, the second reuses it with ``pwrite`` and maps it). A third row
   releases with an unlink instead, after unlinking the free segments and
@@ -41,7 +43,10 @@ says), per 2 MiB in the huge-page tmpfs. Mounting needs root; otherwise (or
 with ``--no-huge-tmpfs``) that variant is skipped and the output says why.
 
 Each figure is the median (and best) of ``--reps`` repetitions; releases are
-not timed. Ratios, per segment directory: shared memory / memory copy
+not timed. The raw socket and the data services send with the host's TCP
+congestion control (the header says which) unless ``--tcp-congestion`` names
+another: with ``bbr``, which paces, a loopback flow was seen to run at half
+speed for minutes at a time, so those rows vary between runs. Ratios, per segment directory: shared memory / memory copy
 (target >= 0.5) and cross-host / raw socket (target >= 0.5), both on
 best-of-N, plus the cross-host get alone (the transfer, without the put) /
 raw socket, and the fresh-segment row / memory copy.
@@ -51,6 +56,7 @@ between stages (``benchmarks/first_audio.py``; target: streaming <= 0.3x).
 
     python benchmarks/connectors.py                   # every section, default sizes
     python benchmarks/connectors.py --sizes 1,16 --reps 3 --skip-first-audio
+    python benchmarks/connectors.py --sizes 1 --skip-first-audio --tcp-congestion cubic
     python benchmarks/connectors.py --sections first_audio
     python benchmarks/connectors.py --json out.json
 
@@ -126,11 +132,13 @@ def row(path: str, nbytes: int, timing: dict | None, note: str = "", segdir: str
 
 # --------------------------------------------------------------------- raw socket baseline
 
-def _socket_sender(port: int, max_bytes: int) -> None:
+def _socket_sender(port: int, max_bytes: int, congestion: str | None = None) -> None:
     """In another process: send the first N bytes of a warm buffer each time N is asked."""
     data = np.ones(max_bytes, dtype=np.uint8)
     with socket.create_connection(("127.0.0.1", port)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if congestion:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
         while True:
             head = sock.recv(8, socket.MSG_WAITALL)
             if len(head) < 8:
@@ -140,11 +148,11 @@ def _socket_sender(port: int, max_bytes: int) -> None:
 
 
 class RawSocket:
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, congestion: str | None = None) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
         ctx = multiprocessing.get_context("spawn")
-        self._proc = ctx.Process(target=_socket_sender, args=(self._listener.getsockname()[1], max_bytes),
-                                 daemon=True)
+        self._proc = ctx.Process(target=_socket_sender,
+                                 args=(self._listener.getsockname()[1], max_bytes, congestion), daemon=True)
         self._proc.start()
         self._listener.settimeout(60)
         self._sock, _ = self._listener.accept()
@@ -175,10 +183,11 @@ class ServiceProcess:
     """``python -m omni_actors.connectors.data_service`` for ``prefix``: another host's service,
     serving the segments of ``shm_dir`` (its ``$OMNI_ACTORS_SHM_DIR``, as a host's actors inherit it)."""
 
-    def __init__(self, prefix: str, shm_dir: str = SHM_DIR) -> None:
+    def __init__(self, prefix: str, shm_dir: str = SHM_DIR, congestion: str | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omni_actors.connectors.data_service", "--host", "127.0.0.1", "--port", "0",
-             "--prefix", prefix, "--node", "bench-far"],
+             "--prefix", prefix, "--node", "bench-far"]
+            + (["--tcp-congestion", congestion] if congestion else []),
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
             env={**os.environ, "PYTHONPATH": str(REPO), DIR_ENV: shm_dir})
         line = self.proc.stdout.readline()
@@ -337,8 +346,8 @@ def section_transfer(args) -> dict:
             if huge is not None:
                 dirs[HUGE_LABEL] = huge
             for label, path in dirs.items():
-                services[label] = ServiceProcess(prefix, path)
-            raw = RawSocket(max(sizes) * MB)
+                services[label] = ServiceProcess(prefix, path, args.tcp_congestion)
+            raw = RawSocket(max(sizes) * MB, args.tcp_congestion)
             inline = NodeConnector(mode="inline", node="bench-far")
             shm = {label: NodeConnector(0, prefix, node="bench-far", service=services[label].address)
                    for label in dirs}
@@ -563,6 +572,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="largest actor message sent, in MB")
     p.add_argument("--no-huge-tmpfs", action="store_true",
                    help="do not mount a huge-page tmpfs for the segments (only /dev/shm)")
+    p.add_argument("--tcp-congestion", default=None, metavar="NAME",
+                   help="TCP congestion control of the raw socket's sender and of the data services "
+                        "(e.g. cubic; default: the host's, printed in the header)")
     p.add_argument("--skip-first-audio", action="store_true", help="leave out the first_audio section")
     p.add_argument("--first-audio-requests", type=int, default=10,
                    help="streamed requests per mode in first_audio (default 10)")
@@ -590,7 +602,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}, {os.cpu_count()} CPUs; transparent huge pages: "
           f"anon {_sysfs('/sys/kernel/mm/transparent_hugepage/enabled')}, "
           f"shmem {_sysfs('/sys/kernel/mm/transparent_hugepage/shmem_enabled')}; "
-          f"/dev/shm mounted {_mount_options('/dev/shm') or '?'}", flush=True)
+          f"/dev/shm mounted {_mount_options('/dev/shm') or '?'}; TCP congestion control "
+          f"{args.tcp_congestion or _sysfs('/proc/sys/net/ipv4/tcp_congestion_control') + ' (the host default)'}",
+          flush=True)
     signal.signal(signal.SIGTERM, _interrupt)
     results = {}
     for name in args.sections:

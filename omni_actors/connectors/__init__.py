@@ -23,8 +23,12 @@ Environment (set by the host's leader/member for every actor it starts):
 - ``OMNI_ACTORS_SHM_FREE_IDLE_S`` / ``OMNI_ACTORS_SHM_FREE_BYTES``: how long a
   recycled segment may wait for a ``put`` (default 2 s) and how many bytes of
   them a node keeps per prefix (default half its tmpfs, at most 1 GiB);
-  ``OMNI_ACTORS_SHM_MAP_CACHE_BYTES``: how many bytes of reused segments a
-  producer keeps mapped to write them again (default 1 GiB; 0: off).
+  ``OMNI_ACTORS_SHM_MAP_CACHE_BYTES`` / ``OMNI_ACTORS_SHM_READ_CACHE_BYTES``:
+  how many bytes of segments a producer keeps mapped to write them again, and
+  a consumer to read them again (default 1 GiB each; 0: off; see
+  :mod:`omni_actors.connectors.mappings`).
+- ``OMNI_ACTORS_DATA_TCP_CONGESTION``: the TCP congestion control the node's
+  data service sends with (default: the host's).
 - ``OMNI_ACTORS_CONNECTOR``: default mode, see :data:`MODES` (or an
   ``omni:<Name>`` mode: :mod:`omni_actors.connectors.omni`).
 """
@@ -46,7 +50,7 @@ from omni_actors.connectors.inline import ConnectorError, InlineConnector, plan,
 from omni_actors.connectors.recycling import free_usage, list_free_segments, size_class, \
     trim_free_segments
 from omni_actors.connectors.shm import DIR_ENV, SegmentDirError, ShmConnector, check_segment_dir, \
-    default_prefix, list_segments, release_segments, segment_dir, segment_usage, sweep_segments
+    default_prefix, list_segments, read_segment, release_segments, segment_dir, segment_usage, sweep_segments
 
 __all__ = [
     "Connector", "ConnectorError", "ConnectorRef", "DIR_ENV", "DataService", "DataServiceError", "FieldLayout",
@@ -156,6 +160,8 @@ class NodeConnector:
             OmniConnectorError: a vLLM-Omni connector's ref could not be read
                 (see :func:`omni_actors.connectors.omni.get`).
         """
+        if ref.kind == "shm" and ref.size and ref.location and (ref.node is None or ref.node == self.node):
+            return read_outputs(read_segment(ref.location, ref.size), ref.layout)  # (the common case)
         if ref.kind == "inline":
             return self.inline.get(ref)
         if ref.kind == omni.KIND:

@@ -50,15 +50,18 @@ def plan(outputs: dict[str, Any]) -> tuple[tuple[FieldLayout, ...], int, list[np
         if not isinstance(value, np.ndarray):
             layout.append(FieldLayout(key=key, kind="value", value=value))
             continue
-        if value.dtype.hasobject or value.dtype.fields is not None:
-            raise TypeError(f"field {key!r}: dtype {value.dtype} cannot be packed as raw bytes")
-        arr = np.ascontiguousarray(value)
+        dtype = value.dtype
+        if dtype.hasobject or dtype.fields is not None:
+            raise TypeError(f"field {key!r}: dtype {dtype} cannot be packed as raw bytes")
+        # (ascontiguousarray would return such an array itself; it also makes a 0-d array 1-d and a
+        # subclass's instance, a memmap or a matrix, a plain ndarray)
+        arr = value if type(value) is np.ndarray and value.ndim and value.flags.c_contiguous \
+            else np.ascontiguousarray(value)
         offset = -(-size // ALIGN) * ALIGN
-        layout.append(FieldLayout(key=key, kind="array", dtype=arr.dtype.str,
-                                  shape=tuple(int(n) for n in arr.shape),
-                                  offset=offset, nbytes=arr.nbytes))
+        nbytes = arr.nbytes
+        layout.append(FieldLayout(key, "array", arr.dtype.str, arr.shape, offset, nbytes))
         arrays.append(arr)
-        size = offset + arr.nbytes
+        size = offset + nbytes
     return tuple(layout), size, arrays
 
 
@@ -103,7 +106,7 @@ def read_outputs(buf: Any, layout: tuple[FieldLayout, ...]) -> dict[str, Any]:
         ConnectorError: a field lies beyond the end of ``buf``.
     """
     out: dict[str, Any] = {}
-    size = memoryview(buf).nbytes
+    size = buf.nbytes if isinstance(buf, (memoryview, np.ndarray)) else memoryview(buf).nbytes
     for field in layout:
         if field.kind == "value":
             out[field.key] = field.value
@@ -115,8 +118,10 @@ def read_outputs(buf: Any, layout: tuple[FieldLayout, ...]) -> dict[str, Any]:
         if field.nbytes == 0 or dtype.itemsize == 0:
             arr = np.empty(field.shape, dtype=dtype)
         else:
-            arr = np.frombuffer(buf, dtype=dtype, count=field.nbytes // dtype.itemsize,
-                                offset=field.offset).reshape(field.shape)
+            count = field.nbytes // dtype.itemsize
+            arr = np.frombuffer(buf, dtype=dtype, count=count, offset=field.offset)
+            if field.shape != (count,):
+                arr = arr.reshape(field.shape)
         arr.flags.writeable = False
         out[field.key] = arr
     return out

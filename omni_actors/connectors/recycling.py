@@ -8,20 +8,24 @@ pages costs a page fault and zeroing per page (per 4 KiB where ``/dev/shm``
 has no huge pages: ~2.7 GB/s here), so a released segment whose owner knows
 that nobody reads it any more can be *recycled* (``release(..., recycle=True)``,
 :func:`~omni_actors.connectors.shm.release_segments`): it is renamed into its
-prefix's free directory ``<dir>/<prefix>free/`` (as
-``<class hex>-<inode hex>-<random>``, its mtime set to the release time)
-instead of unlinked, and a later ``put`` of the same size class on that node
-claims it by renaming it to its new in-use name (a rename is atomic: of two
-processes claiming one free segment exactly one wins) and overwrites it, its
-pages already allocated. Each process keeps the free
-directory's listing per class and lists it again only when the directory
-changed (its mtime and size; one ``stat`` per miss) or the listing is over
-:data:`RELIST_S` old. Free segments are bounded: a release keeps one only
-while the prefix's free segments stay under :func:`free_budget` bytes and
-:data:`MAX_FREE_SEGMENTS`; the node's data service unlinks free segments idle
-longer than :func:`free_idle_s` and trims to the budget
-(:func:`trim_free_segments`); a ``put`` that finds the tmpfs full unlinks the
-prefix's free segments and tries once more;
+prefix's free directory ``<dir>/<prefix>free/`` (as ``<class hex>-<inode
+hex>``, its mtime set to the release time) instead of unlinked, and a later
+``put`` of the same size class on that node claims it by renaming it to its
+new in-use name (a rename is atomic: of two processes claiming one free
+segment exactly one wins) and overwrites it, its pages already allocated. A
+producer first tries the free names of the inodes of that class it keeps
+mapped (:mod:`omni_actors.connectors.mappings`: it usually gets its own
+segments back), one ``rename`` each, at most
+:data:`~omni_actors.connectors.mappings.GUESSES`; failing that, it takes a
+name from its listing of the free directory, per class, which it lists again
+only when the directory changed (its mtime and size; one ``stat`` per miss) or
+the listing is over :data:`RELIST_S` old. (Names of the older form
+``<class>-<inode>-<random>`` are claimed from listings too.) Free segments are
+bounded: a release keeps one only while the prefix's free segments stay under
+:func:`free_budget` bytes and :data:`MAX_FREE_SEGMENTS`; the node's data
+service unlinks free segments idle longer than :func:`free_idle_s` and trims
+to the budget (:func:`trim_free_segments`); a ``put`` that finds the tmpfs full
+unlinks the prefix's free segments and tries once more;
 :func:`~omni_actors.connectors.shm.sweep_segments` removes them with the rest.
 Refs are never recycled by default: the caller must know that no process still
 reads the segment through a mapping made before (a reader that maps it *after*
@@ -30,9 +34,8 @@ the release finds its name gone, as for an unlink).
 Defaults: a free segment unclaimed for 2 s is unlinked
 (``$OMNI_ACTORS_SHM_FREE_IDLE_S``); a prefix keeps at most half its tmpfs, 1 GiB
 at most, of free segments (``$OMNI_ACTORS_SHM_FREE_BYTES``; 0: no recycling)
-and 1024 of them; a producer keeps its mappings of the segments it reused, to
-write them again (:class:`_MapCache`), up to 1 GiB
-(``$OMNI_ACTORS_SHM_MAP_CACHE_BYTES``; 0: off) and 128 of them.
+and 1024 of them. The mappings producers and consumers keep of segments (to
+write and read them again) are in :mod:`omni_actors.connectors.mappings`.
 """
 
 from __future__ import annotations
@@ -44,10 +47,10 @@ import stat
 import threading
 import time
 
-import numpy as np
-
-from omni_actors.connectors.base import FieldLayout, _unlink_in, segment_dir
-from omni_actors.connectors.inline import array_bytes
+from omni_actors.connectors.base import _unlink_in, segment_dir
+from omni_actors.connectors.mappings import (  # noqa: F401 - re-exported (shm.py, tests, benchmarks)
+    DEFAULT_MAP_CACHE_BYTES, MAP_CACHE_ENTRIES, MAP_CACHE_ENV, MAP_CHECK_S, READ_CACHE_ENV, _maps, _reads,
+    drop_mappings, drop_unlinked_mappings)
 
 # -- segment recycling (see the module docstring) ------------------------------------------------
 PAGE = mmap.PAGESIZE
@@ -61,12 +64,9 @@ DEFAULT_FREE_IDLE_S = 2.0
 DEFAULT_FREE_BYTES_CAP = 1 << 30
 MAX_FREE_SEGMENTS = 1024  #: most free segments per prefix (keeps a listing of the free directory cheap)
 RELIST_S = 0.05  #: a process lists the free directory again after this even if it looks unchanged
-MAP_CACHE_ENV = "OMNI_ACTORS_SHM_MAP_CACHE_BYTES"  #: most bytes of segments a producer keeps mapped
-DEFAULT_MAP_CACHE_BYTES = 1 << 30
-MAP_CACHE_ENTRIES = 128
-MAP_CHECK_S = 1.0  #: how often a producer drops its mappings of segments unlinked meanwhile
 _IN_USE_TAIL = re.compile(r"[0-9a-f]{16}")  # an in-use segment is named <prefix><16 hex digits>
-_FREE_NAME = re.compile(r"([0-9a-f]+)-([0-9a-f]+)-[0-9a-f]+")  # <class>-<inode>-<random>, hex
+#: A free segment is named <class>-<inode> (hex); <class>-<inode>-<random> before (still read).
+_FREE_NAME = re.compile(r"([0-9a-f]+)-([0-9a-f]+)(?:-[0-9a-f]+)?")
 
 
 def size_class(size: int) -> int:
@@ -183,10 +183,21 @@ def _relist(fdir: str) -> bool:
     return True
 
 
-def _claim(prefix: str, directory: str, cls: int, name: str) -> str | None:
-    """Rename a free segment of class ``cls`` of ``prefix`` to ``name``: its free
-    name, or None if there was none."""
-    fdir = os.path.join(directory, prefix + FREE_SUFFIX)
+def _claim(prefix: str, directory: str, cls: int, name: str) -> int | None:
+    """Rename a free segment of class ``cls`` of ``prefix`` to ``name``: the inode
+    number its free name gave, or None if there was none (or its name gave none).
+
+    First the free names of the inodes of that class this process keeps mapped
+    (:meth:`~omni_actors.connectors.mappings._MapCache.guesses`: a producer
+    usually gets its own segments back), one ``rename`` each; then the names in
+    this process's listing of the free directory (listed again if it changed)."""
+    fdir, target = f"{directory}/{prefix}{FREE_SUFFIX}", f"{directory}/{name}"
+    for ino in _maps.guesses(directory, cls):
+        try:
+            os.rename(f"{fdir}/{cls:x}-{ino:x}", target)
+            return ino
+        except FileNotFoundError:
+            pass  # in use (not released yet), claimed by another producer, trimmed, or no free directory
     mapped = _maps.inodes(directory)
     relisted = False
     while True:
@@ -197,207 +208,15 @@ def _claim(prefix: str, directory: str, cls: int, name: str) -> str | None:
             relisted = True
             continue
         try:
-            os.rename(os.path.join(fdir, cand), os.path.join(directory, name))
-            return cand
+            os.rename(os.path.join(fdir, cand), target)
+            return _free_ino(cand)
         except FileNotFoundError:
             continue  # another producer claimed it first, or the trim took it
-
-
-class _Mapped:
-    __slots__ = ("mm", "fd", "size")
-
-    def __init__(self, mm: mmap.mmap, fd: int, size: int) -> None:
-        self.mm, self.fd, self.size = mm, fd, size
-
-    def close(self) -> None:
-        try:
-            self.mm.close()
-        except (BufferError, ValueError):
-            pass
-        os.close(self.fd)
-
-
-class _MapCache:
-    """Writable mappings of reused segments, kept by the producer that wrote them.
-
-    Writing through a mapping whose page tables are already built runs at
-    memory-copy speed, where ``pwrite`` (page-cache lookups per page) runs at a
-    third to a half of it (measured here). So when a ``put`` claims a free
-    segment, it keeps a mapping of it (built at once with ``MAP_POPULATE``), and
-    when it claims the same inode again it copies the payload through that
-    mapping. Only bytes the file already has pages for are written that way (the
-    mapping covers what the ``pwrite`` before it wrote, checked against
-    ``st_blocks``): a write to a hole through a mapping of a full tmpfs is a
-    SIGBUS, through ``pwrite`` an error. Bounded: at most
-    ``$OMNI_ACTORS_SHM_MAP_CACHE_BYTES`` (default 1 GiB; 0: off) and
-    :data:`MAP_CACHE_ENTRIES` per process, least recently used out first; a
-    thread drops, every :data:`MAP_CHECK_S`, the mappings of segments unlinked
-    meanwhile (a mapping would keep their pages alive). An entry is identified by
-    inode and checked against the claimed file (inode, device, ctime) before use.
-    """
-
-    def __init__(self) -> None:
-        self._reset()
-        try:
-            self.max_bytes = max(0, int(os.environ.get(MAP_CACHE_ENV) or DEFAULT_MAP_CACHE_BYTES))
-        except ValueError:
-            self.max_bytes = DEFAULT_MAP_CACHE_BYTES
-
-    def _reset(self) -> None:
-        self._entries: dict[tuple[str, int], _Mapped] = {}  # (directory, inode) -> mapping; LRU order
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._held = 0
-
-    def clear(self) -> None:
-        """Close every mapping (also in a forked child: a new lock, in case another
-        thread held the old one at the fork; the watcher thread sees it and ends)."""
-        entries = list(self._entries.values())
-        self._reset()
-        for e in entries:
-            e.close()
-
-    def inodes(self, directory: str) -> dict[int, None] | None:
-        if not self._entries:
-            return None
-        with self._lock:
-            return {ino: None for d, ino in self._entries if d == directory}
-
-    def take(self, directory: str, ino: int | None) -> _Mapped | None:
-        """The mapping of ``ino``, out of the cache while the caller writes through it."""
-        with self._lock:
-            entry = self._entries.pop((directory, ino), None)
-            if entry is not None:
-                self._held -= entry.size
-            return entry
-
-    def put_back(self, directory: str, ino: int, entry: _Mapped) -> None:
-        """Keep ``entry`` (most recently used); closes it, or the least recently used
-        ones, to stay within the bounds."""
-        evicted = []
-        with self._lock:
-            if (directory, ino) in self._entries or entry.size > self.max_bytes:
-                evicted.append(entry)
-            else:
-                self._entries[(directory, ino)] = entry
-                self._held += entry.size
-                while self._held > self.max_bytes or len(self._entries) > MAP_CACHE_ENTRIES:
-                    key = next(iter(self._entries))
-                    old = self._entries.pop(key)
-                    self._held -= old.size
-                    evicted.append(old)
-            if self._entries and self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name="shm-map-cache", daemon=True)
-                self._thread.start()
-        for e in evicted:
-            e.close()
-
-    def add(self, directory: str, fd: int, size: int) -> None:
-        """Map the first ``size`` bytes of file ``fd`` (a segment just written there:
-        pages for every one; not its tail, which a populated mapping would
-        allocate) and keep the mapping; best effort."""
-        size = -(-size // PAGE) * PAGE
-        if size > self.max_bytes:
-            return
-        ino = os.fstat(fd).st_ino
-        with self._lock:
-            if (directory, ino) in self._entries:
-                return
-        dup = os.dup(fd)
-        try:
-            mm = mmap.mmap(dup, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        except (OSError, ValueError):
-            os.close(dup)
-            return
-        self.put_back(directory, ino, _Mapped(mm, dup, size))
-
-    def drop_unlinked(self) -> int:
-        """Close the mappings of segments unlinked meanwhile; how many."""
-        with self._lock:
-            items = list(self._entries.items())
-        gone = []
-        for key, entry in items:
-            try:
-                if os.fstat(entry.fd).st_nlink == 0:
-                    gone.append(key)
-            except OSError:
-                gone.append(key)
-        closing = []
-        with self._lock:
-            for key in gone:
-                entry = self._entries.pop(key, None)
-                if entry is not None:
-                    self._held -= entry.size
-                    closing.append(entry)
-        for entry in closing:
-            entry.close()
-        return len(closing)
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(MAP_CHECK_S)
-            with self._lock:
-                if self._thread is not threading.current_thread():
-                    return  # (a forked child reset the cache)
-            self.drop_unlinked()
-            with self._lock:
-                if self._thread is not threading.current_thread():
-                    return
-                if not self._entries:
-                    self._thread = None
-                    return
-
-    def write(self, directory: str, path: str, free_name: str, size: int, layout: tuple[FieldLayout, ...],
-              arrays: list[np.ndarray]) -> bool:
-        """Write the payload into just-claimed segment ``path`` (free name ``free_name``)
-        through this process's mapping of it, if it has one and the file has
-        pages for every byte; whether it did."""
-        ino = _free_ino(free_name)
-        entry = self.take(directory, ino) if self._entries else None
-        if entry is None:
-            return False
-        try:
-            st, mine = os.stat(path, follow_symlinks=False), os.fstat(entry.fd)
-            if (st.st_ino, st.st_dev, st.st_ctime_ns) != (mine.st_ino, mine.st_dev, mine.st_ctime_ns) \
-                    or size > entry.size or size > mine.st_blocks * 512:
-                # Another file, or more bytes than the mapping covers (pages that may not exist:
-                # pwrite them, it fails cleanly when the tmpfs is full; a new mapping follows).
-                entry.close()
-                return False
-            view = memoryview(entry.mm)
-            try:
-                pos = 0
-                for field, arr in zip([f for f in layout if f.kind == "array"], arrays):
-                    if field.nbytes:
-                        if field.offset > pos:  # padding: zeros, not the last payload's bytes
-                            view[pos:field.offset] = bytes(field.offset - pos)
-                        view[field.offset:field.offset + field.nbytes] = array_bytes(arr).data
-                        pos = field.offset + field.nbytes
-                if size > pos:
-                    view[pos:size] = bytes(size - pos)
-            finally:
-                view.release()
-        except BaseException:
-            entry.close()
-            raise
-        self.put_back(directory, ino, entry)
-        return True
-
-
-_maps = _MapCache()
-
-
-def drop_mappings() -> None:
-    """Close every mapping this process keeps for writing (see :class:`_MapCache`),
-    e.g. before unmounting a segment directory."""
-    _maps.clear()
 
 
 def _after_fork_in_child() -> None:
     global _views_lock
     _views_lock = threading.Lock()  # (another thread may have held it at the fork)
-    _maps.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -427,7 +246,11 @@ def _recycle(name: str, directory: str, usage: dict[str, list[int]], budget: int
         os.utime(path)  # the idle trim counts from now
     except OSError:
         return False
-    target = os.path.join(fdir, f"{size:x}-{st.st_ino:x}-{os.urandom(6).hex()}")
+    # Named after its inode, so that a producer that keeps it mapped claims it without a listing
+    # (its old name is gone by then). Only one file has that inode number at a time in normal
+    # operation; after a wrap of the counter, renaming over a namesake would unlink a free segment:
+    # no reader's bytes (free segments are read by nobody).
+    target = os.path.join(fdir, f"{size:x}-{st.st_ino:x}")
     for attempt in (0, 1):
         try:
             os.rename(path, target)

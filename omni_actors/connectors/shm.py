@@ -10,12 +10,17 @@ mounted with ``huge=within_size`` (or ``always``) backs big segments with
 huge pages, which makes writing them several times faster on hosts whose
 ``/dev/shm`` has none (``shmem_enabled`` ``never``).
 
-``put`` writes the array bytes into a segment with ``pwrite`` (one copy, no
-page tables to build: on the VMs measured here that was 2x faster than
-writing through a mapping). ``get`` maps the segment read-only and returns
-read-only numpy views on the mapping: nothing is copied, and the mapping
-lives as long as any of those arrays (an unlinked segment stays readable
-through a mapping made before the unlink).
+``put`` writes the array bytes into a new segment with ``pwrite`` (one copy,
+no page tables to build: on the VMs measured here that was 2x faster than
+writing through a new mapping), or into a recycled one through the mapping
+its producer kept. ``get`` returns read-only numpy views on a read-only
+mapping of the segment: nothing is copied, and the mapping lives as long as
+any of those arrays (an unlinked segment stays readable through a mapping
+made before the unlink). A process keeps its mappings of the segment files
+it read (:mod:`omni_actors.connectors.mappings`): a ``get`` of a segment whose
+file it mapped before, as a recycled segment's is, costs a ``stat`` of the
+name and an ``fstat`` that checks the file is the same (at 1 MB: about 7 us
+where opening and mapping it took 20).
 
 Lifetimes are ours, not the interpreter's: segments are plain files opened
 with ``os.open``, never through ``multiprocessing``'s resource tracker (which
@@ -38,7 +43,6 @@ import errno
 import mmap
 import os
 import stat
-import sys
 from typing import Any, Iterable
 
 import numpy as np
@@ -46,19 +50,15 @@ import numpy as np
 from omni_actors.connectors.base import DIR_ENV, SHM_DIR, ConnectorRef, FieldLayout, _unlink_in, segment_dir  # noqa: F401
 from omni_actors.connectors.inline import ConnectorError, InlineConnector, array_bytes, plan, \
     read_outputs
-from omni_actors.connectors.recycling import FREE_SUFFIX, _claim, _maps, _recycle, free_budget, \
+from omni_actors.connectors.mappings import _OPEN_FLAGS, _maps, _reads, drop_unlinked_mappings
+from omni_actors.connectors.recycling import FREE_SUFFIX, _claim, _recycle, free_budget, \
     purge_free_segments, size_class
 from omni_actors.connectors.recycling import (  # noqa: F401 - re-exported for tests, benchmarks
-    FREE_BYTES_ENV, MAP_CHECK_S, _free_ino, drop_mappings, free_dir)
+    FREE_BYTES_ENV, MAP_CHECK_S, READ_CACHE_ENV, _free_ino, drop_mappings, free_dir)
 
 PREFIX_ENV = "OMNI_ACTORS_SHM_PREFIX"
 DEFAULT_PREFIX = "omni-actors-"
 NAME_MAX = 255
-#: O_NOFOLLOW as shm_open uses it: a segment name is never followed elsewhere.
-_OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-
-# Python >= 3.13 can map without keeping a dup of the fd open per mapping.
-_MMAP_KWARGS = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 
 def default_prefix() -> str:
@@ -144,12 +144,12 @@ def create_segment(name: str, size: int, layout: tuple[FieldLayout, ...],
         directory is unusable. OSError: the directory's tmpfs is full.
     """
     directory = segment_dir()
-    path = os.path.join(directory, name)
-    claimed = _claim(reuse_prefix, directory, size_class(size), name) if reuse_prefix else None
-    reused = claimed is not None
+    path = f"{directory}/{name}"
+    ino = _claim(reuse_prefix, directory, size_class(size), name) if reuse_prefix else None
+    reused = ino is not None
     if reused:
         try:
-            if _maps.write(directory, path, claimed, size, layout, arrays):
+            if _maps.write(directory, path, ino, size, layout, arrays):
                 return True
         except BaseException:
             _unlink_in(directory, name)
@@ -210,24 +210,16 @@ def open_segment(name: str) -> tuple[int, int]:
         raise
 
 
-def map_segment(name: str, size: int) -> mmap.mmap:
-    """Map the first ``size`` (> 0) bytes of segment ``name`` read-only.
+def read_segment(name: str, size: int) -> memoryview | mmap.mmap:
+    """The first ``size`` (> 0) bytes of segment ``name``, read-only, in place: a
+    view on the mapping this process keeps of its file (see
+    :class:`~omni_actors.connectors.mappings._ReadCache`; one is made and kept
+    when there is none).
 
     Raises:
         ConnectorError: the segment is gone or smaller than ``size``.
     """
-    try:
-        fd, actual = open_segment(name)
-    except FileNotFoundError:
-        raise ConnectorError(f"shared-memory segment {name!r} not found in {segment_dir()}: already "
-                             "released, or reaped/swept") from None
-    try:
-        if actual < size:
-            raise ConnectorError(f"shared-memory segment {name!r} has {actual} bytes, "
-                                 f"the ref says {size}")
-        return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, **_MMAP_KWARGS)
-    finally:
-        os.close(fd)
+    return _reads.view(segment_dir(), name, size)
 
 
 class ShmConnector:
@@ -270,16 +262,18 @@ class ShmConnector:
         try:
             create_segment(name, size, layout, arrays, reuse_prefix=self.prefix)
         except OSError as exc:
-            if exc.errno != errno.ENOSPC or not (purge_free_segments(self.prefix) + _maps.drop_unlinked()):
+            if exc.errno != errno.ENOSPC or not (purge_free_segments(self.prefix) + drop_unlinked_mappings()):
                 raise
-            # The tmpfs is full, and free segments (or our mappings of unlinked ones) held some of
-            # it: give them back, try once more.
+            # The tmpfs is full, and free segments (or our mappings of unlinked ones, kept to write
+            # or to read) held some of it: give them back, try once more.
             create_segment(name, size, layout, arrays)
         return ConnectorRef(kind=self.kind, size=size, layout=layout, location=name,
                             node=self.node, service=self.service)
 
     def get(self, ref: ConnectorRef) -> dict[str, Any]:
-        """Map the segment: read-only views on it, nothing copied.
+        """Map the segment: read-only views on it, nothing copied (through the
+        mapping this process keeps of the segment's file, see
+        :class:`~omni_actors.connectors.mappings._ReadCache`).
 
         Raises:
             ConnectorError: the segment is gone (released or reaped) or too small.
@@ -290,7 +284,7 @@ class ShmConnector:
             raise ConnectorError(f"not a shared-memory ref: kind={ref.kind!r}")
         if ref.size == 0:
             return read_outputs(b"", ref.layout)
-        return read_outputs(map_segment(ref.location, ref.size), ref.layout)
+        return read_outputs(read_segment(ref.location, ref.size), ref.layout)
 
     def release(self, ref: ConnectorRef, *, recycle: bool = False) -> None:
         """Unlink the segment, or with ``recycle`` keep it for a later ``put`` on
