@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-__all__ = ["CoreWatch", "keep_off", "one_line", "parse_cpus", "pinned", "reserved_cpus"]
+__all__ = ["CoreWatch", "keep_off", "one_line", "parse_cpus", "pinned"]
 
 
 def _cpu_list(text: str) -> set[int]:
@@ -93,22 +93,6 @@ def keep_off(cpus: frozenset[int]) -> None:
             os.sched_setaffinity(int(tid), others)
         except (ProcessLookupError, PermissionError):
             pass  # a thread that just ended
-
-
-def reserved_cpus(cpu_lists) -> frozenset[int]:
-    """The CPUs of this node that the given ``cpus`` settings (CPU list strings)
-    reserve for engine cores: their union, less what this node does not have
-    (a replica says so when it starts) and less what does not parse (the config
-    check says so). Whoever starts a node's serving processes passes this to
-    :func:`keep_off` first, so that they (forked later, inheriting the mask) do
-    not compute on an engine's CPUs either."""
-    cpus: set[int] = set()
-    for text in cpu_lists:
-        try:
-            cpus |= _cpu_list(text or "")
-        except ValueError:
-            continue
-    return frozenset(cpus) & node_cpus()
 
 
 @contextlib.contextmanager

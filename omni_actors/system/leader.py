@@ -101,27 +101,6 @@ def start_data_service(node: str, default_host: str, reap_after_s: float):
         raise StartError(f"the data service could not start on {default_host}: {exc}") from None
 
 
-def keep_off_engine_cpus(config: PipelineConfig, node: str) -> frozenset[int]:
-    """Move this process (and so every process it forks later: the data service, the
-    Thespian admin and the actors, the API server's threads) off the CPUs that
-    ``deployment.stages.<stage>.cpus`` reserves for vLLM engine cores on ``node``
-    (stages with the vllm backend that may run there, on a CPU build of vLLM: the
-    only case where those settings pin anything). Returns the CPUs kept off (empty:
-    nothing changed; also when they would cover every CPU of the node)."""
-    from omni_actors.engines.vllm import _is_cpu_build
-    from omni_actors.engines.vllm_core import keep_off, node_cpus, reserved_cpus
-
-    lists = [dep.cpus for dep in (config.deployment_of(s) for s in config.stage_args)
-             if dep.cpus and dep.backend == "vllm" and (not dep.nodes or node in dep.nodes)]
-    if not lists or not _is_cpu_build():
-        return frozenset()
-    cpus = reserved_cpus(lists)
-    if not cpus or cpus >= node_cpus():
-        return frozenset()
-    keep_off(cpus)
-    return cpus
-
-
 def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                api_key: str | None = None, node: str = "", devices: tuple[str, ...] = ()) -> int:
     """Run the leader in the foreground until SIGINT/SIGTERM. Returns the exit code.
@@ -175,7 +154,6 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
 
     t0 = time.monotonic()
     leader_node = NodeInfo(node or socket.gethostname(), tuple(devices))
-    engine_cpus = keep_off_engine_cpus(config, leader_node.name)
     sfile = state_file(admin_port)
     asys = data = None
     sessions: list[int] = []
@@ -201,7 +179,6 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                                      "port": port, "system_id": system_id, "config": config.source,
                                      "model": config.deployment.served_model_name}))
         log.info("leader_started", admin_port=admin_port, shm_dir=shm_dir,
-                 engine_cpus=",".join(map(str, sorted(engine_cpus))) or None,
                  startup_s=round(time.monotonic() - t0, 2))
         serving.set()
         threading.Thread(target=_watch_coordinator, args=(asys, config, leader_node, stopping),
