@@ -71,6 +71,12 @@ def test_stop_command_and_status_command():
         leader.proc.wait(10)
         assert leader.proc.returncode == 0
         assert leader.pids() == []
+        # A normal stop is not an error: replicas stopped with their pools log at info.
+        events = [json.loads(line) for line in leader.log_path.read_text(errors="replace").splitlines()
+                  if line.startswith("{")]
+        exited = [ev for ev in events if ev.get("event") == "replica_exited"]
+        assert all(ev["level"] == "info" and ev["pool_exiting"] for ev in exited), exited
+        assert [ev for ev in events if ev.get("level") == "error"] == []
     finally:
         leader.stop()
 

@@ -86,6 +86,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         self._pins: dict[str, tuple[str, tuple[str, ...]]] = {}  # replica -> (node, devices) it is pinned to
         self._last_ack = time.monotonic()
         self._orphaned = False
+        self._exiting = False  # told to exit (system stop, stage removed): replicas exiting is expected
         self._ticks = 0
         self._log = get_logger(actor="pool")
 
@@ -265,7 +266,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             self._publish()
             return
         rep.state, rep.reason = ReplicaState.DEAD, cause
-        self._log.error("replica_exited", replica=rep.replica, reason=cause)
+        # (at info when the pool itself is exiting: Thespian stops its children with it)
+        (self._log.info if self._exiting else self._log.error)("replica_exited", replica=rep.replica,
+                                                               reason=cause, pool_exiting=self._exiting)
         self._redispatch(rep)
         self._hand_back_finished(rep, cause)
         delay = self._restart.next_delay(rep.restarts, time.monotonic())
@@ -325,6 +328,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
 
     def receiveMsg_ActorExitRequest(self, msg, sender):
         self._orphaned = True  # shutting down: replicas that exit now are not restarted
+        self._exiting = True
         return None  # Thespian sends our children their own exit requests
 
     # -- request plane ----------------------------------------------------
