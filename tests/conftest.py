@@ -67,3 +67,21 @@ def openai_client(omni_leader):
     client = openai.OpenAI(base_url=omni_leader.base_url, api_key="unused", max_retries=0, timeout=60)
     yield client
     client.close()
+
+
+@pytest.fixture
+def prefix():
+    """A segment prefix no other test (or parallel run) uses; its segments are swept
+    afterwards and this process's kept segment mappings dropped. (test_shm_dir and the
+    vLLM-Omni connector tests have their own.)"""
+    import os
+    import uuid
+
+    from omni_actors.connectors import sweep_segments
+    from omni_actors.connectors.mappings import drop_mappings
+
+    p = f"oa-test-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+    yield p
+    sweep_segments(p)
+    drop_mappings()
+

@@ -10,7 +10,6 @@ import os
 import pickle
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -24,14 +23,6 @@ from omni_actors.connectors.inline import ALIGN
 from omni_actors.connectors.shm import PREFIX_ENV, ShmConnector
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def prefix():
-    """A prefix no other test (or parallel run) uses; swept afterwards."""
-    p = f"oa-test-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
-    yield p
-    sweep_segments(p)
 
 
 def sample_outputs() -> dict:

@@ -13,27 +13,19 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from omni_actors.connectors import ConnectorError, DataService, NodeConnector, list_segments, \
-    release_all, sweep_segments
+    release_all
 from omni_actors.connectors import data_service as ds
 from omni_actors.connectors.shm import SHM_DIR, size_class
 
 from test_connectors import assert_same_outputs, sample_outputs
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def prefix():
-    p = f"oa-test-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
-    yield p
-    sweep_segments(p)
 
 
 @pytest.fixture

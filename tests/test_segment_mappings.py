@@ -11,26 +11,17 @@ import os
 import socket
 import threading
 import time
-import uuid
 
 import numpy as np
 import pytest
 
 from omni_actors.connectors import ConnectorError, DataService, list_free_segments, list_segments, \
-    make_connector, release_all, size_class, sweep_segments
+    make_connector, release_all, size_class
 from omni_actors.connectors import data_service as ds
 from omni_actors.connectors import mappings, recycling, shm
 from omni_actors.connectors.shm import SHM_DIR
 
 MB = 1 << 20
-
-
-@pytest.fixture
-def prefix():
-    p = f"oa-test-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
-    yield p
-    sweep_segments(p)
-    mappings.drop_mappings()
 
 
 def _ino(ref) -> int:

@@ -11,7 +11,6 @@ import multiprocessing
 import os
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +30,6 @@ from omni_actors.messages import (CancelRequest, ErrorKind, OutputReady, Planned
 
 REPO = Path(__file__).resolve().parents[1]
 MB = 1 << 20
-
-
-@pytest.fixture
-def prefix():
-    p = f"oa-test-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
-    yield p
-    sweep_segments(p)
 
 
 def _ino(ref) -> int:
