@@ -47,6 +47,7 @@ A forked child starts with empty caches.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import stat
@@ -74,6 +75,15 @@ GUESSES = 2  #: free names of its own mapped inodes a claim tries before it list
 _OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 # Python >= 3.13 can map without keeping a dup of the fd open per mapping.
 _MMAP_KWARGS = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+
+
+def _not_found(name: str, directory: str) -> ConnectorError:
+    return ConnectorError(f"shared-memory segment {name!r} not found in {directory}: already "
+                          "released, or reaped/swept")
+
+
+def _too_small(name: str, actual: int, size: int) -> ConnectorError:
+    return ConnectorError(f"shared-memory segment {name!r} has {actual} bytes, the ref says {size}")
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -259,15 +269,7 @@ class _MapCache(_Cache):
         if not self._entries:
             return []
         with self._lock:
-            inos = self._classes.get((directory, cls))
-            if not inos:
-                return []
-            out = []
-            for ino in inos:
-                out.append(ino)
-                if len(out) >= most:
-                    break
-            return out
+            return list(itertools.islice(self._classes.get((directory, cls), ()), most))
 
     def take(self, directory: str, ino: int | None) -> _Mapped | None:
         """The mapping of ``ino``, out of the cache while the caller writes through it."""
@@ -371,10 +373,9 @@ class _ReadCache(_Cache):
         except (FileNotFoundError, NotADirectoryError):
             st = None
         if st is None or not stat.S_ISREG(st.st_mode):  # (a free directory, a link)
-            raise ConnectorError(f"shared-memory segment {name!r} not found in {directory}: already "
-                                 "released, or reaped/swept")
+            raise _not_found(name, directory)
         if st.st_size < size:
-            raise ConnectorError(f"shared-memory segment {name!r} has {st.st_size} bytes, the ref says {size}")
+            raise _too_small(name, st.st_size, size)
         if self._entries:
             key = (directory, st.st_ino)
             with self._lock:  # (under it, no other thread closes the entry while it is checked and viewed)
@@ -393,16 +394,14 @@ class _ReadCache(_Cache):
         try:
             fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
         except (FileNotFoundError, NotADirectoryError):
-            raise ConnectorError(f"shared-memory segment {name!r} not found in {directory}: already "
-                                 "released, or reaped/swept") from None
+            raise _not_found(name, directory) from None
         keep, evicted = False, []
         try:
             st = os.fstat(fd)  # (the file opened: the name may have moved on since the stat)
             if not stat.S_ISREG(st.st_mode):
-                raise ConnectorError(f"shared-memory segment {name!r} not found in {directory}")
+                raise _not_found(name, directory)
             if st.st_size < size:
-                raise ConnectorError(f"shared-memory segment {name!r} has {st.st_size} bytes, "
-                                     f"the ref says {size}")
+                raise _too_small(name, st.st_size, size)
             key = (directory, st.st_ino)
             with self._lock:
                 again = self._seen.pop(key, False) is None

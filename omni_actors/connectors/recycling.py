@@ -48,9 +48,7 @@ import threading
 import time
 
 from omni_actors.connectors.base import _unlink_in, segment_dir
-from omni_actors.connectors.mappings import (  # noqa: F401 - re-exported (shm.py, tests, benchmarks)
-    DEFAULT_MAP_CACHE_BYTES, MAP_CACHE_ENTRIES, MAP_CACHE_ENV, MAP_CHECK_S, READ_CACHE_ENV, _maps, _reads,
-    drop_mappings, drop_unlinked_mappings)
+from omni_actors.connectors.mappings import _maps
 
 # -- segment recycling (see the module docstring) ------------------------------------------------
 PAGE = mmap.PAGESIZE
@@ -112,6 +110,12 @@ def _prefix_of(name: str) -> str | None:
     if len(name) <= 16 or not _IN_USE_TAIL.fullmatch(name, len(name) - 16):
         return None
     return name[:-16]
+
+
+def _free_name(cls: int, ino: int) -> str:
+    """The name of a free segment of size class ``cls`` whose file is inode ``ino``
+    (parsed back by :func:`_free_class` and :func:`_free_ino`)."""
+    return f"{cls:x}-{ino:x}"
 
 
 def _free_class(name: str) -> int | None:
@@ -191,10 +195,10 @@ def _claim(prefix: str, directory: str, cls: int, name: str) -> int | None:
     (:meth:`~omni_actors.connectors.mappings._MapCache.guesses`: a producer
     usually gets its own segments back), one ``rename`` each; then the names in
     this process's listing of the free directory (listed again if it changed)."""
-    fdir, target = f"{directory}/{prefix}{FREE_SUFFIX}", f"{directory}/{name}"
+    fdir, target = free_dir(prefix, directory), f"{directory}/{name}"
     for ino in _maps.guesses(directory, cls):
         try:
-            os.rename(f"{fdir}/{cls:x}-{ino:x}", target)
+            os.rename(f"{fdir}/{_free_name(cls, ino)}", target)
             return ino
         except FileNotFoundError:
             pass  # in use (not released yet), claimed by another producer, trimmed, or no free directory
@@ -236,7 +240,7 @@ def _recycle(name: str, directory: str, usage: dict[str, list[int]], budget: int
     size = st.st_size
     if not stat.S_ISREG(st.st_mode) or size != size_class(size):
         return False
-    fdir = os.path.join(directory, prefix + FREE_SUFFIX)
+    fdir = free_dir(prefix, directory)
     held = usage.get(fdir)
     if held is None:
         held = usage[fdir] = list(_free_usage_in(fdir))
@@ -250,7 +254,7 @@ def _recycle(name: str, directory: str, usage: dict[str, list[int]], budget: int
     # (its old name is gone by then). Only one file has that inode number at a time in normal
     # operation; after a wrap of the counter, renaming over a namesake would unlink a free segment:
     # no reader's bytes (free segments are read by nobody).
-    target = os.path.join(fdir, f"{size:x}-{st.st_ino:x}")
+    target = os.path.join(fdir, _free_name(size, st.st_ino))
     for attempt in (0, 1):
         try:
             os.rename(path, target)

@@ -51,10 +51,11 @@ from omni_actors.connectors.base import DIR_ENV, SHM_DIR, ConnectorRef, FieldLay
 from omni_actors.connectors.inline import ConnectorError, InlineConnector, array_bytes, plan, \
     read_outputs
 from omni_actors.connectors.mappings import _OPEN_FLAGS, _maps, _reads, drop_unlinked_mappings
+from omni_actors.connectors.mappings import MAP_CHECK_S, drop_mappings  # noqa: F401 - re-exported for tests
 from omni_actors.connectors.recycling import FREE_SUFFIX, _claim, _recycle, free_budget, \
     purge_free_segments, size_class
 from omni_actors.connectors.recycling import (  # noqa: F401 - re-exported for tests, benchmarks
-    FREE_BYTES_ENV, MAP_CHECK_S, READ_CACHE_ENV, _free_ino, drop_mappings, free_dir)
+    FREE_BYTES_ENV, _free_ino, free_dir)
 
 PREFIX_ENV = "OMNI_ACTORS_SHM_PREFIX"
 DEFAULT_PREFIX = "omni-actors-"
