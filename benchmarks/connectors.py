@@ -12,8 +12,9 @@ baselines measured in the same run:
   an actor message carries it, get);
 - **shared memory**: put into a segment, get maps it in place (zero copy; a
   second row has the reader touch every page, as a consumer does).
-  Each repetition's segment is released as a completed request releases it:
-  recycled (``release_all(..., recycle=True)``), so the next put claims it and
+  Each repetition's segment is released as the owner of a completed request
+  on the same host releases it: recycled (``release(ref, recycle=True)``,
+  a ``rename`` in this process), so the next put claims it and
   writes over pages already there, through the mapping it kept, and the get
   reads it through the mapping it kept of that file (page tables and all:
   segment recycling, :mod:`omni_actors.connectors.recycling`, and
@@ -27,11 +28,14 @@ baselines measured in the same run:
   node's data service, which runs in another process
   (``python -m omni_actors.connectors.data_service``), over loopback TCP;
   released (recycled) through that service, as a request owner on another
-  node does, and timed in the same steady state;
+  node does, and timed in the same steady state; each repetition follows a
+  raw-socket transfer of the same size (the row "raw loopback socket, in turns
+  with cross-host"), the baseline of the cross-host ratios;
 - **actor message**: the array itself sent from one Thespian actor to another
   (multiprocTCPBase), timed from the send to the receiver's acknowledgement;
 - **raw socket**: the bytes sent over loopback TCP by another process and
-  received with ``recv_into`` into a preallocated (reused) buffer.
+  received with ``recv_into`` into a preallocated (reused) buffer; once on
+  its own per size, and in turns with each directory's cross-host rows.
 
 The shared-memory and cross-host rows are measured twice where it can be:
 with segments in ``/dev/shm`` (the default) and in a **huge-page tmpfs**, a
@@ -46,8 +50,9 @@ Each figure is the median (and best) of ``--reps`` repetitions; releases are
 not timed. The raw socket and the data services send with the host's TCP
 congestion control (the header says which) unless ``--tcp-congestion`` names
 another: with ``bbr``, which paces, a loopback flow was seen to run at half
-speed for minutes at a time, so those rows vary between runs. Ratios, per segment directory: shared memory / memory copy
-(target >= 0.5) and cross-host / raw socket (target >= 0.5), both on
+speed for minutes at a time, so those rows vary between runs (hence the raw transfers in turns with the
+cross-host ones). Ratios, per segment directory: shared memory / memory copy
+(target >= 0.5) and cross-host / raw socket in turns (target >= 0.5), both on
 best-of-N, plus the cross-host get alone (the transfer, without the put) /
 raw socket, and the fresh-segment row / memory copy.
 
@@ -94,13 +99,15 @@ if str(REPO) not in sys.path:  # runnable as `python benchmarks/connectors.py` w
 import numpy as np  # noqa: E402
 from thespian.actors import Actor, ActorSystem  # noqa: E402
 
-from omni_actors.connectors import NodeConnector, release_all, sweep_segments  # noqa: E402
+from omni_actors.connectors import NodeConnector, sweep_segments  # noqa: E402
 from omni_actors.connectors import data_service  # noqa: E402
 from omni_actors.connectors.shm import DIR_ENV, SHM_DIR, drop_mappings, purge_free_segments  # noqa: E402
 
 MB = 1 << 20
 DEFAULT_SIZES = (1, 16, 64, 256)
 TARGET = 0.5
+#: The raw-socket row measured in turns with a directory's cross-host rows (their ratios' baseline).
+RAW_ALTERNATED = "raw loopback socket, in turns with cross-host"
 #: An actor message of this many MB or more is not sent (~70 ms per MB measured here): the row says so.
 ACTOR_MAX_MB = 64
 
@@ -120,6 +127,32 @@ def measure(fn: Callable[[], Any], reps: int, after: Callable[[Any], None] | Non
         if after is not None:
             after(out)
         del out
+    return {"median_s": statistics.median(times), "best_s": min(times)}
+
+
+def measure_alternating(fn: Callable[[], Any], other: Callable[[], Any], reps: int,
+                        after: Callable[[Any], None] | None = None, warmup: int = 0) -> tuple[dict, list[float]]:
+    """``measure(fn, ...)``, with one untimed-by-it run of ``other`` before each
+    repetition, timed on its own: ``(fn's timing, other's times)``. So two
+    rows compared as a ratio see the same moments of a machine (or a TCP flow)
+    whose speed swings between runs."""
+    times, others = [], []
+    for i in range(warmup + reps):
+        t0 = time.perf_counter()
+        other()
+        if i >= warmup:
+            others.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        out = fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        if after is not None:
+            after(out)
+        del out
+    return {"median_s": statistics.median(times), "best_s": min(times)}, others
+
+
+def timing_of(times: list[float]) -> dict:
     return {"median_s": statistics.median(times), "best_s": min(times)}
 
 
@@ -380,7 +413,7 @@ def section_transfer(args) -> dict:
 
                 for label, path in dirs.items():
                     with _segment_dir(path):
-                        rows.extend(_segment_rows(label, shm[label], near, out, arr, nbytes, n))
+                        rows.extend(_segment_rows(label, shm[label], near, out, arr, nbytes, n, raw))
 
                 rows.append(row("raw loopback socket (recv_into)", nbytes, measure(lambda: raw.transfer(nbytes), n)))
 
@@ -410,25 +443,34 @@ def section_transfer(args) -> dict:
 
 
 def _segment_rows(label: str, shm: NodeConnector, near: NodeConnector, out: dict, arr: np.ndarray,
-                  nbytes: int, n: int) -> list[dict]:
+                  nbytes: int, n: int, raw: RawSocket) -> list[dict]:
     """The shared-memory and cross-host rows with segments in the directory ``label``
-    (``$OMNI_ACTORS_SHM_DIR`` is set to it around this call)."""
+    (``$OMNI_ACTORS_SHM_DIR`` is set to it around this call). The cross-host rows
+    alternate with raw-socket transfers of the same size (one before each
+    repetition): their ratio compares moments of the same loopback flow."""
     rows = []
 
-    def recycle(r) -> None:
-        """What the owner of a completed request does: the reader is done (its views
-        dropped first), so the segment goes back for the next put."""
+    def recycle_here(r) -> None:
+        """What the owner of a completed request on this host does: the reader is
+        done (its views dropped first), so the segment goes back for the next put,
+        renamed here (``shm`` is on the segment's node)."""
         r[1].clear()
-        release_all([r[0]], recycle=True)
+        shm.release(r[0], recycle=True)
+
+    def recycle_there(r) -> None:
+        """The same for a request owner on another node: released through the
+        segment's data service."""
+        r[1].clear()
+        near.release(r[0], recycle=True)
 
     def unlink(r) -> None:
         r[1].clear()
-        release_all([r[0]])
+        shm.release(r[0])
 
     def shm_put_get():
         ref = shm.put(out)
         return ref, shm.get(ref)
-    rows.append(row("shared memory (put, get maps)", nbytes, measure(shm_put_get, n, after=recycle, warmup=2),
+    rows.append(row("shared memory (put, get maps)", nbytes, measure(shm_put_get, n, after=recycle_here, warmup=2),
                     segdir=label))
 
     def shm_put_get_touch():
@@ -437,7 +479,7 @@ def _segment_rows(label: str, shm: NodeConnector, near: NodeConnector, out: dict
         int(got["x"].view(np.uint8)[::4096].sum())  # the page faults a reader pays on first touch
         return ref, got
     rows.append(row("shared memory + reader touches every page", nbytes,
-                    measure(shm_put_get_touch, n, after=recycle, warmup=2), segdir=label))
+                    measure(shm_put_get_touch, n, after=recycle_here, warmup=2), segdir=label))
     purge_free_segments(shm.shm.prefix)  # (no put of this row may claim a recycled segment,
     drop_mappings()  # and no mapping of one may hold tmpfs pages: the producer drops them within 1 s)
     rows.append(row("shared memory, fresh segment each put (unlinked)", nbytes,
@@ -446,17 +488,21 @@ def _segment_rows(label: str, shm: NodeConnector, near: NodeConnector, out: dict
     def cross_put_get():
         ref = shm.put(out)
         return ref, near.get(ref)
-    rows.append(row("cross-host, loopback (put, get fetches)", nbytes,
-                    measure(cross_put_get, n, after=recycle, warmup=2), segdir=label))
+
+    def raw_transfer() -> None:
+        raw.transfer(nbytes)
+    timing, raw_times = measure_alternating(cross_put_get, raw_transfer, n, after=recycle_there, warmup=2)
+    rows.append(row("cross-host, loopback (put, get fetches)", nbytes, timing, segdir=label))
     ref = shm.put(out)
     try:
         got = near.get(ref)["x"]
         assert np.array_equal(got, arr), "cross-host bytes differ"
         del got
-        rows.append(row("cross-host get alone (the transfer)", nbytes, measure(lambda: near.get(ref), n),
-                        segdir=label))
+        timing, more = measure_alternating(lambda: near.get(ref), raw_transfer, n)
+        rows.append(row("cross-host get alone (the transfer)", nbytes, timing, segdir=label))
     finally:
-        release_all([ref])
+        shm.release(ref)
+    rows.append(row(RAW_ALTERNATED, nbytes, timing_of(raw_times + more), segdir=label))
     return rows
 
 
@@ -478,6 +524,7 @@ def _ratios(rows: list[dict], sizes, dirs: list[str]) -> dict[str, list[dict]]:
                 best("raw loopback", nbytes)
             shm, cross, get = best("shared memory (", nbytes, label), best("cross-host, loopback", nbytes, label), \
                 best("cross-host get alone", nbytes, label)
+            raw = best(RAW_ALTERNATED, nbytes, label) or raw
             fresh = best("shared memory, fresh", nbytes, label)
             out[label].append({"size_mb": size, "shm_over_copy": shm / copy, "cross_over_raw": cross / raw,
                                "cross_get_over_raw": get / raw, "shm_over_copy_4k": shm / copy4k,
