@@ -243,6 +243,9 @@ class ReplicaStatus:
     kv_cache_usage: float | None = None
     latency_buckets: tuple[int, ...] = ()  #: stage task latency histogram (``LATENCY_BUCKETS_S``)
     latency_sum_s: float = 0.0
+    #: ``(node, devices)`` the replica was launched pinned to (``stage launch --node/--devices``;
+    #: devices may be empty: that node only); ``()``: placed wherever it fits
+    pin: tuple = ()
 
 
 #: Upper bounds (seconds) of the stage latency histogram buckets; the last is +Inf.
@@ -287,6 +290,10 @@ class StartPool:
     #: how its engines store outputs (``omni_actors.connectors.MODES``, or ``omni:...``:
     #: through a vLLM-Omni connector, ``omni_actors.connectors.omni``); None: each engine's default
     connector_mode: str | None = None
+    #: The replicas to start, ``(replica id, pin)`` each (pin: ``(node, devices)`` or ``()``), instead
+    #: of ``deployment.replicas`` new ones: a pool recreated after a crash gets the replicas its
+    #: predecessor ran (launched and scaled ones included, those scaled down or drained left out).
+    replicas: tuple[tuple[str, tuple], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -81,6 +82,10 @@ def _on(leader: LocalLeader, placed: dict[str, tuple[str, str]], **extra) -> dic
 
 def _used(status: dict, node: str = "m1") -> dict[str, str]:
     return next(n["used"] for n in status["nodes"] if n["name"] == node)
+
+
+def _pool_pid(status: dict, stage: str) -> int | None:
+    return next(st["pid"] for st in status["stages"] if st["stage"] == stage)
 
 
 def _error(out: subprocess.CompletedProcess, text: str) -> None:
@@ -173,3 +178,30 @@ def test_pinned_replicas_of_a_lost_node_wait_for_it_and_come_back_on_their_devic
     _on(leader, pinned, timeout_s=30)
     print(f"\nm1 lost and back, {len(pinned)} pinned replicas on their devices again: "
           f"{time.monotonic() - t0:.1f} s")
+
+
+def test_a_pool_recreated_after_a_crash_runs_the_replicas_launched_and_scaled_at_runtime(system):
+    """The talker pool is SIGKILLed after the launches and the scale-down above: the
+    coordinator's new pool starts the replicas the old one ran, under the same names,
+    the pinned ones on their devices, and not those scaled down (not the config's 2)."""
+    leader = system
+    status = _status(leader)
+    talkers = {r: v for r, v in _reps(status).items() if r.startswith("talker/")}
+    running = {r: (v["node"], v["devices"]) for r, v in talkers.items() if v["state"] == "ready"}
+    pins = {r: talkers[r]["pin"] for r in running if talkers[r]["pin"]}
+    assert len(running) == 5 and len(pins) == 3, talkers  # what the tests above left
+    assert {r for r, v in talkers.items() if v["state"] == "stopped"} == {"talker/2", "talker/3", "talker/4"}
+    pid = _pool_pid(status, "talker")
+    os.kill(pid, signal.SIGKILL)
+    status = _wait(leader, lambda st: _pool_pid(st, "talker") not in (None, pid)
+                   and {r for r in _reps(st) if r.startswith("talker/")} == set(running)
+                   and all(_reps(st)[r]["state"] == "ready" for r in running), "the talker pool recreated",
+                   timeout_s=30)
+    reps = _reps(status)
+    assert {r: (reps[r]["node"], reps[r]["devices"]) for r in running} == running
+    assert {r: reps[r]["pin"] for r in running if reps[r]["pin"]} == pins
+    assert _used(status) == {"0": "code2wav/1", **{d: r for r, (node, d) in running.items() if node == "m1"}}
+    # and the next launch takes the next free name
+    out = _cli(leader, "stage", "launch", "--stage", "talker", "--node", "leader")
+    assert out.returncode == 0, out.stderr
+    assert "launched talker/8" in out.stdout, out.stdout

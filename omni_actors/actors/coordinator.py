@@ -55,6 +55,9 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._pools: dict[int, object] = {}
         self._states: dict[int, PoolState] = {}
         self._pool_restarts: dict[int, list[float]] = {}
+        #: stage id -> the replicas its pool last said it runs, ``(replica id, pin)`` each: what a pool
+        #: recreated after a crash starts (launched and scaled ones included); None: the config's count
+        self._layouts: dict[int, tuple[tuple[str, tuple], ...]] = {}
         self._routes_version = 0
         self._deploy_waiters: list[object] = []
         self._subscribers: list[tuple[object, float]] = []
@@ -92,13 +95,16 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._answer_deploy_waiters()
 
     def _start_pool(self, stage) -> None:
+        """Create the stage's pool: the config's replicas, or after a crash the ones the
+        pool before it ran (:attr:`_layouts`)."""
         cfg = self._config
         dep = cfg.deployment
         pool = self.createActor(StagePoolActor)
         self._pools[stage.stage_id] = pool
         self.send(pool, StartPool(stage, cfg.deployment_of(stage), dep.heartbeat_interval_s, dep.ready_timeout_s,
                                   cfg.inline_threshold_of(stage), dep.load_balancing, dep.supervision,
-                                  connector_mode=cfg.connector_mode_of(stage)))
+                                  connector_mode=cfg.connector_mode_of(stage),
+                                  replicas=self._layouts.get(stage.stage_id)))
 
     def _settled(self) -> bool:
         if self._config is None:
@@ -125,6 +131,9 @@ class CoordinatorActor(ActorTypeDispatcher):
         if self._pools.get(msg.stage_id) != sender:
             return  # an old pool, draining after it was replaced
         old = self._states.get(msg.stage_id)
+        # Scaled down or drained away: not started again by a pool recreated after a crash.
+        self._layouts[msg.stage_id] = tuple((r.replica, r.pin) for r in msg.replicas
+                                            if r.state not in (ReplicaState.STOPPED, ReplicaState.DRAINING))
         self._states[msg.stage_id] = PoolState(msg.stage_id, msg.stage, msg.replicas, msg.pid, msg.pending,
                                                len(self._pool_restarts.get(msg.stage_id, ())))
         if old is None or _states_of(old) != _states_of(msg):

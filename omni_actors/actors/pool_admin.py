@@ -47,7 +47,7 @@ class PoolAdminMixin:
                 self._launch(self._new_replica_id())
         else:
             # retire the least busy, newest first
-            for rep in sorted(live, key=lambda r: (len(r.in_flight), -self._index(r)))[:len(live) - msg.replicas]:
+            for rep in sorted(live, key=lambda r: (len(r.in_flight), -self._index(r.replica)))[:len(live) - msg.replicas]:
                 if rep.state in (ReplicaState.DEAD, ReplicaState.PENDING):
                     rep.state, rep.reason = ReplicaState.STOPPED, "scaled down"
                     self._release(rep)
@@ -76,5 +76,6 @@ class PoolAdminMixin:
                   + ", ".join(launched)))
 
     @staticmethod
-    def _index(rep) -> int:
-        return int(rep.replica.rsplit("/", 1)[1])
+    def _index(replica: str) -> int:
+        """``"talker/3"`` -> 3."""
+        return int(replica.rsplit("/", 1)[1])

@@ -105,8 +105,15 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         # results it had not sent by then are lost with it.
         self._finished_window_s = max(sup.missed_heartbeats * msg.heartbeat_interval_s, sup.stall_timeout_s) + 1.0
         self._log = self._log.bind(stage=msg.stage.name)
-        for _ in range(msg.deployment.replicas):
-            self._launch(self._new_replica_id())
+        if msg.replicas is None:
+            for _ in range(msg.deployment.replicas):
+                self._launch(self._new_replica_id())
+        else:  # recreated after a crash: the replicas the last pool ran, under their names
+            for rid, pin in msg.replicas:
+                self._next_index = max(self._next_index, self._index(rid) + 1)
+                if pin:
+                    self._pins[rid] = (pin[0], tuple(pin[1]))
+                self._launch(rid)
         self.wakeupAfter(msg.heartbeat_interval_s / TICKS_PER_INTERVAL, payload="tick")
         self._publish()
 
@@ -433,7 +440,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                 last_heartbeat_age_s=None if r.health is None else round(now - r.health.last_heartbeat, 3),
                 pid=r.pid, node=r.node, devices=r.devices, backend=r.backend, restarts=len(r.restarts),
                 rate=round(r.health.rate(), 2) if r.health else 0.0, kv_cache_usage=r.kv_cache_usage,
-                latency_buckets=tuple(r.latency), latency_sum_s=round(r.latency_sum, 6))
+                latency_buckets=tuple(r.latency), latency_sum_s=round(r.latency_sum, 6),
+                pin=self._pins.get(r.replica, ()))
             for r in self._replicas.values())
         self.send(self._coordinator, PoolState(self._spec.stage.stage_id, self._spec.stage.name, replicas,
                                                pid=os.getpid(), pending=len(self._pending)))
