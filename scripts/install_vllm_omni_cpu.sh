@@ -24,5 +24,17 @@ PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= "$VENV/bin/python" -m pip install --qu
 "$VENV/bin/python" -m pip install --quiet --no-deps -e .
 "$VENV/bin/python" -m pip install --quiet "thespian==4.0.1" "aiohttp>=3.9,<4" "structlog>=24.1" "msgspec>=0.18" \
     "PyYAML>=6.0" "pillow>=10.0" "prometheus-client>=0.20" "pytest>=8.0" "pytest-timeout>=2.3" "openai>=1.40"
+# Mooncake, for vLLM-Omni's MooncakeStoreConnector (its store over TCP; tests start a master on
+# loopback): the non-CUDA build, 0.3.11.post1 (0.3.12 and later need libcudart 12, and 0.3.13
+# changed the ReplicateConfig that vLLM-Omni 0.30's connector sets). Its library links libibverbs:
+# Debian's libibverbs1, installed here where apt-get can; without it those tests skip.
+"$VENV/bin/python" -m pip install --quiet --no-deps mooncake-transfer-engine-non-cuda==0.3.11.post1
+if ! /sbin/ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1 "; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get install -y -q libibverbs1 >/dev/null 2>&1 || echo "note: apt-get install libibverbs1 failed: the Mooncake tests will skip"
+    else
+        echo "note: libibverbs1 is missing (sudo apt-get install libibverbs1): the Mooncake tests will skip"
+    fi
+fi
 "$VENV/bin/python" -c "import vllm_omni, vllm, torch; print('vllm-omni ready:', vllm.__version__, torch.__version__)"
 touch "$VENV/.installed-omni"

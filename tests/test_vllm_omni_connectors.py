@@ -5,9 +5,13 @@ a config naming one gives its engines an ``omni:`` connector mode.
 
 The connector used is vLLM-Omni's ``SharedMemoryConnector``, the one that
 runs without infrastructure (a config naming it gets ours instead; these
-tests name it in the mode directly). ``MooncakeStoreConnector`` needs the
-``mooncake`` package and a Mooncake master, neither of which is here: only
-that its build is attempted (and fails saying so) is tested.
+tests name it in the mode directly), and ``MooncakeStoreConnector`` against a
+real Mooncake master started here, its store over TCP on loopback (the
+``mooncake`` package, ``mooncake-transfer-engine-non-cuda``, which
+``scripts/install_vllm_omni_cpu.sh`` installs; skipped without it). The
+master's metadata and metrics servers listen on every interface (Mooncake
+0.3.11 binds them so whatever host it is given); everything connects to
+127.0.0.1.
 
 Skips where ``vllm_omni`` is not importable (the main venv): run with
 ``make test-vllm-omni``. Importing vLLM-Omni takes 5-15 s per process.
@@ -20,9 +24,12 @@ import base64
 import copy
 import io
 import json
+import importlib.util
 import multiprocessing
 import os
 import pickle
+import socket
+import subprocess
 import time
 import uuid
 import wave
@@ -307,3 +314,129 @@ def test_pipeline_through_vllm_omnis_connector_is_byte_identical(tmp_path):
     assert log.count('"omni_connector_built"') >= 5, "every engine built vLLM-Omni's connector"
     assert '"omni_connector_not_applied"' not in log
     assert [n for n in os.listdir(SHM_DIR) if n.startswith(prefix) or n.startswith(f"shm_{prefix}")] == []
+
+
+# -- a real Mooncake store (MooncakeStoreConnector over TCP on loopback) -----------------------------
+
+def _mooncake_master() -> str | None:
+    """The ``mooncake_master`` binary of an importable ``mooncake.store``; None if there is none."""
+    try:
+        import mooncake.store  # noqa: F401 - (its C++ library needs libibverbs)
+    except ImportError:
+        return None
+    spec = importlib.util.find_spec("mooncake")
+    binary = Path(spec.origin).parent / "mooncake_master" if spec and spec.origin else None
+    return str(binary) if binary is not None and os.access(binary, os.X_OK) else None
+
+
+@pytest.fixture(scope="module")
+def mooncake(request) -> tuple[dict, str]:
+    """A Mooncake master (with its HTTP metadata server) on free loopback ports, for this
+    module: the settings of a ``MooncakeStoreConnector`` that uses it over TCP, and the URL
+    of the master's Prometheus metrics."""
+    from omni_actors.system.local import free_port
+
+    binary = _mooncake_master()
+    if binary is None:
+        pytest.skip("the mooncake package (mooncake-transfer-engine-non-cuda, with libibverbs) is not "
+                    "installed: scripts/install_vllm_omni_cpu.sh installs it")
+    rpc, meta, metrics = free_port(), free_port(), free_port()
+    proc = subprocess.Popen([binary, f"-rpc_port={rpc}", "-rpc_address=127.0.0.1",
+                             "-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1",
+                             f"-http_metadata_server_port={meta}", f"-metrics_port={metrics}",
+                             "-enable_metric_reporting=false"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop() -> None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    request.addfinalizer(stop)
+    deadline = time.monotonic() + 20
+    for port in (rpc, meta):
+        while True:
+            assert proc.poll() is None, f"mooncake_master exited with {proc.returncode}"
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"mooncake_master is not listening on {port}"
+                time.sleep(0.1)
+    return ({"host": "127.0.0.1", "master": f"127.0.0.1:{rpc}", "metadata_server": f"http://127.0.0.1:{meta}/metadata",
+             "proto": "tcp", "segment": 64 << 20, "localbuf": 16 << 20}, f"http://127.0.0.1:{metrics}/metrics")
+
+
+def _master_counts(url: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        lines = r.read().decode().splitlines()
+    return {k: float(v) for k, _, v in (line.partition(" ") for line in lines if line and not line.startswith("#"))}
+
+
+def _get_from_another_process(ref_bytes: bytes, results) -> None:
+    try:
+        got = NodeConnector().get(pickle.loads(ref_bytes))
+        results.put({k: (v.dtype.str, v.shape, v.tobytes()) if isinstance(v, np.ndarray) else v
+                     for k, v in got.items()})
+    except BaseException as exc:  # noqa: BLE001
+        results.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        omni.close_all()
+
+
+def test_outputs_go_through_a_mooncake_store_and_are_read_in_another_process(mooncake, prefix):
+    settings, _ = mooncake
+    conn = NodeConnector(0, prefix, mode=encode_mode("MooncakeStoreConnector", settings, stage=1))
+    outputs = sample_outputs()
+    ref = conn.put(outputs)
+    assert ref.kind == omni.KIND and ref.omni.connector == "MooncakeStoreConnector"
+    assert vo_files(prefix) == []  # nothing of it in shared memory: it is in the store
+    assert_same(conn.get(ref), outputs)  # the store keeps it: it reads again (no first-reader hand-off)
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_get_from_another_process, args=(pickle.dumps(ref), results))
+    proc.start()
+    try:
+        got = results.get(timeout=180)
+    finally:
+        proc.join(60)
+    assert isinstance(got, dict), got
+    for k, v in outputs.items():
+        assert got[k] == ((v.dtype.str, v.shape, v.tobytes()) if isinstance(v, np.ndarray) else v), k
+    release_all([ref])  # vLLM-Omni's cleanup is a no-op for it: the store evicts
+
+
+@pytest.mark.system
+def test_pipeline_with_a_config_naming_a_mooncake_store_is_byte_identical(mooncake, tmp_path):
+    """vLLM-Omni's config form (``runtime.connectors`` and a stage's ``output_connectors``) names
+    the Mooncake store for the Talker's codec codes: Code2Wav reads them from the store, and the
+    answers equal those of the same pipeline on our connectors."""
+    from omni_actors.system.local import LocalLeader
+
+    config = _pipeline_config(tmp_path)
+    with LocalLeader(config) as ours:
+        want = asyncio.run(_answers(ours.base_url, stream=False))
+    data = yaml.safe_load(config.read_text())
+    settings, metrics = mooncake
+    before = _master_counts(metrics)
+    data["runtime"] = {"connectors": {"store": {"name": "MooncakeStoreConnector", "extra": settings}}}
+    talker = next(s for s in data["stage_args"] if s["engine_args"]["model_stage"] == "talker")
+    talker["output_connectors"] = {"to_stage_2": "store"}
+    named = tmp_path / "mooncake.yaml"
+    named.write_text(yaml.safe_dump(data, sort_keys=False))
+    with LocalLeader(named, start_timeout_s=400) as theirs:
+        got = asyncio.run(_answers(theirs.base_url, stream=False))
+        log = theirs.log_path.read_text()
+        after = _master_counts(metrics)
+    assert all(w["text"] and len(w["pcm"]) > 0 for w in want)
+    assert got == want
+    # the store saw the Talker's outputs go in and Code2Wav read them (one each per prompt at least)
+    for counter in ("master_put_end_requests_total", "master_get_replica_list_requests_total"):
+        assert after[counter] - before.get(counter, 0) >= len(PROMPTS), (counter, before, after)
+    built = [json.loads(line) for line in log.splitlines() if '"omni_connector_built"' in line]
+    assert any(b.get("connector") == "MooncakeStoreConnector" for b in built), built
+    assert '"omni_connector_not_applied"' not in log

@@ -37,7 +37,9 @@ Semantics are the vLLM-Omni connector's (0.30):
 - ``MooncakeStoreConnector``'s ``cleanup`` does nothing (the store evicts):
   ``release`` does not build it in a process that has not (a Mooncake client
   per RequestActor just to do nothing). It needs a Mooncake master and the
-  ``mooncake`` package, neither of which the dev VM has: untested here.
+  ``mooncake`` package (tested with ``mooncake-transfer-engine-non-cuda``
+  0.3.11.post1, its store over TCP on loopback; later ones do not fit
+  vLLM-Omni 0.30's connector).
 - The transfer-engine connectors (:data:`TRANSFER_ENGINE_CONNECTORS`) need
   per-stage sender/receiver roles and ZMQ ports per replica, which
   vLLM-Omni's stage launcher works out: the config does not apply them.
