@@ -115,11 +115,20 @@ ACTOR_MAX_MB = 64
 # --------------------------------------------------------------------- measuring
 
 def measure(fn: Callable[[], Any], reps: int, after: Callable[[Any], None] | None = None,
-            warmup: int = 0) -> dict:
+            warmup: int = 0, before: Callable[[], Any] | None = None,
+            before_times: list[float] | None = None) -> dict:
     """Time ``fn`` ``reps`` times, after ``warmup`` untimed runs (``after(result)``
-    runs untimed after each): ``{"median_s", "best_s"}``."""
+    runs untimed after each): ``{"median_s", "best_s"}``. With ``before``, it runs
+    before each repetition, timed on its own into ``before_times``: two rows
+    compared as a ratio then see the same moments of a machine (or of a TCP
+    flow) whose speed swings between runs."""
     times = []
     for i in range(warmup + reps):
+        if before is not None:
+            t0 = time.perf_counter()
+            before()
+            if i >= warmup and before_times is not None:
+                before_times.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         out = fn()
         if i >= warmup:
@@ -127,29 +136,7 @@ def measure(fn: Callable[[], Any], reps: int, after: Callable[[Any], None] | Non
         if after is not None:
             after(out)
         del out
-    return {"median_s": statistics.median(times), "best_s": min(times)}
-
-
-def measure_alternating(fn: Callable[[], Any], other: Callable[[], Any], reps: int,
-                        after: Callable[[Any], None] | None = None, warmup: int = 0) -> tuple[dict, list[float]]:
-    """``measure(fn, ...)``, with one untimed-by-it run of ``other`` before each
-    repetition, timed on its own: ``(fn's timing, other's times)``. So two
-    rows compared as a ratio see the same moments of a machine (or a TCP flow)
-    whose speed swings between runs."""
-    times, others = [], []
-    for i in range(warmup + reps):
-        t0 = time.perf_counter()
-        other()
-        if i >= warmup:
-            others.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        out = fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-        if after is not None:
-            after(out)
-        del out
-    return {"median_s": statistics.median(times), "best_s": min(times)}, others
+    return timing_of(times)
 
 
 def timing_of(times: list[float]) -> dict:
@@ -491,18 +478,21 @@ def _segment_rows(label: str, shm: NodeConnector, near: NodeConnector, out: dict
 
     def raw_transfer() -> None:
         raw.transfer(nbytes)
-    timing, raw_times = measure_alternating(cross_put_get, raw_transfer, n, after=recycle_there, warmup=2)
-    rows.append(row("cross-host, loopback (put, get fetches)", nbytes, timing, segdir=label))
+    raw_times: list[float] = []
+    rows.append(row("cross-host, loopback (put, get fetches)", nbytes,
+                    measure(cross_put_get, n, after=recycle_there, warmup=2, before=raw_transfer,
+                            before_times=raw_times), segdir=label))
     ref = shm.put(out)
     try:
         got = near.get(ref)["x"]
         assert np.array_equal(got, arr), "cross-host bytes differ"
         del got
-        timing, more = measure_alternating(lambda: near.get(ref), raw_transfer, n)
-        rows.append(row("cross-host get alone (the transfer)", nbytes, timing, segdir=label))
+        rows.append(row("cross-host get alone (the transfer)", nbytes,
+                        measure(lambda: near.get(ref), n, before=raw_transfer, before_times=raw_times),
+                        segdir=label))
     finally:
         shm.release(ref)
-    rows.append(row(RAW_ALTERNATED, nbytes, timing_of(raw_times + more), segdir=label))
+    rows.append(row(RAW_ALTERNATED, nbytes, timing_of(raw_times), segdir=label))
     return rows
 
 

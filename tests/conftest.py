@@ -6,6 +6,7 @@ SIGINT (as Ctrl-C) and kills anything of that system left behind.
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,16 @@ def omni_importable(module: str = "vllm_omni") -> bool:
     except Exception:  # noqa: BLE001
         return False
     return True
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGTERM ``proc`` and reap it; SIGKILL if it has not exited within ``timeout_s``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _leader(request, config: Path) -> LocalLeader:

@@ -23,6 +23,7 @@ from omni_actors.connectors import ConnectorError, DataService, NodeConnector, l
 from omni_actors.connectors import data_service as ds
 from omni_actors.connectors.shm import SHM_DIR, size_class
 
+from conftest import stop_process
 from test_connectors import assert_same_outputs, sample_outputs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,12 +50,7 @@ def data_service_process(prefix: str, *args: str):
         yield line.split()[1]
     finally:
         ds.close_connections()
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ from omni_actors.connectors import NodeConnector, list_segments, make_connector,
 from omni_actors.connectors import omni
 from omni_actors.connectors.omni import OmniConnectorError, encode_mode, parse_mode
 
-from conftest import OMNI_SKIP_REASON as SKIP_REASON, omni_importable
+from conftest import OMNI_SKIP_REASON as SKIP_REASON, omni_importable, stop_process
 from test_config import BASE
 
 
@@ -347,14 +347,7 @@ def mooncake(request) -> tuple[dict, str]:
                              "-enable_metric_reporting=false"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    def stop() -> None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    request.addfinalizer(stop)
+    request.addfinalizer(lambda: stop_process(proc))
     deadline = time.monotonic() + 20
     for port in (rpc, meta):
         while True:
