@@ -248,6 +248,11 @@ class ReplicaStatus:
     pin: tuple = ()
 
 
+def replica_index(replica: str) -> int:
+    """The index in a replica's name: ``"talker/3"`` -> 3 (names are ``<stage>/<index>``)."""
+    return int(replica.rsplit("/", 1)[1])
+
+
 #: Upper bounds (seconds) of the stage latency histogram buckets; the last is +Inf.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, float("inf"))
 
@@ -294,6 +299,9 @@ class StartPool:
     #: of ``deployment.replicas`` new ones: a pool recreated after a crash gets the replicas its
     #: predecessor ran (launched and scaled ones included, those scaled down or drained left out).
     replicas: tuple[tuple[str, tuple], ...] | None = None
+    #: the index of the next new replica's name (``<stage>/<index>``): a recreated pool goes on
+    #: from its predecessor's, so no name is used twice
+    next_index: int = 0
 
 
 @dataclass(frozen=True)

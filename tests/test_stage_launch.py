@@ -205,3 +205,48 @@ def test_a_pool_recreated_after_a_crash_runs_the_replicas_launched_and_scaled_at
     out = _cli(leader, "stage", "launch", "--stage", "talker", "--node", "leader")
     assert out.returncode == 0, out.stderr
     assert "launched talker/8" in out.stdout, out.stdout
+
+
+def test_a_replica_draining_when_its_pool_dies_frees_its_devices_and_names_are_not_reused(system):
+    """A pinned replica is drained with work in flight (slowed down) and the talker pool is
+    SIGKILLed at once: the new pool leaves it out and its device is free again; the replica
+    scaled down before the crash (the newest) does not lend its name to the next launch."""
+    import threading
+
+    leader = system
+    out = _cli(leader, "stage", "scale", "--stage", "talker", "--replicas", "5")  # talker/8 (newest) goes
+    assert out.returncode == 0, out.stderr
+    _wait(leader, lambda st: _reps(st)["talker/8"]["state"] == "stopped", "talker/8 scaled down")
+    assert _cli(leader, "inject", "slow", "--replica", "talker/7", "--factor", "200").returncode == 0
+    device = _reps(_status(leader))["talker/7"]["devices"]
+
+    def ask() -> None:
+        body = json.dumps({"model": "qwen3-omni-cpu-demo", "modalities": ["text", "audio"],
+                           "messages": [{"role": "user", "content": "hello"}]}).encode()
+        req = urllib.request.Request(leader.base_url + "/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=90) as r:
+                r.read()
+        except Exception:  # noqa: BLE001 - this test is about devices and names, not answers
+            pass
+    clients = [threading.Thread(target=ask) for _ in range(8)]
+    for c in clients:
+        c.start()
+    _wait(leader, lambda st: _reps(st)["talker/7"]["in_flight"] > 0, "talker/7 busy")
+    assert _cli(leader, "stage", "drain", "--replica", "talker/7").returncode == 0
+    status = _status(leader)
+    assert _reps(status)["talker/7"]["state"] == "draining", _reps(status)["talker/7"]
+    pid = _pool_pid(status, "talker")
+    os.kill(pid, signal.SIGKILL)
+    status = _wait(leader, lambda st: _pool_pid(st, "talker") not in (None, pid)
+                   and sorted(r for r in _reps(st) if r.startswith("talker/")) == [
+                       "talker/0", "talker/1", "talker/5", "talker/6"]
+                   and all(_reps(st)[r]["state"] == "ready" for r in _reps(st) if r.startswith("talker/")),
+                   "the talker pool recreated without talker/7", timeout_s=30)
+    assert device not in _used(status), _used(status)
+    for c in clients:
+        c.join(120)
+    out = _cli(leader, "stage", "launch", "--stage", "talker", "--devices", device, "--node", "m1")
+    assert out.returncode == 0, out.stderr
+    assert f"launched talker/9 on m1 devices {device}" in out.stdout, out.stdout

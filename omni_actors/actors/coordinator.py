@@ -33,7 +33,7 @@ from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainReplica, Get
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, PlaceReplica, Placement,
                                   PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
                                   ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, StartNodeAgent,
-                                  StartPool, Subscribe, SystemStatus, WhoAmI, YouAre)
+                                  StartPool, Subscribe, SystemStatus, WhoAmI, YouAre, replica_index)
 from omni_actors.placement import Inventory, PlacementError
 
 #: A member node whose agent has been silent this many heartbeat intervals is lost.
@@ -58,6 +58,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         #: stage id -> the replicas its pool last said it runs, ``(replica id, pin)`` each: what a pool
         #: recreated after a crash starts (launched and scaled ones included); None: the config's count
         self._layouts: dict[int, tuple[tuple[str, tuple], ...]] = {}
+        self._next_index: dict[int, int] = {}  #: stage id -> one past the highest replica index used
         self._routes_version = 0
         self._deploy_waiters: list[object] = []
         self._subscribers: list[tuple[object, float]] = []
@@ -104,7 +105,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         self.send(pool, StartPool(stage, cfg.deployment_of(stage), dep.heartbeat_interval_s, dep.ready_timeout_s,
                                   cfg.inline_threshold_of(stage), dep.load_balancing, dep.supervision,
                                   connector_mode=cfg.connector_mode_of(stage),
-                                  replicas=self._layouts.get(stage.stage_id)))
+                                  replicas=self._layouts.get(stage.stage_id),
+                                  next_index=self._next_index.get(stage.stage_id, 0)))
 
     def _settled(self) -> bool:
         if self._config is None:
@@ -134,6 +136,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         # Scaled down or drained away: not started again by a pool recreated after a crash.
         self._layouts[msg.stage_id] = tuple((r.replica, r.pin) for r in msg.replicas
                                             if r.state not in (ReplicaState.STOPPED, ReplicaState.DRAINING))
+        self._next_index[msg.stage_id] = max([self._next_index.get(msg.stage_id, 0)]
+                                             + [replica_index(r.replica) + 1 for r in msg.replicas])
         self._states[msg.stage_id] = PoolState(msg.stage_id, msg.stage, msg.replicas, msg.pid, msg.pending,
                                                len(self._pool_restarts.get(msg.stage_id, ())))
         if old is None or _states_of(old) != _states_of(msg):
@@ -180,6 +184,12 @@ class CoordinatorActor(ActorTypeDispatcher):
             why = "stage pool exited" + ("" if delay is not None else
                                          f"; gave up after {len(self._pool_restarts[stage_id])} restarts")
             self._log.error("pool_exited", stage=old.stage, restart_in_s=delay)
+            # What the new pool will not start (scaled down, drained) gives its devices back now;
+            # the others keep theirs under the same names.
+            kept = {rid for rid, _ in self._layouts.get(stage_id, ())} if delay is not None else set()
+            for r in old.replicas:
+                if r.replica not in kept:
+                    self._inventory.release(r.replica)
             self._states[stage_id] = PoolState(stage_id, old.stage, tuple(
                 ReplicaStatus(r.replica, ReplicaState.DEAD if delay is not None else ReplicaState.FAILED, why)
                 for r in old.replicas), None, 0, len(self._pool_restarts[stage_id]))

@@ -138,6 +138,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._parked = 0  # tasks waiting on a neighbour stage (input chunks, credits)
         self._last_ack = time.monotonic()
         self._draining = False
+        self._orphaned = False  # no ack from the pool for orphan_after_s: it is gone
         self._fault: InjectFault | None = None
         self._stalled: asyncio.Event | None = None
         self._log = get_logger(actor="engine")
@@ -199,6 +200,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         if msg.payload == "exit" and self._draining and not self._tasks:
             self.send(self.myAddress, ActorExitRequest())
             return self._watch()
+        if msg.payload == "orphan_deadline" and self._rt is not None:
+            self._rt.loop.call_soon_threadsafe(self._cancel_all, "its pool is gone")
+            return self._watch()
         if msg.payload == "heartbeat" and self._spec is not None:
             interval = self._spec.heartbeat_interval_s
             failure = getattr(self._backend, "failure", None) if self._ready else None
@@ -208,9 +212,16 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 self._ready = False
                 self.send(self._pool, EngineFailed(self._spec.replica, failure))
             orphan_after_s = max(ORPHAN_AFTER_INTERVALS * interval, self._spec.orphan_after_s)
-            if not self._draining and time.monotonic() - self._last_ack > orphan_after_s:
+            if not self._orphaned and time.monotonic() - self._last_ack > orphan_after_s:
+                # The pool is gone. Its replacement's RequestActors re-sent these tasks, and no
+                # cancel can reach us any more: they get as long again to end, then are cancelled
+                # (one waiting for chunk credits from a consumer that moved on would wait forever).
                 self._log.warning("pool_lost_draining", in_flight=len(self._tasks))
+                self._orphaned = True
                 self._start_drain()
+                self.wakeupAfter(orphan_after_s, payload="orphan_deadline")
+            if self._orphaned:  # nobody to tell: no more heartbeats
+                return self._watch()
             load = self._backend.load() if (self._backend and self._ready) else None
             self.send(self._pool, Heartbeat(
                 replica=self._spec.replica,
@@ -324,6 +335,13 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         if task is not None and not task.done():
             self._rt.loop.create_task(self._backend.abort(request_id))
             task.cancel()
+
+    def _cancel_all(self, why: str) -> None:
+        """On the loop thread: cancel every task still running (a drained replica then exits)."""
+        if self._tasks:
+            self._log.warning("tasks_cancelled", in_flight=len(self._tasks), reason=why)
+        for request_id, stage_id in list(self._tasks):
+            self._cancel(request_id, stage_id)
 
     async def _run_task(self, msg: StageTask) -> None:
         key = (msg.request_id, msg.stage_id)

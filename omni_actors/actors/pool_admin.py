@@ -8,7 +8,8 @@ pool's replica table and helpers); each request is answered with an
 from __future__ import annotations
 
 from omni_actors.messages import LIVE_STATES as _ALIVE
-from omni_actors.messages import AdminReply, DrainReplica, InjectFault, LaunchReplicas, ReplicaState, ScaleStage
+from omni_actors.messages import (AdminReply, DrainReplica, InjectFault, LaunchReplicas, ReplicaState, ScaleStage,
+                                  replica_index)
 
 
 class PoolAdminMixin:
@@ -47,7 +48,7 @@ class PoolAdminMixin:
                 self._launch(self._new_replica_id())
         else:
             # retire the least busy, newest first
-            for rep in sorted(live, key=lambda r: (len(r.in_flight), -self._index(r.replica)))[:len(live) - msg.replicas]:
+            for rep in sorted(live, key=lambda r: (len(r.in_flight), -replica_index(r.replica)))[:len(live) - msg.replicas]:
                 if rep.state in (ReplicaState.DEAD, ReplicaState.PENDING):
                     rep.state, rep.reason = ReplicaState.STOPPED, "scaled down"
                     self._release(rep)
@@ -75,7 +76,3 @@ class PoolAdminMixin:
             True, f"{self._spec.stage.name}: {before} -> {before + len(pins)} replicas; launched "
                   + ", ".join(launched)))
 
-    @staticmethod
-    def _index(replica: str) -> int:
-        """``"talker/3"`` -> 3."""
-        return int(replica.rsplit("/", 1)[1])

@@ -35,7 +35,8 @@ from omni_actors.balancing import POLICIES, ReplicaLoad
 from omni_actors.logs import get_logger
 from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, CancelStage, DrainReplica, EngineFailed,
                                   EngineReady, ErrorKind, Heartbeat, HeartbeatAck, PoolState, ReleasePlacement,
-                                  ReplicaState, ReplicaStatus, StageFailed, StageTask, StartPool, TaskFinished)
+                                  ReplicaState, ReplicaStatus, StageFailed, StageTask, StartPool, TaskFinished,
+                                  replica_index)
 
 #: Ticks per heartbeat interval: how often health is judged.
 TICKS_PER_INTERVAL = 4
@@ -105,12 +106,13 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         # results it had not sent by then are lost with it.
         self._finished_window_s = max(sup.missed_heartbeats * msg.heartbeat_interval_s, sup.stall_timeout_s) + 1.0
         self._log = self._log.bind(stage=msg.stage.name)
+        self._next_index = msg.next_index
         if msg.replicas is None:
             for _ in range(msg.deployment.replicas):
                 self._launch(self._new_replica_id())
         else:  # recreated after a crash: the replicas the last pool ran, under their names
             for rid, pin in msg.replicas:
-                self._next_index = max(self._next_index, self._index(rid) + 1)
+                self._next_index = max(self._next_index, replica_index(rid) + 1)
                 if pin:
                     self._pins[rid] = (pin[0], tuple(pin[1]))
                 self._launch(rid)

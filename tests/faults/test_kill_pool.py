@@ -39,3 +39,58 @@ def test_killed_pool_is_recreated_and_its_orphaned_engines_exit(leader):
     # engines whose pool is gone exit by themselves (3 missed acks), not only at shutdown
     assert wait_gone(leader, [old["pid"], *old_engines], timeout_s=6 * HEARTBEAT_S) == []
     assert wait_no_segments(leader) == []
+
+
+def test_engines_of_a_killed_pool_blocked_mid_stream_exit(leader):
+    """The Thinker pool is SIGKILLed while its replica streams a long answer to the
+    Talker: the Thinker's task waits for chunk credits that nobody will send any more
+    (its request re-sent the stage to the new pool). The orphaned engine still exits
+    within a few heartbeat intervals (it used to wait forever), and the request ends
+    with a 200 or a clear error, not a hang."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+
+    def table() -> dict:
+        with urllib.request.urlopen(leader.base_url + "/stages", timeout=10) as r:
+            return json.loads(r.read())
+
+    outcome: dict = {}
+
+    def ask() -> None:
+        body = json.dumps({"model": "qwen3-omni-cpu-demo", "max_tokens": 1500, "stream": True,
+                           "modalities": ["text", "audio"],
+                           "messages": [{"role": "user", "content": "a long story"}]}).encode()
+        req = urllib.request.Request(leader.base_url + "/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S * 6) as r:
+                outcome["status"], outcome["body"] = r.status, r.read().decode()
+        except urllib.error.HTTPError as exc:
+            outcome["status"], outcome["body"] = exc.code, exc.read().decode()
+        except Exception as exc:  # noqa: BLE001 - a hang or a reset shows in the assertion
+            outcome["error"] = repr(exc)
+
+    client = threading.Thread(target=ask)
+    client.start()
+    deadline = time.monotonic() + 10
+    while True:  # until the Thinker's replica has the task
+        thinker = _stage(table(), "thinker")
+        busy = [rep for rep in thinker["replicas"] if rep["in_flight"]]
+        if busy:
+            break
+        assert time.monotonic() < deadline, thinker
+        time.sleep(0.05)
+    time.sleep(1.0)  # well into the stream: the Talker consumes, the Thinker waits for credits
+    old_engines = [rep["pid"] for rep in thinker["replicas"]]
+    os.kill(thinker["pid"], signal.SIGKILL)
+    left = wait_gone(leader, [thinker["pid"], *old_engines], timeout_s=12 * HEARTBEAT_S)
+    client.join(REQUEST_TIMEOUT_S * 6)
+    assert not client.is_alive(), "the request hung"
+    assert left == [], f"engines of the killed pool still running: {left}"
+    assert "error" not in outcome, outcome
+    assert outcome["status"] == 200 or '"error"' in outcome["body"], outcome
