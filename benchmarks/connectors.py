@@ -317,12 +317,13 @@ def huge_tmpfs(size_bytes: int, disabled: bool = False) -> Iterator[tuple[str | 
     try:
         yield path, _mount_options(path) or options
     finally:
-        gc.collect()  # drop mappings of its (unlinked) segments, or the unmount finds it busy
-        drop_mappings()  # (and those a producer keeps to write recycled segments again)
-        if subprocess.run(["umount", path], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", path], capture_output=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
+        with signals_deferred():
+            gc.collect()  # drop mappings of its (unlinked) segments, or the unmount finds it busy
+            drop_mappings()  # (and those a producer keeps to write recycled segments again)
+            if subprocess.run(["umount", path], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", path], capture_output=True)
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
 
 
 def _mount_options(path: str) -> str:
@@ -417,14 +418,17 @@ def section_transfer(args) -> dict:
                     rows.append(row("actor message (Thespian TCP)", nbytes, None,
                                     note=f"not sent: over {args.actor_max_mb} MB (see the smaller sizes' rate)"))
         finally:
-            if asys is not None:
-                asys.shutdown()
-            if raw is not None:
-                raw.close()
-            for service in services.values():
-                service.close()
-            for path in dirs.values():
-                sweep_segments(prefix, path)
+            with signals_deferred():
+                for path in dirs.values():
+                    sweep_segments(prefix, path)
+                if asys is not None:
+                    asys.shutdown()
+                if raw is not None:
+                    raw.close()
+                for service in services.values():
+                    service.close()
+                for path in dirs.values():  # (and what a service freed meanwhile)
+                    sweep_segments(prefix, path)
     return {"rows": rows, "dirs": list(dirs), "huge_tmpfs": {"mounted": huge is not None, "note": huge_note},
             "ratios": _ratios(rows, sizes, list(dirs))}
 
@@ -529,7 +533,9 @@ def print_transfer(result: dict) -> None:
         print(f"segments in /dev/shm, and in a {HUGE_LABEL} mounted for this run ({huge['note']})")
     else:
         print(f"segments in /dev/shm only; the {HUGE_LABEL} variant was skipped: {huge['note']}")
-    width = 44 + max(len(f" [{d}]") for d in result["dirs"])
+    def label(r: dict) -> str:
+        return r["path"] + (f" [{r['segdir']}]" if r.get("segdir") else "")
+    width = max(len(label(r)) for r in result["rows"])
     print(f"{'size':>7}  {'path':<{width}} {'ms':>9} {'GB/s':>7} {'(best)':>8}")
     last = None
     for r in result["rows"]:
@@ -537,7 +543,7 @@ def print_transfer(result: dict) -> None:
         if last is not None and size != last:
             print()
         last = size
-        path = r["path"] + (f" [{r['segdir']}]" if r.get("segdir") else "")
+        path = label(r)
         if "median_s" in r:
             print(f"{size:>7}  {path:<{width}} {r['median_s'] * 1e3:9.2f} {r['median_gbps']:7.2f} "
                   f"({r['best_gbps']:6.2f})")
@@ -627,6 +633,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown or not args.sizes or min(args.sizes) <= 0:
         p.error(f"unknown section(s) {unknown}" if unknown else "sizes must be positive")
     return args
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Run a clean-up whole: Ctrl-C and SIGTERM during it (a second Ctrl-C, or ``timeout``,
+    which signals the child and then its group) take effect after it, as KeyboardInterrupt."""
+    got: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: got.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if got:
+            raise KeyboardInterrupt
 
 
 def _interrupt(signum, frame):
