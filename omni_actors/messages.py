@@ -247,6 +247,10 @@ class ReplicaStatus:
     #: devices may be empty: that node only); ``()``: placed wherever it fits
     pin: tuple = ()
 
+    def devices_label(self) -> str:
+        """The DEVICES cell of a status table: ``"2"``, ``"2 (pinned)"``, ``"- (pinned)"``, ``"-"``."""
+        return (self.devices or "-") + (" (pinned)" if self.pin else "")
+
 
 def replica_index(replica: str) -> int:
     """The index in a replica's name: ``"talker/3"`` -> 3 (names are ``<stage>/<index>``)."""

@@ -200,6 +200,8 @@ def test_a_pool_recreated_after_a_crash_runs_the_replicas_launched_and_scaled_at
     reps = _reps(status)
     assert {r: (reps[r]["node"], reps[r]["devices"]) for r in running} == running
     assert {r: reps[r]["pin"] for r in running if reps[r]["pin"]} == pins
+    table = {line.split()[1]: line for line in _cli(leader, "status").stdout.splitlines() if line.startswith("talker ")}
+    assert all(("(pinned)" in table[r]) == (r in pins) for r in running), table
     assert _used(status) == {"0": "code2wav/1", **{d: r for r, (node, d) in running.items() if node == "m1"}}
     # and the next launch takes the next free name
     out = _cli(leader, "stage", "launch", "--stage", "talker", "--node", "leader")

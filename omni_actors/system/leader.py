@@ -64,7 +64,7 @@ def print_status_table(status, out=sys.stdout) -> None:
              "REASON")]
     for st in status.stages:
         for r in st.replicas:
-            rows.append((st.stage, r.replica, r.state.value, r.node or "-", r.devices or "-", str(r.pid or "-"),
+            rows.append((st.stage, r.replica, r.state.value, r.node or "-", r.devices_label(), str(r.pid or "-"),
                          str(r.in_flight), str(r.completed), str(r.failed), str(r.restarts), r.reason))
         if not st.replicas:
             rows.append((st.stage, "-", "no replicas", "", "", "", "", "", "", "", ""))

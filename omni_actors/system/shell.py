@@ -307,7 +307,7 @@ class AdminShell(cmd.Cmd):
                  "REASON")]
         for st in stages:
             for r in st.replicas:
-                rows.append((r.replica, r.state.value, r.pid or "-", r.node or "-", r.devices or "-",
+                rows.append((r.replica, r.state.value, r.pid or "-", r.node or "-", r.devices_label(),
                              r.in_flight, r.completed, r.failed, r.restarts, r.reason))
         _table(rows, self.stdout)
 
