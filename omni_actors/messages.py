@@ -248,8 +248,10 @@ class ReplicaStatus:
     pin: tuple = ()
 
     def devices_label(self) -> str:
-        """The DEVICES cell of a status table: ``"2"``, ``"2 (pinned)"``, ``"- (pinned)"``, ``"-"``."""
-        return (self.devices or "-") + (" (pinned)" if self.pin else "")
+        """The DEVICES cell of a status table: ``"2"``, ``"2 (pinned)"`` (to those devices),
+        ``"2 (node pinned)"`` (to its node only), ``"-"`` (none, or no longer held: stopped, failed)."""
+        held = self.devices if self.state not in (ReplicaState.STOPPED, ReplicaState.FAILED) else ""
+        return (held or "-") + ((" (pinned)" if self.pin[1] else " (node pinned)") if self.pin else "")
 
 
 def replica_index(replica: str) -> int:

@@ -59,6 +59,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         #: recreated after a crash starts (launched and scaled ones included); None: the config's count
         self._layouts: dict[int, tuple[tuple[str, tuple], ...]] = {}
         self._next_index: dict[int, int] = {}  #: stage id -> one past the highest replica index used
+        self._pools_down: dict[int, str] = {}  #: stage id -> why its pool is not there (exited, not yet back)
         self._routes_version = 0
         self._deploy_waiters: list[object] = []
         self._subscribers: list[tuple[object, float]] = []
@@ -168,6 +169,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         elif isinstance(msg.payload, tuple) and msg.payload[0] == "restart_pool" and not self._stopping:
             stage = self._config.stage(msg.payload[1])
             self._pool_restarts[stage.stage_id].append(time.monotonic())
+            self._pools_down.pop(stage.stage_id, None)
             self._start_pool(stage)
             self._routes_version += 1
             self._log.warning("pool_restarted", stage=stage.name, restarts=len(self._pool_restarts[stage.stage_id]))
@@ -193,6 +195,8 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._states[stage_id] = PoolState(stage_id, old.stage, tuple(
                 ReplicaStatus(r.replica, ReplicaState.DEAD if delay is not None else ReplicaState.FAILED, why)
                 for r in old.replicas), None, 0, len(self._pool_restarts[stage_id]))
+            self._pools_down[stage_id] = (f"its pool exited; a new one starts in {delay:g} s, try again then"
+                                          if delay is not None else why)
             self._publish_status()
             if delay is not None:
                 self.wakeupAfter(delay, payload=("restart_pool", stage_id))
@@ -303,10 +307,19 @@ class CoordinatorActor(ActorTypeDispatcher):
         return next((self._pools[s.stage_id] for s in self._config.stage_args if s.name == stage), None) \
             if self._config else None
 
+    def _pool_down(self, pool) -> str | None:
+        """Why ``pool`` (an exited one, not yet replaced) takes no admin request; None if it does."""
+        for stage in (self._config.stage_args if self._config else ()):
+            if self._pools.get(stage.stage_id) == pool and stage.stage_id in self._pools_down:
+                return f"stage {stage.name}: {self._pools_down[stage.stage_id]}"
+        return None
+
     def _forward_admin(self, pool, msg, sender, what: str) -> None:
-        """Pass an admin request to its pool, which answers the requester directly."""
-        if pool is None:
-            self.send(msg.reply_to or sender, AdminReply(False, f"no stage named by {what!r}"))
+        """Pass an admin request to its pool, which answers the requester directly (at once
+        here, with the reason, when there is no such stage or its pool is down)."""
+        down = self._pool_down(pool) if pool is not None else None
+        if pool is None or down:
+            self.send(msg.reply_to or sender, AdminReply(False, down or f"no stage named by {what!r}"))
         else:
             self.send(pool, dataclasses.replace(msg, reply_to=msg.reply_to or sender))
 
@@ -324,8 +337,9 @@ class CoordinatorActor(ActorTypeDispatcher):
         it to the pool with one pin per replica (or the reason it cannot be done)."""
         reply_to = msg.reply_to or sender
         pool = self._pool_of_replica(msg.stage + "/")
-        if pool is None:
-            self.send(reply_to, AdminReply(False, f"no stage named {msg.stage!r}"))
+        down = self._pool_down(pool) if pool is not None else None
+        if pool is None or down:
+            self.send(reply_to, AdminReply(False, down or f"no stage named {msg.stage!r}"))
             return
         dep = self._config.deployment_of(self._config.stage_by_name(msg.stage))
         try:

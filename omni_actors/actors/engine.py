@@ -15,6 +15,7 @@ import dataclasses
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -310,6 +311,14 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                     self._log.warning("backend_shutdown_incomplete", error=str(exc) or type(exc).__name__)
             self._rt.stop()  # daemon thread: in-flight tasks end with the process
             self._rt = None
+        if self._orphaned:
+            # Nothing left to say to anyone (the pool is gone), but Thespian would still try to
+            # deliver the heartbeats it queued for the dead pool on the way out, and fails doing
+            # so with a traceback ("... is already registered"). Leave now instead.
+            self._log.info("engine_exit_orphaned")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         return None
 
     # -- request plane ----------------------------------------------------

@@ -39,6 +39,8 @@ def test_killed_pool_is_recreated_and_its_orphaned_engines_exit(leader):
     # engines whose pool is gone exit by themselves (3 missed acks), not only at shutdown
     assert wait_gone(leader, [old["pid"], *old_engines], timeout_s=6 * HEARTBEAT_S) == []
     assert wait_no_segments(leader) == []
+    # (and quietly: Thespian's exit-time send to the dead pool printed a traceback per engine)
+    assert "Traceback" not in leader.log_path.read_text()
 
 
 def test_engines_of_a_killed_pool_blocked_mid_stream_exit(leader):
@@ -92,5 +94,6 @@ def test_engines_of_a_killed_pool_blocked_mid_stream_exit(leader):
     client.join(REQUEST_TIMEOUT_S * 6)
     assert not client.is_alive(), "the request hung"
     assert left == [], f"engines of the killed pool still running: {left}"
+    assert "Traceback" not in leader.log_path.read_text()
     assert "error" not in outcome, outcome
     assert outcome["status"] == 200 or '"error"' in outcome["body"], outcome
