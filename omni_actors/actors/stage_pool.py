@@ -83,6 +83,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         self._coordinator = None
         self._replicas: dict[str, Replica] = {}
         self._pending: list[tuple[StageTask, float]] = []
+        self._hold_until = 0.0  # the backlog kept for replicas still starting goes out by then
         self._next_index = 0
         self._pins: dict[str, tuple[str, tuple[str, ...]]] = {}  # replica -> (node, devices) it is pinned to
         self._last_ack = time.monotonic()
@@ -207,6 +208,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             for task, _ in expired:
                 self._reject(task, f"no ready replica of stage {self._spec.stage.name} within "
                                    f"{self._spec.supervision.queue_timeout_s:g} s ({self._describe()})")
+        if self._hold_until and now >= self._hold_until:
+            self._drain_pending()  # the backlog kept for replicas that are still starting
         if not self._orphaned and now - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.heartbeat_interval_s:
             self._orphaned = True
             self._log.warning("coordinator_lost_draining")
@@ -368,9 +371,26 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         self.send(rep.address, task)
 
     def _drain_pending(self) -> None:
+        """Route the tasks that waited for a ready replica. While other replicas of the
+        stage are starting, the ready ones take their share of the backlog and the rest
+        waits for the others, at most a heartbeat interval (then it goes to whoever is
+        ready): the first replica up would otherwise take all of it (after a pool was
+        recreated: every task its RequestActors re-sent)."""
         pending, self._pending = self._pending, []
-        for task, deadline in pending:
+        now = time.monotonic()
+        ready = sum(r.state in _ROUTABLE for r in self._replicas.values())
+        starting = sum(r.state == ReplicaState.STARTING for r in self._replicas.values())
+        take = len(pending)
+        if starting and ready and pending:
+            if not self._hold_until:
+                self._hold_until = now + self._spec.heartbeat_interval_s
+            if now < self._hold_until:
+                take = -(-len(pending) * ready // (ready + starting))
+        if take == len(pending):
+            self._hold_until = 0.0
+        for task, _ in pending[:take]:
             self._route(task)
+        self._pending = pending[take:] + self._pending
 
     def _reject(self, task: StageTask, message: str) -> None:
         self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, "", ErrorKind.UNAVAILABLE, message,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_actors.system.faultlab import (assert_no_request_lost, replicas, run_scenario, wait_gone,
+from omni_actors.system.faultlab import (assert_no_request_lost, inject_cli, replicas, run_scenario, wait_gone,
                                          wait_no_segments)
 
 from .conftest import CLIENTS, HEARTBEAT_S, REQUEST_TIMEOUT_S
@@ -97,3 +97,55 @@ def test_engines_of_a_killed_pool_blocked_mid_stream_exit(leader):
     assert "Traceback" not in leader.log_path.read_text()
     assert "error" not in outcome, outcome
     assert outcome["status"] == 200 or '"error"' in outcome["body"], outcome
+
+
+def test_the_backlog_of_a_recreated_pool_is_shared_by_its_replicas(leader):
+    """The Talker pool is SIGKILLed with requests in flight: their RequestActors re-send
+    the Talker tasks to the new pool, which queues them until a replica is ready. Both
+    new replicas get a share (the first one ready used to take them all)."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+    import urllib.request
+
+    def table() -> dict:
+        with urllib.request.urlopen(leader.base_url + "/stages", timeout=10) as r:
+            return json.loads(r.read())
+
+    codes: list[int] = []
+
+    def ask() -> None:
+        body = json.dumps({"model": "qwen3-omni-cpu-demo", "max_tokens": 200, "modalities": ["text", "audio"],
+                           "messages": [{"role": "user", "content": "tell me more"}]}).encode()
+        req = urllib.request.Request(leader.base_url + "/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S * 3) as r:
+            r.read()
+            codes.append(r.status)
+
+    old = _stage(table(), "talker")
+    for rep in old["replicas"]:  # long Talker tasks: still running when the pool dies
+        out = inject_cli(leader.admin_port, "slow", "--replica", rep["replica"], "--factor", "50")
+        assert out.returncode == 0, out.stderr
+    clients = [threading.Thread(target=ask) for _ in range(8)]
+    for c in clients:
+        c.start()
+    deadline = time.monotonic() + 10
+    while sum(rep["in_flight"] for rep in _stage(table(), "talker")["replicas"]) < 4:
+        assert time.monotonic() < deadline, "the Talker never got the requests"
+        time.sleep(0.02)
+    os.kill(old["pid"], signal.SIGKILL)
+    for c in clients:
+        c.join(REQUEST_TIMEOUT_S * 3)
+    assert codes == [200] * 8, codes
+    deadline = time.monotonic() + 5 * HEARTBEAT_S  # (counters come with heartbeats)
+    while True:
+        new = _stage(table(), "talker")
+        done = {rep["replica"]: rep["completed"] for rep in new["replicas"]}
+        if sum(done.values()) >= 8 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert new["pid"] != old["pid"]
+    assert len(done) == 2 and all(n > 0 for n in done.values()), done
