@@ -273,6 +273,9 @@ class PoolState:
     pid: int | None = None
     pending: int = 0  #: tasks waiting for a ready replica
     restarts: int = 0  #: times the coordinator recreated this stage's pool
+    #: (replica, monotonic times of its restarts) for the replicas restarted (the pool's reports only):
+    #: a recreated pool carries them on, so its restart budget does not start over
+    restart_times: tuple[tuple[str, tuple[float, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -301,10 +304,11 @@ class StartPool:
     #: how its engines store outputs (``omni_actors.connectors.MODES``, or ``omni:...``:
     #: through a vLLM-Omni connector, ``omni_actors.connectors.omni``); None: each engine's default
     connector_mode: str | None = None
-    #: The replicas to start, ``(replica id, pin)`` each (pin: ``(node, devices)`` or ``()``), instead
-    #: of ``deployment.replicas`` new ones: a pool recreated after a crash gets the replicas its
-    #: predecessor ran (launched and scaled ones included, those scaled down or drained left out).
-    replicas: tuple[tuple[str, tuple], ...] | None = None
+    #: The replicas to start, ``(replica id, pin, restart times)`` each (pin: ``(node, devices)`` or
+    #: ``()``; monotonic seconds, this host's clock), instead of ``deployment.replicas`` new ones: a
+    #: pool recreated after a crash gets the replicas its predecessor ran (launched and scaled ones
+    #: included, those scaled down or drained left out) with their restart history.
+    replicas: tuple[tuple[str, tuple, tuple[float, ...]], ...] | None = None
     #: the index of the next new replica's name (``<stage>/<index>``): a recreated pool goes on
     #: from its predecessor's, so no name is used twice
     next_index: int = 0

@@ -191,6 +191,11 @@ def test_a_pool_recreated_after_a_crash_runs_the_replicas_launched_and_scaled_at
     pins = {r: talkers[r]["pin"] for r in running if talkers[r]["pin"]}
     assert len(running) == 5 and len(pins) == 3, talkers  # what the tests above left
     assert {r for r, v in talkers.items() if v["state"] == "stopped"} == {"talker/2", "talker/3", "talker/4"}
+    before = {r: talkers[r]["restarts"] for r in running}  # (the lost node above restarted m1's replicas)
+    before["talker/5"] += 1
+    assert _cli(leader, "inject", "sigkill", "--replica", "talker/5").returncode == 0  # restarts carry on
+    status = _wait(leader, lambda st: _reps(st)["talker/5"]["restarts"] == before["talker/5"]
+                   and _reps(st)["talker/5"]["state"] == "ready", "talker/5 restarted")
     pid = _pool_pid(status, "talker")
     os.kill(pid, signal.SIGKILL)
     status = _wait(leader, lambda st: _pool_pid(st, "talker") not in (None, pid)
@@ -199,6 +204,7 @@ def test_a_pool_recreated_after_a_crash_runs_the_replicas_launched_and_scaled_at
                    timeout_s=30)
     reps = _reps(status)
     assert {r: (reps[r]["node"], reps[r]["devices"]) for r in running} == running
+    assert {r: reps[r]["restarts"] for r in running} == before  # (the budget does not start over)
     assert {r: reps[r]["pin"] for r in running if reps[r]["pin"]} == pins
     table = {line.split()[1]: line for line in _cli(leader, "status").stdout.splitlines() if line.startswith("talker ")}
     assert all(("(pinned)" in table[r]) == (r in pins) for r in running), table

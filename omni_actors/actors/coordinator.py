@@ -55,7 +55,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._pools: dict[int, object] = {}
         self._states: dict[int, PoolState] = {}
         self._pool_restarts: dict[int, list[float]] = {}
-        #: stage id -> the replicas its pool last said it runs, ``(replica id, pin)`` each: what a pool
+        #: stage id -> the replicas its pool last said it runs, ``(replica id, pin, restart times)``: what a pool
         #: recreated after a crash starts (launched and scaled ones included); None: the config's count
         self._layouts: dict[int, tuple[tuple[str, tuple], ...]] = {}
         self._next_index: dict[int, int] = {}  #: stage id -> one past the highest replica index used
@@ -135,7 +135,8 @@ class CoordinatorActor(ActorTypeDispatcher):
             return  # an old pool, draining after it was replaced
         old = self._states.get(msg.stage_id)
         # Scaled down or drained away: not started again by a pool recreated after a crash.
-        self._layouts[msg.stage_id] = tuple((r.replica, r.pin) for r in msg.replicas
+        restarts = dict(msg.restart_times)
+        self._layouts[msg.stage_id] = tuple((r.replica, r.pin, restarts.get(r.replica, ())) for r in msg.replicas
                                             if r.state not in (ReplicaState.STOPPED, ReplicaState.DRAINING))
         self._next_index[msg.stage_id] = max([self._next_index.get(msg.stage_id, 0)]
                                              + [replica_index(r.replica) + 1 for r in msg.replicas])
@@ -188,7 +189,7 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._log.error("pool_exited", stage=old.stage, restart_in_s=delay)
             # What the new pool will not start (scaled down, drained) gives its devices back now;
             # the others keep theirs under the same names.
-            kept = {rid for rid, _ in self._layouts.get(stage_id, ())} if delay is not None else set()
+            kept = {rid for rid, *_ in self._layouts.get(stage_id, ())} if delay is not None else set()
             for r in old.replicas:
                 if r.replica not in kept:
                     self._inventory.release(r.replica)

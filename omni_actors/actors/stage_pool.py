@@ -112,11 +112,11 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             for _ in range(msg.deployment.replicas):
                 self._launch(self._new_replica_id())
         else:  # recreated after a crash: the replicas the last pool ran, under their names
-            for rid, pin in msg.replicas:
+            for rid, pin, restarts in msg.replicas:
                 self._next_index = max(self._next_index, replica_index(rid) + 1)
                 if pin:
                     self._pins[rid] = (pin[0], tuple(pin[1]))
-                self._launch(rid)
+                self._launch(rid, list(restarts))
         self.wakeupAfter(msg.heartbeat_interval_s / TICKS_PER_INTERVAL, payload="tick")
         self._publish()
 
@@ -466,4 +466,6 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                 pin=self._pins.get(r.replica, ()))
             for r in self._replicas.values())
         self.send(self._coordinator, PoolState(self._spec.stage.stage_id, self._spec.stage.name, replicas,
-                                               pid=os.getpid(), pending=len(self._pending)))
+                                               pid=os.getpid(), pending=len(self._pending),
+                                               restart_times=tuple((r.replica, tuple(r.restarts))
+                                                                   for r in self._replicas.values() if r.restarts)))
