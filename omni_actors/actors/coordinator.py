@@ -57,7 +57,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._pool_restarts: dict[int, list[float]] = {}
         #: stage id -> the replicas its pool last said it runs, ``(replica id, pin, restart times)``: what a pool
         #: recreated after a crash starts (launched and scaled ones included); None: the config's count
-        self._layouts: dict[int, tuple[tuple[str, tuple], ...]] = {}
+        self._layouts: dict[int, tuple[tuple[str, tuple, tuple[float, ...]], ...]] = {}
         self._next_index: dict[int, int] = {}  #: stage id -> one past the highest replica index used
         self._pools_down: dict[int, str] = {}  #: stage id -> why its pool is not there (exited, not yet back)
         self._routes_version = 0
