@@ -276,6 +276,8 @@ class PoolState:
     #: (replica, monotonic times of its restarts) for the replicas restarted (the pool's reports only):
     #: a recreated pool carries them on, so its restart budget does not start over
     restart_times: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    #: the index the pool's next new replica gets (its names are never used twice)
+    next_index: int = 0
 
 
 @dataclass(frozen=True)

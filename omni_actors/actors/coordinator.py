@@ -33,7 +33,7 @@ from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainReplica, Get
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, PlaceReplica, Placement,
                                   PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
                                   ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, StartNodeAgent,
-                                  StartPool, Subscribe, SystemStatus, WhoAmI, YouAre, replica_index)
+                                  StartPool, Subscribe, SystemStatus, WhoAmI, YouAre)
 from omni_actors.placement import Inventory, PlacementError
 
 #: A member node whose agent has been silent this many heartbeat intervals is lost.
@@ -55,10 +55,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._pools: dict[int, object] = {}
         self._states: dict[int, PoolState] = {}
         self._pool_restarts: dict[int, list[float]] = {}
-        #: stage id -> the replicas its pool last said it runs, ``(replica id, pin, restart times)``: what a pool
-        #: recreated after a crash starts (launched and scaled ones included); None: the config's count
-        self._layouts: dict[int, tuple[tuple[str, tuple, tuple[float, ...]], ...]] = {}
-        self._next_index: dict[int, int] = {}  #: stage id -> one past the highest replica index used
+        #: stage id -> its pool's last own report: what a pool recreated after a crash starts (see _layout)
+        self._reported: dict[int, PoolState] = {}
         self._pools_down: dict[int, str] = {}  #: stage id -> why its pool is not there (exited, not yet back)
         self._routes_version = 0
         self._deploy_waiters: list[object] = []
@@ -98,7 +96,7 @@ class CoordinatorActor(ActorTypeDispatcher):
 
     def _start_pool(self, stage) -> None:
         """Create the stage's pool: the config's replicas, or after a crash the ones the
-        pool before it ran (:attr:`_layouts`)."""
+        pool before it ran (:meth:`_layout`)."""
         cfg = self._config
         dep = cfg.deployment
         pool = self.createActor(StagePoolActor)
@@ -106,8 +104,19 @@ class CoordinatorActor(ActorTypeDispatcher):
         self.send(pool, StartPool(stage, cfg.deployment_of(stage), dep.heartbeat_interval_s, dep.ready_timeout_s,
                                   cfg.inline_threshold_of(stage), dep.load_balancing, dep.supervision,
                                   connector_mode=cfg.connector_mode_of(stage),
-                                  replicas=self._layouts.get(stage.stage_id),
-                                  next_index=self._next_index.get(stage.stage_id, 0)))
+                                  replicas=self._layout(stage.stage_id),
+                                  next_index=getattr(self._reported.get(stage.stage_id), "next_index", 0)))
+
+    def _layout(self, stage_id: int) -> tuple[tuple[str, tuple, tuple[float, ...]], ...] | None:
+        """``(replica id, pin, restart times)`` of each replica the stage's pool last reported
+        running (launched and scaled ones included; scaled down or draining: left out); None
+        before any report (the config's count then)."""
+        report = self._reported.get(stage_id)
+        if report is None:
+            return None
+        restarts = dict(report.restart_times)
+        return tuple((r.replica, r.pin, restarts.get(r.replica, ())) for r in report.replicas
+                     if r.state not in (ReplicaState.STOPPED, ReplicaState.DRAINING))
 
     def _settled(self) -> bool:
         if self._config is None:
@@ -134,12 +143,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         if self._pools.get(msg.stage_id) != sender:
             return  # an old pool, draining after it was replaced
         old = self._states.get(msg.stage_id)
-        # Scaled down or drained away: not started again by a pool recreated after a crash.
-        restarts = dict(msg.restart_times)
-        self._layouts[msg.stage_id] = tuple((r.replica, r.pin, restarts.get(r.replica, ())) for r in msg.replicas
-                                            if r.state not in (ReplicaState.STOPPED, ReplicaState.DRAINING))
-        self._next_index[msg.stage_id] = max([self._next_index.get(msg.stage_id, 0)]
-                                             + [replica_index(r.replica) + 1 for r in msg.replicas])
+        self._reported[msg.stage_id] = msg
         self._states[msg.stage_id] = PoolState(msg.stage_id, msg.stage, msg.replicas, msg.pid, msg.pending,
                                                len(self._pool_restarts.get(msg.stage_id, ())))
         if old is None or _states_of(old) != _states_of(msg):
@@ -189,7 +193,7 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._log.error("pool_exited", stage=old.stage, restart_in_s=delay)
             # What the new pool will not start (scaled down, drained) gives its devices back now;
             # the others keep theirs under the same names.
-            kept = {rid for rid, *_ in self._layouts.get(stage_id, ())} if delay is not None else set()
+            kept = {rid for rid, *_ in (self._layout(stage_id) or ())} if delay is not None else set()
             for r in old.replicas:
                 if r.replica not in kept:
                     self._inventory.release(r.replica)

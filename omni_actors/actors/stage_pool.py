@@ -468,4 +468,5 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         self.send(self._coordinator, PoolState(self._spec.stage.stage_id, self._spec.stage.name, replicas,
                                                pid=os.getpid(), pending=len(self._pending),
                                                restart_times=tuple((r.replica, tuple(r.restarts))
-                                                                   for r in self._replicas.values() if r.restarts)))
+                                                                   for r in self._replicas.values() if r.restarts),
+                                               next_index=self._next_index))
