@@ -113,6 +113,9 @@ class SyntheticCost(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     kind: str | None = None
     #: Fault injection for tests: fail start-up with this message.
     fail_startup: str | None = None
+    #: Fault injection for tests, a "poison" request: the replica's process exits at once
+    #: (``os._exit(70)``, as a segfault would end it) when a task's prompt contains this text.
+    crash_on: str | None = None
 
 
 class StageDeployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -151,13 +154,19 @@ class Supervision(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     failed checks); stall after 10 s without progress; circuit breaker after 5
     failures in a row (SGLang's gateway opens after 5); a task tried on at
     most 3 replicas; a task waits up to 30 s for a ready replica of its stage
-    before the request gets 503; drain on shutdown up to 10 s.
+    before the request gets 503; drain on shutdown up to 10 s; a task that was
+    running on 2 replicas that died (process exited, or killed as hung or
+    stalled) is failed with a 500, not sent to a third: one death can be the
+    replica's own (a kill, a lost node), two in a row point at the request
+    (a "poison" input that crashes the engine), which would otherwise take
+    replica after replica down and use up their restart budgets.
     """
 
     missed_heartbeats: PositiveInt = 3
     stall_timeout_s: PositiveFloat = 10.0
     circuit_breaker_failures: PositiveInt = 5
     max_task_attempts: PositiveInt = 3
+    max_task_crashes: PositiveInt = 2
     queue_timeout_s: NonNegFloat = 30.0
     drain_timeout_s: NonNegFloat = 10.0
     restart: RestartSpec = msgspec.field(default_factory=RestartSpec)

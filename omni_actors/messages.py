@@ -85,6 +85,9 @@ class ErrorKind(str, enum.Enum):
     TIMEOUT = "timeout"  #: the request deadline passed (504)
     ENGINE_ERROR = "engine_error"  #: a stage's engine raised (500)
     BAD_REQUEST = "bad_request"  #: a stage rejected the input (400)
+    #: replicas died while running the request's stage, ``supervision.max_task_crashes``
+    #: of them: not retried, it may be what crashes them (500)
+    CRASHED = "crashed"
     CANCELLED = "cancelled"  #: the client went away
 
 
@@ -541,6 +544,9 @@ class StageTask(Message):
     reply_to: ActorAddress  #: the RequestActor
     attempt: int = 0
     exclude: tuple[str, ...] = ()  #: replicas that already failed this task
+    #: replicas whose process exited (or was killed, hung) while running this task: after
+    #: ``supervision.max_task_crashes`` of them it is failed with ``ErrorKind.CRASHED``
+    crashed: tuple[str, ...] = ()
     #: Streaming between stages: the source whose outputs arrive as :class:`InputChunk` s
     #: (the engine answers :class:`StageAccepted` first), and whether to send the outputs
     #: as :class:`StageChunk` s too; with the window, timeout and chunk size to use.
@@ -676,6 +682,7 @@ class StageFailed(Message):
     kind: ErrorKind
     message: str
     attempt: int = 0  #: of the task that failed; a failure of an attempt already retried is ignored
+    crashed: tuple[str, ...] = ()  #: the task's ``crashed`` with this failure (a replica that died running it)
 
 
 @dataclass(frozen=True)

@@ -323,7 +323,8 @@ class RequestActor(ActorTypeDispatcher):
             # An engine failed this task: try another replica of the stage.
             self._log.warning("stage_retry", request_id=msg.request_id, stage_id=msg.stage_id,
                               replica=msg.replica, error=msg.message)
-            self._resend(dataclasses.replace(task, attempt=attempt, exclude=task.exclude + (msg.replica,)))
+            self._resend(dataclasses.replace(task, attempt=attempt, exclude=task.exclude + (msg.replica,),
+                                             crashed=msg.crashed or task.crashed))
             return
         del self._running[msg.stage_id]
         self._finish(msg.kind, message)

@@ -149,7 +149,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         if rep is None or rep.state not in _ALIVE:
             return
         if rep.state == ReplicaState.READY:
-            self._isolate(rep, f"engine died: {msg.reason}")  # it ran before: restart it
+            self._isolate(rep, f"engine died: {msg.reason}", crashed=True)  # it ran before: restart it
             return
         self._set_down(rep, ReplicaState.FAILED, msg.reason)  # it never loaded: retrying fails the same way
         self.send(rep.address, ActorExitRequest())
@@ -196,8 +196,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         for rep in list(self._replicas.values()):
             if rep.state == ReplicaState.READY and rep.health is not None:
                 why = self._health.verdict(rep.health, now, len(rep.in_flight))
-                if why:
-                    self._isolate(rep, why)
+                if why:  # (hung or stalled while running its tasks: that counts against them)
+                    self._isolate(rep, why, crashed=True)
             elif rep.state == ReplicaState.DRAINING and not rep.in_flight:
                 self.send(rep.address, DrainReplica(rep.replica))
         if self._ticks % PLACEMENT_RETRY_TICKS == 0:
@@ -220,12 +220,14 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                                       for r in self._replicas.values()):
             self.send(self.myAddress, ActorExitRequest())
 
-    def _isolate(self, rep: Replica, why: str, hard: bool = True) -> None:
+    def _isolate(self, rep: Replica, why: str, hard: bool = True, crashed: bool = False) -> None:
         """Take ``rep`` out of routing, re-dispatch its work and end its process:
-        SIGKILL when ``hard`` and local (hung replicas), else an exit request."""
+        SIGKILL when ``hard`` and local (hung replicas), else an exit request.
+        ``crashed``: its engine died, hung or stalled running its tasks (counts
+        against each of them, see :meth:`_elsewhere`)."""
         self._log.error("replica_isolated", replica=rep.replica, reason=why)
         rep.state, rep.reason = ReplicaState.ISOLATED, why
-        self._redispatch(rep)
+        self._redispatch(rep, crashed=crashed)
         if not hard and rep.address is not None:
             self.send(rep.address, ActorExitRequest())
         elif not self._kill(rep):
@@ -281,7 +283,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         # (at info when the pool itself is exiting: Thespian stops its children with it)
         (self._log.info if self._exiting else self._log.error)("replica_exited", replica=rep.replica,
                                                                reason=cause, pool_exiting=self._exiting)
-        self._redispatch(rep)
+        self._redispatch(rep, crashed=not self._exiting)
         self._hand_back_finished(rep, cause)
         delay = self._restart.next_delay(rep.restarts, time.monotonic())
         if delay is None or self._orphaned:
@@ -296,10 +298,12 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             self.wakeupAfter(delay, payload=("restart", rep.replica))
         self._publish()
 
-    def _redispatch(self, rep: Replica) -> None:
+    def _redispatch(self, rep: Replica, crashed: bool = False) -> None:
+        """Send the replica's tasks elsewhere; ``crashed``: it died running them
+        (not drained or stopped on purpose), which counts against each task."""
         tasks, rep.in_flight = [t for t, _ in rep.in_flight.values()], {}
         for task in tasks:
-            self._elsewhere(task, rep.replica, f"{rep.state.value}: {rep.reason}")
+            self._elsewhere(task, rep.replica, f"{rep.state.value}: {rep.reason}", crashed=crashed)
 
     def _hand_back_finished(self, rep: Replica, cause: str) -> None:
         """The replica died: its tasks that finished within the window may have lost
@@ -314,13 +318,27 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                     task.attempt))
         rep.finished.clear()
 
-    def _elsewhere(self, task: StageTask, replica: str, why: str) -> None:
+    def _elsewhere(self, task: StageTask, replica: str, why: str, crashed: bool = False) -> None:
         """``task`` cannot finish on ``replica``: send it to another one, or, for a
         streaming task, tell its RequestActor (chunks already went out from or into
-        that replica: it retries the streaming stages together, or fails the request)."""
+        that replica: it retries the streaming stages together, or fails the request).
+        ``crashed``: the replica died running it; after ``max_task_crashes`` such
+        deaths the task is failed (``ErrorKind.CRASHED``), not retried."""
+        if crashed:
+            task = dataclasses.replace(task, crashed=task.crashed + (replica,))
+            limit = self._spec.supervision.max_task_crashes
+            if len(task.crashed) >= limit:
+                self._log.error("task_crashed_replicas", request_id=task.request_id, replicas=list(task.crashed))
+                self.send(task.reply_to, StageFailed(
+                    task.request_id, task.stage_id, replica, ErrorKind.CRASHED,
+                    f"stage {self._spec.stage.name}: {len(task.crashed)} replicas died while running this "
+                    f"request ({', '.join(task.crashed)}; the last: {why}); not retried, it may be what "
+                    f"crashes them (supervision.max_task_crashes: {limit})", task.attempt, task.crashed))
+                return
         if task.streaming:
             self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, replica, ErrorKind.UNAVAILABLE,
-                                                 f"replica {replica} {why} mid-stream", task.attempt))
+                                                 f"replica {replica} {why} mid-stream", task.attempt,
+                                                 task.crashed))
             return
         self._log.warning("task_redispatched", request_id=task.request_id, replica=replica,
                           attempt=task.attempt + 1)

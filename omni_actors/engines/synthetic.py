@@ -41,6 +41,8 @@ import collections
 import hashlib
 import math
 import numbers
+import os
+import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -49,6 +51,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from omni_actors.config import StageSpec, SyntheticCost
+from omni_actors.logs import get_logger
 from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, OutputChunk, StageFinal, TextDelta
 
 __all__ = ["SyntheticEngine", "SUPPORTED_STAGES", "SAMPLE_RATE", "token_id", "CHUNK_INPUT_STAGES",
@@ -197,6 +200,12 @@ class SyntheticEngine:
         """
         if not self._started:
             raise RuntimeError(f"synthetic engine {self.replica} is not started")
+        poison = self.cost.crash_on
+        if poison and poison in str(task.engine_input.get("prompt", "")):
+            # (fault injection: the process ends here, as an engine that segfaults on an input)
+            get_logger(replica=self.replica).error("synthetic_crash_on_prompt", request_id=task.request_id)
+            sys.stderr.flush()
+            os._exit(70)
         parse, compute = _STAGE_FNS[self.stage_name]
         streamed = task.input_stream is not None
         if streamed and self.stage_name not in CHUNK_INPUT_STAGES:
