@@ -324,18 +324,18 @@ class CoordinatorActor(ActorTypeDispatcher):
         here, with the reason, when there is no such stage or its pool is down)."""
         down = self._pool_down(pool) if pool is not None else None
         if pool is None or down:
-            self.send(msg.reply_to or sender, AdminReply(False, down or f"no stage named by {what!r}"))
+            self.send(msg.reply_to or sender, AdminReply(False, down or f"no {what} (see `status`)"))
         else:
             self.send(pool, dataclasses.replace(msg, reply_to=msg.reply_to or sender))
 
     def receiveMsg_InjectFault(self, msg: InjectFault, sender):
-        self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, msg.replica)
+        self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, f"replica named {msg.replica!r}")
 
     def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):
-        self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, msg.replica)
+        self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, f"replica named {msg.replica!r}")
 
     def receiveMsg_ScaleStage(self, msg: ScaleStage, sender):
-        self._forward_admin(self._pool_of_replica(msg.stage + "/"), msg, sender, msg.stage)
+        self._forward_admin(self._pool_of_replica(msg.stage + "/"), msg, sender, f"stage named {msg.stage!r}")
 
     def receiveMsg_LaunchReplicas(self, msg: LaunchReplicas, sender):
         """Check a launch that names a node or devices against the inventory, then pass

@@ -297,6 +297,10 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             self._stalled.set()  # release tasks held by an earlier stall
             self._stalled = None
         self._fault = None if msg.kind == FaultKind.CLEAR else msg
+        if hasattr(self._backend, "slowdown"):
+            # A backend that paces itself (the synthetic engine keeps to deadlines: it would make
+            # up for any delay added between its events) is slowed from inside.
+            self._backend.slowdown = msg.factor if msg.kind == FaultKind.SLOW else 1.0
         if msg.kind == FaultKind.STALL:
             self._stalled = asyncio.Event()
 
@@ -310,7 +314,11 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 except Exception as exc:  # noqa: BLE001 - exiting anyway
                     self._log.warning("backend_shutdown_incomplete", error=str(exc) or type(exc).__name__)
             self._rt.stop()  # daemon thread: in-flight tasks end with the process
-            self._rt = None
+            # Kept, not dropped: Thespian still watches its socket's fd number until the process
+            # ends (it asks no handler for a watch after an exit request). Closed now, the number
+            # could come back for a socket that sends our last messages, and Thespian would
+            # register it twice ("KeyError: ... is already registered", a traceback at exit).
+            self._stopped_rt, self._rt = self._rt, None
         if self._orphaned:
             # Nothing left to say to anyone (the pool is gone), but Thespian would still try to
             # deliver the heartbeats it queued for the dead pool on the way out, and fails doing
@@ -405,7 +413,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             if self._stalled is not None:
                 await self._stalled.wait()
             fault = self._fault
-            if fault is not None and fault.kind == FaultKind.SLOW and fault.factor > 1:
+            if fault is not None and fault.kind == FaultKind.SLOW and fault.factor > 1 \
+                    and not hasattr(self._backend, "slowdown"):
                 await asyncio.sleep((time.monotonic() - last) * (fault.factor - 1))
             last = time.monotonic()
             yield event

@@ -138,6 +138,8 @@ class SyntheticEngine:
         self.stage = stage
         self.cost = cost
         self.replica = replica
+        #: Fault injection (``inject slow``): every cost is this many times higher.
+        self.slowdown = 1.0
         # `synthetic.kind` lets two stages of one graph (e.g. two talkers) share a behaviour.
         self.stage_name = cost.kind or str(stage.engine_args.get("model_stage", ""))
         self._started = False
@@ -258,13 +260,14 @@ class SyntheticEngine:
 
     async def _run(self, rid: str, plan: _Plan, t0: float) -> AsyncIterator[BackendEvent]:
         cost, aborted, deltas, chunks = self.cost, self._aborted, plan.deltas, plan.chunks or {}
-        per = cost.decode_ms_per_token / 1000.0
+        slow = max(1.0, self.slowdown)
+        per = cost.decode_ms_per_token / 1000.0 * slow
         loop = asyncio.get_running_loop()
         hot = cost.prefill_ms_per_token == 0 and per == 0  # zero cost: one yield to the loop
         if hot:
             await asyncio.sleep(0)
         else:
-            deadline = t0 + cost.prefill_ms_per_token * plan.prefill_units / 1000.0
+            deadline = t0 + cost.prefill_ms_per_token * plan.prefill_units / 1000.0 * slow
             if not await self._sleep_until(rid, deadline):
                 return
         n = plan.decode_units if (deltas or chunks or not hot) else 0

@@ -82,10 +82,14 @@ class Admin:
         if fault == "kill-coordinator":
             return status.coordinator_pid, "coordinator"
         if fault == "kill-pool":
+            if not stage:
+                raise AdminError("kill-pool needs --stage STAGE")
             pool = next((s for s in status.stages if s.stage == stage), None)
             if pool is None or not pool.pid:
                 raise AdminError(f"no running pool for stage {stage!r}")
             return pool.pid, f"pool {stage}"
+        if not replica:
+            raise AdminError(f"{fault} needs --replica STAGE/N")
         rep = next((r for s in status.stages for r in s.replicas if r.replica == replica), None)
         if rep is None:
             raise AdminError(f"no replica named {replica!r} (see `status`)")

@@ -29,3 +29,31 @@ def test_replica_slowed_5x_fails_nothing_and_gets_less_work(leader):
     assert 0 < done["talker/0"] < done["talker/1"], done
     assert after["talker/0"]["pid"] == before["talker/0"]["pid"] and after["talker/0"]["restarts"] == 0
     assert wait_no_segments(leader) == []
+
+
+def test_slow_really_slows_a_self_pacing_engine(leader):
+    """The synthetic engine keeps to deadlines, so a delay added between its events
+    was made up at once (a 5x "slow" Thinker answered as fast as before); now the
+    engine itself runs slower. 50 tokens at the demo's 4 ms each, 5x: at least 1 s
+    by construction (a lower bound: a busy machine only adds to it)."""
+    import time
+
+    import openai
+
+    from omni_actors.system.faultlab import inject_cli
+
+    client = openai.OpenAI(base_url=leader.base_url, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
+
+    def ask() -> float:
+        t0 = time.monotonic()
+        out = client.chat.completions.create(model="qwen3-omni-cpu-demo", max_tokens=50, modalities=["text"],
+                                             messages=[{"role": "user", "content": "hi"}])
+        assert out.usage.completion_tokens == 50
+        return time.monotonic() - t0
+
+    assert inject_cli(leader.admin_port, "slow", "--replica", "thinker/0", "--factor", "5").returncode == 0
+    try:
+        slowed = ask()
+    finally:
+        assert inject_cli(leader.admin_port, "clear", "--replica", "thinker/0").returncode == 0
+    assert slowed >= 1.0, f"50 tokens at 5 x 4 ms took {slowed:.2f} s"
