@@ -143,5 +143,11 @@ def attach(admin_port: int) -> Admin:
 
     if not port_in_use(admin_port):
         raise AdminError(f"no actor system is listening on admin port {admin_port}")
-    asys = ActorSystem(ACTOR_BASE, {"Admin Port": admin_port})
+    from thespian.actors import ActorSystemException, InvalidActorAddress
+
+    try:
+        asys = ActorSystem(ACTOR_BASE, {"Admin Port": admin_port})
+    except (InvalidActorAddress, ActorSystemException):
+        raise AdminError(f"port {admin_port} is in use, but not by an omni-actors admin "
+                         "(the HTTP port? see --admin-port)") from None
     return Admin(asys, asys.createActor(CoordinatorActor, globalName=COORDINATOR_NAME))
