@@ -79,4 +79,4 @@ class PoolPlacementMixin:
                     # If the host is alive after all (a pause, a partition), the old
                     # engine must not keep its devices: it is told to exit.
                     self.send(rep.address, ActorExitRequest())
-                self._gone(rep, rep.reason)
+                self._gone(rep, rep.reason, crashed=False)  # (the host, not the request)

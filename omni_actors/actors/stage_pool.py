@@ -196,8 +196,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         for rep in list(self._replicas.values()):
             if rep.state == ReplicaState.READY and rep.health is not None:
                 why = self._health.verdict(rep.health, now, len(rep.in_flight))
-                if why:  # (hung or stalled while running its tasks: that counts against them)
-                    self._isolate(rep, why, crashed=True)
+                if why:  # (stalled running its tasks counts against them; silence may be a lost host)
+                    self._isolate(rep, why, crashed=why.startswith("stalled"))
             elif rep.state == ReplicaState.DRAINING and not rep.in_flight:
                 self.send(rep.address, DrainReplica(rep.replica))
         if self._ticks % PLACEMENT_RETRY_TICKS == 0:
@@ -264,7 +264,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         if rep is not None:
             self._gone(rep, rep.reason if rep.state == ReplicaState.ISOLATED else "process exited")
 
-    def _gone(self, rep: Replica, cause: str) -> None:
+    def _gone(self, rep: Replica, cause: str, crashed: bool = True) -> None:
         """The replica's process is gone (exited, killed, or lost with its node):
         free its devices, re-dispatch its work, and restart it if it should run."""
         rep.address = None  # a late ChildActorExited for it changes nothing
@@ -283,7 +283,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         # (at info when the pool itself is exiting: Thespian stops its children with it)
         (self._log.info if self._exiting else self._log.error)("replica_exited", replica=rep.replica,
                                                                reason=cause, pool_exiting=self._exiting)
-        self._redispatch(rep, crashed=not self._exiting)
+        self._redispatch(rep, crashed=crashed and not self._exiting)
         self._hand_back_finished(rep, cause)
         delay = self._restart.next_delay(rep.restarts, time.monotonic())
         if delay is None or self._orphaned:
