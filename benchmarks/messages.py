@@ -24,7 +24,6 @@ ratios. The actor system is shut down whatever happens.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ if str(REPO) not in sys.path:  # runnable as `python benchmarks/messages.py` wit
 
 from omni_actors.connectors import make_connector  # noqa: E402
 from omni_actors.messages import StageDone, StageTask  # noqa: E402
+from omni_actors.system.local import free_port  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -109,12 +109,6 @@ class Driver(Actor):
                         reply_to=self.myAddress, text_to=self.myAddress)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--round-trips", type=int, default=2000, help="per measurement (default: %(default)s)")
@@ -123,7 +117,7 @@ def main(argv=None) -> None:
     variants = {"short str": StageTask, "dataclass repr": ReprStageTask}
     results: dict[str, list[tuple[float, float, float]]] = {v: [] for v in variants}
     n = args.round_trips
-    asys = ActorSystem("multiprocTCPBase", {"Admin Port": _free_port()})
+    asys = ActorSystem("multiprocTCPBase", {"Admin Port": free_port()})
     try:
         for _ in range(args.runs):
             for name, cls in variants.items():

@@ -156,8 +156,9 @@ class Supervision(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     most 3 replicas; a task waits up to 30 s for a ready replica of its stage
     before the request gets 503; drain on shutdown up to 10 s; a task that was
     running on 2 replicas that died (process exited, engine died, or killed
-    as stalled; not silent ones, which may be a lost host) is failed with a 500, not sent to a third: one death can be the
-    replica's own (a kill, a lost node), two in a row point at the request
+    as stalled; not silent ones, which may be a lost host) is failed with a
+    500, not sent to a third: one death can be the replica's own (a kill),
+    two in a row point at the request
     (a "poison" input that crashes the engine), which would otherwise take
     replica after replica down and use up their restart budgets.
     """

@@ -197,7 +197,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             if rep.state == ReplicaState.READY and rep.health is not None:
                 why = self._health.verdict(rep.health, now, len(rep.in_flight))
                 if why:  # (stalled running its tasks counts against them; silence may be a lost host)
-                    self._isolate(rep, why, crashed=why.startswith("stalled"))
+                    self._isolate(rep, why, crashed=not self._health.silent(rep.health, now))
             elif rep.state == ReplicaState.DRAINING and not rep.in_flight:
                 self.send(rep.address, DrainReplica(rep.replica))
         if self._ticks % PLACEMENT_RETRY_TICKS == 0:

@@ -100,10 +100,15 @@ class HealthPolicy:
     stall_timeout_s: float = 10.0
     breaker_failures: int = 5
 
+    def silent(self, health: ReplicaHealth, now: float) -> bool:
+        """Missed heartbeats: the replica hung, or its host is gone (which says
+        nothing about the tasks it was running)."""
+        return now - health.last_heartbeat > self.missed_heartbeats * self.heartbeat_interval_s
+
     def verdict(self, health: ReplicaHealth, now: float, in_flight: int) -> str | None:
         """Why the replica must be isolated now, or None while it is healthy."""
         silent = now - health.last_heartbeat
-        if silent > self.missed_heartbeats * self.heartbeat_interval_s:
+        if self.silent(health, now):
             return f"missed {self.missed_heartbeats} heartbeats (silent {silent:.1f} s)"
         if in_flight and now - health.progress_at > self.stall_timeout_s:
             return (f"stalled: {in_flight} task(s) in flight and no progress for "
