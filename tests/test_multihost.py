@@ -22,6 +22,7 @@ import asyncio
 import collections
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -601,6 +602,15 @@ class Namespaces:
         tag = f"oa{os.getpid() % 100000}"
         self.hub, self.m1, self.m2 = f"{tag}hub", f"{tag}m1", f"{tag}m2"
         self.created: list[str] = []
+        self._next_port = random.randrange(20000, 30000)
+
+    def port(self) -> int:
+        """A port for a server that starts inside one of the namespaces. ``free_port()`` asks the
+        host's namespace, which says nothing about these: there, the actors' own ephemeral binds
+        (32768-60999 in a new namespace) once took the HTTP port the leader was about to listen on.
+        Ports below that range are free in a namespace we just made; each call gives another."""
+        self._next_port += 1
+        return self._next_port
 
     def setup(self) -> None:
         for ns in (self.hub, self.m1, self.m2):
@@ -673,7 +683,7 @@ def test_netns_members_in_network_namespaces_serve_1nm(request, tmp_path):
         pytest.skip(why)
 
     # The leader, in the hub namespace, advertises the bridge address to its members.
-    port, admin_port = free_port(), free_port()
+    port, admin_port = ns.port(), ns.port()
     state = tmp_path / "state"
     env = {**os.environ, "OMNI_ACTORS_STATE_DIR": str(state), "THESPIAN_BASE_IPADDR": f"{NETNS_NET}.1"}
     out, err = tmp_path / "leader.out", tmp_path / "leader.err"

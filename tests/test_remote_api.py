@@ -47,8 +47,9 @@ class RemoteApi:
     """``python -m omni_actors.system api --convention-address ...`` in a child process, marked
     with its own ``OMNI_ACTORS_SYSTEM_ID`` so that anything it started could be found."""
 
-    def __init__(self, convention: str, *extra: str, prefix: list[str] | None = None, env: dict | None = None):
-        self.port = free_port()
+    def __init__(self, convention: str, *extra: str, prefix: list[str] | None = None, env: dict | None = None,
+                 port: int = 0):
+        self.port = port or free_port()
         self.marker = uuid.uuid4().hex
         self.proc = subprocess.Popen(
             [*(prefix or []), sys.executable, "-m", "omni_actors.system", "api", "--port", str(self.port),
@@ -216,7 +217,7 @@ def test_api_in_another_network_namespace_serves_through_the_leaders_admin(reque
         pytest.skip(why)
     t0 = time.monotonic()
     # the leader in the hub namespace (198.18.0.1), the API server in m1's (198.18.0.2): no shared loopback
-    port, admin_port = free_port(), free_port()
+    port, admin_port = ns.port(), ns.port()
     state = tmp_path / "state"
     out, err = tmp_path / "leader.out", tmp_path / "leader.err"
     with open(out, "wb") as o, open(err, "wb") as e:
@@ -246,7 +247,7 @@ def test_api_in_another_network_namespace_serves_through_the_leaders_admin(reque
             (out.read_bytes() + err.read_bytes()[-2000:]).decode(errors="replace")
         time.sleep(0.1)
 
-    api = RemoteApi(f"{NETNS_NET}.1:{admin_port}", prefix=ns.exec_prefix(ns.m1))
+    api = RemoteApi(f"{NETNS_NET}.1:{admin_port}", prefix=ns.exec_prefix(ns.m1), port=ns.port())
     try:
         client = subprocess.run([*ns.exec_prefix(ns.m1), sys.executable, "-c", (
             "import json, sys, urllib.request\n"
