@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_actors.system.local import LocalLeader, free_port
+from omni_actors.system.local import LocalLeader, free_port, reserve_port
 from omni_actors.system.processes import kill_system, system_pids
 
 from conftest import CONFIGS, ROOT
@@ -49,14 +49,19 @@ class RemoteApi:
 
     def __init__(self, convention: str, *extra: str, prefix: list[str] | None = None, env: dict | None = None,
                  port: int = 0):
-        self.port = port or free_port()
+        reserved = None if port else reserve_port()  # held until the API listens (see reserve_port)
+        self.port = port or reserved.getsockname()[1]
         self.marker = uuid.uuid4().hex
         self.proc = subprocess.Popen(
             [*(prefix or []), sys.executable, "-m", "omni_actors.system", "api", "--port", str(self.port),
              "--convention-address", convention, "--request-actors", "2", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
             env={**os.environ, "OMNI_ACTORS_SYSTEM_ID": self.marker, **(env or {})})
-        self.first_line = self.proc.stdout.readline()
+        try:
+            self.first_line = self.proc.stdout.readline()
+        finally:
+            if reserved is not None:
+                reserved.close()
         assert f"at http://127.0.0.1:{self.port}/v1 (attached to the convention at {convention})" in \
             self.first_line, (self.first_line, self.proc.stderr.read() if self.proc.poll() is not None else "")
 
