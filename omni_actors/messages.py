@@ -334,6 +334,9 @@ class StartPool(Message):
     #: the index of the next new replica's name (``<stage>/<index>``): a recreated pool goes on
     #: from its predecessor's, so no name is used twice
     next_index: int = 0
+    #: The coordinator's process id and hostname (``supervision.ParentWatch``); 0: judge by acks.
+    coordinator_pid: int = 0
+    coordinator_host: str = ""
 
 
 @dataclass(frozen=True)
@@ -355,6 +358,10 @@ class StartEngine(Message):
     #: for gone and drains; the pool sends ``missed_heartbeats`` intervals (the silence
     #: it tolerates from the replica). 0: ``ORPHAN_AFTER_INTERVALS`` intervals.
     orphan_after_s: float = 0.0
+    #: The pool's process id and hostname: an engine forked by its pool (same host) watches
+    #: that pid (``supervision.ParentWatch``) instead of the acks' delay. 0: judge by acks.
+    pool_pid: int = 0
+    pool_host: str = ""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import time
 
 from thespian.actors import (ActorExitRequest, ActorSystemConventionUpdate, ActorTypeDispatcher, ChildActorExited,
@@ -105,7 +106,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                                   cfg.inline_threshold_of(stage), dep.load_balancing, dep.supervision,
                                   connector_mode=cfg.connector_mode_of(stage),
                                   replicas=self._layout(stage.stage_id),
-                                  next_index=getattr(self._reported.get(stage.stage_id), "next_index", 0)))
+                                  next_index=getattr(self._reported.get(stage.stage_id), "next_index", 0),
+                                  coordinator_pid=os.getpid(), coordinator_host=socket.gethostname()))
 
     def _layout(self, stage_id: int) -> tuple[tuple[str, tuple, tuple[float, ...]], ...] | None:
         """``(replica id, pin, restart times)`` of each replica the stage's pool last reported

@@ -24,6 +24,7 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ThespianWatch
 
 from omni_actors.actors.engine_stream import StreamingMixin
 from omni_actors.actors.outbox import PendingChunk, Sequencer, bundle, coalesce
+from omni_actors.actors.supervision import ParentWatch
 from omni_actors.actors.node_agent import on_node
 from omni_actors.config import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
@@ -35,7 +36,8 @@ from omni_actors.messages import (CancelStage, DrainReplica, EngineFailed, Engin
                                   StageFailed, StageTask, StartEngine, TaskFinished, TextStarted)
 from omni_actors.processors import default_input
 
-#: Missing pool acks for this many heartbeat intervals means the pool is gone.
+#: Missing pool acks for this many heartbeat intervals means the pool is gone (a pool
+#: on another host; one on this host is watched by its pid, ``ParentWatch``).
 ORPHAN_AFTER_INTERVALS = 3
 #: Longest a text delta waits to share a message with the next ones (50 updates a
 #: second per stream): an actor message costs about 1 ms of CPU here, so one per
@@ -139,7 +141,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._parked = 0  # tasks waiting on a neighbour stage (input chunks, credits)
         self._last_ack = time.monotonic()
         self._draining = False
-        self._orphaned = False  # no ack from the pool for orphan_after_s: it is gone
+        self._orphaned = False  # the pool is gone (its pid, or no ack for orphan_after_s)
+        self._parent = ParentWatch(0, "")
         self._fault: InjectFault | None = None
         self._stalled: asyncio.Event | None = None
         self._log = get_logger(actor="engine")
@@ -152,6 +155,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         if self._rt is not None:
             return self._watch()
         self._spec, self._pool = msg, sender
+        self._parent = ParentWatch(msg.pool_pid, msg.pool_host)
         self._log = self._log.bind(stage=msg.stage.name, replica=msg.replica)
         self._connector = connector = make_connector(msg.inline_threshold_bytes, mode=msg.connector_mode)
         self._sequencer = Sequencer(connector.put)
@@ -213,11 +217,15 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 self._ready = False
                 self.send(self._pool, EngineFailed(self._spec.replica, failure))
             orphan_after_s = max(ORPHAN_AFTER_INTERVALS * interval, self._spec.orphan_after_s)
-            if not self._orphaned and time.monotonic() - self._last_ack > orphan_after_s:
+            lost = self._parent.gone()  # a pool on this host: its pid, never a false alarm
+            if lost is None:  # a pool on another host: its acks
+                lost = time.monotonic() - self._last_ack > orphan_after_s
+            if not self._orphaned and lost:
                 # The pool is gone. Its replacement's RequestActors re-sent these tasks, and no
                 # cancel can reach us any more: they get as long again to end, then are cancelled
                 # (one waiting for chunk credits from a consumer that moved on would wait forever).
-                self._log.warning("pool_lost_draining", in_flight=len(self._tasks))
+                self._log.warning("pool_lost_draining", in_flight=len(self._tasks),
+                                  by="parent pid" if self._parent.local else f"no ack for {orphan_after_s:g} s")
                 self._orphaned = True
                 self._start_drain()
                 self.wakeupAfter(orphan_after_s, payload="orphan_deadline")

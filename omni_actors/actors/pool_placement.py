@@ -13,6 +13,9 @@ those devices) only, so it comes back where it was or waits, pending.
 
 from __future__ import annotations
 
+import os
+import socket
+
 from thespian.actors import ActorExitRequest
 
 from omni_actors.actors.engine import EngineActor
@@ -49,7 +52,8 @@ class PoolPlacementMixin:
         self.send(address, StartEngine(rep.replica, spec.stage, spec.deployment, spec.heartbeat_interval_s,
                                        spec.inline_threshold_bytes, msg.node, msg.devices or None,
                                        connector_mode=spec.connector_mode,
-                                       orphan_after_s=spec.supervision.missed_heartbeats * spec.heartbeat_interval_s))
+                                       orphan_after_s=spec.supervision.missed_heartbeats * spec.heartbeat_interval_s,
+                                       pool_pid=os.getpid(), pool_host=socket.gethostname()))
         self.wakeupAfter(spec.ready_timeout_s, payload=("ready_deadline", rep.replica, address))
         self._log.info("replica_launched", replica=rep.replica, node=msg.node, devices=rep.devices)
         self._publish()

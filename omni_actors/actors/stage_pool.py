@@ -9,12 +9,14 @@ finished just before it died are handed back to their RequestActors too:
 its report to us and its results to them travel separately, and what was
 still queued in the dead process is lost (a RequestActor that has the
 results ignores that). A replica that fails to
-load is FAILED and not retried (a bad model path fails the same way again).
+load is FAILED and not retried at once (a bad model path fails the same way
+again); a FAILED replica is tried once more every ``failed_retry_s``.
 Tasks that find no ready replica wait up to ``queue_timeout_s`` for one (a
 restart, a late start), then the request gets a clear 503.
 
-A pool that stops getting acks from its coordinator (the coordinator died
-and a new one made a new pool) drains its replicas and exits.
+A pool whose coordinator died (its parent pid changed; a coordinator on
+another host: no acks) drains its replicas and exits: a new coordinator
+makes a new pool.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExi
 
 from omni_actors.actors.pool_admin import PoolAdminMixin
 from omni_actors.actors.pool_placement import PoolPlacementMixin
-from omni_actors.actors.supervision import HealthPolicy, ReplicaHealth, RestartPolicy
+from omni_actors.actors.supervision import HealthPolicy, ParentWatch, ReplicaHealth, RestartPolicy
 from omni_actors.balancing import POLICIES, ReplicaLoad
 from omni_actors.logs import get_logger
 from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, CancelStage, DrainReplica, EngineFailed,
@@ -40,7 +42,8 @@ from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, Cance
 
 #: Ticks per heartbeat interval: how often health is judged.
 TICKS_PER_INTERVAL = 4
-#: Missing this many coordinator acks (in intervals) means the coordinator is gone.
+#: Missing this many coordinator acks (in intervals) means the coordinator is gone (when
+#: it is not this process's parent; see ``ParentWatch``).
 ORPHAN_AFTER_INTERVALS = 5
 
 _ROUTABLE = (ReplicaState.READY,)
@@ -71,6 +74,7 @@ class Replica:
     backend: str = ""
     placing: bool = False  # a PlaceReplica is out
     restarts: list[float] = field(default_factory=list)
+    failed_at: float = 0.0  # when it went FAILED (its retry's wake-up carries it)
     health: ReplicaHealth | None = None
     latency: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS_S))
     latency_sum: float = 0.0
@@ -88,6 +92,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         self._pins: dict[str, tuple[str, tuple[str, ...]]] = {}  # replica -> (node, devices) it is pinned to
         self._last_ack = time.monotonic()
         self._orphaned = False
+        self._parent = ParentWatch(0, "")
+        self._last_tick = 0.0  # when the last health tick ran (monotonic)
         self._exiting = False  # told to exit (system stop, stage removed): replicas exiting is expected
         self._ticks = 0
         self._log = get_logger(actor="pool")
@@ -97,12 +103,14 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         if self._spec is not None:
             return
         self._spec, self._coordinator = msg, sender
+        self._parent = ParentWatch(msg.coordinator_pid, msg.coordinator_host)
         sup = msg.supervision
         self._policy = POLICIES[msg.load_balancing]
         self._health = HealthPolicy(msg.heartbeat_interval_s, sup.missed_heartbeats, sup.stall_timeout_s,
                                     sup.circuit_breaker_failures)
         r = sup.restart
-        self._restart = RestartPolicy(r.initial_backoff_s, r.max_backoff_s, r.max_restarts, r.window_s)
+        self._restart = RestartPolicy(r.initial_backoff_s, r.max_backoff_s, r.max_restarts, r.window_s,
+                                      getattr(r, "failed_retry_s", RestartPolicy.failed_retry_s))
         # A hung replica is found out within this (missed heartbeats or a stall), plus a margin:
         # results it had not sent by then are lost with it.
         self._finished_window_s = max(sup.missed_heartbeats * msg.heartbeat_interval_s, sup.stall_timeout_s) + 1.0
@@ -151,7 +159,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         if rep.state == ReplicaState.READY:
             self._isolate(rep, f"engine died: {msg.reason}", crashed=True)  # it ran before: restart it
             return
-        self._set_down(rep, ReplicaState.FAILED, msg.reason)  # it never loaded: retrying fails the same way
+        self._set_down(rep, ReplicaState.FAILED, msg.reason)  # it never loaded: not at once (fails the same way)
         self.send(rep.address, ActorExitRequest())
 
     def receiveMsg_Heartbeat(self, msg: Heartbeat, sender):
@@ -181,6 +189,15 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                 self._set_down(rep, ReplicaState.FAILED,
                                f"did not become ready within {self._spec.ready_timeout_s:g} s")
                 self._kill(rep)
+        elif isinstance(payload, tuple) and payload[0] == "retry_failed":
+            rep = self._replicas.get(payload[1])
+            if (rep is not None and rep.state == ReplicaState.FAILED and rep.failed_at == payload[2]
+                    and not self._orphaned and not self._exiting):
+                self._log.warning("replica_retry_after_failure", replica=rep.replica, reason=rep.reason)
+                if rep.address is not None:  # (its process should be gone; make sure)
+                    self._kill(rep)
+                self._launch(rep.replica, rep.restarts)
+                self._publish()
         elif isinstance(payload, tuple) and payload[0] == "restart":
             rep = self._replicas.get(payload[1])
             if rep is not None and rep.state == ReplicaState.DEAD and not self._orphaned:
@@ -191,6 +208,17 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
     def _tick(self) -> None:
         now = time.monotonic()
         self._ticks += 1
+        period = self._spec.heartbeat_interval_s / TICKS_PER_INTERVAL
+        late = now - self._last_tick - period if self._last_tick else 0.0
+        self._last_tick = now
+        if late > self._spec.heartbeat_interval_s:
+            # This pool did not run for a while (swamped by a burst, starved of CPU, stopped):
+            # the heartbeats sent meanwhile are still queued, unread. Time it did not listen
+            # is not its replicas' silence.
+            self._log.warning("pool_tick_late", late_s=round(late, 2))
+            for rep in self._replicas.values():
+                if rep.health is not None:
+                    rep.health.last_heartbeat = min(now, rep.health.last_heartbeat + late)
         if self._ticks % TICKS_PER_INTERVAL == 0:
             self._publish()  # load figures once per interval; state changes publish at once
         for rep in list(self._replicas.values()):
@@ -210,9 +238,12 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                                    f"{self._spec.supervision.queue_timeout_s:g} s ({self._describe()})")
         if self._hold_until and now >= self._hold_until:
             self._drain_pending()  # the backlog kept for replicas that are still starting
-        if not self._orphaned and now - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.heartbeat_interval_s:
+        lost = self._parent.gone()  # the coordinator forked this pool: its pid, never a false alarm
+        if lost is None:
+            lost = now - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.heartbeat_interval_s
+        if not self._orphaned and lost:
             self._orphaned = True
-            self._log.warning("coordinator_lost_draining")
+            self._log.warning("coordinator_lost_draining", by="parent pid" if self._parent.local else "acks")
             for rep in self._replicas.values():
                 if rep.state in _ALIVE:
                     self.send(rep.address, DrainReplica(rep.replica))
@@ -249,11 +280,23 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         return False
 
     def _set_down(self, rep: Replica, state: ReplicaState, reason: str) -> None:
+        if state == ReplicaState.FAILED:
+            reason += self._retry_later(rep)
         rep.state, rep.reason = state, reason
         self._log.error("replica_down", replica=rep.replica, state=state.value, reason=reason)
         self._redispatch(rep)
         self._release(rep)
         self._publish()
+
+    def _retry_later(self, rep: Replica) -> str:
+        """Schedule one more try of the FAILED ``rep`` after ``failed_retry_s``;
+        returns what to add to its reason ("" when it will not be tried again)."""
+        after = self._restart.failed_retry_s
+        if not after or self._orphaned or self._exiting:
+            return ""
+        rep.failed_at = time.monotonic()
+        self.wakeupAfter(after, payload=("retry_failed", rep.replica, rep.failed_at))
+        return f"; next try in {after:g} s"
 
     def _release(self, rep: Replica) -> None:
         if self._coordinator is not None:
@@ -285,12 +328,16 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                                                                reason=cause, pool_exiting=self._exiting)
         self._redispatch(rep, crashed=crashed and not self._exiting)
         self._hand_back_finished(rep, cause)
-        delay = self._restart.next_delay(rep.restarts, time.monotonic())
-        if delay is None or self._orphaned:
+        now = time.monotonic()
+        delay = None if self._orphaned else self._restart.next_delay(rep.restarts, now)
+        if self._orphaned:  # the coordinator's next pool starts it again
+            self._release(rep)
+            rep.state, rep.reason = ReplicaState.FAILED, f"{cause}; not restarted: its pool lost the coordinator"
+        elif delay is None:
             self._release(rep)
             rep.state = ReplicaState.FAILED
-            rep.reason = (f"{cause}; gave up after {len(rep.restarts)} restarts in "
-                          f"{self._restart.window_s:g} s")
+            rep.reason = (f"{cause}; gave up after {self._restart.recent(rep.restarts, now)} restarts in "
+                          f"{self._restart.window_s:g} s{self._retry_later(rep)}")
         else:
             if not self._pins.get(rep.replica, ("", ()))[1]:
                 self._release(rep)  # a replica pinned to devices keeps them for its restart

@@ -14,13 +14,46 @@ Rules (defaults in :class:`omni_actors.config.Supervision`):
 - **Restart** (Erlang/OTP-style intensity): after an isolated replica is
   killed, or a replica's process exits, it is restarted after an exponential
   backoff (``initial_backoff_s`` doubling up to ``max_backoff_s``); more than
-  ``max_restarts`` restarts within ``window_s`` and it stays down, FAILED,
-  with the reason in ``status``.
+  ``max_restarts`` restarts within ``window_s`` and it goes down, FAILED,
+  with the reason in ``status``; a FAILED replica (this, or one that never
+  loaded) is tried once more every ``failed_retry_s``.
+- **Lost parent**: a pool or engine whose parent actor runs on the same host
+  (Thespian forks each actor from its parent) knows its parent is gone when
+  its own parent pid changes (:class:`ParentWatch`); only a parent on another
+  host is judged by late heartbeat acks, which a busy parent can also cause.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, field
+
+
+class ParentWatch:
+    """Is the actor that started this process gone?
+
+    Thespian forks an actor's process from its parent actor's process when
+    both run on one host, so the parent process's pid is this process's
+    ``os.getppid()`` until the parent dies (then the process is re-parented,
+    to init or a subreaper). That test never gives a false alarm however busy
+    the parent is; late heartbeat acks do (a pool handling a burst of 200
+    requests acked 3 s late and its engines drained themselves).
+
+    Args:
+        parent_pid: the parent actor's ``os.getpid()`` (0: unknown).
+        parent_host: its ``socket.gethostname()``.
+
+    ``local`` is True when the parent is this process's parent; otherwise
+    :meth:`gone` returns None (cannot tell: judge by acks).
+    """
+
+    def __init__(self, parent_pid: int, parent_host: str):
+        self.parent_pid = parent_pid
+        self.local = bool(parent_pid) and parent_host == socket.gethostname() and os.getppid() == parent_pid
+
+    def gone(self) -> bool | None:
+        return (os.getppid() != self.parent_pid) if self.local else None
 
 
 @dataclass(frozen=True)
@@ -29,6 +62,15 @@ class RestartPolicy:
     max_backoff_s: float = 8.0
     max_restarts: int = 5
     window_s: float = 60.0
+    #: Seconds a FAILED replica waits before it is tried once more (0: never): a down
+    #: replica must not stay down for good because of a bad minute (a burst, a host that
+    #: came back, a model directory fixed meanwhile). 300 s: Kubernetes caps its
+    #: CrashLoopBackOff delay at 5 minutes.
+    failed_retry_s: float = 300.0
+
+    def recent(self, restart_times: list[float], now: float) -> int:
+        """How many of ``restart_times`` fall within ``window_s`` of ``now``."""
+        return sum(1 for t in restart_times if now - t <= self.window_s)
 
     def next_delay(self, restart_times: list[float], now: float) -> float | None:
         """Backoff before the next restart, or None when the intensity is exceeded.
@@ -36,10 +78,10 @@ class RestartPolicy:
         ``restart_times`` are the monotonic times of earlier restarts of the
         same replica; only those within ``window_s`` of ``now`` count.
         """
-        recent = [t for t in restart_times if now - t <= self.window_s]
-        if len(recent) >= self.max_restarts:
+        recent = self.recent(restart_times, now)
+        if recent >= self.max_restarts:
             return None
-        return min(self.initial_backoff_s * (2 ** len(recent)), self.max_backoff_s)
+        return min(self.initial_backoff_s * (2 ** recent), self.max_backoff_s)
 
 
 @dataclass
