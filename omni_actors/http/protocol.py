@@ -41,7 +41,7 @@ AUDIO_FORMATS = frozenset({"wav", "pcm16"})  #: pcm16: raw int16 little-endian s
 DEFAULT_SIZE = "256x256"
 MIN_SIDE, MAX_SIDE, SIDE_MULTIPLE = 64, 1024, 8
 AUDIO_TTL_S = 3600
-_SIZE_RE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+_SIZE_RE = re.compile(r"(\d{1,5})x(\d{1,5})", re.ASCII)  # (fullmatch: no trailing newline; ASCII digits only)
 
 
 class ApiError(Exception):
@@ -297,7 +297,7 @@ def _size(body: dict) -> tuple[int, int]:
     size = body.get("size")
     if size is None:
         size = DEFAULT_SIZE
-    m = _SIZE_RE.match(size) if isinstance(size, str) else None
+    m = _SIZE_RE.fullmatch(size) if isinstance(size, str) else None
     sides = (int(m.group(1)), int(m.group(2))) if m else None
     if sides is None or not all(
             MIN_SIDE <= s <= MAX_SIDE and s % SIDE_MULTIPLE == 0 for s in sides):

@@ -9,6 +9,7 @@ would stop the whole system.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -22,6 +23,8 @@ SIGNAL_FAULTS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP, "sigcont"
 ENGINE_FAULTS = {"raise": FaultKind.RAISE_NEXT, "slow": FaultKind.SLOW, "stall": FaultKind.STALL,
                  "clear": FaultKind.CLEAR}
 FAULTS = (*SIGNAL_FAULTS, *ENGINE_FAULTS, "kill-pool", "kill-coordinator")
+#: Largest `slow` factor: 1000x turns a 4 ms token into 4 s, slow enough for any test.
+MAX_SLOW_FACTOR = 1000.0
 
 
 class AdminError(RuntimeError):
@@ -57,7 +60,8 @@ class Admin:
         (``at``: Unix time, seconds), for scripts that measure reaction times.
 
         Raises:
-            AdminError: unknown fault or target, or the system did not answer.
+            AdminError: unknown fault or target, a ``slow`` factor outside 1..``MAX_SLOW_FACTOR``,
+            or the system did not answer.
         """
         if fault in SIGNAL_FAULTS or fault in ("kill-pool", "kill-coordinator"):
             if self.remote:
@@ -72,6 +76,8 @@ class Admin:
         if fault in ENGINE_FAULTS:
             if not replica:
                 raise AdminError(f"{fault} needs --replica STAGE/N")
+            if fault == "slow" and not (math.isfinite(factor) and 1.0 <= factor <= MAX_SLOW_FACTOR):
+                raise AdminError(f"the slow-down factor must be a number from 1 to {MAX_SLOW_FACTOR:g}, got {factor:g}")
             at = time.time()
             message = self._ask(InjectFault(replica, ENGINE_FAULTS[fault], factor, count))
             return {"fault": fault, "target": replica, "at": at, "message": message}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_actors.system.faultlab import assert_no_request_lost, replicas, run_scenario, wait_no_segments
+from omni_actors.system.faultlab import assert_no_request_lost, inject_cli, replicas, run_scenario, wait_no_segments
 
 from .conftest import CLIENTS, REQUEST_TIMEOUT_S
 
@@ -40,8 +40,6 @@ def test_slow_really_slows_a_self_pacing_engine(leader):
 
     import openai
 
-    from omni_actors.system.faultlab import inject_cli
-
     client = openai.OpenAI(base_url=leader.base_url, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
 
     def ask() -> float:
@@ -57,3 +55,12 @@ def test_slow_really_slows_a_self_pacing_engine(leader):
     finally:
         assert inject_cli(leader.admin_port, "clear", "--replica", "thinker/0").returncode == 0
     assert slowed >= 1.0, f"50 tokens at 5 x 4 ms took {slowed:.2f} s"
+
+
+@pytest.mark.parametrize("factor", ["nan", "-2", "0.5", "inf"])
+def test_slow_rejects_a_factor_that_is_not_a_slow_down(leader, factor):
+    """A NaN, negative, speed-up or infinite factor is refused in one line, before anything is sent."""
+    out = inject_cli(leader.admin_port, "slow", "--replica", "thinker/0", "--factor", factor)
+    assert out.returncode != 0
+    assert out.stderr.strip().startswith("error: the slow-down factor must be a number from 1 to 1000"), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
