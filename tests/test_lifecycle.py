@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import random
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -320,3 +322,23 @@ def test_stage_launch_and_stop_act_on_one_stage(image_leader):
     while "ready" not in dit_states() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert "ready" in dit_states()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_local_leader_directory_goes_with_the_process_unless_kept(keep, tmp_path):
+    """A LocalLeader's directory (its log, output, state file) is readable after ``stop()``
+    and removed when the process that made it exits; ``OMNI_ACTORS_KEEP_LEADER_DIRS=1`` keeps it.
+    (Test runs left about 2,700 of them in /tmp.)"""
+    script = ("import sys\nfrom omni_actors.system.local import LocalLeader\n"
+              "leader = LocalLeader(sys.argv[1]).start()\nleader.stop()\n"
+              "assert leader.log_path.read_text()\nprint(leader.log_path.parent)\n")
+    env = {**os.environ, local.KEEP_DIRS_ENV: "1" if keep else ""}
+    out = subprocess.run([sys.executable, "-c", script, str(CONFIGS / "cpu_omni_demo.yaml")], capture_output=True,
+                         text=True, cwd=ROOT, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    made = out.stdout.strip().splitlines()[-1]
+    assert made.startswith(os.path.join(tempfile.gettempdir(), "omni-actors-leader-"))
+    try:
+        assert os.path.isdir(made) == keep
+    finally:
+        shutil.rmtree(made, ignore_errors=True)

@@ -14,8 +14,10 @@ them in between (see :class:`LocalLeader`).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -64,6 +66,26 @@ def reserve_port() -> socket.socket:
 
 class LeaderStartError(RuntimeError):
     pass
+
+
+#: Set to keep each LocalLeader's directory (its log, output and state files) after this process exits.
+KEEP_DIRS_ENV = "OMNI_ACTORS_KEEP_LEADER_DIRS"
+_dirs: list[Path] = []
+
+
+def _remove_at_exit(path: Path) -> None:
+    """Remove ``path`` when this process exits (the leader's logs stay readable after
+    :meth:`LocalLeader.stop`, for the caller's asserts), unless ``$OMNI_ACTORS_KEEP_LEADER_DIRS``
+    is set: test runs used to leave thousands of them in /tmp."""
+    if not _dirs:
+        atexit.register(_remove_dirs)
+    _dirs.append(path)
+
+
+def _remove_dirs() -> None:
+    if not os.environ.get(KEEP_DIRS_ENV):
+        for path in _dirs:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 class LocalLeader:
@@ -127,6 +149,7 @@ class LocalLeader:
         """
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
         self._dir = Path(tempfile.mkdtemp(prefix="omni-actors-leader-"))
+        _remove_at_exit(self._dir)
         self.log_path, self.stdout_path = self._dir / "leader.log", self._dir / "leader.out"
         env = {**os.environ, "OMNI_ACTORS_STATE_DIR": str(self._dir), **self.env}
         cmd = [sys.executable, "-m", "omni_actors.system", "start", "--convention-leader",
