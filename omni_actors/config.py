@@ -13,11 +13,17 @@ A config file has two parts:
 
 Every error raised is a :class:`ConfigError` naming the file, the YAML path
 of the bad field (for example ``deployment.stages.talker.replicas``) and what
-was expected.
+was expected. Durations are finite and bounded per field (a ``.inf`` or a huge
+timeout would overflow or hang a timer later), counts that make processes
+too (``replicas``: at most 1024). A stage key that is not known but is close
+to one that is (``final_ouput``) is kept as vLLM-Omni keeps it and reported as
+a warning (see :func:`unknown_key_warnings`).
 """
 
 from __future__ import annotations
 
+import contextvars
+import difflib
 import importlib
 import re
 import typing
@@ -38,6 +44,7 @@ __all__ = [
     "StageConnector",
     "load_config",
     "parse_config",
+    "unknown_key_warnings",
     "DEFAULT_CONFIG",
 ]
 
@@ -45,8 +52,27 @@ __all__ = [
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "cpu_omni_demo.yaml"
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
-NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
-PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+
+# Bounded numbers. ``extra["unit"]`` marks a field whose out-of-range error is
+# rewritten to name both bounds and the value given (see ``_bounds_message``);
+# NaN and infinities fail the bounds. Durations are bounded because every one
+# ends up in a timer (``wakeupAfter``, ``asyncio.wait_for``), where ``inf``
+# raises OverflowError and a huge value never fires.
+_DAY_S = 86400
+_HOUR_S = 3600
+#: A timeout: more than 0 s, at most a day (a large model can take hours to load).
+Timeout = Annotated[float, msgspec.Meta(gt=0, le=_DAY_S, extra={"unit": "seconds", "max": "a day"})]
+#: A wait that may be 0 (no wait): 0 s to a day.
+Wait = Annotated[float, msgspec.Meta(ge=0, le=_DAY_S, extra={"unit": "seconds", "max": "a day"})]
+#: The heartbeat interval: more than 0 s, at most 10 minutes (a lost replica or host
+#: is noticed after a few intervals).
+HeartbeatInterval = Annotated[float, msgspec.Meta(gt=0, le=600, extra={"unit": "seconds", "max": "10 minutes"})]
+#: A restart backoff or a simulated start-up time: 0 s to an hour.
+UpToAnHour = Annotated[float, msgspec.Meta(ge=0, le=_HOUR_S, extra={"unit": "seconds", "max": "an hour"})]
+#: Simulated time per token: 0 to 60000 ms (a minute).
+MsPerToken = Annotated[float, msgspec.Meta(ge=0, le=60_000, extra={"unit": "milliseconds", "max": "a minute"})]
+#: Replicas of a stage, or devices of one replica: 1 to 1024 (each replica is a process).
+Replicas = Annotated[int, msgspec.Meta(ge=1, le=1024, extra={"unit": "integer"})]
 OutputType = Literal["text", "audio", "image"]
 #: How engines store their stage outputs: ``omni_actors.connectors.MODES``.
 ConnectorMode = Literal["auto", "inline", "shm", "tcp"]
@@ -65,7 +91,8 @@ class ConfigError(ValueError):
 
 class RuntimeSpec(msgspec.Struct, kw_only=True):
     """vLLM-Omni's ``runtime`` block; only ``devices`` is read (a GPU id list
-    such as ``"0"`` or ``"0,1"``), the rest is kept for the vLLM-Omni backend."""
+    such as ``"0"`` or ``"0,1"``: non-negative integers, none twice; made its
+    canonical string at load), the rest is kept for the vLLM-Omni backend."""
 
     devices: str | int | None = None
     process: bool | None = None
@@ -94,9 +121,9 @@ class SyntheticCost(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Cost model of the synthetic engine (all times are simulated with
     ``asyncio.sleep``; defaults are zero cost)."""
 
-    startup_s: NonNegFloat = 0.0
-    prefill_ms_per_token: NonNegFloat = 0.0
-    decode_ms_per_token: NonNegFloat = 0.0
+    startup_s: UpToAnHour = 0.0
+    prefill_ms_per_token: MsPerToken = 0.0
+    decode_ms_per_token: MsPerToken = 0.0
     max_concurrency: PositiveInt = 8
     #: Thinker hidden size (columns of the hidden-state tensor).
     hidden_size: PositiveInt = 64
@@ -121,10 +148,10 @@ class SyntheticCost(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class StageDeployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """How one stage is deployed."""
 
-    replicas: PositiveInt = 1
+    replicas: Replicas = 1
     backend: Literal["synthetic", "vllm", "vllm_omni"] = "synthetic"
     #: devices each replica takes on one node (its tensor-parallel size); ignored on CPU nodes
-    devices_per_replica: PositiveInt = 1
+    devices_per_replica: Replicas = 1
     #: nodes this stage may run on (placement rule); empty: any node that accepts it
     nodes: list[str] = []
     #: CPU cores its engines compute on, a Linux CPU list ("1", "0-3", "0,2"): what pinned
@@ -139,12 +166,18 @@ class StageDeployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class RestartSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Restart intensity (Erlang/OTP style): backoff doubling from
     ``initial_backoff_s`` to ``max_backoff_s``; more than ``max_restarts`` in
-    ``window_s`` and the replica (or pool) stays down."""
+    ``window_s`` and the replica goes FAILED (a pool: stays down), to be tried
+    again after ``failed_retry_s``. Bounds: backoffs up to an hour, the window
+    and ``failed_retry_s`` up to a day, ``max_restarts`` up to 1000."""
 
-    initial_backoff_s: NonNegFloat = 0.5
-    max_backoff_s: NonNegFloat = 8.0
-    max_restarts: Annotated[int, msgspec.Meta(ge=0)] = 5
-    window_s: PositiveFloat = 60.0
+    initial_backoff_s: UpToAnHour = 0.5
+    max_backoff_s: UpToAnHour = 8.0
+    #: at most 1000: the backoff doubles per restart (2 ** 1024 overflows a float)
+    max_restarts: Annotated[int, msgspec.Meta(ge=0, le=1000, extra={"unit": "integer"})] = 5
+    window_s: Timeout = 60.0
+    #: a FAILED replica (restarts used up, or it never loaded) is tried once more after this
+    #: long, and again every as long (0: never). 300 s: Kubernetes caps CrashLoopBackOff at 5 min.
+    failed_retry_s: Wait = 300.0
 
 
 class Supervision(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -161,15 +194,19 @@ class Supervision(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     two in a row point at the request
     (a "poison" input that crashes the engine), which would otherwise take
     replica after replica down and use up their restart budgets.
+
+    Bounds: ``stall_timeout_s``, ``queue_timeout_s`` and ``drain_timeout_s`` up
+    to a day; ``missed_heartbeats`` up to 100.
     """
 
-    missed_heartbeats: PositiveInt = 3
-    stall_timeout_s: PositiveFloat = 10.0
+    #: at most 100 (times ``heartbeat_interval_s``: how long a silent replica is waited for)
+    missed_heartbeats: Annotated[int, msgspec.Meta(ge=1, le=100, extra={"unit": "integer"})] = 3
+    stall_timeout_s: Timeout = 10.0
     circuit_breaker_failures: PositiveInt = 5
     max_task_attempts: PositiveInt = 3
     max_task_crashes: PositiveInt = 2
-    queue_timeout_s: NonNegFloat = 30.0
-    drain_timeout_s: NonNegFloat = 10.0
+    queue_timeout_s: Wait = 30.0
+    drain_timeout_s: Wait = 10.0
     restart: RestartSpec = msgspec.field(default_factory=RestartSpec)
 
 
@@ -189,13 +226,15 @@ class Streaming(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     enabled: bool = False
     chunk_tokens: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 8
     max_buffered_chunks: Annotated[int, msgspec.Meta(ge=2, le=4096)] = 16
-    chunk_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
+    chunk_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=_HOUR_S,
+                                                   extra={"unit": "seconds", "max": "an hour"})] = 10.0
 
 
 class Deployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """The deployment block. Defaults: heartbeat 1 s (issue 4); ready timeout
     60 s; request timeout 300 s; 64 KiB inline threshold as vLLM-Omni's;
-    connector ``auto``.
+    connector ``auto``. Bounds: heartbeat interval up to 10 minutes, ready and
+    request timeouts up to a day, ``request_actors`` up to 1024 (each a process).
 
     ``connector`` is how every engine stores its stage outputs (see
     ``omni_actors.connectors.MODES``): ``auto`` inline up to
@@ -207,14 +246,14 @@ class Deployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """
 
     served_model_name: Annotated[str, msgspec.Meta(min_length=1)]
-    heartbeat_interval_s: PositiveFloat = 1.0
-    ready_timeout_s: PositiveFloat = 60.0
-    request_timeout_s: PositiveFloat = 300.0
+    heartbeat_interval_s: HeartbeatInterval = 1.0
+    ready_timeout_s: Timeout = 60.0
+    request_timeout_s: Timeout = 300.0
     max_tokens_limit: PositiveInt = 4096
     load_balancing: Literal["least_loaded"] = "least_loaded"
     inline_threshold_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 * 1024
     connector: ConnectorMode = "auto"
-    request_actors: PositiveInt = 16
+    request_actors: Replicas = 16
     supervision: Supervision = msgspec.field(default_factory=Supervision)
     streaming: Streaming = msgspec.field(default_factory=Streaming)
     stages: dict[str, StageDeployment] = {}
@@ -359,8 +398,56 @@ def _type_at(typ: Any, path: str) -> Any:
     return typ
 
 
-def _expected(typ: Any, path: str, message: str) -> tuple[str, str]:
-    """Add to msgspec's message what was expected (unknown field, enum value)."""
+_MISSING = object()
+
+
+def _value_at(obj: Any, path: str) -> Any:
+    """The value at a msgspec error path (``a[0].b``) of a decoded document, or ``_MISSING``."""
+    for part in path.replace("]", "").replace("[", ".").split("."):
+        if not part:
+            continue
+        if isinstance(obj, dict) and part in obj:
+            obj = obj[part]
+        elif isinstance(obj, list) and part.isdigit() and int(part) < len(obj):
+            obj = obj[int(part)]
+        else:
+            return _MISSING
+    return obj
+
+
+#: msgspec's messages for a number out of a field's bounds (not for a wrong type).
+_OUT_OF_BOUNDS = re.compile(r"Expected `(int|float)` [<>]=? |Number out of range|Integer value out of range")
+
+
+def _show(value: Any) -> str:
+    """A number as an error message shows it (``inf``, ``nan``, ``1e+30``)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 15:
+        return f"about 10^{len(str(abs(value))) - 1}" if value > 0 else f"about -10^{len(str(-value)) - 1}"
+    return str(value)
+
+
+def _bounds_message(typ: Any, value: Any) -> str | None:
+    """``must be a finite number of seconds > 0 and <= 86400 (a day), got inf`` for a
+    field typed with bounds and ``extra["unit"]``; None for any other field."""
+    if typing.get_origin(typ) is not Annotated:
+        return None
+    base, *metas = typing.get_args(typ)
+    meta = next((m for m in metas if isinstance(m, msgspec.Meta) and m.extra and "unit" in m.extra), None)
+    if meta is None:
+        return None
+    low = f"> {meta.gt:g}" if meta.gt is not None else f">= {meta.ge:g}"
+    high = f"<= {meta.le:g}" + (f" ({meta.extra['max']})" if "max" in meta.extra else "")
+    what = "an integer" if base is int else f"a finite number of {meta.extra['unit']}"
+    got = "" if value is _MISSING else f", got {_show(value)}"
+    return f"must be {what} {low} and {high}{got}"
+
+
+def _expected(typ: Any, path: str, message: str, obj: Any = _MISSING) -> tuple[str, str]:
+    """Add to msgspec's message what was expected (unknown field, enum value, bounds)."""
+    if _OUT_OF_BOUNDS.match(message):
+        better = _bounds_message(_type_at(typ, path), _value_at(obj, path) if obj is not _MISSING else obj)
+        if better is not None:
+            return path, better
     m = re.match(r"Object contains unknown field `(.*)`", message)
     if m:
         t = _type_at(typ, path)
@@ -383,25 +470,47 @@ def _convert(obj: Any, typ: type, source: str, prefix: str = "") -> Any:
         text = str(exc)
         m = _PATH_RE.search(text)
         path = _yaml_path(m.group(1)) if m else ""
-        path, message = _expected(typ, path, _PATH_RE.sub("", text).strip(" -"))
+        path, message = _expected(typ, path, _PATH_RE.sub("", text).strip(" -"), obj)
         if prefix:
             path = prefix + ("." + path if path and not path.startswith("[") else path)
         raise ConfigError(source, path, message) from None
 
 
-def parse_config(data: Any, source: str = "<memory>") -> PipelineConfig:
+#: True while a deploy-format file is converted: its inner ``parse_config`` call sees
+#: generated ``stage_args``, whose keys the outer call has already checked in the file.
+_CONVERTING = contextvars.ContextVar("omni_actors_config_converting", default=False)
+
+
+def parse_config(data: Any, source: str = "<memory>",
+                 on_warning: typing.Callable[[str], None] | None = None) -> PipelineConfig:
     """Validate a decoded YAML document.
+
+    Warnings (:func:`unknown_key_warnings`, one line each, ``FILE: PATH: message``)
+    go to ``on_warning``; by default each is logged as a structlog
+    ``config_unknown_key`` warning. They come before any error, which they may explain.
 
     Raises:
         ConfigError: naming the YAML path of the first bad field.
     """
     if not isinstance(data, dict):
         raise ConfigError(source, "", "expected a mapping with `stage_args` and `deployment`")
+    if not _CONVERTING.get():
+        for path, message in unknown_key_warnings(data):
+            if on_warning is not None:
+                on_warning(f"{source}: {path}: {message}")
+            else:
+                from omni_actors.logs import get_logger
+
+                get_logger().warning("config_unknown_key", config=source, path=path, message=message)
     if "stages" in data or "base_config" in data:
         # vLLM-Omni's deploy format (a `stages:` list; the topology elsewhere).
         from omni_actors.vllm_omni_deploy import parse_deploy_config
 
-        return parse_deploy_config(data, source)
+        token = _CONVERTING.set(True)
+        try:
+            return parse_deploy_config(data, source)
+        finally:
+            _CONVERTING.reset(token)
     for key in ("stage_args", "deployment"):
         if key not in data:
             raise ConfigError(source, key, "required field is missing")
@@ -421,6 +530,109 @@ def parse_config(data: Any, source: str = "<memory>") -> PipelineConfig:
     cfg.omni_connectors = omni_connectors(data, cfg, source)
     _check_cpus(cfg, source)
     return cfg
+
+
+# -- unknown keys -----------------------------------------------------------
+#
+# vLLM-Omni keeps keys of a stage it does not know (a legacy stage config's
+# ``yaml_extras`` such as ``tts_args``; a deploy file's stage keys are engine
+# arguments, passed on), and vLLM's engine arguments number in the hundreds and
+# change between releases: the set of valid keys is open. So a key is never
+# refused for being unknown; one that is not known here but is a near miss of a
+# key that is (a typo: ``final_ouput``) is warned about, with the key meant.
+
+#: Keys of a legacy ``stage_args`` entry: ours, and those vLLM-Omni's legacy stage
+#: configs (and its ``StageConfig.to_omegaconf``) use.
+_STAGE_KEYS = frozenset({
+    "stage_id", "engine_args", "engine_input_source", "custom_process_input_func", "final_output",
+    "final_output_type", "default_sampling_params", "runtime",
+    "stage_type", "session_mode", "is_comprehension", "sampling_constraints", "input_connectors",
+    "output_connectors", "default_pooling_params", "subtalker_sampling_params", "tts_args",
+    "prompt_transform_func", "prompt_expand_func", "cfg_kv_collect_func", "async_chunk"})
+#: Keys of a stage's ``runtime`` block (legacy configs; a deploy file's stages).
+_RUNTIME_KEYS = frozenset({"devices", "process", "max_batch_size", "num_replicas", "env",
+                           "requires_multimodal_data"})
+#: Engine arguments this project reads or sees most. Only near misses of these are
+#: warned about: a larger set made legitimate vLLM 0.32 / vLLM-Omni 0.30 arguments
+#: (``ec_transfer_config``, ``mm_processor_cache_type``) look like typos of shipped keys.
+_ENGINE_KEYS = frozenset({
+    "model_stage", "model", "model_arch", "worker_type", "stage_type", "hf_config_name",
+    "engine_output_type", "model_subdir", "tokenizer_subdir", "requires_multimodal_data",
+    "custom_process_next_stage_input_func", "requires_full_payload_input", "is_comprehension",
+    "omni_kv_config", "stage_id", "final_output", "final_output_type", "tensor_parallel_size",
+    "pipeline_parallel_size", "data_parallel_size", "gpu_memory_utilization", "max_model_len",
+    "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "trust_remote_code", "dtype",
+    "enable_prefix_caching", "enable_chunked_prefill", "distributed_executor_backend",
+    "quantization", "worker_cls", "scheduler_cls", "tokenizer", "seed"})
+#: Stage keys of the other format, and this format's key for the same thing.
+_OTHER_FORMAT = {"input_sources": "engine_input_source"}
+
+
+def _near_miss(key: str, known: frozenset[str]) -> str | None:
+    """The known key ``key`` is probably a typo of: close by difflib (ratio >= 0.85) and
+    within 2 characters in length (``data_parallel_size_local`` is not a typo of
+    ``data_parallel_size``); None when ``key`` is known or close to none."""
+    if key in known:
+        return None
+    close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.85)
+    return next((k for k in close if abs(len(k) - len(key)) <= 2), None)
+
+
+def _check_keys(mapping: Any, known: frozenset[str], path: str, fate: str,
+                aliases: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    if not isinstance(mapping, dict):
+        return out
+    for key in mapping:
+        if not isinstance(key, str):
+            continue
+        meant = (aliases or {}).get(key) or _near_miss(key, known)
+        if meant is not None and meant != key:
+            out.append((f"{path}.{key}", f"unknown key ({fate}); did you mean `{meant}`?"))
+    return out
+
+
+def unknown_key_warnings(data: Any) -> list[tuple[str, str]]:
+    """``(YAML path, message)`` for each stage key of a decoded config that is
+    probably a typo (see above): in a ``stage_args`` entry (ignored), its
+    ``runtime`` (ignored) and its ``engine_args`` (passed to the engine as they
+    are); in a deploy file's ``stages`` entries (and each platform's), whose
+    other keys are engine arguments. Pure: nothing is logged."""
+    out: list[tuple[str, str]] = []
+    if not isinstance(data, dict):
+        return out
+    stage_args = data.get("stage_args")
+    if isinstance(stage_args, list) and "stages" not in data:
+        for i, entry in enumerate(stage_args):
+            p = f"stage_args[{i}]"
+            if not isinstance(entry, dict):
+                continue
+            out += _check_keys(entry, _STAGE_KEYS, p, "ignored", _OTHER_FORMAT)
+            out += _check_keys(entry.get("runtime"), _RUNTIME_KEYS, f"{p}.runtime", "ignored")
+            out += _check_keys(entry.get("engine_args"), _ENGINE_KEYS, f"{p}.engine_args",
+                               "passed to the engine as it is")
+        return out
+    if "stages" not in data and "base_config" not in data:
+        return out
+    lists = [("stages", data.get("stages"))]
+    platforms = data.get("platforms")
+    if isinstance(platforms, dict):
+        lists += [(f"platforms.{name}.stages", p.get("stages")) for name, p in platforms.items()
+                  if isinstance(p, dict)]
+    from omni_actors.vllm_omni_deploy import _STAGE_OWN  # its stage keys that are not engine arguments
+
+    for where, stages in lists:
+        if not isinstance(stages, list):
+            continue
+        for i, entry in enumerate(stages):
+            p = f"{where}[{i}]"
+            if not isinstance(entry, dict):
+                continue
+            out += _check_keys(entry, _ENGINE_KEYS | _STAGE_OWN, p, "passed to the engine as it is")
+            out += _check_keys(entry.get("runtime"), _RUNTIME_KEYS, f"{p}.runtime", "ignored")
+            for sub in ("engine_args", "engine_extras"):
+                out += _check_keys(entry.get(sub), _ENGINE_KEYS, f"{p}.{sub}", "passed to the engine as it is")
+    return out
 
 
 def _check_cpus(cfg: PipelineConfig, source: str) -> None:
@@ -448,8 +660,8 @@ def _check_cpus(cfg: PipelineConfig, source: str) -> None:
                 cfg.omni_connectors.notes.append(note)
 
 
-def load_config(path: str | Path) -> PipelineConfig:
-    """Load and validate a config file.
+def load_config(path: str | Path, on_warning: typing.Callable[[str], None] | None = None) -> PipelineConfig:
+    """Load and validate a config file (``on_warning``: as :func:`parse_config`'s).
 
     Raises:
         ConfigError: file missing, not YAML, or a field is invalid.
@@ -468,7 +680,7 @@ def load_config(path: str | Path) -> PipelineConfig:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(source, where, f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    return parse_config(data, source)
+    return parse_config(data, source, on_warning)
 
 
 class _DuplicateKey(Exception):
@@ -510,6 +722,7 @@ def _check_graph(cfg: PipelineConfig, source: str) -> None:
         if s.final_output and s.final_output_type is None:
             raise ConfigError(source, f"{p}.final_output_type",
                               "required when final_output is true: one of text, audio, image")
+        _check_devices(s, source, f"{p}.runtime.devices")
     if not cfg.stage_args:
         raise ConfigError(source, "stage_args", "expected at least one stage")
     for i, s in enumerate(cfg.stage_args):
@@ -531,6 +744,23 @@ def _check_graph(cfg: PipelineConfig, source: str) -> None:
             raise ConfigError(source, f"deployment.stages.{name}",
                               f"no stage named `{name}`; stages: {sorted(names)}")
     _check_stage_settings(cfg, source)
+
+
+def _check_devices(s: StageSpec, source: str, path: str) -> None:
+    """``runtime.devices``: a device id list such as ``"0,1"`` (or one id as a number);
+    kept as its canonical string (``"0,1"``), which becomes ``CUDA_VISIBLE_DEVICES``."""
+    from omni_actors.placement import parse_devices  # (placement imports this module's users)
+
+    devices = s.runtime.devices
+    if devices is None:
+        return
+    try:
+        ids = parse_devices(str(devices))
+    except ValueError as exc:
+        raise ConfigError(source, path, str(exc)) from None
+    if not ids:
+        raise ConfigError(source, path, "empty: give device ids such as \"0,1\", or leave `devices` out")
+    s.runtime.devices = ",".join(ids)
 
 
 def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
@@ -596,9 +826,22 @@ def _check_importable(dotted: str, source: str, path: str) -> None:
         top = (exc.name or "").split(".")[0]
         if top in ENGINE_PACKAGES and dotted.startswith(top + "."):
             return
-        raise ConfigError(source, path, f"cannot import `{module}`: {exc}") from None
-    if not callable(getattr(mod, attr, None)):
+        raise ConfigError(source, path, f"cannot import `{module}`: {_one_line(exc)}") from None
+    except (Exception, SystemExit) as exc:  # the module's own code failed: a SyntaxError, its imports...
+        raise ConfigError(source, path,
+                          f"cannot import `{module}`: {type(exc).__name__}: {_one_line(exc)}") from None
+    try:
+        func = getattr(mod, attr, None)
+    except Exception as exc:  # a module __getattr__ that raises
+        raise ConfigError(source, path, f"`{module}.{attr}`: {type(exc).__name__}: {_one_line(exc)}") from None
+    if not callable(func):
         raise ConfigError(source, path, f"`{module}` has no function `{attr}`")
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (its first non-empty line; the type's name if none)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 def resolve_processor(dotted: str):

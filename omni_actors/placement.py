@@ -22,6 +22,7 @@ of that node or none (it then waits, pending, with the reason).
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +31,32 @@ from omni_actors.messages import NodeInfo, NodeStatus
 
 class PlacementError(RuntimeError):
     """No node can take the replica; the message says what was free."""
+
+
+def parse_devices(text: str) -> tuple[str, ...]:
+    """A device id list (``--devices``, ``runtime.devices``): ``"0, 2,3"`` ->
+    ``("0", "2", "3")``, the ids as ``CUDA_VISIBLE_DEVICES`` takes them; blank is
+    none (a CPU host).
+
+    Raises:
+        ValueError: an empty item (``0,,1``, a trailing comma), an id that is not a
+            non-negative integer, or an id given twice; the message says which.
+    """
+    if not text.strip():
+        return ()
+    items = [item.strip() for item in text.split(",")]
+    expected = "expected comma-separated non-negative integers such as 0,1"
+    if "" in items:
+        raise ValueError(f"empty item in {text!r}: {expected}")
+    bad = [item for item in items if not re.fullmatch(r"[0-9]+", item)]
+    if bad:
+        what = "is not a device id" if len(bad) == 1 else "are not device ids"
+        raise ValueError(f"{', '.join(map(repr, bad))} {what} in {text!r}: {expected}")
+    ids = tuple(str(int(item)) for item in items)
+    twice = sorted({d for d in ids if ids.count(d) > 1}, key=int)
+    if twice:
+        raise ValueError(f"device{'s' if len(twice) > 1 else ''} {','.join(twice)} given twice in {text!r}")
+    return ids
 
 
 @dataclass

@@ -8,17 +8,27 @@ Pure logic: no actor system. Bad configs are small YAML files written to
 from __future__ import annotations
 
 import copy
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import yaml
+from structlog.testing import capture_logs
 
-from omni_actors.config import ConfigError, PipelineConfig, load_config
+from omni_actors.config import ConfigError, PipelineConfig, load_config, parse_config, unknown_key_warnings
+from omni_actors.placement import parse_devices
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "configs").glob("*.yaml")) + sorted(
     (ROOT / "tests" / "configs").glob("*.yaml"))
+#: ... and the topologies (tests/test_topologies.py loads them).
+EVERY_CONFIG = SHIPPED + sorted((ROOT / "configs" / "topologies").glob("*.yaml"))
 
 BASE: dict[str, Any] = {
     "stage_args": [
@@ -323,7 +333,7 @@ def test_deployment_for_an_unknown_stage(tmp_path: Path) -> None:
 def test_replicas_must_be_at_least_one(tmp_path: Path, replicas: int) -> None:
     err = refused(tmp_path, variant(stage_deployment("talker", replicas=replicas)))
     assert err.path == "deployment.stages.talker.replicas"
-    assert ">= 1" in err.message
+    assert err.message == f"must be an integer >= 1 and <= 1024, got {replicas}"
 
 
 def test_typo_in_a_stage_deployment_names_the_field(tmp_path: Path) -> None:
@@ -347,7 +357,8 @@ def test_unknown_backend(tmp_path: Path) -> None:
 def test_heartbeat_interval_must_be_positive(tmp_path: Path, value: float) -> None:
     err = refused(tmp_path, variant(lambda d: d["deployment"].update(heartbeat_interval_s=value)))
     assert err.path == "deployment.heartbeat_interval_s"
-    assert "> 0" in err.message
+    assert err.message == ("must be a finite number of seconds > 0 and <= 600 (10 minutes), "
+                           f"got {value}")
 
 
 def test_unknown_field_in_synthetic_cost(tmp_path: Path) -> None:
@@ -360,7 +371,7 @@ def test_unknown_field_in_synthetic_cost(tmp_path: Path) -> None:
 def test_bad_value_in_synthetic_cost(tmp_path: Path) -> None:
     err = refused(tmp_path, variant(stage_deployment("talker", synthetic={"max_concurrency": 0})))
     assert err.path == "deployment.stages.talker.synthetic.max_concurrency"
-    assert ">= 1" in err.message
+    assert ">= 1" in err.message  # a field without documented bounds keeps msgspec's message
 
 
 def test_unknown_field_in_deployment(tmp_path: Path) -> None:
@@ -414,3 +425,323 @@ def test_non_text_stage_budgets_are_not_bound_by_the_api_limit(tmp_path: Path) -
         d["deployment"]["max_tokens_limit"] = 2048
         d["stage_args"][2]["default_sampling_params"] = {"max_tokens": 65536}  # Code2Wav, as vLLM-Omni ships
     assert load_config(write(tmp_path, variant(mutate))).stage(2).default_sampling_params["max_tokens"] == 65536
+
+
+
+# -- durations and counts: finite, bounded ----------------------------------
+
+DAY = "must be a finite number of seconds > 0 and <= 86400 (a day), got"
+
+
+def deployment(*keys: str, value: Any) -> Callable[[dict], None]:
+    """Set ``deployment.<keys...>`` to ``value``."""
+    def mutate(d: dict) -> None:
+        node = d["deployment"]
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return mutate
+
+
+@pytest.mark.parametrize(("keys", "value", "message"), [
+    (("request_timeout_s",), float("inf"), f"{DAY} inf"),
+    (("ready_timeout_s",), float("nan"), f"{DAY} nan"),
+    (("request_timeout_s",), 1e30, f"{DAY} 1e+30"),
+    (("heartbeat_interval_s",), float("inf"),
+     "must be a finite number of seconds > 0 and <= 600 (10 minutes), got inf"),
+    (("supervision", "stall_timeout_s"), 86401.0, f"{DAY} 86401.0"),
+    (("supervision", "queue_timeout_s"), float("-inf"),
+     "must be a finite number of seconds >= 0 and <= 86400 (a day), got -inf"),
+    (("supervision", "drain_timeout_s"), float("inf"),
+     "must be a finite number of seconds >= 0 and <= 86400 (a day), got inf"),
+    (("supervision", "restart", "initial_backoff_s"), float("inf"),
+     "must be a finite number of seconds >= 0 and <= 3600 (an hour), got inf"),
+    (("supervision", "restart", "max_backoff_s"), 1e12,
+     "must be a finite number of seconds >= 0 and <= 3600 (an hour), got 1000000000000.0"),
+    (("supervision", "restart", "window_s"), float("inf"), f"{DAY} inf"),
+    (("streaming", "chunk_timeout_s"), float("inf"),
+     "must be a finite number of seconds > 0 and <= 3600 (an hour), got inf"),
+    (("request_actors",), 10 ** 30, "must be an integer >= 1 and <= 1024, got about 10^30"),
+    (("supervision", "missed_heartbeats"), 10 ** 6, "must be an integer >= 1 and <= 100, got 1000000"),
+    (("supervision", "restart", "max_restarts"), 5000, "must be an integer >= 0 and <= 1000, got 5000"),
+], ids=lambda v: ".".join(v) if isinstance(v, tuple) else None)
+def test_infinite_or_huge_durations_and_counts_are_refused_with_their_bounds(
+        tmp_path: Path, keys: tuple[str, ...], value: Any, message: str) -> None:
+    err = refused(tmp_path, variant(deployment(*keys, value=value)))
+    assert err.path == "deployment." + ".".join(keys)
+    assert err.message == message
+
+
+def test_inf_written_in_yaml_names_the_field(tmp_path: Path) -> None:
+    text = yaml.safe_dump(BASE, sort_keys=False).replace(
+        "served_model_name: test-model", "served_model_name: test-model\n  request_timeout_s: .inf")
+    err = refused(tmp_path, text)
+    assert str(err).endswith(f"deployment.request_timeout_s: {DAY} inf")
+
+
+@pytest.mark.parametrize(("stage_keys", "value", "message"), [
+    (("replicas",), 10 ** 30, "must be an integer >= 1 and <= 1024, got about 10^30"),
+    (("replicas",), 1025, "must be an integer >= 1 and <= 1024, got 1025"),
+    (("devices_per_replica",), 4096, "must be an integer >= 1 and <= 1024, got 4096"),
+    (("synthetic", "startup_s"), float("inf"),
+     "must be a finite number of seconds >= 0 and <= 3600 (an hour), got inf"),
+    (("synthetic", "decode_ms_per_token"), float("nan"),
+     "must be a finite number of milliseconds >= 0 and <= 60000 (a minute), got nan"),
+], ids=lambda v: ".".join(v) if isinstance(v, tuple) else None)
+def test_stage_deployment_bounds(tmp_path: Path, stage_keys: tuple[str, ...], value: Any, message: str) -> None:
+    def mutate(d: dict) -> None:
+        node = d["deployment"]["stages"]["talker"]
+        for k in stage_keys[:-1]:
+            node = node.setdefault(k, {})
+        node[stage_keys[-1]] = value
+    err = refused(tmp_path, variant(mutate))
+    assert err.path == "deployment.stages.talker." + ".".join(stage_keys)
+    assert err.message == message
+
+
+def test_the_bounds_themselves_are_accepted(tmp_path: Path) -> None:
+    def mutate(d: dict) -> None:
+        d["deployment"].update(request_timeout_s=86400, ready_timeout_s=86400, heartbeat_interval_s=600,
+                               request_actors=1024, supervision={"queue_timeout_s": 0, "drain_timeout_s": 0})
+        d["deployment"]["stages"]["talker"]["replicas"] = 1024
+    cfg = load_config(write(tmp_path, variant(mutate)))
+    assert cfg.deployment.request_timeout_s == 86400 and cfg.deployment.heartbeat_interval_s == 600
+    assert cfg.deployment_of(cfg.stage_by_name("talker")).replicas == 1024
+
+
+def test_a_wrong_type_keeps_msgspec_message(tmp_path: Path) -> None:
+    err = refused(tmp_path, variant(deployment("request_timeout_s", value="soon")))
+    assert err.path == "deployment.request_timeout_s"
+    assert err.message == "Expected `float`, got `str`"
+
+
+# -- unknown stage keys: a warning with the key meant --------------------------
+
+
+def warnings_of(data: Any, tmp_path: Path) -> tuple[list[dict], Any]:
+    """The structlog events of loading ``data``, and the config (or the ConfigError)."""
+    with capture_logs() as logs:
+        try:
+            result: Any = load_config(write(tmp_path, data))
+        except ConfigError as exc:
+            result = exc
+    return [e for e in logs if e["event"] == "config_unknown_key"], result
+
+
+@pytest.mark.parametrize(("mutate", "path", "meant"), [
+    (stage(1, engine_input_sources=[0]), "stage_args[1].engine_input_sources", "engine_input_source"),
+    (stage(0, final_ouput=True), "stage_args[0].final_ouput", "final_output"),
+    (stage(1, custom_process_input_fn="omni_actors.processors.thinker2talker"),
+     "stage_args[1].custom_process_input_fn", "custom_process_input_func"),
+    (stage(1, input_sources=[0]), "stage_args[1].input_sources", "engine_input_source"),  # the deploy format's name
+    (stage(0, runtime={"device": "0"}), "stage_args[0].runtime.device", "devices"),
+    (stage(0, engine_args={"model_stage": "thinker", "tensor_paralel_size": 2}),
+     "stage_args[0].engine_args.tensor_paralel_size", "tensor_parallel_size"),
+], ids=["engine_input_sources", "final_ouput", "custom_process_input_fn", "input_sources", "runtime.device",
+        "engine_args.tensor_paralel_size"])
+def test_a_misspelt_stage_key_is_loaded_with_a_warning_naming_the_key_meant(
+        tmp_path: Path, mutate: Callable[[dict], None], path: str, meant: str) -> None:
+    events, cfg = warnings_of(variant(mutate), tmp_path)
+    assert isinstance(cfg, PipelineConfig)
+    assert [(e["path"], e["log_level"]) for e in events] == [(path, "warning")]
+    assert events[0]["config"] == str(tmp_path / "cfg.yaml")
+    assert events[0]["message"].endswith(f"did you mean `{meant}`?")
+
+
+def test_the_warning_comes_before_the_error_it_explains(tmp_path: Path) -> None:
+    """``final_ouput`` on the only final stage: the graph has no final stage."""
+    def mutate(d: dict) -> None:
+        d["stage_args"] = d["stage_args"][:1]
+        d["stage_args"][0].pop("final_output")
+        d["stage_args"][0]["final_ouput"] = True
+        d["deployment"]["stages"] = {}
+    events, err = warnings_of(variant(mutate), tmp_path)
+    assert isinstance(err, ConfigError) and "no stage has final_output" in err.message
+    assert [e["path"] for e in events] == ["stage_args[0].final_ouput"]
+
+
+def test_unknown_keys_that_are_no_near_miss_are_kept_quietly(tmp_path: Path) -> None:
+    """vLLM-Omni keeps keys it does not know (``tts_args``...), and engine arguments are open-ended."""
+    def mutate(d: dict) -> None:
+        d["stage_args"][0].update(tts_args={"x": 1}, my_own_note="kept", is_comprehension=True,
+                                  runtime={"process": True, "max_batch_size": 1})
+        d["stage_args"][0]["engine_args"].update(data_parallel_size_local=1, ec_transfer_config={},
+                                                 mm_processor_cache_type="lru", async_scheduling=True)
+    events, cfg = warnings_of(variant(mutate), tmp_path)
+    assert isinstance(cfg, PipelineConfig) and events == []
+
+
+def test_on_warning_gets_one_line_per_warning_instead_of_the_log(tmp_path: Path) -> None:
+    lines: list[str] = []
+    path = write(tmp_path, variant(stage(0, final_ouput=True)))
+    with capture_logs() as logs:
+        load_config(path, on_warning=lines.append)
+    assert logs == []
+    assert lines == [f"{path}: stage_args[0].final_ouput: unknown key (ignored); did you mean `final_output`?"]
+
+
+def test_deploy_format_stage_typos_are_warned_with_the_files_paths() -> None:
+    data = yaml.safe_load((ROOT / "configs" / "cpu_vllm_omni_deploy.yaml").read_text())
+    data["stages"][1]["num_replica"] = 3
+    data["stages"][0]["engine_args"] = {"max_num_seq": 4}
+    lines: list[str] = []
+    cfg = parse_config(data, "deploy.yaml", on_warning=lines.append)
+    assert cfg.stage_args
+    assert lines == [
+        "deploy.yaml: stages[0].engine_args.max_num_seq: unknown key (passed to the engine as it is); "
+        "did you mean `max_num_seqs`?",
+        "deploy.yaml: stages[1].num_replica: unknown key (passed to the engine as it is); "
+        "did you mean `num_replicas`?"]
+
+
+@pytest.mark.parametrize("path", EVERY_CONFIG, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_shipped_config_loads_without_warnings(path: Path) -> None:
+    with capture_logs() as logs:
+        load_config(path)
+    assert logs == []
+
+
+def _vllm_omni_yamls() -> list[Path]:
+    spec = importlib.util.find_spec("vllm_omni")
+    roots = ([Path(p) for p in spec.submodule_search_locations] if spec and spec.submodule_search_locations
+             else sorted(ROOT.glob(".venv-omni/lib/python*/site-packages/vllm_omni"))[-1:])
+    return [p for root in roots for p in sorted(root.rglob("*.yaml"))]
+
+
+@pytest.mark.skipif(not _vllm_omni_yamls(), reason="no vllm_omni here nor in .venv-omni (make test-vllm-omni)")
+def test_vllm_omnis_shipped_yamls_have_no_key_that_looks_misspelt() -> None:
+    found = {}
+    for path in _vllm_omni_yamls():
+        data = yaml.safe_load(path.read_text())
+        if isinstance(data, dict) and (warnings := unknown_key_warnings(data)):
+            found[path.name] = warnings
+    assert found == {}
+
+
+# -- processors whose module fails to import ---------------------------------
+
+
+@pytest.mark.parametrize(("source", "cause"), [
+    ("def thinker2talker(:\n    pass\n", "SyntaxError: "),
+    ("import no_such_dependency_here\n", "cannot import `{mod}`: No module named 'no_such_dependency_here'"),
+    ("from os import no_such_name\n", "ImportError: cannot import name 'no_such_name' from 'os'"),
+    ("raise RuntimeError('needs a GPU\\nsecond line')\n", "RuntimeError: needs a GPU"),
+    ("import sys\nsys.exit(3)\n", "SystemExit: 3"),
+], ids=["syntax-error", "missing-dependency", "import-error", "raises", "exits"])
+def test_processor_module_that_fails_to_import_is_a_config_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, source: str,
+        cause: str) -> None:
+    mod = f"broken_processor_{request.node.callspec.id.replace('-', '_')}"
+    (tmp_path / f"{mod}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = refused(tmp_path, variant(stage(1, custom_process_input_func=f"{mod}.thinker2talker")))
+    assert err.path == "stage_args[1].custom_process_input_func"
+    assert err.message.startswith(f"cannot import `{mod}`: ")
+    assert cause.format(mod=mod) in err.message
+    if cause == "SyntaxError: ":
+        assert f"({mod}.py, line 1)" in err.message
+
+
+# -- device lists ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("devices", "message"), [
+    ("gpu0,,x", "empty item in 'gpu0,,x'"),
+    ("0,0", "device 0 given twice in '0,0'"),
+    ("a,b", "'a', 'b' are not device ids in 'a,b'"),
+    ("0,-1", "'-1' is not a device id in '0,-1'"),
+    (-1, "'-1' is not a device id in '-1'"),
+    ("", "empty: give device ids"),
+], ids=["empty-item", "twice", "not-integers", "negative", "negative-number", "blank"])
+def test_runtime_devices_must_be_a_device_id_list(tmp_path: Path, devices: Any, message: str) -> None:
+    err = refused(tmp_path, variant(stage(2, runtime={"devices": devices})))
+    assert err.path == "stage_args[2].runtime.devices"
+    assert err.message.startswith(message)
+
+
+def test_runtime_devices_are_kept_canonical(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, variant(lambda d: (stage(0, runtime={"devices": " 0, 1"})(d),
+                                                         stage(1, runtime={"devices": 3})(d)))))
+    assert (cfg.stage(0).runtime.devices, cfg.stage(1).runtime.devices) == ("0,1", "3")
+
+
+@pytest.mark.parametrize(("text", "ids"), [("", ()), (" ", ()), ("0", ("0",)), ("3, 1,2", ("3", "1", "2"))])
+def test_parse_devices(text: str, ids: tuple[str, ...]) -> None:
+    assert parse_devices(text) == ids
+
+
+# -- the command line: --devices and check-config -------------------------------------
+
+
+def _run_cli(*args: str, tmp_path: Path, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "omni_actors.system", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, stdin=subprocess.DEVNULL,
+                          env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)})
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize(("devices", "why"), [
+    ("0,0", "device 0 given twice"), ("a,b", "'a', 'b' are not device ids"), ("0,,1", "empty item")],
+    ids=["duplicate", "not-integers", "empty-item"])
+def test_start_with_a_bad_device_list_fails_fast_with_one_line_and_starts_nothing(
+        tmp_path: Path, devices: str, why: str) -> None:
+    from omni_actors.system.local import free_port
+
+    port, admin_port = free_port(), free_port()
+    t0 = time.monotonic()
+    out = _run_cli("start", "--convention-leader", "--devices", devices, "--port", str(port),
+                   "--admin-port", str(admin_port), tmp_path=tmp_path)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith(f"error: --devices: {why}"), out.stderr
+    assert time.monotonic() - t0 < 30
+    # nothing was started: no state file, no admin, no HTTP server
+    assert list(tmp_path.iterdir()) == []
+    assert _port_is_free(admin_port) and _port_is_free(port)
+
+
+def test_member_and_stage_launch_check_devices_before_reaching_anything(tmp_path: Path) -> None:
+    from omni_actors.system.local import free_port
+
+    out = _run_cli("start", "--convention-address", "127.0.0.1:9", "--admin-port", str(free_port()),
+                   "--devices", "1,1", tmp_path=tmp_path)
+    assert (out.returncode, out.stderr) == (2, "error: --devices: device 1 given twice in '1,1'\n")
+    # no admin listens on that port: the device list is refused before anything is asked
+    out = _run_cli("stage", "launch", "--stage", "talker", "--devices", "2,x", "--admin-port", str(free_port()),
+                   tmp_path=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("error: --devices: 'x' is not a device id"), out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_check_config_says_what_a_good_config_serves(tmp_path: Path) -> None:
+    out = _run_cli("check-config", "--config", str(ROOT / "configs" / "cpu_omni_demo.yaml"), tmp_path=tmp_path)
+    assert (out.returncode, out.stderr) == (0, "")
+    assert out.stdout == "ok: 3 stages (thinker x1, talker x2, code2wav x1)\n"
+
+
+def test_check_config_prints_warnings_then_ok(tmp_path: Path) -> None:
+    path = write(tmp_path, variant(stage(1, engine_input_sources=[0])))
+    out = _run_cli("check-config", "--config", str(path), tmp_path=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == (f"warning: {path}: stage_args[1].engine_input_sources: unknown key (ignored); "
+                          "did you mean `engine_input_source`?\n")
+    assert out.stdout.startswith("ok: 3 stages")
+
+
+def test_check_config_refuses_a_bad_config_with_one_line_and_exit_1(tmp_path: Path) -> None:
+    (tmp_path / "bad_syntax_processor.py").write_text("def f(:\n")
+    path = write(tmp_path, variant(stage(1, custom_process_input_func="bad_syntax_processor.f")))
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "check-config", "--config", str(path)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr.count("\n") == 1, out.stderr  # one line, no traceback
+    assert out.stderr.startswith(f"error: {path}: stage_args[1].custom_process_input_func: "
+                                 "cannot import `bad_syntax_processor`: SyntaxError: ")

@@ -342,3 +342,44 @@ def test_local_leader_directory_goes_with_the_process_unless_kept(keep, tmp_path
         assert os.path.isdir(made) == keep
     finally:
         shutil.rmtree(made, ignore_errors=True)
+
+
+def test_a_failed_replica_is_tried_again_after_failed_retry_s_and_serves():
+    """Killed twice with a budget of 1 restart, the only Thinker goes FAILED and says when
+    it is tried next; requests get 503 meanwhile. After ``failed_retry_s`` (3 s) it is
+    started again and serves (it used to stay FAILED until someone ran `stage scale`)."""
+    leader = LocalLeader(TEST_CONFIGS / "retry_failed.yaml").start()
+
+    def replica() -> dict:
+        with urllib.request.urlopen(leader.base_url + "/stages", timeout=10) as r:
+            return json.loads(r.read())["stages"][0]["replicas"][0]
+
+    def wait_for(state: str, timeout_s: float, pid_not: int | None = None) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while (rep := replica())["state"] != state or (pid_not and rep["pid"] == pid_not):
+            assert time.monotonic() < deadline, f"not {state} within {timeout_s:g} s: {rep}"
+            time.sleep(0.1)
+        return rep
+
+    def chat() -> int:
+        body = json.dumps({"model": "retry-failed-test", "messages": MESSAGES, "max_tokens": 4}).encode()
+        req = urllib.request.Request(leader.base_url + "/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    try:
+        first = wait_for("ready", 20)
+        os.kill(first["pid"], signal.SIGKILL)
+        second = wait_for("ready", 20, pid_not=first["pid"])  # restarted: the one restart of its budget
+        os.kill(second["pid"], signal.SIGKILL)
+        failed = wait_for("failed", 10)
+        assert "gave up after 1 restarts in 60 s; next try in 3 s" in failed["reason"], failed
+        assert chat() == 503
+        third = wait_for("ready", 15, pid_not=second["pid"])
+        assert chat() == 200, third
+    finally:
+        leader.stop()

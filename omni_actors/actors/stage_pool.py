@@ -110,7 +110,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                                     sup.circuit_breaker_failures)
         r = sup.restart
         self._restart = RestartPolicy(r.initial_backoff_s, r.max_backoff_s, r.max_restarts, r.window_s,
-                                      getattr(r, "failed_retry_s", RestartPolicy.failed_retry_s))
+                                      r.failed_retry_s)
         # A hung replica is found out within this (missed heartbeats or a stall), plus a margin:
         # results it had not sent by then are lost with it.
         self._finished_window_s = max(sup.missed_heartbeats * msg.heartbeat_interval_s, sup.stall_timeout_s) + 1.0

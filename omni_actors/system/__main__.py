@@ -1,7 +1,8 @@
-"""``python -m omni_actors.system <verb>``: start, stop, status, inject, stage, api, shell.
+"""``python -m omni_actors.system <verb>``: start, stop, status, inject, stage, api, shell, check-config.
 
 Errors print one line on stderr and exit non-zero (2 for bad arguments or
-config, 1 for a system that cannot start or cannot be reached).
+config, 1 for a system that cannot start or cannot be reached, and for a config
+that ``check-config`` refuses).
 """
 
 from __future__ import annotations
@@ -114,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     sp = stage.add_parser("stop", help="drain and stop every replica of a stage")
     admin_port(sp, remote=True)
     sp.add_argument("--stage", required=True)
+
+    sp = sub.add_parser("check-config", help="load and validate a config (processor imports included) and "
+                        "say what it serves; starts nothing")
+    sp.add_argument("--config", default=None,
+                    help="pipeline + deployment YAML (default: configs/cpu_omni_demo.yaml)")
     return p
 
 
@@ -127,7 +133,7 @@ def cmd_start(args) -> int:
     from omni_actors.logs import configure_logging
     from omni_actors.system.leader import StartError, run_leader
 
-    devices = tuple(d.strip() for d in args.devices.split(",") if d.strip())
+    devices = args.devices  # checked by main()
     if args.convention_leader == bool(args.convention_address):
         return _fail("give exactly one of --convention-leader or --convention-address HOST:PORT", 2)
     problem = _use_shm_dir(args.shm_dir)
@@ -135,12 +141,14 @@ def cmd_start(args) -> int:
         return _fail(problem, 2)
     if args.convention_address:
         return _start_member(args, devices)
+    # The config loads once, after the re-exec and with logging set up, so that its
+    # warnings (a misspelt stage key) are logged once, as JSON lines like every event.
+    _ensure_system_id()
+    configure_logging(args.log_level)
     try:
         config = load_config(args.config or DEFAULT_CONFIG)
     except ConfigError as exc:
         return _fail(str(exc), 2)
-    _ensure_system_id()
-    configure_logging(args.log_level)
     try:
         return run_leader(config, host=args.host, port=args.port, admin_port=args.admin_port,
                           api_key=args.api_key, node=args.node_name or "", devices=devices)
@@ -386,10 +394,39 @@ def cmd_shell(args) -> int:
                      remote=bool(args.convention_address))
 
 
+def cmd_check_config(args) -> int:
+    """Load and validate a config as ``start`` would (processor imports included):
+    ``ok: N stages (NAME xREPLICAS, ...)`` and exit 0, or the one-line error and
+    exit 1. Warnings (misspelt stage keys) and the config's notes go to stderr,
+    one line each."""
+    from omni_actors.config import DEFAULT_CONFIG, ConfigError, load_config
+    from omni_actors.logs import configure_logging
+
+    configure_logging("error")  # the config's own warnings are printed below, not logged
+    try:
+        config = load_config(args.config or DEFAULT_CONFIG,
+                             on_warning=lambda text: print(f"warning: {text}", file=sys.stderr))
+    except ConfigError as exc:
+        return _fail(str(exc))
+    for note in config.omni_connectors.notes:
+        print(f"note: {note}", file=sys.stderr)
+    stages = ", ".join(f"{s.name} x{config.deployment_of(s).replicas}" for s in config.stage_args)
+    n = len(config.stage_args)
+    print(f"ok: {n} stage{'' if n == 1 else 's'} ({stages})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if isinstance(getattr(args, "devices", None), str):  # start, stage launch
+        from omni_actors.placement import parse_devices
+
+        try:
+            args.devices = parse_devices(args.devices)
+        except ValueError as exc:
+            return _fail(f"--devices: {exc}", 2)
     verbs = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "inject": cmd_inject, "stage": cmd_stage,
-             "api": cmd_api, "shell": cmd_shell}
+             "api": cmd_api, "shell": cmd_shell, "check-config": cmd_check_config}
     return verbs[args.verb](args)
 
 
