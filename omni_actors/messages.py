@@ -88,6 +88,9 @@ class ErrorKind(str, enum.Enum):
     #: replicas died while running the request's stage, ``supervision.max_task_crashes``
     #: of them: not retried, it may be what crashes them (500)
     CRASHED = "crashed"
+    #: a stage's input processor failed on its upstream stages' outputs (500): a pipeline or
+    #: processor error, not the client's input, and the same on any replica: not retried
+    STAGE_INPUT = "stage_input"
     CANCELLED = "cancelled"  #: the client went away
 
 
@@ -704,6 +707,9 @@ class TaskFinished(Message):
     #: not run: the replica is draining or not ready (``reason``); the pool sends the task elsewhere
     rejected: bool = False
     reason: str = ""
+    #: failed because of what it was given (a bad request, a processor that cannot use its
+    #: upstream outputs), not because of the replica: no count towards its circuit breaker
+    input_error: bool = False
 
 
 @dataclass(frozen=True)

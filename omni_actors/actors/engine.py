@@ -116,6 +116,11 @@ class LoopThread:
         self._thread.join(timeout=2.0)
 
 
+class StageInputError(RuntimeError):
+    """A stage's input processor failed on its upstream stages' outputs: the pipeline's
+    fault (its processor, or what the stage before produced), not the client's input."""
+
+
 class EngineActor(StreamingMixin, ActorTypeDispatcher):
     """Hosts one engine backend; see the module docstring for the threading model."""
 
@@ -373,7 +378,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._tasks[key] = asyncio.current_task()
         replica = self._spec.replica
         emit = self._rt.emit
-        ok = cancelled = False
+        ok = cancelled = input_error = False
         try:
             done = await self._execute(msg)
             emit(msg.reply_to, done)
@@ -394,8 +399,13 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             emit(msg.reply_to, StageFailed(msg.request_id, msg.stage_id, replica, ErrorKind.TIMEOUT,
                                            f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt))
         except Exception as exc:  # noqa: BLE001 - a task failure fails the task, not the replica
-            kind = ErrorKind.BAD_REQUEST if isinstance(exc, ValueError) else ErrorKind.ENGINE_ERROR
-            self._log.warning("stage_failed", request_id=msg.request_id, error=str(exc))
+            # What it was given, not this replica: a processor that cannot use its upstream outputs
+            # (500, the same anywhere), a ValueError on the client's input (400, e.g. a prompt over
+            # vLLM's max_model_len). Neither counts towards the replica's circuit breaker.
+            kind = (ErrorKind.STAGE_INPUT if isinstance(exc, StageInputError) else
+                    ErrorKind.BAD_REQUEST if isinstance(exc, ValueError) else ErrorKind.ENGINE_ERROR)
+            input_error = kind != ErrorKind.ENGINE_ERROR
+            self._log.warning("stage_failed", request_id=msg.request_id, error=str(exc), kind=kind.value)
             emit(msg.reply_to, StageFailed(msg.request_id, msg.stage_id, replica, kind,
                                            f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt))
         finally:
@@ -406,7 +416,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 self._completed += 1
             elif not cancelled:
                 self._failed += 1
-            emit(self._pool, TaskFinished(replica, msg.request_id, msg.stage_id, ok, cancelled))
+            emit(self._pool, TaskFinished(replica, msg.request_id, msg.stage_id, ok, cancelled,
+                                          input_error=input_error))
             if self._draining and not self._tasks:
                 emit(self.myAddress, DrainReplica(replica))  # the actor thread exits us
 
@@ -427,6 +438,22 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             last = time.monotonic()
             yield event
 
+    def _process_input(self, upstream: dict, msg: StageTask) -> dict:
+        """The stage's engine input from its upstream stages' outputs (the processor).
+
+        Raises:
+            StageInputError: the processor failed on upstream outputs (none: on the
+                client's prompt, whose ValueError stays a bad request).
+        """
+        if not upstream:
+            return self._processor(upstream, msg.prompt, msg.params)
+        try:
+            return self._processor(upstream, msg.prompt, msg.params)
+        except Exception as exc:  # noqa: BLE001 - reported with the processor's name
+            name = self._spec.stage.custom_process_input_func or "the default input processor"
+            raise StageInputError(f"{name} failed on the outputs of stage(s) {sorted(upstream)}: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+
     async def _execute(self, msg: StageTask) -> StageDone:
         key = (msg.request_id, msg.stage_id)
         stream = None
@@ -438,7 +465,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         if msg.emit_chunks:
             self._credits[key] = [msg.attempt, 0, asyncio.Event()]
         upstream = {sid: await self._fetch(ref) for sid, ref in msg.inputs}
-        engine_input = self._processor(upstream, msg.prompt, msg.params) if stream is None else {}
+        engine_input = self._process_input(upstream, msg) if stream is None else {}
         sampling = {**self._spec.stage.default_sampling_params, **msg.sampling_params}
         task = BackendTask(msg.request_id, engine_input, sampling, dict(msg.params), input_stream=stream,
                            emit_chunks=msg.emit_chunks, chunk_tokens=msg.chunk_tokens)

@@ -26,7 +26,7 @@ FETCH_ON_THREAD_BYTES = 1 << 20
 
 class StreamingMixin:
     """Needs ``self._rt`` (the loop thread), ``self._connector``,
-    ``self._processor``, ``self._inputs``, ``self._credits``, ``self._parked``,
+    ``self._process_input``, ``self._inputs``, ``self._credits``, ``self._parked``,
     ``self._progress`` and ``self._progress_at`` (see EngineActor)."""
 
     def receiveMsg_InputChunk(self, msg: InputChunk, sender):
@@ -91,7 +91,7 @@ class StreamingMixin:
             outputs = await self._fetch(item.ref)
             seq += 1
             self._note_progress()  # consuming input is progress, even before the stage outputs anything
-            yield self._processor({src: outputs}, msg.prompt, msg.params)
+            yield self._process_input({src: outputs}, msg)
             if item.last + 1 - reported >= every:
                 reported = item.last + 1
                 self._rt.emit(msg.reply_to, ChunkConsumed(msg.request_id, msg.stage_id, src, seq, msg.attempt))

@@ -494,7 +494,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             pass  # the client went away: says nothing about the replica's health
         else:
             rep.failed += 1
-        if rep.health is not None and not msg.cancelled:
+        if rep.health is not None and not msg.cancelled and not msg.input_error:
             rep.health.on_task_done(msg.ok, now, dispatched_at=entry[1])
             if not msg.ok and rep.state == ReplicaState.READY:
                 # judge now: a success before the next tick would reset the breaker's count

@@ -55,7 +55,8 @@ from omni_actors.planning import PlanError, plan_request
 
 #: HTTP status for each way a request can fail.
 HTTP_STATUS = {ErrorKind.UNAVAILABLE: 503, ErrorKind.TIMEOUT: 504, ErrorKind.ENGINE_ERROR: 500,
-               ErrorKind.CRASHED: 500, ErrorKind.BAD_REQUEST: 400, ErrorKind.CANCELLED: 499}
+               ErrorKind.CRASHED: 500, ErrorKind.STAGE_INPUT: 500, ErrorKind.BAD_REQUEST: 400,
+               ErrorKind.CANCELLED: 499}
 
 
 class BridgeError(RuntimeError):

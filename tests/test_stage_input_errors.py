@@ -1,0 +1,90 @@
+"""A stage input processor that fails on its upstream outputs: the pipeline's fault, not the client's."""
+
+from __future__ import annotations
+
+import json
+import os
+import textwrap
+import time
+import urllib.error
+import urllib.request
+
+from omni_actors.system.local import LocalLeader
+
+CONFIG = """
+stage_args:
+  - stage_id: 0
+    engine_args: {model_stage: thinker}
+    final_output: true
+    final_output_type: text
+  - stage_id: 1
+    engine_args: {model_stage: talker}
+    engine_input_source: [0]
+    custom_process_input_func: broken_processor.thinker2talker
+  - stage_id: 2
+    engine_args: {model_stage: code2wav}
+    engine_input_source: [1]
+    custom_process_input_func: omni_actors.processors.talker2code2wav
+    final_output: true
+    final_output_type: audio
+deployment:
+  served_model_name: broken-processor-test
+  heartbeat_interval_s: 0.5
+  max_tokens_limit: 16
+  supervision: {circuit_breaker_failures: 3}
+  stages:
+    thinker: {synthetic: {decode_ms_per_token: 1}}
+    talker: {replicas: 1}
+    code2wav: {}
+"""
+
+PROCESSOR = '''
+def thinker2talker(upstream, prompt, params):
+    raise ValueError("wants hidden states of width 4096")
+'''
+
+
+def _chat(leader: LocalLeader, modalities: list[str]) -> tuple[int, dict]:
+    body = json.dumps({"model": "broken-processor-test", "max_tokens": 4, "modalities": modalities,
+                       "messages": [{"role": "user", "content": "hello"}]}).encode()
+    req = urllib.request.Request(leader.base_url + "/chat/completions", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_a_processor_failing_on_upstream_outputs_is_a_500_and_spares_the_replica(tmp_path):
+    """The Talker's processor raises ValueError on the Thinker's outputs for every request.
+
+    That is not the client's input: each request gets a 500 naming the processor and the
+    upstream stage (it was a 400 before), it is not retried on another replica, and the
+    failures do not count towards the Talker's circuit breaker (3 here): 5 in a row leave
+    the replica ready with no restart (before, it was isolated and restarted over and over,
+    for a fault no restart cures). Text-only requests, which skip the Talker, are served.
+    """
+    (tmp_path / "broken_processor.py").write_text(textwrap.dedent(PROCESSOR))
+    (tmp_path / "config.yaml").write_text(CONFIG)
+    pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    leader = LocalLeader(tmp_path / "config.yaml", env={"PYTHONPATH": pythonpath}).start()
+    try:
+        for _ in range(5):
+            status, answer = _chat(leader, ["text", "audio"])
+            assert status == 500, answer
+            message = answer["error"]["message"]
+            assert ("broken_processor.thinker2talker failed on the outputs of stage(s) [0]: "
+                    "ValueError: wants hidden states of width 4096") in message, message
+        status, answer = _chat(leader, ["text"])
+        assert status == 200 and answer["choices"][0]["message"]["content"], answer
+        deadline = time.monotonic() + 5  # (the table is published once per heartbeat interval)
+        while True:
+            with urllib.request.urlopen(leader.base_url + "/stages", timeout=10) as r:
+                talker = next(st for st in json.loads(r.read())["stages"] if st["stage"] == "talker")
+            (replica,) = talker["replicas"]
+            if replica["failed"] >= 5 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert (replica["state"], replica["restarts"], replica["failed"]) == ("ready", 0, 5), replica
+    finally:
+        leader.stop()
