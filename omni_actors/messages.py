@@ -129,6 +129,15 @@ class NodeStatus(Message):
     buffers: int | None = None  #: live shared-memory segments there (last heartbeat); None: unknown
     free_buffers: int | None = None  #: free (recycled, unclaimed) segments there, apart from ``buffers``
     free_bytes: int | None = None  #: their bytes
+    #: why it is not alive: ``placement.LEFT_REASON`` (its member stopped cleanly), or what was missed
+    down_reason: str = ""
+
+    @property
+    def state(self) -> str:
+        """``alive``, ``left`` (stopped cleanly) or ``lost`` (gone without a word)."""
+        from omni_actors.placement import LEFT_REASON
+
+        return "alive" if self.alive else "left" if self.down_reason == LEFT_REASON else "lost"
 
 
 @dataclass(frozen=True)
@@ -199,6 +208,14 @@ class NodeHeartbeat(Message):
 @dataclass(frozen=True)
 class NodeHeartbeatAck(Message):
     pass
+
+
+@dataclass(frozen=True)
+class NodeLeaving(Message):
+    """NodeAgent -> Coordinator: its member host is stopping cleanly (Ctrl-C), so that the
+    node shows as left, not lost (Thespian's own notice says the same for both)."""
+
+    node: str
 
 
 @dataclass(frozen=True)

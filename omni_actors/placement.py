@@ -63,6 +63,7 @@ def parse_devices(text: str) -> tuple[str, ...]:
 class Node:
     info: NodeInfo
     alive: bool = True
+    down_reason: str = ""  # why it is not alive: LEFT_REASON (it left cleanly), or what was missed
     last_seen: float = field(default_factory=time.monotonic)
     used: dict[str, str] = field(default_factory=dict)  # device -> replica
     replicas: dict[str, str] = field(default_factory=dict)  # replica -> stage
@@ -79,6 +80,10 @@ class Node:
         return not self.info.stages or stage in self.info.stages
 
 
+#: Why a node that left the convention cleanly (its member stopped) is down.
+LEFT_REASON = "left the convention"
+
+
 class Inventory:
     """The coordinator's node inventory and who holds what."""
 
@@ -89,13 +94,14 @@ class Inventory:
         """A node joined (or came back: what it held before is gone)."""
         self.nodes[info.name] = Node(info)
 
-    def lose(self, name: str) -> list[str]:
-        """A node is gone: free what it held. Returns the replicas it held."""
+    def lose(self, name: str, reason: str = "") -> list[str]:
+        """A node is gone (``reason``: :data:`LEFT_REASON` when it left cleanly): free
+        what it held. Returns the replicas it held."""
         node = self.nodes.get(name)
         if node is None:
             return []
         lost = list(node.replicas)
-        node.alive, node.used, node.replicas = False, {}, {}
+        node.alive, node.down_reason, node.used, node.replicas = False, reason, {}, {}
         return lost
 
     def place(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...] = (),
@@ -248,7 +254,7 @@ class Inventory:
         return tuple(
             NodeStatus(n.info.name, n.alive, n.info.devices, dict(n.used), n.info.stages,
                        tuple(sorted(n.replicas)), round(now - n.last_seen, 3), n.data_service, n.buffers,
-                       n.free_buffers, n.free_bytes)
+                       n.free_buffers, n.free_bytes, n.down_reason)
             for n in sorted(self.nodes.values(), key=lambda n: n.info.name))
 
 

@@ -21,6 +21,7 @@ import urllib.request
 
 import pytest
 
+from omni_actors.system.faultlab import read_events
 from omni_actors.system.local import LocalLeader
 
 from conftest import CONFIGS, ROOT
@@ -258,3 +259,18 @@ def test_a_replica_draining_when_its_pool_dies_frees_its_devices_and_names_are_n
     out = _cli(leader, "stage", "launch", "--stage", "talker", "--devices", device, "--node", "m1")
     assert out.returncode == 0, out.stderr
     assert f"launched talker/9 on m1 devices {device}" in out.stdout, out.stdout
+
+
+def test_a_member_stopped_cleanly_shows_as_left_not_lost(system):
+    """Ctrl-C on the member host: its node agent tells the coordinator it leaves, so `nodes`
+    says LEFT (it said LOST, as for a host that was killed) and the log has node_left."""
+    leader = system
+    since = time.time()
+    leader.member.stop()
+    _wait(leader, lambda st: any(n["name"] == "m1" and not n["alive"] for n in st["nodes"]), "m1 gone")
+    out = _cli(leader, "shell", "-c", "nodes")
+    assert out.returncode == 0, out.stderr
+    assert "m1 LEFT: " in out.stdout, out.stdout
+    events = [e["event"] for e in read_events(leader.log_path, since) if e.get("node") == "m1"
+              and e["event"] in ("node_left", "node_lost")]
+    assert events == ["node_left"], events

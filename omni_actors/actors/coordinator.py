@@ -30,12 +30,12 @@ from omni_actors.actors.supervision import RestartPolicy
 from omni_actors.connectors import data_service, default_prefix, free_usage, list_segments
 from omni_actors.logs import get_logger
 from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainReplica, GetRoutes, GetStatus, InjectFault,
-                                  LaunchReplicas, NodeHeartbeat,
+                                  LaunchReplicas, NodeHeartbeat, NodeLeaving,
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, PlaceReplica, Placement,
                                   PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
                                   ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, StartNodeAgent,
                                   StartPool, Subscribe, SystemStatus, WhoAmI, YouAre)
-from omni_actors.placement import Inventory, PlacementError
+from omni_actors.placement import LEFT_REASON, Inventory, PlacementError
 
 #: A member node whose agent has been silent this many heartbeat intervals is lost.
 NODE_MISSED_HEARTBEATS = 3
@@ -220,7 +220,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                 # Thespian dropping the admin of a node that has rejoined since (a new admin): not this node
                 self._log.info("node_stale_registration_dropped", node=name, admin=str(msg.remoteAdminAddress))
                 return
-            self._lose_node(name, "left the convention")
+            # (a member that stopped cleanly said so first: NodeLeaving; this is one killed or cut off)
+            self._lose_node(name, "dropped from the convention without a leave notice")
             return
         info = NodeInfo(name, _split(caps.get("omni_devices")), _split(caps.get("omni_stages")),
                         msg.remoteAdminAddress)
@@ -237,11 +238,17 @@ class CoordinatorActor(ActorTypeDispatcher):
         node = self._inventory.nodes.get(name)
         if node is None or not node.alive:
             return
-        lost = self._inventory.lose(name)
-        self._log.error("node_lost", node=name, reason=reason, replicas=lost)
+        lost = self._inventory.lose(name, reason)
+        if reason == LEFT_REASON:
+            self._log.info("node_left", node=name, replicas=lost)
+        else:
+            self._log.error("node_lost", node=name, reason=reason, replicas=lost)
         for pool in self._pools.values():
             self.send(pool, NodeLost(name, reason))
         self._publish_status()
+
+    def receiveMsg_NodeLeaving(self, msg: NodeLeaving, sender):
+        self._lose_node(msg.node, LEFT_REASON)
 
     def receiveMsg_NodeHeartbeat(self, msg: NodeHeartbeat, sender):
         self.send(sender, NodeHeartbeatAck())

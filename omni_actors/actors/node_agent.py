@@ -20,7 +20,7 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
 
 from omni_actors.connectors import SERVICE_ENV, data_client, default_prefix, free_usage, list_segments
 from omni_actors.logs import get_logger
-from omni_actors.messages import NodeHeartbeat, NodeHeartbeatAck, StartNodeAgent
+from omni_actors.messages import NodeHeartbeat, NodeHeartbeatAck, NodeLeaving, StartNodeAgent
 
 #: Placement key in an admin's Thespian capabilities: the node name.
 NODE_CAPABILITY = "omni_node"
@@ -44,6 +44,7 @@ class NodeAgentActor(ActorTypeDispatcher):
         self._spec: StartNodeAgent | None = None
         self._coordinator = None
         self._last_ack = time.monotonic()
+        self._orphaned = False  # it stops because its coordinator is gone: nobody to tell
 
     def receiveMsg_StartNodeAgent(self, msg: StartNodeAgent, sender):
         self._spec, self._coordinator = msg, sender
@@ -71,7 +72,14 @@ class NodeAgentActor(ActorTypeDispatcher):
         if self._spec is None:
             return
         if time.monotonic() - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.interval_s:
+            self._orphaned = True
             self.send(self.myAddress, ActorExitRequest())
             return
         self.send(self._coordinator, self._heartbeat())
         self.wakeupAfter(self._spec.interval_s)
+
+    def receiveMsg_ActorExitRequest(self, msg: ActorExitRequest, sender):
+        """Its member stops cleanly (its actor system shuts down), or its coordinator
+        exits: say so, and the node shows as left rather than lost."""
+        if self._spec is not None and not self._orphaned:
+            self.send(self._coordinator, NodeLeaving(self._spec.node))

@@ -71,9 +71,9 @@ def print_status_table(status, out=sys.stdout) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(10)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[10], file=out)
-    lost = [n.name for n in status.nodes if not n.alive]
-    if len(status.nodes) > 1 or lost:
-        print("nodes: " + ", ".join(f"{n.name}{'' if n.alive else ' (LOST)'}"
+    down = [n.name for n in status.nodes if not n.alive]
+    if len(status.nodes) > 1 or down:
+        print("nodes: " + ", ".join(f"{n.name}{'' if n.alive else f' ({n.state.upper()})'}"
                                     f"{'' if n.buffers is None else f' ({n.buffers} buffers)'}"
                                     for n in status.nodes), file=out)
     for note in getattr(status, "notes", ()):

@@ -273,7 +273,7 @@ class AdminShell(cmd.Cmd):
                 devices = f"devices {','.join(inv.devices)} ({len(inv.devices) - len(inv.used)} free)"
             else:
                 devices = "no devices (CPU)"
-            alive = "" if inv is None or inv.alive else " LOST"
+            alive = "" if inv is None or inv.alive else f" {inv.state.upper()}"
             port = "" if getattr(self, "remote", False) else "admin port %d, " % self.admin_port
             extra = f" ({port}control plane)" if node == leader else ""
             self._out(f"{node}{alive}{extra}: {len(reps)} replicas, {ready} ready, {devices}")
