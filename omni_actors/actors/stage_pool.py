@@ -136,6 +136,10 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
     def _launch(self, replica_id: str, restarts: list[float] | None = None) -> None:
         """Ask the coordinator where the replica goes; it starts on :class:`Placement`."""
         rep = Replica(replica_id, None, restarts=restarts or [], reason=PLACING)
+        old = self._replicas.get(replica_id)
+        if old is not None:  # a restart: its counters go on (a Prometheus counter must not go back)
+            rep.dispatched, rep.completed, rep.failed = old.dispatched, old.completed, old.failed
+            rep.latency, rep.latency_sum = old.latency, old.latency_sum
         self._replicas[replica_id] = rep
         self._place(rep)
 
