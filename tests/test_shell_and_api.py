@@ -298,3 +298,18 @@ def test_thespian_shell_still_works_against_the_admin(leader):
     assert "Requesting status from Actor (or Admin)" in out.stdout
     assert "omni-actors-coordinator" in out.stdout  # the admin's global actors
     assert all(state == "ready" for state, _ in _replicas(_status(leader)).values())
+
+
+@pytest.mark.parametrize("devices, error", [
+    ("0,0", "--devices: device 0 given twice in '0,0'"),
+    ("a,b", "--devices: 'a', 'b' are not device ids in 'a,b'"),
+    ("1,,2", "--devices: empty item in '1,,2'"),
+])
+def test_shell_launch_refuses_a_bad_device_list_before_asking_the_system(devices, error):
+    """The shell's `launch --devices` checks the list as the CLI does (it used to pass `0,0`
+    on, and `a,b` reached the coordinator); nothing is sent (no actor system here)."""
+    from omni_actors.system.admin import Admin, AdminError
+
+    with pytest.raises(AdminError) as err:
+        Admin(asys=None, coordinator=None).launch("talker", devices=devices)
+    assert str(err.value).startswith(error), str(err.value)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from omni_actors.messages import (AdminReply, DrainReplica, FaultKind, GetStatus, InjectFault, LaunchReplicas,
                                   ScaleStage, SystemStatus)
+from omni_actors.placement import parse_devices
 
 #: Faults done from outside the process, with a signal, and the ones an engine does to itself.
 SIGNAL_FAULTS = {"sigkill": signal.SIGKILL, "sigstop": signal.SIGSTOP, "sigcont": signal.SIGCONT}
@@ -120,19 +121,18 @@ class Admin:
         ``devices`` if given (they stay pinned there, restarts included).
 
         Raises:
-            AdminError: the reason it cannot be done (a device not on the node or taken,
+            AdminError: the reason it cannot be done (``devices`` not a list of device ids,
+                see ``placement.parse_devices``; a device not on the node or taken,
                 a count that does not divide, an unknown stage or node, ...).
         """
         if isinstance(devices, str):
-            devices = split_devices(devices)
+            try:
+                devices = parse_devices(devices)
+            except ValueError as exc:
+                raise AdminError(f"--devices: {exc}") from None
         if replicas is not None and replicas < 1:
             raise AdminError("--replicas must be >= 1")
         return self._ask(LaunchReplicas(stage, replicas, node=node, devices=tuple(devices)))
-
-
-def split_devices(text: str) -> tuple[str, ...]:
-    """``"2, 3"`` -> ``("2", "3")``."""
-    return tuple(d.strip() for d in text.split(",") if d.strip())
 
 
 def attach(admin_port: int) -> Admin:
