@@ -73,6 +73,11 @@ class Node:
     free_bytes: int | None = None
 
     @property
+    def gone(self) -> str:
+        """How a node that is not alive went: ``"left"`` (its member stopped cleanly) or ``"lost"``."""
+        return "left" if self.down_reason == LEFT_REASON else "lost"
+
+    @property
     def free(self) -> list[str]:
         return [d for d in self.info.devices if d not in self.used]
 
@@ -139,7 +144,7 @@ class Inventory:
         node = self.nodes.get(name)
         if node is None or not node.alive:
             raise PlacementError(f"{replica} is pinned to devices {','.join(pin)} of node {name or '?'}, "
-                                 f"which is {'lost' if node is not None else 'not known'}")
+                                 f"which {_is(node.gone) if node is not None else 'is not known'}")
         missing, held = _missing_and_held(node, pin)
         if missing:
             raise PlacementError(f"node {name} no longer offers device(s) {','.join(missing)} "
@@ -193,7 +198,7 @@ class Inventory:
             known = ", ".join(sorted(self.nodes)) or "none"
             raise PlacementError(f"no node named {node!r} (nodes: {known})")
         if not n.alive:
-            raise PlacementError(f"node {node} is lost")
+            raise PlacementError(f"node {node} {_is(n.gone)}")
         if not n.accepts(stage):
             raise PlacementError(f"node {node} does not take {stage} (it takes {','.join(n.info.stages)})")
         if allowed and node not in allowed:
@@ -241,7 +246,7 @@ class Inventory:
             if allowed and node.info.name not in allowed:
                 continue
             if not node.alive:
-                seen.append(f"{node.info.name}: lost")
+                seen.append(f"{node.info.name}: {node.gone}")
             elif not node.accepts(stage):
                 seen.append(f"{node.info.name}: does not take {stage}")
             else:
@@ -256,6 +261,11 @@ class Inventory:
                        tuple(sorted(n.replicas)), round(now - n.last_seen, 3), n.data_service, n.buffers,
                        n.free_buffers, n.free_bytes, n.down_reason)
             for n in sorted(self.nodes.values(), key=lambda n: n.info.name))
+
+
+def _is(gone: str) -> str:
+    """``"lost"`` -> ``"is lost"``, ``"left"`` -> ``"has left"``."""
+    return "has left" if gone == "left" else f"is {gone}"
 
 
 def _missing_and_held(node, devices) -> tuple[list[str], list[str]]:
