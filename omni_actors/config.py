@@ -253,6 +253,8 @@ class Deployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     load_balancing: Literal["least_loaded"] = "least_loaded"
     inline_threshold_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 * 1024
     connector: ConnectorMode = "auto"
+    #: the most RequestActors (each a process) an API server keeps: requests above wait in a
+    #: bounded queue, then get 429 (``omni_actors.http.admission``)
     request_actors: Replicas = 16
     supervision: Supervision = msgspec.field(default_factory=Supervision)
     streaming: Streaming = msgspec.field(default_factory=Streaming)

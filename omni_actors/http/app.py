@@ -65,7 +65,7 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
 
 
 def _error(err: P.ApiError, headers: dict[str, str] | None = None) -> web.Response:
-    return _json(err.body(), err.status, headers)
+    return _json(err.body(), err.status, {**err.headers, **(headers or {})} or None)
 
 
 async def _read_json(request: web.Request) -> Any:
@@ -211,7 +211,11 @@ def _pipeline_request(request: web.Request, prefix: str, prompt: str,
 
 
 def _failed(ev: RequestFailed) -> P.ApiError:
-    return P.ApiError(ev.status, ev.message, ev.type)
+    """The error to answer for ``ev``; a refusal for load (the bridge's ``RequestRejected``,
+    429) keeps its ``code`` and gets a ``Retry-After`` header."""
+    retry_after = getattr(ev, "retry_after_s", None)
+    return P.ApiError(ev.status, ev.message, ev.type, code=getattr(ev, "code", None),
+                      headers=None if retry_after is None else {"Retry-After": str(int(retry_after))})
 
 
 async def _wav(ev: OutputFinal, fmt: str = "wav") -> bytes:
@@ -429,6 +433,7 @@ def create_app(bridge: Bridge, *, max_body_bytes: int = 1 << 20,
     app[_CREATED] = P.now()
     app[_MAX_BODY] = max_body_bytes
     app[M.METRICS_KEY] = M.Metrics()
+    app[M.METRICS_KEY].registry.register(M.RequestActorCollector(bridge))
     app.add_routes(ROUTES)
     return app
 

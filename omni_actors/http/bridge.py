@@ -5,12 +5,11 @@ threads mixes up replies (seen here: 163 of 200 wrong). So the bridge runs its
 threads, each owning its own ``private()`` context:
 
 - the **sender** threads (``senders``, default 4) each drain a queue of
-  outgoing work: each owns a share of the ready RequestActors (creating more
-  when all of its share are busy) and the map from request id to the
-  RequestActor running it, for the requests hashed to it. A Thespian external
-  ``tell`` waits for the receiver's acknowledgement (about 1.5 ms here), so
-  one sender would start simultaneous requests one after another; several
-  start them side by side;
+  outgoing work: they make RequestActors, start requests on them, and keep
+  the map from request id to the RequestActor running it, for the requests
+  hashed to them. A Thespian external ``tell`` waits for the receiver's
+  acknowledgement (about 1.5 ms here), so one sender would start simultaneous
+  requests one after another; several start them side by side;
 - the **receiver** thread sits in ``listen()``; every message carries its
   ``request_id`` and is handed to the event loop with
   ``loop.call_soon_threadsafe``. Final outputs are fetched from their
@@ -26,6 +25,18 @@ until the text deltas it says came before it are in, and fails a request
 whose text stage was retried after part of its text went out.
 
 Neither thread ever runs on the event loop, so no handler blocks.
+
+**How many RequestActors** (each is a process): the event loop counts them
+(:class:`~omni_actors.http.admission.RequestActorPool`). At most ``request_actors`` exist (the
+deployment's ``request_actors``, 16 by default, or the CLI's
+``--request-actors``); ``min_request_actors`` of them are made at start and
+kept. A request takes a free one, or has one made while fewer than the
+maximum exist, or else waits in a FIFO queue of at most ``queue_limit``
+requests (default 4 x the maximum) for one to come free, within its deadline
+(504 when it passes first). With the queue full it is refused at once: HTTP
+429 with ``Retry-After``. A RequestActor above the minimum that stays idle
+``idle_exit_s`` (:data:`REQUEST_ACTOR_IDLE_EXIT_S`, 30 s) is told to exit, so
+the process count comes back down after a burst.
 """
 
 from __future__ import annotations
@@ -38,6 +49,8 @@ import threading
 import time
 from typing import Any, AsyncIterator
 
+from thespian.actors import ActorExitRequest
+
 from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
 from omni_actors.actors.request import RequestActor
 from omni_actors.connectors import make_connector
@@ -47,11 +60,23 @@ from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelRequest, ErrorKind, GetRoutes, GetStatus, OutputChunk, OutputDelta,
                                   OutputDeltas, OutputReady, RequestFinished, Routes, RoutesChanged, RunRequest,
                                   Subscribe, SystemStatus, WhoAmI, YouAre)
+from omni_actors.http.admission import QueueFull, RequestActorPool
+from omni_actors.planning import PlanError, plan_request
 
 #: How often the bridge renews its subscription with the coordinator (a lease:
 #: a coordinator restarted after a crash learns of us within this time).
 SUBSCRIBE_EVERY_S = 2.0
-from omni_actors.planning import PlanError, plan_request
+#: RequestActors made at start and kept however long they idle (at most ``request_actors``).
+DEFAULT_MIN_REQUEST_ACTORS = 4
+#: Requests that may wait for a free RequestActor, per RequestActor allowed (``queue_limit`` default).
+DEFAULT_QUEUE_PER_ACTOR = 4
+#: A RequestActor above the minimum idle this long is told to exit (``idle_exit_s`` default).
+REQUEST_ACTOR_IDLE_EXIT_S = 30.0
+#: The ``Retry-After`` (seconds) of a 429 answered when the queue is full.
+RETRY_AFTER_S = 1
+#: A RequestActor that has not said its request ended this long after the request's
+#: deadline is written off (it died or hangs): told to exit, its place given to another.
+LOST_AFTER_S = 30.0
 
 #: HTTP status for each way a request can fail.
 HTTP_STATUS = {ErrorKind.UNAVAILABLE: 503, ErrorKind.TIMEOUT: 504, ErrorKind.ENGINE_ERROR: 500,
@@ -61,6 +86,15 @@ HTTP_STATUS = {ErrorKind.UNAVAILABLE: 503, ErrorKind.TIMEOUT: 504, ErrorKind.ENG
 
 class BridgeError(RuntimeError):
     """The bridge could not reach the coordinator."""
+
+
+@dataclasses.dataclass
+class RequestRejected(RequestFailed):
+    """The request was refused before it started: every RequestActor is busy and
+    the queue for one is full. Answered as HTTP 429 with ``Retry-After``."""
+
+    code: str | None = "rate_limit_exceeded"
+    retry_after_s: int = RETRY_AFTER_S
 
 
 @dataclasses.dataclass
@@ -85,21 +119,41 @@ class ActorBridge:
     Args:
         asys: the process's ``ActorSystem`` (only ``private()`` contexts are used).
         coordinator: the CoordinatorActor's address.
-        request_actors: RequestActors created up front (``deployment.request_actors``),
-            shared out among the sender threads.
+        request_actors: the most RequestActors this bridge keeps at once (each is a
+            process). Its callers pass the deployment's ``request_actors`` (16 by
+            default) or the CLI's ``--request-actors``.
         connect_timeout_s: how long to wait for the coordinator at start.
         senders: sender threads (at most ``request_actors``; default 4, see above).
+        min_request_actors: RequestActors made at start and kept however long they
+            idle (default :data:`DEFAULT_MIN_REQUEST_ACTORS`, at most ``request_actors``).
+        queue_limit: requests that may wait for a free RequestActor; one more is
+            refused with HTTP 429 (default :data:`DEFAULT_QUEUE_PER_ACTOR` x
+            ``request_actors``; 0: refuse whenever all are busy).
+        idle_exit_s: a RequestActor above the minimum idle this long is told to exit
+            (default :data:`REQUEST_ACTOR_IDLE_EXIT_S`).
 
     Raises:
         BridgeError: from :meth:`start` when the coordinator does not answer.
+        ValueError: bounds that make no sense (``request_actors`` < 1, ...).
     """
 
     def __init__(self, asys, coordinator, *, request_actors: int = 16, connect_timeout_s: float = 10.0,
-                 senders: int = 4):
+                 senders: int = 4, min_request_actors: int | None = None, queue_limit: int | None = None,
+                 idle_exit_s: float = REQUEST_ACTOR_IDLE_EXIT_S):
         self._asys = asys
         self._coordinator = coordinator
-        self._n_actors = request_actors
         self._connect_timeout_s = connect_timeout_s
+        self._pool = RequestActorPool(
+            request_actors,
+            min(request_actors, DEFAULT_MIN_REQUEST_ACTORS) if min_request_actors is None else min_request_actors,
+            DEFAULT_QUEUE_PER_ACTOR * request_actors if queue_limit is None else queue_limit,
+            idle_exit_s)
+        #: request -> when its RequestActor is written off if it has not said the request ended
+        #: (event loop only; a request is here from its start on a RequestActor to its RequestFinished)
+        self._held: dict[str, float] = {}
+        #: how often the event loop ends idle RequestActors and writes off lost ones
+        self._tick_s = min(1.0, max(0.05, idle_exit_s / 4))
+        self._tick_handle: asyncio.TimerHandle | None = None
         #: one queue per sender thread; a request's work always goes to the same one
         self._outboxes: list[queue.SimpleQueue] = [queue.SimpleQueue()
                                                    for _ in range(max(1, min(senders, request_actors)))]
@@ -119,7 +173,8 @@ class ActorBridge:
 
     # -- lifecycle --------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start both threads; blocks until the receiver knows its address and the routes."""
+        """Start the threads; blocks until the receiver knows its address and the routes.
+        The first ``min_request_actors`` RequestActors are made in the background."""
         self._loop = loop
         ready = threading.Event()
         errors: list[str] = []
@@ -129,12 +184,15 @@ class ActorBridge:
         if not ready.wait(self._connect_timeout_s + 1) or errors:
             self._stop.set()
             raise BridgeError(errors[0] if errors else "coordinator did not answer")
-        n = len(self._outboxes)
         for i, outbox in enumerate(self._outboxes):
-            actors = self._n_actors // n + (i < self._n_actors % n)
-            t = threading.Thread(target=self._send_loop, args=(outbox, actors), name=f"bridge-send-{i}", daemon=True)
+            t = threading.Thread(target=self._send_loop, args=(outbox,), name=f"bridge-send-{i}", daemon=True)
             t.start()
             self._senders.append(t)
+        # No request can come before start() returns, so the pool is not in use yet.
+        self._pool.reserve(self._pool.minimum)
+        for i in range(self._pool.minimum):
+            self._outboxes[i % len(self._outboxes)].put(("create",))
+        loop.call_soon_threadsafe(self._tick)
         cfg = self._routes.config
         self.model_name = cfg.deployment.served_model_name
         self.output_types = frozenset(cfg.output_types())
@@ -158,30 +216,53 @@ class ActorBridge:
 
     # -- the Bridge protocol ----------------------------------------------
     async def submit(self, request: PipelineRequest) -> AsyncIterator[BridgeEvent]:
-        """Run one request; yields events, ending with RequestDone or RequestFailed."""
+        """Run one request; yields events, ending with RequestDone or RequestFailed.
+
+        It first waits for a RequestActor (see :class:`~omni_actors.http.admission.RequestActorPool`): refused
+        at once with :class:`RequestRejected` (429) when the queue is full; 504 when
+        its deadline passes while it waits. Time spent waiting counts towards the
+        deadline."""
         try:
             plan = plan_request(self._routes.config, self._routes.pools, request.output_types)
         except PlanError as exc:
             yield RequestFailed(400, str(exc), "invalid_request_error")
             return
         timeout = request.timeout_s or self.request_timeout_s
+        rid = request.request_id
+        t0 = time.monotonic()
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request.request_id] = stream
-        streaming = self._routes.config.deployment.streaming
-        self._outbox(request.request_id).put(("run", RunRequest(request.request_id, request.prompt, plan,
-                                            dict(request.sampling_params), dict(request.params),
-                                            timeout, self._address, self._max_attempts,
-                                            stream_outputs=request.stream,
-                                            chunk_window=streaming.max_buffered_chunks,
-                                            chunk_timeout_s=streaming.chunk_timeout_s,
-                                            chunk_tokens=streaming.chunk_tokens)))
-        finished = False
-        deadline = time.monotonic() + timeout + 5.0  # the RequestActor's own deadline fires first
+        self._streams[rid] = stream  # (a request waiting for a RequestActor is in flight too)
+        started = finished = False
         try:
+            try:
+                actor = await self._pool.acquire(timeout)
+            except QueueFull:
+                pool = self._pool
+                yield RequestRejected(
+                    429, f"The server is busy: all {pool.maximum} of its RequestActors are serving requests "
+                         f"and {pool.queue_limit} more requests wait for one (the most allowed). "
+                         f"Retry after {RETRY_AFTER_S} s.", "rate_limit_error")
+                return
+            except asyncio.TimeoutError:
+                yield RequestFailed(504, f"request deadline of {timeout:g} s passed while the request waited "
+                                         f"for a free RequestActor (all {self._pool.maximum} busy)", "timeout")
+                return
+            remaining = max(timeout - (time.monotonic() - t0), 0.001)
+            self._held[rid] = time.monotonic() + remaining + LOST_AFTER_S
+            started = True
+            streaming = self._routes.config.deployment.streaming
+            self._outbox(rid).put(("run", RunRequest(rid, request.prompt, plan,
+                                   dict(request.sampling_params), dict(request.params),
+                                   remaining, self._address, self._max_attempts,
+                                   stream_outputs=request.stream,
+                                   chunk_window=streaming.max_buffered_chunks,
+                                   chunk_timeout_s=streaming.chunk_timeout_s,
+                                   chunk_tokens=streaming.chunk_tokens), actor))
+            deadline = time.monotonic() + remaining + 5.0  # the RequestActor's own deadline fires first
             while True:
-                remaining = deadline - time.monotonic()
+                left = deadline - time.monotonic()
                 try:
-                    event = await asyncio.wait_for(stream.get(), max(remaining, 0.001))
+                    event = await asyncio.wait_for(stream.get(), max(left, 0.001))
                 except asyncio.TimeoutError:
                     yield RequestFailed(504, f"no answer from the pipeline within {timeout:g} s", "timeout")
                     return
@@ -190,9 +271,17 @@ class ActorBridge:
                 if finished:
                     return
         finally:
-            self._streams.pop(request.request_id, None)
-            if not finished:
-                self._outbox(request.request_id).put(("cancel", request.request_id))
+            self._streams.pop(rid, None)
+            if started and not finished:
+                self._outbox(rid).put(("cancel", rid))
+
+    def request_actors(self) -> dict[str, int]:
+        """The RequestActor pool now (event loop only): ``total`` (alive or being made),
+        ``busy``, ``idle``, ``queued`` (requests waiting for one), ``max``, ``min``,
+        ``queue_limit``, ``rejected`` (429s so far)."""
+        p = self._pool
+        return {"total": p.total, "busy": p.total - p.idle, "idle": p.idle, "queued": p.queued,
+                "max": p.maximum, "min": p.minimum, "queue_limit": p.queue_limit, "rejected": p.rejected}
 
     def in_flight(self) -> int:
         """Requests submitted and not yet finished."""
@@ -218,9 +307,8 @@ class ActorBridge:
             self._queries.pop(query_id, None)
 
     # -- threads ----------------------------------------------------------
-    def _send_loop(self, outbox: queue.SimpleQueue, n_actors: int) -> None:
+    def _send_loop(self, outbox: queue.SimpleQueue) -> None:
         with self._asys.private() as ctx:
-            free = [ctx.createActor(RequestActor) for _ in range(n_actors)]
             running: dict[str, Any] = {}
             while True:
                 item = outbox.get()
@@ -230,24 +318,77 @@ class ActorBridge:
                 try:
                     if kind == "run":
                         run: RunRequest = item[1]
-                        actor = free.pop() if free else ctx.createActor(RequestActor)
-                        running[run.request_id] = actor
-                        ctx.tell(actor, run)
+                        try:
+                            actor = item[2] if item[2] is not None else ctx.createActor(RequestActor)
+                            running[run.request_id] = actor
+                            ctx.tell(actor, run)
+                        except Exception as exc:  # noqa: BLE001 - fail this request, not the bridge
+                            running.pop(run.request_id, None)
+                            self._loop.call_soon_threadsafe(self._not_started, run.request_id, str(exc))
+                            raise
+                    elif kind == "create":
+                        try:
+                            actor = ctx.createActor(RequestActor)
+                        except Exception:
+                            self._loop.call_soon_threadsafe(self._pool.lost)
+                            raise
+                        self._loop.call_soon_threadsafe(self._pool.release, actor)
                     elif kind == "cancel":
                         actor = running.get(item[1])
                         if actor is not None:
                             ctx.tell(actor, CancelRequest(item[1]))
                     elif kind == "finished":
-                        if running.pop(item[1], None) is not None and item[2] is not None:
-                            free.append(item[2])
+                        running.pop(item[1], None)  # (the event loop takes its RequestActor back)
+                    elif kind == "abandon":  # written off: it never said its request ended
+                        actor = running.pop(item[1], None)
+                        if actor is not None:
+                            ctx.tell(actor, ActorExitRequest())
+                    elif kind == "exit":  # idle too long
+                        ctx.tell(item[1], ActorExitRequest())
                     elif kind == "tell":
                         ctx.tell(item[1], item[2])
                     elif kind == "routes":
                         # a pool was replaced: requests in flight re-send what waited on it
                         for actor in running.values():
                             ctx.tell(actor, RoutesChanged(item[1]))
-                except Exception as exc:  # noqa: BLE001 - keep the bridge alive; the request times out
+                except Exception as exc:  # noqa: BLE001 - keep the bridge alive
                     self._log.error("bridge_send_failed", kind=kind, error=str(exc))
+
+    # -- the RequestActor pool (event loop) ---------------------------------
+    def _tick(self) -> None:
+        """Every ``_tick_s``: end RequestActors idle too long, write off lost ones."""
+        if self._stop.is_set():
+            return
+        try:
+            now = time.monotonic()
+            for rid in [rid for rid, due in self._held.items() if now >= due]:
+                del self._held[rid]
+                self._log.warning("request_actor_lost", request_id=rid,
+                                  error=f"no end of the request {LOST_AFTER_S:g} s after its deadline")
+                self._outbox(rid).put(("abandon", rid))
+                self._pool.lost()
+            idle = self._pool.reap()
+            for actor in idle:
+                self._outbox().put(("exit", actor))
+            if idle:
+                self._log.info("request_actors_idle_exit", ended=len(idle), left=self._pool.total)
+        finally:
+            self._tick_handle = self._loop.call_later(self._tick_s, self._tick)
+
+    def _returned(self, request_id: str, actor: Any) -> None:
+        """The RequestActor of ``request_id`` said the request ended: it is free again."""
+        if self._held.pop(request_id, None) is None:
+            return  # written off already (told to exit), or not a request of ours
+        if actor is None:
+            self._pool.lost()
+        else:
+            self._pool.release(actor)
+
+    def _not_started(self, request_id: str, error: str) -> None:
+        """The request could not be started on a RequestActor (making or telling it failed)."""
+        if self._held.pop(request_id, None) is not None:
+            self._pool.lost()
+        self._put(request_id, RequestFailed(500, f"could not start the request on a RequestActor: {error}"))
 
     def _receive_loop(self, ready: threading.Event, errors: list[str]) -> None:
         with self._asys.private() as ctx:
@@ -288,6 +429,9 @@ class ActorBridge:
             box.early[msg.seq] = msg
             self._pump(box)
         elif isinstance(msg, RequestFinished):
+            # Its RequestActor is free from now on, whatever is still to be delivered.
+            self._outbox(msg.request_id).put(("finished", msg.request_id, msg.request_actor))
+            self._loop.call_soon_threadsafe(self._returned, msg.request_id, msg.request_actor)
             box = self._inbox.get(msg.request_id)
             live = msg.request_id in self._streams and msg.request_id not in self._ended
             if live and msg.error is None and ((box.seq if box else 0) < msg.sent or msg.after_text is not None):
@@ -335,8 +479,8 @@ class ActorBridge:
                 self._ended[rid] = None
                 self._outbox(rid).put(("cancel", rid))
                 self._deliver(rid, RequestFailed(
-                    500, f"stage {delta.stage_id} failed after part of its text had reached the client "
-                         "(it was not retried)"))
+                    500, f"stage {self._stage_name(delta.stage_id)} failed after part of its text had "
+                         "reached the client (it was not retried)"))
                 return
             box.text_attempt, box.text_seq, box.text_early = delta.attempt, 0, {}
         box.text_early[delta.seq] = delta.text
@@ -344,6 +488,13 @@ class ActorBridge:
             self._deliver(rid, OutputText(box.text_early.pop(box.text_seq)))
             box.text_seq += 1
         self._pump(box)
+
+    def _stage_name(self, stage_id: int) -> str:
+        """``thinker``, ``talker``... as other messages name stages (the id when unknown)."""
+        try:
+            return self._routes.config.stage(stage_id).name
+        except (AttributeError, KeyError):
+            return str(stage_id)
 
     def _output(self, msg: OutputChunk | OutputReady) -> None:
         """Deliver one RequestActor output of a request, in order."""
@@ -359,14 +510,13 @@ class ActorBridge:
             self._connector.release(ref)
 
     def _end(self, msg: RequestFinished) -> None:
-        """The request is over: free its RequestActor and tell the client."""
+        """The request is over: tell the client (its RequestActor was freed on arrival)."""
         box = self._inbox.pop(msg.request_id, None)
         for early in (box.early.values() if box else ()):
             self._drop(early)  # (only when it failed: a finished one waited for them all)
         self._ended[msg.request_id] = None
         if len(self._ended) > 4096:
             del self._ended[next(iter(self._ended))]
-        self._outbox(msg.request_id).put(("finished", msg.request_id, msg.request_actor))
         if msg.error is None:
             event = RequestDone(msg.prompt_tokens, msg.completion_tokens, msg.finish_reason)
         else:

@@ -35,6 +35,11 @@ Metric names:
 ``omni_stage_pending_tasks``            gauge      ``stage``
 ``omni_stage_ready_replicas``           gauge      ``stage``
 ``omni_stage_restarts_total``           counter    ``stage`` (times its pool was recreated)
+``omni_request_actors``                 gauge      RequestActors of this API server (busy and idle)
+``omni_request_actors_busy``            gauge      those running a request (or being made)
+``omni_request_actors_max``             gauge      the most it keeps (``request_actors``)
+``omni_request_queue_depth``            gauge      requests waiting for a free RequestActor
+``omni_requests_rejected_total``        counter    requests refused with 429 (queue full)
 ======================================  =========  ==========================================
 """
 
@@ -287,3 +292,30 @@ def first_text(request: web.Request, endpoint: str, stream: bool) -> None:
     if metrics is not None:
         metrics.ttft.labels(endpoint, "true" if stream else "false").observe(
             time.perf_counter() - request[_T0])
+
+
+class RequestActorCollector:
+    """``omni_request_actors*`` and ``omni_request_queue_depth`` from
+    ``bridge.request_actors()`` (a bridge without it adds nothing)."""
+
+    def __init__(self, bridge: Any) -> None:
+        self.bridge = bridge
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        stats = getattr(self.bridge, "request_actors", None)
+        if not callable(stats):
+            return
+        s = stats()
+        yield GaugeMetricFamily("omni_request_actors", "RequestActors of this API server (processes, "
+                                "busy and idle)", value=s["total"])
+        yield GaugeMetricFamily("omni_request_actors_busy", "RequestActors of this API server running "
+                                "a request (or being made)", value=s["busy"])
+        yield GaugeMetricFamily("omni_request_actors_max", "The most RequestActors this API server keeps "
+                                "(request_actors)", value=s["max"])
+        yield GaugeMetricFamily("omni_request_queue_depth", "Requests waiting for a free RequestActor",
+                                value=s["queued"])
+        yield CounterMetricFamily("omni_requests_rejected", "Requests refused with 429: every RequestActor "
+                                  "busy and the queue full", value=s["rejected"])

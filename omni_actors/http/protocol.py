@@ -54,6 +54,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -61,6 +62,7 @@ class ApiError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers or {}  #: extra response headers (``Retry-After`` of a 429)
 
     def body(self) -> dict[str, Any]:
         """The ``{"error": {...}}`` JSON body."""

@@ -82,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--api-key", default=os.environ.get("OMNI_ACTORS_API_KEY"),
                     help="require this bearer key on the API (default $OMNI_ACTORS_API_KEY)")
     sp.add_argument("--request-actors", type=int, default=None,
-                    help="RequestActors created up front (default: the deployment's request_actors)")
+                    help="the most RequestActors (processes) this API server keeps; requests above "
+                         "wait in a queue, 429 when it is full (default: the deployment's request_actors)")
     sp.add_argument("--convention-address", default=None, metavar="HOST:PORT",
                     help="the convention leader's admin address, to serve from another host (starts no admin "
                          "here; instead of --admin-port)")

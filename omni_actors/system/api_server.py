@@ -60,6 +60,19 @@ class _TrackingContext:
                 self._created.append(address)
         return address
 
+    def tell(self, address, message) -> None:
+        """``tell``; an exit request to a RequestActor (the bridge ending one left idle
+        after a burst) also takes it off the list, which would otherwise only grow."""
+        from thespian.actors import ActorExitRequest
+
+        self._ctx.tell(address, message)
+        if isinstance(message, ActorExitRequest):
+            with self._lock:
+                try:
+                    self._created.remove(address)
+                except ValueError:
+                    pass
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ctx, name)
 

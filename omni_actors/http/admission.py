@@ -1,0 +1,131 @@
+"""How many RequestActors the API server's bridge keeps, and who waits for one.
+
+Each RequestActor is a process: a burst of 200 requests used to leave 200 of
+them for good. :class:`RequestActorPool` caps them, queues requests above the
+cap (bounded: past it, the bridge answers 429) and ends the ones left idle
+after a burst. Pure logic on the event loop: the bridge makes and ends the
+actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import Any, Callable
+
+
+class QueueFull(Exception):
+    """:meth:`RequestActorPool.acquire`: no RequestActor is free and the queue is full."""
+
+
+class RequestActorPool:
+    """The bridge's RequestActors, counted on the event loop (use it from the loop only).
+
+    At most ``maximum`` exist, counting those being made. :meth:`acquire` gives a
+    free one (the most recently freed), or ``None`` ("make one": counted at once)
+    while fewer than ``maximum`` exist, or waits in a FIFO queue of at most
+    ``queue_limit`` requests until :meth:`release` or :meth:`lost` makes room.
+    :meth:`reap` takes out the ones that idled ``idle_exit_s`` while more than
+    ``minimum`` exist, for the caller to end.
+    """
+
+    def __init__(self, maximum: int, minimum: int, queue_limit: int, idle_exit_s: float,
+                 clock: Callable[[], float] = time.monotonic):
+        if maximum < 1 or not 0 <= minimum <= maximum or queue_limit < 0 or idle_exit_s <= 0:
+            raise ValueError(f"bad RequestActor pool bounds: maximum {maximum}, minimum {minimum}, "
+                             f"queue_limit {queue_limit}, idle_exit_s {idle_exit_s}")
+        self.maximum, self.minimum, self.queue_limit, self.idle_exit_s = maximum, minimum, queue_limit, idle_exit_s
+        self.total = 0  #: RequestActors alive or being made
+        self.rejected = 0  #: acquires refused (QueueFull) so far
+        self._clock = clock
+        self._idle: collections.deque = collections.deque()  # (address, idle since), oldest first
+        self._waiters: collections.deque = collections.deque()  # futures, first come first
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a RequestActor."""
+        return sum(1 for f in self._waiters if not f.done())
+
+    def reserve(self, n: int) -> None:
+        """Count ``n`` RequestActors about to be made outside :meth:`acquire` (each
+        then comes in through :meth:`release`, or :meth:`lost` if it could not be made)."""
+        self.total += n
+
+    async def acquire(self, timeout_s: float | None) -> Any:
+        """A free RequestActor's address, or ``None``: make one (it is counted).
+
+        Raises:
+            QueueFull: none free, ``maximum`` exist and ``queue_limit`` requests wait.
+            asyncio.TimeoutError: none came free within ``timeout_s``.
+        """
+        if not self._waiters:
+            if self._idle:
+                return self._idle.pop()[0]
+            if self.total < self.maximum:
+                self.total += 1
+                return None
+        if len(self._waiters) >= self.queue_limit:
+            self.rejected += 1
+            raise QueueFull()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._waiters.append(fut)
+        timer = None if timeout_s is None else loop.call_later(max(timeout_s, 0), self._expire, fut)
+        try:
+            return await fut
+        except BaseException:  # timed out, or cancelled (the client went away): leave the queue
+            try:
+                self._waiters.remove(fut)
+            except ValueError:
+                pass
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                actor = fut.result()  # given one just as it left: to the next in line
+                if actor is None:
+                    self.lost()
+                else:
+                    self.release(actor)
+            else:
+                fut.cancel()
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    @staticmethod
+    def _expire(fut: asyncio.Future) -> None:
+        if not fut.done():
+            fut.set_exception(asyncio.TimeoutError())
+
+    def release(self, actor: Any) -> None:
+        """``actor`` is free again: to the first request waiting, else idle."""
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(actor)
+                return
+        self._idle.append((actor, self._clock()))
+
+    def lost(self) -> None:
+        """A RequestActor is gone, or could not be made: room for another (the first
+        request waiting gets to make it)."""
+        self.total -= 1
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                self.total += 1
+                fut.set_result(None)
+                return
+
+    def reap(self) -> list[Any]:
+        """Take out the RequestActors idle for ``idle_exit_s`` or more, oldest first,
+        down to ``minimum``; the caller ends them."""
+        now, out = self._clock(), []
+        while self._idle and self.total > self.minimum and now - self._idle[0][1] >= self.idle_exit_s:
+            out.append(self._idle.popleft()[0])
+            self.total -= 1
+        return out

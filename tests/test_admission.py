@@ -1,0 +1,448 @@
+"""How many RequestActors an API server keeps, and what a client sees when all are busy.
+
+At most ``request_actors`` RequestActors (each a process); a request above that
+waits in a bounded FIFO queue for one, within its deadline, and one more than
+the queue holds gets HTTP 429 with ``Retry-After`` and OpenAI error JSON. A
+RequestActor above the minimum that idles ``idle_exit_s`` exits.
+
+The first tests drive :class:`RequestActorPool` and ``ActorBridge.submit``
+without an actor system; the last one serves a real leader (multiprocTCPBase,
+synthetic engine) through an API server whose bridge has small bounds, and
+counts the leader system's processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from omni_actors.http.admission import QueueFull, RequestActorPool
+from omni_actors.http.bridge import ActorBridge, RequestRejected
+from omni_actors.http.types import PipelineRequest, RequestFailed
+from omni_actors.messages import OutputDelta, OutputDeltas, RequestFinished, Routes, RunRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "admission-test"
+# One text stage, slow enough per token that a long request holds its RequestActor
+# until the test lets it go.
+CONFIG = f"""
+stage_args:
+  - stage_id: 0
+    engine_args: {{model_stage: thinker}}
+    final_output: true
+    final_output_type: text
+    default_sampling_params: {{max_tokens: 4, seed: 1}}
+deployment:
+  served_model_name: {MODEL}
+  heartbeat_interval_s: 0.5
+  request_timeout_s: 60
+  max_tokens_limit: 4096
+  request_actors: 1
+  stages:
+    thinker: {{replicas: 1, synthetic: {{startup_s: 0, decode_ms_per_token: 20, max_concurrency: 16}}}}
+"""
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+# -- the pool ----------------------------------------------------------------
+
+def test_the_pool_makes_up_to_its_maximum_then_queues_first_come_first_served_then_refuses():
+    async def main():
+        pool = RequestActorPool(maximum=2, minimum=0, queue_limit=2, idle_exit_s=30)
+        assert await pool.acquire(1) is None and await pool.acquire(1) is None  # "make one", twice
+        assert pool.total == 2
+        first = asyncio.ensure_future(pool.acquire(5))
+        second = asyncio.ensure_future(pool.acquire(5))
+        await asyncio.sleep(0)
+        assert pool.queued == 2
+        with pytest.raises(QueueFull):
+            await pool.acquire(5)
+        assert pool.rejected == 1
+        pool.release("a")
+        pool.release("b")
+        assert await first == "a" and await second == "b"  # in order
+        assert pool.total == 2 and pool.queued == 0 and pool.idle == 0
+        pool.release("a")
+        assert await pool.acquire(1) == "a"  # a free one is reused, none made
+        assert pool.total == 2
+
+    asyncio.run(main())
+
+
+def test_a_waiter_that_leaves_or_times_out_leaves_the_queue_and_passes_on_what_it_was_given():
+    async def main():
+        pool = RequestActorPool(maximum=1, minimum=0, queue_limit=2, idle_exit_s=30)
+        assert await pool.acquire(1) is None
+        with pytest.raises(asyncio.TimeoutError):
+            await pool.acquire(0.05)
+        assert pool.queued == 0
+        leaving = asyncio.ensure_future(pool.acquire(5))
+        staying = asyncio.ensure_future(pool.acquire(5))
+        await asyncio.sleep(0)
+        leaving.cancel()  # the client went away
+        await asyncio.gather(leaving, return_exceptions=True)
+        assert pool.queued == 1
+        pool.release("a")
+        assert await staying == "a"
+        # Given an actor at the very moment it is cancelled: the actor goes to the next one.
+        waiting = asyncio.ensure_future(pool.acquire(5))
+        after = asyncio.ensure_future(pool.acquire(5))
+        await asyncio.sleep(0)
+        pool.release("b")  # resolves `waiting`...
+        waiting.cancel()  # ...which is cancelled before it runs
+        assert await after == "b"
+        assert (await asyncio.gather(waiting, return_exceptions=True))[0].__class__ is asyncio.CancelledError
+        assert pool.queued == 0 and pool.total == 1
+
+    asyncio.run(main())
+
+
+def test_a_lost_request_actor_makes_room_for_the_next_in_line():
+    async def main():
+        pool = RequestActorPool(maximum=1, minimum=0, queue_limit=1, idle_exit_s=30)
+        assert await pool.acquire(1) is None
+        waiting = asyncio.ensure_future(pool.acquire(5))
+        await asyncio.sleep(0)
+        pool.lost()
+        assert await waiting is None  # it makes the new one
+        assert pool.total == 1
+
+    asyncio.run(main())
+
+
+def test_idle_request_actors_above_the_minimum_are_reaped_oldest_first():
+    clock = Clock()
+    pool = RequestActorPool(maximum=4, minimum=1, queue_limit=0, idle_exit_s=30, clock=clock)
+    pool.reserve(3)
+    pool.release("a")
+    clock.now += 10
+    pool.release("b")
+    clock.now += 10
+    pool.release("c")
+    assert pool.reap() == []
+    clock.now += 15  # a: 35 s idle, b: 25 s
+    assert pool.reap() == ["a"] and pool.total == 2
+    clock.now += 100
+    assert pool.reap() == ["b"] and pool.total == 1  # the minimum stays
+    with pytest.raises(ValueError):
+        RequestActorPool(maximum=1, minimum=2, queue_limit=0, idle_exit_s=1)
+
+
+# -- the bridge's submit, without an actor system ------------------------------
+
+def _bridge(**kw) -> ActorBridge:
+    from omni_actors.config import parse_config
+    import yaml
+
+    bridge = ActorBridge(asys=None, coordinator=None, **kw)
+    bridge._routes = Routes(parse_config(yaml.safe_load(CONFIG)), {0: "pool-0"})
+    bridge._address, bridge._max_attempts, bridge.request_timeout_s = "bridge", 1, 60.0
+    return bridge
+
+
+async def _first(bridge: ActorBridge, rid: str, timeout_s: float = 60.0):
+    gen = bridge.submit(PipelineRequest(rid, "hi", frozenset({"text"}), timeout_s=timeout_s))
+    try:
+        return await gen.__anext__()
+    finally:
+        await gen.aclose()
+
+
+def _outbox_items(bridge: ActorBridge) -> list:
+    items = []
+    for box in bridge._outboxes:
+        while not box.empty():
+            items.append(box.get_nowait())
+    return items
+
+
+def test_submit_waits_for_a_request_actor_within_the_deadline_and_refuses_past_the_queue():
+    async def main():
+        bridge = _bridge(request_actors=1, queue_limit=1)
+        bridge._loop = asyncio.get_running_loop()
+        bridge._pool.reserve(1)  # the one RequestActor is busy
+
+        # its deadline passes while it waits: 504, and it leaves the queue
+        t0 = time.monotonic()
+        ev = await _first(bridge, "late", timeout_s=0.2)
+        assert isinstance(ev, RequestFailed) and ev.status == 504
+        assert "while the request waited for a free RequestActor" in ev.message
+        assert time.monotonic() - t0 < 5
+        assert bridge._pool.queued == 0 and bridge.in_flight() == 0
+
+        # one waits (the queue holds one); the next is refused at once
+        waiting = asyncio.ensure_future(_first(bridge, "waiting"))
+        await asyncio.sleep(0.01)
+        assert bridge._pool.queued == 1 and bridge.in_flight() == 1
+        ev = await _first(bridge, "refused")
+        assert isinstance(ev, RequestRejected) and ev.status == 429
+        assert ev.retry_after_s >= 1 and ev.code == "rate_limit_exceeded"
+        assert bridge.request_actors()["rejected"] == 1
+
+        # it starts when the RequestActor comes back, with what is left of its deadline
+        await asyncio.sleep(0.05)
+        bridge._pool.release("ra-1")
+        await asyncio.sleep(0.01)
+        runs = [item for item in _outbox_items(bridge) if item[0] == "run"]
+        assert len(runs) == 1
+        _, run, actor = runs[0]
+        assert isinstance(run, RunRequest) and run.request_id == "waiting" and actor == "ra-1"
+        assert 59 < run.timeout_s < 60
+        waiting.cancel()
+        # its RequestActor says the request ended: free again (idle, none queued)
+        bridge._on_message(RequestFinished("waiting", request_actor="ra-1"))
+        await asyncio.sleep(0.01)
+        assert bridge.request_actors() == {"total": 1, "busy": 0, "idle": 1, "queued": 0, "max": 1, "min": 1,
+                                           "queue_limit": 1, "rejected": 1}
+
+        # a queued request whose client goes away leaves the queue and starts nothing
+        _outbox_items(bridge)
+        assert await bridge._pool.acquire(1) == "ra-1"  # busy again
+        gone = asyncio.ensure_future(_first(bridge, "gone"))
+        await asyncio.sleep(0.01)
+        assert bridge._pool.queued == 1
+        gone.cancel()
+        await asyncio.sleep(0.01)
+        assert bridge._pool.queued == 0 and bridge.in_flight() == 0
+        assert [item for item in _outbox_items(bridge) if item[0] in ("run", "cancel")] == []
+
+    asyncio.run(main())
+
+
+def test_a_text_stage_retried_after_its_text_went_out_is_named_by_its_stage_name():
+    class Loop:
+        def call_soon_threadsafe(self, fn, *args):
+            fn(*args)
+
+    bridge = _bridge()
+    bridge._loop = Loop()
+    events = []
+
+    class Stream:
+        def put_nowait(self, ev):
+            events.append(ev)
+
+    bridge._streams["r"] = Stream()
+    bridge._on_message(OutputDeltas((OutputDelta("r", "hello", 0, stage_id=0, attempt=0),)))
+    bridge._on_message(OutputDeltas((OutputDelta("r", "hello", 0, stage_id=0, attempt=1),)))
+    assert isinstance(events[-1], RequestFailed) and events[-1].status == 500
+    assert events[-1].message.startswith("stage thinker failed after part of its text")
+
+
+# -- over HTTP, on a real actor system ------------------------------------------
+
+@pytest.fixture(scope="module")
+def leader(tmp_path_factory):
+    from omni_actors.system.local import LocalLeader
+
+    path = tmp_path_factory.mktemp("admission") / "admission.yaml"
+    path.write_text(CONFIG)
+    leader = LocalLeader(path).start()
+    yield leader
+    assert leader.stop() == 0
+    assert leader.left_after_exit == []
+
+
+class ApiServer:
+    """``api --admin-port`` as the CLI runs it (this file as a script, below), with
+    the bridge's bounds set: the CLI sets only ``--request-actors``."""
+
+    def __init__(self, leader, tmp_path: Path, **bridge_kw):
+        from omni_actors.system.local import free_port
+
+        self.port = free_port()
+        self.log = tmp_path / "api.log"
+        with open(self.log, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, __file__, str(leader.admin_port), str(self.port), json.dumps(bridge_kw)],
+                stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
+                env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent),
+                     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+        line = self.proc.stdout.readline()
+        assert f"at http://127.0.0.1:{self.port}/v1" in line, (line, self.log.read_text()[-2000:])
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.communicate(timeout=30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+class Sampler:
+    """The most processes the leader's system had beyond ``baseline``, sampled every 50 ms."""
+
+    def __init__(self, leader, baseline: set[int]):
+        self.leader, self.baseline, self.peak = leader, baseline, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def extra(self) -> int:
+        return len(set(self.leader.pids()) - self.baseline)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.extra())
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join(5)
+        return self.peak
+
+
+def _gauge(text: str, name: str) -> float | None:
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def _settle(baseline_of) -> set[int]:
+    """The leader system's processes once their number stops changing (its own bridge
+    makes its first RequestActors in the background)."""
+    last, deadline = None, time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = set(baseline_of())
+        if now == last:
+            return now
+        last = now
+        time.sleep(0.3)
+    return last
+
+
+@pytest.mark.system
+def test_past_the_cap_requests_queue_then_get_429_and_idle_request_actors_exit(leader, tmp_path):
+    import aiohttp
+
+    baseline = _settle(leader.pids)
+    api = ApiServer(leader, tmp_path, min_request_actors=1, queue_limit=2, idle_exit_s=1.0)
+    sampler = Sampler(leader, baseline)
+    try:
+        async def scenario():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                async def metrics() -> str:
+                    async with s.get(api.url.removesuffix("/v1") + "/metrics") as r:
+                        return await r.text()
+
+                async def until(name: str, value: float):
+                    deadline = time.monotonic() + 15
+                    while time.monotonic() < deadline:
+                        if _gauge(await metrics(), name) == value:
+                            return
+                        await asyncio.sleep(0.05)
+                    raise AssertionError(f"{name} never {value}:\n{await metrics()}")
+
+                def body(max_tokens: int, stream: bool = False, text: str = "hi") -> dict:
+                    return {"model": MODEL, "messages": [{"role": "user", "content": text}],
+                            "max_tokens": max_tokens, "stream": stream}
+
+                async def chat(max_tokens: int, stream: bool = False) -> tuple[int, dict, dict]:
+                    async with s.post(api.url + "/chat/completions", json=body(max_tokens, stream)) as r:
+                        return r.status, dict(r.headers), await r.json(content_type=None)
+
+                # Two long streams hold both RequestActors (the cap) until we let go.
+                long = []
+                for i in range(2):
+                    r = await s.post(api.url + "/chat/completions", json=body(2000, stream=True, text=f"long {i}"))
+                    assert r.status == 200
+                    async for line in r.content:  # until its first text: it runs
+                        if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
+                            break
+                    long.append(r)
+                await until("omni_request_actors_busy", 2)
+
+                # A queued request whose client goes away leaves the queue.
+                gone = asyncio.ensure_future(chat(4))
+                await until("omni_request_queue_depth", 1)
+                gone.cancel()
+                await until("omni_request_queue_depth", 0)
+
+                # Two wait in the queue (its limit)...
+                queued = [asyncio.ensure_future(chat(4)) for _ in range(2)]
+                await until("omni_request_queue_depth", 2)
+                # ...and every request beyond is refused at once, streaming or not.
+                refused = await asyncio.gather(chat(4), chat(4), chat(4, stream=True), chat(4))
+                for status, headers, data in refused:
+                    assert status == 429, (status, data)
+                    assert headers["Retry-After"] == "1"
+                    assert headers["Content-Type"].startswith("application/json")
+                    err = data["error"]
+                    assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+                    assert "busy" in err["message"] and "Retry after" in err["message"]
+                assert not any(q.done() for q in queued)
+                text = await metrics()
+                assert _gauge(text, "omni_request_actors") == 2 and _gauge(text, "omni_request_actors_max") == 2
+                assert _gauge(text, "omni_requests_rejected_total") == 4
+                assert 'omni_requests_total{endpoint="/v1/chat/completions",status="429"} 4.0' in text
+
+                # The long streams end (their clients go away): the queued requests run and succeed.
+                for r in long:
+                    r.close()
+                for status, _, data in await asyncio.gather(*queued):
+                    assert status == 200, data
+                    assert data["choices"][0]["message"]["content"] and data["usage"]["completion_tokens"] == 4
+                return await metrics()
+
+        text = asyncio.run(scenario())
+        assert _gauge(text, "omni_request_queue_depth") == 0
+        assert sampler.extra() <= 2
+        # Idle past idle_exit_s: back down to the minimum (one RequestActor), processes included.
+        deadline = time.monotonic() + 15
+        while sampler.extra() > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sampler.extra() == 1
+        assert _gauge(_get(api.url.removesuffix("/v1") + "/metrics"), "omni_request_actors") == 1
+        assert sampler.stop() == 2  # never more RequestActor processes than the cap
+    finally:
+        sampler.stop()
+        rc = api.stop()
+    assert rc == 0, api.log.read_text()[-2000:]
+    deadline = time.monotonic() + 10  # its RequestActors end with it
+    while set(leader.pids()) - baseline and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert set(leader.pids()) - baseline == set()
+
+
+def _get(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+if __name__ == "__main__":
+    # python tests/test_admission.py ADMIN_PORT PORT '{"queue_limit": 2, ...}': an API server
+    # attached to the admin on ADMIN_PORT (as `api --admin-port`), its bridge given these keywords.
+    import functools
+
+    from omni_actors.http import bridge as _bridge_module
+    from omni_actors.logs import configure_logging
+    from omni_actors.system.api_server import run_api
+
+    configure_logging("info")  # as the CLI does: JSON lines on stderr (the test's api.log)
+
+    _admin_port, _port, _kw = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    _bridge_module.ActorBridge = functools.partial(_bridge_module.ActorBridge, **_kw)
+    sys.exit(run_api(host="127.0.0.1", port=_port, admin_port=_admin_port, request_actors=2))
