@@ -517,3 +517,29 @@ def test_official_openai_client():
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_body_that_stalls_midway_gets_408_and_the_server_serves_on(monkeypatch):
+    """A client sends its headers and 10 of the 100 body bytes it announced, then nothing:
+    after ``BODY_READ_TIMEOUT_S`` (0.5 s here) it gets a 408 in OpenAI error JSON, where the
+    server used to wait for ever; the next request is served."""
+    from omni_actors.http import app as app_module
+
+    monkeypatch.setattr(app_module, "BODY_READ_TIMEOUT_S", 0.5)
+
+    async def body(client):
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n" + b'{"model": ')
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        err = json.loads(await asyncio.wait_for(reader.readexactly(length), 10))["error"]
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert err["message"] == "The request body did not arrive within 0.5 s.", err
+        resp = await client.post("/v1/chat/completions", json=chat())
+        assert resp.status == 200, await resp.text()
+
+    serve(FakeBridge(), body)

@@ -68,8 +68,18 @@ def _error(err: P.ApiError, headers: dict[str, str] | None = None) -> web.Respon
     return _json(err.body(), err.status, {**err.headers, **(headers or {})} or None)
 
 
+#: Seconds a client has to send its whole request body once the headers are in; a
+#: client that stalls mid-body gets 408 (aiohttp itself would wait for ever). 30 s:
+#: 1 MiB (the body limit) at about 35 KB/s.
+BODY_READ_TIMEOUT_S = 30.0
+
+
 async def _read_json(request: web.Request) -> Any:
-    body = await request.read()  # raises HTTPRequestEntityTooLarge over client_max_size
+    try:  # raises HTTPRequestEntityTooLarge over client_max_size
+        body = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise P.ApiError(408, f"The request body did not arrive within {BODY_READ_TIMEOUT_S:g} s.",
+                         code="request_timeout") from None
     try:
         return msgspec.json.decode(body)
     except msgspec.MsgspecError as e:
