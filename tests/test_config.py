@@ -21,7 +21,8 @@ import pytest
 import yaml
 from structlog.testing import capture_logs
 
-from omni_actors.config import ConfigError, PipelineConfig, load_config, parse_config, unknown_key_warnings
+from omni_actors.config import ConfigError, PipelineConfig, load_config, parse_config
+from omni_actors.config_keys import unknown_key_warnings
 from omni_actors.placement import parse_devices
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,0 +1,108 @@
+"""Stage keys that are probably typos: warned about, never refused.
+
+vLLM-Omni keeps keys of a stage it does not know (a legacy stage config's
+``yaml_extras`` such as ``tts_args``; a deploy file's stage keys are engine
+arguments, passed on), and vLLM's engine arguments number in the hundreds and
+change between releases: the set of valid keys is open. So a key is never
+refused for being unknown; one that is not known here but is a near miss of a
+key that is (a typo: ``final_ouput``) is warned about, with the key meant.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+
+#: Keys of a legacy ``stage_args`` entry: ours, and those vLLM-Omni's legacy stage
+#: configs (and its ``StageConfig.to_omegaconf``) use.
+_STAGE_KEYS = frozenset({
+    "stage_id", "engine_args", "engine_input_source", "custom_process_input_func", "final_output",
+    "final_output_type", "default_sampling_params", "runtime",
+    "stage_type", "session_mode", "is_comprehension", "sampling_constraints", "input_connectors",
+    "output_connectors", "default_pooling_params", "subtalker_sampling_params", "tts_args",
+    "prompt_transform_func", "prompt_expand_func", "cfg_kv_collect_func", "async_chunk"})
+#: Keys of a stage's ``runtime`` block (legacy configs; a deploy file's stages).
+_RUNTIME_KEYS = frozenset({"devices", "process", "max_batch_size", "num_replicas", "env",
+                           "requires_multimodal_data"})
+#: Engine arguments this project reads or sees most. Only near misses of these are
+#: warned about: a larger set made legitimate vLLM 0.32 / vLLM-Omni 0.30 arguments
+#: (``ec_transfer_config``, ``mm_processor_cache_type``) look like typos of shipped keys.
+_ENGINE_KEYS = frozenset({
+    "model_stage", "model", "model_arch", "worker_type", "stage_type", "hf_config_name",
+    "engine_output_type", "model_subdir", "tokenizer_subdir", "requires_multimodal_data",
+    "custom_process_next_stage_input_func", "requires_full_payload_input", "is_comprehension",
+    "omni_kv_config", "stage_id", "final_output", "final_output_type", "tensor_parallel_size",
+    "pipeline_parallel_size", "data_parallel_size", "gpu_memory_utilization", "max_model_len",
+    "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "trust_remote_code", "dtype",
+    "enable_prefix_caching", "enable_chunked_prefill", "distributed_executor_backend",
+    "quantization", "worker_cls", "scheduler_cls", "tokenizer", "seed"})
+#: Stage keys of the other format, and this format's key for the same thing.
+_OTHER_FORMAT = {"input_sources": "engine_input_source"}
+
+
+def _near_miss(key: str, known: frozenset[str]) -> str | None:
+    """The known key ``key`` is probably a typo of: close by difflib (ratio >= 0.85) and
+    within 2 characters in length (``data_parallel_size_local`` is not a typo of
+    ``data_parallel_size``); None when ``key`` is known or close to none."""
+    if key in known:
+        return None
+    close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.85)
+    return next((k for k in close if abs(len(k) - len(key)) <= 2), None)
+
+
+def _check_keys(mapping: Any, known: frozenset[str], path: str, fate: str,
+                aliases: dict[str, str] | None = None) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    if not isinstance(mapping, dict):
+        return out
+    for key in mapping:
+        if not isinstance(key, str):
+            continue
+        meant = (aliases or {}).get(key) or _near_miss(key, known)
+        if meant is not None and meant != key:
+            out.append((f"{path}.{key}", f"unknown key ({fate}); did you mean `{meant}`?"))
+    return out
+
+
+def unknown_key_warnings(data: Any) -> list[tuple[str, str]]:
+    """``(YAML path, message)`` for each stage key of a decoded config that is
+    probably a typo (see above): in a ``stage_args`` entry (ignored), its
+    ``runtime`` (ignored) and its ``engine_args`` (passed to the engine as they
+    are); in a deploy file's ``stages`` entries (and each platform's), whose
+    other keys are engine arguments. Pure: nothing is logged."""
+    out: list[tuple[str, str]] = []
+    if not isinstance(data, dict):
+        return out
+    stage_args = data.get("stage_args")
+    if isinstance(stage_args, list) and "stages" not in data:
+        for i, entry in enumerate(stage_args):
+            p = f"stage_args[{i}]"
+            if not isinstance(entry, dict):
+                continue
+            out += _check_keys(entry, _STAGE_KEYS, p, "ignored", _OTHER_FORMAT)
+            out += _check_keys(entry.get("runtime"), _RUNTIME_KEYS, f"{p}.runtime", "ignored")
+            out += _check_keys(entry.get("engine_args"), _ENGINE_KEYS, f"{p}.engine_args",
+                               "passed to the engine as it is")
+        return out
+    if "stages" not in data and "base_config" not in data:
+        return out
+    lists = [("stages", data.get("stages"))]
+    platforms = data.get("platforms")
+    if isinstance(platforms, dict):
+        lists += [(f"platforms.{name}.stages", p.get("stages")) for name, p in platforms.items()
+                  if isinstance(p, dict)]
+    from omni_actors.vllm_omni_deploy import _STAGE_OWN  # its stage keys that are not engine arguments
+
+    for where, stages in lists:
+        if not isinstance(stages, list):
+            continue
+        for i, entry in enumerate(stages):
+            p = f"{where}[{i}]"
+            if not isinstance(entry, dict):
+                continue
+            out += _check_keys(entry, _ENGINE_KEYS | _STAGE_OWN, p, "passed to the engine as it is")
+            out += _check_keys(entry.get("runtime"), _RUNTIME_KEYS, f"{p}.runtime", "ignored")
+            for sub in ("engine_args", "engine_extras"):
+                out += _check_keys(entry.get(sub), _ENGINE_KEYS, f"{p}.{sub}", "passed to the engine as it is")
+    return out
