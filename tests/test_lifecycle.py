@@ -383,3 +383,40 @@ def test_a_failed_replica_is_tried_again_after_failed_retry_s_and_serves():
         assert chat() == 200, third
     finally:
         leader.stop()
+
+
+def test_scaling_a_stage_with_a_failed_replica_stops_its_retries():
+    """A FAILED replica is tried again after ``failed_retry_s`` unless the stage is scaled
+    meanwhile: `stage scale` says how many replicas are wanted, and a retried one on top
+    would make one too many. Here the FAILED Thinker is replaced by `scale thinker 1`
+    and, 3 s later, is still STOPPED with why, while its replacement serves."""
+    leader = LocalLeader(TEST_CONFIGS / "retry_failed.yaml").start()
+
+    def replicas() -> dict:
+        with urllib.request.urlopen(leader.base_url + "/stages", timeout=10) as r:
+            return {x["replica"]: x for x in json.loads(r.read())["stages"][0]["replicas"]}
+
+    def wait_for(what, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while not what(reps := replicas()):
+            assert time.monotonic() < deadline, reps
+            time.sleep(0.1)
+        return reps
+
+    try:
+        for _ in range(2):  # its one restart, then FAILED
+            pid = wait_for(lambda r: r["thinker/0"]["state"] == "ready", 20)["thinker/0"]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda r, pid=pid: r["thinker/0"]["pid"] != pid or r["thinker/0"]["state"] == "failed", 20)
+        wait_for(lambda r: r["thinker/0"]["state"] == "failed", 20)
+        out = _cli("stage", "scale", "--stage", "thinker", "--replicas", "1", "--admin-port", str(leader.admin_port),
+                   env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)})
+        assert out.returncode == 0, out.stderr
+        wait_for(lambda r: r.get("thinker/1", {}).get("state") == "ready", 20)
+        time.sleep(4)  # past failed_retry_s (3 s)
+        reps = replicas()
+        assert reps["thinker/0"]["state"] == "stopped", reps["thinker/0"]
+        assert reps["thinker/0"]["reason"].endswith("not tried again: scaled to 1"), reps["thinker/0"]
+        assert [r for r, x in reps.items() if x["state"] == "ready"] == ["thinker/1"], reps
+    finally:
+        leader.stop()

@@ -42,6 +42,12 @@ class PoolAdminMixin:
         self._publish()
 
     def receiveMsg_ScaleStage(self, msg: ScaleStage, sender):
+        # The size asked for is the size wanted: FAILED replicas (not counted) are not tried
+        # again after failed_retry_s on top of it; new ones take their place.
+        for rep in self._replicas.values():
+            if rep.state == ReplicaState.FAILED:
+                why = rep.reason.split("; next try in")[0]
+                rep.state, rep.reason = ReplicaState.STOPPED, f"{why}; not tried again: scaled to {msg.replicas}"
         live = [r for r in self._replicas.values() if r.state in self._COUNTED]
         if msg.replicas > len(live):
             for _ in range(msg.replicas - len(live)):
