@@ -72,7 +72,8 @@ UpToAnHour = Annotated[float, msgspec.Meta(ge=0, le=_HOUR_S, extra={"unit": "sec
 #: Simulated time per token: 0 to 60000 ms (a minute).
 MsPerToken = Annotated[float, msgspec.Meta(ge=0, le=60_000, extra={"unit": "milliseconds", "max": "a minute"})]
 #: Replicas of a stage, or devices of one replica: 1 to 1024 (each replica is a process).
-Replicas = Annotated[int, msgspec.Meta(ge=1, le=1024, extra={"unit": "integer"})]
+MAX_REPLICAS = 1024
+Replicas = Annotated[int, msgspec.Meta(ge=1, le=MAX_REPLICAS, extra={"unit": "integer"})]
 OutputType = Literal["text", "audio", "image"]
 #: How engines store their stage outputs: ``omni_actors.connectors.MODES``.
 ConnectorMode = Literal["auto", "inline", "shm", "tcp"]

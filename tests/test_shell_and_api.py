@@ -313,3 +313,21 @@ def test_shell_launch_refuses_a_bad_device_list_before_asking_the_system(devices
     with pytest.raises(AdminError) as err:
         Admin(asys=None, coordinator=None).launch("talker", devices=devices)
     assert str(err.value).startswith(error), str(err.value)
+
+
+@pytest.mark.parametrize("call, error", [
+    (lambda a: a.scale("talker", 2000), "--replicas must be from 0 to 1024 (each replica is a process), got 2000"),
+    (lambda a: a.scale("talker", -1), "--replicas must be from 0 to 1024"),
+    (lambda a: a.launch("talker", 1025), "--replicas must be from 1 to 1024"),
+    (lambda a: a.inject("raise", replica="talker/0", count=0), "the count of tasks to raise must be from 1 to"),
+    (lambda a: a.inject("raise", replica="talker/0", count=-5), "the count of tasks to raise must be from 1 to"),
+])
+def test_admin_counts_out_of_range_are_refused_before_asking_the_system(call, error):
+    """`stage scale --replicas 2000` (a typo for 20) used to be accepted: the pool forked
+    engines until the host choked. The CLI and the shell now refuse counts past the
+    config's own bound (1024), as they refuse a `raise` count below 1."""
+    from omni_actors.system.admin import Admin, AdminError
+
+    with pytest.raises(AdminError) as err:
+        call(Admin(asys=None, coordinator=None))
+    assert str(err.value).startswith(error), str(err.value)

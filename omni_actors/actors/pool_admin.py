@@ -7,6 +7,7 @@ pool's replica table and helpers); each request is answered with an
 
 from __future__ import annotations
 
+from omni_actors.config import MAX_REPLICAS
 from omni_actors.messages import LIVE_STATES as _ALIVE
 from omni_actors.messages import (AdminReply, DrainReplica, InjectFault, LaunchReplicas, ReplicaState, ScaleStage,
                                   replica_index)
@@ -49,6 +50,9 @@ class PoolAdminMixin:
                 why = rep.reason.split("; next try in")[0]
                 rep.state, rep.reason = ReplicaState.STOPPED, f"{why}; not tried again: scaled to {msg.replicas}"
         live = [r for r in self._replicas.values() if r.state in self._COUNTED]
+        if not 0 <= msg.replicas <= MAX_REPLICAS:  # (the CLI checks first; this is for any other sender)
+            self.send(msg.reply_to or sender, AdminReply(False, f"replicas must be from 0 to {MAX_REPLICAS}"))
+            return
         if msg.replicas > len(live):
             for _ in range(msg.replicas - len(live)):
                 self._launch(self._new_replica_id())
@@ -68,6 +72,10 @@ class PoolAdminMixin:
         node and devices for life, restarts included."""
         before = sum(1 for r in self._replicas.values() if r.state in self._COUNTED)
         pins = msg.pins or ((None,) * (msg.replicas or 1))
+        if before + len(pins) > MAX_REPLICAS:
+            self.send(msg.reply_to or sender, AdminReply(
+                False, f"{self._spec.stage.name} has {before} replicas: {len(pins)} more would pass {MAX_REPLICAS}"))
+            return
         launched = []
         for pin in pins:
             rid = self._new_replica_id()

@@ -218,11 +218,12 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         if late > self._spec.heartbeat_interval_s:
             # This pool did not run for a while (swamped by a burst, starved of CPU, stopped):
             # the heartbeats sent meanwhile are still queued, unread. Time it did not listen
-            # is not its replicas' silence.
+            # is neither its replicas' silence nor their lack of progress.
             self._log.warning("pool_tick_late", late_s=round(late, 2))
             for rep in self._replicas.values():
                 if rep.health is not None:
                     rep.health.last_heartbeat = min(now, rep.health.last_heartbeat + late)
+                    rep.health.progress_at = min(now, rep.health.progress_at + late)
         if self._ticks % TICKS_PER_INTERVAL == 0:
             self._publish()  # load figures once per interval; state changes publish at once
         for rep in list(self._replicas.values()):

@@ -370,8 +370,11 @@ def cmd_api(args) -> int:
             return _fail(str(exc), 2)
         if args.admin_port != DEFAULT_ADMIN_PORT:
             return _fail("give --convention-address HOST:PORT or --admin-port, not both", 2)
-    if args.request_actors is not None and args.request_actors < 1:
-        return _fail("--request-actors must be >= 1", 2)
+    from omni_actors.config import MAX_REPLICAS
+
+    if args.request_actors is not None and not 1 <= args.request_actors <= MAX_REPLICAS:
+        return _fail(f"--request-actors must be from 1 to {MAX_REPLICAS} (each is a process), "
+                     f"got {args.request_actors}", 2)
     configure_logging(args.log_level)
     try:
         return run_api(host=args.host, port=args.port, admin_port=args.admin_port, convention=convention,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from omni_actors.messages import (AdminReply, DrainReplica, FaultKind, GetStatus, InjectFault, LaunchReplicas,
                                   ScaleStage, SystemStatus)
+from omni_actors.config import MAX_REPLICAS
 from omni_actors.placement import parse_devices
 
 #: Faults done from outside the process, with a signal, and the ones an engine does to itself.
@@ -26,6 +27,8 @@ ENGINE_FAULTS = {"raise": FaultKind.RAISE_NEXT, "slow": FaultKind.SLOW, "stall":
 FAULTS = (*SIGNAL_FAULTS, *ENGINE_FAULTS, "kill-pool", "kill-coordinator")
 #: Largest `slow` factor: 1000x turns a 4 ms token into 4 s, slow enough for any test.
 MAX_SLOW_FACTOR = 1000.0
+#: Largest `raise` count.
+MAX_RAISE_COUNT = 1_000_000
 
 
 class AdminError(RuntimeError):
@@ -77,6 +80,8 @@ class Admin:
         if fault in ENGINE_FAULTS:
             if not replica:
                 raise AdminError(f"{fault} needs --replica STAGE/N")
+            if fault == "raise" and not 1 <= count <= MAX_RAISE_COUNT:
+                raise AdminError(f"the count of tasks to raise must be from 1 to {MAX_RAISE_COUNT}, got {count}")
             if fault == "slow" and not (math.isfinite(factor) and 1.0 <= factor <= MAX_SLOW_FACTOR):
                 raise AdminError(f"the slow-down factor must be a number from 1 to {MAX_SLOW_FACTOR:g}, got {factor:g}")
             at = time.time()
@@ -110,8 +115,13 @@ class Admin:
         return self._ask(DrainReplica(replica))
 
     def scale(self, stage: str, replicas: int) -> str:
-        if replicas < 0:
-            raise AdminError("--replicas must be >= 0")
+        """Run ``replicas`` replicas of ``stage`` (0 to ``config.MAX_REPLICAS``, as the config).
+
+        Raises:
+            AdminError: a count out of range, an unknown stage, or no answer.
+        """
+        if not 0 <= replicas <= MAX_REPLICAS:
+            raise AdminError(f"--replicas must be from 0 to {MAX_REPLICAS} (each replica is a process), got {replicas}")
         return self._ask(ScaleStage(stage, replicas))
 
     def launch(self, stage: str, replicas: int | None = None, *, node: str = "",
@@ -130,8 +140,8 @@ class Admin:
                 devices = parse_devices(devices)
             except ValueError as exc:
                 raise AdminError(f"--devices: {exc}") from None
-        if replicas is not None and replicas < 1:
-            raise AdminError("--replicas must be >= 1")
+        if replicas is not None and not 1 <= replicas <= MAX_REPLICAS:
+            raise AdminError(f"--replicas must be from 1 to {MAX_REPLICAS} (each replica is a process), got {replicas}")
         return self._ask(LaunchReplicas(stage, replicas, node=node, devices=tuple(devices)))
 
 
