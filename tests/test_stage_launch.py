@@ -274,3 +274,23 @@ def test_a_member_stopped_cleanly_shows_as_left_not_lost(system):
     events = [e["event"] for e in read_events(leader.log_path, since) if e.get("node") == "m1"
               and e["event"] in ("node_left", "node_lost")]
     assert events == ["node_left"], events
+
+
+def test_a_second_member_with_a_node_name_in_use_is_refused(system, tmp_path):
+    """Two admins calling themselves m1 would share m1's placements (Thespian sends an actor
+    for node m1 to either) and corrupt its device inventory; a trial's duplicate, when
+    stopped, took a replica of the real m1 with it. The second one now exits at once with
+    one line, and the first keeps its devices."""
+    leader = system
+    leader.member.start()  # (the test above stopped it)
+    _wait(leader, lambda st: any(n["name"] == "m1" and n["alive"] for n in st["nodes"]), "m1 back")
+    duplicate = Member(tmp_path, f"127.0.0.1:{leader.admin_port}", "m1", "0")
+    try:
+        with pytest.raises(RuntimeError) as err:
+            duplicate.start(timeout_s=30)
+        assert "a member host named 'm1' is already in the convention" in str(err.value), str(err.value)
+        assert duplicate.proc.returncode not in (None, 0)
+    finally:
+        duplicate.stop()
+    m1 = next(n for n in _status(leader)["nodes"] if n["name"] == "m1")
+    assert m1["alive"] and m1["devices"] == ["0", "1", "2", "3"], m1

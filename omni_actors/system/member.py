@@ -22,7 +22,8 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     """Join the convention at ``convention`` and serve until SIGINT/SIGTERM.
 
     Raises:
-        StartError: the admin port is taken or the leader cannot be reached.
+        StartError: the admin port is taken, the leader cannot be reached, or a live member
+            already goes by ``node``.
     """
     from thespian.actors import ActorSystem
 
@@ -33,9 +34,12 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     host, port = convention
     if port_in_use(admin_port):
         raise StartError(f"admin port {admin_port} is in use")
-    from omni_actors.system.remote import probe_admin
+    from omni_actors.system.remote import node_name_taken, probe_admin
 
     problem = probe_admin(host, port)  # (an HTTP port would accept the connection, then never answer)
+    if problem:
+        raise StartError(problem)
+    problem = node_name_taken(host, port, node)
     if problem:
         raise StartError(problem)
     try:

@@ -125,6 +125,29 @@ def probe_admin(host: str, port: int) -> str | None:
         system.close()
 
 
+def node_name_taken(host: str, port: int, node: str) -> str | None:
+    """Why a member host may not join the convention at ``host:port`` as ``node``
+    (one line), or None: another member that is alive already goes by that name.
+    Two admins with one node name would share its placements (Thespian sends an
+    actor for node ``m1`` to either) and corrupt its device inventory. None too
+    when the coordinator cannot be asked (the join itself then says what is wrong)."""
+    try:
+        admin = attach_remote(host, port)
+    except AdminError:
+        return None
+    try:
+        status = admin.status(timeout_s=ADMIN_ANSWER_S)
+    except AdminError:
+        return None
+    finally:
+        admin.asys.close()
+    if any(n.name == node and n.alive for n in status.nodes):
+        return (f"a member host named {node!r} is already in the convention at {host}:{port}: give this one "
+                f"another --node-name (if that host was just stopped or killed, start again once `status` "
+                f"no longer shows it alive)")
+    return None
+
+
 def attach_remote(host: str, port: int) -> Admin:
     """An :class:`Admin` on the convention whose admin listens at ``host:port``:
     the leader's admin, or a member's (then its convention leader is used).
