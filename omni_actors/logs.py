@@ -40,6 +40,32 @@ def configure_logging(level: str | None = None, stream=None) -> None:
         logger_factory=structlog.WriteLoggerFactory(stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
+    for logger_name in JSON_STDLIB_LOGGERS:
+        logger = logging.getLogger(logger_name)
+        if not any(isinstance(f, _StdlibToJson) for f in logger.filters):
+            logger.addFilter(_StdlibToJson())
+
+
+class _StdlibToJson(logging.Filter):
+    """Re-emits a stdlib logger's records (aiohttp's "Error handling request" with a
+    40-line traceback, when a client hangs up mid-request) as one JSON event each, so
+    that the log stays one event per line. A connection the client reset is an
+    ``info`` event without a traceback: a client leaving is not a server error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        log = get_logger(logger=record.name)
+        if isinstance(exc, ConnectionResetError):
+            log.info("client_connection_lost", message=record.getMessage(), error=str(exc) or type(exc).__name__)
+        else:
+            emit = {logging.DEBUG: log.debug, logging.INFO: log.info,
+                    logging.WARNING: log.warning}.get(record.levelno, log.error)
+            emit("stdlib_log", message=record.getMessage(), exc_info=record.exc_info or None)
+        return False  # (its own handler would print it again, as plain text)
+
+
+#: Stdlib loggers whose records are re-emitted as JSON events (:class:`_StdlibToJson`).
+JSON_STDLIB_LOGGERS = ("aiohttp.server", "aiohttp.web", "aiohttp.internal")
 
 
 def get_logger(**fields):

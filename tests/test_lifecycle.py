@@ -420,3 +420,26 @@ def test_scaling_a_stage_with_a_failed_replica_stops_its_retries():
         assert [r for r, x in reps.items() if x["state"] == "ready"] == ["thinker/1"], reps
     finally:
         leader.stop()
+
+
+def test_a_client_hanging_up_mid_request_logs_one_json_line_not_a_traceback():
+    """A client that sends half a body and closes its connection: aiohttp logged "Error
+    handling request" with a 40-line traceback into the leader's log, which is otherwise
+    one JSON event per line. Now it is one ``client_connection_lost`` event (info: a client
+    leaving is no server error), and no traceback."""
+    leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
+    try:
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", leader.port)) as s:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mo")
+                time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while leader.log_path.read_text().count('"client_connection_lost"') < 3:
+            assert time.monotonic() < deadline, leader.log_path.read_text()[-3000:]
+            time.sleep(0.1)
+    finally:
+        leader.stop()
+    lines = leader.log_path.read_text().splitlines()
+    assert [line for line in lines if "Traceback" in line or line.startswith("Error handling request")] == []
+    lost = [json.loads(line) for line in lines if '"client_connection_lost"' in line]
+    assert len(lost) == 3 and all(e["level"] == "info" and "exception" not in e for e in lost), lost
