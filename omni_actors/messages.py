@@ -535,6 +535,9 @@ class RunRequest(Message):
     chunk_window: int = 16  #: chunks per edge produced and not yet consumed (backpressure)
     chunk_timeout_s: float = 10.0  #: longest a consumer waits for its next upstream chunk
     chunk_tokens: int = 8  #: Thinker tokens per chunk
+    #: seconds the request already waited in the API server for a RequestActor: part of its
+    #: deadline (``timeout_s`` is what is left), said in the deadline's error message
+    queued_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -357,7 +357,11 @@ class RequestActor(ActorTypeDispatcher):
 
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
         if self._current(msg.payload):
-            self._finish(ErrorKind.TIMEOUT, f"request deadline of {self._req.timeout_s:g} s passed")
+            req = self._req
+            waited = (f" ({req.queued_s:.1f} s of it waiting for a RequestActor in the API server)"
+                      if req.queued_s >= 0.05 else "")
+            total = round(req.timeout_s + req.queued_s, 2)
+            self._finish(ErrorKind.TIMEOUT, f"request deadline of {total:g} s passed{waited}")
 
     def _finish(self, error: ErrorKind | None, message: str) -> None:
         req = self._req

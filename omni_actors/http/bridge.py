@@ -257,7 +257,8 @@ class ActorBridge:
                                    stream_outputs=request.stream,
                                    chunk_window=streaming.max_buffered_chunks,
                                    chunk_timeout_s=streaming.chunk_timeout_s,
-                                   chunk_tokens=streaming.chunk_tokens), actor))
+                                   chunk_tokens=streaming.chunk_tokens,
+                                   queued_s=round(timeout - remaining, 3)), actor))
             deadline = time.monotonic() + remaining + 5.0  # the RequestActor's own deadline fires first
             while True:
                 left = deadline - time.monotonic()
