@@ -53,6 +53,11 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "cpu_omni_
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
+
+def _count(top: int) -> Any:
+    """An integer from 1 to ``top``, whose out-of-range error names both bounds."""
+    return Annotated[int, msgspec.Meta(ge=1, le=top, extra={"unit": "integer"})]
+
 # Bounded numbers. ``extra["unit"]`` marks a field whose out-of-range error is
 # rewritten to name both bounds and the value given (see ``_bounds_message``);
 # NaN and infinities fail the bounds. Durations are bounded because every one
@@ -125,7 +130,7 @@ class SyntheticCost(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     startup_s: UpToAnHour = 0.0
     prefill_ms_per_token: MsPerToken = 0.0
     decode_ms_per_token: MsPerToken = 0.0
-    max_concurrency: PositiveInt = 8
+    max_concurrency: _count(4096) = 8
     #: Thinker hidden size (columns of the hidden-state tensor).
     hidden_size: PositiveInt = 64
     #: Talker codec: frames per thinker token and codebooks per frame.
@@ -203,9 +208,9 @@ class Supervision(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: at most 100 (times ``heartbeat_interval_s``: how long a silent replica is waited for)
     missed_heartbeats: Annotated[int, msgspec.Meta(ge=1, le=100, extra={"unit": "integer"})] = 3
     stall_timeout_s: Timeout = 10.0
-    circuit_breaker_failures: PositiveInt = 5
-    max_task_attempts: PositiveInt = 3
-    max_task_crashes: PositiveInt = 2
+    circuit_breaker_failures: _count(1000) = 5
+    max_task_attempts: _count(100) = 3
+    max_task_crashes: _count(100) = 2
     queue_timeout_s: Wait = 30.0
     drain_timeout_s: Wait = 10.0
     restart: RestartSpec = msgspec.field(default_factory=RestartSpec)
@@ -250,9 +255,11 @@ class Deployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     heartbeat_interval_s: HeartbeatInterval = 1.0
     ready_timeout_s: Timeout = 60.0
     request_timeout_s: Timeout = 300.0
-    max_tokens_limit: PositiveInt = 4096
+    #: at most 1,048,576 (a million-token context, the largest vLLM serves)
+    max_tokens_limit: _count(1 << 20) = 4096
     load_balancing: Literal["least_loaded"] = "least_loaded"
-    inline_threshold_bytes: Annotated[int, msgspec.Meta(ge=0)] = 64 * 1024
+    #: at most 64 MiB: what is under it rides in actor messages (10 MB took 0.5 s there)
+    inline_threshold_bytes: Annotated[int, msgspec.Meta(ge=0, le=64 << 20, extra={"unit": "integer"})] = 64 * 1024
     connector: ConnectorMode = "auto"
     #: the most RequestActors (each a process) an API server keeps: requests above wait in a
     #: bounded queue, then get 429 (``omni_actors.http.admission``)
@@ -438,8 +445,8 @@ def _bounds_message(typ: Any, value: Any) -> str | None:
     meta = next((m for m in metas if isinstance(m, msgspec.Meta) and m.extra and "unit" in m.extra), None)
     if meta is None:
         return None
-    low = f"> {meta.gt:g}" if meta.gt is not None else f">= {meta.ge:g}"
-    high = f"<= {meta.le:g}" + (f" ({meta.extra['max']})" if "max" in meta.extra else "")
+    low = f"> {meta.gt}" if meta.gt is not None else f">= {meta.ge}"
+    high = f"<= {meta.le}" + (f" ({meta.extra['max']})" if "max" in meta.extra else "")
     what = "an integer" if base is int else f"a finite number of {meta.extra['unit']}"
     got = "" if value is _MISSING else f", got {_show(value)}"
     return f"must be {what} {low} and {high}{got}"
@@ -590,7 +597,8 @@ class _DuplicateKey(Exception):
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's SafeLoader, except that a key given twice in one mapping is an
-    error (plain YAML keeps the last one silently)."""
+    error (plain YAML keeps the last one silently), and that ``1e3`` is a float as
+    in YAML 1.2 (PyYAML follows YAML 1.1, where it is the string "1e3")."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -600,6 +608,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 raise _DuplicateKey(str(key), key_node.start_mark.line + 1)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_implicit_resolver(  # (YAML 1.2's float: the exponent's sign and the dot are optional)
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
 
 
 def _check_graph(cfg: PipelineConfig, source: str) -> None:

@@ -465,6 +465,11 @@ def deployment(*keys: str, value: Any) -> Callable[[dict], None]:
     (("request_actors",), 10 ** 30, "must be an integer >= 1 and <= 1024, got about 10^30"),
     (("supervision", "missed_heartbeats"), 10 ** 6, "must be an integer >= 1 and <= 100, got 1000000"),
     (("supervision", "restart", "max_restarts"), 5000, "must be an integer >= 0 and <= 1000, got 5000"),
+    (("supervision", "circuit_breaker_failures"), 10 ** 30, "must be an integer >= 1 and <= 1000, got about 10^30"),
+    (("supervision", "max_task_attempts"), 101, "must be an integer >= 1 and <= 100, got 101"),
+    (("supervision", "max_task_crashes"), 0, "must be an integer >= 1 and <= 100, got 0"),
+    (("max_tokens_limit",), 10 ** 30, "must be an integer >= 1 and <= 1048576, got about 10^30"),
+    (("inline_threshold_bytes",), 1 << 30, "must be an integer >= 0 and <= 67108864, got 1073741824"),
 ], ids=lambda v: ".".join(v) if isinstance(v, tuple) else None)
 def test_infinite_or_huge_durations_and_counts_are_refused_with_their_bounds(
         tmp_path: Path, keys: tuple[str, ...], value: Any, message: str) -> None:
@@ -508,6 +513,15 @@ def test_the_bounds_themselves_are_accepted(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, variant(mutate)))
     assert cfg.deployment.request_timeout_s == 86400 and cfg.deployment.heartbeat_interval_s == 600
     assert cfg.deployment_of(cfg.stage_by_name("talker")).replicas == 1024
+
+
+def test_an_exponent_float_is_a_float_as_in_yaml_1_2(tmp_path: Path) -> None:
+    """PyYAML reads ``1e3`` as the string "1e3" (YAML 1.1); a user means 1000 s."""
+    text = yaml.safe_dump(BASE, sort_keys=False).replace(
+        "served_model_name: test-model", "served_model_name: test-model\n  request_timeout_s: 1e3")
+    path = tmp_path / "exp.yaml"
+    path.write_text(text)
+    assert load_config(path).deployment.request_timeout_s == 1000.0
 
 
 def test_a_wrong_type_keeps_msgspec_message(tmp_path: Path) -> None:
