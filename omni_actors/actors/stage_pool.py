@@ -47,6 +47,8 @@ TICKS_PER_INTERVAL = 4
 ORPHAN_AFTER_INTERVALS = 5
 
 _ROUTABLE = (ReplicaState.READY,)
+#: States in which a replica has no process (any pid it had is gone).
+_NO_PROCESS = (ReplicaState.FAILED, ReplicaState.STOPPED, ReplicaState.DEAD)
 _ALIVE = LIVE_STATES
 #: Ticks between placement retries for replicas still waiting for a node.
 PLACEMENT_RETRY_TICKS = 8
@@ -200,6 +202,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                 self._log.warning("replica_retry_after_failure", replica=rep.replica, reason=rep.reason)
                 if rep.address is not None:  # (its process should be gone; make sure)
                     self._kill(rep)
+                rep.restarts.append(time.monotonic())  # (RESTARTS counts the retries too)
                 self._launch(rep.replica, rep.restarts)
                 self._publish()
         elif isinstance(payload, tuple) and payload[0] == "restart":
@@ -301,7 +304,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             return ""
         rep.failed_at = time.monotonic()
         self.wakeupAfter(after, payload=("retry_failed", rep.replica, rep.failed_at))
-        return f"; next try in {after:g} s"
+        return f"; next try in {after:g} s (at {time.strftime('%H:%M:%S', time.localtime(time.time() + after))})"
 
     def _release(self, rep: Replica) -> None:
         if self._coordinator is not None:
@@ -530,7 +533,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                 replica=r.replica, state=r.state, reason=r.reason, in_flight=len(r.in_flight),
                 running=r.running, waiting=r.waiting, completed=r.completed, failed=r.failed,
                 last_heartbeat_age_s=None if r.health is None else round(now - r.health.last_heartbeat, 3),
-                pid=r.pid, node=r.node, devices=r.devices, backend=r.backend, restarts=len(r.restarts),
+                pid=r.pid if r.state not in _NO_PROCESS else None,  # (not a dead one's old pid)
+                node=r.node, devices=r.devices, backend=r.backend, restarts=len(r.restarts),
                 rate=round(r.health.rate(), 2) if r.health else 0.0, kv_cache_usage=r.kv_cache_usage,
                 latency_buckets=tuple(r.latency), latency_sum_s=round(r.latency_sum, 6),
                 pin=self._pins.get(r.replica, ()))
