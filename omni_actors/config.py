@@ -100,7 +100,7 @@ class RuntimeSpec(msgspec.Struct, kw_only=True):
     such as ``"0"`` or ``"0,1"``: non-negative integers, none twice; made its
     canonical string at load), the rest is kept for the vLLM-Omni backend."""
 
-    devices: str | int | None = None
+    devices: str | int | list[int] | None = None
     process: bool | None = None
     max_batch_size: int | None = None
 
@@ -661,13 +661,16 @@ def _check_graph(cfg: PipelineConfig, source: str) -> None:
 
 
 def _check_devices(s: StageSpec, source: str, path: str) -> None:
-    """``runtime.devices``: a device id list such as ``"0,1"`` (or one id as a number);
+    """``runtime.devices``: a device id list such as ``"0,1"`` (or one id as a number, or a
+    YAML list of ids);
     kept as its canonical string (``"0,1"``), which becomes ``CUDA_VISIBLE_DEVICES``."""
     from omni_actors.placement import parse_devices  # (placement imports this module's users)
 
     devices = s.runtime.devices
     if devices is None:
         return
+    if isinstance(devices, list):  # a YAML list [0, 1]: the same ids
+        devices = ",".join(str(d) for d in devices)
     try:
         ids = parse_devices(str(devices))
     except ValueError as exc:

@@ -33,6 +33,10 @@ class PlacementError(RuntimeError):
     """No node can take the replica; the message says what was free."""
 
 
+#: Largest device id taken (hosts have up to 8-16 GPUs; MIG and multi-host ids stay far below).
+MAX_DEVICE_ID = 1023
+
+
 def parse_devices(text: str) -> tuple[str, ...]:
     """A device id list (``--devices``, ``runtime.devices``): ``"0, 2,3"`` ->
     ``("0", "2", "3")``, the ids as ``CUDA_VISIBLE_DEVICES`` takes them; blank is
@@ -40,7 +44,8 @@ def parse_devices(text: str) -> tuple[str, ...]:
 
     Raises:
         ValueError: an empty item (``0,,1``, a trailing comma), an id that is not a
-            non-negative integer, or an id given twice; the message says which.
+            non-negative integer or is over :data:`MAX_DEVICE_ID`, or an id given twice;
+            the message says which.
     """
     if not text.strip():
         return ()
@@ -53,6 +58,9 @@ def parse_devices(text: str) -> tuple[str, ...]:
         what = "is not a device id" if len(bad) == 1 else "are not device ids"
         raise ValueError(f"{', '.join(map(repr, bad))} {what} in {text!r}: {expected}")
     ids = tuple(str(int(item)) for item in items)
+    big = [d for d in ids if int(d) > MAX_DEVICE_ID]
+    if big:
+        raise ValueError(f"device id {big[0]} in {text!r} is not one a host has (0 to {MAX_DEVICE_ID})")
     twice = sorted({d for d in ids if ids.count(d) > 1}, key=int)
     if twice:
         raise ValueError(f"device{'s' if len(twice) > 1 else ''} {','.join(twice)} given twice in {text!r}")

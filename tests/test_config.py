@@ -667,7 +667,9 @@ def test_processor_module_that_fails_to_import_is_a_config_error(
     ("0,-1", "'-1' is not a device id in '0,-1'"),
     (-1, "'-1' is not a device id in '-1'"),
     ("", "empty: give device ids"),
-], ids=["empty-item", "twice", "not-integers", "negative", "negative-number", "blank"])
+    ("99999999999999999999", "device id 99999999999999999999 in '99999999999999999999' is not one a host has"),
+    ([0, 0], "device 0 given twice in '0,0'"),
+], ids=["empty-item", "twice", "not-integers", "negative", "negative-number", "blank", "huge", "list-twice"])
 def test_runtime_devices_must_be_a_device_id_list(tmp_path: Path, devices: Any, message: str) -> None:
     err = refused(tmp_path, variant(stage(2, runtime={"devices": devices})))
     assert err.path == "stage_args[2].runtime.devices"
@@ -676,8 +678,10 @@ def test_runtime_devices_must_be_a_device_id_list(tmp_path: Path, devices: Any, 
 
 def test_runtime_devices_are_kept_canonical(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, variant(lambda d: (stage(0, runtime={"devices": " 0, 1"})(d),
-                                                         stage(1, runtime={"devices": 3})(d)))))
-    assert (cfg.stage(0).runtime.devices, cfg.stage(1).runtime.devices) == ("0,1", "3")
+                                                         stage(1, runtime={"devices": 3})(d),
+                                                         stage(2, runtime={"devices": [2, 4]})(d)))))
+    assert (cfg.stage(0).runtime.devices, cfg.stage(1).runtime.devices, cfg.stage(2).runtime.devices) == \
+        ("0,1", "3", "2,4")
 
 
 @pytest.mark.parametrize(("text", "ids"), [("", ()), (" ", ()), ("0", ("0",)), ("3, 1,2", ("3", "1", "2"))])
