@@ -751,8 +751,10 @@ def _check_importable(dotted: str, source: str, path: str) -> None:
         func = getattr(mod, attr, None)
     except Exception as exc:  # a module __getattr__ that raises
         raise ConfigError(source, path, f"`{module}.{attr}`: {type(exc).__name__}: {_one_line(exc)}") from None
-    if not callable(func):
+    if func is None:
         raise ConfigError(source, path, f"`{module}` has no function `{attr}`")
+    if not callable(func):
+        raise ConfigError(source, path, f"`{module}.{attr}` is a {type(func).__name__}, not a function")
 
 
 def _one_line(exc: BaseException) -> str:

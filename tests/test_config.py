@@ -317,7 +317,7 @@ def test_custom_process_input_func_must_be_callable(tmp_path: Path) -> None:
     not_a_function = "omni_actors.config.DEFAULT_CONFIG"
     err = refused(tmp_path, variant(stage(1, custom_process_input_func=not_a_function)))
     assert err.path == "stage_args[1].custom_process_input_func"
-    assert "no function `DEFAULT_CONFIG`" in err.message
+    assert err.message == "`omni_actors.config.DEFAULT_CONFIG` is a PosixPath, not a function"
 
 
 # -- deployment -------------------------------------------------------------
