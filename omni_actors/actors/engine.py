@@ -36,8 +36,8 @@ from omni_actors.messages import (CancelStage, DrainReplica, EngineFailed, Engin
                                   StageFailed, StageTask, StartEngine, TaskFinished, TextStarted)
 from omni_actors.processors import default_input
 
-#: Missing pool acks for this many heartbeat intervals means the pool is gone (a pool
-#: on another host; one on this host is watched by its pid, ``ParentWatch``).
+#: Missing pool acks for this many heartbeat intervals means the pool is gone (one on this
+#: host must also no longer be our parent process, ``ParentWatch``: a busy pool acks late).
 ORPHAN_AFTER_INTERVALS = 3
 #: Longest a text delta waits to share a message with the next ones (50 updates a
 #: second per stream): an actor message costs about 1 ms of CPU here, so one per
@@ -222,15 +222,15 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 self._ready = False
                 self.send(self._pool, EngineFailed(self._spec.replica, failure))
             orphan_after_s = max(ORPHAN_AFTER_INTERVALS * interval, self._spec.orphan_after_s)
-            lost = self._parent.gone()  # a pool on this host: its pid, never a false alarm
-            if lost is None:  # a pool on another host: its acks
-                lost = time.monotonic() - self._last_ack > orphan_after_s
+            # No ack for orphan_after_s, and (a pool on this host) its pid is no longer our
+            # parent: a pool alive but busy (a burst) acks late, and is not left for that.
+            lost = time.monotonic() - self._last_ack > orphan_after_s and self._parent.gone() is not False
             if not self._orphaned and lost:
                 # The pool is gone. Its replacement's RequestActors re-sent these tasks, and no
                 # cancel can reach us any more: they get as long again to end, then are cancelled
                 # (one waiting for chunk credits from a consumer that moved on would wait forever).
-                self._log.warning("pool_lost_draining", in_flight=len(self._tasks),
-                                  by="parent pid" if self._parent.local else f"no ack for {orphan_after_s:g} s")
+                self._log.warning("pool_lost_draining", in_flight=len(self._tasks), no_ack_for_s=orphan_after_s,
+                                  parent_gone=self._parent.gone())
                 self._orphaned = True
                 self._start_drain()
                 self.wakeupAfter(orphan_after_s, payload="orphan_deadline")

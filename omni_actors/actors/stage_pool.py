@@ -14,9 +14,9 @@ again); a FAILED replica is tried once more every ``failed_retry_s``.
 Tasks that find no ready replica wait up to ``queue_timeout_s`` for one (a
 restart, a late start), then the request gets a clear 503.
 
-A pool whose coordinator died (its parent pid changed; a coordinator on
-another host: no acks) drains its replicas and exits: a new coordinator
-makes a new pool.
+A pool whose coordinator died (no acks, and it is no longer the pool's
+parent process) drains its replicas and exits: a new coordinator makes a
+new pool.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, Cance
 
 #: Ticks per heartbeat interval: how often health is judged.
 TICKS_PER_INTERVAL = 4
-#: Missing this many coordinator acks (in intervals) means the coordinator is gone (when
-#: it is not this process's parent; see ``ParentWatch``).
+#: Missing this many coordinator acks (in intervals) means the coordinator is gone, once
+#: it is no longer this process's parent either (``ParentWatch``: a busy one acks late).
 ORPHAN_AFTER_INTERVALS = 5
 
 _ROUTABLE = (ReplicaState.READY,)
@@ -246,12 +246,13 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                                    f"{self._spec.supervision.queue_timeout_s:g} s ({self._describe()})")
         if self._hold_until and now >= self._hold_until:
             self._drain_pending()  # the backlog kept for replicas that are still starting
-        lost = self._parent.gone()  # the coordinator forked this pool: its pid, never a false alarm
-        if lost is None:
-            lost = now - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.heartbeat_interval_s
+        # No ack for ORPHAN_AFTER_INTERVALS, and its pid is no longer our parent (the coordinator
+        # forked this pool): a coordinator alive but busy acks late, and is not left for that.
+        lost = (now - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.heartbeat_interval_s
+                and self._parent.gone() is not False)
         if not self._orphaned and lost:
             self._orphaned = True
-            self._log.warning("coordinator_lost_draining", by="parent pid" if self._parent.local else "acks")
+            self._log.warning("coordinator_lost_draining")
             for rep in self._replicas.values():
                 if rep.state in _ALIVE:
                     self.send(rep.address, DrainReplica(rep.replica))

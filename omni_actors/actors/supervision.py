@@ -17,10 +17,10 @@ Rules (defaults in :class:`omni_actors.config.Supervision`):
   ``max_restarts`` restarts within ``window_s`` and it goes down, FAILED,
   with the reason in ``status``; a FAILED replica (this, or one that never
   loaded) is tried once more every ``failed_retry_s``.
-- **Lost parent**: a pool or engine whose parent actor runs on the same host
-  (Thespian forks each actor from its parent) knows its parent is gone when
-  its own parent pid changes (:class:`ParentWatch`); only a parent on another
-  host is judged by late heartbeat acks, which a busy parent can also cause.
+- **Lost parent**: a pool or engine takes its parent (coordinator, pool) for
+  gone when its acks are late; a parent on the same host (Thespian forks each
+  actor from its parent) must also no longer be its parent process
+  (:class:`ParentWatch`): a busy parent acks late too, and is not left for it.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ class ParentWatch:
     ``os.getppid()`` until the parent dies (then the process is re-parented,
     to init or a subreaper). That test never gives a false alarm however busy
     the parent is; late heartbeat acks do (a pool handling a burst of 200
-    requests acked 3 s late and its engines drained themselves).
+    requests acked 3 s late and its engines drained themselves). Acks still
+    decide *when* (a parent that just died leaves its children the same time
+    as before: leaving at once lost requests when the coordinator was killed).
 
     Args:
         parent_pid: the parent actor's ``os.getpid()`` (0: unknown).
