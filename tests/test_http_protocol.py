@@ -543,3 +543,26 @@ def test_a_body_that_stalls_midway_gets_408_and_the_server_serves_on(monkeypatch
         assert resp.status == 200, await resp.text()
 
     serve(FakeBridge(), body)
+
+
+def test_a_connection_whose_headers_never_end_is_closed(monkeypatch):
+    """Half a request line and headers, then nothing: the server closes the connection after
+    ``IDLE_CONNECTION_TIMEOUT_S`` (0.5 s here; 75 s by default) instead of holding it an hour."""
+    from omni_actors.http import app as app_module
+
+    async def main():
+        runner = await app_module.start_http(FakeBridge(), "127.0.0.1", 0)
+        try:
+            port = runner.addresses[0][1]
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            await writer.drain()
+            t0 = asyncio.get_running_loop().time()
+            assert await asyncio.wait_for(reader.read(), 10) == b""  # closed, nothing answered
+            writer.close()
+            return asyncio.get_running_loop().time() - t0
+        finally:
+            await runner.cleanup()
+
+    monkeypatch.setattr(app_module, "IDLE_CONNECTION_TIMEOUT_S", 0.5)
+    assert asyncio.run(main()) < 5

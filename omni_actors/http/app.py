@@ -68,6 +68,10 @@ def _error(err: P.ApiError, headers: dict[str, str] | None = None) -> web.Respon
     return _json(err.body(), err.status, {**err.headers, **(headers or {})} or None)
 
 
+#: Seconds a connection may stay idle, between requests or before its first request's
+#: headers are complete (a client that sends half its headers and stops is cut off):
+#: nginx's keepalive_timeout default, 75 s; aiohttp's own is an hour.
+IDLE_CONNECTION_TIMEOUT_S = 75.0
 #: Seconds a client has to send its whole request body once the headers are in; a
 #: client that stalls mid-body gets 408 (aiohttp itself would wait for ever). 30 s:
 #: 1 MiB (the body limit) at about 35 KB/s.
@@ -453,12 +457,14 @@ async def start_http(bridge: Bridge, host: str, port: int,
     """Serve ``create_app(bridge, **create_app_kwargs)`` on ``host:port``.
 
     Client disconnects cancel handlers (``handler_cancellation=True``), so
-    abandoned requests are cancelled in the bridge. Returns the started
+    abandoned requests are cancelled in the bridge. A connection idle for
+    :data:`IDLE_CONNECTION_TIMEOUT_S`, between requests or before the first
+    one's headers are complete, is closed. Returns the started
     runner (``runner.addresses[0][1]`` is the bound port, useful with port
     0); the caller calls ``await runner.cleanup()``.
     """
     runner = web.AppRunner(create_app(bridge, **create_app_kwargs),
-                           handler_cancellation=True, access_log=None)
+                           handler_cancellation=True, access_log=None, keepalive_timeout=IDLE_CONNECTION_TIMEOUT_S)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()
