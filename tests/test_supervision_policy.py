@@ -78,3 +78,58 @@ def test_rate_is_units_per_second_over_recent_heartbeats():
     for t, p in ((1.0, 0), (2.0, 50), (3.0, 100)):
         health.on_heartbeat(t, p)
     assert health.rate() == pytest.approx(50.0)
+
+
+def test_a_process_orphaned_before_its_start_message_exits(tmp_path):
+    """An engine or pool whose parent dies before sending StartEngine/StartPool has no
+    heartbeat watch yet; ``exit_if_orphaned_before_start`` ends it (it lived on, re-parented
+    to init, after the system stopped). Here: a parent process starts a child that calls
+    it and waits, and is SIGKILLed; the child is gone within a few poll periods. A sibling
+    whose start message came (the event set) stays."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    child = (
+        "import sys, threading, time\n"
+        "from omni_actors.actors.supervision import exit_if_orphaned_before_start\n"
+        "started = threading.Event()\n"
+        "if sys.argv[1] == 'started':\n"
+        "    started.set()\n"
+        "exit_if_orphaned_before_start(started, poll_s=0.1)\n"
+        "print('up', flush=True)\n"
+        "time.sleep(30)\n")
+    parent = (
+        "import subprocess, sys, time\n"
+        f"kids = [subprocess.Popen([sys.executable, '-c', {child!r}, how], stdout=subprocess.PIPE)\n"
+        "        for how in ('waiting', 'started')]\n"
+        "for k in kids:\n"
+        "    k.stdout.readline()\n"
+        "print(' '.join(str(k.pid) for k in kids), flush=True)\n"
+        "time.sleep(30)\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    waiting, started = (int(p) for p in proc.stdout.readline().split())
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+        def alive(pid: int) -> bool:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            except OSError:
+                return False
+
+        deadline = time.monotonic() + 5
+        while alive(waiting) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(waiting), "the child orphaned before its start message is still running"
+        assert alive(started), "the child that had its start message exited"
+    finally:
+        for pid in (waiting, started):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

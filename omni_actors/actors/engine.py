@@ -24,7 +24,7 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ThespianWatch
 
 from omni_actors.actors.engine_stream import StreamingMixin
 from omni_actors.actors.outbox import PendingChunk, Sequencer, bundle, coalesce
-from omni_actors.actors.supervision import ParentWatch
+from omni_actors.actors.supervision import ParentWatch, exit_if_orphaned_before_start
 from omni_actors.actors.node_agent import on_node
 from omni_actors.config import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
@@ -129,6 +129,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._started = threading.Event()  # StartEngine came (see exit_if_orphaned_before_start)
+        exit_if_orphaned_before_start(self._started)
         self._rt: LoopThread | None = None
         self._spec: StartEngine | None = None
         self._pool = None
@@ -160,6 +162,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         if self._rt is not None:
             return self._watch()
         self._spec, self._pool = msg, sender
+        self._started.set()
         self._parent = ParentWatch(msg.pool_pid, msg.pool_host)
         self._log = self._log.bind(stage=msg.stage.name, replica=msg.replica)
         self._connector = connector = make_connector(msg.inline_threshold_bytes, mode=msg.connector_mode)

@@ -25,6 +25,7 @@ import dataclasses
 import os
 import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -32,7 +33,8 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExi
 
 from omni_actors.actors.pool_admin import PoolAdminMixin
 from omni_actors.actors.pool_placement import PoolPlacementMixin
-from omni_actors.actors.supervision import HealthPolicy, ParentWatch, ReplicaHealth, RestartPolicy
+from omni_actors.actors.supervision import (HealthPolicy, ParentWatch, ReplicaHealth, RestartPolicy,
+                                            exit_if_orphaned_before_start)
 from omni_actors.balancing import POLICIES, ReplicaLoad
 from omni_actors.logs import get_logger
 from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, CancelStage, DrainReplica, EngineFailed,
@@ -85,6 +87,8 @@ class Replica:
 class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._started = threading.Event()  # StartPool came (see exit_if_orphaned_before_start)
+        exit_if_orphaned_before_start(self._started)
         self._spec: StartPool | None = None
         self._coordinator = None
         self._replicas: dict[str, Replica] = {}
@@ -105,6 +109,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         if self._spec is not None:
             return
         self._spec, self._coordinator = msg, sender
+        self._started.set()
         self._parent = ParentWatch(msg.coordinator_pid, msg.coordinator_host)
         sup = msg.supervision
         self._policy = POLICIES[msg.load_balancing]

@@ -27,7 +27,28 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from dataclasses import dataclass, field
+
+
+def exit_if_orphaned_before_start(started: threading.Event, poll_s: float = 1.0) -> None:
+    """Watch, from a daemon thread, for this actor's parent process dying before
+    ``started`` is set, and end this process then (``os._exit(0)``: it holds nothing).
+
+    An actor's own watch (heartbeats, :class:`ParentWatch`) starts with its first
+    message (``StartEngine``, ``StartPool``). One whose parent died before sending it
+    (a pool killed while its engines were being forked) had no watch at all and lived
+    on, re-parented to init, after the system stopped (seen after a scale to 2000).
+    The thread ends once ``started`` is set.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while not started.wait(poll_s):
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="orphan-before-start", daemon=True).start()
 
 
 class ParentWatch:
