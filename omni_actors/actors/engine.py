@@ -148,7 +148,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._parked = 0  # tasks waiting on a neighbour stage (input chunks, credits)
         self._last_ack = time.monotonic()
         self._draining = False
-        self._orphaned = False  # the pool is gone (its pid, or no ack for orphan_after_s)
+        self._orphaned = False  # the pool is gone (no ack for orphan_after_s; see ParentWatch.lost)
         self._parent = ParentWatch(0, "")
         self._fault: InjectFault | None = None
         self._stalled: asyncio.Event | None = None
@@ -225,10 +225,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 self._ready = False
                 self.send(self._pool, EngineFailed(self._spec.replica, failure))
             orphan_after_s = max(ORPHAN_AFTER_INTERVALS * interval, self._spec.orphan_after_s)
-            # No ack for orphan_after_s, and (a pool on this host) its pid is no longer our
-            # parent: a pool alive but busy (a burst) acks late, and is not left for that.
-            lost = time.monotonic() - self._last_ack > orphan_after_s and self._parent.gone() is not False
-            if not self._orphaned and lost:
+            if not self._orphaned and self._parent.lost(time.monotonic() - self._last_ack > orphan_after_s):
                 # The pool is gone. Its replacement's RequestActors re-sent these tasks, and no
                 # cancel can reach us any more: they get as long again to end, then are cancelled
                 # (one waiting for chunk credits from a consumer that moved on would wait forever).
@@ -448,11 +445,11 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             StageInputError: the processor failed on upstream outputs (none: on the
                 client's prompt, whose ValueError stays a bad request).
         """
-        if not upstream:
-            return self._processor(upstream, msg.prompt, msg.params)
         try:
             return self._processor(upstream, msg.prompt, msg.params)
         except Exception as exc:  # noqa: BLE001 - reported with the processor's name
+            if not upstream:
+                raise
             name = self._spec.stage.custom_process_input_func or "the default input processor"
             raise StageInputError(f"{name} failed on the outputs of stage(s) {sorted(upstream)}: "
                                   f"{type(exc).__name__}: {exc}") from exc

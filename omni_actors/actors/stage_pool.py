@@ -251,11 +251,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                                    f"{self._spec.supervision.queue_timeout_s:g} s ({self._describe()})")
         if self._hold_until and now >= self._hold_until:
             self._drain_pending()  # the backlog kept for replicas that are still starting
-        # No ack for ORPHAN_AFTER_INTERVALS, and its pid is no longer our parent (the coordinator
-        # forked this pool): a coordinator alive but busy acks late, and is not left for that.
-        lost = (now - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.heartbeat_interval_s
-                and self._parent.gone() is not False)
-        if not self._orphaned and lost:
+        if not self._orphaned and self._parent.lost(
+                now - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.heartbeat_interval_s):
             self._orphaned = True
             self._log.warning("coordinator_lost_draining")
             for rep in self._replicas.values():

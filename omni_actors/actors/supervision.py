@@ -78,6 +78,11 @@ class ParentWatch:
     def gone(self) -> bool | None:
         return (os.getppid() != self.parent_pid) if self.local else None
 
+    def lost(self, acks_late: bool) -> bool:
+        """Whether to take the parent for gone: its acks are late and, when it is this
+        process's parent, it no longer is (a busy parent acks late but is still there)."""
+        return acks_late and self.gone() is not False
+
 
 @dataclass(frozen=True)
 class RestartPolicy:
