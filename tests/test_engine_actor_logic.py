@@ -1,4 +1,6 @@
-"""Pure logic of the EngineActor's outbox (no actor system)."""
+"""Pure logic of the EngineActor: its outbox, its task bookkeeping (no actor system)."""
+
+import dataclasses
 
 from omni_actors.actors.outbox import coalesce
 from omni_actors.messages import OutputDelta, TaskFinished
@@ -112,3 +114,49 @@ def test_text_deltas_for_one_bridge_travel_in_one_message_in_order():
     assert isinstance(first, OutputDeltas)
     assert [(d.request_id, d.text, d.seq) for d in first.deltas] == [("r1", "a", 0), ("r2", "x", 3), ("r1", "b", 1)]
     assert out[1][1] is done and isinstance(out[2][1], OutputDeltas) and len(out[2][1].deltas) == 1
+
+
+def test_a_retry_on_the_same_replica_keeps_its_inputs_when_the_earlier_attempt_ends():
+    """Two attempts of one streaming task on one replica (a retry routed back to it):
+    the first ending must not drop the second's input queue, credits or task handle,
+    or the second's chunks would be dropped and it would time out for want of them."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from omni_actors.actors.engine import EngineActor
+    from omni_actors.messages import StageTask
+
+    actor = EngineActor()
+    actor._started.set()  # (ends its orphan watchdog thread)
+    sent = []
+    actor._spec = SimpleNamespace(replica="talker/0", stage=SimpleNamespace(name="talker"))
+    actor._pool = "pool"
+    gate = {}
+
+    async def execute(msg):  # registers what the real one does, then waits to be cancelled
+        key = (msg.request_id, msg.stage_id)
+        actor._inputs[key] = (msg.attempt, asyncio.Queue())
+        actor._credits[key] = [msg.attempt, 0, asyncio.Event()]
+        gate[msg.attempt] = asyncio.get_running_loop().create_future()
+        await gate[msg.attempt]
+
+    actor._execute = execute
+
+    async def main():
+        actor._rt = SimpleNamespace(emit=lambda address, message, **kw: sent.append(message))
+        task = StageTask("r1", 1, "hi", (), {}, {}, None, False, "ra", stream_source=0)
+        first = asyncio.ensure_future(actor._run_task(task))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(actor._run_task(dataclasses.replace(task, attempt=1)))
+        await asyncio.sleep(0)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        key = ("r1", 1)
+        assert actor._inputs[key][0] == 1 and actor._credits[key][0] == 1
+        assert actor._tasks[key] is second
+        second.cancel()
+        await asyncio.gather(second, return_exceptions=True)
+        assert key not in actor._inputs and key not in actor._credits and key not in actor._tasks
+
+    asyncio.run(main())
+    assert [type(m).__name__ for m in sent] == ["TaskFinished", "TaskFinished"]

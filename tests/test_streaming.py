@@ -270,6 +270,8 @@ def test_a_stalled_thinker_ends_the_request_at_the_chunk_timeout(leader):
         assert errors, s.kinds()
         t_err, err = errors[0]
         assert "no chunk from upstream stage 0 within 2 s" in err["message"], err
+        # The RequestActor says what it got and relayed: here the producer stalled, nothing went astray.
+        assert "stage 0 still running" in err["message"] and "relayed" in err["message"], err
         assert 1.5 < t_err - stalled < 6.0
     finally:
         inject_cli(leader.admin_port, "clear", "--replica", "thinker/0")

@@ -409,9 +409,12 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             emit(msg.reply_to, StageFailed(msg.request_id, msg.stage_id, replica, kind,
                                            f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt))
         finally:
-            self._tasks.pop(key, None)
-            self._inputs.pop(key, None)
-            self._credits.pop(key, None)
+            # (Only this attempt's: a retry of the same task may be running here already.)
+            if self._tasks.get(key) is asyncio.current_task():
+                del self._tasks[key]
+            for table in (self._inputs, self._credits):
+                if table.get(key, (msg.attempt,))[0] == msg.attempt:
+                    table.pop(key, None)
             if ok:
                 self._completed += 1
             elif not cancelled:

@@ -39,6 +39,9 @@ class StreamingMixin:
         entry = self._inputs.get((msg.request_id, msg.stage_id))
         if entry is not None and entry[0] == msg.attempt:
             entry[1].put_nowait(msg)
+        elif entry is not None:
+            self._log.info("input_chunk_dropped", request_id=msg.request_id, seq=msg.seq,
+                           attempt=msg.attempt, running_attempt=entry[0])
 
     def receiveMsg_ChunkAck(self, msg: ChunkAck, sender):
         if self._rt is not None:
@@ -79,8 +82,9 @@ class StreamingMixin:
                     with self._parked_while():  # waiting on a neighbour is no stall of ours
                         item = await asyncio.wait_for(chunks.get(), msg.chunk_timeout_s)
                 except asyncio.TimeoutError:
+                    held = f"; chunks {sorted(early)} came ahead of it" if early else ""
                     raise UpstreamTimeout(f"no chunk from upstream stage {src} within {msg.chunk_timeout_s:g} s "
-                                          f"(after {seq} chunks): its replica died or stalled") from None
+                                          f"(after {seq} chunks{held}): its replica died or stalled") from None
                 if item.ref is None:
                     end_at = item.seq
                 elif item.seq >= seq:

@@ -309,6 +309,8 @@ class RequestActor(ActorTypeDispatcher):
         attempt = msg.attempt + 1  # the pool may have re-dispatched it already (a dead replica)
         retry = bool(msg.replica) and msg.kind in RETRYABLE and attempt < self._req.max_attempts
         message = msg.message
+        if msg.kind == ErrorKind.TIMEOUT and task.stream_source is not None:
+            message += self._relay_state(msg.stage_id, task.stream_source)
         if task.streaming:
             affected = self._downstream(msg.stage_id)
             if retry and affected & self._to_client:
@@ -328,6 +330,21 @@ class RequestActor(ActorTypeDispatcher):
             return
         del self._running[msg.stage_id]
         self._finish(msg.kind, message)
+
+    def _relay_state(self, dst: int, src: int) -> str:
+        """What this RequestActor got from stream source ``src`` and relayed to consumer
+        ``dst``: says, when a consumer timed out, whether the producer stalled or a
+        chunk went astray between them."""
+        got, held = len(self._chunks.get(src, ())), sorted(self._early.get(src, {}))
+        total = self._chunk_total.get(src)
+        if total is None and src in self._done_waiting:
+            total = self._done_waiting[src].chunks
+        sent = self._sent.get(dst, 0)
+        return (f" [request actor: {got} chunk(s) of stage {src} in order"
+                + (f", {held} waiting for an earlier one" if held else "")
+                + (f", stage {src} done after {total}" if total is not None else f", stage {src} still running")
+                + (", all relayed with the end marker" if sent < 0 else
+                   f", {sent} relayed" if dst in self._consumer else ", consumer not accepted yet") + "]")
 
     def _resend(self, task: StageTask) -> None:
         self._retried = True
