@@ -56,6 +56,61 @@ def test_ctrl_c_stops_every_process_within_seconds():
     assert "omni-actors stopped" in leader.stdout_path.read_text()
 
 
+def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_not_wait(tmp_path):
+    """Ctrl-C lets requests in flight finish for ``supervision.drain_timeout_s``; those
+    still running then (a Thinker slowed 1000x) end with a 503 that says why, their
+    stages are cancelled, and the leader stops at once, where it used to wait for them
+    (aiohttp's 60 s, or their own chunk timeouts: 23 s measured)."""
+    import yaml
+
+    from omni_actors.system.faultlab import inject_cli
+
+    cfg = yaml.safe_load((CONFIGS / "cpu_omni_demo.yaml").read_text())
+    cfg["deployment"]["supervision"]["drain_timeout_s"] = 1.0
+    path = tmp_path / "short_drain.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    leader = LocalLeader(path).start()
+    got = {}
+
+    def ask(name, stream):
+        body = json.dumps({"model": "qwen3-omni-cpu-demo", "messages": MESSAGES, "max_tokens": 50,
+                           "stream": stream}).encode()
+        req = urllib.request.Request(leader.base_url + "/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                got[name] = (r.status, r.read().decode())
+        except urllib.error.HTTPError as exc:
+            got[name] = (exc.code, exc.read().decode())
+        except Exception as exc:  # noqa: BLE001 - recorded for the assert
+            got[name] = (None, repr(exc))
+
+    import threading
+
+    try:
+        assert inject_cli(leader.admin_port, "slow", "--replica", "thinker/0", "--factor", "1000").returncode == 0
+        clients = [threading.Thread(target=ask, args=(name, name == "stream")) for name in ("whole", "stream")]
+        for t in clients:
+            t.start()
+        time.sleep(1.5)
+        assert got == {}, got
+    finally:
+        t0 = time.monotonic()
+        code = leader.stop()
+        took = time.monotonic() - t0
+    for t in clients:
+        t.join(10)
+    assert code == 0 and leader.left_after_exit == []
+    assert took < 1.0 + 6, f"the stop took {took:.1f} s"
+    status, body = got["whole"]
+    assert status == 503 and json.loads(body)["error"]["type"] == "service_unavailable", got
+    assert "the server is shutting down" in json.loads(body)["error"]["message"]
+    status, body = got["stream"]  # a 503 before the stream began, else an SSE error event
+    assert "the server is shutting down" in body, got
+    assert status == 503 or ("event: error" in body or '"error"' in body), got
+    assert "drain_timeout_requests_ended" in leader.log_path.read_text()
+
+
 def test_stop_command_and_status_command():
     leader = LocalLeader(CONFIGS / "cpu_image_demo.yaml").start()
     env = {"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)}

@@ -15,6 +15,10 @@ import time
 from typing import Any, Callable
 
 
+class ShuttingDown(Exception):
+    """The server stops: a request waiting for a RequestActor gets none."""
+
+
 class QueueFull(Exception):
     """:meth:`RequestActorPool.acquire`: no RequestActor is free and the queue is full."""
 
@@ -120,6 +124,17 @@ class RequestActorPool:
                 self.total += 1
                 fut.set_result(None)
                 return
+
+    def fail_waiters(self, exc: BaseException) -> int:
+        """Fail every request waiting for a RequestActor with ``exc`` (the server is
+        stopping); returns how many."""
+        failed = 0
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(exc)
+                failed += 1
+        return failed
 
     def reap(self) -> list[Any]:
         """Take out the RequestActors idle for ``idle_exit_s`` or more, oldest first,

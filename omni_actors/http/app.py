@@ -72,6 +72,9 @@ def _error(err: P.ApiError, headers: dict[str, str] | None = None) -> web.Respon
 #: headers are complete (a client that sends half its headers and stops is cut off):
 #: nginx's keepalive_timeout default, 75 s; aiohttp's own is an hour.
 IDLE_CONNECTION_TIMEOUT_S = 75.0
+#: Seconds ``runner.cleanup()`` lets handlers still running finish before it cancels them
+#: (aiohttp's default is 60; ours run after a drain that already ended them with a 503).
+CLEANUP_TIMEOUT_S = 5.0
 #: Seconds a client has to send its whole request body once the headers are in; a
 #: client that stalls mid-body gets 408 (aiohttp itself would wait for ever). 30 s:
 #: 1 MiB (the body limit) at about 35 KB/s.
@@ -459,12 +462,15 @@ async def start_http(bridge: Bridge, host: str, port: int,
     Client disconnects cancel handlers (``handler_cancellation=True``), so
     abandoned requests are cancelled in the bridge. A connection idle for
     :data:`IDLE_CONNECTION_TIMEOUT_S`, between requests or before the first
-    one's headers are complete, is closed. Returns the started
+    one's headers are complete, is closed. ``runner.cleanup()`` cancels the
+    handlers still running :data:`CLEANUP_TIMEOUT_S` after it starts (the caller
+    drains first: see ``omni_actors.system.leader.drain_http``). Returns the started
     runner (``runner.addresses[0][1]`` is the bound port, useful with port
     0); the caller calls ``await runner.cleanup()``.
     """
     runner = web.AppRunner(create_app(bridge, **create_app_kwargs),
-                           handler_cancellation=True, access_log=None, keepalive_timeout=IDLE_CONNECTION_TIMEOUT_S)
+                           handler_cancellation=True, access_log=None, keepalive_timeout=IDLE_CONNECTION_TIMEOUT_S,
+                           shutdown_timeout=CLEANUP_TIMEOUT_S)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

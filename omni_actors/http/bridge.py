@@ -60,7 +60,7 @@ from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelRequest, ErrorKind, GetRoutes, GetStatus, OutputChunk, OutputDelta,
                                   OutputDeltas, OutputReady, RequestFinished, Routes, RoutesChanged, RunRequest,
                                   Subscribe, SystemStatus, WhoAmI, YouAre)
-from omni_actors.http.admission import QueueFull, RequestActorPool
+from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
 from omni_actors.planning import PlanError, plan_request
 
 #: How often the bridge renews its subscription with the coordinator (a lease:
@@ -247,6 +247,9 @@ class ActorBridge:
                 yield RequestFailed(504, f"request deadline of {timeout:g} s passed while the request waited "
                                          f"for a free RequestActor (all {self._pool.maximum} busy)", "timeout")
                 return
+            except ShuttingDown as exc:
+                yield RequestFailed(503, str(exc), "service_unavailable")
+                return
             remaining = max(timeout - (time.monotonic() - t0), 0.001)
             self._held[rid] = time.monotonic() + remaining + LOST_AFTER_S
             started = True
@@ -287,6 +290,19 @@ class ActorBridge:
     def in_flight(self) -> int:
         """Requests submitted and not yet finished."""
         return len(self._streams)
+
+    def abort_all(self, reason: str) -> int:
+        """The server is stopping (event loop only): end every request in flight
+        with a 503 saying ``reason`` (an SSE error event where the stream has
+        begun) and cancel its work in the pipeline; requests waiting for a
+        RequestActor get the same 503. Returns how many requests it ended."""
+        ended = self._pool.fail_waiters(ShuttingDown(reason))
+        for rid in list(self._streams):
+            if rid in self._held:  # started on a RequestActor: stop its stages too
+                self._outbox(rid).put(("cancel", rid))
+                self._put(rid, RequestFailed(503, reason, "service_unavailable"))
+                ended += 1
+        return ended
 
     async def cancel(self, request_id: str) -> None:
         if request_id in self._streams:

@@ -268,15 +268,30 @@ async def _serve(asys, coordinator, config, host, port, api_key, stopping: threa
         bridge.close()
 
 
+#: After the drain, how long the requests it ended get to send their 503 to their clients.
+ABORT_GRACE_S = 2.0
+
+
 async def drain_http(runner, bridge, timeout_s: float) -> None:
-    """Stop accepting connections, then let requests in flight finish (up to ``timeout_s``)."""
+    """Stop accepting connections, then let requests in flight finish (up to ``timeout_s``,
+    ``supervision.drain_timeout_s``). Those still running then end with a 503 that says
+    the server stopped, and their stages are cancelled, so that neither the HTTP server
+    nor the engines wait on them any longer."""
     from omni_actors.logs import get_logger
 
     for site in list(runner.sites):
         await site.stop()
     deadline = time.monotonic() + timeout_s
     in_flight = bridge.in_flight()
+    log = get_logger(actor="api")
     if in_flight:
-        get_logger(actor="api").info("draining", requests_in_flight=in_flight, timeout_s=timeout_s)
+        log.info("draining", requests_in_flight=in_flight, timeout_s=timeout_s)
     while bridge.in_flight() and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
+    if bridge.in_flight():
+        ended = bridge.abort_all(f"the server is shutting down: the request was still running "
+                                 f"{timeout_s:g} s after the stop (supervision.drain_timeout_s)")
+        log.warning("drain_timeout_requests_ended", requests=ended, timeout_s=timeout_s)
+        deadline = time.monotonic() + ABORT_GRACE_S
+        while bridge.in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
