@@ -79,6 +79,8 @@ class Replica:
     placing: bool = False  # a PlaceReplica is out
     restarts: list[float] = field(default_factory=list)
     failed_at: float = 0.0  # when it went FAILED (its retry's wake-up carries it)
+    #: why it last went down (died, isolated, failed); its next incarnation's reason says it once READY
+    down_cause: str = ""
     health: ReplicaHealth | None = None
     latency: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS_S))
     latency_sum: float = 0.0
@@ -146,6 +148,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         old = self._replicas.get(replica_id)
         if old is not None:  # a restart: its counters go on (a Prometheus counter must not go back)
             rep.dispatched, rep.completed, rep.failed = old.dispatched, old.completed, old.failed
+            rep.down_cause = old.down_cause
             rep.latency, rep.latency_sum = old.latency, old.latency_sum
         self._replicas[replica_id] = rep
         self._place(rep)
@@ -155,7 +158,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         rep = self._replicas.get(msg.replica)
         if rep and rep.state == ReplicaState.STARTING:
             now = time.monotonic()
-            rep.state, rep.reason = ReplicaState.READY, ""
+            # After a restart, READY says when and why it was down (RESTARTS alone does not).
+            rep.state, rep.reason = ReplicaState.READY, (
+                f"restarted at {time.strftime('%H:%M:%S')}; it was down: {rep.down_cause}" if rep.down_cause else "")
             rep.pid, rep.host, rep.backend = msg.pid, msg.host, msg.backend
             rep.devices = msg.devices or rep.devices
             rep.health = ReplicaHealth(last_heartbeat=now, progress_at=now)
@@ -291,6 +296,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         return False
 
     def _set_down(self, rep: Replica, state: ReplicaState, reason: str) -> None:
+        rep.down_cause = reason
         if state == ReplicaState.FAILED:
             reason += self._retry_later(rep)
         rep.state, rep.reason = state, reason
@@ -333,7 +339,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             self._redispatch(rep)
             self._publish()
             return
-        rep.state, rep.reason = ReplicaState.DEAD, cause
+        rep.state, rep.reason, rep.down_cause = ReplicaState.DEAD, cause, cause
         # (at info when the pool itself is exiting: Thespian stops its children with it)
         (self._log.info if self._exiting else self._log.error)("replica_exited", replica=rep.replica,
                                                                reason=cause, pool_exiting=self._exiting)

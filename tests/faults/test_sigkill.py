@@ -28,6 +28,8 @@ def test_sigkilled_replica_is_isolated_at_once_its_tasks_rerun_and_it_is_restart
     old, new = replicas(r.before)["talker/0"], replicas(r.after)["talker/0"]
     assert new["state"] == "ready" and new["restarts"] >= old["restarts"] + 1 and new["pid"] != old["pid"]
     assert new["completed"] >= old["completed"]  # its counters go on across the restart
+    # READY again, it says when it came back and why it was down (RESTARTS alone does not)
+    assert new["reason"].startswith("restarted at ") and "it was down: process exited" in new["reason"], new
     assert all(rep["state"] == "ready" for rep in replicas(r.after).values())
     assert wait_gone(leader, [old["pid"]], timeout_s=2) == []
     assert wait_no_segments(leader) == []
