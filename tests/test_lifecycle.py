@@ -56,17 +56,19 @@ def test_ctrl_c_stops_every_process_within_seconds():
     assert "omni-actors stopped" in leader.stdout_path.read_text()
 
 
-def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_not_wait(tmp_path):
-    """Ctrl-C lets requests in flight finish for ``supervision.drain_timeout_s``; those
-    still running then (a Thinker slowed 1000x) end with a 503 that says why, their
-    stages are cancelled, and the leader stops at once, where it used to wait for them
-    (aiohttp's 60 s, or their own chunk timeouts: 23 s measured)."""
+@pytest.mark.parametrize("drain_s, ctrl_c", [(1.0, 1), (60.0, 2)], ids=["drain-ends", "second-ctrl-c"])
+def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_not_wait(tmp_path, drain_s, ctrl_c):
+    """Ctrl-C lets requests in flight finish for ``supervision.drain_timeout_s`` (or
+    until a second Ctrl-C); those still running then (a Thinker slowed 1000x) end with
+    a 503 that says why, their stages are cancelled, and the leader stops at once,
+    where it used to wait for them (aiohttp's 60 s, or their own chunk timeouts: 23 s
+    measured)."""
     import yaml
 
     from omni_actors.system.faultlab import inject_cli
 
     cfg = yaml.safe_load((CONFIGS / "cpu_omni_demo.yaml").read_text())
-    cfg["deployment"]["supervision"]["drain_timeout_s"] = 1.0
+    cfg["deployment"]["supervision"]["drain_timeout_s"] = drain_s
     path = tmp_path / "short_drain.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     leader = LocalLeader(path).start()
@@ -96,12 +98,17 @@ def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_
         assert got == {}, got
     finally:
         t0 = time.monotonic()
+        if ctrl_c == 2 and leader.proc.poll() is None:
+            leader.proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)  # (LocalLeader.stop sends the second)
         code = leader.stop()
         took = time.monotonic() - t0
     for t in clients:
         t.join(10)
     assert code == 0 and leader.left_after_exit == []
     assert took < 1.0 + 6, f"the stop took {took:.1f} s"
+    if ctrl_c == 2:
+        assert "Ctrl-C again: end them now" in leader.log_path.read_text(), "the drain did not say how to skip it"
     status, body = got["whole"]
     assert status == 503 and json.loads(body)["error"]["type"] == "service_unavailable", got
     assert "the server is shutting down" in json.loads(body)["error"]["message"]

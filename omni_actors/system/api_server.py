@@ -138,8 +138,12 @@ def run_api(*, host: str, port: int, admin_port: int | None = None, convention: 
 
     stopping, started, lost = threading.Event(), threading.Event(), threading.Event()
 
+    hurry = threading.Event()
+
     def interrupt(signum, frame):
         if started.is_set():
+            if stopping.is_set():
+                hurry.set()  # a second Ctrl-C: do not wait for the drain
             stopping.set()
         else:
             raise KeyboardInterrupt
@@ -170,7 +174,7 @@ def run_api(*, host: str, port: int, admin_port: int | None = None, convention: 
                                api_key=api_key, request_actors=request_actors or deployment.request_actors,
                                drain_timeout_s=deployment.supervision.drain_timeout_s,
                                connect_timeout_s=connect_timeout_s, started=started, stopping=stopping,
-                               lost=lost))
+                               lost=lost, hurry=hurry))
         except BridgeError as exc:
             raise ApiServerError(f"the coordinator of {where} did not answer: {exc}") from None
         finally:
@@ -189,7 +193,7 @@ def run_api(*, host: str, port: int, admin_port: int | None = None, convention: 
 
 async def _serve(asys, coordinator, *, host: str, port: int, where: str, alive, api_key: str | None,
                  request_actors: int, drain_timeout_s: float, connect_timeout_s: float, started: threading.Event,
-                 stopping: threading.Event, lost: threading.Event) -> None:
+                 stopping: threading.Event, lost: threading.Event, hurry: threading.Event | None = None) -> None:
     from omni_actors.http.app import start_http
     from omni_actors.http.bridge import ActorBridge
     from omni_actors.system.leader import drain_http
@@ -218,7 +222,7 @@ async def _serve(asys, coordinator, *, host: str, port: int, where: str, alive, 
                               file=sys.stderr, flush=True)
                         break
                     next_check = time.monotonic() + ADMIN_CHECK_EVERY_S
-            await drain_http(runner, bridge, drain_timeout_s)
+            await drain_http(runner, bridge, drain_timeout_s, hurry)
         finally:
             await runner.cleanup()
     finally:

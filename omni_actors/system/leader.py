@@ -144,11 +144,13 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         if os.getpid() != leader_pid:
             return
         if serving.is_set():
+            if stopping.is_set():
+                hurry.set()  # a second Ctrl-C: do not wait for the drain
             stopping.set()
         else:
             raise KeyboardInterrupt
 
-    serving = threading.Event()
+    serving, hurry = threading.Event(), threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, interrupt)
 
@@ -184,7 +186,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         threading.Thread(target=_watch_coordinator, args=(asys, config, leader_node, stopping),
                          name="coordinator-watchdog",
                          daemon=True).start()
-        asyncio.run(_serve(asys, coordinator, config, host, port, api_key, stopping))
+        asyncio.run(_serve(asys, coordinator, config, host, port, api_key, stopping, hurry))
         return 0
     except KeyboardInterrupt:
         print("interrupted during start-up", file=sys.stderr)
@@ -244,7 +246,8 @@ def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: thre
                 log.warning("coordinator_watchdog_error", error=str(exc))
 
 
-async def _serve(asys, coordinator, config, host, port, api_key, stopping: threading.Event) -> None:
+async def _serve(asys, coordinator, config, host, port, api_key, stopping: threading.Event,
+                 hurry: threading.Event | None = None) -> None:
     from omni_actors.http.app import start_http
     from omni_actors.http.bridge import ActorBridge
 
@@ -262,7 +265,7 @@ async def _serve(asys, coordinator, config, host, port, api_key, stopping: threa
     try:
         while not stopping.is_set():
             await asyncio.sleep(0.2)
-        await drain_http(runner, bridge, config.deployment.supervision.drain_timeout_s)
+        await drain_http(runner, bridge, config.deployment.supervision.drain_timeout_s, hurry)
     finally:
         await runner.cleanup()
         bridge.close()
@@ -272,11 +275,11 @@ async def _serve(asys, coordinator, config, host, port, api_key, stopping: threa
 ABORT_GRACE_S = 2.0
 
 
-async def drain_http(runner, bridge, timeout_s: float) -> None:
+async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | None = None) -> None:
     """Stop accepting connections, then let requests in flight finish (up to ``timeout_s``,
-    ``supervision.drain_timeout_s``). Those still running then end with a 503 that says
-    the server stopped, and their stages are cancelled, so that neither the HTTP server
-    nor the engines wait on them any longer."""
+    ``supervision.drain_timeout_s``, or until ``hurry`` is set: a second Ctrl-C). Those
+    still running then end with a 503 that says the server stopped, and their stages are
+    cancelled, so that neither the HTTP server nor the engines wait on them any longer."""
     from omni_actors.logs import get_logger
 
     for site in list(runner.sites):
@@ -286,7 +289,9 @@ async def drain_http(runner, bridge, timeout_s: float) -> None:
     log = get_logger(actor="api")
     if in_flight:
         log.info("draining", requests_in_flight=in_flight, timeout_s=timeout_s)
-    while bridge.in_flight() and time.monotonic() < deadline:
+        print(f"draining: {in_flight} request(s) in flight get up to {timeout_s:g} s to finish "
+              f"(Ctrl-C again: end them now)", file=sys.stderr, flush=True)
+    while bridge.in_flight() and time.monotonic() < deadline and not (hurry and hurry.is_set()):
         await asyncio.sleep(0.05)
     if bridge.in_flight():
         ended = bridge.abort_all(f"the server is shutting down: the request was still running "
