@@ -589,6 +589,9 @@ class StageTask(Message):
     #: Where this task's text deltas go as :class:`OutputDelta` s: the bridge of a
     #: client that reads a stream (None: no deltas; the final output has the text).
     text_to: ActorAddress = None
+    #: Seconds the request had left when this was sent (0: no deadline). A task still in
+    #: flight well past it was orphaned (its cancel lost or overtaken): its pool cancels it.
+    timeout_s: float = 0.0
 
     @property
     def streaming(self) -> bool:

@@ -160,3 +160,66 @@ def test_a_retry_on_the_same_replica_keeps_its_inputs_when_the_earlier_attempt_e
 
     asyncio.run(main())
     assert [type(m).__name__ for m in sent] == ["TaskFinished", "TaskFinished"]
+
+
+def test_a_pool_cancels_a_task_in_flight_long_past_its_request_deadline():
+    """A task whose cancel was lost (or overtaken by the task) must not count as in
+    flight, nor run, for ever: past its request's deadline (``StageTask.timeout_s``)
+    plus a grace, its pool cancels it on its replica and stops counting it."""
+    from omni_actors.actors.stage_pool import TASK_OVERDUE_GRACE_S, Replica, StagePoolActor
+    from omni_actors.messages import CancelStage, StageTask
+
+    pool = StagePoolActor()
+    pool._started.set()
+    sent = []
+    pool.send = lambda address, message: sent.append((address, message))
+    task = StageTask("r1", 0, "hi", (), {}, {}, "text", False, "ra", timeout_s=30.0)
+    other = dataclasses.replace(task, request_id="r2", timeout_s=0.0)  # no deadline: left alone
+    rep = Replica("thinker/0", "engine-address")
+    rep.in_flight = {("r1", 0): (task, 100.0), ("r2", 0): (other, 100.0)}
+    pool._replicas = {"thinker/0": rep}
+    pool._cancel_overdue(100.0 + 30.0 + TASK_OVERDUE_GRACE_S - 1)
+    assert sent == [] and len(rep.in_flight) == 2
+    pool._cancel_overdue(100.0 + 30.0 + TASK_OVERDUE_GRACE_S + 1)
+    assert sent == [("engine-address", CancelStage("r1", 0))]
+    assert list(rep.in_flight) == [("r2", 0)]
+
+
+def test_a_request_actor_stops_a_producer_that_streams_for_a_request_already_over():
+    """A StageChunk for a request this RequestActor no longer runs: the chunk is
+    released and its sender (the producing engine) told to cancel that stage."""
+    from omni_actors.actors.request import RequestActor
+    from omni_actors.connectors import ConnectorRef
+    from omni_actors.messages import CancelStage, StageChunk
+
+    ra = RequestActor()
+    ra._reset()
+    sent = []
+    ra.send = lambda address, message: sent.append((address, message))
+    ra.receiveMsg_StageChunk(StageChunk("gone", 0, 0, ConnectorRef(kind="inline", size=0, layout=()), 0),
+                             "thinker-engine")
+    assert sent == [("thinker-engine", CancelStage("gone", 0))]
+
+
+def test_a_replica_without_a_process_shows_no_load():
+    """A stopped (failed, dead) replica's row has no pid and no load: not the running,
+    waiting, KV-cache and rate figures of its last heartbeat, which summed per stage
+    gave wrong totals in /v1/stages and /metrics."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+    from omni_actors.messages import ReplicaState
+
+    pool = StagePoolActor()
+    pool._started.set()
+    sent = []
+    pool.send = lambda address, message: sent.append(message)
+    pool._coordinator, pool._spec = "coordinator", SimpleNamespace(stage=SimpleNamespace(stage_id=1, name="talker"))
+    live = Replica("talker/0", "a0", state=ReplicaState.READY, running=2, waiting=1, kv_cache_usage=0.5, pid=11)
+    gone = Replica("talker/1", None, state=ReplicaState.STOPPED, running=2, waiting=1, kv_cache_usage=0.5, pid=12)
+    pool._replicas = {"talker/0": live, "talker/1": gone}
+    pool._publish()
+    rows = {r.replica: r for r in sent[-1].replicas}
+    assert (rows["talker/0"].running, rows["talker/0"].waiting, rows["talker/0"].pid) == (2, 1, 11)
+    assert (rows["talker/1"].running, rows["talker/1"].waiting, rows["talker/1"].pid) == (0, 0, None)
+    assert rows["talker/1"].kv_cache_usage is None and rows["talker/1"].rate == 0.0

@@ -281,3 +281,47 @@ def test_a_stalled_thinker_ends_the_request_at_the_chunk_timeout(leader):
     wait_ready(leader)
     assert _whole_pcm(leader, 8)
     assert wait_no_segments(leader) == []
+
+
+def test_clients_that_hang_up_at_once_leave_no_task_running(leader):
+    """Clients that leave 1-40 ms into their text+audio requests (the cancel can overtake
+    the Thinker's task: Thespian may reorder two messages of one sender): every task
+    ends. An orphaned Thinker used to wait for chunk credits for ever, its replica's
+    in-flight count only growing (1-5 per 40 such requests) until the stall watchdog
+    killed it. Now its first chunk reaches a RequestActor whose request is over, which
+    cancels it."""
+    import asyncio
+    import random
+
+    import aiohttp
+
+    wait_ready(leader)
+    restarts = {name: r["restarts"] for name, r in replicas(stages(leader)).items()}
+    rng = random.Random(11)
+
+    async def client(s, k):
+        for i in range(20):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"leave {k} {i}"}],
+                    "max_tokens": 400, "modalities": ["text", "audio"], "stream": rng.random() < 0.5}
+            try:
+                async with s.post(leader.base_url + "/chat/completions", json=body,
+                                  timeout=aiohttp.ClientTimeout(total=rng.uniform(0.001, 0.04))) as r:
+                    await r.read()
+            except (asyncio.TimeoutError, aiohttp.ClientError):
+                pass
+            await asyncio.sleep(0.02)
+
+    async def run():
+        async with aiohttp.ClientSession() as s:
+            await asyncio.gather(*(client(s, k) for k in range(4)))
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 15
+    while True:
+        busy = {name: r["in_flight"] for name, r in replicas(stages(leader)).items() if r["in_flight"]}
+        if not busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert busy == {}, f"tasks still in flight 15 s after every client left: {busy}"
+    assert {name: r["restarts"] for name, r in replicas(stages(leader)).items()} == restarts  # none stalled
+    assert wait_no_segments(leader) == []

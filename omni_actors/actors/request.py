@@ -125,7 +125,8 @@ class RequestActor(ActorTypeDispatcher):
                 stream_source=stream, emit_chunks=self._emits_chunks(st),
                 chunk_window=req.chunk_window, chunk_timeout_s=req.chunk_timeout_s,
                 chunk_tokens=req.chunk_tokens,
-                text_to=req.reply_to if st.final_output_type == "text" and req.stream_outputs else None)
+                text_to=req.reply_to if st.final_output_type == "text" and req.stream_outputs else None,
+                timeout_s=self._left())
             self._running[st.stage_id] = task
             self.send(self._pools[st.stage_id], task)
 
@@ -175,6 +176,11 @@ class RequestActor(ActorTypeDispatcher):
         task = self._task_of(msg.request_id, msg.stage_id, msg.attempt)
         if task is None:
             release_all([msg.ref])
+            if not self._current(msg.request_id):
+                # Its request is over, yet a producer streams on: its cancel was lost or
+                # overtaken by its task (Thespian may reorder two messages of one sender),
+                # and it would wait for credits for ever. Stop it where it runs.
+                self.send(sender, CancelStage(msg.request_id, msg.stage_id))
             return
         # Thespian keeps several transmits in flight per sender: chunks may overtake
         # each other, so they are put back in order by seq here.
@@ -346,8 +352,13 @@ class RequestActor(ActorTypeDispatcher):
                 + (", all relayed with the end marker" if sent < 0 else
                    f", {sent} relayed" if dst in self._consumer else ", consumer not accepted yet") + "]")
 
+    def _left(self) -> float:
+        """Seconds left before this request's deadline (at least a millisecond)."""
+        return max(round(self._req.timeout_s - (time.monotonic() - self._started), 3), 0.001)
+
     def _resend(self, task: StageTask) -> None:
         self._retried = True
+        task = dataclasses.replace(task, timeout_s=self._left())
         self._running[task.stage_id] = task
         self.send(self._pools[task.stage_id], task)
 

@@ -54,6 +54,10 @@ _NO_PROCESS = (ReplicaState.FAILED, ReplicaState.STOPPED, ReplicaState.DEAD)
 _ALIVE = LIVE_STATES
 #: Ticks between placement retries for replicas still waiting for a node.
 PLACEMENT_RETRY_TICKS = 8
+#: A task still in flight this long past its request's deadline (``StageTask.timeout_s``
+#: from its dispatch) was orphaned: its RequestActor ended it at the deadline, so its
+#: cancel was lost or overtaken. It is cancelled and no longer counted.
+TASK_OVERDUE_GRACE_S = 10.0
 
 
 @dataclass
@@ -238,6 +242,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                     rep.health.last_heartbeat = min(now, rep.health.last_heartbeat + late)
                     rep.health.progress_at = min(now, rep.health.progress_at + late)
         if self._ticks % TICKS_PER_INTERVAL == 0:
+            self._cancel_overdue(now)
             self._publish()  # load figures once per interval; state changes publish at once
         for rep in list(self._replicas.values()):
             if rep.state == ReplicaState.READY and rep.health is not None:
@@ -525,6 +530,18 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         if rep.state == ReplicaState.DRAINING and not rep.in_flight:
             self.send(rep.address, DrainReplica(rep.replica))
 
+    def _cancel_overdue(self, now: float) -> None:
+        """Cancel tasks in flight past their request's deadline plus :data:`TASK_OVERDUE_GRACE_S`."""
+        for rep in self._replicas.values():
+            overdue = [key for key, (task, at) in rep.in_flight.items()
+                       if task.timeout_s and now - at > task.timeout_s + TASK_OVERDUE_GRACE_S]
+            for key in overdue:
+                task, at = rep.in_flight.pop(key)
+                self._log.warning("task_outlived_request", replica=rep.replica, request_id=task.request_id,
+                                  in_flight_s=round(now - at, 1), request_timeout_s=task.timeout_s)
+                if rep.address is not None:
+                    self.send(rep.address, CancelStage(task.request_id, task.stage_id))
+
     def receiveMsg_CancelStage(self, msg: CancelStage, sender):
         key = (msg.request_id, msg.stage_id)
         self._pending = [(t, d) for t, d in self._pending if (t.request_id, t.stage_id) != key]
@@ -537,14 +554,17 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         if self._coordinator is None:
             return
         now = time.monotonic()
+        # A replica with no process has no pid and no load (not its last heartbeat's figures)
         replicas = tuple(
             ReplicaStatus(
                 replica=r.replica, state=r.state, reason=r.reason, in_flight=len(r.in_flight),
-                running=r.running, waiting=r.waiting, completed=r.completed, failed=r.failed,
+                running=r.running if r.state not in _NO_PROCESS else 0,
+                waiting=r.waiting if r.state not in _NO_PROCESS else 0, completed=r.completed, failed=r.failed,
                 last_heartbeat_age_s=None if r.health is None else round(now - r.health.last_heartbeat, 3),
-                pid=r.pid if r.state not in _NO_PROCESS else None,  # (not a dead one's old pid)
+                pid=r.pid if r.state not in _NO_PROCESS else None,
                 node=r.node, devices=r.devices, backend=r.backend, restarts=len(r.restarts),
-                rate=round(r.health.rate(), 2) if r.health else 0.0, kv_cache_usage=r.kv_cache_usage,
+                rate=round(r.health.rate(), 2) if r.health and r.state not in _NO_PROCESS else 0.0,
+                kv_cache_usage=r.kv_cache_usage if r.state not in _NO_PROCESS else None,
                 latency_buckets=tuple(r.latency), latency_sum_s=round(r.latency_sum, 6),
                 pin=self._pins.get(r.replica, ()))
             for r in self._replicas.values())
