@@ -545,6 +545,26 @@ def test_a_body_that_stalls_midway_gets_408_and_the_server_serves_on(monkeypatch
     serve(FakeBridge(), body)
 
 
+def test_a_body_declared_over_the_limit_gets_413_at_once_without_being_sent():
+    """``Content-Length`` over the body limit and no body: a 413 at once, where the server
+    used to wait ``BODY_READ_TIMEOUT_S`` (30 s) for a body it would refuse, then say 408."""
+    async def body(client):
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 5000000\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        err = json.loads(await asyncio.wait_for(reader.readexactly(length), 5))["error"]
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 413"), head
+        assert err["message"] == "Request body too large: the limit is 2048 bytes.", err
+        assert (await client.post(CHAT, json=chat())).status == 200
+
+    serve(FakeBridge(), body, max_body_bytes=2048)
+
+
 def test_a_connection_whose_headers_never_end_is_closed(monkeypatch):
     """Half a request line and headers, then nothing: the server closes the connection after
     ``IDLE_CONNECTION_TIMEOUT_S`` (0.5 s here; 75 s by default) instead of holding it an hour."""

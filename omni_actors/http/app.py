@@ -82,6 +82,10 @@ BODY_READ_TIMEOUT_S = 30.0
 
 
 async def _read_json(request: web.Request) -> Any:
+    limit = request.app[_MAX_BODY]
+    if request.content_length is not None and request.content_length > limit:
+        # Declared too large: refused at once, not after waiting for a body we would refuse.
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     try:  # raises HTTPRequestEntityTooLarge over client_max_size
         body = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
     except asyncio.TimeoutError:
