@@ -586,3 +586,21 @@ def test_a_connection_whose_headers_never_end_is_closed(monkeypatch):
 
     monkeypatch.setattr(app_module, "IDLE_CONNECTION_TIMEOUT_S", 0.5)
     assert asyncio.run(main()) < 5
+
+
+def test_a_long_streamed_audio_part_goes_out_in_parts_of_at_most_a_second():
+    """A busy engine merges audio chunks; a part of 2.5 s (one 320 KB SSE line before)
+    goes out as 1 s + 1 s + 0.5 s parts of the same id whose PCM joins back exactly."""
+    import base64
+
+    import numpy as np
+
+    from omni_actors.http import protocol as P
+
+    pcm = (np.arange(60_000) % 3000 - 1500).astype(np.int16)
+    parts = P.audio_parts("audio_x", pcm)
+    decoded = [np.frombuffer(base64.b64decode(p["data"]), "<i2") for p in parts]
+    assert [len(d) for d in decoded] == [24_000, 24_000, 12_000]
+    assert {p["id"] for p in parts} == {"audio_x"}
+    np.testing.assert_array_equal(np.concatenate(decoded), pcm)
+    assert len(P.audio_parts("audio_x", pcm[:100])) == 1

@@ -337,7 +337,8 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                     audio = ev
                 elif isinstance(ev, OutputPart) and ev.output_type == "audio":
                     audio_id = audio_id or P.audio_id()
-                    await send(chunk({"audio": P.audio_part(audio_id, ev.data["audio"])}))
+                    for part in P.audio_parts(audio_id, ev.data["audio"]):
+                        await send(chunk({"audio": part}))
                 elif isinstance(ev, RequestDone):
                     done = ev
                 elif isinstance(ev, RequestFailed):

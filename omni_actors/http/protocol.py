@@ -366,6 +366,22 @@ def audio_part(audio_id_: str, pcm: Any) -> dict[str, Any]:
     return {"id": audio_id_, "data": base64.b64encode(np.asarray(pcm, dtype="<i2").tobytes()).decode("ascii")}
 
 
+#: Samples of audio in one streamed part at most (1 s at 24 kHz: 64 KB of base64 in one
+#: SSE line). A busy engine merges its chunks, and one part of many seconds made SSE lines
+#: of half a megabyte, over the line limit of some clients (aiohttp's reader: 512 KiB).
+AUDIO_PART_MAX_SAMPLES = 24000
+
+
+def audio_parts(audio_id_: str, pcm: Any) -> list[dict[str, Any]]:
+    """:func:`audio_part` s of ``pcm`` (int16 [samples]) in order, each at most
+    :data:`AUDIO_PART_MAX_SAMPLES` samples long."""
+    import numpy as np
+
+    pcm = np.asarray(pcm, dtype="<i2")
+    step = AUDIO_PART_MAX_SAMPLES
+    return [audio_part(audio_id_, pcm[i:i + step]) for i in range(0, max(len(pcm), 1), step)]
+
+
 def audio_end(audio_id_: str, transcript: str, created: int) -> dict[str, Any]:
     """The last streamed ``delta.audio``: id, transcript, expiry (no data)."""
     return {"id": audio_id_, "transcript": transcript, "expires_at": created + AUDIO_TTL_S}
