@@ -1,4 +1,4 @@
-"""Pure logic of the EngineActor: its outbox, its task bookkeeping (no actor system)."""
+"""Pure logic of the actors (EngineActor outbox and tasks, StagePoolActor, RequestActor), no actor system."""
 
 import dataclasses
 
@@ -223,3 +223,24 @@ def test_a_replica_without_a_process_shows_no_load():
     assert (rows["talker/0"].running, rows["talker/0"].waiting, rows["talker/0"].pid) == (2, 1, 11)
     assert (rows["talker/1"].running, rows["talker/1"].waiting, rows["talker/1"].pid) == (0, 0, None)
     assert rows["talker/1"].kv_cache_usage is None and rows["talker/1"].rate == 0.0
+
+
+def test_draining_the_last_replica_of_a_stage_says_what_follows():
+    from types import SimpleNamespace
+
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+    from omni_actors.messages import AdminReply, DrainReplica, ReplicaState
+
+    pool = StagePoolActor()
+    pool._started.set()
+    sent = []
+    pool.send = lambda address, message: sent.append(message)
+    pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=0, name="thinker"))
+    pool._replicas = {"thinker/0": Replica("thinker/0", "a0", state=ReplicaState.READY),
+                      "thinker/1": Replica("thinker/1", "a1", state=ReplicaState.READY)}
+    pool.receiveMsg_DrainReplica(DrainReplica("thinker/0"), "cli")
+    first = [m for m in sent if isinstance(m, AdminReply)][-1]
+    assert first.ok and first.message == "draining thinker/0 (0 in flight)"
+    pool.receiveMsg_DrainReplica(DrainReplica("thinker/1"), "cli")
+    last = [m for m in sent if isinstance(m, AdminReply)][-1]
+    assert last.ok and "it was the last replica of stage thinker: its requests get 503" in last.message

@@ -349,6 +349,13 @@ def test_stage_scale_and_drain_at_runtime(fanin_leader):
     assert table()["talker_a/1"]["completed"] >= 1  # the new replica took the work
     bad = _cli("stage", "drain", "--replica", "nosuch/0", "--admin-port", port)
     assert bad.returncode == 1 and bad.stderr.startswith("error: ")
+    bad = _cli("stage", "drain", "--replica", "talker_a/9", "--admin-port", port)  # a known stage
+    assert bad.returncode == 1 and "no replica named 'talker_a/9'" in bad.stderr, bad.stderr
+    bad = _cli("stage", "drain", "--replica", "talker_a/0", "--admin-port", port)
+    assert bad.returncode == 1 and "talker_a/0 is stopped, not ready or starting" in bad.stderr, bad.stderr
+    bad = _cli("stage", "scale", "--stage", "talker_a", "--replicas", "-1", "--admin-port", port)
+    assert bad.returncode == 2 and bad.stderr.strip() == (
+        "error: --replicas must be from 0 to 1024 (each replica is a process), got -1"), bad.stderr
 
 
 def test_stage_launch_and_stop_act_on_one_stage(image_leader):

@@ -29,11 +29,19 @@ class PoolAdminMixin:
 
     def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):
         rep = self._replicas.get(msg.replica)
-        if rep is None or rep.state not in (ReplicaState.READY, ReplicaState.STARTING):
-            self.send(msg.reply_to or sender, AdminReply(False, f"{msg.replica} is not a ready or starting replica"))
+        if rep is None:
+            self.send(msg.reply_to or sender, AdminReply(False, f"no replica named {msg.replica!r} (see `status`)"))
             return
+        if rep.state not in (ReplicaState.READY, ReplicaState.STARTING):
+            self.send(msg.reply_to or sender, AdminReply(
+                False, f"{msg.replica} is {rep.state.value}, not ready or starting: nothing to drain"))
+            return
+        others = [r for r in self._replicas.values() if r is not rep and r.state in self._COUNTED]
         self._drain(rep, "drained on request")
-        self.send(msg.reply_to or sender, AdminReply(True, f"draining {msg.replica} ({len(rep.in_flight)} in flight)"))
+        note = "" if others else (f"; it was the last replica of stage {self._spec.stage.name}: its requests get "
+                                  f"503 until another is ready (`stage scale` / `stage launch`)")
+        self.send(msg.reply_to or sender,
+                  AdminReply(True, f"draining {msg.replica} ({len(rep.in_flight)} in flight){note}"))
 
     def _drain(self, rep, why: str) -> None:
         rep.state, rep.reason = ReplicaState.DRAINING, why

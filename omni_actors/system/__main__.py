@@ -96,9 +96,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="run this shell command and exit (repeatable) instead of the interactive loop")
 
     stage = sub.add_parser("stage", help="act on one stage at runtime").add_subparsers(dest="action", required=True)
-    sp = stage.add_parser("drain", help="finish a replica's work, then stop it")
+    sp = stage.add_parser("drain", help="finish replicas' work, then stop them")
     admin_port(sp, remote=True)
-    sp.add_argument("--replica", required=True, help="STAGE/N")
+    sp.add_argument("--replica", required=True, action="append", help="STAGE/N (repeatable)")
     sp = stage.add_parser("scale", help="run N replicas of a stage")
     admin_port(sp, remote=True)
     sp.add_argument("--stage", required=True)
@@ -345,9 +345,15 @@ def cmd_inject(admin, args) -> int:
 
 @_admin_verb
 def cmd_stage(admin, args) -> int:
+    from omni_actors.config import MAX_REPLICAS
+
     if args.action == "drain":
-        print(admin.drain(args.replica))
+        for replica in dict.fromkeys(args.replica):
+            print(admin.drain(replica))
     elif args.action == "scale":
+        if not 0 <= args.replicas <= MAX_REPLICAS:  # (exit 2 as every usage error; the admin checks too)
+            return _fail(f"--replicas must be from 0 to {MAX_REPLICAS} (each replica is a process), "
+                         f"got {args.replicas}", 2)
         print(admin.scale(args.stage, args.replicas))
     elif args.action == "launch":
         if args.replicas is not None and args.replicas < 1:
