@@ -58,6 +58,9 @@ PLACEMENT_RETRY_TICKS = 8
 #: from its dispatch) was orphaned: its RequestActor ended it at the deadline, so its
 #: cancel was lost or overtaken. It is cancelled and no longer counted.
 TASK_OVERDUE_GRACE_S = 10.0
+#: Stopped replicas (drained, scaled away) a pool keeps showing, the latest; older ones
+#: leave its table, `status` and /metrics (every scale or drain made one more for good).
+MAX_STOPPED_SHOWN = 8
 
 
 @dataclass
@@ -550,9 +553,17 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                 self.send(rep.address, msg)
 
     # -- status -----------------------------------------------------------
+    def _prune_stopped(self) -> None:
+        """Forget the oldest stopped replicas beyond :data:`MAX_STOPPED_SHOWN` (names are not reused)."""
+        stopped = [name for name, r in self._replicas.items() if r.state == ReplicaState.STOPPED and not r.in_flight]
+        for name in stopped[:max(0, len(stopped) - MAX_STOPPED_SHOWN)]:
+            del self._replicas[name]
+            self._pins.pop(name, None)
+
     def _publish(self) -> None:
         if self._coordinator is None:
             return
+        self._prune_stopped()
         now = time.monotonic()
         # A replica with no process has no pid and no load (not its last heartbeat's figures)
         replicas = tuple(
