@@ -57,11 +57,27 @@ class _StdlibToJson(logging.Filter):
         log = get_logger(logger=record.name)
         if isinstance(exc, ConnectionResetError):
             log.info("client_connection_lost", message=record.getMessage(), error=str(exc) or type(exc).__name__)
+        elif _is_bad_http(exc):
+            # A client that does not speak HTTP (a bad Content-Length, a broken request line): it
+            # got its 400 from aiohttp's parser; one line, not a server error with a traceback.
+            text = " ".join(str(getattr(exc, "message", "") or exc).split())
+            log.info("bad_http_request", error=text or type(exc).__name__)
         else:
             emit = {logging.DEBUG: log.debug, logging.INFO: log.info,
                     logging.WARNING: log.warning}.get(record.levelno, log.error)
             emit("stdlib_log", message=record.getMessage(), exc_info=record.exc_info or None)
         return False  # (its own handler would print it again, as plain text)
+
+
+def _is_bad_http(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is aiohttp's parse error for a malformed HTTP request."""
+    if exc is None:
+        return False
+    try:
+        from aiohttp.http_exceptions import BadHttpMessage
+    except ImportError:  # pragma: no cover - aiohttp is a dependency
+        return False
+    return isinstance(exc, BadHttpMessage)
 
 
 #: Stdlib loggers whose records are re-emitted as JSON events (:class:`_StdlibToJson`).

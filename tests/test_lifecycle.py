@@ -502,8 +502,13 @@ def test_a_client_hanging_up_mid_request_logs_one_json_line_not_a_traceback():
             with socket.create_connection(("127.0.0.1", leader.port)) as s:
                 s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mo")
                 time.sleep(0.3)
+        # and a request aiohttp's parser refuses (it answers 400 itself): one info line too
+        with socket.create_connection(("127.0.0.1", leader.port)) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+            assert s.recv(100).startswith(b"HTTP/1.")
         deadline = time.monotonic() + 10
-        while leader.log_path.read_text().count('"client_connection_lost"') < 3:
+        while leader.log_path.read_text().count('"client_connection_lost"') < 3 \
+                or '"bad_http_request"' not in leader.log_path.read_text():
             assert time.monotonic() < deadline, leader.log_path.read_text()[-3000:]
             time.sleep(0.1)
     finally:
@@ -512,3 +517,5 @@ def test_a_client_hanging_up_mid_request_logs_one_json_line_not_a_traceback():
     assert [line for line in lines if "Traceback" in line or line.startswith("Error handling request")] == []
     lost = [json.loads(line) for line in lines if '"client_connection_lost"' in line]
     assert len(lost) == 3 and all(e["level"] == "info" and "exception" not in e for e in lost), lost
+    bad = [json.loads(line) for line in lines if '"bad_http_request"' in line]
+    assert len(bad) == 1 and bad[0]["level"] == "info" and "Content-Length" in bad[0]["error"], bad

@@ -122,11 +122,16 @@ def _check_body(body: Any) -> dict:
     return body
 
 
+def _clip(text: str, limit: int = 100) -> str:
+    """``text`` as an error message quotes it: at most ``limit`` characters, then an ellipsis."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _check_model(body: dict, bridge: Bridge, output: str, endpoint: str) -> str:
     model = _require_str(body, "model")
     if model != bridge.model_name:
         raise ApiError(
-            404, f"The model '{model}' does not exist. This server serves "
+            404, f"The model '{_clip(model)}' does not exist. This server serves "
             f"'{bridge.model_name}'.", "not_found_error", "model", "model_not_found")
     if output not in bridge.output_types:
         serves = "/v1/images/generations" if "image" in bridge.output_types \
@@ -269,7 +274,11 @@ def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise _bad("Invalid type for 'stream_options': expected an object.", "stream_options")
-    include_usage = bool(_opt_bool(opts or {}, "include_usage"))
+    v = (opts or {}).get("include_usage")
+    if v is not None and not isinstance(v, bool):
+        raise _bad("Invalid type for 'stream_options.include_usage': expected a boolean.",
+                   "stream_options.include_usage")
+    include_usage = bool(v)
     return ChatRequest(model, prompt, output_types, max_tokens, temperature, seed, voice,
                        stream, include_usage, audio_format)
 
