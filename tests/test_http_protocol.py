@@ -521,6 +521,20 @@ def test_official_openai_client():
     asyncio.run(main())
 
 
+async def _raw_post(client, rest: bytes, wait_s: float = 10) -> tuple[bytes, dict]:
+    """POST to the chat route over a raw socket, ``rest`` after the first headers (more
+    headers, the blank line, some body): the response head and its OpenAI error."""
+    reader, writer = await asyncio.open_connection(client.host, client.port)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + rest)
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), wait_s)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
+    err = json.loads(await asyncio.wait_for(reader.readexactly(length), wait_s))["error"]
+    writer.close()
+    return head, err
+
+
 def test_a_body_that_stalls_midway_gets_408_and_the_server_serves_on(monkeypatch):
     """A client sends its headers and 10 of the 100 body bytes it announced, then nothing:
     after ``BODY_READ_TIMEOUT_S`` (0.5 s here) it gets a 408 in OpenAI error JSON, where the
@@ -530,15 +544,7 @@ def test_a_body_that_stalls_midway_gets_408_and_the_server_serves_on(monkeypatch
     monkeypatch.setattr(app_module, "BODY_READ_TIMEOUT_S", 0.5)
 
     async def body(client):
-        reader, writer = await asyncio.open_connection(client.host, client.port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n" + b'{"model": ')
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length")))
-        err = json.loads(await asyncio.wait_for(reader.readexactly(length), 10))["error"]
-        writer.close()
+        head, err = await _raw_post(client, b"Content-Length: 100\r\n\r\n" + b'{"model": ')
         assert head.startswith(b"HTTP/1.1 408"), head
         assert err["message"] == "The request body did not arrive within 0.5 s.", err
         resp = await client.post("/v1/chat/completions", json=chat())
@@ -551,15 +557,7 @@ def test_a_body_declared_over_the_limit_gets_413_at_once_without_being_sent():
     """``Content-Length`` over the body limit and no body: a 413 at once, where the server
     used to wait ``BODY_READ_TIMEOUT_S`` (30 s) for a body it would refuse, then say 408."""
     async def body(client):
-        reader, writer = await asyncio.open_connection(client.host, client.port)
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 5000000\r\n\r\n")
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
-                          if line.lower().startswith(b"content-length")))
-        err = json.loads(await asyncio.wait_for(reader.readexactly(length), 5))["error"]
-        writer.close()
+        head, err = await _raw_post(client, b"Content-Length: 5000000\r\n\r\n", wait_s=5)
         assert head.startswith(b"HTTP/1.1 413"), head
         assert err["message"] == "Request body too large: the limit is 2048 bytes.", err
         assert (await client.post(CHAT, json=chat())).status == 200
