@@ -548,6 +548,20 @@ class RoutesChanged(Message):
     routes: Routes
 
 
+#: An idle RequestActor that hears nothing from the API server that owns it for this long
+#: exits (the server was killed: nobody would use or end it). See :class:`BridgeAlive`.
+BRIDGE_LOST_AFTER_S = 120.0
+
+
+@dataclass(frozen=True)
+class BridgeAlive(Message):
+    """Bridge -> each of its idle RequestActors, every quarter of ``lost_after_s``: the
+    API server that owns them still runs. One that hears nothing from it (nor runs a
+    request) for ``lost_after_s`` exits."""
+
+    lost_after_s: float = BRIDGE_LOST_AFTER_S
+
+
 @dataclass(frozen=True)
 class CancelRequest(Message):
     """Bridge -> RequestActor: the client went away."""

@@ -265,3 +265,33 @@ def test_a_pool_shows_only_its_latest_stopped_replicas():
     pool._publish()
     shown = [r.replica for r in sent[-1].replicas]
     assert shown == [f"talker/{i}" for i in range(5, n)] + ["talker/99"]
+
+
+def test_a_request_actor_exits_when_idle_and_its_api_server_went_silent():
+    """An idle RequestActor that heard nothing from its API server's bridge for
+    ``lost_after_s`` exits (its server was killed); a busy one does not, and a
+    BridgeAlive keeps an idle one."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from thespian.actors import ActorExitRequest
+
+    from omni_actors.actors.request import RequestActor
+    from omni_actors.messages import BridgeAlive
+
+    ra = RequestActor()
+    sent, wakeups = [], []
+    ra.send = lambda address, message: sent.append(message)
+    ra.wakeupAfter = lambda delay, payload=None: wakeups.append((delay, payload))
+    ra._myRef = SimpleNamespace(address="ra-address")  # (Thespian sets it when it runs the actor)
+    ra.receiveMsg_BridgeAlive(BridgeAlive(2.0), "bridge")
+    assert wakeups[-1][0] == 1.0  # checks every half of lost_after_s
+    ra._check_bridge()
+    assert sent == []  # heard just now
+    ra._heard_at = _time.monotonic() - 5
+    ra._req = object()  # busy: a request in flight is no silence
+    ra._check_bridge()
+    assert sent == []
+    ra._req = None
+    ra._check_bridge()
+    assert [type(m) for m in sent] == [ActorExitRequest]

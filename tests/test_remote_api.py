@@ -130,15 +130,27 @@ def test_api_from_another_host_serves_beside_the_leader_and_leaves_nothing(leade
     assert set(system_pids(leader.system_id, sessions=leader.sessions)) - before == set()  # its RequestActors ended
     assert _chat(leader.port) == answers[0]  # the leader serves on
 
-    # killed outright: nothing of it is left on its host, and the leader serves on
-    api = RemoteApi(f"127.0.0.1:{leader.admin_port}")
+    # killed outright: nothing of it is left on its host, and the leader serves on; the
+    # RequestActors it had made on the leader exit once they hear nothing from it (2 s here,
+    # OMNI_ACTORS_BRIDGE_LOST_AFTER_S; 120 s by default): they lived until the system stopped
+    before = set(system_pids(leader.system_id, sessions=leader.sessions))
+    api = RemoteApi(f"127.0.0.1:{leader.admin_port}", env={"OMNI_ACTORS_BRIDGE_LOST_AFTER_S": "2"})
     try:
         assert _chat(api.port) == answers[0]
+        made = set(system_pids(leader.system_id, sessions=leader.sessions)) - before
+        assert made, "the API server made no RequestActor on the leader"
+        time.sleep(1.5)  # (they heard it once at least)
         api.proc.kill()
         api.proc.wait(10)
         assert api.others() == []
         with pytest.raises(OSError):
             urllib.request.urlopen(f"http://127.0.0.1:{api.port}/health", timeout=2)
+        assert _chat(leader.port) == answers[0]
+        deadline = time.monotonic() + 15
+        while made & set(system_pids(leader.system_id, sessions=leader.sessions)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert made & set(system_pids(leader.system_id, sessions=leader.sessions)) == set(), \
+            "the killed API server's RequestActors are still running"
         assert _chat(leader.port) == answers[0]
     finally:
         api.stop(signal.SIGKILL)

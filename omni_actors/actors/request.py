@@ -38,16 +38,18 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from thespian.actors import ActorTypeDispatcher, WakeupMessage
+from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
 
 from omni_actors.connectors import make_connector, release_all
 from omni_actors.logs import get_logger
-from omni_actors.messages import (CancelRequest, CancelStage, ChunkAck, ChunkConsumed, ErrorKind, InputChunk,
+from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, CancelStage, ChunkAck, ChunkConsumed, ErrorKind, InputChunk,
                                   OutputChunk, OutputReady, RequestFinished, RoutesChanged, RunRequest, StageAccepted,
                                   StageChunk, StageDone, StageFailed, StageTask, TextStarted)
 
 #: Stage failures worth another replica: the engine raised, or was going away.
 RETRYABLE = (ErrorKind.ENGINE_ERROR, ErrorKind.UNAVAILABLE)
+#: Wake-up payload: time to check that the API server owning this actor still runs.
+BRIDGE_CHECK = "bridge_check"
 
 
 class RequestActor(ActorTypeDispatcher):
@@ -56,6 +58,10 @@ class RequestActor(ActorTypeDispatcher):
         self._req: RunRequest | None = None
         self._connector = make_connector()
         self._log = get_logger(actor="request")
+        #: when it last heard from its API server's bridge or ended a request (see BridgeAlive)
+        self._heard_at = time.monotonic()
+        self._lost_after_s = BRIDGE_LOST_AFTER_S
+        self._check_gen = 0  # the pending bridge check's number (0: none); older wake-ups are ignored
         self._reset()
 
     def _reset(self) -> None:
@@ -90,6 +96,7 @@ class RequestActor(ActorTypeDispatcher):
                                                     "request actor busy", request_actor=self.myAddress))
             return
         self._reset()
+        self._heard()
         self._req = msg
         self._pools = {s.stage_id: s.pool for s in msg.plan.stages}
         self._plan = {s.stage_id: s for s in msg.plan.stages}
@@ -383,8 +390,36 @@ class RequestActor(ActorTypeDispatcher):
         if self._current(msg.request_id):
             self._finish(ErrorKind.CANCELLED, "cancelled by the client")
 
+    # -- the API server that owns this actor ------------------------------------
+    def receiveMsg_BridgeAlive(self, msg: BridgeAlive, sender):
+        changed = msg.lost_after_s != self._lost_after_s
+        self._lost_after_s = msg.lost_after_s
+        self._heard(rearm=changed)
+
+    def _heard(self, rearm: bool = False) -> None:
+        self._heard_at = time.monotonic()
+        if rearm or not self._check_gen:
+            self._arm_check()
+
+    def _arm_check(self) -> None:
+        self._check_gen += 1
+        self.wakeupAfter(self._lost_after_s / 2, payload=(BRIDGE_CHECK, self._check_gen))
+
+    def _check_bridge(self) -> None:
+        """Exit when idle and nothing came from the bridge for ``lost_after_s`` (its API
+        server was killed); else look again later."""
+        silent = time.monotonic() - self._heard_at
+        if self._req is None and silent > self._lost_after_s:
+            self._log.info("request_actor_exit_api_server_gone", silent_s=round(silent, 1))
+            self.send(self.myAddress, ActorExitRequest())
+            return
+        self._arm_check()
+
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
-        if self._current(msg.payload):
+        if isinstance(msg.payload, tuple) and msg.payload[0] == BRIDGE_CHECK:
+            if msg.payload[1] == self._check_gen:
+                self._check_bridge()
+        elif self._current(msg.payload):
             req = self._req
             waited = (f" ({req.queued_s:.1f} s of it waiting for a RequestActor in the API server)"
                       if req.queued_s >= 0.05 else "")
@@ -412,4 +447,5 @@ class RequestActor(ActorTypeDispatcher):
             finish_reason=self._finish_reason,
             stage_replicas={sid: d.replica for sid, d in self._done.items()}, request_actor=self.myAddress,
             sent=self._out_seq, after_text=None if error else self._after_text()))
+        self._heard_at = time.monotonic()  # (a request that outlived lost_after_s is no silence)
         self._reset()

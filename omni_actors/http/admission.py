@@ -125,6 +125,10 @@ class RequestActorPool:
                 fut.set_result(None)
                 return
 
+    def idle_actors(self) -> list[Any]:
+        """The addresses of the idle RequestActors, oldest first."""
+        return [actor for actor, _ in self._idle]
+
     def fail_waiters(self, exc: BaseException) -> int:
         """Fail every request waiting for a RequestActor with ``exc`` (the server is
         stopping); returns how many."""

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import os
 import queue
 import threading
 import time
@@ -57,7 +58,7 @@ from omni_actors.connectors import make_connector
 from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone,
                                     RequestFailed)
 from omni_actors.logs import get_logger
-from omni_actors.messages import (CancelRequest, ErrorKind, GetRoutes, GetStatus, OutputChunk, OutputDelta,
+from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, ErrorKind, GetRoutes, GetStatus, OutputChunk, OutputDelta,
                                   OutputDeltas, OutputReady, RequestFinished, Routes, RoutesChanged, RunRequest,
                                   Subscribe, SystemStatus, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
@@ -77,6 +78,10 @@ RETRY_AFTER_S = 1
 #: A RequestActor that has not said its request ended this long after the request's
 #: deadline is written off (it died or hangs): told to exit, its place given to another.
 LOST_AFTER_S = 30.0
+
+#: Environment variable: seconds after which an idle RequestActor that hears nothing from
+#: this API server exits (default :data:`~omni_actors.messages.BRIDGE_LOST_AFTER_S`).
+LOST_AFTER_ENV = "OMNI_ACTORS_BRIDGE_LOST_AFTER_S"
 
 #: HTTP status for each way a request can fail.
 HTTP_STATUS = {ErrorKind.UNAVAILABLE: 503, ErrorKind.TIMEOUT: 504, ErrorKind.ENGINE_ERROR: 500,
@@ -153,6 +158,10 @@ class ActorBridge:
         self._held: dict[str, float] = {}
         #: how often the event loop ends idle RequestActors and writes off lost ones
         self._tick_s = min(1.0, max(0.05, idle_exit_s / 4))
+        #: an idle RequestActor of ours that hears nothing for this long exits (BridgeAlive);
+        #: ``$OMNI_ACTORS_BRIDGE_LOST_AFTER_S`` changes it (tests), default BRIDGE_LOST_AFTER_S
+        self._lost_after_s = float(os.environ.get(LOST_AFTER_ENV) or BRIDGE_LOST_AFTER_S)
+        self._alive_due = 0.0
         self._tick_handle: asyncio.TimerHandle | None = None
         #: one queue per sender thread; a request's work always goes to the same one
         self._outboxes: list[queue.SimpleQueue] = [queue.SimpleQueue()
@@ -389,6 +398,10 @@ class ActorBridge:
                 self._outbox().put(("exit", actor))
             if idle:
                 self._log.info("request_actors_idle_exit", ended=len(idle), left=self._pool.total)
+            if now >= self._alive_due:  # tell the idle ones we still run (see BridgeAlive)
+                self._alive_due = now + self._lost_after_s / 4
+                for actor in self._pool.idle_actors():
+                    self._outbox().put(("tell", actor, BridgeAlive(self._lost_after_s)))
         finally:
             self._tick_handle = self._loop.call_later(self._tick_s, self._tick)
 
