@@ -564,9 +564,10 @@ class BridgeAlive(Message):
 
 @dataclass(frozen=True)
 class CancelRequest(Message):
-    """Bridge -> RequestActor: the client went away."""
+    """Bridge -> RequestActor: the client went away (or the server stops: ``reason``)."""
 
     request_id: str
+    reason: str = "cancelled by the client"
 
 
 @dataclass(frozen=True)

@@ -295,3 +295,43 @@ def test_a_request_actor_exits_when_idle_and_its_api_server_went_silent():
     ra._req = None
     ra._check_bridge()
     assert [type(m) for m in sent] == [ActorExitRequest]
+
+
+def test_a_pool_recovers_from_lost_wakeups():
+    """Thespian drops the wake-ups that fall due while an actor drains an excessive transmit
+    queue (a trial's storm of client hang-ups): the pool's health tick, which re-arms itself,
+    then never came back (status frozen, a SIGSTOPped replica never isolated), and a restart
+    asked for then would never happen. A heartbeat now restarts a lost tick chain (the old
+    chain's late tick is ignored), and the tick runs a restart whose wake-up is overdue."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from thespian.actors import WakeupMessage
+
+    from omni_actors.actors.stage_pool import WAKEUP_LOST_AFTER_S, Replica, StagePoolActor
+    from omni_actors.messages import Heartbeat, ReplicaState
+
+    pool = StagePoolActor()
+    pool._started.set()
+    wakeups, ticks, timers = [], [], []
+    pool.send = lambda address, message: None
+    pool.wakeupAfter = lambda delay, payload=None: wakeups.append(payload)
+    pool._tick = lambda: ticks.append(_time.monotonic())
+    pool._spec = SimpleNamespace(heartbeat_interval_s=1.0, stage=SimpleNamespace(stage_id=0, name="thinker"))
+    pool._start_ticks()
+    assert wakeups == [("tick", 1)]
+    pool._replicas = {"thinker/0": Replica("thinker/0", "a0", state=ReplicaState.READY)}
+    pool._last_tick = _time.monotonic() - 10  # no tick for 10 intervals: its wake-up was lost
+    pool.receiveMsg_Heartbeat(Heartbeat("thinker/0", 0, 0, 0, 0), "a0")
+    assert len(ticks) == 1 and wakeups[-1] == ("tick", 2)
+    pool.receiveMsg_WakeupMessage(WakeupMessage(0.25, ("tick", 1)), None)  # the old chain: ignored
+    assert len(ticks) == 1
+    pool.receiveMsg_WakeupMessage(WakeupMessage(0.25, ("tick", 2)), None)
+    assert len(ticks) == 2 and wakeups[-1] == ("tick", 2)
+
+    pool._on_timer = lambda payload: timers.append(payload)
+    pool._after(0.5, ("restart", "thinker/0"))
+    pool._run_lost_timers(_time.monotonic())
+    assert timers == []  # not due yet
+    pool._run_lost_timers(_time.monotonic() + 0.5 + WAKEUP_LOST_AFTER_S + 0.1)
+    assert timers == [("restart", "thinker/0")] and pool._timers == {}

@@ -115,7 +115,13 @@ def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_
     status, body = got["stream"]  # a 503 before the stream began, else an SSE error event
     assert "the server is shutting down" in body, got
     assert status == 503 or ("event: error" in body or '"error"' in body), got
-    assert "drain_timeout_requests_ended" in leader.log_path.read_text()
+    log = leader.log_path.read_text()
+    assert "drain_timeout_requests_ended" in log
+    why = "stopped at once (a second Ctrl-C)" if ctrl_c == 2 else "still running 1 s after the stop"
+    assert why in json.loads(got["whole"][1])["error"]["message"], got
+    # the RequestActors say why they ended the requests (not "cancelled by the client")
+    ended = [json.loads(line) for line in log.splitlines() if '"request_finished"' in line]
+    assert ended and all("the server is shutting down" in e["message"] for e in ended), ended
 
 
 def test_stop_command_and_status_command():

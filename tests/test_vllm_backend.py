@@ -143,6 +143,22 @@ def test_stream_yields_deltas_that_add_up_to_the_final_outputs(engine, loop_thre
     assert out["finish_reason"] == "length"
 
 
+def test_a_reply_cut_at_max_model_len_finishes_with_length(engine, loop_thread):
+    """vLLM stops at ``max_model_len`` with its finish reason "length"; the EngineActor
+    guessed from ``max_tokens`` alone and said "stop" (trial: 308 of 400 tokens)."""
+    prompt = [5 + i % 50 for i in range(MAX_MODEL_LEN - 6)]
+    _, final = loop_thread.run(collect(engine, BackendTask(
+        "at-max-len", {"prompt_token_ids": prompt}, {"max_tokens": 100, "temperature": 0.0, "ignore_eos": True})))
+    assert final.num_output_tokens == 6 and final.finish_reason == "length", (final.num_output_tokens,
+                                                                              final.finish_reason)
+    from omni_actors.http.protocol import render_prompt
+
+    story = render_prompt([{"role": "user", "content": "Tell me a story."}])  # greedy: EOS as its 39th token
+    _, short = loop_thread.run(collect(engine, BackendTask(
+        "eos", {"prompt": story}, {"max_tokens": 100, "temperature": 0.0})))
+    assert short.num_output_tokens < 100 and short.finish_reason == "stop", short.num_output_tokens
+
+
 def test_chunks_for_the_next_stage_cover_the_final_outputs_in_order(engine, loop_thread):
     """Streaming to the next stage: every ``chunk_tokens`` new tokens an OutputChunk
     (right after the text delta that completes it), the rest in one before the end."""

@@ -43,6 +43,8 @@ ORPHAN_AFTER_INTERVALS = 3
 #: second per stream): an actor message costs about 1 ms of CPU here, so one per
 #: token would cap a replica near a thousand tokens a second, all streams together.
 STREAM_FLUSH_S = 0.02
+#: Heartbeat intervals without a heartbeat wake-up before an engine starts them again.
+HEARTBEAT_LOST_AFTER_INTERVALS = 3
 #: How long an exiting replica waits for its backend to stop (a vLLM core takes 2.5 s alone,
 #: over 5 s when three stop at once on 2 cores).
 SHUTDOWN_TIMEOUT_S = 10.0
@@ -147,6 +149,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._progress_at = time.monotonic()
         self._parked = 0  # tasks waiting on a neighbour stage (input chunks, credits)
         self._last_ack = time.monotonic()
+        self._last_hb = time.monotonic()  # when the heartbeat wake-up last ran
+        self._hb_gen = 1  # the live chain of heartbeat wake-ups (see _watch)
         self._draining = False
         self._orphaned = False  # the pool is gone (no ack for orphan_after_s; see ParentWatch.lost)
         self._parent = ParentWatch(0, "")
@@ -155,6 +159,17 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._log = get_logger(actor="engine")
 
     def _watch(self):
+        """What every handler returns: the outbox's socket to watch. Also restarts the
+        heartbeats when their wake-up was lost (Thespian drops the wake-ups that fall due
+        while an actor drains an excessive transmit queue): a replica that stopped
+        heartbeating would be taken for hung and restarted."""
+        spec = self._spec
+        if spec is not None and not self._orphaned and \
+                time.monotonic() - self._last_hb > HEARTBEAT_LOST_AFTER_INTERVALS * spec.heartbeat_interval_s:
+            self._log.warning("heartbeat_wakeup_lost", since_s=round(time.monotonic() - self._last_hb, 2))
+            self._hb_gen += 1
+            self._last_hb = time.monotonic()
+            self.wakeupAfter(0.0, payload=("heartbeat", self._hb_gen))
         return ThespianWatch([self._rt.fileno]) if self._rt else None
 
     # -- control plane ----------------------------------------------------
@@ -189,7 +204,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             self.send(sender, EngineFailed(msg.replica, f"{type(exc).__name__}: {exc}"))
             return self._watch()
         self._rt.submit(self._start_backend())
-        self.wakeupAfter(msg.heartbeat_interval_s, payload="heartbeat")
+        self._last_hb = time.monotonic()
+        self.wakeupAfter(msg.heartbeat_interval_s, payload=("heartbeat", self._hb_gen))
         return self._watch()
 
     async def _start_backend(self) -> None:
@@ -216,7 +232,10 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         if msg.payload == "orphan_deadline" and self._rt is not None:
             self._rt.loop.call_soon_threadsafe(self._cancel_all, "its pool is gone")
             return self._watch()
-        if msg.payload == "heartbeat" and self._spec is not None:
+        if isinstance(msg.payload, tuple) and msg.payload[0] == "heartbeat" and self._spec is not None:
+            if msg.payload[1] != self._hb_gen:
+                return self._watch()  # (a chain replaced after a lost wake-up, see _watch)
+            self._last_hb = time.monotonic()
             interval = self._spec.heartbeat_interval_s
             failure = getattr(self._backend, "failure", None) if self._ready else None
             if failure:
@@ -244,7 +263,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 completed=self._completed, failed=self._failed,
                 kv_cache_usage=load.kv_cache_usage if load else None, progress=self._progress,
                 idle_s=self._idle_s()))
-            self.wakeupAfter(self._spec.heartbeat_interval_s, payload="heartbeat")
+            self.wakeupAfter(self._spec.heartbeat_interval_s, payload=msg.payload)
         return self._watch()
 
     def _idle_s(self) -> float:

@@ -388,7 +388,7 @@ class RequestActor(ActorTypeDispatcher):
 
     def receiveMsg_CancelRequest(self, msg: CancelRequest, sender):
         if self._current(msg.request_id):
-            self._finish(ErrorKind.CANCELLED, "cancelled by the client")
+            self._finish(ErrorKind.CANCELLED, msg.reason)
 
     # -- the API server that owns this actor ------------------------------------
     def receiveMsg_BridgeAlive(self, msg: BridgeAlive, sender):

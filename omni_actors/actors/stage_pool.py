@@ -58,6 +58,10 @@ PLACEMENT_RETRY_TICKS = 8
 #: from its dispatch) was orphaned: its RequestActor ended it at the deadline, so its
 #: cancel was lost or overtaken. It is cancelled and no longer counted.
 TASK_OVERDUE_GRACE_S = 10.0
+#: Health ticks missed, in heartbeat intervals, before a heartbeat restarts them (see _after).
+TICK_LOST_AFTER_INTERVALS = 3
+#: How late a wake-up asked for with _after may be before the tick runs it instead.
+WAKEUP_LOST_AFTER_S = 2.0
 #: Stopped replicas (drained, scaled away) a pool keeps showing, the latest; older ones
 #: leave its table, `status` and /metrics (every scale or drain made one more for good).
 MAX_STOPPED_SHOWN = 8
@@ -109,6 +113,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         self._orphaned = False
         self._parent = ParentWatch(0, "")
         self._last_tick = 0.0  # when the last health tick ran (monotonic)
+        self._tick_gen = 0  # the live chain of ticks (see _start_ticks)
+        self._timers: dict[tuple, float] = {}  # wake-ups asked for (see _after) -> when due
         self._exiting = False  # told to exit (system stop, stage removed): replicas exiting is expected
         self._ticks = 0
         self._log = get_logger(actor="pool")
@@ -141,8 +147,30 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                 if pin:
                     self._pins[rid] = (pin[0], tuple(pin[1]))
                 self._launch(rid, list(restarts))
-        self.wakeupAfter(msg.heartbeat_interval_s / TICKS_PER_INTERVAL, payload="tick")
+        self._start_ticks()
         self._publish()
+
+    def _start_ticks(self) -> None:
+        """Start a (new) chain of health ticks; a tick of an older chain is ignored."""
+        self._tick_gen += 1
+        self.wakeupAfter(self._spec.heartbeat_interval_s / TICKS_PER_INTERVAL, payload=("tick", self._tick_gen))
+
+    def _after(self, delay: float, payload: tuple) -> None:
+        """``wakeupAfter`` that a lost wake-up cannot defeat: the tick runs it late instead.
+
+        Thespian drops the wake-ups that fall due while an actor drains an excessive
+        transmit queue ("tx-only mode", over 950 messages queued: seen in a storm of
+        client hang-ups), and a restart, a retry or a ready deadline would then never
+        happen. Each handler is guarded, so running one twice changes nothing."""
+        self._timers[payload] = time.monotonic() + delay
+        self.wakeupAfter(delay, payload=payload)
+
+    def _run_lost_timers(self, now: float) -> None:
+        """Run the wake-ups asked for with _after that are over WAKEUP_LOST_AFTER_S late."""
+        for payload in [p for p, due in self._timers.items() if now > due + WAKEUP_LOST_AFTER_S]:
+            self._log.warning("wakeup_lost", payload=str(payload))
+            del self._timers[payload]
+            self._on_timer(payload)
 
     def _new_replica_id(self) -> str:
         rid = f"{self._spec.stage.name}/{self._next_index}"
@@ -193,6 +221,12 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             self.send(sender, ActorExitRequest())
             return
         self.send(sender, HeartbeatAck())
+        now = time.monotonic()
+        if self._last_tick and now - self._last_tick > TICK_LOST_AFTER_INTERVALS * self._spec.heartbeat_interval_s:
+            # The tick's wake-up was lost (see _after): supervision would stop for good.
+            self._log.warning("pool_tick_lost", since_s=round(now - self._last_tick, 2))
+            self._start_ticks()
+            self._tick()
         if rep is not None and rep.health is not None:
             rep.running, rep.waiting, rep.kv_cache_usage = msg.running, msg.waiting, msg.kv_cache_usage
             rep.health.on_heartbeat(time.monotonic(), msg.progress, msg.idle_s)
@@ -203,10 +237,17 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
     # -- supervision ------------------------------------------------------
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
         payload = msg.payload
-        if payload == "tick":
-            self._tick()
-            self.wakeupAfter(self._spec.heartbeat_interval_s / TICKS_PER_INTERVAL, payload="tick")
-        elif isinstance(payload, tuple) and payload[0] == "ready_deadline":
+        if isinstance(payload, tuple) and payload[0] == "tick":
+            if payload[1] == self._tick_gen:
+                self._tick()
+                self.wakeupAfter(self._spec.heartbeat_interval_s / TICKS_PER_INTERVAL, payload=payload)
+        else:
+            if isinstance(payload, tuple) and payload[0] in ("restart", "retry_failed"):
+                self._timers.pop(payload, None)  # (others may hold an unhashable ActorAddress)
+            self._on_timer(payload)
+
+    def _on_timer(self, payload) -> None:
+        if isinstance(payload, tuple) and payload[0] == "ready_deadline":
             rep = self._replicas.get(payload[1])
             if rep is not None and rep.address == payload[2] and rep.state == ReplicaState.STARTING:
                 self._set_down(rep, ReplicaState.FAILED,
@@ -244,6 +285,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                 if rep.health is not None:
                     rep.health.last_heartbeat = min(now, rep.health.last_heartbeat + late)
                     rep.health.progress_at = min(now, rep.health.progress_at + late)
+        self._run_lost_timers(now)
         if self._ticks % TICKS_PER_INTERVAL == 0:
             self._cancel_overdue(now)
             self._publish()  # load figures once per interval; state changes publish at once
@@ -320,7 +362,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         if not after or self._orphaned or self._exiting:
             return ""
         rep.failed_at = time.monotonic()
-        self.wakeupAfter(after, payload=("retry_failed", rep.replica, rep.failed_at))
+        self._after(after, ("retry_failed", rep.replica, rep.failed_at))
         return f"; next try in {after:g} s (at {time.strftime('%H:%M:%S', time.localtime(time.time() + after))})"
 
     def _release(self, rep: Replica) -> None:
@@ -367,7 +409,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             if not self._pins.get(rep.replica, ("", ()))[1]:
                 self._release(rep)  # a replica pinned to devices keeps them for its restart
             rep.reason = f"{cause}; restarting in {delay:g} s"
-            self.wakeupAfter(delay, payload=("restart", rep.replica))
+            self._after(delay, ("restart", rep.replica))
         self._publish()
 
     def _redispatch(self, rep: Replica, crashed: bool = False) -> None:

@@ -367,7 +367,10 @@ class VllmEngine:
         yield StageFinal(
             outputs={"text": "".join(texts), "token_ids": np.asarray(token_ids, dtype=np.int32),
                      "prompt_token_ids": prompt_arr, "finish_reason": str(comp.finish_reason)},
-            num_prompt_tokens=len(prompt_arr), num_output_tokens=len(token_ids))
+            num_prompt_tokens=len(prompt_arr), num_output_tokens=len(token_ids),
+            # vLLM's own: "length" at max_tokens or at max_model_len, which the EngineActor's
+            # guess from max_tokens alone took for "stop"
+            finish_reason="length" if str(comp.finish_reason) == "length" else "stop")
 
     def _check_sampling_keys(self, params: dict[str, Any], where: str) -> None:
         unknown = sorted(k for k in params

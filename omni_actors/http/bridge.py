@@ -308,7 +308,7 @@ class ActorBridge:
         ended = self._pool.fail_waiters(ShuttingDown(reason))
         for rid in list(self._streams):
             if rid in self._held:  # started on a RequestActor: stop its stages too
-                self._outbox(rid).put(("cancel", rid))
+                self._outbox(rid).put(("cancel", rid, reason))
                 self._put(rid, RequestFailed(503, reason, "service_unavailable"))
                 ended += 1
         return ended
@@ -362,7 +362,7 @@ class ActorBridge:
                     elif kind == "cancel":
                         actor = running.get(item[1])
                         if actor is not None:
-                            ctx.tell(actor, CancelRequest(item[1]))
+                            ctx.tell(actor, CancelRequest(item[1], *item[2:]))
                     elif kind == "finished":
                         running.pop(item[1], None)  # (the event loop takes its RequestActor back)
                     elif kind == "abandon":  # written off: it never said its request ended

@@ -17,6 +17,11 @@ import time
 
 DEFAULT_ADMIN_PORT = 1900  # Thespian's own default admin port
 DEFAULT_HTTP_PORT = 8000  # vLLM's default API port
+#: `stop`: seconds beyond the system's drain for its processes to exit (three vLLM engine
+#: cores took 5-9 s on 2 cores) before what is left is killed.
+STOP_GRACE_S = 20.0
+#: `stop` on a system whose state file predates drain_timeout_s in it: the config default.
+DEFAULT_DRAIN_TIMEOUT_S = 10.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,7 +64,9 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("stop", help="stop the system started on an admin port")
     admin_port(sp)
-    sp.add_argument("--timeout", type=float, default=15.0, help="seconds to wait (default 15)")
+    sp.add_argument("--timeout", type=float, default=None,
+                    help="seconds to wait before killing what is left (default: the system's "
+                         f"supervision.drain_timeout_s + {STOP_GRACE_S:g}, for its processes to exit)")
     sp = sub.add_parser("status", help="print the stage table of a running system")
     admin_port(sp, remote=True)
     sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -271,9 +278,11 @@ def cmd_stop(args) -> int:
     if state is None:
         return _fail(f"no omni-actors system recorded on admin port {args.admin_port}")
     pid = state["pid"]
+    timeout = args.timeout if args.timeout is not None else \
+        float(state.get("drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S)) + STOP_GRACE_S
     if _alive(pid):
         os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + args.timeout
+        deadline = time.monotonic() + timeout
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
     if _alive(pid):

@@ -178,6 +178,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         sfile.parent.mkdir(parents=True, exist_ok=True)
         sfile.write_text(json.dumps({"pid": os.getpid(), "admin_port": admin_port, "host": host,
                                      "sessions": sessions, "shm_dir": shm_dir,
+                                     "drain_timeout_s": config.deployment.supervision.drain_timeout_s,
                                      "port": port, "system_id": system_id, "config": config.source,
                                      "model": config.deployment.served_model_name}))
         log.info("leader_started", admin_port=admin_port, shm_dir=shm_dir,
@@ -294,8 +295,10 @@ async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | 
     while bridge.in_flight() and time.monotonic() < deadline and not (hurry and hurry.is_set()):
         await asyncio.sleep(0.05)
     if bridge.in_flight():
-        ended = bridge.abort_all(f"the server is shutting down: the request was still running "
-                                 f"{timeout_s:g} s after the stop (supervision.drain_timeout_s)")
+        hurried = hurry is not None and hurry.is_set()
+        ended = bridge.abort_all("the server is shutting down: " + (
+            "stopped at once (a second Ctrl-C) while the request ran" if hurried else
+            f"the request was still running {timeout_s:g} s after the stop (supervision.drain_timeout_s)"))
         log.warning("drain_timeout_requests_ended", requests=ended, timeout_s=timeout_s)
         deadline = time.monotonic() + ABORT_GRACE_S
         while bridge.in_flight() and time.monotonic() < deadline:
