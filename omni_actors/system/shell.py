@@ -36,6 +36,7 @@ import inspect
 import json
 import os
 import shlex
+import signal
 import socket
 import sys
 import time
@@ -493,6 +494,10 @@ def run_shell(admin_port: int, commands: list[str] | tuple[str, ...] = (), *, ad
                 break
         return 1 if shell.failed else 0
     intro = shell.intro
+    # Ctrl-C must reach the loop below even when this process was started with SIGINT
+    # ignored (as a background job of a non-interactive shell is, and Python then installs
+    # no KeyboardInterrupt handler): the shell would not react to it at all.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     while True:
         try:
             shell.cmdloop(intro)
