@@ -160,8 +160,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
 
         Thespian drops the wake-ups that fall due while an actor drains an excessive
         transmit queue ("tx-only mode", over 950 messages queued: seen in a storm of
-        client hang-ups), and a restart, a retry or a ready deadline would then never
-        happen. Each handler is guarded, so running one twice changes nothing."""
+        client hang-ups), and a restart or a retry of a failed replica would then never
+        happen (the ready deadline, whose payload holds an unhashable ActorAddress, is not
+        tracked). Each handler is guarded, so running one twice changes nothing."""
         self._timers[payload] = time.monotonic() + delay
         self.wakeupAfter(delay, payload=payload)
 
