@@ -24,7 +24,7 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ThespianWatch
 
 from omni_actors.actors.engine_stream import StreamingMixin
 from omni_actors.actors.outbox import PendingChunk, Sequencer, bundle, coalesce
-from omni_actors.actors.supervision import ParentWatch, exit_if_orphaned_before_start
+from omni_actors.actors.supervision import ParentWatch, WakeupChain, exit_if_orphaned_before_start
 from omni_actors.actors.node_agent import on_node
 from omni_actors.config import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
@@ -150,7 +150,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._parked = 0  # tasks waiting on a neighbour stage (input chunks, credits)
         self._last_ack = time.monotonic()
         self._last_hb = time.monotonic()  # when the heartbeat wake-up last ran
-        self._hb_gen = 1  # the live chain of heartbeat wake-ups (see _watch)
+        self._heartbeats = WakeupChain("heartbeat")  # (restarted when its wake-up is lost: see _watch)
         self._draining = False
         self._orphaned = False  # the pool is gone (no ack for orphan_after_s; see ParentWatch.lost)
         self._parent = ParentWatch(0, "")
@@ -167,9 +167,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         if spec is not None and not self._orphaned and \
                 time.monotonic() - self._last_hb > HEARTBEAT_LOST_AFTER_INTERVALS * spec.heartbeat_interval_s:
             self._log.warning("heartbeat_wakeup_lost", since_s=round(time.monotonic() - self._last_hb, 2))
-            self._hb_gen += 1
             self._last_hb = time.monotonic()
-            self.wakeupAfter(0.0, payload=("heartbeat", self._hb_gen))
+            self._heartbeats.start(self, 0.0)
         return ThespianWatch([self._rt.fileno]) if self._rt else None
 
     # -- control plane ----------------------------------------------------
@@ -205,7 +204,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             return self._watch()
         self._rt.submit(self._start_backend())
         self._last_hb = time.monotonic()
-        self.wakeupAfter(msg.heartbeat_interval_s, payload=("heartbeat", self._hb_gen))
+        self._heartbeats.start(self, msg.heartbeat_interval_s)
         return self._watch()
 
     async def _start_backend(self) -> None:
@@ -232,8 +231,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         if msg.payload == "orphan_deadline" and self._rt is not None:
             self._rt.loop.call_soon_threadsafe(self._cancel_all, "its pool is gone")
             return self._watch()
-        if isinstance(msg.payload, tuple) and msg.payload[0] == "heartbeat" and self._spec is not None:
-            if msg.payload[1] != self._hb_gen:
+        if self._heartbeats.owns(msg.payload) and self._spec is not None:
+            if not self._heartbeats.current(msg.payload):
                 return self._watch()  # (a chain replaced after a lost wake-up, see _watch)
             self._last_hb = time.monotonic()
             interval = self._spec.heartbeat_interval_s
@@ -263,7 +262,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 completed=self._completed, failed=self._failed,
                 kv_cache_usage=load.kv_cache_usage if load else None, progress=self._progress,
                 idle_s=self._idle_s()))
-            self.wakeupAfter(self._spec.heartbeat_interval_s, payload=msg.payload)
+            self._heartbeats.again(self, self._spec.heartbeat_interval_s)
         return self._watch()
 
     def _idle_s(self) -> float:

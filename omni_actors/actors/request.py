@@ -40,6 +40,7 @@ import time
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
 
+from omni_actors.actors.supervision import WakeupChain
 from omni_actors.connectors import make_connector, release_all
 from omni_actors.logs import get_logger
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, CancelStage, ChunkAck, ChunkConsumed, ErrorKind, InputChunk,
@@ -61,7 +62,7 @@ class RequestActor(ActorTypeDispatcher):
         #: when it last heard from its API server's bridge or ended a request (see BridgeAlive)
         self._heard_at = time.monotonic()
         self._lost_after_s = BRIDGE_LOST_AFTER_S
-        self._check_gen = 0  # the pending bridge check's number (0: none); older wake-ups are ignored
+        self._bridge_checks = WakeupChain(BRIDGE_CHECK)  # (gen 0: not started)
         self._reset()
 
     def _reset(self) -> None:
@@ -398,12 +399,8 @@ class RequestActor(ActorTypeDispatcher):
 
     def _heard(self, rearm: bool = False) -> None:
         self._heard_at = time.monotonic()
-        if rearm or not self._check_gen:
-            self._arm_check()
-
-    def _arm_check(self) -> None:
-        self._check_gen += 1
-        self.wakeupAfter(self._lost_after_s / 2, payload=(BRIDGE_CHECK, self._check_gen))
+        if rearm or not self._bridge_checks.gen:
+            self._bridge_checks.start(self, self._lost_after_s / 2)
 
     def _check_bridge(self) -> None:
         """Exit when idle and nothing came from the bridge for ``lost_after_s`` (its API
@@ -413,11 +410,11 @@ class RequestActor(ActorTypeDispatcher):
             self._log.info("request_actor_exit_api_server_gone", silent_s=round(silent, 1))
             self.send(self.myAddress, ActorExitRequest())
             return
-        self._arm_check()
+        self._bridge_checks.again(self, self._lost_after_s / 2)
 
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
-        if isinstance(msg.payload, tuple) and msg.payload[0] == BRIDGE_CHECK:
-            if msg.payload[1] == self._check_gen:
+        if self._bridge_checks.owns(msg.payload):
+            if self._bridge_checks.current(msg.payload):
                 self._check_bridge()
         elif self._current(msg.payload):
             req = self._req

@@ -33,7 +33,7 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExi
 
 from omni_actors.actors.pool_admin import PoolAdminMixin
 from omni_actors.actors.pool_placement import PoolPlacementMixin
-from omni_actors.actors.supervision import (HealthPolicy, ParentWatch, ReplicaHealth, RestartPolicy,
+from omni_actors.actors.supervision import (HealthPolicy, ParentWatch, ReplicaHealth, RestartPolicy, WakeupChain,
                                             exit_if_orphaned_before_start)
 from omni_actors.balancing import POLICIES, ReplicaLoad
 from omni_actors.logs import get_logger
@@ -113,7 +113,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         self._orphaned = False
         self._parent = ParentWatch(0, "")
         self._last_tick = 0.0  # when the last health tick ran (monotonic)
-        self._tick_gen = 0  # the live chain of ticks (see _start_ticks)
+        self._ticks_chain = WakeupChain("tick")  # (restarted by a heartbeat when its wake-up is lost)
         self._timers: dict[tuple, float] = {}  # wake-ups asked for (see _after) -> when due
         self._exiting = False  # told to exit (system stop, stage removed): replicas exiting is expected
         self._ticks = 0
@@ -152,8 +152,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
 
     def _start_ticks(self) -> None:
         """Start a (new) chain of health ticks; a tick of an older chain is ignored."""
-        self._tick_gen += 1
-        self.wakeupAfter(self._spec.heartbeat_interval_s / TICKS_PER_INTERVAL, payload=("tick", self._tick_gen))
+        self._ticks_chain.start(self, self._spec.heartbeat_interval_s / TICKS_PER_INTERVAL)
 
     def _after(self, delay: float, payload: tuple) -> None:
         """``wakeupAfter`` that a lost wake-up cannot defeat: the tick runs it late instead.
@@ -238,10 +237,10 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
     # -- supervision ------------------------------------------------------
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
         payload = msg.payload
-        if isinstance(payload, tuple) and payload[0] == "tick":
-            if payload[1] == self._tick_gen:
+        if self._ticks_chain.owns(payload):
+            if self._ticks_chain.current(payload):
                 self._tick()
-                self.wakeupAfter(self._spec.heartbeat_interval_s / TICKS_PER_INTERVAL, payload=payload)
+                self._ticks_chain.again(self, self._spec.heartbeat_interval_s / TICKS_PER_INTERVAL)
         else:
             if isinstance(payload, tuple) and payload[0] in ("restart", "retry_failed"):
                 self._timers.pop(payload, None)  # (others may hold an unhashable ActorAddress)

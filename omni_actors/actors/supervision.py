@@ -51,6 +51,34 @@ def exit_if_orphaned_before_start(started: threading.Event, poll_s: float = 1.0)
     threading.Thread(target=watch, name="orphan-before-start", daemon=True).start()
 
 
+class WakeupChain:
+    """A repeating wake-up (``wakeupAfter`` re-armed by its own handler) that can be
+    started afresh: its payload is ``(name, generation)`` and only the latest
+    generation counts. Thespian drops the wake-ups that fall due while an actor drains
+    an excessive transmit queue ("tx-only mode"); a chain whose wake-up was lost is
+    restarted with :meth:`start`, and a late one of the old chain is then ignored."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.gen = name, 0
+
+    def start(self, actor, delay_s: float) -> None:
+        """A new chain (the old one, if any, is ignored from now on)."""
+        self.gen += 1
+        self.again(actor, delay_s)
+
+    def again(self, actor, delay_s: float) -> None:
+        """The next wake-up of the current chain."""
+        actor.wakeupAfter(delay_s, payload=(self.name, self.gen))
+
+    def owns(self, payload) -> bool:
+        """Whether ``payload`` is one of this chain's, current or not."""
+        return isinstance(payload, tuple) and len(payload) == 2 and payload[0] == self.name
+
+    def current(self, payload) -> bool:
+        """Whether ``payload`` is the current chain's wake-up."""
+        return self.owns(payload) and payload[1] == self.gen
+
+
 class ParentWatch:
     """Is the actor that started this process gone?
 
