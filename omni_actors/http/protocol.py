@@ -100,10 +100,11 @@ def _opt_int(body: dict, key: str, lo: int | None = None, hi: int | None = None)
     return v
 
 
-def _opt_bool(body: dict, key: str) -> bool | None:
+def _opt_bool(body: dict, key: str, path: str | None = None) -> bool | None:
+    """``body[key]`` if a bool or absent; ``path``: how errors name it (default ``key``)."""
     v = body.get(key)
     if v is not None and not isinstance(v, bool):
-        raise _bad(f"Invalid type for '{key}': expected a boolean.", key)
+        raise _bad(f"Invalid type for '{path or key}': expected a boolean.", path or key)
     return v
 
 
@@ -274,11 +275,7 @@ def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise _bad("Invalid type for 'stream_options': expected an object.", "stream_options")
-    v = (opts or {}).get("include_usage")
-    if v is not None and not isinstance(v, bool):
-        raise _bad("Invalid type for 'stream_options.include_usage': expected a boolean.",
-                   "stream_options.include_usage")
-    include_usage = bool(v)
+    include_usage = bool(_opt_bool(opts or {}, "include_usage", "stream_options.include_usage"))
     return ChatRequest(model, prompt, output_types, max_tokens, temperature, seed, voice,
                        stream, include_usage, audio_format)
 
