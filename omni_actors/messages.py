@@ -14,10 +14,11 @@ Who sends what:
 - request plane: bridge -> RequestActor (:class:`RunRequest`,
   :class:`CancelRequest`); RequestActor -> pool -> engine (:class:`StageTask`,
   :class:`CancelStage`); engine -> RequestActor (:class:`TextStarted`,
-  :class:`StageDone`, :class:`StageFailed`); engine -> pool
-  (:class:`TaskFinished`); engine -> bridge (:class:`OutputDeltas`: streamed
-  text goes straight to the client's API server); RequestActor -> bridge
-  (:class:`OutputChunk`, :class:`OutputReady`, :class:`RequestFinished`).
+  :class:`StageDone`, :class:`StageFailed`, :class:`StageCancelled`); engine
+  -> pool (:class:`TaskFinished`); engine -> bridge (:class:`OutputDeltas`:
+  streamed text goes straight to the client's API server); RequestActor ->
+  bridge (:class:`OutputChunk`, :class:`OutputReady`, :class:`RequestFinished`,
+  :class:`RequestActorFree`).
 """
 
 from __future__ import annotations
@@ -622,6 +623,18 @@ class CancelStage(Message):
 
 
 @dataclass(frozen=True)
+class StageCancelled(Message):
+    """Engine or pool -> RequestActor: a task of this request ended cancelled (or
+    was dropped from the pool's queue before it ran); it confirms a
+    :class:`CancelStage`. (A task that ended otherwise says so with
+    :class:`StageDone` or :class:`StageFailed`.)"""
+
+    request_id: str
+    stage_id: int
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
 class TextStarted(Message):
     """Engine -> RequestActor: this task attempt's text began to go to the
     client (its :class:`OutputDelta` s go straight to the bridge), so a failure
@@ -748,6 +761,9 @@ class TaskFinished(Message):
     #: failed because of what it was given (a bad request, a processor that cannot use its
     #: upstream outputs), not because of the replica: no count towards its circuit breaker
     input_error: bool = False
+    #: failed on the client's input (a 400, e.g. a prompt over ``max_model_len``): not counted
+    #: as a failed task of the replica either
+    client_error: bool = False
 
 
 @dataclass(frozen=True)
@@ -810,7 +826,9 @@ class OutputReady(Message):
 @dataclass(frozen=True)
 class RequestFinished(Message):
     """RequestActor -> bridge: the request ended. ``error`` is None on success.
-    The RequestActor is free again after sending it."""
+    The RequestActor is free again after sending it, unless ``free`` is False:
+    then stages of the request were still running, and it waits for them to
+    confirm their cancels before it sends :class:`RequestActorFree`."""
 
     request_id: str
     error: ErrorKind | None = None
@@ -822,3 +840,16 @@ class RequestFinished(Message):
     request_actor: ActorAddress = None  #: the sender, free for the next request
     sent: int = 0  #: OutputChunk/OutputReady sent before this (the bridge waits for them all)
     after_text: tuple[int, int] | None = None  #: as :attr:`OutputReady.after_text` (success only)
+    free: bool = True  #: False: busy until its :class:`RequestActorFree`
+
+
+@dataclass(frozen=True)
+class RequestActorFree(Message):
+    """RequestActor -> bridge: after a ``RequestFinished(free=False)``, the stages
+    it cancelled have ended (or :data:`~omni_actors.actors.request.CANCEL_CONFIRM_S`
+    passed): it takes the next request. Until then its bridge counts it busy,
+    so that the work of abandoned requests stays within ``request_actors``."""
+
+    request_id: str
+    request_actor: ActorAddress = None
+    confirmed: bool = True  #: False: it stopped waiting at the time limit

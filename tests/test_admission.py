@@ -29,7 +29,7 @@ import pytest
 from omni_actors.http.admission import QueueFull, RequestActorPool
 from omni_actors.http.bridge import ActorBridge, RequestRejected
 from omni_actors.http.types import PipelineRequest, RequestFailed
-from omni_actors.messages import OutputDelta, OutputDeltas, RequestFinished, Routes, RunRequest
+from omni_actors.messages import ErrorKind, OutputDelta, OutputDeltas, RequestFinished, Routes, RunRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "admission-test"
@@ -209,8 +209,8 @@ def test_submit_waits_for_a_request_actor_within_the_deadline_and_refuses_past_t
         # its RequestActor says the request ended: free again (idle, none queued)
         bridge._on_message(RequestFinished("waiting", request_actor="ra-1"))
         await asyncio.sleep(0.01)
-        assert bridge.request_actors() == {"total": 1, "busy": 0, "idle": 1, "queued": 0, "max": 1, "min": 1,
-                                           "queue_limit": 1, "rejected": 1}
+        assert bridge.request_actors() == {"total": 1, "busy": 0, "idle": 1, "closing": 0, "queued": 0, "max": 1,
+                                           "min": 1, "queue_limit": 1, "rejected": 1}
 
         # a queued request whose client goes away leaves the queue and starts nothing
         _outbox_items(bridge)
@@ -222,6 +222,34 @@ def test_submit_waits_for_a_request_actor_within_the_deadline_and_refuses_past_t
         await asyncio.sleep(0.01)
         assert bridge._pool.queued == 0 and bridge.in_flight() == 0
         assert [item for item in _outbox_items(bridge) if item[0] in ("run", "cancel")] == []
+
+    asyncio.run(main())
+
+
+def test_a_request_actor_whose_stages_are_still_cancelling_stays_busy_until_it_says_it_is_free():
+    """RequestFinished(free=False): the client has its answer, but the RequestActor is
+    not given the next request until its RequestActorFree (its stages confirmed their
+    cancels), so abandoned work cannot pile up beyond request_actors."""
+    from omni_actors.messages import RequestActorFree
+
+    async def main():
+        bridge = _bridge(request_actors=1, queue_limit=1)
+        bridge._loop = asyncio.get_running_loop()
+        bridge._pool.reserve(1)
+        bridge._held["gone"] = time.monotonic() + 60
+        bridge._on_message(RequestFinished("gone", ErrorKind.CANCELLED, request_actor="ra-1", free=False))
+        await asyncio.sleep(0.01)
+        stats = bridge.request_actors()
+        assert (stats["busy"], stats["idle"], stats["closing"]) == (1, 0, 1)
+        waiting = asyncio.ensure_future(_first(bridge, "next"))
+        await asyncio.sleep(0.01)
+        assert bridge._pool.queued == 1 and not [i for i in _outbox_items(bridge) if i[0] == "run"]
+        bridge._on_message(RequestActorFree("gone", "ra-1"))
+        await asyncio.sleep(0.01)
+        runs = [item for item in _outbox_items(bridge) if item[0] == "run"]
+        assert [(run.request_id, actor) for _, run, actor in runs] == [("next", "ra-1")]
+        assert bridge.request_actors()["closing"] == 0
+        waiting.cancel()
 
     asyncio.run(main())
 
@@ -423,6 +451,80 @@ def test_past_the_cap_requests_queue_then_get_429_and_idle_request_actors_exit(l
     while set(leader.pids()) - baseline and time.monotonic() < deadline:
         time.sleep(0.1)
     assert set(leader.pids()) - baseline == set()
+
+
+@pytest.mark.system
+def test_clients_that_give_up_on_a_stopped_engine_cannot_pile_work_on_it(tmp_path):
+    """The Thinker's process is stopped (SIGSTOP: it cannot even take a cancel) and
+    every client gives up after 0.4 s, again and again. Each RequestActor whose
+    request ended that way stays busy (``omni_request_actors_closing``) until the
+    engine confirms the cancel, so no more than ``request_actors`` (2) tasks ever
+    reach the stopped engine; before, every hang-up freed its RequestActor at once
+    and the next request piled one more task on it. Once the engine runs again the
+    cancels are confirmed, nothing is left in flight, and requests are served."""
+    import aiohttp
+
+    from omni_actors.system.local import LocalLeader
+
+    path = tmp_path / "stopped.yaml"  # heartbeats every 5 s: not isolated within the test
+    path.write_text(CONFIG.replace("heartbeat_interval_s: 0.5", "heartbeat_interval_s: 5"))
+    leader = LocalLeader(path).start()
+    api = None
+    pid = None
+    try:
+        api = ApiServer(leader, tmp_path, min_request_actors=2, queue_limit=64)
+        base = api.url.removesuffix("/v1")
+
+        def thinker() -> dict:
+            return json.loads(_get(api.url + "/stages"))["stages"][0]["replicas"][0]
+
+        async def scenario():
+            async with aiohttp.ClientSession() as s:
+                async def give_up(i: int):
+                    body = {"model": MODEL, "messages": [{"role": "user", "content": f"give up {i}"}],
+                            "max_tokens": 200}
+                    try:
+                        async with s.post(api.url + "/chat/completions", json=body,
+                                          timeout=aiohttp.ClientTimeout(total=0.4)) as r:
+                            await r.read()
+                    except asyncio.TimeoutError:
+                        return
+                    raise AssertionError(f"request {i} was answered by a stopped engine")
+
+                for wave in range(4):  # 4 waves of 3 clients: 12 requests given up
+                    await asyncio.gather(*(give_up(3 * wave + k) for k in range(3)))
+                closing = _gauge(_get(base + "/metrics"), "omni_request_actors_closing")
+                peak, until = 0, time.monotonic() + 2.5  # (the pool publishes its figures every 1.25 s)
+                while time.monotonic() < until:
+                    peak = max(peak, thinker()["in_flight"])
+                    await asyncio.sleep(0.1)
+                return peak, closing
+
+        pid = thinker()["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        peak, closing = asyncio.run(scenario())
+        assert peak <= 2, f"{peak} tasks reached the stopped Thinker (request_actors: 2)"
+        assert closing == 2  # both RequestActors wait for the stopped engine's confirmation
+        os.kill(pid, signal.SIGCONT)
+        pid = None
+        deadline = time.monotonic() + 15
+        while (_gauge(_get(base + "/metrics"), "omni_request_actors_closing") or thinker()["in_flight"]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _gauge(_get(base + "/metrics"), "omni_request_actors_closing") == 0
+        assert thinker()["in_flight"] == 0 and thinker()["restarts"] == 0
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                           "max_tokens": 4}).encode()
+        import urllib.request
+        req = urllib.request.Request(api.url + "/chat/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 4
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        if api is not None:
+            assert api.stop() == 0, api.log.read_text()[-2000:]
+        assert leader.stop() == 0
 
 
 def _get(url: str) -> str:

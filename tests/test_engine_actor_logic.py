@@ -159,7 +159,9 @@ def test_a_retry_on_the_same_replica_keeps_its_inputs_when_the_earlier_attempt_e
         assert key not in actor._inputs and key not in actor._credits and key not in actor._tasks
 
     asyncio.run(main())
-    assert [type(m).__name__ for m in sent] == ["TaskFinished", "TaskFinished"]
+    # each cancelled attempt confirms its cancel to the RequestActor and tells the pool it ended
+    assert [(type(m).__name__, m.attempt if hasattr(m, "attempt") else None) for m in sent] == [
+        ("StageCancelled", 0), ("TaskFinished", None), ("StageCancelled", 1), ("TaskFinished", None)]
 
 
 def test_a_pool_cancels_a_task_in_flight_long_past_its_request_deadline():
@@ -335,3 +337,127 @@ def test_a_pool_recovers_from_lost_wakeups():
     assert timers == []  # not due yet
     pool._run_lost_timers(_time.monotonic() + 0.5 + WAKEUP_LOST_AFTER_S + 0.1)
     assert timers == [("restart", "thinker/0")] and pool._timers == {}
+
+
+def _closing_request_actor(stages=("thinker", "talker")):
+    """A RequestActor running one request whose stages (ids 0..) are all still running."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.request import RequestActor
+
+    ra = RequestActor()
+    sent, wakeups = [], []
+    ra.send = lambda address, message: sent.append((address, message))
+    ra.wakeupAfter = lambda delay, payload=None: wakeups.append((delay, payload))
+    ra._myRef = SimpleNamespace(address="ra-address")
+    plan = tuple(SimpleNamespace(stage_id=i, stage=name) for i, name in enumerate(stages))
+    ra._req = SimpleNamespace(request_id="r1", plan=SimpleNamespace(stages=plan), reply_to="bridge")
+    ra._started = 0.0
+    ra._pools = {i: f"pool-{name}" for i, name in enumerate(stages)}
+    ra._running = {i: SimpleNamespace(attempt=0) for i in range(len(stages))}
+    return ra, sent, wakeups
+
+
+def test_a_request_actor_stays_busy_until_its_cancelled_stages_confirm():
+    """A request that ends with stages still running (here the client left) answers its
+    bridge at once but says it is not free; it frees itself once every cancelled stage
+    has ended, whichever message says so (a cancel, a late done or failure)."""
+    from omni_actors.actors.request import CANCEL_CONFIRM, CANCEL_CONFIRM_S
+    from omni_actors.messages import (CancelRequest, CancelStage, ErrorKind, RequestActorFree, RequestFinished,
+                                      StageCancelled, StageFailed)
+
+    ra, sent, wakeups = _closing_request_actor()
+    ra.receiveMsg_CancelRequest(CancelRequest("r1"), "bridge")
+    assert [(a, m) for a, m in sent if isinstance(m, CancelStage)] == [
+        ("pool-thinker", CancelStage("r1", 0)), ("pool-talker", CancelStage("r1", 1))]
+    finished = [m for _, m in sent if isinstance(m, RequestFinished)]
+    assert len(finished) == 1 and finished[0].error == ErrorKind.CANCELLED and finished[0].free is False
+    assert wakeups[-1] == (CANCEL_CONFIRM_S, (CANCEL_CONFIRM, "r1"))
+    sent.clear()
+    ra.receiveMsg_StageCancelled(StageCancelled("other", 0), "engine")  # another request's: no effect
+    ra.receiveMsg_StageCancelled(StageCancelled("r1", 0), "thinker-engine")
+    assert sent == []  # the talker has not ended yet
+    ra.receiveMsg_StageFailed(StageFailed("r1", 1, "talker/0", ErrorKind.ENGINE_ERROR, "boom"), "talker-engine")
+    assert sent == [("bridge", RequestActorFree("r1", "ra-address", True))]
+    # The time limit of a request already freed does nothing.
+    from thespian.actors import WakeupMessage
+    sent.clear()
+    ra.receiveMsg_WakeupMessage(WakeupMessage(CANCEL_CONFIRM_S, (CANCEL_CONFIRM, "r1")), "ra-address")
+    assert sent == []
+
+
+def test_a_request_actor_stops_waiting_for_confirmations_at_the_time_limit():
+    """A stage whose engine never answers (stopped, overloaded) holds its RequestActor
+    CANCEL_CONFIRM_S at most; a request that completed frees it at once."""
+    from thespian.actors import WakeupMessage
+
+    from omni_actors.actors.request import CANCEL_CONFIRM, CANCEL_CONFIRM_S
+    from omni_actors.messages import CancelRequest, RequestActorFree, RequestFinished
+
+    ra, sent, wakeups = _closing_request_actor(("thinker",))
+    ra.receiveMsg_CancelRequest(CancelRequest("r1"), "bridge")
+    sent.clear()
+    ra.receiveMsg_WakeupMessage(WakeupMessage(CANCEL_CONFIRM_S, (CANCEL_CONFIRM, "r1")), "ra-address")
+    assert sent == [("bridge", RequestActorFree("r1", "ra-address", False))]
+
+    ra, sent, wakeups = _closing_request_actor(("thinker",))
+    ra._running.clear()  # every stage done
+    ra._finish(None, "")
+    assert [m.free for _, m in sent if isinstance(m, RequestFinished)] == [True]
+    assert wakeups == []
+
+
+def test_with_the_wait_set_to_zero_a_request_actor_is_free_at_once(monkeypatch):
+    """``OMNI_ACTORS_CANCEL_CONFIRM_S=0``: the RequestActor frees itself with its
+    RequestFinished, as before the wait existed (benchmarks/hangups.py compares)."""
+    from omni_actors.actors.request import CANCEL_CONFIRM_ENV
+    from omni_actors.messages import CancelRequest, RequestFinished
+
+    monkeypatch.setenv(CANCEL_CONFIRM_ENV, "0")
+    ra, sent, wakeups = _closing_request_actor(("thinker",))
+    ra.receiveMsg_CancelRequest(CancelRequest("r1"), "bridge")
+    assert [m.free for _, m in sent if isinstance(m, RequestFinished)] == [True]
+    assert wakeups == [] and ra._closing is None
+
+
+def test_a_clients_bad_request_is_no_failed_task_of_the_replica():
+    """A task failed on the client's input (a 400, e.g. a prompt over max_model_len)
+    is not counted in the replica's FAILED column; an engine error is."""
+    from types import SimpleNamespace
+
+    from omni_actors.messages import TaskFinished
+
+    pool, rep = _pool_with_one_replica()
+    for rid, kw in (("bad", {"input_error": True, "client_error": True}), ("boom", {})):
+        rep.in_flight[(rid, 0)] = (SimpleNamespace(request_id=rid, stage_id=0), 0.0)
+        pool.receiveMsg_TaskFinished(TaskFinished("thinker/0", rid, 0, ok=False, **kw), "engine")
+    assert rep.failed == 1 and rep.in_flight == {}
+
+
+def _pool_with_one_replica():
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+
+    pool = StagePoolActor()
+    pool._started.set()
+    pool.sent = []
+    pool.send = lambda address, message: pool.sent.append((address, message))
+    pool._finished_window_s = 60.0  # (set from the spec when the pool starts)
+    rep = Replica("thinker/0", "engine-address")
+    pool._replicas = {"thinker/0": rep}
+    return pool, rep
+
+
+def test_a_pool_confirms_the_cancel_of_a_task_still_in_its_queue():
+    """A cancelled task that never left the pool's queue is dropped and its cancel
+    confirmed to the RequestActor at once (no engine will); one in flight is passed on."""
+    from omni_actors.messages import CancelStage, StageCancelled, StageTask
+
+    pool, rep = _pool_with_one_replica()
+    queued = StageTask("r1", 0, "hi", (), {}, {}, "text", False, "ra-1", attempt=1)
+    running = StageTask("r2", 0, "hi", (), {}, {}, "text", False, "ra-2")
+    pool._pending = [(queued, 1e12)]
+    rep.in_flight[("r2", 0)] = (running, 0.0)
+    pool.receiveMsg_CancelStage(CancelStage("r1", 0), "ra-1")
+    pool.receiveMsg_CancelStage(CancelStage("r2", 0), "ra-2")
+    assert pool._pending == []
+    assert pool.sent == [("ra-1", StageCancelled("r1", 0, 1)), ("engine-address", CancelStage("r2", 0))]

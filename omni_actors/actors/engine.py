@@ -32,8 +32,9 @@ from omni_actors.engines import create_backend
 from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal, TextDelta, UpstreamTimeout
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelStage, DrainReplica, EngineFailed, EngineReady, ErrorKind, FaultKind,
-                                  Heartbeat, HeartbeatAck, InjectFault, OutputDelta, StageAccepted, StageDone,
-                                  StageFailed, StageTask, StartEngine, TaskFinished, TextStarted)
+                                  Heartbeat, HeartbeatAck, InjectFault, OutputDelta, StageAccepted,
+                                  StageCancelled, StageDone, StageFailed, StageTask, StartEngine, TaskFinished,
+                                  TextStarted)
 from omni_actors.processors import default_input
 
 #: Missing pool acks for this many heartbeat intervals means the pool is gone (one on this
@@ -396,7 +397,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._tasks[key] = asyncio.current_task()
         replica = self._spec.replica
         emit = self._rt.emit
-        ok = cancelled = input_error = False
+        ok = cancelled = input_error = client_error = False
         try:
             done = await self._execute(msg)
             emit(msg.reply_to, done)
@@ -404,11 +405,13 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         except asyncio.CancelledError:
             cancelled = True
             self._log.info("stage_cancelled", request_id=msg.request_id)
+            emit(msg.reply_to, StageCancelled(msg.request_id, msg.stage_id, msg.attempt))
         except ConnectorError as exc:
             # Inputs are released only when their request ends: it ended (the client left)
-            # while this task was on its way. Nothing to report, and not this replica's fault.
+            # while this task was on its way. Not this replica's fault: it ends as cancelled.
             cancelled = True
             self._log.info("stage_inputs_released", request_id=msg.request_id, error=str(exc))
+            emit(msg.reply_to, StageCancelled(msg.request_id, msg.stage_id, msg.attempt))
         except UpstreamTimeout as exc:
             # A neighbour stage stopped streaming: the request fails with the reason; this
             # replica is healthy (not counted as its failure).
@@ -423,6 +426,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             kind = (ErrorKind.STAGE_INPUT if isinstance(exc, StageInputError) else
                     ErrorKind.BAD_REQUEST if isinstance(exc, ValueError) else ErrorKind.ENGINE_ERROR)
             input_error = kind != ErrorKind.ENGINE_ERROR
+            client_error = kind == ErrorKind.BAD_REQUEST
             self._log.warning("stage_failed", request_id=msg.request_id, error=str(exc), kind=kind.value)
             emit(msg.reply_to, StageFailed(msg.request_id, msg.stage_id, replica, kind,
                                            f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt))
@@ -435,10 +439,10 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                     table.pop(key, None)
             if ok:
                 self._completed += 1
-            elif not cancelled:
+            elif not cancelled and not client_error:
                 self._failed += 1
             emit(self._pool, TaskFinished(replica, msg.request_id, msg.stage_id, ok, cancelled,
-                                          input_error=input_error))
+                                          input_error=input_error, client_error=client_error))
             if self._draining and not self._tasks:
                 emit(self.myAddress, DrainReplica(replica))  # the actor thread exits us
 

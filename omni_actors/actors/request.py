@@ -12,7 +12,13 @@ stage is cancelled and every intermediate buffer is released: recycled for
 later puts on its node when the request completed and no stage ran twice
 (every engine that read the buffer has finished with it), unlinked otherwise
 (a cancelled, failed, timed-out or retried stage may still be reading; an
-unlinked segment stays valid for its mappings).
+unlinked segment stays valid for its mappings). A request that ends with
+stages still running answers its client at once, but its RequestActor takes
+no new request until those stages confirm their cancels
+(:class:`~omni_actors.messages.StageCancelled`, or their late ``StageDone`` /
+``StageFailed``), :data:`CANCEL_CONFIRM_S` at most
+(:class:`~omni_actors.messages.RequestActorFree`): clients that hang up at
+once cannot pile up cancelled work in the engines beyond ``request_actors``.
 
 Creating an actor is a fork (about 8 ms here), so the bridge keeps a pool of
 ready RequestActors and reuses each one after it reports
@@ -36,6 +42,7 @@ then the request ends with an error that says so.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
@@ -44,13 +51,32 @@ from omni_actors.actors.supervision import WakeupChain
 from omni_actors.connectors import make_connector, release_all
 from omni_actors.logs import get_logger
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, CancelStage, ChunkAck, ChunkConsumed, ErrorKind, InputChunk,
-                                  OutputChunk, OutputReady, RequestFinished, RoutesChanged, RunRequest, StageAccepted,
-                                  StageChunk, StageDone, StageFailed, StageTask, TextStarted)
+                                  OutputChunk, OutputReady, RequestActorFree, RequestFinished, RoutesChanged, RunRequest,
+                                  StageAccepted, StageCancelled, StageChunk, StageDone, StageFailed, StageTask,
+                                  TextStarted)
 
 #: Stage failures worth another replica: the engine raised, or was going away.
 RETRYABLE = (ErrorKind.ENGINE_ERROR, ErrorKind.UNAVAILABLE)
 #: Wake-up payload: time to check that the API server owning this actor still runs.
 BRIDGE_CHECK = "bridge_check"
+#: Seconds a RequestActor whose request ended with stages still running (client gone,
+#: deadline, a failed stage) waits for those stages to confirm their cancels before it
+#: takes the next request anyway: a stopped or overloaded engine may never answer. Until
+#: then its API server counts it busy, so abandoned work stays within ``request_actors``.
+CANCEL_CONFIRM_S = 5.0
+#: Environment variable that sets it for the RequestActors of a system (0: free at once, as
+#: before this wait existed; benchmarks/hangups.py compares the two).
+CANCEL_CONFIRM_ENV = "OMNI_ACTORS_CANCEL_CONFIRM_S"
+#: Wake-up payload ``(CANCEL_CONFIRM, request_id)``: stop waiting for those confirmations.
+CANCEL_CONFIRM = "cancel_confirm"
+
+
+def cancel_confirm_s() -> float:
+    """``$OMNI_ACTORS_CANCEL_CONFIRM_S`` if set (a number >= 0), else :data:`CANCEL_CONFIRM_S`."""
+    try:
+        return max(0.0, float(os.environ.get(CANCEL_CONFIRM_ENV) or CANCEL_CONFIRM_S))
+    except ValueError:  # (a bad setting must not stop requests)
+        return CANCEL_CONFIRM_S
 
 
 class RequestActor(ActorTypeDispatcher):
@@ -63,6 +89,11 @@ class RequestActor(ActorTypeDispatcher):
         self._heard_at = time.monotonic()
         self._lost_after_s = BRIDGE_LOST_AFTER_S
         self._bridge_checks = WakeupChain(BRIDGE_CHECK)  # (gen 0: not started)
+        #: (request id, stages whose cancel is not confirmed yet, its bridge) after an end
+        #: with stages still running; None: free (see CANCEL_CONFIRM_S)
+        self._closing: tuple[str, set[int], object] | None = None
+        self._last_plan = ()  # the stages of the last request (names for the log)
+        self._confirm_s = cancel_confirm_s()
         self._reset()
 
     def _reset(self) -> None:
@@ -96,6 +127,10 @@ class RequestActor(ActorTypeDispatcher):
             self.send(msg.reply_to, RequestFinished(msg.request_id, ErrorKind.ENGINE_ERROR,
                                                     "request actor busy", request_actor=self.myAddress))
             return
+        if self._closing is not None:  # (the bridge waits for RequestActorFree: it never does this)
+            self._log.warning("request_actor_reused_while_closing", request_id=msg.request_id,
+                              closing=self._closing[0])
+            self._closing = None
         self._reset()
         self._heard()
         self._req = msg
@@ -280,6 +315,7 @@ class RequestActor(ActorTypeDispatcher):
 
     # -- stage results ---------------------------------------------------------
     def receiveMsg_StageDone(self, msg: StageDone, sender):
+        self._confirm(msg.request_id, msg.stage_id)
         task = self._running.get(msg.stage_id) if self._current(msg.request_id) else None
         if task is None or (task.streaming and msg.attempt != task.attempt):
             release_all([msg.output, msg.final])
@@ -315,6 +351,7 @@ class RequestActor(ActorTypeDispatcher):
             self._dispatch_ready()
 
     def receiveMsg_StageFailed(self, msg: StageFailed, sender):
+        self._confirm(msg.request_id, msg.stage_id)
         if not self._current(msg.request_id) or msg.stage_id not in self._running:
             return
         task = self._running[msg.stage_id]
@@ -387,6 +424,28 @@ class RequestActor(ActorTypeDispatcher):
                                   error="the stage's pool was replaced")
                 self._resend(dataclasses.replace(task, attempt=task.attempt + 1))
 
+    def receiveMsg_StageCancelled(self, msg: StageCancelled, sender):
+        # (A cancel this actor did not ask for while its request runs, e.g. of an orphaned
+        # replica's task that it sent again elsewhere, changes nothing: ignored.)
+        self._confirm(msg.request_id, msg.stage_id)
+
+    def _confirm(self, request_id: str, stage_id: int) -> None:
+        """A stage of the request this actor is closing ended: free once all have."""
+        if self._closing is not None and self._closing[0] == request_id:
+            self._closing[1].discard(stage_id)
+            if not self._closing[1]:
+                self._free(confirmed=True)
+
+    def _free(self, confirmed: bool) -> None:
+        request_id, unconfirmed, bridge = self._closing
+        self._closing = None
+        if not confirmed:
+            names = {s.stage_id: s.stage for s in self._last_plan}
+            self._log.warning("cancel_unconfirmed", request_id=request_id, after_s=self._confirm_s,
+                              stages=sorted(names.get(sid, str(sid)) for sid in unconfirmed))
+        self._heard_at = time.monotonic()
+        self.send(bridge, RequestActorFree(request_id, self.myAddress, confirmed))
+
     def receiveMsg_CancelRequest(self, msg: CancelRequest, sender):
         if self._current(msg.request_id):
             self._finish(ErrorKind.CANCELLED, msg.reason)
@@ -413,7 +472,10 @@ class RequestActor(ActorTypeDispatcher):
         self._bridge_checks.again(self, self._lost_after_s / 2)
 
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
-        if self._bridge_checks.owns(msg.payload):
+        if isinstance(msg.payload, tuple) and msg.payload[0] == CANCEL_CONFIRM:
+            if self._closing is not None and self._closing[0] == msg.payload[1]:
+                self._free(confirmed=False)
+        elif self._bridge_checks.owns(msg.payload):
             if self._bridge_checks.current(msg.payload):
                 self._check_bridge()
         elif self._current(msg.payload):
@@ -427,6 +489,8 @@ class RequestActor(ActorTypeDispatcher):
         req = self._req
         for stage_id in self._running:
             self.send(self._pools[stage_id], CancelStage(req.request_id, stage_id))
+        # Stages to hear from before the next request (one done but short of its chunks has ended)
+        unconfirmed = set(self._running) - set(self._done_waiting) if self._confirm_s > 0 else set()
         # Completed, every stage once (a pool re-dispatches a task on its own: attempt > 0): every
         # engine that read these buffers is done with them, so they are recycled. Otherwise one may
         # still be reading them: unlinked (its mapping keeps the pages).
@@ -443,6 +507,10 @@ class RequestActor(ActorTypeDispatcher):
             req.request_id, error, message, prompt_tokens=self._tokens[0], completion_tokens=self._tokens[1],
             finish_reason=self._finish_reason,
             stage_replicas={sid: d.replica for sid, d in self._done.items()}, request_actor=self.myAddress,
-            sent=self._out_seq, after_text=None if error else self._after_text()))
+            sent=self._out_seq, after_text=None if error else self._after_text(), free=not unconfirmed))
         self._heard_at = time.monotonic()  # (a request that outlived lost_after_s is no silence)
+        self._last_plan = req.plan.stages
         self._reset()
+        if unconfirmed:
+            self._closing = (req.request_id, unconfirmed, req.reply_to)
+            self.wakeupAfter(self._confirm_s, payload=(CANCEL_CONFIRM, req.request_id))

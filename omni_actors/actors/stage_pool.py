@@ -39,8 +39,8 @@ from omni_actors.balancing import POLICIES, ReplicaLoad
 from omni_actors.logs import get_logger
 from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, CancelStage, DrainReplica, EngineFailed,
                                   EngineReady, ErrorKind, Heartbeat, HeartbeatAck, PoolState, ReleasePlacement,
-                                  ReplicaState, ReplicaStatus, StageFailed, StageTask, StartPool, TaskFinished,
-                                  replica_index)
+                                  ReplicaState, ReplicaStatus, StageCancelled, StageFailed, StageTask, StartPool,
+                                  TaskFinished, replica_index)
 
 #: Ticks per heartbeat interval: how often health is judged.
 TICKS_PER_INTERVAL = 4
@@ -559,8 +559,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             rep.latency_sum += took
         elif msg.cancelled:
             pass  # the client went away: says nothing about the replica's health
-        else:
-            rep.failed += 1
+        elif not msg.client_error:
+            rep.failed += 1  # (a client's bad request, a 400, is no failure of the replica)
         if rep.health is not None and not msg.cancelled and not msg.input_error:
             rep.health.on_task_done(msg.ok, now, dispatched_at=entry[1])
             if not msg.ok and rep.state == ReplicaState.READY:
@@ -589,7 +589,11 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
 
     def receiveMsg_CancelStage(self, msg: CancelStage, sender):
         key = (msg.request_id, msg.stage_id)
-        self._pending = [(t, d) for t, d in self._pending if (t.request_id, t.stage_id) != key]
+        queued = [(t, d) for t, d in self._pending if (t.request_id, t.stage_id) == key]
+        if queued:
+            self._pending = [(t, d) for t, d in self._pending if (t.request_id, t.stage_id) != key]
+            for task, _ in queued:  # it never ran: confirm the cancel here (the engine does otherwise)
+                self.send(task.reply_to, StageCancelled(task.request_id, task.stage_id, task.attempt))
         for rep in self._replicas.values():
             if key in rep.in_flight:
                 self.send(rep.address, msg)

@@ -36,7 +36,12 @@ requests (default 4 x the maximum) for one to come free, within its deadline
 (504 when it passes first). With the queue full it is refused at once: HTTP
 429 with ``Retry-After``. A RequestActor above the minimum that stays idle
 ``idle_exit_s`` (:data:`REQUEST_ACTOR_IDLE_EXIT_S`, 30 s) is told to exit, so
-the process count comes back down after a burst.
+the process count comes back down after a burst. One whose request ended
+with stages still running (``RequestFinished.free`` False) stays busy until
+it says those stages confirmed their cancels (:class:`~omni_actors.messages.RequestActorFree`,
+within :data:`~omni_actors.actors.request.CANCEL_CONFIRM_S`), so clients
+that hang up cannot leave more cancelled work in the engines than there are
+RequestActors.
 """
 
 from __future__ import annotations
@@ -59,8 +64,8 @@ from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputPart, Output
                                     RequestFailed)
 from omni_actors.logs import get_logger
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, ErrorKind, GetRoutes, GetStatus, OutputChunk, OutputDelta,
-                                  OutputDeltas, OutputReady, RequestFinished, Routes, RoutesChanged, RunRequest,
-                                  Subscribe, SystemStatus, WhoAmI, YouAre)
+                                  OutputDeltas, OutputReady, RequestActorFree, RequestFinished, Routes, RoutesChanged,
+                                  RunRequest, Subscribe, SystemStatus, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
 from omni_actors.planning import PlanError, plan_request
 
@@ -156,6 +161,8 @@ class ActorBridge:
         #: request -> when its RequestActor is written off if it has not said the request ended
         #: (event loop only; a request is here from its start on a RequestActor to its RequestFinished)
         self._held: dict[str, float] = {}
+        #: requests over whose RequestActor still waits for its stages' cancels (event loop only)
+        self._closing: set[str] = set()
         #: how often the event loop ends idle RequestActors and writes off lost ones
         self._tick_s = min(1.0, max(0.05, idle_exit_s / 4))
         #: an idle RequestActor of ours that hears nothing for this long exits (BridgeAlive);
@@ -247,9 +254,11 @@ class ActorBridge:
                 actor = await self._pool.acquire(timeout)
             except QueueFull:
                 pool = self._pool
+                closing = (f" ({len(self._closing)} of them waiting for the engines to confirm the cancels "
+                           "of requests that ended early)" if self._closing else "")
                 yield RequestRejected(
-                    429, f"The server is busy: all {pool.maximum} of its RequestActors are serving requests "
-                         f"and {pool.queue_limit} more requests wait for one (the most allowed). "
+                    429, f"The server is busy: all {pool.maximum} of its RequestActors are serving requests"
+                         f"{closing} and {pool.queue_limit} more requests wait for one (the most allowed). "
                          f"Retry after {RETRY_AFTER_S} s.", "rate_limit_error")
                 return
             except asyncio.TimeoutError:
@@ -290,10 +299,12 @@ class ActorBridge:
 
     def request_actors(self) -> dict[str, int]:
         """The RequestActor pool now (event loop only): ``total`` (alive or being made),
-        ``busy``, ``idle``, ``queued`` (requests waiting for one), ``max``, ``min``,
+        ``busy``, ``idle``, ``closing`` (busy: their request is over, its stages' cancels
+        not all confirmed yet), ``queued`` (requests waiting for one), ``max``, ``min``,
         ``queue_limit``, ``rejected`` (429s so far)."""
         p = self._pool
-        return {"total": p.total, "busy": p.total - p.idle, "idle": p.idle, "queued": p.queued,
+        return {"total": p.total, "busy": p.total - p.idle, "idle": p.idle, "closing": len(self._closing),
+                "queued": p.queued,
                 "max": p.maximum, "min": p.minimum, "queue_limit": p.queue_limit, "rejected": p.rejected}
 
     def in_flight(self) -> int:
@@ -389,6 +400,7 @@ class ActorBridge:
             now = time.monotonic()
             for rid in [rid for rid, due in self._held.items() if now >= due]:
                 del self._held[rid]
+                self._closing.discard(rid)
                 self._log.warning("request_actor_lost", request_id=rid,
                                   error=f"no end of the request {LOST_AFTER_S:g} s after its deadline")
                 self._outbox(rid).put(("abandon", rid))
@@ -407,6 +419,7 @@ class ActorBridge:
 
     def _returned(self, request_id: str, actor: Any) -> None:
         """The RequestActor of ``request_id`` said the request ended: it is free again."""
+        self._closing.discard(request_id)
         if self._held.pop(request_id, None) is None:
             return  # written off already (told to exit), or not a request of ours
         if actor is None:
@@ -458,10 +471,16 @@ class ActorBridge:
                 return
             box.early[msg.seq] = msg
             self._pump(box)
-        elif isinstance(msg, RequestFinished):
-            # Its RequestActor is free from now on, whatever is still to be delivered.
+        elif isinstance(msg, RequestActorFree):
             self._outbox(msg.request_id).put(("finished", msg.request_id, msg.request_actor))
             self._loop.call_soon_threadsafe(self._returned, msg.request_id, msg.request_actor)
+        elif isinstance(msg, RequestFinished):
+            if msg.free:
+                # Its RequestActor is free from now on, whatever is still to be delivered.
+                self._outbox(msg.request_id).put(("finished", msg.request_id, msg.request_actor))
+                self._loop.call_soon_threadsafe(self._returned, msg.request_id, msg.request_actor)
+            else:  # busy until its stages confirm their cancels (RequestActorFree)
+                self._loop.call_soon_threadsafe(self._closing.add, msg.request_id)
             box = self._inbox.get(msg.request_id)
             live = msg.request_id in self._streams and msg.request_id not in self._ended
             if live and msg.error is None and ((box.seq if box else 0) < msg.sent or msg.after_text is not None):

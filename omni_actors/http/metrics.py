@@ -141,7 +141,8 @@ def stage_families(table: dict[str, Any]) -> list[Metric]:
     completed = CounterMetricFamily("omni_replica_tasks_completed",
                                     "Stage tasks the replica completed", labels=_RL)
     failed = CounterMetricFamily("omni_replica_tasks_failed",
-                                 "Stage tasks that failed on the replica", labels=_RL)
+                                 "Stage tasks that failed on the replica (not counted: "
+                                 "cancelled ones, and those failed on a client's bad input: a 400)", labels=_RL)
     restarts = CounterMetricFamily("omni_replica_restarts", "Times the replica was restarted",
                                    labels=_RL)
     latency = HistogramMetricFamily("omni_stage_task_latency_seconds",
@@ -313,6 +314,8 @@ class RequestActorCollector:
                                 "busy and idle)", value=s["total"])
         yield GaugeMetricFamily("omni_request_actors_busy", "RequestActors of this API server running "
                                 "a request (or being made)", value=s["busy"])
+        yield GaugeMetricFamily("omni_request_actors_closing", "Busy RequestActors whose request is over, "
+                                "waiting for its stages to confirm their cancels", value=s.get("closing", 0))
         yield GaugeMetricFamily("omni_request_actors_max", "The most RequestActors this API server keeps "
                                 "(request_actors)", value=s["max"])
         yield GaugeMetricFamily("omni_request_queue_depth", "Requests waiting for a free RequestActor",
