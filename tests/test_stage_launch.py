@@ -270,10 +270,10 @@ def test_a_member_stopped_cleanly_shows_as_left_not_lost(system):
     _wait(leader, lambda st: any(n["name"] == "m1" and not n["alive"] for n in st["nodes"]), "m1 gone")
     out = _cli(leader, "shell", "-c", "nodes")
     assert out.returncode == 0, out.stderr
-    assert "m1 LEFT: " in out.stdout, out.stdout
-    events = [e["event"] for e in read_events(leader.log_path, since) if e.get("node") == "m1"
+    events = [(e["event"], e.get("reason")) for e in read_events(leader.log_path, since) if e.get("node") == "m1"
               and e["event"] in ("node_left", "node_lost")]
-    assert events == ["node_left"], events
+    assert "m1 LEFT: " in out.stdout, (events, out.stdout)
+    assert [e for e, _ in events] == ["node_left"], events
 
 
 def test_a_second_member_with_a_node_name_in_use_is_refused(system, tmp_path):

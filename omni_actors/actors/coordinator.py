@@ -39,6 +39,10 @@ from omni_actors.placement import LEFT_REASON, Inventory, PlacementError
 
 #: A member node whose agent has been silent this many heartbeat intervals is lost.
 NODE_MISSED_HEARTBEATS = 3
+#: Seconds a member dropped from the convention has for its leave notice (``NodeLeaving``)
+#: to arrive before it is taken as lost: its admin's deregistration can overtake the notice,
+#: and a member stopped cleanly then showed as LOST.
+LEAVE_NOTICE_GRACE_S = 1.0
 
 #: The coordinator's ``globalName``.
 COORDINATOR_NAME = "omni-actors-coordinator"
@@ -64,6 +68,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._subscribers: list[tuple[object, float]] = []
         self._stopping = False
         self._inventory = Inventory()
+        self._joins: dict[str, int] = {}  #: node -> times it joined the convention (see LEAVE_NOTICE_GRACE_S)
         self._leader_node = ""
         self._log = get_logger(actor="coordinator")
 
@@ -173,6 +178,9 @@ class CoordinatorActor(ActorTypeDispatcher):
                 elif node.alive and now - node.last_seen > NODE_MISSED_HEARTBEATS * interval:
                     self._lose_node(name, f"missed {NODE_MISSED_HEARTBEATS} node heartbeats")
             self.wakeupAfter(interval, payload="node_check")
+        elif isinstance(msg.payload, tuple) and msg.payload[0] == "node_dropped":
+            if self._joins.get(msg.payload[1], 0) == msg.payload[2]:  # (not if it rejoined since)
+                self._lose_node(msg.payload[1], "dropped from the convention without a leave notice")
         elif isinstance(msg.payload, tuple) and msg.payload[0] == "restart_pool" and not self._stopping:
             stage = self._config.stage(msg.payload[1])
             self._pool_restarts[stage.stage_id].append(time.monotonic())
@@ -220,9 +228,11 @@ class CoordinatorActor(ActorTypeDispatcher):
                 # Thespian dropping the admin of a node that has rejoined since (a new admin): not this node
                 self._log.info("node_stale_registration_dropped", node=name, admin=str(msg.remoteAdminAddress))
                 return
-            # (a member that stopped cleanly said so first: NodeLeaving; this is one killed or cut off)
-            self._lose_node(name, "dropped from the convention without a leave notice")
+            # A member that stops cleanly says so (NodeLeaving, from its node agent), but that notice
+            # may come after its admin's deregistration: lost only if none came within a grace.
+            self.wakeupAfter(LEAVE_NOTICE_GRACE_S, payload=("node_dropped", name, self._joins.get(name, 0)))
             return
+        self._joins[name] = self._joins.get(name, 0) + 1
         info = NodeInfo(name, _split(caps.get("omni_devices")), _split(caps.get("omni_stages")),
                         msg.remoteAdminAddress)
         self._inventory.add(info)
