@@ -254,6 +254,31 @@ def test_a_request_actor_whose_stages_are_still_cancelling_stays_busy_until_it_s
     asyncio.run(main())
 
 
+def test_outputs_held_for_a_client_that_left_are_released_when_the_next_one_comes():
+    """An output that came before its turn waits in the request's inbox; if the client
+    leaves before the missing one arrives, both are released then (the waiting one
+    used to stay in the inbox, its segment in use for ever)."""
+    from omni_actors.connectors import ConnectorRef
+    from omni_actors.messages import OutputReady
+
+    class Loop:
+        def call_soon_threadsafe(self, fn, *args):
+            fn(*args)
+
+    bridge = _bridge()
+    bridge._loop = Loop()
+    released = []
+    bridge._connector.release = released.append
+    bridge._streams["r"] = object()
+    refs = [ConnectorRef(kind="shm", size=8, layout=(), location=f"oa-1-{i}") for i in range(2)]
+    bridge._on_message(OutputReady("r", 2, "audio", refs[1], seq=1))  # seq 0 is still on its way
+    bridge._on_message(RequestFinished("r", request_actor="ra-1", sent=2))
+    assert released == [] and bridge._inbox["r"].finished is not None
+    del bridge._streams["r"]  # the client leaves
+    bridge._on_message(OutputReady("r", 2, "audio", refs[0], seq=0))
+    assert sorted(r.location for r in released) == ["oa-1-0", "oa-1-1"] and "r" not in bridge._inbox
+
+
 def test_a_text_stage_retried_after_its_text_went_out_is_named_by_its_stage_name():
     class Loop:
         def call_soon_threadsafe(self, fn, *args):

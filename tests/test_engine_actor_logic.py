@@ -354,7 +354,7 @@ def _closing_request_actor(stages=("thinker", "talker")):
     ra._req = SimpleNamespace(request_id="r1", plan=SimpleNamespace(stages=plan), reply_to="bridge")
     ra._started = 0.0
     ra._pools = {i: f"pool-{name}" for i, name in enumerate(stages)}
-    ra._running = {i: SimpleNamespace(attempt=0) for i in range(len(stages))}
+    ra._running = {i: SimpleNamespace(attempt=0, streaming=False, emit_chunks=False) for i in range(len(stages))}
     return ra, sent, wakeups
 
 
@@ -461,3 +461,26 @@ def test_a_pool_confirms_the_cancel_of_a_task_still_in_its_queue():
     pool.receiveMsg_CancelStage(CancelStage("r2", 0), "ra-2")
     assert pool._pending == []
     assert pool.sent == [("ra-1", StageCancelled("r1", 0, 1)), ("engine-address", CancelStage("r2", 0))]
+
+
+def test_a_request_ended_while_a_stage_done_waits_for_its_last_chunks_releases_its_outputs(monkeypatch):
+    """A streaming producer's StageDone that overtook its last chunks waits in the
+    RequestActor; if the request ends then (the client left), its output and final
+    refs are released with the rest. They used to be dropped unreleased: a segment
+    left in use for ever (a rare leak seen in the no-segment-left tests)."""
+    from omni_actors.actors import request as request_module
+    from omni_actors.connectors import ConnectorRef
+    from omni_actors.messages import CancelRequest, StageDone
+
+    released = []
+    monkeypatch.setattr(request_module, "release_all",
+                        lambda refs, recycle=False: released.extend(r for r in refs if r is not None))
+    ra, sent, wakeups = _closing_request_actor(("thinker", "talker"))
+    ra._running[0].emit_chunks = ra._running[0].streaming = True
+    output = ConnectorRef(kind="shm", size=8, layout=(), location="oa-1-output")
+    final = ConnectorRef(kind="shm", size=8, layout=(), location="oa-1-final")
+    ra._chunks[0] = []
+    ra.receiveMsg_StageDone(StageDone("r1", 0, "thinker/0", output, final, chunks=3), "thinker-engine")
+    assert ra._done_waiting and released == []  # waits for its 3 chunks
+    ra.receiveMsg_CancelRequest(CancelRequest("r1"), "bridge")
+    assert output in released and final in released

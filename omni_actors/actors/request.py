@@ -305,12 +305,16 @@ class RequestActor(ActorTypeDispatcher):
         return out
 
     def _forget_stream(self, stages: set[int], recycle: bool = False) -> None:
-        """Drop the streaming state of ``stages`` (their chunks are released)."""
+        """Drop the streaming state of ``stages`` (their chunks are released, and the
+        outputs of a StageDone that came before its last chunks)."""
         for sid in stages:
             release_all(self._chunks.pop(sid, []), recycle=recycle)
             release_all((m.ref for m in self._early.pop(sid, {}).values()), recycle=recycle)
+            waiting = self._done_waiting.pop(sid, None)
+            if waiting is not None:  # (nobody else holds its refs: they would leak)
+                release_all([waiting.output, waiting.final], recycle=recycle)
             for table in (self._chunk_last, self._chunk_total, self._producer, self._consumer, self._sent, self._consumed,
-                          self._acked, self._done_waiting):
+                          self._acked):
                 table.pop(sid, None)
 
     # -- stage results ---------------------------------------------------------
@@ -497,7 +501,7 @@ class RequestActor(ActorTypeDispatcher):
         recycle = error is None and not self._running and not self._retried \
             and all(d.attempt == 0 for d in self._done.values())
         release_all(self._owned, recycle=recycle)
-        self._forget_stream(set(self._chunks), recycle=recycle)
+        self._forget_stream(set(self._chunks) | set(self._done_waiting), recycle=recycle)
         names = {s.stage_id: s.stage for s in req.plan.stages}
         self._log.info("request_finished", request_id=req.request_id,
                        error=error.value if error else None, message=message or None,

@@ -468,6 +468,10 @@ class ActorBridge:
             box = self._box(msg.request_id)
             if box is None:
                 self._drop(msg)  # the request is over (the client went away)
+                # and what came before it, out of order, for a client that left since
+                stale = self._inbox.pop(msg.request_id, None)
+                for early in (stale.early.values() if stale else ()):
+                    self._drop(early)
                 return
             box.early[msg.seq] = msg
             self._pump(box)
