@@ -278,6 +278,16 @@ def test_outputs_held_for_a_client_that_left_are_released_when_the_next_one_come
     bridge._on_message(OutputReady("r", 2, "audio", refs[0], seq=0))
     assert sorted(r.location for r in released) == ["oa-1-0", "oa-1-1"] and "r" not in bridge._inbox
 
+    # A final text waits for the text deltas before it; the client leaves; a delta comes.
+    released.clear()
+    bridge._streams["t"] = asyncio.Queue()
+    bridge._on_message(OutputReady("t", 0, "text", refs[0], seq=0, after_text=(0, 2)))
+    bridge._on_message(OutputDeltas((OutputDelta("t", "one", 0, stage_id=0),)))
+    assert released == [] and bridge._inbox["t"].early  # still one delta short
+    del bridge._streams["t"]
+    bridge._on_message(OutputDeltas((OutputDelta("t", "two", 1, stage_id=0),)))
+    assert [r.location for r in released] == ["oa-1-0"] and "t" not in bridge._inbox
+
 
 def test_a_text_stage_retried_after_its_text_went_out_is_named_by_its_stage_name():
     class Loop:

@@ -468,10 +468,7 @@ class ActorBridge:
             box = self._box(msg.request_id)
             if box is None:
                 self._drop(msg)  # the request is over (the client went away)
-                # and what came before it, out of order, for a client that left since
-                stale = self._inbox.pop(msg.request_id, None)
-                for early in (stale.early.values() if stale else ()):
-                    self._drop(early)
+                self._discard(msg.request_id)  # and what came before it, out of order
                 return
             box.early[msg.seq] = msg
             self._pump(box)
@@ -521,14 +518,18 @@ class ActorBridge:
         """A text delta from the engine: delivered in seq order within its attempt."""
         rid = delta.request_id
         box = self._box(rid)
-        if box is None or delta.attempt < box.text_attempt:
+        if box is None:
+            # Over (the client went away): outputs held for the text before them go too
+            self._discard(rid)
+            return
+        if delta.attempt < box.text_attempt:
             return
         if delta.attempt > box.text_attempt:
             if box.text_seq:
                 # The stage was retried although its text had begun to reach the client
                 # (the replica died before the RequestActor heard of it): the client would
                 # read the text twice. End the request instead.
-                self._inbox.pop(rid, None)
+                self._discard(rid)
                 self._ended[rid] = None
                 self._outbox(rid).put(("cancel", rid))
                 self._deliver(rid, RequestFailed(
@@ -562,11 +563,15 @@ class ActorBridge:
         if ref is not None:
             self._connector.release(ref)
 
+    def _discard(self, request_id: str) -> None:
+        """Forget the request's inbox, releasing the outputs that waited in it for their turn."""
+        box = self._inbox.pop(request_id, None)
+        for early in (box.early.values() if box else ()):
+            self._drop(early)
+
     def _end(self, msg: RequestFinished) -> None:
         """The request is over: tell the client (its RequestActor was freed on arrival)."""
-        box = self._inbox.pop(msg.request_id, None)
-        for early in (box.early.values() if box else ()):
-            self._drop(early)  # (only when it failed: a finished one waited for them all)
+        self._discard(msg.request_id)  # (only a failed one has any: a finished one waited for them all)
         self._ended[msg.request_id] = None
         if len(self._ended) > 4096:
             del self._ended[next(iter(self._ended))]
