@@ -19,7 +19,7 @@ from aiohttp import web
 from omni_actors.http import metrics as M
 from omni_actors.http import protocol as P
 from omni_actors.http.types import (
-    Bridge, BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone, RequestFailed,
+    Bridge, BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone, RequestFailed, within,
 )
 
 __all__ = ["create_app", "start_http", "BRIDGE_KEY"]
@@ -87,7 +87,7 @@ async def _read_json(request: web.Request) -> Any:
         # Declared too large: refused at once, not after waiting for a body we would refuse.
         raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=request.content_length)
     try:  # raises HTTPRequestEntityTooLarge over client_max_size
-        body = await asyncio.wait_for(request.read(), BODY_READ_TIMEOUT_S)
+        body = await within(request.read(), BODY_READ_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise P.ApiError(408, f"The request body did not arrive within {BODY_READ_TIMEOUT_S:g} s.",
                          code="request_timeout") from None
@@ -208,7 +208,7 @@ class _Run:
         while True:
             try:
                 remaining = None if deadline is None else max(0.0, deadline - loop.time())
-                event = await asyncio.wait_for(it.__anext__(), remaining)
+                event = await within(it.__anext__(), remaining)
             except StopAsyncIteration:
                 raise P.ApiError(500, "The pipeline ended without a result.",
                                  "server_error") from None

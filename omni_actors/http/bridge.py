@@ -61,7 +61,7 @@ from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
 from omni_actors.actors.request import RequestActor
 from omni_actors.connectors import make_connector
 from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone,
-                                    RequestFailed)
+                                    RequestFailed, within)
 from omni_actors.logs import get_logger
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, ErrorKind, GetRoutes, GetStatus, OutputChunk, OutputDelta,
                                   OutputDeltas, OutputReady, RequestActorFree, RequestFinished, Routes, RoutesChanged,
@@ -284,7 +284,7 @@ class ActorBridge:
             while True:
                 left = deadline - time.monotonic()
                 try:
-                    event = await asyncio.wait_for(stream.get(), max(left, 0.001))
+                    event = await within(stream.get(), max(left, 0.001))
                 except asyncio.TimeoutError:
                     yield RequestFailed(504, f"no answer from the pipeline within {timeout:g} s", "timeout")
                     return
@@ -339,7 +339,7 @@ class ActorBridge:
         self._queries[query_id] = fut
         self._outbox().put(("tell", self._coordinator, GetStatus(query_id, reply_to=self._address)))
         try:
-            return await asyncio.wait_for(fut, timeout_s)
+            return await within(fut, timeout_s)
         finally:
             self._queries.pop(query_id, None)
 

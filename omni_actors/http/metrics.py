@@ -58,6 +58,7 @@ from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFami
 from prometheus_client.utils import floatToGoString
 
 from omni_actors.http import protocol as P
+from omni_actors.http.types import within
 from omni_actors.messages import LATENCY_BUCKETS_S, ReplicaState
 
 __all__ = ["CONTENT_TYPE_LATEST", "METRICS_KEY", "REQUEST_BUCKETS_S", "STAGES_TIMEOUT_S", "Metrics",
@@ -216,7 +217,7 @@ class Metrics:
     async def fetch(self, bridge: Any, timeout_s: float | None = None) -> dict[str, Any] | None:
         """The bridge's stage table, or ``None`` when it raises or times out."""
         try:
-            return await asyncio.wait_for(bridge.stages(), STAGES_TIMEOUT_S if timeout_s is None
+            return await within(bridge.stages(), STAGES_TIMEOUT_S if timeout_s is None
                                           else timeout_s)
         except asyncio.CancelledError:
             raise

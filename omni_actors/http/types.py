@@ -2,8 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol, Union
+from typing import Any, AsyncIterator, Awaitable, Protocol, TypeVar, Union
+
+T = TypeVar("T")
+
+
+async def within(aw: Awaitable[T], timeout_s: float | None) -> T:
+    """``await aw`` for at most ``timeout_s`` seconds, like ``asyncio.wait_for``.
+
+    Raises:
+        asyncio.TimeoutError: it took longer. asyncio.CancelledError: the caller
+            was cancelled, always: Python 3.11's ``wait_for`` drops a cancel that
+            comes as ``aw`` finishes (a client that hung up just then was served
+            in full and counted a 200); ``asyncio.timeout`` (3.11+) does not.
+    """
+    if sys.version_info < (3, 11):
+        return await asyncio.wait_for(aw, timeout_s)
+    async with asyncio.timeout(timeout_s):
+        return await aw
 
 
 @dataclass
