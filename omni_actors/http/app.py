@@ -91,6 +91,11 @@ async def _read_json(request: web.Request) -> Any:
     except asyncio.TimeoutError:
         raise P.ApiError(408, f"The request body did not arrive within {BODY_READ_TIMEOUT_S:g} s.",
                          code="request_timeout") from None
+    except asyncio.CancelledError:
+        # The client left mid-body and aiohttp cancelled us (when the read fails first, aiohttp
+        # logs its ConnectionResetError, which logs.py turns into this same one line).
+        _log().info("client_connection_lost", message="the client left while its request body was being read")
+        raise
     try:
         return msgspec.json.decode(body)
     except msgspec.MsgspecError as e:
