@@ -165,6 +165,13 @@ async def _first(bridge: ActorBridge, rid: str, timeout_s: float = 60.0):
         await gen.aclose()
 
 
+class _SyncLoop:
+    """Stands in for the bridge's event loop: runs what the receiver thread hands it at once."""
+
+    def call_soon_threadsafe(self, fn, *args):
+        fn(*args)
+
+
 def _outbox_items(bridge: ActorBridge) -> list:
     items = []
     for box in bridge._outboxes:
@@ -261,12 +268,8 @@ def test_outputs_held_for_a_client_that_left_are_released_when_the_next_one_come
     from omni_actors.connectors import ConnectorRef
     from omni_actors.messages import OutputReady
 
-    class Loop:
-        def call_soon_threadsafe(self, fn, *args):
-            fn(*args)
-
     bridge = _bridge()
-    bridge._loop = Loop()
+    bridge._loop = _SyncLoop()
     released = []
     bridge._connector.release = released.append
     bridge._streams["r"] = object()
@@ -290,12 +293,8 @@ def test_outputs_held_for_a_client_that_left_are_released_when_the_next_one_come
 
 
 def test_a_text_stage_retried_after_its_text_went_out_is_named_by_its_stage_name():
-    class Loop:
-        def call_soon_threadsafe(self, fn, *args):
-            fn(*args)
-
     bridge = _bridge()
-    bridge._loop = Loop()
+    bridge._loop = _SyncLoop()
     events = []
 
     class Stream:

@@ -473,13 +473,10 @@ class ActorBridge:
             box.early[msg.seq] = msg
             self._pump(box)
         elif isinstance(msg, RequestActorFree):
-            self._outbox(msg.request_id).put(("finished", msg.request_id, msg.request_actor))
-            self._loop.call_soon_threadsafe(self._returned, msg.request_id, msg.request_actor)
+            self._actor_free(msg.request_id, msg.request_actor)
         elif isinstance(msg, RequestFinished):
-            if msg.free:
-                # Its RequestActor is free from now on, whatever is still to be delivered.
-                self._outbox(msg.request_id).put(("finished", msg.request_id, msg.request_actor))
-                self._loop.call_soon_threadsafe(self._returned, msg.request_id, msg.request_actor)
+            if msg.free:  # its RequestActor is free from now on, whatever is still to be delivered
+                self._actor_free(msg.request_id, msg.request_actor)
             else:  # busy until its stages confirm their cancels (RequestActorFree)
                 self._loop.call_soon_threadsafe(self._closing.add, msg.request_id)
             box = self._inbox.get(msg.request_id)
@@ -562,6 +559,11 @@ class ActorBridge:
         ref = getattr(msg, "ref", None)
         if ref is not None:
             self._connector.release(ref)
+
+    def _actor_free(self, request_id: str, actor: Any) -> None:
+        """Receiver thread: the RequestActor of ``request_id`` takes the next request."""
+        self._outbox(request_id).put(("finished", request_id, actor))
+        self._loop.call_soon_threadsafe(self._returned, request_id, actor)
 
     def _discard(self, request_id: str) -> None:
         """Forget the request's inbox, releasing the outputs that waited in it for their turn."""
