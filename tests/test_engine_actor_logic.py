@@ -484,3 +484,27 @@ def test_a_request_ended_while_a_stage_done_waits_for_its_last_chunks_releases_i
     assert ra._done_waiting and released == []  # waits for its 3 chunks
     ra.receiveMsg_CancelRequest(CancelRequest("r1"), "bridge")
     assert output in released and final in released
+
+
+def test_a_late_heartbeat_cannot_bring_back_a_node_that_left():
+    """A member's node agent sends its last heartbeat, then its leave notice; the heartbeat
+    can arrive second. The node stays LEFT (CI once saw it marked back, then lost for missed
+    heartbeats); a member that really comes back rejoins the convention instead. A node that
+    was lost (missed heartbeats) is still back on its next heartbeat."""
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import NodeHeartbeat, NodeHeartbeatAck, NodeLeaving
+    from omni_actors.placement import LEFT_REASON, NodeInfo
+
+    coord = CoordinatorActor()
+    coord.sent = []
+    coord.send = lambda address, message: coord.sent.append((address, message))
+    coord._inventory.add(NodeInfo("m1", ("0",), ()))
+    coord._inventory.add(NodeInfo("m2", ("0",), ()))
+    coord.receiveMsg_NodeLeaving(NodeLeaving("m1"), "agent-m1")
+    coord.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1"), "agent-m1")
+    m1 = coord._inventory.nodes["m1"]
+    assert (m1.alive, m1.down_reason) == (False, LEFT_REASON)
+    assert ("agent-m1", NodeHeartbeatAck()) in coord.sent  # (answered all the same)
+    coord._lose_node("m2", "missed 3 node heartbeats")
+    coord.receiveMsg_NodeHeartbeat(NodeHeartbeat("m2"), "agent-m2")
+    assert coord._inventory.nodes["m2"].alive

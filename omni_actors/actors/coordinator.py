@@ -263,6 +263,8 @@ class CoordinatorActor(ActorTypeDispatcher):
     def receiveMsg_NodeHeartbeat(self, msg: NodeHeartbeat, sender):
         self.send(sender, NodeHeartbeatAck())
         node = self._inventory.nodes.get(msg.node)
+        if node is not None and not node.alive and node.down_reason == LEFT_REASON:
+            return  # sent before its leave notice, delivered after it: a node that left comes back by rejoining
         if node is not None and not node.alive:
             # It was declared lost (paused, partitioned) but is back: its old replicas
             # were told to exit; it starts again with all its devices free.
