@@ -193,6 +193,7 @@ class StartNodeAgent(Message):
     node: str
     interval_s: float
     reap_after_s: float | None = None  #: the host's data service reaps buffers older than this
+    join: int = 0  #: which join of the node to the convention this agent serves (its heartbeats say it)
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,7 @@ class NodeHeartbeat(Message):
     buffers: int | None = None  #: live shared-memory segments of the host
     free_buffers: int | None = None  #: free (recycled, unclaimed) segments of the host, apart from ``buffers``
     free_bytes: int | None = None  #: their bytes
+    join: int = 0  #: the agent's :attr:`StartNodeAgent.join`: heartbeats of an earlier join are stale
 
 
 @dataclass(frozen=True)
@@ -558,9 +560,23 @@ BRIDGE_LOST_AFTER_S = 120.0
 class BridgeAlive(Message):
     """Bridge -> each of its idle RequestActors, every quarter of ``lost_after_s``: the
     API server that owns them still runs. One that hears nothing from it (nor runs a
-    request) for ``lost_after_s`` exits."""
+    request) for ``lost_after_s`` exits.
+
+    With ``request_id`` (bridge -> a busy RequestActor, every ``REQUEST_ACTOR_PING_S``
+    of :mod:`omni_actors.http.bridge`): it answers :class:`RequestActorAlive` while it
+    still runs that request or waits for its cancels."""
 
     lost_after_s: float = BRIDGE_LOST_AFTER_S
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestActorAlive(Message):
+    """RequestActor -> its bridge: it still runs (or closes) ``request_id``. A busy
+    RequestActor that stops answering (its process was killed) is written off by the
+    bridge and its request fails, instead of hanging until the deadline."""
+
+    request_id: str
 
 
 @dataclass(frozen=True)

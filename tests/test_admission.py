@@ -28,7 +28,7 @@ import pytest
 
 from omni_actors.http.admission import QueueFull, RequestActorPool
 from omni_actors.http.bridge import ActorBridge, RequestRejected
-from omni_actors.http.types import PipelineRequest, RequestFailed
+from omni_actors.http.types import PipelineRequest, RequestFailed, within
 from omni_actors.messages import ErrorKind, OutputDelta, OutputDeltas, RequestFinished, Routes, RunRequest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -229,6 +229,44 @@ def test_submit_waits_for_a_request_actor_within_the_deadline_and_refuses_past_t
         await asyncio.sleep(0.01)
         assert bridge._pool.queued == 0 and bridge.in_flight() == 0
         assert [item for item in _outbox_items(bridge) if item[0] in ("run", "cancel")] == []
+
+    asyncio.run(main())
+
+
+def test_a_busy_request_actor_that_stops_answering_is_written_off_and_its_request_fails_with_500():
+    """A RequestActor killed mid-request says nothing more. The bridge pings each busy one
+    every REQUEST_ACTOR_PING_S; one silent for REQUEST_ACTOR_SILENT_S is written off: its
+    client gets a 500 at once (it waited for the deadline, 120 s in the demo, before), its
+    stages are cancelled and its place goes to a new RequestActor. One that answers stays."""
+    from omni_actors.http.bridge import REQUEST_ACTOR_SILENT_S
+    from omni_actors.messages import RequestActorAlive
+
+    async def main():
+        bridge = _bridge(request_actors=2, queue_limit=0)
+        bridge._loop = asyncio.get_running_loop()
+        bridge._pool.reserve(2)
+        bridge._pool.release("ra-dead")
+        bridge._pool.release("ra-alive")
+        dead = asyncio.ensure_future(_first(bridge, "dead"))
+        alive = asyncio.ensure_future(_first(bridge, "alive"))
+        await asyncio.sleep(0.01)
+        bridge._tick()
+        assert sorted(item for item in _outbox_items(bridge) if item[0] == "ping") == [
+            ("ping", "alive"), ("ping", "dead")]
+        bridge._answered["dead"] -= REQUEST_ACTOR_SILENT_S + 1  # silent since then
+        bridge._answered["alive"] -= REQUEST_ACTOR_SILENT_S + 1
+        bridge._on_message(RequestActorAlive("alive"))  # (the receiver thread hands it to the loop)
+        await asyncio.sleep(0.01)
+        bridge._tick()
+        ev = await within(dead, 5)
+        assert isinstance(ev, RequestFailed) and ev.status == 500
+        assert "its RequestActor answered nothing for 15 s" in ev.message
+        assert ("abandon", "dead") in _outbox_items(bridge)
+        stats = bridge.request_actors()
+        assert (stats["total"], stats["busy"]) == (1, 1)  # the dead one's place is free for a new one
+        assert not alive.done()
+        alive.cancel()
+        bridge._stop.set()
 
     asyncio.run(main())
 
@@ -559,6 +597,61 @@ def test_clients_that_give_up_on_a_stopped_engine_cannot_pile_work_on_it(tmp_pat
         if api is not None:
             assert api.stop() == 0, api.log.read_text()[-2000:]
         assert leader.stop() == 0
+
+
+@pytest.mark.system
+def test_a_request_actor_killed_mid_request_fails_its_request_soon_and_is_replaced(leader, tmp_path):
+    """SIGKILL on the RequestActor running a request (its process crashed): the client
+    gets a 500 that says so a few seconds later (it waited for the request's deadline,
+    plus 5 s, before), the Thinker's task is cancelled, and the next request is served
+    by a new RequestActor."""
+    import urllib.error
+    import urllib.request
+
+    baseline = _settle(leader.pids)
+    api = ApiServer(leader, tmp_path, min_request_actors=1, queue_limit=4, silent_s=3.0)
+    try:
+        ras = _settle(lambda: set(leader.pids()) - baseline)
+        assert len(ras) == 1, ras  # the API server's one RequestActor
+
+        def thinker() -> dict:
+            return json.loads(_get(api.url + "/stages"))["stages"][0]["replicas"][0]
+
+        def chat(max_tokens: int) -> tuple[int, str]:
+            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                               "max_tokens": max_tokens}).encode()
+            req = urllib.request.Request(api.url + "/chat/completions", body, {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read().decode()
+
+        result: list = []
+        client = threading.Thread(target=lambda: result.append(chat(2000)))  # 40 s of decoding
+        client.start()
+        deadline = time.monotonic() + 15
+        while thinker()["in_flight"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert thinker()["in_flight"] == 1
+        killed = time.monotonic()
+        os.kill(ras.pop(), signal.SIGKILL)
+        client.join(30)
+        assert result, "no answer 30 s after the RequestActor was killed"
+        status, body = result[0]
+        assert status == 500, body
+        assert "its RequestActor answered nothing for 3 s" in json.loads(body)["error"]["message"]
+        assert time.monotonic() - killed < 15
+        deadline = time.monotonic() + 10  # its task was cancelled, not left to run its 40 s
+        while thinker()["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert thinker()["in_flight"] == 0
+        status, body = chat(4)
+        assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4, body
+        text = _get(api.url.removesuffix("/v1") + "/metrics")
+        assert _gauge(text, "omni_request_actors") == 1 and _gauge(text, "omni_request_actors_busy") == 0
+    finally:
+        assert api.stop() == 0, api.log.read_text()[-2000:]
 
 
 def _get(url: str) -> str:

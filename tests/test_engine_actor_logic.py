@@ -508,3 +508,54 @@ def test_a_late_heartbeat_cannot_bring_back_a_node_that_left():
     coord._lose_node("m2", "missed 3 node heartbeats")
     coord.receiveMsg_NodeHeartbeat(NodeHeartbeat("m2"), "agent-m2")
     assert coord._inventory.nodes["m2"].alive
+
+
+def test_a_busy_request_actor_answers_its_bridge_while_it_runs_or_closes_the_request():
+    """The bridge asks each busy RequestActor (BridgeAlive with the request's id) whether it
+    still runs its request; silence means its process is gone. It answers while it runs
+    the request and while it waits for the cancels, and not for another request."""
+    from omni_actors.messages import BridgeAlive, CancelRequest, RequestActorAlive
+
+    ra, sent, _ = _closing_request_actor()
+    ra.receiveMsg_BridgeAlive(BridgeAlive(120.0, request_id="r1"), "sender-thread")
+    ra.receiveMsg_BridgeAlive(BridgeAlive(120.0, request_id="r0"), "sender-thread")  # (an older one)
+    ra.receiveMsg_BridgeAlive(BridgeAlive(120.0), "sender-thread")  # (idle keep-alive: no answer)
+    assert [(a, m) for a, m in sent if isinstance(m, RequestActorAlive)] == [("bridge", RequestActorAlive("r1"))]
+    ra.receiveMsg_CancelRequest(CancelRequest("r1"), "bridge")  # over; its stages still cancelling
+    sent.clear()
+    ra.receiveMsg_BridgeAlive(BridgeAlive(120.0, request_id="r1"), "sender-thread")
+    assert sent == [("bridge", RequestActorAlive("r1"))]
+
+
+def test_a_member_reported_joining_takes_work_only_once_its_node_agent_answers():
+    """Thespian reported a member that had just stopped as joining again, 9 s after it
+    left (CI; nobody was there): it was alive at once, then lost for missed heartbeats.
+    Now a joining member is alive from its new agent's first heartbeat; heartbeats of
+    an earlier join's agent do not count."""
+    from types import SimpleNamespace
+
+    from thespian.actors import ActorSystemConventionUpdate
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import NodeHeartbeat, NodeLeaving, StartNodeAgent
+    from omni_actors.placement import LEFT_REASON
+
+    coord = CoordinatorActor()
+    coord.sent = []
+    coord.send = lambda address, message: coord.sent.append((address, message))
+    coord.createActor = lambda cls, **kw: "agent-address"
+    coord._publish_status = lambda: None
+    coord._config = SimpleNamespace(deployment=SimpleNamespace(heartbeat_interval_s=0.5, request_timeout_s=60))
+    caps = {"omni_node": "m1", "omni_devices": "0,1"}
+    coord.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-m1", caps, True), None)
+    assert "m1" not in coord._inventory.nodes  # not until its agent answers
+    start = next(m for _, m in coord.sent if isinstance(m, StartNodeAgent))
+    coord.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=start.join), "agent-address")
+    assert coord._inventory.nodes["m1"].alive and coord._inventory.nodes["m1"].info.devices == ("0", "1")
+    coord.receiveMsg_NodeLeaving(NodeLeaving("m1"), "agent-address")
+    coord.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-m1", caps, True), None)
+    coord.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=start.join), "agent-address")  # (the old agent's)
+    m1 = coord._inventory.nodes["m1"]
+    assert (m1.alive, m1.down_reason) == (False, LEFT_REASON)
+    coord.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=start.join + 1), "agent-address")
+    assert coord._inventory.nodes["m1"].alive

@@ -69,6 +69,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._stopping = False
         self._inventory = Inventory()
         self._joins: dict[str, int] = {}  #: node -> times it joined the convention (see LEAVE_NOTICE_GRACE_S)
+        #: node -> (its info, join number): in the convention, its node agent not heard from yet
+        self._joining: dict[str, tuple[NodeInfo, int]] = {}
         self._leader_node = ""
         self._log = get_logger(actor="coordinator")
 
@@ -232,14 +234,20 @@ class CoordinatorActor(ActorTypeDispatcher):
             # may come after its admin's deregistration: lost only if none came within a grace.
             self.wakeupAfter(LEAVE_NOTICE_GRACE_S, payload=("node_dropped", name, self._joins.get(name, 0)))
             return
-        self._joins[name] = self._joins.get(name, 0) + 1
+        # The node takes work once its agent's first heartbeat comes: Thespian may report a member
+        # that has just stopped as joining again (CI saw one 9 s after it left), with nobody there.
+        join = self._joins[name] = self._joins.get(name, 0) + 1
         info = NodeInfo(name, _split(caps.get("omni_devices")), _split(caps.get("omni_stages")),
                         msg.remoteAdminAddress)
-        self._inventory.add(info)
+        self._joining[name] = (info, join)
         agent = self.createActor(NodeAgentActor, targetActorRequirements={NODE_CAPABILITY: name})
         self.send(agent, StartNodeAgent(name, self._config.deployment.heartbeat_interval_s,
-                                        reap_after_s=self._config.deployment.request_timeout_s + 30))
-        self._log.info("node_joined", node=name, devices=list(info.devices), stages=list(info.stages))
+                                        reap_after_s=self._config.deployment.request_timeout_s + 30, join=join))
+
+    def _joined(self, info: NodeInfo) -> None:
+        """A member's node agent answered: its devices take work."""
+        self._inventory.add(info)
+        self._log.info("node_joined", node=info.name, devices=list(info.devices), stages=list(info.stages))
         for pool in self._pools.values():
             self.send(pool, NodesChanged())
         self._publish_status()
@@ -262,9 +270,16 @@ class CoordinatorActor(ActorTypeDispatcher):
 
     def receiveMsg_NodeHeartbeat(self, msg: NodeHeartbeat, sender):
         self.send(sender, NodeHeartbeatAck())
+        joining = self._joining.get(msg.node)
+        if joining is not None and joining[1] == msg.join:
+            del self._joining[msg.node]
+            self._joined(joining[0])
         node = self._inventory.nodes.get(msg.node)
-        if node is not None and not node.alive and node.down_reason == LEFT_REASON:
-            return  # sent before its leave notice, delivered after it: a node that left comes back by rejoining
+        if node is not None and not node.alive and (
+                node.down_reason == LEFT_REASON or msg.join != self._joins.get(msg.node, 0)):
+            # Sent before its leave notice and delivered after it, or from the agent of an
+            # earlier join: a node that left comes back by joining again.
+            return
         if node is not None and not node.alive:
             # It was declared lost (paused, partitioned) but is back: its old replicas
             # were told to exit; it starts again with all its devices free.

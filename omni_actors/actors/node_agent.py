@@ -63,7 +63,7 @@ class NodeAgentActor(ActorTypeDispatcher):
     def _heartbeat(self) -> NodeHeartbeat:
         free = free_usage(default_prefix())
         return NodeHeartbeat(self._spec.node, os.environ.get(SERVICE_ENV),
-                             len(list_segments(default_prefix())), free[0], free[1])
+                             len(list_segments(default_prefix())), free[0], free[1], join=self._spec.join)
 
     def receiveMsg_NodeHeartbeatAck(self, msg: NodeHeartbeatAck, sender):
         self._last_ack = time.monotonic()

@@ -50,8 +50,9 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
 from omni_actors.actors.supervision import WakeupChain
 from omni_actors.connectors import make_connector, release_all
 from omni_actors.logs import get_logger
-from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, CancelStage, ChunkAck, ChunkConsumed, ErrorKind, InputChunk,
-                                  OutputChunk, OutputReady, RequestActorFree, RequestFinished, RoutesChanged, RunRequest,
+from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, CancelStage, ChunkAck, ChunkConsumed,
+                                  ErrorKind, InputChunk, OutputChunk, OutputReady, RequestActorAlive, RequestActorFree,
+                                  RequestFinished, RoutesChanged, RunRequest,
                                   StageAccepted, StageCancelled, StageChunk, StageDone, StageFailed, StageTask,
                                   TextStarted)
 
@@ -459,6 +460,12 @@ class RequestActor(ActorTypeDispatcher):
         changed = msg.lost_after_s != self._lost_after_s
         self._lost_after_s = msg.lost_after_s
         self._heard(rearm=changed)
+        if msg.request_id is None:
+            return
+        if self._current(msg.request_id):  # (the bridge asks while the request is on this actor)
+            self.send(self._req.reply_to, RequestActorAlive(msg.request_id))
+        elif self._closing is not None and self._closing[0] == msg.request_id:
+            self.send(self._closing[2], RequestActorAlive(msg.request_id))
 
     def _heard(self, rearm: bool = False) -> None:
         self._heard_at = time.monotonic()

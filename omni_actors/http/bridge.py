@@ -63,9 +63,10 @@ from omni_actors.connectors import make_connector
 from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone,
                                     RequestFailed, within)
 from omni_actors.logs import get_logger
-from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, ErrorKind, GetRoutes, GetStatus, OutputChunk, OutputDelta,
-                                  OutputDeltas, OutputReady, RequestActorFree, RequestFinished, Routes, RoutesChanged,
-                                  RunRequest, Subscribe, SystemStatus, WhoAmI, YouAre)
+from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, CancelStage, ErrorKind, GetRoutes,
+                                  GetStatus, OutputChunk, OutputDelta, OutputDeltas, OutputReady, RequestActorAlive,
+                                  RequestActorFree, RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe,
+                                  SystemStatus, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
 from omni_actors.planning import PlanError, plan_request
 
@@ -83,6 +84,13 @@ RETRY_AFTER_S = 1
 #: A RequestActor that has not said its request ended this long after the request's
 #: deadline is written off (it died or hangs): told to exit, its place given to another.
 LOST_AFTER_S = 30.0
+#: How often (seconds) the bridge asks each busy RequestActor whether it still runs its
+#: request (:class:`~omni_actors.messages.BridgeAlive` with the request's id).
+REQUEST_ACTOR_PING_S = 2.0
+#: A busy RequestActor that has not answered for this long (seconds) is written off: its
+#: process is gone (killed, crashed). Its request fails with a 500 and its stages are
+#: cancelled, instead of the client waiting for the deadline.
+REQUEST_ACTOR_SILENT_S = 15.0
 
 #: Environment variable: seconds after which an idle RequestActor that hears nothing from
 #: this API server exits (default :data:`~omni_actors.messages.BRIDGE_LOST_AFTER_S`).
@@ -141,6 +149,8 @@ class ActorBridge:
             ``request_actors``; 0: refuse whenever all are busy).
         idle_exit_s: a RequestActor above the minimum idle this long is told to exit
             (default :data:`REQUEST_ACTOR_IDLE_EXIT_S`).
+        silent_s: a busy RequestActor that answers no ping for this long is written off
+            and its request fails with a 500 (default :data:`REQUEST_ACTOR_SILENT_S`).
 
     Raises:
         BridgeError: from :meth:`start` when the coordinator does not answer.
@@ -149,7 +159,7 @@ class ActorBridge:
 
     def __init__(self, asys, coordinator, *, request_actors: int = 16, connect_timeout_s: float = 10.0,
                  senders: int = 4, min_request_actors: int | None = None, queue_limit: int | None = None,
-                 idle_exit_s: float = REQUEST_ACTOR_IDLE_EXIT_S):
+                 idle_exit_s: float = REQUEST_ACTOR_IDLE_EXIT_S, silent_s: float = REQUEST_ACTOR_SILENT_S):
         self._asys = asys
         self._coordinator = coordinator
         self._connect_timeout_s = connect_timeout_s
@@ -163,8 +173,13 @@ class ActorBridge:
         self._held: dict[str, float] = {}
         #: requests over whose RequestActor still waits for its stages' cancels (event loop only)
         self._closing: set[str] = set()
+        #: request -> when its RequestActor last answered (or the request started); event loop only
+        self._answered: dict[str, float] = {}
+        self._silent_s = silent_s
+        self._ping_s = min(REQUEST_ACTOR_PING_S, silent_s / 4)
+        self._ping_due = 0.0
         #: how often the event loop ends idle RequestActors and writes off lost ones
-        self._tick_s = min(1.0, max(0.05, idle_exit_s / 4))
+        self._tick_s = min(1.0, max(0.05, idle_exit_s / 4), self._ping_s)
         #: an idle RequestActor of ours that hears nothing for this long exits (BridgeAlive);
         #: ``$OMNI_ACTORS_BRIDGE_LOST_AFTER_S`` changes it (tests), default BRIDGE_LOST_AFTER_S
         self._lost_after_s = float(os.environ.get(LOST_AFTER_ENV) or BRIDGE_LOST_AFTER_S)
@@ -270,6 +285,7 @@ class ActorBridge:
                 return
             remaining = max(timeout - (time.monotonic() - t0), 0.001)
             self._held[rid] = time.monotonic() + remaining + LOST_AFTER_S
+            self._answered[rid] = time.monotonic()
             started = True
             streaming = self._routes.config.deployment.streaming
             self._outbox(rid).put(("run", RunRequest(rid, request.prompt, plan,
@@ -347,6 +363,7 @@ class ActorBridge:
     def _send_loop(self, outbox: queue.SimpleQueue) -> None:
         with self._asys.private() as ctx:
             running: dict[str, Any] = {}
+            stages: dict[str, tuple] = {}  # request -> (pool, stage id) of each of its stages
             while True:
                 item = outbox.get()
                 if item is None:
@@ -358,6 +375,7 @@ class ActorBridge:
                         try:
                             actor = item[2] if item[2] is not None else ctx.createActor(RequestActor)
                             running[run.request_id] = actor
+                            stages[run.request_id] = tuple((s.pool, s.stage_id) for s in run.plan.stages)
                             ctx.tell(actor, run)
                         except Exception as exc:  # noqa: BLE001 - fail this request, not the bridge
                             running.pop(run.request_id, None)
@@ -376,7 +394,17 @@ class ActorBridge:
                             ctx.tell(actor, CancelRequest(item[1], *item[2:]))
                     elif kind == "finished":
                         running.pop(item[1], None)  # (the event loop takes its RequestActor back)
-                    elif kind == "abandon":  # written off: it never said its request ended
+                        stages.pop(item[1], None)
+                    elif kind == "ping":
+                        actor = running.get(item[1])
+                        if actor is not None:
+                            try:
+                                ctx.tell(actor, BridgeAlive(self._lost_after_s, request_id=item[1]))
+                            except Exception:  # noqa: BLE001 - a dead one: its silence writes it off
+                                pass
+                    elif kind == "abandon":  # written off: dead, or it never said its request ended
+                        for pool, stage_id in stages.pop(item[1], ()):  # (its stages' work is nobody's)
+                            ctx.tell(pool, CancelStage(item[1], stage_id))
                         actor = running.pop(item[1], None)
                         if actor is not None:
                             ctx.tell(actor, ActorExitRequest())
@@ -399,12 +427,14 @@ class ActorBridge:
         try:
             now = time.monotonic()
             for rid in [rid for rid, due in self._held.items() if now >= due]:
-                del self._held[rid]
-                self._closing.discard(rid)
-                self._log.warning("request_actor_lost", request_id=rid,
-                                  error=f"no end of the request {LOST_AFTER_S:g} s after its deadline")
-                self._outbox(rid).put(("abandon", rid))
-                self._pool.lost()
+                self._write_off(rid, f"no end of the request {LOST_AFTER_S:g} s after its deadline")
+            for rid in [rid for rid in self._held if now - self._answered.get(rid, now) > self._silent_s]:
+                self._write_off(rid, f"its RequestActor answered nothing for {self._silent_s:g} s "
+                                     "(its process is gone?)")
+            if now >= self._ping_due:  # ask the busy ones whether they still run their requests
+                self._ping_due = now + self._ping_s
+                for rid in self._held:
+                    self._outbox(rid).put(("ping", rid))
             idle = self._pool.reap()
             for actor in idle:
                 self._outbox().put(("exit", actor))
@@ -417,10 +447,30 @@ class ActorBridge:
         finally:
             self._tick_handle = self._loop.call_later(self._tick_s, self._tick)
 
+    def _unhold(self, request_id: str) -> bool:
+        """Forget that a RequestActor holds ``request_id``; False if none did (any more)."""
+        self._closing.discard(request_id)
+        self._answered.pop(request_id, None)
+        return self._held.pop(request_id, None) is not None
+
+    def _write_off(self, request_id: str, why: str) -> None:
+        """The RequestActor of ``request_id`` is dead or hangs: told to exit, its stages
+        cancelled, its place given to another; the request (if its client still waits)
+        fails with a 500 that says ``why``."""
+        self._unhold(request_id)
+        self._log.warning("request_actor_lost", request_id=request_id, error=why)
+        self._outbox(request_id).put(("abandon", request_id))
+        self._pool.lost()
+        self._put(request_id, RequestFailed(500, f"the request was lost: {why}", "server_error"))
+
+    def _alive(self, request_id: str) -> None:
+        """The RequestActor of ``request_id`` answered a ping."""
+        if request_id in self._answered:
+            self._answered[request_id] = time.monotonic()
+
     def _returned(self, request_id: str, actor: Any) -> None:
         """The RequestActor of ``request_id`` said the request ended: it is free again."""
-        self._closing.discard(request_id)
-        if self._held.pop(request_id, None) is None:
+        if not self._unhold(request_id):
             return  # written off already (told to exit), or not a request of ours
         if actor is None:
             self._pool.lost()
@@ -429,7 +479,7 @@ class ActorBridge:
 
     def _not_started(self, request_id: str, error: str) -> None:
         """The request could not be started on a RequestActor (making or telling it failed)."""
-        if self._held.pop(request_id, None) is not None:
+        if self._unhold(request_id):
             self._pool.lost()
         self._put(request_id, RequestFailed(500, f"could not start the request on a RequestActor: {error}"))
 
@@ -474,6 +524,8 @@ class ActorBridge:
             self._pump(box)
         elif isinstance(msg, RequestActorFree):
             self._actor_free(msg.request_id, msg.request_actor)
+        elif isinstance(msg, RequestActorAlive):
+            self._loop.call_soon_threadsafe(self._alive, msg.request_id)
         elif isinstance(msg, RequestFinished):
             if msg.free:  # its RequestActor is free from now on, whatever is still to be delivered
                 self._actor_free(msg.request_id, msg.request_actor)
