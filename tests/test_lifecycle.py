@@ -138,6 +138,9 @@ def test_stop_command_and_status_command():
         assert [s["stage"] for s in as_json["stages"]] == ["ar", "dit"]
         stop = _cli("stop", "--admin-port", str(leader.admin_port), env=env)
         assert stop.returncode == 0, stop.stderr
+        # The leader exits within its drain (this test's process reaps it only below: a zombie
+        # until then, which `stop` took for a live leader, waited out and SIGKILLed)
+        assert stop.stdout.strip() == f"stopped the system on admin port {leader.admin_port}", stop.stdout
         leader.proc.wait(10)
         assert leader.proc.returncode == 0
         assert leader.pids() == []

@@ -260,13 +260,20 @@ def _read_state(admin_port: int) -> dict | None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs. A zombie (exited, not yet reaped by its parent, as
+    a leader started by a supervisor or a test) does not: ``stop`` waited out its whole
+    timeout, then SIGKILLed the zombie, for a leader that had stopped in 0.2 s."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):  # (no /proc: as before)
+        return True
 
 
 def cmd_stop(args) -> int:
@@ -285,12 +292,14 @@ def cmd_stop(args) -> int:
         deadline = time.monotonic() + timeout
         while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-    if _alive(pid):
+    forced = _alive(pid)
+    if forced:
         os.kill(pid, signal.SIGKILL)
     killed = kill_system(state["system_id"], sessions=state.get("sessions", ()))
     sweep_segments(f"oa-{args.admin_port}-", state.get("shm_dir"))
     state_file(args.admin_port).unlink(missing_ok=True)
     print(f"stopped the system on admin port {args.admin_port}"
+          + (f" (its leader did not exit within {timeout:g} s: killed)" if forced else "")
           + (f" ({killed} leftover processes killed)" if killed else ""))
     return 0
 
