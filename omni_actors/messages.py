@@ -541,6 +541,7 @@ class RunRequest(Message):
     #: seconds the request already waited in the API server for a RequestActor: part of its
     #: deadline (``timeout_s`` is what is left), said in the deadline's error message
     queued_s: float = 0.0
+    alive_every_s: float = 5.0  #: how often to send :class:`RequestActorAlive` while busy
 
 
 @dataclass(frozen=True)
@@ -560,21 +561,18 @@ BRIDGE_LOST_AFTER_S = 120.0
 class BridgeAlive(Message):
     """Bridge -> each of its idle RequestActors, every quarter of ``lost_after_s``: the
     API server that owns them still runs. One that hears nothing from it (nor runs a
-    request) for ``lost_after_s`` exits.
-
-    With ``request_id`` (bridge -> a busy RequestActor, every ``REQUEST_ACTOR_PING_S``
-    of :mod:`omni_actors.http.bridge`): it answers :class:`RequestActorAlive` while it
-    still runs that request or waits for its cancels."""
+    request) for ``lost_after_s`` exits."""
 
     lost_after_s: float = BRIDGE_LOST_AFTER_S
-    request_id: str | None = None
 
 
 @dataclass(frozen=True)
 class RequestActorAlive(Message):
-    """RequestActor -> its bridge: it still runs (or closes) ``request_id``. A busy
-    RequestActor that stops answering (its process was killed) is written off by the
-    bridge and its request fails, instead of hanging until the deadline."""
+    """RequestActor -> its bridge, every :attr:`RunRequest.alive_every_s` while it runs
+    (or closes) ``request_id``. A busy RequestActor that goes silent (its process was
+    killed) is written off by the bridge and its request fails, instead of waiting for
+    the deadline. (The RequestActor sends: an API server's ``tell`` to a dead or hung
+    actor blocks its thread for up to 60 s.)"""
 
     request_id: str
 

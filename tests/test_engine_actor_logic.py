@@ -510,21 +510,29 @@ def test_a_late_heartbeat_cannot_bring_back_a_node_that_left():
     assert coord._inventory.nodes["m2"].alive
 
 
-def test_a_busy_request_actor_answers_its_bridge_while_it_runs_or_closes_the_request():
-    """The bridge asks each busy RequestActor (BridgeAlive with the request's id) whether it
-    still runs its request; silence means its process is gone. It answers while it runs
-    the request and while it waits for the cancels, and not for another request."""
-    from omni_actors.messages import BridgeAlive, CancelRequest, RequestActorAlive
+def test_a_busy_request_actor_tells_its_bridge_it_is_alive_until_it_is_free():
+    """A busy RequestActor tells its bridge every alive_every_s that it still runs its
+    request (silence means its process is gone), while it runs the request and while it
+    waits for its stages' cancels; once free it stops."""
+    from omni_actors.actors.request import ALIVE_BEAT
+    from omni_actors.messages import CancelRequest, RequestActorAlive, StageCancelled
 
-    ra, sent, _ = _closing_request_actor()
-    ra.receiveMsg_BridgeAlive(BridgeAlive(120.0, request_id="r1"), "sender-thread")
-    ra.receiveMsg_BridgeAlive(BridgeAlive(120.0, request_id="r0"), "sender-thread")  # (an older one)
-    ra.receiveMsg_BridgeAlive(BridgeAlive(120.0), "sender-thread")  # (idle keep-alive: no answer)
-    assert [(a, m) for a, m in sent if isinstance(m, RequestActorAlive)] == [("bridge", RequestActorAlive("r1"))]
+    ra, sent, wakeups = _closing_request_actor()
+    ra._req.alive_every_s = 0.75
+    ra._alive_beats.start(ra, 0.75)
+    ra._beat()
+    assert sent == [("bridge", RequestActorAlive("r1"))]
+    assert [w for w in wakeups if w[1][0] == ALIVE_BEAT] == [(0.75, (ALIVE_BEAT, 1))] * 2
     ra.receiveMsg_CancelRequest(CancelRequest("r1"), "bridge")  # over; its stages still cancelling
     sent.clear()
-    ra.receiveMsg_BridgeAlive(BridgeAlive(120.0, request_id="r1"), "sender-thread")
+    ra._beat()
     assert sent == [("bridge", RequestActorAlive("r1"))]
+    ra.receiveMsg_StageCancelled(StageCancelled("r1", 0, 0), "engine")
+    ra.receiveMsg_StageCancelled(StageCancelled("r1", 1, 0), "engine")  # free now
+    sent.clear()
+    wakeups.clear()
+    ra._beat()
+    assert sent == [] and wakeups == []
 
 
 def test_a_member_reported_joining_takes_work_only_once_its_node_agent_answers():

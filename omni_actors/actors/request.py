@@ -60,6 +60,8 @@ from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelReques
 RETRYABLE = (ErrorKind.ENGINE_ERROR, ErrorKind.UNAVAILABLE)
 #: Wake-up payload: time to check that the API server owning this actor still runs.
 BRIDGE_CHECK = "bridge_check"
+#: Wake-up payload: time to tell the bridge this actor still runs its request (RequestActorAlive).
+ALIVE_BEAT = "alive_beat"
 #: Seconds a RequestActor whose request ended with stages still running (client gone,
 #: deadline, a failed stage) waits for those stages to confirm their cancels before it
 #: takes the next request anyway: a stopped or overloaded engine may never answer. Until
@@ -90,6 +92,8 @@ class RequestActor(ActorTypeDispatcher):
         self._heard_at = time.monotonic()
         self._lost_after_s = BRIDGE_LOST_AFTER_S
         self._bridge_checks = WakeupChain(BRIDGE_CHECK)  # (gen 0: not started)
+        self._alive_beats = WakeupChain(ALIVE_BEAT)  # RequestActorAlive while busy
+        self._alive_every_s = 5.0  # (the last request's RunRequest.alive_every_s)
         #: (request id, stages whose cancel is not confirmed yet, its bridge) after an end
         #: with stages still running; None: free (see CANCEL_CONFIRM_S)
         self._closing: tuple[str, set[int], object] | None = None
@@ -141,6 +145,8 @@ class RequestActor(ActorTypeDispatcher):
                                   for sid in self._plan}
         self._started = time.monotonic()
         self.wakeupAfter(msg.timeout_s, payload=msg.request_id)
+        self._alive_every_s = msg.alive_every_s
+        self._alive_beats.start(self, msg.alive_every_s)
         self._dispatch_ready()
 
     def _dispatch_ready(self) -> None:
@@ -460,12 +466,15 @@ class RequestActor(ActorTypeDispatcher):
         changed = msg.lost_after_s != self._lost_after_s
         self._lost_after_s = msg.lost_after_s
         self._heard(rearm=changed)
-        if msg.request_id is None:
-            return
-        if self._current(msg.request_id):  # (the bridge asks while the request is on this actor)
-            self.send(self._req.reply_to, RequestActorAlive(msg.request_id))
-        elif self._closing is not None and self._closing[0] == msg.request_id:
-            self.send(self._closing[2], RequestActorAlive(msg.request_id))
+
+    def _beat(self) -> None:
+        """Tell the bridge this actor still runs (or closes) its request; again later while it does."""
+        if self._req is not None:
+            self.send(self._req.reply_to, RequestActorAlive(self._req.request_id))
+            self._alive_beats.again(self, self._req.alive_every_s)
+        elif self._closing is not None:
+            self.send(self._closing[2], RequestActorAlive(self._closing[0]))
+            self._alive_beats.again(self, self._alive_every_s)
 
     def _heard(self, rearm: bool = False) -> None:
         self._heard_at = time.monotonic()
@@ -489,6 +498,9 @@ class RequestActor(ActorTypeDispatcher):
         elif self._bridge_checks.owns(msg.payload):
             if self._bridge_checks.current(msg.payload):
                 self._check_bridge()
+        elif self._alive_beats.owns(msg.payload):
+            if self._alive_beats.current(msg.payload):
+                self._beat()
         elif self._current(msg.payload):
             req = self._req
             waited = (f" ({req.queued_s:.1f} s of it waiting for a RequestActor in the API server)"

@@ -84,13 +84,14 @@ RETRY_AFTER_S = 1
 #: A RequestActor that has not said its request ended this long after the request's
 #: deadline is written off (it died or hangs): told to exit, its place given to another.
 LOST_AFTER_S = 30.0
-#: How often (seconds) the bridge asks each busy RequestActor whether it still runs its
-#: request (:class:`~omni_actors.messages.BridgeAlive` with the request's id).
-REQUEST_ACTOR_PING_S = 2.0
-#: A busy RequestActor that has not answered for this long (seconds) is written off: its
-#: process is gone (killed, crashed). Its request fails with a 500 and its stages are
-#: cancelled, instead of the client waiting for the deadline.
-REQUEST_ACTOR_SILENT_S = 15.0
+#: How often (seconds, at most) a busy RequestActor tells its bridge it still runs its
+#: request (:class:`~omni_actors.messages.RequestActorAlive`).
+REQUEST_ACTOR_ALIVE_EVERY_S = 5.0
+#: A busy RequestActor not heard from for this long (seconds) is written off: its process
+#: is gone (killed, crashed) or hangs. Its request fails with a 500 and its stages are
+#: cancelled, instead of the client waiting for the deadline. Generous: a RequestActor
+#: blocks while it first loads vLLM-Omni's connector (15-20 s measured here).
+REQUEST_ACTOR_SILENT_S = 60.0
 
 #: Environment variable: seconds after which an idle RequestActor that hears nothing from
 #: this API server exits (default :data:`~omni_actors.messages.BRIDGE_LOST_AFTER_S`).
@@ -149,8 +150,8 @@ class ActorBridge:
             ``request_actors``; 0: refuse whenever all are busy).
         idle_exit_s: a RequestActor above the minimum idle this long is told to exit
             (default :data:`REQUEST_ACTOR_IDLE_EXIT_S`).
-        silent_s: a busy RequestActor that answers no ping for this long is written off
-            and its request fails with a 500 (default :data:`REQUEST_ACTOR_SILENT_S`).
+        silent_s: a busy RequestActor not heard from for this long is written off and its
+            request fails with a 500 (default :data:`REQUEST_ACTOR_SILENT_S`).
 
     Raises:
         BridgeError: from :meth:`start` when the coordinator does not answer.
@@ -176,10 +177,9 @@ class ActorBridge:
         #: request -> when its RequestActor last answered (or the request started); event loop only
         self._answered: dict[str, float] = {}
         self._silent_s = silent_s
-        self._ping_s = min(REQUEST_ACTOR_PING_S, silent_s / 4)
-        self._ping_due = 0.0
+        self._alive_every_s = min(REQUEST_ACTOR_ALIVE_EVERY_S, silent_s / 4)
         #: how often the event loop ends idle RequestActors and writes off lost ones
-        self._tick_s = min(1.0, max(0.05, idle_exit_s / 4), self._ping_s)
+        self._tick_s = min(1.0, max(0.05, idle_exit_s / 4), self._alive_every_s)
         #: an idle RequestActor of ours that hears nothing for this long exits (BridgeAlive);
         #: ``$OMNI_ACTORS_BRIDGE_LOST_AFTER_S`` changes it (tests), default BRIDGE_LOST_AFTER_S
         self._lost_after_s = float(os.environ.get(LOST_AFTER_ENV) or BRIDGE_LOST_AFTER_S)
@@ -295,7 +295,8 @@ class ActorBridge:
                                    chunk_window=streaming.max_buffered_chunks,
                                    chunk_timeout_s=streaming.chunk_timeout_s,
                                    chunk_tokens=streaming.chunk_tokens,
-                                   queued_s=round(timeout - remaining, 3)), actor))
+                                   queued_s=round(timeout - remaining, 3),
+                                   alive_every_s=self._alive_every_s), actor))
             deadline = time.monotonic() + remaining + 5.0  # the RequestActor's own deadline fires first
             while True:
                 left = deadline - time.monotonic()
@@ -395,18 +396,11 @@ class ActorBridge:
                     elif kind == "finished":
                         running.pop(item[1], None)  # (the event loop takes its RequestActor back)
                         stages.pop(item[1], None)
-                    elif kind == "ping":
-                        actor = running.get(item[1])
-                        if actor is not None:
-                            try:
-                                ctx.tell(actor, BridgeAlive(self._lost_after_s, request_id=item[1]))
-                            except Exception:  # noqa: BLE001 - a dead one: its silence writes it off
-                                pass
-                    elif kind == "abandon":  # written off: dead, or it never said its request ended
+                    elif kind == "abandon":  # written off: dead, hung, or it never said its request ended
                         for pool, stage_id in stages.pop(item[1], ()):  # (its stages' work is nobody's)
                             ctx.tell(pool, CancelStage(item[1], stage_id))
                         actor = running.pop(item[1], None)
-                        if actor is not None:
+                        if actor is not None and item[2]:
                             ctx.tell(actor, ActorExitRequest())
                     elif kind == "exit":  # idle too long
                         ctx.tell(item[1], ActorExitRequest())
@@ -429,12 +423,10 @@ class ActorBridge:
             for rid in [rid for rid, due in self._held.items() if now >= due]:
                 self._write_off(rid, f"no end of the request {LOST_AFTER_S:g} s after its deadline")
             for rid in [rid for rid in self._held if now - self._answered.get(rid, now) > self._silent_s]:
-                self._write_off(rid, f"its RequestActor answered nothing for {self._silent_s:g} s "
-                                     "(its process is gone?)")
-            if now >= self._ping_due:  # ask the busy ones whether they still run their requests
-                self._ping_due = now + self._ping_s
-                for rid in self._held:
-                    self._outbox(rid).put(("ping", rid))
+                # (not told to exit: a tell to a dead actor blocks a sender thread for up to 60 s;
+                # a hung one exits by itself once idle, hearing no BridgeAlive)
+                self._write_off(rid, f"its RequestActor was not heard from for {self._silent_s:g} s "
+                                     "(its process is gone?)", tell_exit=False)
             idle = self._pool.reap()
             for actor in idle:
                 self._outbox().put(("exit", actor))
@@ -453,18 +445,18 @@ class ActorBridge:
         self._answered.pop(request_id, None)
         return self._held.pop(request_id, None) is not None
 
-    def _write_off(self, request_id: str, why: str) -> None:
-        """The RequestActor of ``request_id`` is dead or hangs: told to exit, its stages
-        cancelled, its place given to another; the request (if its client still waits)
-        fails with a 500 that says ``why``."""
+    def _write_off(self, request_id: str, why: str, tell_exit: bool = True) -> None:
+        """The RequestActor of ``request_id`` is dead or hangs: its stages cancelled, its
+        place given to another (it is told to exit if ``tell_exit``); the request (if its
+        client still waits) fails with a 500 that says ``why``."""
         self._unhold(request_id)
         self._log.warning("request_actor_lost", request_id=request_id, error=why)
-        self._outbox(request_id).put(("abandon", request_id))
+        self._outbox(request_id).put(("abandon", request_id, tell_exit))
         self._pool.lost()
         self._put(request_id, RequestFailed(500, f"the request was lost: {why}", "server_error"))
 
     def _alive(self, request_id: str) -> None:
-        """The RequestActor of ``request_id`` answered a ping."""
+        """The RequestActor of ``request_id`` said it still runs it."""
         if request_id in self._answered:
             self._answered[request_id] = time.monotonic()
 
