@@ -349,11 +349,13 @@ class StartPool(Message):
     #: how its engines store outputs (``omni_actors.connectors.MODES``, or ``omni:...``:
     #: through a vLLM-Omni connector, ``omni_actors.connectors.omni``); None: each engine's default
     connector_mode: str | None = None
-    #: The replicas to start, ``(replica id, pin, restart times)`` each (pin: ``(node, devices)`` or
-    #: ``()``; monotonic seconds, this host's clock), instead of ``deployment.replicas`` new ones: a
-    #: pool recreated after a crash gets the replicas its predecessor ran (launched and scaled ones
-    #: included, those scaled down or drained left out) with their restart history.
-    replicas: tuple[tuple[str, tuple, tuple[float, ...]], ...] | None = None
+    #: The replicas to start, ``(replica id, pin, restart times, counters)`` each (pin: ``(node,
+    #: devices)`` or ``()``; monotonic seconds, this host's clock; counters: ``(completed, failed,
+    #: latency buckets, latency sum in s)``, the last report's), instead of ``deployment.replicas``
+    #: new ones: a pool recreated after a crash gets the replicas its predecessor ran (launched and
+    #: scaled ones included, those scaled down or drained left out) with their restart history
+    #: and counters (Prometheus counters must not go back).
+    replicas: tuple[tuple[str, tuple, tuple[float, ...], tuple], ...] | None = None
     #: the index of the next new replica's name (``<stage>/<index>``): a recreated pool goes on
     #: from its predecessor's, so no name is used twice
     next_index: int = 0

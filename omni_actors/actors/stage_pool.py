@@ -142,11 +142,15 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             for _ in range(msg.deployment.replicas):
                 self._launch(self._new_replica_id())
         else:  # recreated after a crash: the replicas the last pool ran, under their names
-            for rid, pin, restarts in msg.replicas:
+            for rid, pin, restarts, (completed, failed, buckets, latency_sum) in msg.replicas:
                 self._next_index = max(self._next_index, replica_index(rid) + 1)
                 if pin:
                     self._pins[rid] = (pin[0], tuple(pin[1]))
                 self._launch(rid, list(restarts))
+                rep = self._replicas[rid]  # (its counters go on, as after a restart)
+                rep.completed, rep.failed, rep.latency_sum = completed, failed, latency_sum
+                if len(buckets) == len(rep.latency):
+                    rep.latency = list(buckets)
         self._start_ticks()
         self._publish()
 

@@ -174,7 +174,7 @@ class ActorBridge:
         self._held: dict[str, float] = {}
         #: requests over whose RequestActor still waits for its stages' cancels (event loop only)
         self._closing: set[str] = set()
-        #: request -> when its RequestActor last answered (or the request started); event loop only
+        #: request -> when its RequestActor was last heard from (or the request started); event loop only
         self._answered: dict[str, float] = {}
         self._silent_s = silent_s
         self._alive_every_s = min(REQUEST_ACTOR_ALIVE_EVERY_S, silent_s / 4)

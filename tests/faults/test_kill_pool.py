@@ -25,7 +25,8 @@ def test_killed_pool_is_recreated_and_its_orphaned_engines_exit(leader):
     The old engines, no longer acked, exit by themselves within a few
     heartbeat intervals. Users see only 200s.
     """
-    r = run_scenario(leader, "kill-pool", stage="talker", clients=CLIENTS, request_timeout_s=REQUEST_TIMEOUT_S)
+    r = run_scenario(leader, "kill-pool", stage="talker", clients=CLIENTS, request_timeout_s=REQUEST_TIMEOUT_S,
+                     warmup_s=3.0)  # (long enough for the talker to have completed tasks)
 
     assert_no_request_lost(r)
     assert r.isolation_ms is not None and r.isolation_ms < 1000, r.events
@@ -34,6 +35,10 @@ def test_killed_pool_is_recreated_and_its_orphaned_engines_exit(leader):
     old, new = _stage(r.before, "talker"), _stage(r.after, "talker")
     assert new["pid"] != old["pid"] and new["restarts"] >= old["restarts"] + 1
     assert new["ready_replicas"] == 2 and all(rep["state"] == "ready" for rep in replicas(r.after).values())
+    # the new pool's replicas go on counting from their predecessors' counts (they went back to 0)
+    done_before = {rep["replica"]: rep["completed"] for rep in old["replicas"]}
+    assert sum(done_before.values()) > 0, old
+    assert all(rep["completed"] >= done_before.get(rep["replica"], 0) for rep in new["replicas"]), (old, new)
     old_engines = [rep["pid"] for rep in old["replicas"]]
     assert not set(old_engines) & {rep["pid"] for rep in new["replicas"]}
     # engines whose pool is gone exit by themselves (3 missed acks), not only at shutdown
