@@ -580,6 +580,38 @@ class RequestActorAlive(Message):
 
 
 @dataclass(frozen=True)
+class SuperviseRequestActors(Message):
+    """Bridge -> its RequestActorSupervisor, once: report to ``bridge``; exit (ending its
+    RequestActors) after ``lost_after_s`` without a :class:`BridgeAlive`."""
+
+    bridge: ActorAddress
+    lost_after_s: float = BRIDGE_LOST_AFTER_S
+
+
+@dataclass(frozen=True)
+class MakeRequestActor(Message):
+    """Bridge (``ask``) -> its RequestActorSupervisor: make one RequestActor, a child of
+    the supervisor. The supervisor passes it on to the new RequestActor with ``reply_to``
+    (the asker), which answers with :class:`RequestActorMade` once it runs (an address
+    Thespian has just handed its creator is not yet usable in another process)."""
+
+    reply_to: ActorAddress = None
+
+
+@dataclass(frozen=True)
+class RequestActorMade(Message):
+    address: ActorAddress
+
+
+@dataclass(frozen=True)
+class RequestActorExited(Message):
+    """RequestActorSupervisor -> bridge: this RequestActor's process is gone (Thespian's
+    ``ChildActorExited``: at once, killed or not)."""
+
+    address: ActorAddress
+
+
+@dataclass(frozen=True)
 class CancelRequest(Message):
     """Bridge -> RequestActor: the client went away (or the server stops: ``reason``)."""
 

@@ -51,8 +51,8 @@ from omni_actors.actors.supervision import WakeupChain
 from omni_actors.connectors import make_connector, release_all
 from omni_actors.logs import get_logger
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, CancelStage, ChunkAck, ChunkConsumed,
-                                  ErrorKind, InputChunk, OutputChunk, OutputReady, RequestActorAlive, RequestActorFree,
-                                  RequestFinished, RoutesChanged, RunRequest,
+                                  ErrorKind, InputChunk, MakeRequestActor, OutputChunk, OutputReady, RequestActorAlive,
+                                  RequestActorFree, RequestActorMade, RequestFinished, RoutesChanged, RunRequest,
                                   StageAccepted, StageCancelled, StageChunk, StageDone, StageFailed, StageTask,
                                   TextStarted)
 
@@ -466,6 +466,11 @@ class RequestActor(ActorTypeDispatcher):
         changed = msg.lost_after_s != self._lost_after_s
         self._lost_after_s = msg.lost_after_s
         self._heard(rearm=changed)
+
+    def receiveMsg_MakeRequestActor(self, msg: MakeRequestActor, sender):
+        """From the supervisor that made this actor: say our address to the bridge that asked."""
+        if msg.reply_to is not None:
+            self.send(msg.reply_to, RequestActorMade(self.myAddress))
 
     def _beat(self) -> None:
         """Tell the bridge this actor still runs (or closes) its request; again later while it does."""

@@ -125,6 +125,15 @@ class RequestActorPool:
                 fut.set_result(None)
                 return
 
+    def discard(self, actor: Any) -> bool:
+        """Take ``actor`` out if it is idle (it exited); False if it is not idle here."""
+        for i, (idle, _) in enumerate(self._idle):
+            if idle == actor:
+                del self._idle[i]
+                self.total -= 1
+                return True
+        return False
+
     def idle_actors(self) -> list[Any]:
         """The addresses of the idle RequestActors, oldest first."""
         return [actor for actor, _ in self._idle]

@@ -59,13 +59,15 @@ from thespian.actors import ActorExitRequest
 
 from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
 from omni_actors.actors.request import RequestActor
+from omni_actors.actors.request_supervisor import RequestActorSupervisor
 from omni_actors.connectors import make_connector
 from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone,
                                     RequestFailed, within)
 from omni_actors.logs import get_logger
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, CancelStage, ErrorKind, GetRoutes,
-                                  GetStatus, OutputChunk, OutputDelta, OutputDeltas, OutputReady, RequestActorAlive,
-                                  RequestActorFree, RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe,
+                                  GetStatus, MakeRequestActor, OutputChunk, OutputDelta, OutputDeltas, OutputReady,
+                                  RequestActorAlive, RequestActorExited, RequestActorFree, RequestActorMade,
+                                  RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe, SuperviseRequestActors,
                                   SystemStatus, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
 from omni_actors.planning import PlanError, plan_request
@@ -92,6 +94,8 @@ REQUEST_ACTOR_ALIVE_EVERY_S = 5.0
 #: cancelled, instead of the client waiting for the deadline. Generous: a RequestActor
 #: blocks while it first loads vLLM-Omni's connector (15-20 s measured here).
 REQUEST_ACTOR_SILENT_S = 60.0
+#: Seconds to wait for the RequestActorSupervisor to make a RequestActor.
+MAKE_TIMEOUT_S = 10.0
 
 #: Environment variable: seconds after which an idle RequestActor that hears nothing from
 #: this API server exits (default :data:`~omni_actors.messages.BRIDGE_LOST_AFTER_S`).
@@ -176,6 +180,11 @@ class ActorBridge:
         self._closing: set[str] = set()
         #: request -> when its RequestActor was last heard from (or the request started); event loop only
         self._answered: dict[str, float] = {}
+        #: request -> the address of the RequestActor that runs it, once known (event loop only)
+        self._actor_of: dict[str, Any] = {}
+        #: the parent of our RequestActors: tells us when one exits (see request_supervisor);
+        #: None: not made (yet), or lost (RequestActors are then made unsupervised)
+        self._supervisor = None
         self._silent_s = silent_s
         self._alive_every_s = min(REQUEST_ACTOR_ALIVE_EVERY_S, silent_s / 4)
         #: how often the event loop ends idle RequestActors and writes off lost ones
@@ -286,6 +295,8 @@ class ActorBridge:
             remaining = max(timeout - (time.monotonic() - t0), 0.001)
             self._held[rid] = time.monotonic() + remaining + LOST_AFTER_S
             self._answered[rid] = time.monotonic()
+            if actor is not None:
+                self._actor_of[rid] = actor
             started = True
             streaming = self._routes.config.deployment.streaming
             self._outbox(rid).put(("run", RunRequest(rid, request.prompt, plan,
@@ -374,7 +385,10 @@ class ActorBridge:
                     if kind == "run":
                         run: RunRequest = item[1]
                         try:
-                            actor = item[2] if item[2] is not None else ctx.createActor(RequestActor)
+                            actor = item[2]
+                            if actor is None:
+                                actor = self._make_request_actor(ctx)
+                                self._loop.call_soon_threadsafe(self._bind, run.request_id, actor)
                             running[run.request_id] = actor
                             stages[run.request_id] = tuple((s.pool, s.stage_id) for s in run.plan.stages)
                             ctx.tell(actor, run)
@@ -384,7 +398,7 @@ class ActorBridge:
                             raise
                     elif kind == "create":
                         try:
-                            actor = ctx.createActor(RequestActor)
+                            actor = self._make_request_actor(ctx)
                         except Exception:
                             self._loop.call_soon_threadsafe(self._pool.lost)
                             raise
@@ -413,6 +427,19 @@ class ActorBridge:
                 except Exception as exc:  # noqa: BLE001 - keep the bridge alive
                     self._log.error("bridge_send_failed", kind=kind, error=str(exc))
 
+    def _make_request_actor(self, ctx) -> Any:
+        """Sender thread: a new RequestActor, made by our supervisor (made directly if there
+        is none, or it does not answer: it is then given up)."""
+        supervisor = self._supervisor
+        if supervisor is not None:
+            made = ctx.ask(supervisor, MakeRequestActor(), MAKE_TIMEOUT_S)
+            if isinstance(made, RequestActorMade):
+                return made.address
+            self._supervisor = None
+            self._log.warning("request_supervisor_lost", error=f"no answer within {MAKE_TIMEOUT_S:g} s; "
+                              "RequestActors are made unsupervised from now on")
+        return ctx.createActor(RequestActor)
+
     # -- the RequestActor pool (event loop) ---------------------------------
     def _tick(self) -> None:
         """Every ``_tick_s``: end RequestActors idle too long, write off lost ones."""
@@ -434,7 +461,7 @@ class ActorBridge:
                 self._log.info("request_actors_idle_exit", ended=len(idle), left=self._pool.total)
             if now >= self._alive_due:  # tell the idle ones we still run (see BridgeAlive)
                 self._alive_due = now + self._lost_after_s / 4
-                for actor in self._pool.idle_actors():
+                for actor in [*self._pool.idle_actors(), *([self._supervisor] if self._supervisor else [])]:
                     self._outbox().put(("tell", actor, BridgeAlive(self._lost_after_s)))
         finally:
             self._tick_handle = self._loop.call_later(self._tick_s, self._tick)
@@ -443,6 +470,7 @@ class ActorBridge:
         """Forget that a RequestActor holds ``request_id``; False if none did (any more)."""
         self._closing.discard(request_id)
         self._answered.pop(request_id, None)
+        self._actor_of.pop(request_id, None)
         return self._held.pop(request_id, None) is not None
 
     def _write_off(self, request_id: str, why: str, tell_exit: bool = True) -> None:
@@ -454,6 +482,26 @@ class ActorBridge:
         self._outbox(request_id).put(("abandon", request_id, tell_exit))
         self._pool.lost()
         self._put(request_id, RequestFailed(500, f"the request was lost: {why}", "server_error"))
+
+    def _bind(self, request_id: str, actor: Any) -> None:
+        """The sender thread made ``actor`` for ``request_id``."""
+        if request_id in self._held:
+            self._actor_of[request_id] = actor
+
+    def _exited(self, actor: Any) -> None:
+        """A RequestActor of ours exited (our supervisor says): its request, if it had one,
+        fails at once; an idle one leaves the pool (replaced up to the minimum)."""
+        for rid, running in list(self._actor_of.items()):
+            if running == actor:
+                self._write_off(rid, "its RequestActor exited (its process was killed?)", tell_exit=False)
+                return
+        if self._pool.discard(actor):
+            self._log.warning("request_actor_exited", state="idle", left=self._pool.total)
+            missing = self._pool.minimum - self._pool.total
+            if missing > 0 and not self._stop.is_set():
+                self._pool.reserve(missing)
+                for _ in range(missing):
+                    self._outbox().put(("create",))
 
     def _alive(self, request_id: str) -> None:
         """The RequestActor of ``request_id`` said it still runs it."""
@@ -484,6 +532,12 @@ class ActorBridge:
                 ready.set()
                 return
             self._address, self._routes = you.address, routes
+            try:
+                supervisor = ctx.createActor(RequestActorSupervisor)
+                ctx.tell(supervisor, SuperviseRequestActors(self._address, self._lost_after_s))
+                self._supervisor = supervisor
+            except Exception as exc:  # noqa: BLE001 - RequestActors are then made unsupervised
+                self._log.warning("request_supervisor_not_made", error=str(exc))
             ready.set()
             next_subscribe = 0.0
             while not self._stop.is_set():
@@ -518,6 +572,8 @@ class ActorBridge:
             self._actor_free(msg.request_id, msg.request_actor)
         elif isinstance(msg, RequestActorAlive):
             self._loop.call_soon_threadsafe(self._alive, msg.request_id)
+        elif isinstance(msg, RequestActorExited):
+            self._loop.call_soon_threadsafe(self._exited, msg.address)
         elif isinstance(msg, RequestFinished):
             if msg.free:  # its RequestActor is free from now on, whatever is still to be delivered
                 self._actor_free(msg.request_id, msg.request_actor)

@@ -53,9 +53,11 @@ class _TrackingContext:
 
     def createActor(self, actorClass, *args, **kwargs):
         from omni_actors.actors.request import RequestActor
+        from omni_actors.actors.request_supervisor import RequestActorSupervisor
 
         address = self._ctx.createActor(actorClass, *args, **kwargs)
-        if actorClass is RequestActor and not kwargs.get("globalName"):
+        # (ending the supervisor ends the RequestActors it made)
+        if actorClass in (RequestActor, RequestActorSupervisor) and not kwargs.get("globalName"):
             with self._lock:
                 self._created.append(address)
         return address
