@@ -264,6 +264,11 @@ def test_a_busy_request_actor_that_stops_answering_is_written_off_and_its_reques
         stats = bridge.request_actors()
         assert (stats["total"], stats["busy"]) == (1, 1)  # the dead one's place is free for a new one
         assert not alive.done()
+        # it was only hung: back, it ends its request; now it is told to exit (it runs: the tell cannot block)
+        bridge._on_message(RequestFinished("dead", ErrorKind.TIMEOUT, request_actor="ra-dead"))
+        await asyncio.sleep(0.01)
+        assert ("exit", "ra-dead") in _outbox_items(bridge)
+        assert bridge.request_actors()["total"] == 1
         alive.cancel()
         bridge._stop.set()
 

@@ -20,6 +20,7 @@ from thespian.actors import ActorExitRequest
 
 from omni_actors.actors.engine import EngineActor
 from omni_actors.actors.node_agent import NODE_CAPABILITY
+from omni_actors.placement import LEFT_REASON
 from omni_actors.messages import (LIVE_STATES, NodeLost, NodesChanged, PlaceReplica, Placement, PlacementFailed,
                                   ReleasePlacement, ReplicaState, StartEngine)
 
@@ -78,7 +79,8 @@ class PoolPlacementMixin:
     def receiveMsg_NodeLost(self, msg: NodeLost, sender):
         for rep in list(self._replicas.values()):
             if rep.node == msg.node and rep.state in LIVE_STATES:
-                rep.reason = f"node {msg.node} lost: {msg.reason}"
+                rep.reason = (f"node {msg.node} {msg.reason}" if msg.reason == LEFT_REASON  # (a clean stop)
+                              else f"node {msg.node} lost: {msg.reason}")
                 if rep.address is not None:
                     # If the host is alive after all (a pause, a partition), the old
                     # engine must not keep its devices: it is told to exit.

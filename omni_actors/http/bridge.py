@@ -511,7 +511,9 @@ class ActorBridge:
     def _returned(self, request_id: str, actor: Any) -> None:
         """The RequestActor of ``request_id`` said the request ended: it is free again."""
         if not self._unhold(request_id):
-            return  # written off already (told to exit), or not a request of ours
+            if actor is not None:  # written off (hung, then back): it runs, so a tell cannot block
+                self._outbox(request_id).put(("exit", actor))
+            return
         if actor is None:
             self._pool.lost()
         else:
