@@ -599,6 +599,17 @@ class MakeRequestActor(Message):
 
 
 @dataclass(frozen=True)
+class Relay(Message):
+    """Bridge -> its RequestActorSupervisor: send ``message`` on to ``to``, a busy
+    RequestActor. An actor's send does not wait for the receiver; an API server's
+    ``tell`` waits until it takes the message (60 s at most), which held a sender
+    thread of the API server while that RequestActor was stopped or blocked."""
+
+    to: ActorAddress
+    message: Any
+
+
+@dataclass(frozen=True)
 class RequestActorMade(Message):
     address: ActorAddress
 

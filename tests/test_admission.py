@@ -714,6 +714,54 @@ def test_request_actors_killed_mid_request_or_idle_are_replaced_at_once(leader, 
         assert api.stop() == 0, api.log.read_text()[-2000:]
 
 
+@pytest.mark.system
+def test_a_cancel_for_a_stopped_request_actor_does_not_hold_up_the_next_request(leader, tmp_path):
+    """A client gives up on a request whose RequestActor is stopped (SIGSTOP; a blocked one
+    is the same). The API server's cancel goes through the RequestActorSupervisor: sent
+    straight, it held the sender thread (one here) until the RequestActor took it, up to
+    60 s, and the next request, started through that thread, waited as long."""
+    import aiohttp
+
+    baseline = _settle(leader.pids)
+    api = ApiServer(leader, tmp_path, min_request_actors=1, queue_limit=4, senders=1)
+    pid = None
+    try:
+        ras = _settle(lambda: _request_actors(set(leader.pids()) - baseline))
+        assert len(ras) == 1, ras
+        pid = ras.pop()
+
+        async def scenario() -> float:
+            async with aiohttp.ClientSession() as s:
+                url = api.url + "/chat/completions"
+
+                async def give_up():
+                    body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 200}
+                    try:
+                        async with s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                            await r.read()
+                    except asyncio.TimeoutError:
+                        return
+                    raise AssertionError("the long request was answered within 1 s")
+
+                first = asyncio.create_task(give_up())
+                await asyncio.sleep(0.3)
+                os.kill(pid, signal.SIGSTOP)  # its RequestActor, mid-request
+                await first  # gone after 1 s: the API server sends its RequestActor a cancel
+                await asyncio.sleep(0.2)
+                t0 = time.monotonic()
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "next"}], "max_tokens": 4}
+                async with s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=90)) as r:
+                    assert r.status == 200, await r.text()
+                return time.monotonic() - t0
+
+        took = asyncio.run(scenario())
+        assert took < 10, f"the next request took {took:.1f} s"
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        assert api.stop() == 0, api.log.read_text()[-2000:]
+
+
 def _get(url: str) -> str:
     import urllib.request
 

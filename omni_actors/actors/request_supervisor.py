@@ -23,7 +23,7 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExi
 from omni_actors.actors.request import RequestActor
 from omni_actors.actors.supervision import WakeupChain
 from omni_actors.logs import get_logger
-from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, MakeRequestActor, RequestActorExited,
+from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, MakeRequestActor, Relay, RequestActorExited,
                                   SuperviseRequestActors)
 
 
@@ -43,6 +43,9 @@ class RequestActorSupervisor(ActorTypeDispatcher):
 
     def receiveMsg_MakeRequestActor(self, msg: MakeRequestActor, sender):
         self.send(self.createActor(RequestActor), MakeRequestActor(reply_to=sender))
+
+    def receiveMsg_Relay(self, msg: Relay, sender):
+        self.send(msg.to, msg.message)
 
     def receiveMsg_ChildActorExited(self, msg: ChildActorExited, sender):
         if self._bridge is not None:

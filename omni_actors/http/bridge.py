@@ -66,7 +66,7 @@ from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputPart, Output
 from omni_actors.logs import get_logger
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, CancelStage, ErrorKind, GetRoutes,
                                   GetStatus, MakeRequestActor, OutputChunk, OutputDelta, OutputDeltas, OutputReady,
-                                  RequestActorAlive, RequestActorExited, RequestActorFree, RequestActorMade,
+                                  Relay, RequestActorAlive, RequestActorExited, RequestActorFree, RequestActorMade,
                                   RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe, SuperviseRequestActors,
                                   SystemStatus, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
@@ -406,7 +406,7 @@ class ActorBridge:
                     elif kind == "cancel":
                         actor = running.get(item[1])
                         if actor is not None:
-                            ctx.tell(actor, CancelRequest(item[1], *item[2:]))
+                            self._tell_busy(ctx, actor, CancelRequest(item[1], *item[2:]))
                     elif kind == "finished":
                         running.pop(item[1], None)  # (the event loop takes its RequestActor back)
                         stages.pop(item[1], None)
@@ -423,9 +423,18 @@ class ActorBridge:
                     elif kind == "routes":
                         # a pool was replaced: requests in flight re-send what waited on it
                         for actor in running.values():
-                            ctx.tell(actor, RoutesChanged(item[1]))
+                            self._tell_busy(ctx, actor, RoutesChanged(item[1]))
                 except Exception as exc:  # noqa: BLE001 - keep the bridge alive
                     self._log.error("bridge_send_failed", kind=kind, error=str(exc))
+
+    def _tell_busy(self, ctx, actor: Any, message: Any) -> None:
+        """Sender thread: ``message`` to a busy RequestActor, through our supervisor (see
+        :class:`~omni_actors.messages.Relay`: a blocked one must not hold this thread)."""
+        supervisor = self._supervisor
+        if supervisor is not None:
+            ctx.tell(supervisor, Relay(actor, message))
+        else:
+            ctx.tell(actor, message)
 
     def _make_request_actor(self, ctx) -> Any:
         """Sender thread: a new RequestActor, made by our supervisor (made directly if there
