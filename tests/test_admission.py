@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from omni_actors.http.admission import QueueFull, RequestActorPool
-from omni_actors.http.bridge import ActorBridge, RequestRejected
+from omni_actors.http.bridge import ActorBridge, RequestRejected, _Held
 from omni_actors.http.types import PipelineRequest, RequestFailed, within
 from omni_actors.messages import ErrorKind, OutputDelta, OutputDeltas, RequestFinished, Routes, RunRequest
 
@@ -252,8 +252,8 @@ def test_a_busy_request_actor_that_stops_answering_is_written_off_and_its_reques
         await asyncio.sleep(0.01)
         runs = [item[1] for item in _outbox_items(bridge) if item[0] == "run"]
         assert [run.alive_every_s for run in runs] == [5.0, 5.0]
-        bridge._answered["dead"] -= REQUEST_ACTOR_SILENT_S + 1  # silent since then
-        bridge._answered["alive"] -= REQUEST_ACTOR_SILENT_S + 1
+        bridge._held["dead"].heard -= REQUEST_ACTOR_SILENT_S + 1  # silent since then
+        bridge._held["alive"].heard -= REQUEST_ACTOR_SILENT_S + 1
         bridge._on_message(RequestActorAlive("alive"))  # (the receiver thread hands it to the loop)
         await asyncio.sleep(0.01)
         bridge._tick()
@@ -289,7 +289,7 @@ def test_a_request_actor_that_exits_fails_its_request_or_leaves_the_idle_pool_an
         bridge._pool.release("ra-idle")
         busy = asyncio.ensure_future(_first(bridge, "r1"))  # takes the last freed: ra-idle
         await asyncio.sleep(0.01)
-        assert bridge._actor_of == {"r1": "ra-idle"}
+        assert {rid: held.actor for rid, held in bridge._held.items()} == {"r1": "ra-idle"}
         _outbox_items(bridge)
         bridge._on_message(RequestActorExited("ra-idle"))
         ev = await within(busy, 5)
@@ -317,7 +317,7 @@ def test_a_request_actor_whose_stages_are_still_cancelling_stays_busy_until_it_s
         bridge = _bridge(request_actors=1, queue_limit=1)
         bridge._loop = asyncio.get_running_loop()
         bridge._pool.reserve(1)
-        bridge._held["gone"] = time.monotonic() + 60
+        bridge._held["gone"] = _Held(time.monotonic() + 60, time.monotonic(), "ra-1")
         bridge._on_message(RequestFinished("gone", ErrorKind.CANCELLED, request_actor="ra-1", free=False))
         await asyncio.sleep(0.01)
         stats = bridge.request_actors()

@@ -121,6 +121,15 @@ class RequestRejected(RequestFailed):
 
 
 @dataclasses.dataclass
+class _Held:
+    """A request on a RequestActor, from its start to its RequestFinished (event loop only)."""
+
+    due: float  #: when its RequestActor is written off if it has not said the request ended
+    heard: float  #: when its RequestActor was last heard from (or the request started)
+    actor: Any = None  #: the RequestActor's address, once known
+
+
+@dataclasses.dataclass
 class _Inbox:
     """One request's messages that came before their turn (receiver thread only)."""
 
@@ -173,15 +182,10 @@ class ActorBridge:
             min(request_actors, DEFAULT_MIN_REQUEST_ACTORS) if min_request_actors is None else min_request_actors,
             DEFAULT_QUEUE_PER_ACTOR * request_actors if queue_limit is None else queue_limit,
             idle_exit_s)
-        #: request -> when its RequestActor is written off if it has not said the request ended
-        #: (event loop only; a request is here from its start on a RequestActor to its RequestFinished)
-        self._held: dict[str, float] = {}
+        #: the requests on a RequestActor (event loop only)
+        self._held: dict[str, _Held] = {}
         #: requests over whose RequestActor still waits for its stages' cancels (event loop only)
         self._closing: set[str] = set()
-        #: request -> when its RequestActor was last heard from (or the request started); event loop only
-        self._answered: dict[str, float] = {}
-        #: request -> the address of the RequestActor that runs it, once known (event loop only)
-        self._actor_of: dict[str, Any] = {}
         #: the parent of our RequestActors: tells us when one exits (see request_supervisor);
         #: None: not made (yet), or lost (RequestActors are then made unsupervised)
         self._supervisor = None
@@ -293,10 +297,8 @@ class ActorBridge:
                 yield RequestFailed(503, str(exc), "service_unavailable")
                 return
             remaining = max(timeout - (time.monotonic() - t0), 0.001)
-            self._held[rid] = time.monotonic() + remaining + LOST_AFTER_S
-            self._answered[rid] = time.monotonic()
-            if actor is not None:
-                self._actor_of[rid] = actor
+            now = time.monotonic()
+            self._held[rid] = _Held(now + remaining + LOST_AFTER_S, now, actor)
             started = True
             streaming = self._routes.config.deployment.streaming
             self._outbox(rid).put(("run", RunRequest(rid, request.prompt, plan,
@@ -456,9 +458,9 @@ class ActorBridge:
             return
         try:
             now = time.monotonic()
-            for rid in [rid for rid, due in self._held.items() if now >= due]:
+            for rid in [rid for rid, held in self._held.items() if now >= held.due]:
                 self._write_off(rid, f"no end of the request {LOST_AFTER_S:g} s after its deadline")
-            for rid in [rid for rid in self._held if now - self._answered.get(rid, now) > self._silent_s]:
+            for rid in [rid for rid, held in self._held.items() if now - held.heard > self._silent_s]:
                 # (not told to exit: a tell to a dead actor blocks a sender thread for up to 60 s;
                 # a hung one exits by itself once idle, hearing no BridgeAlive)
                 self._write_off(rid, f"its RequestActor was not heard from for {self._silent_s:g} s "
@@ -478,8 +480,6 @@ class ActorBridge:
     def _unhold(self, request_id: str) -> bool:
         """Forget that a RequestActor holds ``request_id``; False if none did (any more)."""
         self._closing.discard(request_id)
-        self._answered.pop(request_id, None)
-        self._actor_of.pop(request_id, None)
         return self._held.pop(request_id, None) is not None
 
     def _write_off(self, request_id: str, why: str, tell_exit: bool = True) -> None:
@@ -494,14 +494,15 @@ class ActorBridge:
 
     def _bind(self, request_id: str, actor: Any) -> None:
         """The sender thread made ``actor`` for ``request_id``."""
-        if request_id in self._held:
-            self._actor_of[request_id] = actor
+        held = self._held.get(request_id)
+        if held is not None:
+            held.actor = actor
 
     def _exited(self, actor: Any) -> None:
         """A RequestActor of ours exited (our supervisor says): its request, if it had one,
         fails at once; an idle one leaves the pool (replaced up to the minimum)."""
-        for rid, running in list(self._actor_of.items()):
-            if running == actor:
+        for rid, held in list(self._held.items()):
+            if held.actor == actor:
                 self._write_off(rid, "its RequestActor exited (its process was killed?)", tell_exit=False)
                 return
         if self._pool.discard(actor):
@@ -514,8 +515,9 @@ class ActorBridge:
 
     def _alive(self, request_id: str) -> None:
         """The RequestActor of ``request_id`` said it still runs it."""
-        if request_id in self._answered:
-            self._answered[request_id] = time.monotonic()
+        held = self._held.get(request_id)
+        if held is not None:
+            held.heard = time.monotonic()
 
     def _returned(self, request_id: str, actor: Any) -> None:
         """The RequestActor of ``request_id`` said the request ended: it is free again."""
