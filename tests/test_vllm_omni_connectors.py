@@ -224,7 +224,10 @@ MOONCAKE = {"name": "MooncakeStoreConnector",
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # its __del__ after a failed init
-def test_a_config_naming_mooncake_gives_its_engines_an_omni_mode(tmp_path):
+def test_a_config_naming_mooncake_gives_its_engines_an_omni_mode(tmp_path, monkeypatch):
+    # Mooncake's client tries a master 20 times, about 4.5 s each (90 s here), before it fails:
+    # once is enough to see the failure.
+    monkeypatch.setenv("MC_STORE_CLIENT_SETUP_RETRIES", "1")
     data = copy.deepcopy(BASE)
     data["runtime"] = {"connectors": {"rdma": MOONCAKE}}
     data["stage_args"][1]["output_connectors"] = {"to_stage_2": "rdma"}
@@ -293,13 +296,24 @@ async def _answers(base_url: str, *, stream: bool) -> list[dict]:
     return out
 
 
-@pytest.mark.system
-def test_pipeline_through_vllm_omnis_connector_is_byte_identical(tmp_path):
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """The one-host pipeline config and its answers on our own connectors (served once for
+    the module: what vLLM-Omni's connectors must reproduce byte for byte)."""
     from omni_actors.system.local import LocalLeader
 
-    config = _pipeline_config(tmp_path)
-    with LocalLeader(config) as ours:
-        want = asyncio.run(_answers(ours.base_url, stream=False))
+    config = _pipeline_config(tmp_path_factory.mktemp("ours"))
+    with LocalLeader(config) as leader:
+        want = asyncio.run(_answers(leader.base_url, stream=False))
+    assert all(w["text"] and len(w["pcm"]) > 0 for w in want)
+    return config, want
+
+
+@pytest.mark.system
+def test_pipeline_through_vllm_omnis_connector_is_byte_identical(ours):
+    from omni_actors.system.local import LocalLeader
+
+    config, want = ours
     # Every engine (and every other process) defaults to vLLM-Omni's SharedMemoryConnector:
     # inline_threshold_bytes 0 puts every output and streamed chunk with array data through it.
     with LocalLeader(config, env={"OMNI_ACTORS_CONNECTOR": "omni:SharedMemoryConnector"},
@@ -309,7 +323,6 @@ def test_pipeline_through_vllm_omnis_connector_is_byte_identical(tmp_path):
         prefix = f"oa-{theirs.admin_port}-"
         log = theirs.log_path.read_text()
     for w, g, s in zip(want, got, streamed):
-        assert w["text"] and len(w["pcm"]) > 0
         assert g == w and s == w
     assert log.count('"omni_connector_built"') >= 5, "every engine built vLLM-Omni's connector"
     assert '"omni_connector_not_applied"' not in log
@@ -404,15 +417,13 @@ def test_outputs_go_through_a_mooncake_store_and_are_read_in_another_process(moo
 
 
 @pytest.mark.system
-def test_pipeline_with_a_config_naming_a_mooncake_store_is_byte_identical(mooncake, tmp_path):
+def test_pipeline_with_a_config_naming_a_mooncake_store_is_byte_identical(mooncake, ours, tmp_path):
     """vLLM-Omni's config form (``runtime.connectors`` and a stage's ``output_connectors``) names
     the Mooncake store for the Talker's codec codes: Code2Wav reads them from the store, and the
     answers equal those of the same pipeline on our connectors."""
     from omni_actors.system.local import LocalLeader
 
-    config = _pipeline_config(tmp_path)
-    with LocalLeader(config) as ours:
-        want = asyncio.run(_answers(ours.base_url, stream=False))
+    config, want = ours
     data = yaml.safe_load(config.read_text())
     settings, metrics = mooncake
     before = _master_counts(metrics)
@@ -425,7 +436,6 @@ def test_pipeline_with_a_config_naming_a_mooncake_store_is_byte_identical(moonca
         got = asyncio.run(_answers(theirs.base_url, stream=False))
         log = theirs.log_path.read_text()
         after = _master_counts(metrics)
-    assert all(w["text"] and len(w["pcm"]) > 0 for w in want)
     assert got == want
     # the store saw the Talker's outputs go in and Code2Wav read them (one each per prompt at least)
     for counter in ("master_put_end_requests_total", "master_get_replica_list_requests_total"):
