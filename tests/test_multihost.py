@@ -575,6 +575,37 @@ def test_member_that_rejoins_gets_work_again(request, tmp_path):
     print(f"talker/2 on {victim}: {talker2['completed']} tasks done; {_table(reps)}")
 
 
+def test_a_member_says_when_its_leader_stops_and_joins_it_again_when_it_is_back(request, tmp_path):
+    """The leader stops (Ctrl-C) with a member attached: the member keeps running and says so
+    within LEADER_CHECK_S (it was silent); a leader started again on the same admin port takes it
+    back, places replicas on it, and serves audio through them."""
+    from omni_actors.system.member import LEADER_CHECK_S
+
+    cluster = start_cluster(request, tmp_path, members=(("m1", "0,1,2,3"),))
+    member = cluster.members["m1"]
+    admin_port = cluster.leader.admin_port
+    assert cluster.leader.stop() == 0
+    deadline = time.monotonic() + LEADER_CHECK_S + 5
+    while b"does not answer" not in member.out.read_bytes():
+        assert time.monotonic() < deadline, f"the member did not say its leader stopped: {member.tail()}"
+        assert member.proc.poll() is None, f"the member exited: {member.tail()}"
+        time.sleep(0.1)
+    assert f"the convention leader at 127.0.0.1:{admin_port} does not answer" in member.out.read_text()
+
+    again = LocalLeader(CONFIG, extra_args=["--node-name", "leader"], admin_port=admin_port)
+    request.addfinalizer(again.stop)  # (before the member's: last in, first out)
+    again.start()
+    cluster.leader = again
+    cluster.wait_all_ready(talker=2, code2wav=2, thinker=1)
+    reps = cluster.replicas()
+    assert {r["node"] for r in reps if r["stage"] in MEMBER_STAGES and r["state"] == "ready"} == {"m1"}, _table(reps)
+    assert_audio_reply(*chat(cluster.base_url))
+    deadline = time.monotonic() + LEADER_CHECK_S + 5
+    while b"answers again" not in member.out.read_bytes():
+        assert time.monotonic() < deadline, f"the member did not say its leader is back: {member.tail()}"
+        time.sleep(0.1)
+
+
 # -- network namespaces ----------------------------------------------------------------------------
 #: addresses only inside the namespaces this test creates (RFC 2544 benchmarking range, not routed)
 NETNS_NET = "198.18.0"

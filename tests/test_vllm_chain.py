@@ -321,6 +321,8 @@ def test_engine_that_cannot_load_is_failed_with_the_reason_and_requests_get_503(
         out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
         row = next((line for line in out.stdout.splitlines() if "thinker/0" in line), "")
         assert "failed" in row and str(missing) in row, out.stdout + out.stderr
+        # a stage with no replica that can serve: not ready, and the exit status says so
+        assert out.returncode == 3 and "NOT READY" in out.stdout, (out.returncode, out.stdout)
         out = subprocess.run(cli + ["--json"], capture_output=True, text=True, timeout=60)
         status = json.loads(out.stdout)
         rows = {r["replica"]: r for st in status["stages"] for r in st["replicas"]}

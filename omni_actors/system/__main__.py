@@ -22,6 +22,9 @@ DEFAULT_HTTP_PORT = 8000  # vLLM's default API port
 STOP_GRACE_S = 20.0
 #: `stop` on a system whose state file predates drain_timeout_s in it: the config default.
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
+#: `status` when the model is not ready, or the leader (its HTTP API) is not running: the
+#: table is printed all the same (3: "not running", as `systemctl status` says it).
+NOT_READY_EXIT = 3
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,7 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--timeout", type=float, default=None,
                     help="seconds to wait before killing what is left (default: the system's "
                          f"supervision.drain_timeout_s + {STOP_GRACE_S:g}, for its processes to exit)")
-    sp = sub.add_parser("status", help="print the stage table of a running system")
+    sp = sub.add_parser("status", help="print the stage table of a running system; exit status 0 when its "
+                        f"model is ready, {NOT_READY_EXIT} when not (or its leader is not running)")
     admin_port(sp, remote=True)
     sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -342,7 +346,8 @@ def cmd_status(admin, args) -> int:
 
     status = admin.status()
     state = None if getattr(args, "convention_address", None) else _read_state(args.admin_port)
-    if state is not None and not _alive(state["pid"]):
+    api_down = state is not None and not _alive(state["pid"])
+    if api_down:
         print(f"warning: the leader (pid {state['pid']}) is not running, so the HTTP API is down; "
               f"`python -m omni_actors.system stop --admin-port {args.admin_port}` cleans up",
               file=sys.stderr)
@@ -350,7 +355,7 @@ def cmd_status(admin, args) -> int:
         print(json.dumps(status_to_dict(status), indent=2))
     else:
         print_status_table(status)
-    return 0
+    return 0 if status.ready and not api_down else NOT_READY_EXIT
 
 
 @_admin_verb

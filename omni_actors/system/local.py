@@ -95,7 +95,8 @@ class LocalLeader:
     leader still exit because one of them could not be served (a port taken all the
     same, or a Thespian admin that did not come up on it), it is started again on
     fresh ports, up to ``start_attempts`` times in all; any other exit, or no answer
-    within ``start_timeout_s`` (per attempt), fails at once.
+    within ``start_timeout_s`` (per attempt), fails at once. With ``admin_port`` the
+    leader starts on that admin port (not reserved; every attempt tries it again).
 
     Attributes (after start): ``port``, ``admin_port``, ``base_url``
     (``http://127.0.0.1:PORT/v1``), ``system_id``, ``log_path`` (its stderr,
@@ -109,8 +110,10 @@ class LocalLeader:
 
     def __init__(self, config: str | os.PathLike, *, extra_args: list[str] | None = None,
                  start_timeout_s: float = 60.0, env: dict[str, str] | None = None,
-                 log_level: str = "info", start_attempts: int = 3):
+                 log_level: str = "info", start_attempts: int = 3, admin_port: int | None = None):
         self.config = str(config)
+        #: the admin port to start on (e.g. a leader's again, for its members); None: a free one
+        self.fixed_admin_port = admin_port
         self.extra_args = extra_args or []
         self.start_timeout_s = start_timeout_s
         self.start_attempts = start_attempts
@@ -124,9 +127,10 @@ class LocalLeader:
 
     def start(self) -> "LocalLeader":
         for attempt in range(1, self.start_attempts + 1):
-            reserved = [reserve_port(), reserve_port()]
+            reserved = [reserve_port()] + ([reserve_port()] if self.fixed_admin_port is None else [])
             try:
-                self.port, self.admin_port = (s.getsockname()[1] for s in reserved)
+                self.port = reserved[0].getsockname()[1]
+                self.admin_port = self.fixed_admin_port or reserved[1].getsockname()[1]
                 if self._start_once():
                     return self
             finally:

@@ -12,9 +12,13 @@ import os
 import signal
 import socket
 import threading
+import time
 
 from omni_actors.system.leader import ACTOR_BASE, StartError, node_capabilities, start_data_service
 from omni_actors.system.processes import ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use
+
+#: seconds between the member's checks that its convention leader's admin still answers
+LEADER_CHECK_S = 5.0
 
 
 def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devices: tuple[str, ...],
@@ -72,8 +76,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
               f"stages {','.join(stages) or 'any'}); Ctrl-C to leave", flush=True)
         log.info("member_started", admin_port=admin_port, devices=list(devices), stages=list(stages),
                  shm_dir=shm_dir)
-        while not stopping.wait(0.2):
-            pass
+        _serve(stopping, host, port, log)
         return 0
     finally:
         if asys is not None:
@@ -84,6 +87,28 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
             data.stop()
         log.info("member_stopped", processes_killed=killed)
         print("omni-actors member stopped", flush=True)
+
+
+def _serve(stopping: threading.Event, host: str, port: int, log) -> None:
+    """Wait for ``stopping``; meanwhile say (stdout and log) when the convention leader's
+    admin stops answering and when it answers again. The member stays up either way:
+    Thespian joins it to a leader that starts again at that address."""
+    answering, next_check = True, time.monotonic() + LEADER_CHECK_S
+    while not stopping.wait(0.2):
+        if time.monotonic() < next_check:
+            continue
+        now = port_in_use(port, host)
+        next_check = time.monotonic() + LEADER_CHECK_S
+        if now == answering:
+            continue
+        answering = now
+        if now:
+            print(f"the convention leader at {host}:{port} answers again: this member joins it", flush=True)
+            log.info("leader_answers", convention=f"{host}:{port}")
+        else:
+            print(f"the convention leader at {host}:{port} does not answer: this member keeps running and "
+                  "joins it when it starts again (Ctrl-C to leave)", flush=True)
+            log.warning("leader_not_answering", convention=f"{host}:{port}")
 
 
 def default_node_name(admin_port: int) -> str:
