@@ -6,6 +6,7 @@ SIGINT (as Ctrl-C) and kills anything of that system left behind.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -44,6 +45,20 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture(scope="module")
+def vllm_ipc_in_a_temp_dir(tmp_path_factory):
+    """For a module whose vLLM engines run in the test's process (outside any system, whose
+    replicas use the system's directory): their IPC sockets go to a directory of the test
+    session's, not to the temp directory, where vLLM leaves them."""
+    before = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = str(tmp_path_factory.mktemp("vllm-ipc"))
+    yield
+    if before is None:
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+    else:
+        os.environ["VLLM_RPC_BASE_PATH"] = before
 
 
 def _leader(request, config: Path) -> LocalLeader:

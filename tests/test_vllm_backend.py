@@ -61,6 +61,11 @@ async def collect(engine, task: BackendTask) -> tuple[list[TextDelta], StageFina
     return deltas, final
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _ipc(vllm_ipc_in_a_temp_dir):
+    """(This module's engines run in the test's process, outside any system.)"""
+
+
 @pytest.fixture(scope="module")
 def tiny_model():
     _vllm()

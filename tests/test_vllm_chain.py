@@ -25,7 +25,9 @@ import base64
 import importlib.util
 import io
 import json
+import os
 import re
+import stat
 import subprocess
 import sys
 import time
@@ -114,8 +116,12 @@ def _config_copy(tiny_model: Path, path: Path, edit=None) -> Path:
 
 
 def _stop_and_check(leader: LocalLeader) -> None:
+    from omni_actors.system.processes import ipc_dir
+
     leader.stop(timeout_s=60)
     assert leader.left_after_exit == [], f"left behind: {leader.left_after_exit}"
+    # vLLM's IPC sockets (3 per engine, left in the temp directory before) went with the system
+    assert not os.path.exists(ipc_dir(leader.system_id)), os.listdir(ipc_dir(leader.system_id))
 
 
 def _thinker_abort(leader: LocalLeader, rid: str, completed_before: int, timeout_s: float = 5.0):
@@ -353,6 +359,16 @@ def test_engine_that_cannot_load_is_failed_with_the_reason_and_requests_get_503(
 
 
 # -- the chain ----------------------------------------------------------------------
+
+def test_the_engines_ipc_sockets_are_in_the_systems_own_directory(chain):
+    """vLLM puts 3 ZeroMQ IPC sockets per engine in ``$VLLM_RPC_BASE_PATH`` (default: the temp
+    directory, where they stayed after every stop): the replicas point it at the system's
+    directory, which the leader removes when it stops (checked at the module's end)."""
+    from omni_actors.system.processes import ipc_dir
+
+    sockets = os.listdir(ipc_dir(chain.system_id))
+    assert len(sockets) >= 3 * 3, sockets  # three vLLM engines (the Thinker, two Talkers)
+    assert all(stat.S_ISSOCK(os.stat(os.path.join(ipc_dir(chain.system_id), n)).st_mode) for n in sockets)
 
 @pytest.mark.parametrize("question, max_tokens", [(SEA, 24), (STORY, 64)],
                          ids=["length", "eos"])

@@ -104,6 +104,11 @@ def test_stage_inputs_hands_upstream_over_unchanged():
     assert got["upstream"] is up and got["prompt"] == "hi" and got["params"] == {"width": 4}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _ipc(vllm_ipc_in_a_temp_dir):
+    """(This module's engines run in the test's process, outside any system.)"""
+
+
 @pytest.fixture(scope="module")
 def rt():
     loop = LoopThread()

@@ -58,6 +58,7 @@ from omni_actors.config import StageSpec
 from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, OutputChunk, StageFinal, TextDelta
 from omni_actors.engines.vllm_core import CoreWatch, keep_off, one_line, parse_cpus, pinned
 from omni_actors.logs import get_logger
+from omni_actors.system.processes import use_ipc_dir
 
 __all__ = ["VllmEngine", "OMNI_ONLY_KEYS", "split_engine_args"]
 
@@ -203,6 +204,7 @@ class VllmEngine:
         if str(model).startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
             raise FileNotFoundError(f"model directory {model} does not exist")
         cpu = _is_cpu_build()
+        use_ipc_dir()  # vLLM's IPC sockets in the system's directory, removed when it stops
         if cpu:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -66,6 +66,7 @@ from omni_actors.config import StageSpec
 from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta
 from omni_actors.engines.vllm_core import one_line
 from omni_actors.logs import get_logger
+from omni_actors.system.processes import use_ipc_dir
 
 __all__ = ["VllmOmniEngine", "stage_inputs", "PIPELINE_KEYS"]
 
@@ -152,6 +153,7 @@ class VllmOmniEngine:
         if model.startswith(("/", ".")) and not Path(model).is_dir():
             raise FileNotFoundError(f"model directory {model} does not exist")
         cpu = _is_cpu_build()
+        use_ipc_dir()  # vLLM's IPC sockets in the system's directory, removed when it stops
         if cpu:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

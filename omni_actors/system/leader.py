@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 
 from omni_actors.config import PipelineConfig
-from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use,
+from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
                                           serve_args_error)
 
 ACTOR_BASE = "multiprocTCPBase"
@@ -200,6 +200,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                 asys.shutdown()
         finally:
             left = kill_system(system_id, sessions=sessions)
+            remove_ipc_dir(system_id)
             removed = sweep_segments(shm_prefix)
             if data is not None:
                 data.stop()

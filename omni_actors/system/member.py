@@ -15,7 +15,7 @@ import threading
 import time
 
 from omni_actors.system.leader import ACTOR_BASE, StartError, node_capabilities, start_data_service
-from omni_actors.system.processes import ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use
+from omni_actors.system.processes import ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir
 
 #: seconds between the member's checks that its convention leader's admin still answers
 LEADER_CHECK_S = 5.0
@@ -82,6 +82,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         if asys is not None:
             asys.shutdown()
         killed = kill_system(os.environ.get(ENV_SYSTEM_ID, ""), sessions=sessions)
+        remove_ipc_dir(os.environ.get(ENV_SYSTEM_ID, ""))
         sweep_segments(shm_prefix)
         if data is not None:
             data.stop()

@@ -12,12 +12,49 @@ itself over its environment block (seen here for actors of member hosts).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from pathlib import Path
 
 ENV_SYSTEM_ID = "OMNI_ACTORS_SYSTEM_ID"
+#: vLLM's setting for where its ZeroMQ IPC sockets go (default: the temp directory, where the
+#: sockets of engines that were stopped or killed stay: 3 files per engine measured here).
+ENV_VLLM_IPC = "VLLM_RPC_BASE_PATH"
+
+
+def ipc_dir(system_id: str) -> str:
+    """The directory of the vLLM IPC sockets of the system (one host's process tree)
+    ``system_id``: ``<temp dir>/omni-actors-ipc-<first 16 characters of the id>`` (short: a
+    socket path has at most 107 bytes). The leader or member removes it when it stops."""
+    return os.path.join(tempfile.gettempdir(), f"omni-actors-ipc-{system_id[:16]}")
+
+
+def use_ipc_dir() -> str | None:
+    """In a replica's process, before its vLLM engine starts: point ``$VLLM_RPC_BASE_PATH``
+    at this system's :func:`ipc_dir` (made, mode 0700), unless it is set already or this
+    process belongs to no system; the directory, or None."""
+    system_id = os.environ.get(ENV_SYSTEM_ID)
+    if not system_id or os.environ.get(ENV_VLLM_IPC):
+        return None
+    path = ipc_dir(system_id)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.environ[ENV_VLLM_IPC] = path
+    return path
+
+
+def remove_ipc_dir(system_id: str) -> int:
+    """Remove the system's :func:`ipc_dir` (after its processes are gone); how many
+    sockets (files) were left in it."""
+    path = ipc_dir(system_id) if system_id else ""
+    try:
+        left = len(os.listdir(path)) if path else 0
+    except OSError:
+        return 0
+    shutil.rmtree(path, ignore_errors=True)
+    return left
 
 
 def _stat(entry: Path) -> list[str] | None:
