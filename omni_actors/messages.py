@@ -579,13 +579,30 @@ class RequestActorAlive(Message):
     request_id: str
 
 
+#: Seconds between a RequestActorSupervisor's :class:`SupervisorAlive` messages; its bridge
+#: takes it for lost after :data:`SUPERVISOR_MISSED` of them.
+SUPERVISOR_ALIVE_EVERY_S = 1.0
+SUPERVISOR_MISSED = 5
+
+
 @dataclass(frozen=True)
 class SuperviseRequestActors(Message):
-    """Bridge -> its RequestActorSupervisor, once: report to ``bridge``; exit (ending its
-    RequestActors) after ``lost_after_s`` without a :class:`BridgeAlive`."""
+    """Bridge -> its RequestActorSupervisor, once: report to ``bridge`` (and say it is
+    alive every ``alive_every_s``); exit (ending its RequestActors) after ``lost_after_s``
+    without a :class:`BridgeAlive`."""
 
     bridge: ActorAddress
     lost_after_s: float = BRIDGE_LOST_AFTER_S
+    alive_every_s: float = SUPERVISOR_ALIVE_EVERY_S
+
+
+@dataclass(frozen=True)
+class SupervisorAlive(Message):
+    """RequestActorSupervisor -> its bridge, every ``alive_every_s``. A bridge that stops
+    hearing them (the supervisor's process was killed) makes a new supervisor: its
+    ``Relay`` of cancels would be lost and its ``MakeRequestActor`` unanswered."""
+
+    address: ActorAddress
 
 
 @dataclass(frozen=True)

@@ -450,17 +450,38 @@ class Sampler:
         return self.peak
 
 
-def _request_actors(pids) -> set[int]:
-    """Those of ``pids`` that are RequestActors (Thespian titles each actor process with its class)."""
+def _titled(pids, title: bytes) -> set[int]:
+    """Those of ``pids`` whose command line starts with ``title`` (Thespian titles each actor
+    process with its class: ``b"RequestActor ActorAddr"``)."""
     out = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read().startswith(b"RequestActor ActorAddr"):
+                if f.read().startswith(title):
                     out.add(pid)
         except OSError:
             pass
     return out
+
+
+def _request_actors(pids) -> set[int]:
+    """Those of ``pids`` that are RequestActors."""
+    return _titled(pids, b"RequestActor ActorAddr")
+
+
+def _chat(url: str, max_tokens: int) -> tuple[int, str]:
+    """A chat completion at ``url`` (urllib): (HTTP status, body)."""
+    import urllib.error
+    import urllib.request
+
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(url + "/chat/completions", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
 
 
 def _gauge(text: str, name: str) -> float | None:
@@ -668,14 +689,7 @@ def test_request_actors_killed_mid_request_or_idle_are_replaced_at_once(leader, 
             return json.loads(_get(api.url + "/stages"))["stages"][0]["replicas"][0]
 
         def chat(max_tokens: int) -> tuple[int, str]:
-            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                               "max_tokens": max_tokens}).encode()
-            req = urllib.request.Request(api.url + "/chat/completions", body, {"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=60) as r:
-                    return r.status, r.read().decode()
-            except urllib.error.HTTPError as exc:
-                return exc.code, exc.read().decode()
+            return _chat(api.url, max_tokens)
 
         result: list = []
         client = threading.Thread(target=lambda: result.append(chat(2000)))  # 40 s of decoding
@@ -710,6 +724,55 @@ def test_request_actors_killed_mid_request_or_idle_are_replaced_at_once(leader, 
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4, body
         text = _get(api.url.removesuffix("/v1") + "/metrics")
         assert _gauge(text, "omni_request_actors") == 1 and _gauge(text, "omni_request_actors_busy") == 0
+    finally:
+        assert api.stop() == 0, api.log.read_text()[-2000:]
+
+
+@pytest.mark.system
+def test_a_killed_request_actor_supervisor_is_replaced_and_watches_the_new_request_actors(leader, tmp_path):
+    """SIGKILL on an API server's RequestActorSupervisor: the API server hears no more
+    SupervisorAlive, makes another within SUPERVISOR_ALIVE_EVERY_S * SUPERVISOR_MISSED (it
+    noticed only when it next asked it for a RequestActor, after a 10 s timeout, and made
+    them unsupervised from then on), ends the idle RequestActors of the lost one and makes
+    new ones under the new one: a killed idle RequestActor is then replaced at once again,
+    and requests are served throughout."""
+    from omni_actors.messages import SUPERVISOR_ALIVE_EVERY_S, SUPERVISOR_MISSED
+
+    def supervisors(pids) -> set[int]:
+        return _titled(pids, b"RequestActorSupervisor ActorAddr")
+
+    baseline = _settle(leader.pids)
+    api = ApiServer(leader, tmp_path, min_request_actors=1, queue_limit=4)
+    try:
+        mine = _settle(lambda: set(leader.pids()) - baseline)
+        first, old = supervisors(mine), _request_actors(mine)
+        assert len(first) == 1 and len(old) == 1, mine
+        os.kill(first.pop(), signal.SIGKILL)
+        t0 = time.monotonic()
+        deadline = t0 + SUPERVISOR_ALIVE_EVERY_S * SUPERVISOR_MISSED + 5
+        while time.monotonic() < deadline:
+            mine = set(leader.pids()) - baseline
+            if supervisors(mine) and _request_actors(mine) and not _request_actors(mine) & old:
+                break
+            time.sleep(0.1)
+        took = time.monotonic() - t0
+        assert supervisors(mine) and _request_actors(mine) and not _request_actors(mine) & old, (
+            f"no new supervisor with a new RequestActor {took:.1f} s after the kill", mine)
+        assert '"request_supervisor_lost"' in api.log.read_text()
+        assert _chat(api.url, 4)[0] == 200
+        # the new supervisor watches its RequestActors: an idle one killed is replaced at once
+        idle = _settle(lambda: _request_actors(set(leader.pids()) - baseline))
+        assert len(idle) == 1, idle
+        os.kill(idle.pop(), signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while len(_request_actors(set(leader.pids()) - baseline)) != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(_request_actors(set(leader.pids()) - baseline)) == 1
+        assert '"request_actor_exited"' in api.log.read_text()
+        t1 = time.monotonic()
+        status, body = _chat(api.url, 4)
+        assert status == 200 and time.monotonic() - t1 < 10, body
+        print(f"\nsupervisor killed: a new one and a new RequestActor {took:.1f} s later")
     finally:
         assert api.stop() == 0, api.log.read_text()[-2000:]
 

@@ -11,7 +11,9 @@ idle one from its pool and fails the request of a busy one with a 500.
 
 It exits, ending its RequestActors, when its bridge has not been heard from
 (:class:`~omni_actors.messages.BridgeAlive`) for ``lost_after_s``: the API
-server was killed.
+server was killed. It says it is alive to its bridge every ``alive_every_s``
+(:class:`~omni_actors.messages.SupervisorAlive`): a bridge that stops hearing
+it makes another.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from omni_actors.actors.request import RequestActor
 from omni_actors.actors.supervision import WakeupChain
 from omni_actors.logs import get_logger
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, MakeRequestActor, Relay, RequestActorExited,
-                                  SuperviseRequestActors)
+                                  SuperviseRequestActors, SupervisorAlive)
 
 
 class RequestActorSupervisor(ActorTypeDispatcher):
@@ -34,18 +36,39 @@ class RequestActorSupervisor(ActorTypeDispatcher):
         self._lost_after_s = BRIDGE_LOST_AFTER_S
         self._heard_at = time.monotonic()
         self._checks = WakeupChain("bridge_check")
+        self._beats = WakeupChain("supervisor_alive")
+        self._alive_every_s = 1.0
+        self._beat_at = 0.0
         self._log = get_logger(actor="request_supervisor")
 
     def receiveMsg_SuperviseRequestActors(self, msg: SuperviseRequestActors, sender):
         self._bridge, self._lost_after_s = msg.bridge, msg.lost_after_s
         self._heard_at = time.monotonic()
         self._checks.start(self, self._lost_after_s / 2)
+        self._alive_every_s = msg.alive_every_s
+        self._beat(restart=True)
+
+    def _beat(self, restart: bool = False) -> None:
+        """Tell the bridge we run; ``restart``: begin a new chain of wake-ups for that
+        (Thespian drops wake-ups that fall due while an actor drains a long transmit queue)."""
+        self._beat_at = time.monotonic()
+        self.send(self._bridge, SupervisorAlive(self.myAddress))
+        if restart:
+            self._beats.start(self, self._alive_every_s)
+        else:
+            self._beats.again(self, self._alive_every_s)
+
+    def _beat_if_late(self) -> None:
+        if self._bridge is not None and time.monotonic() - self._beat_at > 2 * self._alive_every_s:
+            self._beat(restart=True)  # (its wake-up was dropped)
 
     def receiveMsg_MakeRequestActor(self, msg: MakeRequestActor, sender):
         self.send(self.createActor(RequestActor), MakeRequestActor(reply_to=sender))
+        self._beat_if_late()
 
     def receiveMsg_Relay(self, msg: Relay, sender):
         self.send(msg.to, msg.message)
+        self._beat_if_late()
 
     def receiveMsg_ChildActorExited(self, msg: ChildActorExited, sender):
         if self._bridge is not None:
@@ -53,8 +76,12 @@ class RequestActorSupervisor(ActorTypeDispatcher):
 
     def receiveMsg_BridgeAlive(self, msg: BridgeAlive, sender):
         self._heard_at = time.monotonic()
+        self._beat_if_late()
 
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
+        if self._beats.current(msg.payload):
+            self._beat()
+            return
         if not self._checks.current(msg.payload):
             return
         silent = time.monotonic() - self._heard_at

@@ -68,7 +68,8 @@ from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelReques
                                   GetStatus, MakeRequestActor, OutputChunk, OutputDelta, OutputDeltas, OutputReady,
                                   Relay, RequestActorAlive, RequestActorExited, RequestActorFree, RequestActorMade,
                                   RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe, SuperviseRequestActors,
-                                  SystemStatus, WhoAmI, YouAre)
+                                  SUPERVISOR_ALIVE_EVERY_S, SUPERVISOR_MISSED, SupervisorAlive, SystemStatus, WhoAmI,
+                                  YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
 from omni_actors.planning import PlanError, plan_request
 
@@ -189,6 +190,9 @@ class ActorBridge:
         #: the parent of our RequestActors: tells us when one exits (see request_supervisor);
         #: None: not made (yet), or lost (RequestActors are then made unsupervised)
         self._supervisor = None
+        #: when it last said it runs (SupervisorAlive); RequestActors of a lost one (event loop)
+        self._supervisor_heard = 0.0
+        self._orphans: list = []  # (addresses: unhashable)
         self._silent_s = silent_s
         self._alive_every_s = min(REQUEST_ACTOR_ALIVE_EVERY_S, silent_s / 4)
         #: how often the event loop ends idle RequestActors and writes off lost ones
@@ -418,6 +422,11 @@ class ActorBridge:
                         actor = running.pop(item[1], None)
                         if actor is not None and item[2]:
                             ctx.tell(actor, ActorExitRequest())
+                    elif kind == "supervise":  # the last one was lost; end its idle RequestActors
+                        self._make_supervisor(ctx)
+                        for actor in item[1]:
+                            if self._supervisor is not None:
+                                ctx.tell(self._supervisor, Relay(actor, ActorExitRequest()))
                     elif kind == "exit":  # idle too long
                         ctx.tell(item[1], ActorExitRequest())
                     elif kind == "tell":
@@ -437,6 +446,18 @@ class ActorBridge:
             ctx.tell(supervisor, Relay(actor, message))
         else:
             ctx.tell(actor, message)
+
+    def _make_supervisor(self, ctx) -> None:
+        """Sender or receiver thread: a new RequestActorSupervisor, ours from now on (none
+        if it cannot be made: RequestActors are then made unsupervised)."""
+        try:
+            supervisor = ctx.createActor(RequestActorSupervisor)
+            ctx.tell(supervisor, SuperviseRequestActors(self._address, self._lost_after_s))
+        except Exception as exc:  # noqa: BLE001
+            self._log.warning("request_supervisor_not_made", error=str(exc))
+            return
+        self._supervisor_heard = time.monotonic()  # (before it is ours: _tick must not take it for lost)
+        self._supervisor = supervisor
 
     def _make_request_actor(self, ctx) -> Any:
         """Sender thread: a new RequestActor, made by our supervisor (made directly if there
@@ -470,12 +491,41 @@ class ActorBridge:
                 self._outbox().put(("exit", actor))
             if idle:
                 self._log.info("request_actors_idle_exit", ended=len(idle), left=self._pool.total)
+            if self._supervisor is not None and \
+                    now - self._supervisor_heard > SUPERVISOR_ALIVE_EVERY_S * SUPERVISOR_MISSED:
+                self._supervisor_lost(now)
             if now >= self._alive_due:  # tell the idle ones we still run (see BridgeAlive)
                 self._alive_due = now + self._lost_after_s / 4
                 for actor in [*self._pool.idle_actors(), *([self._supervisor] if self._supervisor else [])]:
                     self._outbox().put(("tell", actor, BridgeAlive(self._lost_after_s)))
         finally:
             self._tick_handle = self._loop.call_later(self._tick_s, self._tick)
+
+    def _supervisor_lost(self, now: float) -> None:
+        """Our RequestActorSupervisor went silent (its process was killed): a new one is
+        made; the RequestActors of the lost one are ended (unwatched) and replaced up to the
+        minimum: the idle ones at once (told through the new supervisor: a tell from here to
+        one that died with it would hold a sender thread), the busy ones when they finish."""
+        self._log.warning("request_supervisor_lost", silent_s=round(now - self._supervisor_heard, 1))
+        self._supervisor = None
+        self._orphans += [held.actor for held in self._held.values() if held.actor is not None]
+        idle = self._pool.idle_actors()
+        for actor in idle:
+            self._pool.discard(actor)
+        self._outbox().put(("supervise", tuple(idle)))
+        self._refill()
+
+    def _supervisor_alive(self, address: Any) -> None:
+        if address == self._supervisor:
+            self._supervisor_heard = time.monotonic()
+
+    def _refill(self) -> None:
+        """Make RequestActors up to the pool's minimum."""
+        missing = self._pool.minimum - self._pool.total
+        if missing > 0 and not self._stop.is_set():
+            self._pool.reserve(missing)
+            for _ in range(missing):
+                self._outbox().put(("create",))
 
     def _unhold(self, request_id: str) -> bool:
         """Forget that a RequestActor holds ``request_id``; False if none did (any more)."""
@@ -507,11 +557,7 @@ class ActorBridge:
                 return
         if self._pool.discard(actor):
             self._log.warning("request_actor_exited", state="idle", left=self._pool.total)
-            missing = self._pool.minimum - self._pool.total
-            if missing > 0 and not self._stop.is_set():
-                self._pool.reserve(missing)
-                for _ in range(missing):
-                    self._outbox().put(("create",))
+            self._refill()
 
     def _alive(self, request_id: str) -> None:
         """The RequestActor of ``request_id`` said it still runs it."""
@@ -525,8 +571,12 @@ class ActorBridge:
             if actor is not None:  # written off (hung, then back): it runs, so a tell cannot block
                 self._outbox(request_id).put(("exit", actor))
             return
-        if actor is None:
+        if actor is None or actor in self._orphans:  # (one of a lost supervisor's: not used again)
+            if actor is not None:
+                self._orphans.remove(actor)
+                self._outbox(request_id).put(("exit", actor))  # (it runs: it just said so)
             self._pool.lost()
+            self._refill()
         else:
             self._pool.release(actor)
 
@@ -545,12 +595,7 @@ class ActorBridge:
                 ready.set()
                 return
             self._address, self._routes = you.address, routes
-            try:
-                supervisor = ctx.createActor(RequestActorSupervisor)
-                ctx.tell(supervisor, SuperviseRequestActors(self._address, self._lost_after_s))
-                self._supervisor = supervisor
-            except Exception as exc:  # noqa: BLE001 - RequestActors are then made unsupervised
-                self._log.warning("request_supervisor_not_made", error=str(exc))
+            self._make_supervisor(ctx)
             ready.set()
             next_subscribe = 0.0
             while not self._stop.is_set():
@@ -585,6 +630,8 @@ class ActorBridge:
             self._actor_free(msg.request_id, msg.request_actor)
         elif isinstance(msg, RequestActorAlive):
             self._loop.call_soon_threadsafe(self._alive, msg.request_id)
+        elif isinstance(msg, SupervisorAlive):
+            self._loop.call_soon_threadsafe(self._supervisor_alive, msg.address)
         elif isinstance(msg, RequestActorExited):
             self._loop.call_soon_threadsafe(self._exited, msg.address)
         elif isinstance(msg, RequestFinished):
