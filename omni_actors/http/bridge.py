@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import os
 import queue
 import threading
 import time
@@ -58,19 +57,17 @@ from typing import Any, AsyncIterator
 from thespian.actors import ActorExitRequest
 
 from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
-from omni_actors.actors.request import RequestActor
-from omni_actors.actors.request_supervisor import RequestActorSupervisor
 from omni_actors.connectors import make_connector
 from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone,
                                     RequestFailed, within)
 from omni_actors.logs import get_logger
-from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, CancelStage, ErrorKind, GetRoutes,
-                                  GetStatus, MakeRequestActor, OutputChunk, OutputDelta, OutputDeltas, OutputReady,
-                                  Relay, RequestActorAlive, RequestActorExited, RequestActorFree, RequestActorMade,
-                                  RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe, SuperviseRequestActors,
-                                  SUPERVISOR_ALIVE_EVERY_S, SUPERVISOR_MISSED, SupervisorAlive, SystemStatus, WhoAmI,
-                                  YouAre)
+from omni_actors.messages import (CancelRequest, CancelStage, ErrorKind, GetRoutes, GetStatus, OutputChunk,
+                                  OutputDelta, OutputDeltas, OutputReady, Relay, RequestActorAlive, RequestActorExited,
+                                  RequestActorFree, RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe,
+                                  SupervisorAlive, SystemStatus, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
+from omni_actors.http.request_actors import (LOST_AFTER_S, REQUEST_ACTOR_SILENT_S,  # noqa: F401 - (tests)
+                                             RequestActorKeeping, _Held)
 from omni_actors.planning import PlanError, plan_request
 
 #: How often the bridge renews its subscription with the coordinator (a lease:
@@ -84,24 +81,6 @@ DEFAULT_QUEUE_PER_ACTOR = 4
 REQUEST_ACTOR_IDLE_EXIT_S = 30.0
 #: The ``Retry-After`` (seconds) of a 429 answered when the queue is full.
 RETRY_AFTER_S = 1
-#: A RequestActor that has not said its request ended this long after the request's
-#: deadline is written off (it died or hangs): told to exit, its place given to another.
-LOST_AFTER_S = 30.0
-#: How often (seconds, at most) a busy RequestActor tells its bridge it still runs its
-#: request (:class:`~omni_actors.messages.RequestActorAlive`).
-REQUEST_ACTOR_ALIVE_EVERY_S = 5.0
-#: A busy RequestActor not heard from for this long (seconds) is written off: its process
-#: is gone (killed, crashed) or hangs. Its request fails with a 500 and its stages are
-#: cancelled, instead of the client waiting for the deadline. Generous: a RequestActor
-#: blocks while it first loads vLLM-Omni's connector (15-20 s measured here).
-REQUEST_ACTOR_SILENT_S = 60.0
-#: Seconds to wait for the RequestActorSupervisor to make a RequestActor.
-MAKE_TIMEOUT_S = 10.0
-
-#: Environment variable: seconds after which an idle RequestActor that hears nothing from
-#: this API server exits (default :data:`~omni_actors.messages.BRIDGE_LOST_AFTER_S`).
-LOST_AFTER_ENV = "OMNI_ACTORS_BRIDGE_LOST_AFTER_S"
-
 #: HTTP status for each way a request can fail.
 HTTP_STATUS = {ErrorKind.UNAVAILABLE: 503, ErrorKind.TIMEOUT: 504, ErrorKind.ENGINE_ERROR: 500,
                ErrorKind.CRASHED: 500, ErrorKind.STAGE_INPUT: 500, ErrorKind.BAD_REQUEST: 400,
@@ -122,15 +101,6 @@ class RequestRejected(RequestFailed):
 
 
 @dataclasses.dataclass
-class _Held:
-    """A request on a RequestActor, from its start to its RequestFinished (event loop only)."""
-
-    due: float  #: when its RequestActor is written off if it has not said the request ended
-    heard: float  #: when its RequestActor was last heard from (or the request started)
-    actor: Any = None  #: the RequestActor's address, once known
-
-
-@dataclasses.dataclass
 class _Inbox:
     """One request's messages that came before their turn (receiver thread only)."""
 
@@ -146,7 +116,7 @@ class _Inbox:
         return after_text is None or (self.text_attempt == after_text[0] and self.text_seq >= after_text[1])
 
 
-class ActorBridge:
+class ActorBridge(RequestActorKeeping):
     """Implements :class:`omni_actors.http.types.Bridge` over a running actor system.
 
     Args:
@@ -183,25 +153,7 @@ class ActorBridge:
             min(request_actors, DEFAULT_MIN_REQUEST_ACTORS) if min_request_actors is None else min_request_actors,
             DEFAULT_QUEUE_PER_ACTOR * request_actors if queue_limit is None else queue_limit,
             idle_exit_s)
-        #: the requests on a RequestActor (event loop only)
-        self._held: dict[str, _Held] = {}
-        #: requests over whose RequestActor still waits for its stages' cancels (event loop only)
-        self._closing: set[str] = set()
-        #: the parent of our RequestActors: tells us when one exits (see request_supervisor);
-        #: None: not made (yet), or lost (RequestActors are then made unsupervised)
-        self._supervisor = None
-        #: when it last said it runs (SupervisorAlive); RequestActors of a lost one (event loop)
-        self._supervisor_heard = 0.0
-        self._orphans: list = []  # (addresses: unhashable)
-        self._silent_s = silent_s
-        self._alive_every_s = min(REQUEST_ACTOR_ALIVE_EVERY_S, silent_s / 4)
-        #: how often the event loop ends idle RequestActors and writes off lost ones
-        self._tick_s = min(1.0, max(0.05, idle_exit_s / 4), self._alive_every_s)
-        #: an idle RequestActor of ours that hears nothing for this long exits (BridgeAlive);
-        #: ``$OMNI_ACTORS_BRIDGE_LOST_AFTER_S`` changes it (tests), default BRIDGE_LOST_AFTER_S
-        self._lost_after_s = float(os.environ.get(LOST_AFTER_ENV) or BRIDGE_LOST_AFTER_S)
-        self._alive_due = 0.0
-        self._tick_handle: asyncio.TimerHandle | None = None
+        self._init_request_actors(silent_s, idle_exit_s)
         #: one queue per sender thread; a request's work always goes to the same one
         self._outboxes: list[queue.SimpleQueue] = [queue.SimpleQueue()
                                                    for _ in range(max(1, min(senders, request_actors)))]
@@ -437,154 +389,6 @@ class ActorBridge:
                             self._tell_busy(ctx, actor, RoutesChanged(item[1]))
                 except Exception as exc:  # noqa: BLE001 - keep the bridge alive
                     self._log.error("bridge_send_failed", kind=kind, error=str(exc))
-
-    def _tell_busy(self, ctx, actor: Any, message: Any) -> None:
-        """Sender thread: ``message`` to a busy RequestActor, through our supervisor (see
-        :class:`~omni_actors.messages.Relay`: a blocked one must not hold this thread)."""
-        supervisor = self._supervisor
-        if supervisor is not None:
-            ctx.tell(supervisor, Relay(actor, message))
-        else:
-            ctx.tell(actor, message)
-
-    def _make_supervisor(self, ctx) -> None:
-        """Sender or receiver thread: a new RequestActorSupervisor, ours from now on (none
-        if it cannot be made: RequestActors are then made unsupervised)."""
-        try:
-            supervisor = ctx.createActor(RequestActorSupervisor)
-            ctx.tell(supervisor, SuperviseRequestActors(self._address, self._lost_after_s))
-        except Exception as exc:  # noqa: BLE001
-            self._log.warning("request_supervisor_not_made", error=str(exc))
-            return
-        self._supervisor_heard = time.monotonic()  # (before it is ours: _tick must not take it for lost)
-        self._supervisor = supervisor
-
-    def _make_request_actor(self, ctx) -> Any:
-        """Sender thread: a new RequestActor, made by our supervisor (made directly if there
-        is none, or it does not answer: it is then given up)."""
-        supervisor = self._supervisor
-        if supervisor is not None:
-            made = ctx.ask(supervisor, MakeRequestActor(), MAKE_TIMEOUT_S)
-            if isinstance(made, RequestActorMade):
-                return made.address
-            self._supervisor = None
-            self._log.warning("request_supervisor_lost", error=f"no answer within {MAKE_TIMEOUT_S:g} s; "
-                              "RequestActors are made unsupervised from now on")
-        return ctx.createActor(RequestActor)
-
-    # -- the RequestActor pool (event loop) ---------------------------------
-    def _tick(self) -> None:
-        """Every ``_tick_s``: end RequestActors idle too long, write off lost ones."""
-        if self._stop.is_set():
-            return
-        try:
-            now = time.monotonic()
-            for rid in [rid for rid, held in self._held.items() if now >= held.due]:
-                self._write_off(rid, f"no end of the request {LOST_AFTER_S:g} s after its deadline")
-            for rid in [rid for rid, held in self._held.items() if now - held.heard > self._silent_s]:
-                # (not told to exit: a tell to a dead actor blocks a sender thread for up to 60 s;
-                # a hung one exits by itself once idle, hearing no BridgeAlive)
-                self._write_off(rid, f"its RequestActor was not heard from for {self._silent_s:g} s "
-                                     "(its process is gone?)", tell_exit=False)
-            idle = self._pool.reap()
-            for actor in idle:
-                self._outbox().put(("exit", actor))
-            if idle:
-                self._log.info("request_actors_idle_exit", ended=len(idle), left=self._pool.total)
-            if self._supervisor is not None and \
-                    now - self._supervisor_heard > SUPERVISOR_ALIVE_EVERY_S * SUPERVISOR_MISSED:
-                self._supervisor_lost(now)
-            if now >= self._alive_due:  # tell the idle ones we still run (see BridgeAlive)
-                self._alive_due = now + self._lost_after_s / 4
-                for actor in [*self._pool.idle_actors(), *([self._supervisor] if self._supervisor else [])]:
-                    self._outbox().put(("tell", actor, BridgeAlive(self._lost_after_s)))
-        finally:
-            self._tick_handle = self._loop.call_later(self._tick_s, self._tick)
-
-    def _supervisor_lost(self, now: float) -> None:
-        """Our RequestActorSupervisor went silent (its process was killed): a new one is
-        made; the RequestActors of the lost one are ended (unwatched) and replaced up to the
-        minimum: the idle ones at once (told through the new supervisor: a tell from here to
-        one that died with it would hold a sender thread), the busy ones when they finish."""
-        self._log.warning("request_supervisor_lost", silent_s=round(now - self._supervisor_heard, 1))
-        self._supervisor = None
-        self._orphans += [held.actor for held in self._held.values() if held.actor is not None]
-        idle = self._pool.idle_actors()
-        for actor in idle:
-            self._pool.discard(actor)
-        self._outbox().put(("supervise", tuple(idle)))
-        self._refill()
-
-    def _supervisor_alive(self, address: Any) -> None:
-        if address == self._supervisor:
-            self._supervisor_heard = time.monotonic()
-
-    def _refill(self) -> None:
-        """Make RequestActors up to the pool's minimum."""
-        missing = self._pool.minimum - self._pool.total
-        if missing > 0 and not self._stop.is_set():
-            self._pool.reserve(missing)
-            for _ in range(missing):
-                self._outbox().put(("create",))
-
-    def _unhold(self, request_id: str) -> bool:
-        """Forget that a RequestActor holds ``request_id``; False if none did (any more)."""
-        self._closing.discard(request_id)
-        return self._held.pop(request_id, None) is not None
-
-    def _write_off(self, request_id: str, why: str, tell_exit: bool = True) -> None:
-        """The RequestActor of ``request_id`` is dead or hangs: its stages cancelled, its
-        place given to another (it is told to exit if ``tell_exit``); the request (if its
-        client still waits) fails with a 500 that says ``why``."""
-        self._unhold(request_id)
-        self._log.warning("request_actor_lost", request_id=request_id, error=why)
-        self._outbox(request_id).put(("abandon", request_id, tell_exit))
-        self._pool.lost()
-        self._put(request_id, RequestFailed(500, f"the request was lost: {why}", "server_error"))
-
-    def _bind(self, request_id: str, actor: Any) -> None:
-        """The sender thread made ``actor`` for ``request_id``."""
-        held = self._held.get(request_id)
-        if held is not None:
-            held.actor = actor
-
-    def _exited(self, actor: Any) -> None:
-        """A RequestActor of ours exited (our supervisor says): its request, if it had one,
-        fails at once; an idle one leaves the pool (replaced up to the minimum)."""
-        for rid, held in list(self._held.items()):
-            if held.actor == actor:
-                self._write_off(rid, "its RequestActor exited (its process was killed?)", tell_exit=False)
-                return
-        if self._pool.discard(actor):
-            self._log.warning("request_actor_exited", state="idle", left=self._pool.total)
-            self._refill()
-
-    def _alive(self, request_id: str) -> None:
-        """The RequestActor of ``request_id`` said it still runs it."""
-        held = self._held.get(request_id)
-        if held is not None:
-            held.heard = time.monotonic()
-
-    def _returned(self, request_id: str, actor: Any) -> None:
-        """The RequestActor of ``request_id`` said the request ended: it is free again."""
-        if not self._unhold(request_id):
-            if actor is not None:  # written off (hung, then back): it runs, so a tell cannot block
-                self._outbox(request_id).put(("exit", actor))
-            return
-        if actor is None or actor in self._orphans:  # (one of a lost supervisor's: not used again)
-            if actor is not None:
-                self._orphans.remove(actor)
-                self._outbox(request_id).put(("exit", actor))  # (it runs: it just said so)
-            self._pool.lost()
-            self._refill()
-        else:
-            self._pool.release(actor)
-
-    def _not_started(self, request_id: str, error: str) -> None:
-        """The request could not be started on a RequestActor (making or telling it failed)."""
-        if self._unhold(request_id):
-            self._pool.lost()
-        self._put(request_id, RequestFailed(500, f"could not start the request on a RequestActor: {error}"))
 
     def _receive_loop(self, ready: threading.Event, errors: list[str]) -> None:
         with self._asys.private() as ctx:
