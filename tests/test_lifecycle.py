@@ -129,6 +129,49 @@ def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_
     assert ended and all("the server is shutting down" in e["message"] for e in ended), ended
 
 
+def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
+    """`stop` while the replicas start (a Talker takes 60 s here): the leader gives up its
+    start-up, cleans up and exits; `status` meanwhile says NOT READY (exit 3). `stop` said
+    "no omni-actors system recorded" until the leader served, and only Ctrl-C could stop it."""
+    import yaml
+
+    from omni_actors.system.local import free_port
+    from omni_actors.system.processes import system_pids
+
+    cfg = yaml.safe_load((CONFIGS / "cpu_omni_demo.yaml").read_text())
+    cfg["deployment"]["stages"]["talker"]["synthetic"]["startup_s"] = 60
+    cfg["deployment"]["ready_timeout_s"] = 120
+    config = tmp_path / "slow_start.yaml"
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    admin_port, env = free_port(), {"OMNI_ACTORS_STATE_DIR": str(tmp_path)}
+    with open(tmp_path / "leader.err", "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "start", "--convention-leader",
+                                 "--config", str(config), "--port", str(free_port()), "--admin-port", str(admin_port)],
+                                stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env={**os.environ, **env})
+    state = tmp_path / f"leader-{admin_port}.json"
+    try:
+        deadline = time.monotonic() + 30
+        while not state.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "leader.err").read_text()[-2000:]
+            time.sleep(0.1)
+        system_id = json.loads(state.read_text())["system_id"]
+        time.sleep(2)  # (the replicas are starting)
+        status = _cli("status", "--admin-port", str(admin_port), env=env)
+        assert status.returncode == 3 and "starting" in status.stdout, (status.stdout, status.stderr)
+        t0 = time.monotonic()
+        stop = _cli("stop", "--admin-port", str(admin_port), env=env)
+        took = time.monotonic() - t0
+        assert stop.returncode == 0, stop.stderr
+        assert stop.stdout.strip() == f"stopped the system on admin port {admin_port}", stop.stdout
+        assert proc.wait(10) == 130 and took < 15, took
+        assert "interrupted during start-up" in (tmp_path / "leader.err").read_text()
+        assert system_pids(system_id) == [] and not state.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 def test_stop_command_and_status_command():
     leader = LocalLeader(CONFIGS / "cpu_image_demo.yaml").start()
     env = {"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)}
@@ -141,6 +184,11 @@ def test_stop_command_and_status_command():
         assert "glm-image-cpu-demo: ready" in status.stdout
         as_json = json.loads(_cli("status", "--admin-port", str(leader.admin_port), "--json", env=env).stdout)
         assert [s["stage"] for s in as_json["stages"]] == ["ar", "dit"]
+        # a reader that goes away early (`| head`, here `| true`): no BrokenPipeError traceback
+        piped = subprocess.run(f"{sys.executable} -m omni_actors.system status --admin-port {leader.admin_port} "
+                               "--json | true", shell=True, capture_output=True, text=True, timeout=60, cwd=ROOT,
+                               env={**os.environ, **env})
+        assert "Traceback" not in piped.stderr, piped.stderr
         stop = _cli("stop", "--admin-port", str(leader.admin_port), env=env)
         assert stop.returncode == 0, stop.stderr
         # The leader exits within its drain (this test's process reaps it only below: a zombie

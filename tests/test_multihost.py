@@ -56,6 +56,13 @@ REPLACE_WITHIN_S = 5.0
 
 
 # -- processes ----------------------------------------------------------------------------------
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _proc_stat(pid: int) -> list[str] | None:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -604,6 +611,12 @@ def test_a_member_says_when_its_leader_stops_and_joins_it_again_when_it_is_back(
     while b"answers again" not in member.out.read_bytes():
         assert time.monotonic() < deadline, f"the member did not say its leader is back: {member.tail()}"
         time.sleep(0.1)
+    # `status` on the member's admin port answers for the system, through its leader (it showed
+    # an empty table, NOT READY, and made a stray coordinator on the member)
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "status", "--admin-port", str(member.admin_port)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0 and f"model {MODEL}: ready" in out.stdout, (out.stdout, out.stderr)
+    assert not [p for p in member.pids() if _cmdline(p).startswith("CoordinatorActor")], "a coordinator on the member"
 
 
 # -- network namespaces ----------------------------------------------------------------------------

@@ -463,5 +463,17 @@ def main(argv: list[str] | None = None) -> int:
     return verbs[args.verb](args)
 
 
+def _main_piped() -> int:
+    """``main``, quiet when its reader goes away (``status --json | head``): the rest of the
+    output is dropped, no traceback (Python's documented way: stdout to /dev/null)."""
+    try:
+        code = main()
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main_piped())

@@ -146,7 +146,7 @@ class Admin:
 
 
 def attach(admin_port: int) -> Admin:
-    """Attach to the admin on ``admin_port``.
+    """Attach to the admin on ``admin_port`` (a member host's: to its convention leader).
 
     Raises:
         AdminError: nothing listens there.
@@ -161,9 +161,16 @@ def attach(admin_port: int) -> Admin:
         raise AdminError(f"no actor system is listening on admin port {admin_port}")
     from thespian.actors import ActorSystemException, InvalidActorAddress
 
+    from omni_actors.system.remote import admin_is_member, attach_remote
+
     try:
         asys = ActorSystem(ACTOR_BASE, {"Admin Port": admin_port})
     except (InvalidActorAddress, ActorSystemException):
         raise AdminError(f"port {admin_port} is in use, but not by an omni-actors admin "
                          "(the HTTP port? see --admin-port)") from None
+    if admin_is_member("127.0.0.1", admin_port):
+        # A member host's admin: its convention leader runs the system (a coordinator looked up
+        # by name here would be a new, empty one, made on the member). (``asys`` is left as it
+        # is: its shutdown() would stop the member.)
+        return attach_remote("127.0.0.1", admin_port)
     return Admin(asys, asys.createActor(CoordinatorActor, globalName=COORDINATOR_NAME))

@@ -167,6 +167,13 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
             raise StartError(f"the actor system did not start on admin port {admin_port}: {exc}") from None
         sessions = child_sessions()  # the admin's session: the whole actor tree lives in it
+        # (before the deployment, which waits for every replica: `stop` finds the leader by it)
+        sfile.parent.mkdir(parents=True, exist_ok=True)
+        sfile.write_text(json.dumps({"pid": os.getpid(), "admin_port": admin_port, "host": host,
+                                     "sessions": sessions, "shm_dir": shm_dir,
+                                     "drain_timeout_s": config.deployment.supervision.drain_timeout_s,
+                                     "port": port, "system_id": system_id, "config": config.source,
+                                     "model": config.deployment.served_model_name}))
         coordinator = asys.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
         status = asys.ask(coordinator, Deploy(config, leader_node), config.deployment.ready_timeout_s + 15)
         if not isinstance(status, SystemStatus):
@@ -175,12 +182,6 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         if not status.ready:
             print("warning: some stages have no ready replica; their requests get HTTP 503",
                   file=sys.stderr)
-        sfile.parent.mkdir(parents=True, exist_ok=True)
-        sfile.write_text(json.dumps({"pid": os.getpid(), "admin_port": admin_port, "host": host,
-                                     "sessions": sessions, "shm_dir": shm_dir,
-                                     "drain_timeout_s": config.deployment.supervision.drain_timeout_s,
-                                     "port": port, "system_id": system_id, "config": config.source,
-                                     "model": config.deployment.served_model_name}))
         log.info("leader_started", admin_port=admin_port, shm_dir=shm_dir,
                  startup_s=round(time.monotonic() - t0, 2))
         serving.set()

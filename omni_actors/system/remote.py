@@ -125,6 +125,22 @@ def probe_admin(host: str, port: int) -> str | None:
         system.close()
 
 
+def admin_is_member(host: str, port: int) -> bool:
+    """Whether the Thespian admin at ``host:port`` is a convention member's (it has a
+    convention address) rather than a leader's; False when it does not answer."""
+    from thespian.system.messages.status import Thespian_StatusReq, Thespian_SystemStatus
+
+    try:
+        system = RemoteSystem(host, port)
+    except Exception:  # noqa: BLE001 - Thespian raises several kinds here
+        return False
+    try:
+        status = system.ask(system.admin_address, Thespian_StatusReq(), ADMIN_ANSWER_S)
+        return isinstance(status, Thespian_SystemStatus) and bool(status.capabilities.get("Convention Address.IPv4"))
+    finally:
+        system.close()
+
+
 def node_name_taken(host: str, port: int, node: str) -> str | None:
     """Why a member host may not join the convention at ``host:port`` as ``node``
     (one line), or None: another member that is alive already goes by that name.
@@ -177,7 +193,8 @@ def attach_remote(host: str, port: int) -> Admin:
             system.retarget(leader)
             status = system.ask(system.admin_address, Thespian_StatusReq(), ADMIN_ANSWER_S)
             if not isinstance(status, Thespian_SystemStatus):
-                raise AdminError(f"the convention leader {leader} did not answer within {ADMIN_ANSWER_S:g} s")
+                raise AdminError(f"the convention leader {leader} of the member at {host}:{port} does not "
+                                 f"answer (stopped, or busy for over {ADMIN_ANSWER_S:g} s)")
         coordinator = status.globalActors.get(COORDINATOR_NAME)
         if coordinator is None:  # being restarted by the leader's watchdog: the lookup waits for it
             coordinator = system.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
