@@ -436,6 +436,7 @@ def test_stage_launch_and_stop_act_on_one_stage(image_leader):
     assert dit_states().count("ready") == 3
     out = _cli("stage", "stop", "--stage", "dit", "--admin-port", port)
     assert out.returncode == 0, out.stderr
+    assert "dit: 3 -> 0 replicas; stage dit has no replica now: its requests get 503" in out.stdout, out.stdout
     deadline = time.monotonic() + 15
     while set(dit_states()) != {"stopped"} and time.monotonic() < deadline:
         time.sleep(0.1)

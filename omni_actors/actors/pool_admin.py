@@ -38,10 +38,12 @@ class PoolAdminMixin:
             return
         others = [r for r in self._replicas.values() if r is not rep and r.state in self._COUNTED]
         self._drain(rep, "drained on request")
-        note = "" if others else (f"; it was the last replica of stage {self._spec.stage.name}: its requests get "
-                                  f"503 until another is ready (`stage scale` / `stage launch`)")
+        note = "" if others else f"; it was the last replica of stage {self._spec.stage.name}{self._unserved()}"
         self.send(msg.reply_to or sender,
                   AdminReply(True, f"draining {msg.replica} ({len(rep.in_flight)} in flight){note}"))
+
+    def _unserved(self) -> str:
+        return ": its requests get 503 until another is ready (`stage scale` / `stage launch`)"
 
     def _drain(self, rep, why: str) -> None:
         rep.state, rep.reason = ReplicaState.DRAINING, why
@@ -73,7 +75,9 @@ class PoolAdminMixin:
                 else:
                     self._drain(rep, "scaled down")
         self._publish()
-        self.send(msg.reply_to or sender, AdminReply(True, f"{self._spec.stage.name}: {len(live)} -> {msg.replicas} replicas"))
+        note = f"; stage {self._spec.stage.name} has no replica now{self._unserved()}" if live and not msg.replicas else ""
+        self.send(msg.reply_to or sender,
+                  AdminReply(True, f"{self._spec.stage.name}: {len(live)} -> {msg.replicas} replicas{note}"))
 
     def receiveMsg_LaunchReplicas(self, msg: LaunchReplicas, sender):
         """Add replicas; each pinned one (``msg.pins``, checked by the coordinator) keeps its
