@@ -74,7 +74,7 @@ def print_status_table(status, out=sys.stdout) -> None:
     down = [n.name for n in status.nodes if not n.alive]
     if len(status.nodes) > 1 or down:
         print("nodes: " + ", ".join(f"{n.name}{'' if n.alive else f' ({n.state.upper()})'}"
-                                    f"{'' if n.buffers is None else f' ({n.buffers} buffers)'}"
+                                    f"{'' if n.buffers is None or not n.alive else f' ({n.buffers} buffers)'}"
                                     for n in status.nodes), file=out)
     for note in getattr(status, "notes", ()):
         print(f"note: {note}", file=out)
