@@ -1,6 +1,7 @@
 """Pure logic of the actors (EngineActor outbox and tasks, StagePoolActor, RequestActor), no actor system."""
 
 import dataclasses
+import time
 
 from omni_actors.actors.outbox import coalesce
 from omni_actors.messages import OutputDelta, TaskFinished
@@ -162,6 +163,91 @@ def test_a_retry_on_the_same_replica_keeps_its_inputs_when_the_earlier_attempt_e
     # each cancelled attempt confirms its cancel to the RequestActor and tells the pool it ended
     assert [(type(m).__name__, m.attempt if hasattr(m, "attempt") else None) for m in sent] == [
         ("StageCancelled", 0), ("TaskFinished", None), ("StageCancelled", 1), ("TaskFinished", None)]
+
+
+def test_a_cancel_handed_over_right_behind_its_task_cancels_it():
+    """The pool forwards a StageTask and, the client having gone, its CancelStage right
+    behind it. The actor thread hands both to the engine's loop, where the task starts a
+    step later than the cancel runs: the cancel found no task and was lost, and the task ran
+    until its upstream-chunk timeout (seen by a trial: about 1 in 100 hang-ups under load)."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from omni_actors.actors.engine import EngineActor
+    from omni_actors.messages import CancelStage, StageTask
+
+    actor = EngineActor()
+    actor._started.set()  # (ends its orphan watchdog thread)
+    actor._spec = SimpleNamespace(replica="talker/0", stage=SimpleNamespace(name="talker"))
+    actor._pool, actor._ready, actor._draining = "pool", True, False
+    actor._watch = lambda: None
+    sent: list = []
+    started = threading.Event()
+
+    async def execute(msg):  # a task that runs until it is cancelled
+        started.set()
+        await asyncio.get_running_loop().create_future()
+
+    async def abort(request_id):
+        return None
+
+    actor._execute = execute
+    actor._backend = SimpleNamespace(abort=abort)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        actor._rt = SimpleNamespace(loop=loop, submit=lambda coro: asyncio.run_coroutine_threadsafe(coro, loop),
+                                    emit=lambda address, message, **kw: sent.append(message))
+        held = threading.Event()
+        loop.call_soon_threadsafe(held.wait, 5)  # (both handed over before the loop runs either)
+        actor.receiveMsg_StageTask(StageTask("r1", 1, "hi", (), {}, {}, None, False, "ra"), "pool")
+        actor.receiveMsg_CancelStage(CancelStage("r1", 1), "pool")
+        held.set()
+        deadline = time.monotonic() + 5
+        while not any(type(m).__name__ == "TaskFinished" for m in sent) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [type(m).__name__ for m in sent] == ["StageCancelled", "TaskFinished"], sent
+        assert sent[1].cancelled and not started.is_set()  # (never ran)
+        assert not actor._tasks
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+def test_a_pool_confirms_at_once_a_task_whose_cancel_came_first():
+    """A CancelStage that finds no task (it overtook its StageTask, or the task is not there
+    yet): the task, when it comes, is not sent to a replica; its cancel is confirmed."""
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+    from omni_actors.messages import CancelStage, StageCancelled, StageTask
+
+    pool = StagePoolActor()
+    pool._started.set()
+    sent = []
+    pool.send = lambda address, message: sent.append((address, message))
+    pool._replicas = {"thinker/0": Replica("thinker/0", "engine-address")}
+    pool.receiveMsg_CancelStage(CancelStage("r1", 0), "ra")
+    assert sent == []
+    pool.receiveMsg_StageTask(StageTask("r1", 0, "hi", (), {}, {}, "text", False, "ra"), "ra")
+    assert sent == [("ra", StageCancelled("r1", 0, 0))]
+    assert not pool._replicas["thinker/0"].in_flight
+
+
+def test_cancels_that_found_no_task_are_remembered_for_a_while_and_bounded():
+    from omni_actors.actors.cancels import CancelledStages
+
+    now = [0.0]
+    early = CancelledStages(remember_s=10, most=3, clock=lambda: now[0])
+    early.add(("a", 0))
+    assert early.take(("a", 0)) and not early.take(("a", 0))  # (once)
+    early.add(("b", 0))
+    now[0] = 11
+    assert not early.take(("b", 0))  # too old
+    for rid in "cdef":
+        early.add((rid, 0))
+    assert len(early) == 3 and not early.take(("c", 0)) and early.take(("f", 0))
 
 
 def test_a_pool_cancels_a_task_in_flight_long_past_its_request_deadline():

@@ -22,6 +22,7 @@ from typing import Any
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ThespianWatch, WakeupMessage, WatchMessage
 
+from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.engine_stream import StreamingMixin
 from omni_actors.actors.outbox import PendingChunk, Sequencer, bundle, coalesce
 from omni_actors.actors.supervision import ParentWatch, WakeupChain, exit_if_orphaned_before_start
@@ -140,6 +141,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._backend = None
         self._ready = False
         self._tasks: dict[tuple[str, int], asyncio.Task] = {}
+        #: cancels that came before their task started on the loop (loop thread only)
+        self._cancelled_early = CancelledStages()
         self._sequencer: Sequencer | None = None
         # Streaming between stages, per (request, stage), on the loop thread:
         self._inputs: dict[tuple[str, int], tuple[int, asyncio.Queue]] = {}  # attempt, input chunks
@@ -384,6 +387,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         if task is not None and not task.done():
             self._rt.loop.create_task(self._backend.abort(request_id))
             task.cancel()
+        elif task is None:  # (its task may still be on its way to the loop: see actors.cancels)
+            self._cancelled_early.add((request_id, stage_id))
 
     def _cancel_all(self, why: str) -> None:
         """On the loop thread: cancel every task still running (a drained replica then exits)."""
@@ -399,6 +404,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         emit = self._rt.emit
         ok = cancelled = input_error = client_error = False
         try:
+            if self._cancelled_early.take(key):
+                raise asyncio.CancelledError  # (cancelled before it started)
             done = await self._execute(msg)
             emit(msg.reply_to, done)
             ok = True

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExited, PoisonMessage, WakeupMessage
 
+from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.pool_admin import PoolAdminMixin
 from omni_actors.actors.pool_placement import PoolPlacementMixin
 from omni_actors.actors.supervision import (HealthPolicy, ParentWatch, ReplicaHealth, RestartPolicy, WakeupChain,
@@ -106,6 +107,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         self._coordinator = None
         self._replicas: dict[str, Replica] = {}
         self._pending: list[tuple[StageTask, float]] = []
+        #: cancels that came before their task (see actors.cancels)
+        self._cancelled_early = CancelledStages()
         self._hold_until = 0.0  # the backlog kept for replicas still starting goes out by then
         self._next_index = 0
         self._pins: dict[str, tuple[str, tuple[str, ...]]] = {}  # replica -> (node, devices) it is pinned to
@@ -481,6 +484,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
 
     # -- request plane ----------------------------------------------------
     def receiveMsg_StageTask(self, msg: StageTask, sender):
+        if self._cancelled_early.take((msg.request_id, msg.stage_id)):
+            self.send(msg.reply_to, StageCancelled(msg.request_id, msg.stage_id, msg.attempt))
+            return
         self._route(msg)
 
     def _route(self, task: StageTask, why: str = "") -> None:
@@ -598,9 +604,13 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             self._pending = [(t, d) for t, d in self._pending if (t.request_id, t.stage_id) != key]
             for task, _ in queued:  # it never ran: confirm the cancel here (the engine does otherwise)
                 self.send(task.reply_to, StageCancelled(task.request_id, task.stage_id, task.attempt))
+        found = bool(queued)
         for rep in self._replicas.values():
             if key in rep.in_flight:
                 self.send(rep.address, msg)
+                found = True
+        if not found:  # (its task may still be on its way here)
+            self._cancelled_early.add(key)
 
     # -- status -----------------------------------------------------------
     def _prune_stopped(self) -> None:
