@@ -604,3 +604,16 @@ def test_a_long_streamed_audio_part_goes_out_in_parts_of_at_most_a_second():
     assert {p["id"] for p in parts} == {"audio_x"}
     np.testing.assert_array_equal(np.concatenate(decoded), pcm)
     assert len(P.audio_parts("audio_x", pcm[:100])) == 1
+
+
+@pytest.mark.parametrize("body, why", [
+    (b'{"a": "x\\ud800"}', "an unpaired utf-16 surrogate"),  # (msgspec itself says "truncated")
+    (b'{"a": "\\udc00x"}', "invalid utf-16 surrogate pair"),
+    (b'{"a": "x', "truncated"),
+])
+def test_a_body_that_is_not_json_says_why(body, why):
+    from omni_actors.http.app import decode_json
+
+    with pytest.raises(ApiError) as err:
+        decode_json(body)
+    assert err.value.status == 400 and why in str(err.value), str(err.value)

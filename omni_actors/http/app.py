@@ -96,12 +96,36 @@ async def _read_json(request: web.Request) -> Any:
         # logs its ConnectionResetError, which logs.py turns into this same one line).
         _log().info("client_connection_lost", message="the client left while its request body was being read")
         raise
+    return decode_json(body)
+
+
+def decode_json(body: bytes) -> Any:
+    """A request body as JSON (msgspec).
+
+    Raises:
+        ApiError: 400 that says why it is not JSON.
+    """
     try:
         return msgspec.json.decode(body)
     except msgspec.MsgspecError as e:
-        raise P.ApiError(400, f"We could not parse the JSON body of your request: {e}") from None
+        why = str(e)
+        if "truncated" in why and _whole_but_a_lone_surrogate(body):
+            # (msgspec's word for a \ud800-\udbff escape with no low surrogate after it)
+            why = "JSON is malformed: a string has an unpaired utf-16 surrogate (\\ud800-\\udbff)"
+        raise P.ApiError(400, f"We could not parse the JSON body of your request: {why}") from None
     except RecursionError:
         raise P.ApiError(400, "We could not parse the JSON body of your request: nested too deeply") from None
+
+
+def _whole_but_a_lone_surrogate(body: bytes) -> bool:
+    """Whether ``body`` is complete JSON that Python's ``json`` reads (it takes lone surrogates)."""
+    import json
+
+    try:
+        json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- middlewares
