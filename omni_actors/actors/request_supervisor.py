@@ -25,8 +25,8 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExi
 from omni_actors.actors.request import RequestActor
 from omni_actors.actors.supervision import WakeupChain
 from omni_actors.logs import get_logger
-from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, MakeRequestActor, Relay, RequestActorExited,
-                                  SuperviseRequestActors, SupervisorAlive)
+from omni_actors.messages import (BRIDGE_LOST_AFTER_S, SUPERVISOR_ALIVE_EVERY_S, BridgeAlive, MakeRequestActor, Relay,
+                                  RequestActorExited, SuperviseRequestActors, SupervisorAlive)
 
 
 class RequestActorSupervisor(ActorTypeDispatcher):
@@ -37,7 +37,7 @@ class RequestActorSupervisor(ActorTypeDispatcher):
         self._heard_at = time.monotonic()
         self._checks = WakeupChain("bridge_check")
         self._beats = WakeupChain("supervisor_alive")
-        self._alive_every_s = 1.0
+        self._alive_every_s = SUPERVISOR_ALIVE_EVERY_S
         self._beat_at = 0.0
         self._log = get_logger(actor="request_supervisor")
 
