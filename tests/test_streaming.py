@@ -216,9 +216,15 @@ def test_first_audio_reaches_the_client_while_the_thinker_is_still_generating(le
     assert wait_no_segments(leader) == []
 
 
+#: Tokens of the streams a fault hits mid-way: 8 s of Thinker (8 ms a token), so that the stream
+#: still runs when the fault lands; with 200 (1.6 s) a loaded CI machine's `inject` CLI calls
+#: (about 0.7 s each, two for the Talkers) came after the stream had ended, without an error.
+LONG_STREAM_TOKENS = 1000
+
+
 def test_killing_the_talker_mid_stream_gives_a_clear_error_once_audio_went_out(leader):
     wait_ready(leader)
-    s = Stream(leader, max_tokens=200)
+    s = Stream(leader, max_tokens=LONG_STREAM_TOKENS)
     assert s.first_audio.wait(10), s.events
     killed = time.monotonic()
     for name in ("talker/0", "talker/1"):
@@ -263,7 +269,7 @@ def test_killing_the_talker_mid_stream_is_retried_when_nothing_reached_the_clien
 
 def test_a_stalled_thinker_ends_the_request_at_the_chunk_timeout(leader):
     wait_ready(leader)
-    s = Stream(leader, max_tokens=200)
+    s = Stream(leader, max_tokens=LONG_STREAM_TOKENS)
     assert s.first_audio.wait(10), s.events
     stalled = time.monotonic()
     assert inject_cli(leader.admin_port, "stall", "--replica", "thinker/0").returncode == 0
