@@ -104,6 +104,34 @@ def test_stage_inputs_hands_upstream_over_unchanged():
     assert got["upstream"] is up and got["prompt"] == "hi" and got["params"] == {"width": 4}
 
 
+def test_stage_outputs_keep_dtypes_and_nested_multimodal_outputs_get_dotted_names():
+    """A producing stage's ``multimodal_output`` as our stage outputs: dtypes kept
+    (bfloat16, which numpy lacks, as float32), nested dicts as dotted names; and
+    back, on the consuming side, as writable tensors, tokens left out."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from omni_actors.engines.vllm_omni import _multimodal, multimodal_inputs
+
+    out = SimpleNamespace(images=None, multimodal_output={
+        "codes": {"audio": torch.arange(6, dtype=torch.long).reshape(2, 3)},
+        "hidden_states": {"output": torch.ones(2, 4, dtype=torch.bfloat16)},
+        "audio": torch.zeros(5, dtype=torch.float32), "meta": "not an array"})
+    got = _multimodal(out)
+    assert sorted(got) == ["audio", "codes.audio", "hidden_states.output"]
+    assert got["codes.audio"].dtype == np.int64 and got["codes.audio"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert got["hidden_states.output"].dtype == np.float32 and got["hidden_states.output"].shape == (2, 4)
+
+    view = np.arange(3, dtype=np.int32)
+    view.flags.writeable = False
+    mm = multimodal_inputs({"token_ids": view, "prompt_token_ids": view, "text": "x",
+                            "finish_reason": "stop", "latent": view, "names": np.array(["a"])})
+    assert list(mm) == ["latent"] and mm["latent"].dtype == torch.int32
+    mm["latent"][0] = 7  # a copy: the connector's view is untouched
+    assert view[0] == 0
+    assert multimodal_inputs({"token_ids": view, "text": "x"}) == {}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _ipc(vllm_ipc_in_a_temp_dir):
     """(This module's engines run in the test's process, outside any system.)"""
@@ -175,6 +203,74 @@ def test_consuming_stage_runs_vllm_omni_default_processor(rt):
             rt.run(collect(eng, bad))
     finally:
         rt.run(eng.shutdown())
+
+
+#: What :func:`hidden_rows_to_prompt` was handed, per call (this process only).
+SEEN: list[dict] = []
+
+
+def hidden_rows_to_prompt(source_outputs, prompt, requires_multimodal_data=False,
+                          sampling_params=None):
+    """A stage processor in vLLM-Omni's signature that conditions on the upstream
+    hidden states, as Ming's ``thinker2imagegen`` does (``outputs[0].multimodal_output``):
+    one prompt token per hidden-state row, ``int(|row[0]| * 1000) % 1000``."""
+    src = source_outputs[0]
+    hidden = src.outputs[0].multimodal_output["hidden_states"]
+    SEEN.append({"hidden": hidden, "request_level": src.multimodal_output,
+                 "prompt_token_ids": list(src.prompt_token_ids), "sampling_params": sampling_params})
+    return [{"prompt_token_ids": ((hidden[:, 0].abs() * 1000).long() % 1000).tolist()}]
+
+
+@needs_omni
+def test_consuming_stage_processor_gets_upstream_hidden_states_as_tensors(rt):
+    """The hidden-state hand-over into a vLLM-Omni processor: the synthetic Thinker's
+    ``hidden_states [P + n, H]``, as the EngineActor gets it from the shared-memory
+    connector (read-only views on a segment), reaches the processor as a writable
+    float32 ``torch.Tensor`` of the same values on both ``multimodal_output`` s, with
+    this stage's sampling params; the prompt the processor built from it is the one
+    the engine ran."""
+    import torch
+
+    from omni_actors.connectors import make_connector, release_all
+    from omni_actors.engines.synthetic import SyntheticEngine
+    from omni_actors.models import ensure_tiny_model
+
+    from omni_actors.config import SyntheticCost
+
+    thinker = SyntheticEngine(StageSpec(stage_id=0, engine_args={"model_stage": "thinker"}),
+                              SyntheticCost(), "thinker/0")
+    rt.run(thinker.start())
+    _, thinker_final = rt.run(collect(thinker, BackendTask("r6", {"prompt": "Tell me about the sea."},
+                                                           {"max_tokens": 5})))
+    want = thinker_final.outputs["hidden_states"]
+    assert want.dtype == np.float32 and want.shape[0] > 5
+    connector = make_connector(0, prefix=f"omni-actors-test-{__import__('os').getpid()}-")
+    ref = connector.put(thinker_final.outputs)
+    upstream = {0: connector.get(ref)}
+    assert upstream[0]["hidden_states"].flags.writeable is False  # a view on the segment
+
+    eng = VllmOmniEngine(stage(str(ensure_tiny_model()), stage_id=1, name="talker", sources=[0]),
+                         "talker/0")
+    eng.stage.custom_process_input_func = f"{__name__}.hidden_rows_to_prompt"
+    rt.run(eng.start())
+    try:
+        SEEN.clear()
+        task = BackendTask("r6", stage_inputs(upstream, "hi", {}),
+                           {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True})
+        _, final = rt.run(collect(eng, task))
+    finally:
+        rt.run(eng.shutdown())
+        release_all([ref])
+    (seen,) = SEEN
+    hidden = seen["hidden"]
+    assert isinstance(hidden, torch.Tensor) and hidden.dtype == torch.float32
+    assert np.array_equal(hidden.numpy(), want) and hidden.numpy().flags.writeable
+    assert seen["request_level"]["hidden_states"] is hidden
+    assert seen["prompt_token_ids"] == []  # the synthetic Thinker returns none
+    assert seen["sampling_params"].max_tokens == 3
+    built = [int(abs(row[0]) * 1000) % 1000 for row in want]
+    assert final.outputs["prompt_token_ids"].tolist() == built
+    assert len(final.outputs["token_ids"]) == 3
 
 
 # -- end to end: configs/cpu_vllm_omni.yaml over real HTTP ------------------------------

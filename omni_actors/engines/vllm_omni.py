@@ -18,9 +18,13 @@ vLLM-Omni's signature ``fn(source_outputs, prompt, requires_multimodal_data
 output tokens become the prompt). ``source_outputs`` are vLLM
 ``RequestOutput`` objects rebuilt from the upstream stages' outputs (fetched
 through our connectors): ``token_ids``, ``prompt_token_ids``, ``text``,
-``finish_reason``. The EngineActor hands the upstream outputs over unchanged
-(:func:`stage_inputs`), because vLLM-Omni processors do not have our
-processor signature.
+``finish_reason``, and every other numeric array the upstream stage returned
+(hidden states, latents, codes) as ``multimodal_output`` (name ->
+``torch.Tensor``) on both the ``RequestOutput`` and its ``CompletionOutput``,
+where vLLM-Omni's processors read them (:func:`multimodal_inputs`). A processor
+that takes ``sampling_params`` (Ming's ``thinker2imagegen``) gets this stage's.
+The EngineActor hands the upstream outputs over unchanged (:func:`stage_inputs`),
+because vLLM-Omni processors do not have our processor signature.
 
 Outputs: like :class:`~omni_actors.engines.vllm.VllmEngine`: one
 :class:`TextDelta` per engine output, then :class:`StageFinal` with ``text``,
@@ -40,9 +44,11 @@ when unset.
 
 Limits (vLLM-Omni 0.30): producer-side payloads that vLLM-Omni moves between
 stages inside its model runners (``custom_process_next_stage_input_func``,
-e.g. Qwen3-Omni's thinker hidden states) do not cross replicas: only what a
-stage returns in its ``RequestOutput`` does. Token hand-overs (the default
-processor, ``*_token_only`` processors, ``ar2diffusion``) work. Diffusion
+e.g. Qwen3-Omni's ``thinker2talker_full_payload``) do not cross replicas:
+only what a stage returns in its ``RequestOutput`` does (its tokens and its
+``multimodal_output``, e.g. the hidden states Ming's ``thinker2imagegen`` and
+the AR outputs GLM-Image's and HunyuanImage's ``ar2diffusion`` read). Token
+hand-overs (the default processor, ``*_token_only`` processors) work. Diffusion
 stages (``engine_args.stage_type: diffusion``) get ``OmniDiffusionSamplingParams``;
 they and the model-specific processors are untested here (no such model runs
 on this CPU). ``load()`` has no KV-cache usage (``AsyncOmni`` does not expose
@@ -68,7 +74,7 @@ from omni_actors.engines.vllm_core import one_line
 from omni_actors.logs import get_logger
 from omni_actors.system.processes import use_ipc_dir
 
-__all__ = ["VllmOmniEngine", "stage_inputs", "PIPELINE_KEYS"]
+__all__ = ["VllmOmniEngine", "stage_inputs", "multimodal_inputs", "PIPELINE_KEYS", "TOKEN_FIELDS"]
 
 #: ``engine_args`` keys that describe the stage to vLLM-Omni's pipeline
 #: (``StagePipelineConfig``) rather than to its engine.
@@ -296,7 +302,7 @@ class VllmOmniEngine:
             self._log.warning("vllm_omni_abort_failed", request_id=request_id, error=one_line(exc))
 
     # -- tasks -----------------------------------------------------------
-    def _engine_prompt(self, task: BackendTask):
+    def _engine_prompt(self, task: BackendTask, params: Any = None):
         ei = task.engine_input
         if self._processor is None:
             if "prompt_token_ids" in ei:
@@ -322,6 +328,8 @@ class VllmOmniEngine:
         requires_mm = bool(self.stage.engine_args.get("requires_multimodal_data"))
         if "streaming_context" in sig or "_streaming_context" in sig:
             built = fn(sources, prompt, requires_mm, None)
+        elif "sampling_params" in sig:  # e.g. Ming's thinker2imagegen reads its stage's params
+            built = fn(sources, prompt, requires_mm, sampling_params=params)
         else:
             built = fn(sources, prompt, requires_mm)
         if isinstance(built, list):
@@ -340,9 +348,17 @@ class VllmOmniEngine:
                                      cumulative_logprob=None, logprobs=None,
                                      finish_reason=out.get("finish_reason") or "stop")
         comp.cumulative_token_ids = list(token_ids)  # set by vLLM-Omni's output processor
-        return v["RequestOutput"](request_id=f"{request_id}:{sid}", prompt=None,
-                                  prompt_token_ids=prompt_ids, prompt_logprobs=None,
-                                  outputs=[comp], finished=True)
+        ro = v["RequestOutput"](request_id=f"{request_id}:{sid}", prompt=None,
+                                prompt_token_ids=prompt_ids, prompt_logprobs=None,
+                                outputs=[comp], finished=True)
+        mm = multimodal_inputs(out)
+        if mm:
+            # vLLM-Omni's processors look on either: Ming's thinker2imagegen reads
+            # ``outputs[0].multimodal_output``, GLM-Image's and HunyuanImage's
+            # ar2diffusion the RequestOutput's.
+            comp.multimodal_output = mm
+            ro.multimodal_output = mm
+        return ro
 
     async def generate(self, task: BackendTask) -> AsyncIterator[BackendEvent]:
         """Run one task: build the stage input (vLLM-Omni's processor on the
@@ -356,7 +372,6 @@ class VllmOmniEngine:
             raise RuntimeError(f"vLLM-Omni engine {self.replica} is not started")
         v = self._v
         try:
-            prompt = self._engine_prompt(task)
             if self._diffusion:
                 # Diffusion stages take vLLM-Omni's own parameters (steps, guidance, size).
                 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
@@ -365,6 +380,7 @@ class VllmOmniEngine:
             else:
                 params = v["SamplingParams"](**task.sampling_params, n=1,
                                              output_kind=v["RequestOutputKind"].DELTA)
+            prompt = self._engine_prompt(task, params)
         except (ValueError, TypeError, KeyError) as exc:
             raise ValueError(one_line(exc)) from None
         vid = f"{task.request_id}:{self.stage.stage_id}:{next(self._ids)}"
@@ -434,7 +450,10 @@ def _hf_architecture(model: str) -> str | None:
 
 
 def _multimodal(out: Any) -> dict[str, Any]:
-    """Non-text outputs of an ``OmniRequestOutput`` (audio, images) as numpy arrays."""
+    """Non-text outputs of an ``OmniRequestOutput`` (audio, images, hidden states)
+    as numpy arrays, in their own dtype (bfloat16, which numpy lacks: float32).
+    Nested dicts of ``multimodal_output`` (``{"hidden_states": {"output": t}}``)
+    become dotted keys (``hidden_states.output``)."""
     found: dict[str, Any] = {}
     images = getattr(out, "images", None)
     if images:
@@ -444,9 +463,41 @@ def _multimodal(out: Any) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - a property that may raise on text outputs
         mm = None
     if isinstance(mm, dict):
-        for key, val in mm.items():
-            if hasattr(val, "detach"):
-                val = val.detach().float().cpu().numpy()
-            if isinstance(val, np.ndarray):
-                found[str(key)] = val
+        _flatten_arrays(mm, "", found)
     return found
+
+
+def _flatten_arrays(mm: dict[Any, Any], prefix: str, found: dict[str, Any]) -> None:
+    for key, val in mm.items():
+        name = f"{prefix}{key}"
+        if isinstance(val, dict):
+            _flatten_arrays(val, f"{name}.", found)
+            continue
+        if hasattr(val, "detach"):  # a torch tensor
+            val = val.detach().cpu()
+            if str(val.dtype) == "torch.bfloat16":
+                val = val.float()
+            val = val.numpy()
+        if isinstance(val, np.ndarray):
+            found[name] = val
+
+
+#: Stage-output fields that :meth:`VllmOmniEngine._request_output` puts into
+#: the ``RequestOutput`` itself; every other array output is a multimodal output.
+TOKEN_FIELDS = frozenset({"text", "token_ids", "prompt_token_ids", "finish_reason"})
+
+
+def multimodal_inputs(out: dict[str, Any]) -> dict[str, Any]:
+    """An upstream stage's array outputs other than its tokens (hidden states,
+    latents, codec codes: whatever our connectors carried) as the
+    ``multimodal_output`` that vLLM-Omni's input processors read: name ->
+    ``torch.Tensor``, same shape and dtype, a writable copy (the connector's
+    arrays are read-only views on a segment that is recycled when the request
+    ends). Empty when there are none."""
+    arrays = {str(k): val for k, val in out.items()
+              if k not in TOKEN_FIELDS and isinstance(val, np.ndarray) and val.dtype.kind in "biuf"}
+    if not arrays:
+        return {}
+    import torch
+
+    return {k: torch.from_numpy(np.array(val, copy=True)) for k, val in arrays.items()}
