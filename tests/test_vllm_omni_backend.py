@@ -132,6 +132,28 @@ def test_stage_outputs_keep_dtypes_and_nested_multimodal_outputs_get_dotted_name
     assert multimodal_inputs({"token_ids": view, "text": "x"}) == {}
 
 
+def test_an_audio_stages_float_waveform_becomes_int16_pcm_with_its_sample_rate():
+    """vLLM-Omni's Code2Wav returns a float waveform (in chunks, or ``[1, samples]``)
+    and maybe ``sr``; the API server sends int16 PCM at a sample rate."""
+    torch = pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    from omni_actors.engines.vllm_omni import DEFAULT_SAMPLE_RATE, _multimodal, client_audio
+
+    chunks = [torch.tensor([0.0, 0.5]), torch.tensor([[-1.0, 2.0]])]
+    mm = {"audio": chunks, "sr": torch.tensor(44100)}
+    found = _multimodal(SimpleNamespace(images=None, multimodal_output=mm))
+    got = client_audio(mm, found)
+    assert got["sample_rate"] == 44100 and got["audio"].dtype == np.int16
+    assert got["audio"].tolist() == [0, 16384, -32767, 32767]  # in order, clipped
+    got = client_audio({}, {"audio": np.zeros((1, 3), dtype=np.float32)})
+    assert got["sample_rate"] == DEFAULT_SAMPLE_RATE == 24000 and got["audio"].shape == (3,)
+    pcm = np.array([1, -2], dtype=np.int16)
+    got = client_audio({"sr": [None, 16000]}, {"audio": pcm})
+    assert got["audio"].tolist() == [1, -2] and got["sample_rate"] == 16000
+    assert client_audio({"sr": 16000}, {}) == {}
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _ipc(vllm_ipc_in_a_temp_dir):
     """(This module's engines run in the test's process, outside any system.)"""

@@ -30,7 +30,10 @@ Outputs: like :class:`~omni_actors.engines.vllm.VllmEngine`: one
 :class:`TextDelta` per engine output, then :class:`StageFinal` with ``text``,
 ``token_ids: int32[n]``, ``prompt_token_ids: int32[P]``, ``finish_reason``;
 plus, for stages that produce them, the multimodal outputs vLLM-Omni returns
-(``audio``, ``image``... as numpy arrays).
+(``audio``, ``image``, hidden states... as numpy arrays in their own dtype,
+nested ones under dotted names). A stage whose ``final_output_type`` is
+``audio`` returns its waveform as the API server sends it (:func:`client_audio`:
+int16 ``audio`` and ``sample_rate``).
 
 Engine arguments: the stage's ``engine_args`` in vLLM-Omni's terms. The
 pipeline-level keys (:data:`PIPELINE_KEYS`: ``model_arch``, ``worker_type``,
@@ -74,7 +77,8 @@ from omni_actors.engines.vllm_core import one_line
 from omni_actors.logs import get_logger
 from omni_actors.system.processes import use_ipc_dir
 
-__all__ = ["VllmOmniEngine", "stage_inputs", "multimodal_inputs", "PIPELINE_KEYS", "TOKEN_FIELDS"]
+__all__ = ["VllmOmniEngine", "stage_inputs", "multimodal_inputs", "client_audio", "PIPELINE_KEYS",
+           "TOKEN_FIELDS", "DEFAULT_SAMPLE_RATE"]
 
 #: ``engine_args`` keys that describe the stage to vLLM-Omni's pipeline
 #: (``StagePipelineConfig``) rather than to its engine.
@@ -391,6 +395,7 @@ class VllmOmniEngine:
         finish = None
         finished = False
         extra: dict[str, Any] = {}
+        last_mm: dict[Any, Any] = {}
         stream = self._omni.generate(prompt, request_id=vid, sampling_params_list=[params])
         try:
             async for out in stream:
@@ -400,6 +405,7 @@ class VllmOmniEngine:
                 if getattr(out, "error", None):
                     raise RuntimeError(str(out.error))
                 extra.update(_multimodal(out))
+                last_mm = _multimodal_dict(out) or last_mm
                 finished = finished or bool(getattr(out, "finished", False))
                 if ro is None or vid in self._aborted:
                     continue
@@ -430,6 +436,8 @@ class VllmOmniEngine:
         if aborted or not finished or finish == "abort":
             return
         prompt_arr = np.asarray(prompt_ids or [], dtype=np.int32)
+        if self.stage.final_output_type == "audio":
+            extra.update(client_audio(last_mm, extra))
         yield StageFinal(
             outputs={"text": "".join(texts), "token_ids": np.asarray(token_ids, dtype=np.int32),
                      "prompt_token_ids": prompt_arr, "finish_reason": str(finish or "stop"), **extra},
@@ -458,13 +466,18 @@ def _multimodal(out: Any) -> dict[str, Any]:
     images = getattr(out, "images", None)
     if images:
         found["image"] = np.stack([np.asarray(im) for im in images])
+    mm = _multimodal_dict(out)
+    if mm:
+        _flatten_arrays(mm, "", found)
+    return found
+
+
+def _multimodal_dict(out: Any) -> dict[Any, Any]:
     try:
         mm = getattr(out, "multimodal_output", None)
     except Exception:  # noqa: BLE001 - a property that may raise on text outputs
         mm = None
-    if isinstance(mm, dict):
-        _flatten_arrays(mm, "", found)
-    return found
+    return mm if isinstance(mm, dict) else {}
 
 
 def _flatten_arrays(mm: dict[Any, Any], prefix: str, found: dict[str, Any]) -> None:
@@ -473,13 +486,55 @@ def _flatten_arrays(mm: dict[Any, Any], prefix: str, found: dict[str, Any]) -> N
         if isinstance(val, dict):
             _flatten_arrays(val, f"{name}.", found)
             continue
-        if hasattr(val, "detach"):  # a torch tensor
-            val = val.detach().cpu()
-            if str(val.dtype) == "torch.bfloat16":
-                val = val.float()
-            val = val.numpy()
-        if isinstance(val, np.ndarray):
+        if name == "audio" and isinstance(val, (list, tuple)):  # audio chunks, in order
+            parts = [_as_array(v) for v in val]
+            parts = [p.reshape(-1) for p in parts if p is not None]
+            val = np.concatenate(parts) if parts else None
+        val = _as_array(val)
+        if val is not None:
             found[name] = val
+
+
+def _as_array(val: Any) -> np.ndarray | None:
+    if hasattr(val, "detach"):  # a torch tensor
+        val = val.detach().cpu()
+        if str(val.dtype) == "torch.bfloat16":
+            val = val.float()
+        val = val.numpy()
+    return val if isinstance(val, np.ndarray) else None
+
+
+#: Sample rate of a stage's audio when its output names none (``sr``): vLLM-Omni's
+#: default (Qwen3-Omni's Code2Wav runs at 24 kHz and names none).
+DEFAULT_SAMPLE_RATE = 24000
+
+
+def client_audio(mm: dict[str, Any], found: dict[str, Any]) -> dict[str, Any]:
+    """The final audio of an ``audio`` stage as the API server sends it:
+    ``{"audio": int16[samples], "sample_rate": int}`` from vLLM-Omni's float
+    waveform (``found["audio"]``, any shape, flattened, [-1, 1], clipped) and
+    its ``multimodal_output`` ``mm`` (``sr``: the sample rate, else
+    :data:`DEFAULT_SAMPLE_RATE`). Empty when there is no audio; int16 audio is
+    kept as it is."""
+    audio = found.get("audio")
+    if audio is None:
+        return {}
+    rate = mm.get("sr") if isinstance(mm, dict) else None
+    if isinstance(rate, (list, tuple)):
+        rate = next((r for r in rate if r is not None), None)
+    if hasattr(rate, "item"):  # a tensor or array of one element
+        try:
+            rate = rate.item()
+        except (ValueError, RuntimeError):
+            rate = None
+    try:
+        rate = int(rate) if rate is not None else DEFAULT_SAMPLE_RATE
+    except (TypeError, ValueError):
+        rate = DEFAULT_SAMPLE_RATE
+    pcm = audio.reshape(-1)
+    if pcm.dtype != np.int16:
+        pcm = np.rint(np.clip(pcm.astype(np.float32), -1.0, 1.0) * 32767.0).astype(np.int16)
+    return {"audio": pcm, "sample_rate": rate if rate > 0 else DEFAULT_SAMPLE_RATE}
 
 
 #: Stage-output fields that :meth:`VllmOmniEngine._request_output` puts into
