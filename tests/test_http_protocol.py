@@ -150,6 +150,11 @@ BAD = [
     (CHAT, chat(max_completion_tokens=0), 400, "max_completion_tokens"),
     (CHAT, chat(temperature=3), 400, "temperature"),
     (CHAT, chat(temperature="hot"), 400, "temperature"),
+    (CHAT, chat(top_p=5), 400, "top_p"),
+    (CHAT, chat(top_p=0), 400, "top_p"),  # vLLM takes (0, 1]
+    (CHAT, chat(top_p=True), 400, "top_p"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": []}]}, 400,
+     "messages[0].content"),
     (CHAT, chat(seed="x"), 400, "seed"),
     (CHAT, chat(stream="yes"), 400, "stream"),
     (CHAT, chat(n=2), 400, "n"),
@@ -242,7 +247,7 @@ def test_non_streaming_chat_with_audio_and_pipeline_request():
         resp = await client.post(CHAT, json={
             "model": MODEL, "messages": messages, "modalities": ["audio", "text"],
             "audio": {"voice": "Chelsie", "format": "wav"}, "max_tokens": 100,
-            "temperature": 0.5, "seed": 7, "unknown_field": {"ignored": True}})
+            "temperature": 0.5, "top_p": 0.9, "seed": 7, "unknown_field": {"ignored": True}})
         assert resp.status == 200, await resp.text()
         data = await resp.json()
         assert data["object"] == "chat.completion" and data["model"] == MODEL
@@ -258,7 +263,7 @@ def test_non_streaming_chat_with_audio_and_pipeline_request():
         req = bridge.submitted[0]
         assert req.request_id == data["id"]
         assert req.output_types == frozenset({"text", "audio"})
-        assert req.sampling_params == {"max_tokens": 100, "temperature": 0.5, "seed": 7}
+        assert req.sampling_params == {"max_tokens": 100, "temperature": 0.5, "top_p": 0.9, "seed": 7}
         assert req.params == {"voice": "Chelsie"}
         assert req.timeout_s == bridge.request_timeout_s
         assert req.prompt == "system: be brief\nuser: say\nhello"

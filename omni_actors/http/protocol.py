@@ -158,10 +158,12 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     audio_format: str = "wav"  #: of a whole audio output: "wav" or "pcm16" (streamed parts are always pcm16)
+    top_p: float | None = None  #: nucleus sampling, in (0, 1] (vLLM's range)
 
     def sampling_params(self) -> dict[str, Any]:
-        """``max_tokens`` / ``temperature`` / ``seed``, only those given."""
-        sp = {"max_tokens": self.max_tokens, "temperature": self.temperature, "seed": self.seed}
+        """``max_tokens`` / ``temperature`` / ``top_p`` / ``seed``, only those given."""
+        sp = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+              "seed": self.seed}
         return {k: v for k, v in sp.items() if v is not None}
 
     def params(self) -> dict[str, Any]:
@@ -178,6 +180,9 @@ def _message_text(content: Any, i: int, role: str) -> str:
     if not isinstance(content, list):
         raise _bad(f"Invalid type for '{param}': expected a string or an array of "
                    "content parts.", param)
+    if not content:
+        raise _bad(f"Invalid '{param}': empty array. Expected an array with minimum length 1.",
+                   param, "empty_array")
     texts = []
     for j, part in enumerate(content):
         pp = f"{param}[{j}]"
@@ -261,13 +266,8 @@ def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
     mct = _opt_int(body, "max_completion_tokens", 1, limit)
     if mct is not None:
         max_tokens = mct
-    temperature = body.get("temperature")
-    if temperature is not None:
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool):
-            raise _bad("Invalid type for 'temperature': expected a number.", "temperature")
-        if not 0 <= temperature <= 2:
-            raise _bad(f"Invalid 'temperature': {temperature} is outside [0, 2].", "temperature")
-        temperature = float(temperature)
+    temperature = _opt_number(body, "temperature", 0.0, 2.0, "[0, 2]")
+    top_p = _opt_number(body, "top_p", 0.0, 1.0, "(0, 1]", low_open=True)
     seed = _opt_int(body, "seed", -(2**63), 2**64 - 1)
     if _opt_int(body, "n", 1) not in (None, 1):
         raise _bad("Only n=1 is supported.", "n")
@@ -277,7 +277,21 @@ def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
         raise _bad("Invalid type for 'stream_options': expected an object.", "stream_options")
     include_usage = bool(_opt_bool(opts or {}, "include_usage", "stream_options.include_usage"))
     return ChatRequest(model, prompt, output_types, max_tokens, temperature, seed, voice,
-                       stream, include_usage, audio_format)
+                       stream, include_usage, audio_format, top_p)
+
+
+def _opt_number(body: dict, key: str, lo: float, hi: float, shown: str, *,
+                low_open: bool = False) -> float | None:
+    """``body[key]`` as a float in ``[lo, hi]`` (``(lo, hi]`` with ``low_open``),
+    or None when absent or null. Raises :class:`ApiError` (400) naming ``key``."""
+    val = body.get(key)
+    if val is None:
+        return None
+    if not isinstance(val, (int, float)) or isinstance(val, bool):
+        raise _bad(f"Invalid type for '{key}': expected a number.", key)
+    if not (lo < val <= hi if low_open else lo <= val <= hi):  # (NaN, inf: outside)
+        raise _bad(f"Invalid '{key}': {val} is outside {shown}.", key)
+    return float(val)
 
 
 # --------------------------------------------------------------------- images
