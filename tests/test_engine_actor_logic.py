@@ -425,6 +425,41 @@ def test_a_pool_recovers_from_lost_wakeups():
     assert timers == [("restart", "thinker/0")] and pool._timers == {}
 
 
+def test_a_node_that_left_cleanly_gets_its_replicas_placed_again_at_once_not_restarted():
+    """A member stopped on purpose (LEFT_REASON) is not its replicas' fault: they are
+    placed again at once, without a restart (RESTARTS stays 0, no back-off, nothing
+    counted towards max_restarts). A node lost (missed heartbeats) restarts them."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+    from omni_actors.actors.supervision import RestartPolicy
+    from omni_actors.messages import NodeLost, ReplicaState
+    from omni_actors.placement import LEFT_REASON
+
+    pool = StagePoolActor()
+    pool._started.set()
+    placed, timers = [], []
+    pool.send = lambda address, message: None
+    pool._place = lambda rep: placed.append(rep.replica)
+    pool._publish = lambda: None
+    pool._after = lambda delay, payload: timers.append((delay, payload))
+    pool._restart = RestartPolicy(1.0, 30.0, 5, 300.0, 60.0)
+    pool._finished_window_s = 1.0
+    pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=1, name="talker"))
+    pool._replicas = {f"talker/{i}": Replica(f"talker/{i}", f"a{i}", state=ReplicaState.READY,
+                                             node=node) for i, node in enumerate(("m1", "m2"))}
+    pool.receiveMsg_NodeLost(NodeLost("m1", LEFT_REASON), "coordinator")
+    rep = pool._replicas["talker/0"]
+    assert placed == ["talker/0"] and timers == []
+    assert rep.restarts == [] and rep.address is None and rep.state not in (ReplicaState.DEAD,
+                                                                           ReplicaState.FAILED)
+    assert pool._replicas["talker/1"].state == ReplicaState.READY
+
+    pool.receiveMsg_NodeLost(NodeLost("m2", "missed 3 heartbeats"), "coordinator")
+    assert pool._replicas["talker/1"].state == ReplicaState.DEAD
+    assert placed == ["talker/0"] and timers == [(1.0, ("restart", "talker/1"))]
+
+
 def _closing_request_actor(stages=("thinker", "talker")):
     """A RequestActor running one request whose stages (ids 0..) are all still running."""
     from types import SimpleNamespace

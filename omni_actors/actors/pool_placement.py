@@ -85,4 +85,5 @@ class PoolPlacementMixin:
                     # If the host is alive after all (a pause, a partition), the old
                     # engine must not keep its devices: it is told to exit.
                     self.send(rep.address, ActorExitRequest())
-                self._gone(rep, rep.reason, crashed=False)  # (the host, not the request)
+                # (the host, not the request; a clean leave is not the replica's fault either)
+                self._gone(rep, rep.reason, crashed=False, counted=msg.reason != LEFT_REASON)

@@ -381,9 +381,11 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         if rep is not None:
             self._gone(rep, rep.reason if rep.state == ReplicaState.ISOLATED else "process exited")
 
-    def _gone(self, rep: Replica, cause: str, crashed: bool = True) -> None:
+    def _gone(self, rep: Replica, cause: str, crashed: bool = True, counted: bool = True) -> None:
         """The replica's process is gone (exited, killed, or lost with its node):
-        free its devices, re-dispatch its work, and restart it if it should run."""
+        free its devices, re-dispatch its work, and restart it if it should run.
+        ``counted=False`` (its node left cleanly): placed again at once, and not
+        a restart (no back-off, not in RESTARTS, not towards ``max_restarts``)."""
         rep.address = None  # a late ChildActorExited for it changes nothing
         if rep.state in (ReplicaState.FAILED, ReplicaState.STOPPED):
             self._release(rep)
@@ -398,10 +400,16 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             return
         rep.state, rep.reason, rep.down_cause = ReplicaState.DEAD, cause, cause
         # (at info when the pool itself is exiting: Thespian stops its children with it)
-        (self._log.info if self._exiting else self._log.error)("replica_exited", replica=rep.replica,
-                                                               reason=cause, pool_exiting=self._exiting)
+        (self._log.info if self._exiting or not counted else self._log.error)(
+            "replica_exited", replica=rep.replica, reason=cause, pool_exiting=self._exiting)
         self._redispatch(rep, crashed=crashed and not self._exiting)
         self._hand_back_finished(rep, cause)
+        if not counted and not self._orphaned and not self._exiting:
+            if not self._pins.get(rep.replica, ("", ()))[1]:
+                self._release(rep)  # (pinned: it waits for its node to come back)
+            self._launch(rep.replica, rep.restarts)
+            self._publish()
+            return
         now = time.monotonic()
         delay = None if self._orphaned else self._restart.next_delay(rep.restarts, now)
         if self._orphaned:  # the coordinator's next pool starts it again
