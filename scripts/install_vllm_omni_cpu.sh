@@ -18,6 +18,9 @@ UV_VERSION=${UV_VERSION:-0.13.9}
 cd "$(dirname "$0")/.."
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 [ -x "$VENV/bin/uv" ] || "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "uv==$UV_VERSION"
+# Bytecode compiled at install (pip's default, not uv's): where PYTHONDONTWRITEBYTECODE is
+# set, as on these machines, every process would otherwise compile its imports from source.
+export UV_COMPILE_BYTECODE=1
 uv_pip() { "$VENV/bin/uv" pip "$1" --quiet --python "$VENV/bin/python" "${@:2}"; }
 links=()
 [ -d /opt/wheels ] && links+=(--find-links /opt/wheels)
