@@ -445,6 +445,7 @@ def test_a_node_that_left_cleanly_gets_its_replicas_placed_again_at_once_not_res
     pool._after = lambda delay, payload: timers.append((delay, payload))
     pool._restart = RestartPolicy(1.0, 30.0, 5, 300.0, 60.0)
     pool._finished_window_s = 1.0
+    pool._pins, pool._orphaned, pool._exiting = {}, False, False
     pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=1, name="talker"))
     pool._replicas = {f"talker/{i}": Replica(f"talker/{i}", f"a{i}", state=ReplicaState.READY,
                                              node=node) for i, node in enumerate(("m1", "m2"))}
@@ -458,6 +459,17 @@ def test_a_node_that_left_cleanly_gets_its_replicas_placed_again_at_once_not_res
     pool.receiveMsg_NodeLost(NodeLost("m2", "missed 3 heartbeats"), "coordinator")
     assert pool._replicas["talker/1"].state == ReplicaState.DEAD
     assert placed == ["talker/0"] and timers == [(1.0, ("restart", "talker/1"))]
+
+    # A member that stops its actors before it leaves: the exit comes first (a restart is
+    # scheduled, not yet counted), then the clean leave: placed again now, and the scheduled
+    # restart finds it placed (a trial saw RESTARTS go 0 -> 1 -> 2 over two clean leaves).
+    pool._replicas["talker/2"] = Replica("talker/2", "a2", state=ReplicaState.READY, node="m3")
+    pool._gone(pool._replicas["talker/2"], "process exited")
+    assert pool._replicas["talker/2"].state == ReplicaState.DEAD and timers[-1] == (1.0, ("restart", "talker/2"))
+    pool.receiveMsg_NodeLost(NodeLost("m3", LEFT_REASON), "coordinator")
+    assert placed[-1] == "talker/2" and "m3 left" in pool._replicas["talker/2"].down_cause
+    pool._on_timer(("restart", "talker/2"))
+    assert placed[-1] == "talker/2" and len(placed) == 2 and pool._replicas["talker/2"].restarts == []
 
 
 def _closing_request_actor(stages=("thinker", "talker")):

@@ -109,7 +109,8 @@ def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_
     from omni_actors.system.faultlab import read_events
 
     # (on a failure: where the stop spent its time, from the leader's log)
-    timeline = "; ".join(f"+{e['t'] - since:.2f} s {e.get('event')}" + (f" {e['shutdown_s']} s" if "shutdown_s" in e else "")
+    timeline = "; ".join(f"+{e['t'] - since:.2f} s {e.get('event')}" + (f" {e['shutdown_s']} s, killed "
+                                                                         f"{e.get('killed')}" if "shutdown_s" in e else "")
                          for e in read_events(leader.log_path, since))
     assert took < 1.0 + 6, f"the stop took {took:.1f} s: {timeline}"
     if ctrl_c == 2:

@@ -78,6 +78,16 @@ class PoolPlacementMixin:
 
     def receiveMsg_NodeLost(self, msg: NodeLost, sender):
         for rep in list(self._replicas.values()):
+            if (msg.reason == LEFT_REASON and rep.node == msg.node and rep.state == ReplicaState.DEAD
+                    and rep.address is None and not self._orphaned and not self._exiting):
+                # Its process exit came in before its node's clean leave (the member stops its
+                # actors, then leaves): not a crash after all. Placed again now; the restart it
+                # was waiting for (not yet counted) then finds it placed and does nothing.
+                rep.reason = rep.down_cause = f"node {msg.node} {msg.reason}"
+                self._log.info("replica_exit_was_a_clean_leave", replica=rep.replica, node=msg.node)
+                self._launch(rep.replica, rep.restarts)
+                self._publish()
+                continue
             if rep.node == msg.node and rep.state in LIVE_STATES:
                 rep.reason = (f"node {msg.node} {msg.reason}" if msg.reason == LEFT_REASON  # (a clean stop)
                               else f"node {msg.node} lost: {msg.reason}")

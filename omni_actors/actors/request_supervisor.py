@@ -51,6 +51,8 @@ class RequestActorSupervisor(ActorTypeDispatcher):
     def _beat(self, restart: bool = False) -> None:
         """Tell the bridge we run; ``restart``: begin a new chain of wake-ups for that
         (Thespian drops wake-ups that fall due while an actor drains a long transmit queue)."""
+        if self._bridge is None:  # (exiting)
+            return
         self._beat_at = time.monotonic()
         self.send(self._bridge, SupervisorAlive(self.myAddress))
         if restart:
@@ -69,6 +71,9 @@ class RequestActorSupervisor(ActorTypeDispatcher):
     def receiveMsg_Relay(self, msg: Relay, sender):
         self.send(msg.to, msg.message)
         self._beat_if_late()
+
+    def receiveMsg_ActorExitRequest(self, msg: ActorExitRequest, sender):
+        self._bridge = None  # (its RequestActors exit with it: nothing more to tell)
 
     def receiveMsg_ChildActorExited(self, msg: ChildActorExited, sender):
         if self._bridge is not None:

@@ -201,7 +201,13 @@ class ActorBridge(RequestActorKeeping):
         self._max_attempts = cfg.deployment.supervision.max_task_attempts
 
     def close(self) -> None:
+        """Stop the threads. Our RequestActorSupervisor is told to exit first, ending
+        our RequestActors with it: once the receiver's address is closed, whatever they
+        sent to it would wait in their transmit queues, and an actor exits only after
+        draining those (up to 7 s), which held up the actor system's shutdown."""
         self._stop.set()
+        if self._supervisor is not None and self._senders:
+            self._outboxes[0].put(("exit", self._supervisor))
         for outbox in self._outboxes:
             outbox.put(None)
         for t in (*self._senders, getattr(self, "_receiver", None)):
@@ -589,7 +595,8 @@ def status_to_dict(status: SystemStatus) -> dict[str, Any]:
         "ready": status.ready,
         "coordinator_pid": status.coordinator_pid,
         "notes": list(status.notes),
-        "nodes": [{"name": n.name, "alive": n.alive, "devices": list(n.devices), "used": dict(n.used),
+        "nodes": [{"name": n.name, "alive": n.alive, "state": n.state, "down_reason": n.down_reason,
+                   "devices": list(n.devices), "used": dict(n.used),
                    "stages": list(n.stages), "replicas": list(n.replicas),
                    "last_seen_age_s": n.last_seen_age_s, "data_service": n.data_service,
                    "buffers": n.buffers, "free_buffers": n.free_buffers, "free_bytes": n.free_bytes}

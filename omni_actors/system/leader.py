@@ -200,14 +200,15 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             if asys is not None:
                 asys.shutdown()
         finally:
-            left = kill_system(system_id, sessions=sessions)
+            killed: list[str] = []
+            left = kill_system(system_id, sessions=sessions, titles=killed)
             remove_ipc_dir(system_id)
             removed = sweep_segments(shm_prefix)
             if data is not None:
                 data.stop()
             sfile.unlink(missing_ok=True)
             log.info("leader_stopped", shutdown_s=round(time.monotonic() - t1, 2),
-                     processes_killed=left, shm_segments_removed=removed)
+                     processes_killed=left, killed=killed[:20], shm_segments_removed=removed)
             print("omni-actors stopped", flush=True)
 
 

@@ -118,9 +118,14 @@ def _is_tracker(entry: Path) -> bool:
         return False
 
 
-def kill_system(system_id: str, grace_s: float = 3.0, sessions: tuple[int, ...] | list[int] = ()) -> int:
+def kill_system(system_id: str, grace_s: float = 3.0, sessions: tuple[int, ...] | list[int] = (),
+                titles: list[str] | None = None) -> int:
     """SIGTERM, then SIGKILL after ``grace_s``, every process of a system
     (by its id and by its admins' ``sessions``).
+
+    Args:
+        titles: if given, the titles (``ps`` names, e.g. ``"RequestActor ActorAddr-..."``)
+            of the processes still alive at the start are appended to it.
 
     Returns:
         How many processes were still alive at the start.
@@ -130,6 +135,8 @@ def kill_system(system_id: str, grace_s: float = 3.0, sessions: tuple[int, ...] 
 
     pids = alive()
     initial = len(pids)
+    if titles is not None:
+        titles.extend(process_title(pid) for pid in pids)
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
         for pid in pids:
             try:
@@ -143,6 +150,17 @@ def kill_system(system_id: str, grace_s: float = 3.0, sessions: tuple[int, ...] 
         if not pids:
             break
     return initial
+
+
+def process_title(pid: int) -> str:
+    """A process's title (its command line, as ``ps`` shows it; Thespian names actor
+    processes after their class), at most 80 characters; ``"?"`` when it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return "?"
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()[:80] or "?"
 
 
 def serve_args_error(host: str, port: int, admin_port: int | None) -> str | None:
