@@ -265,9 +265,13 @@ def test_a_member_stopped_cleanly_shows_as_left_not_lost(system):
     """Ctrl-C on the member host: its node agent tells the coordinator it leaves, so `nodes`
     says LEFT (it said LOST, as for a host that was killed) and the log has node_left."""
     leader = system
+    if not any(r["node"] == "m1" for r in _reps(_status(leader)).values()):  # (run on its own)
+        out = _cli(leader, "stage", "launch", "--stage", "code2wav", "--node", "m1")
+        assert out.returncode == 0, out.stderr
+        _wait(leader, lambda st: any(r["node"] == "m1" and r["state"] == "ready" for r in _reps(st).values()),
+              "a replica ready on m1")
     before = _reps(_status(leader))
     on_m1 = [name for name, r in before.items() if r["node"] == "m1"]
-    assert on_m1, before
     since = time.time()
     leader.member.stop()
     status = _wait(leader, lambda st: any(n["name"] == "m1" and not n["alive"] for n in st["nodes"]), "m1 gone")
@@ -278,6 +282,8 @@ def test_a_member_stopped_cleanly_shows_as_left_not_lost(system):
     time.sleep(2.0)  # (past the first restart back-off)
     after = _reps(_status(leader))
     assert {n: after[n]["restarts"] for n in before} == {n: before[n]["restarts"] for n in before}, after
+    moved = [after[n]["reason"] for n in on_m1 if after[n]["state"] == "ready"]
+    assert all(r.startswith("placed again at ") for r in moved), moved  # (not "restarted")
     out = _cli(leader, "shell", "-c", "nodes")
     assert out.returncode == 0, out.stderr
     events = [(e["event"], e.get("reason")) for e in read_events(leader.log_path, since) if e.get("node") == "m1"

@@ -310,6 +310,21 @@ def test_unknown_engine_arg_fails_start(tiny_model, loop_thread):
         loop_thread.run(eng.start())
 
 
+def test_out_of_range_default_sampling_params_fail_start_before_the_engine_loads(tiny_model, loop_thread):
+    """`check-config` does not know vLLM's ranges; vLLM refused a `top_p: 0` default only at
+    the first request. The replica now fails its start, with vLLM's reason, in a second."""
+    import msgspec
+
+    from omni_actors.engines.vllm import VllmEngine
+
+    spec = msgspec.structs.replace(stage(str(tiny_model)), default_sampling_params={"top_p": 0, "max_tokens": 4})
+    eng = VllmEngine(spec, "thinker/0")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"default_sampling_params: invalid sampling parameters: .*top_p") as err:
+        loop_thread.run(eng.start())
+    assert "\n" not in str(err.value) and time.monotonic() - t0 < 15
+
+
 def test_unsupported_head_size_fails_start_with_the_root_cause(loop_thread, tmp_path_factory):
     """head_dim 16: vLLM's CPU attention rejects it at the first forward pass (the warm-up)."""
     _vllm()

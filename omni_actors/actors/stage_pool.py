@@ -38,6 +38,7 @@ from omni_actors.actors.supervision import (HealthPolicy, ParentWatch, ReplicaHe
                                             exit_if_orphaned_before_start)
 from omni_actors.balancing import POLICIES, ReplicaLoad
 from omni_actors.logs import get_logger
+from omni_actors.placement import LEFT_REASON
 from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, CancelStage, DrainReplica, EngineFailed,
                                   EngineReady, ErrorKind, Heartbeat, HeartbeatAck, PoolState, ReleasePlacement,
                                   ReplicaState, ReplicaStatus, StageCancelled, StageFailed, StageTask, StartPool,
@@ -202,7 +203,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             now = time.monotonic()
             # After a restart, READY says when and why it was down (RESTARTS alone does not).
             rep.state, rep.reason = ReplicaState.READY, (
-                f"restarted at {time.strftime('%H:%M:%S')}; it was down: {rep.down_cause}" if rep.down_cause else "")
+                f"{'placed again' if LEFT_REASON in rep.down_cause else 'restarted'} at "
+                f"{time.strftime('%H:%M:%S')}; it was down: {rep.down_cause}" if rep.down_cause else "")
             rep.pid, rep.host, rep.backend = msg.pid, msg.host, msg.backend
             rep.devices = msg.devices or rep.devices
             rep.health = ReplicaHealth(last_heartbeat=now, progress_at=now)

@@ -217,6 +217,10 @@ class VllmEngine:
         self._sampling_fields = frozenset(
             f for f in v["SamplingParams"].__struct_fields__ if not f.startswith("_"))
         self._check_sampling_keys(self.stage.default_sampling_params, "default_sampling_params")
+        try:  # their values too (a top_p of 0, a negative temperature), before the engine loads
+            self._sampling_params(self.stage.default_sampling_params)
+        except ValueError as exc:
+            raise ValueError(f"default_sampling_params: {exc}") from None
         passed.setdefault("disable_log_stats", True)
         if cpu:
             passed.setdefault("enforce_eager", True)
