@@ -404,8 +404,9 @@ class VllmOmniEngine:
                 ro = getattr(out, "request_output", None) or (out if hasattr(out, "outputs") else None)
                 if getattr(out, "error", None):
                     raise RuntimeError(str(out.error))
-                extra.update(_multimodal(out))
-                last_mm = _multimodal_dict(out) or last_mm
+                mm = _multimodal_dict(out)
+                extra.update(_multimodal(out, mm))
+                last_mm = mm or last_mm
                 finished = finished or bool(getattr(out, "finished", False))
                 if ro is None or vid in self._aborted:
                     continue
@@ -457,16 +458,17 @@ def _hf_architecture(model: str) -> str | None:
     return archs[0] if archs else None
 
 
-def _multimodal(out: Any) -> dict[str, Any]:
+def _multimodal(out: Any, mm: dict[Any, Any] | None = None) -> dict[str, Any]:
     """Non-text outputs of an ``OmniRequestOutput`` (audio, images, hidden states)
     as numpy arrays, in their own dtype (bfloat16, which numpy lacks: float32).
     Nested dicts of ``multimodal_output`` (``{"hidden_states": {"output": t}}``)
-    become dotted keys (``hidden_states.output``)."""
+    become dotted keys (``hidden_states.output``). ``mm``: its ``multimodal_output``
+    when the caller has it already (:func:`_multimodal_dict`)."""
     found: dict[str, Any] = {}
     images = getattr(out, "images", None)
     if images:
         found["image"] = np.stack([np.asarray(im) for im in images])
-    mm = _multimodal_dict(out)
+    mm = _multimodal_dict(out) if mm is None else mm
     if mm:
         _flatten_arrays(mm, "", found)
     return found
