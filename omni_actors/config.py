@@ -192,7 +192,8 @@ class Supervision(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     Defaults: 3 missed heartbeats (Ray Serve marks a replica unhealthy after 3
     failed checks); stall after 10 s without progress; circuit breaker after 5
     failures in a row (SGLang's gateway opens after 5); a task tried on at
-    most 3 replicas; a task waits up to 30 s for a ready replica of its stage
+    most 3 replicas (moves off replicas that were lost, drained or refused it
+    do not count, see ``messages.MAX_TASK_MOVES``); a task waits up to 30 s for a ready replica of its stage
     before the request gets 503; drain on shutdown up to 10 s; a task that was
     running on 2 replicas that died (process exited, engine died, or killed
     as stalled; not silent ones, which may be a lost host) is failed with a

@@ -647,6 +647,14 @@ class CancelRequest(Message):
     reason: str = "cancelled by the client"
 
 
+#: Most times one stage task is moved to another replica through no fault of its own
+#: (see ``StageTask.moved``) before it fails as unavailable. Such moves are not counted
+#: as attempts (a member host lost under a 1:N:M pipeline can take two or three replicas
+#: from under a task before the pool knows), but a pool whose replicas keep refusing
+#: work must not pass a task around until its deadline. Our own bound, not vLLM's.
+MAX_TASK_MOVES = 10
+
+
 @dataclass(frozen=True)
 class StageTask(Message):
     """RequestActor -> pool -> engine: run one stage of one request.
@@ -669,6 +677,11 @@ class StageTask(Message):
     #: replicas whose process exited (or was killed, hung) while running this task: after
     #: ``supervision.max_task_crashes`` of them it is failed with ``ErrorKind.CRASHED``
     crashed: tuple[str, ...] = ()
+    #: attempts that ended through no fault of the task (its replica's host was lost or
+    #: left, the replica drained, refused it or lost its finished results, the stage's
+    #: pool was replaced): not counted towards ``supervision.max_task_attempts``, at most
+    #: :data:`MAX_TASK_MOVES` of them
+    moved: int = 0
     #: Streaming between stages: the source whose outputs arrive as :class:`InputChunk` s
     #: (the engine answers :class:`StageAccepted` first), and whether to send the outputs
     #: as :class:`StageChunk` s too; with the window, timeout and chunk size to use.
@@ -684,6 +697,11 @@ class StageTask(Message):
     #: Seconds the request had left when this was sent (0: no deadline). A task still in
     #: flight well past it was orphaned (its cancel lost or overtaken): its pool cancels it.
     timeout_s: float = 0.0
+
+    @property
+    def counted_attempts(self) -> int:
+        """Attempts that count towards ``supervision.max_task_attempts`` (not the moves)."""
+        return self.attempt - self.moved
 
     @property
     def streaming(self) -> bool:
@@ -820,6 +838,7 @@ class StageFailed(Message):
     message: str
     attempt: int = 0  #: of the task that failed; a failure of an attempt already retried is ignored
     crashed: tuple[str, ...] = ()  #: the task's ``crashed`` with this failure (a replica that died running it)
+    moved: int = 0  #: the task's ``moved`` with this failure (one more when it was not the task's fault)
 
 
 @dataclass(frozen=True)

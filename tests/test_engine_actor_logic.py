@@ -700,3 +700,87 @@ def test_a_member_reported_joining_takes_work_only_once_its_node_agent_answers()
     assert (m1.alive, m1.down_reason) == (False, LEFT_REASON)
     coord.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=start.join + 1), "agent-address")
     assert coord._inventory.nodes["m1"].alive
+
+
+def _pool_routing(replicas: dict[str, str]):
+    """A pool with READY replicas (name -> node) that routes for real (least-loaded,
+    the default supervision figures of config.py: 3 attempts, 2 crashes)."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+    from omni_actors.actors.supervision import HealthPolicy, ReplicaHealth, RestartPolicy
+    from omni_actors.balancing import POLICIES
+    from omni_actors.config import Supervision
+    from omni_actors.messages import ReplicaState
+
+    pool = StagePoolActor()
+    pool._started.set()
+    pool.sent = []
+    pool.send = lambda address, message: pool.sent.append((address, message))
+    pool._place = lambda rep: None
+    pool._publish = lambda: None
+    pool._after = lambda delay, payload: None
+    pool._restart = RestartPolicy(1.0, 30.0, 5, 300.0, 60.0)
+    pool._health = HealthPolicy(1.0, 3, 10.0, 5)
+    pool._policy = POLICIES["least_loaded"]
+    pool._finished_window_s = 1.0
+    pool._pins, pool._orphaned, pool._exiting, pool._pending = {}, False, False, []
+    pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=1, name="talker"), supervision=Supervision())
+    pool._replicas = {name: Replica(name, f"addr-{name}", state=ReplicaState.READY, node=node,
+                                    health=ReplicaHealth(0.0)) for name, node in replicas.items()}
+    return pool
+
+
+def test_a_task_moved_off_replicas_of_a_lost_host_is_not_out_of_attempts():
+    """A member host SIGKILLed under a 1:N:M pipeline: its replicas go one by one (missed
+    heartbeats, then the node declared lost) before the pool knows the host is gone, and a
+    task can land on each of them. Those moves are not the task's fault: it still runs on
+    the surviving replica (a trial saw 'gave up after 3 attempts' 503s, about 1 in 50)."""
+    from omni_actors.messages import NodeLost, StageFailed, StageTask
+
+    pool = _pool_routing({"talker/0": "m1", "talker/1": "m2", "talker/2": "m2", "talker/3": "m2"})
+    for name in ("talker/0",):
+        pool._replicas[name].in_flight = {(f"busy{i}", 1): (None, 0.0) for i in range(3)}  # m1 is busy
+    pool.receiveMsg_StageTask(StageTask("r1", 1, "hi", (), {}, {}, "audio", False, "ra-1"), "ra-1")
+    for step in range(3):  # m2's replicas fall silent one after another, the node last
+        (where, task), = [(a, m) for a, m in pool.sent if isinstance(m, StageTask)][-1:]
+        rep = next(r for r in pool._replicas.values() if r.address == where)
+        assert rep.node == "m2", f"step {step}: sent to {rep.replica}"
+        if step < 2:
+            pool._isolate(rep, "missed 3 heartbeats (silent 3.1 s)", crashed=False)
+        else:
+            pool.receiveMsg_NodeLost(NodeLost("m2", "missed 3 heartbeats"), "coordinator")
+    failed = [m for _, m in pool.sent if isinstance(m, StageFailed)]
+    assert failed == []
+    where, task = pool.sent[-1]
+    assert where == "addr-talker/0" and task.attempt == 3 and task.moved == 3
+
+
+def test_replicas_that_crash_under_a_task_still_use_up_its_attempts():
+    """What the moves do not cover: replicas that die running the task (it may be what
+    kills them) fail it after supervision.max_task_crashes (2), and a pool that keeps
+    refusing it fails it after MAX_TASK_MOVES moves instead of passing it on until its
+    deadline."""
+    from omni_actors.messages import MAX_TASK_MOVES, ErrorKind, StageFailed, StageTask, TaskFinished
+
+    pool = _pool_routing({"talker/0": "m1", "talker/1": "m1", "talker/2": "m1"})
+    pool.receiveMsg_StageTask(StageTask("r1", 1, "hi", (), {}, {}, "audio", False, "ra-1"), "ra-1")
+    for _ in range(2):
+        where, _task = pool.sent[-1]
+        rep = next(r for r in pool._replicas.values() if r.address == where)
+        pool._gone(rep, "process exited")  # crashed while running it
+    failed = pool.sent[-1][1]
+    assert isinstance(failed, StageFailed) and failed.kind == ErrorKind.CRASHED
+
+    pool = _pool_routing({"talker/0": "m1", "talker/1": "m1"})
+    pool.receiveMsg_StageTask(StageTask("r2", 1, "hi", (), {}, {}, "audio", False, "ra-2"), "ra-2")
+    for _ in range(MAX_TASK_MOVES + 1):
+        where, task = pool.sent[-1]
+        if isinstance(task, StageFailed):
+            break
+        name = next(r.replica for r in pool._replicas.values() if r.address == where)
+        pool.receiveMsg_TaskFinished(TaskFinished(name, "r2", 1, ok=False, rejected=True, reason="not ready"),
+                                     where)
+    failed = pool.sent[-1][1]
+    assert isinstance(failed, StageFailed) and failed.kind == ErrorKind.UNAVAILABLE
+    assert f"{MAX_TASK_MOVES + 1} moves" in failed.message and failed.moved == MAX_TASK_MOVES + 1

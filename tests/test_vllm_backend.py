@@ -13,6 +13,7 @@ import asyncio
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -311,8 +312,8 @@ def test_unknown_engine_arg_fails_start(tiny_model, loop_thread):
 
 
 def test_out_of_range_default_sampling_params_fail_start_before_the_engine_loads(tiny_model, loop_thread):
-    """`check-config` does not know vLLM's ranges; vLLM refused a `top_p: 0` default only at
-    the first request. The replica now fails its start, with vLLM's reason, in a second."""
+    """vLLM refused a `top_p: 0` default only at the first request. The replica now fails
+    its start, with vLLM's reason, in a second (`check-config` says it too: next test)."""
     import msgspec
 
     from omni_actors.engines.vllm import VllmEngine
@@ -323,6 +324,35 @@ def test_out_of_range_default_sampling_params_fail_start_before_the_engine_loads
     with pytest.raises(RuntimeError, match=r"default_sampling_params: invalid sampling parameters: .*top_p") as err:
         loop_thread.run(eng.start())
     assert "\n" not in str(err.value) and time.monotonic() - t0 < 15
+
+
+def test_check_config_refuses_default_sampling_params_that_vllm_refuses(tmp_path):
+    """`check-config` checks a vLLM stage's default_sampling_params by vLLM's own
+    SamplingParams: one line with the field's path and vLLM's reason, exit 1."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    _vllm()
+    root = Path(__file__).resolve().parents[1]
+    cfg = yaml.safe_load((root / "configs" / "cpu_vllm_chain.yaml").read_text())
+    cfg["stage_args"][1]["default_sampling_params"]["top_p"] = 0
+    path = tmp_path / "bad_top_p.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "check-config", "--config", str(path)],
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 1 and out.stdout == "", out
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(f"error: {path}: stage_args[1].default_sampling_params: "
+                                 "invalid sampling parameters: "), out.stderr
+    assert "top_p" in out.stderr
+
+    cfg["stage_args"][1]["default_sampling_params"] = {"temperature": 0.0, "max_tokens": 48, "topp": 0.5}
+    path.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "check-config", "--config", str(path)],
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 1 and "sampling parameters unknown to vLLM: topp" in out.stderr, out.stderr
 
 
 def test_unsupported_head_size_fails_start_with_the_root_cause(loop_thread, tmp_path_factory):

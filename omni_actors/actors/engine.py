@@ -425,7 +425,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             cancelled = True
             self._log.warning("stage_stream_timeout", request_id=msg.request_id, error=str(exc))
             emit(msg.reply_to, StageFailed(msg.request_id, msg.stage_id, replica, ErrorKind.TIMEOUT,
-                                           f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt))
+                                           f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt,
+                                           moved=msg.moved))
         except Exception as exc:  # noqa: BLE001 - a task failure fails the task, not the replica
             # What it was given, not this replica: a processor that cannot use its upstream outputs
             # (500, the same anywhere), a ValueError on the client's input (400, e.g. a prompt over
@@ -436,7 +437,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             client_error = kind == ErrorKind.BAD_REQUEST
             self._log.warning("stage_failed", request_id=msg.request_id, error=str(exc), kind=kind.value)
             emit(msg.reply_to, StageFailed(msg.request_id, msg.stage_id, replica, kind,
-                                           f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt))
+                                           f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt,
+                                           moved=msg.moved))
         finally:
             # (Only this attempt's: a retry of the same task may be running here already.)
             if self._tasks.get(key) is asyncio.current_task():

@@ -50,11 +50,11 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
 from omni_actors.actors.supervision import WakeupChain
 from omni_actors.connectors import make_connector, release_all
 from omni_actors.logs import get_logger
-from omni_actors.messages import (BRIDGE_LOST_AFTER_S, BridgeAlive, CancelRequest, CancelStage, ChunkAck, ChunkConsumed,
-                                  ErrorKind, InputChunk, MakeRequestActor, OutputChunk, OutputReady, RequestActorAlive,
-                                  RequestActorFree, RequestActorMade, RequestFinished, RoutesChanged, RunRequest,
-                                  StageAccepted, StageCancelled, StageChunk, StageDone, StageFailed, StageTask,
-                                  TextStarted)
+from omni_actors.messages import (BRIDGE_LOST_AFTER_S, MAX_TASK_MOVES, BridgeAlive, CancelRequest, CancelStage,
+                                  ChunkAck, ChunkConsumed, ErrorKind, InputChunk, MakeRequestActor, OutputChunk,
+                                  OutputReady, RequestActorAlive, RequestActorFree, RequestActorMade, RequestFinished,
+                                  RoutesChanged, RunRequest, StageAccepted, StageCancelled, StageChunk, StageDone,
+                                  StageFailed, StageTask, TextStarted)
 
 #: Stage failures worth another replica: the engine raised, or was going away.
 RETRYABLE = (ErrorKind.ENGINE_ERROR, ErrorKind.UNAVAILABLE)
@@ -369,7 +369,9 @@ class RequestActor(ActorTypeDispatcher):
         if msg.attempt < task.attempt:
             return  # an attempt that was already retried
         attempt = msg.attempt + 1  # the pool may have re-dispatched it already (a dead replica)
-        retry = bool(msg.replica) and msg.kind in RETRYABLE and attempt < self._req.max_attempts
+        moved = max(msg.moved, task.moved)  # (an engine's failure of a chunk does not know them)
+        retry = (bool(msg.replica) and msg.kind in RETRYABLE and attempt - moved < self._req.max_attempts
+                 and moved <= MAX_TASK_MOVES)
         message = msg.message
         if msg.kind == ErrorKind.TIMEOUT and task.stream_source is not None:
             message += self._relay_state(msg.stage_id, task.stream_source)
@@ -388,7 +390,7 @@ class RequestActor(ActorTypeDispatcher):
             self._log.warning("stage_retry", request_id=msg.request_id, stage_id=msg.stage_id,
                               replica=msg.replica, error=msg.message)
             self._resend(dataclasses.replace(task, attempt=attempt, exclude=task.exclude + (msg.replica,),
-                                             crashed=msg.crashed or task.crashed))
+                                             crashed=msg.crashed or task.crashed, moved=moved))
             return
         del self._running[msg.stage_id]
         self._finish(msg.kind, message)
@@ -429,11 +431,12 @@ class RequestActor(ActorTypeDispatcher):
             task = self._running.get(stage_id)
             if task is not None and task.streaming:
                 self.receiveMsg_StageFailed(StageFailed(task.request_id, stage_id, "pool", ErrorKind.UNAVAILABLE,
-                                                        "the stage's pool was replaced", task.attempt), sender)
+                                                        "the stage's pool was replaced", task.attempt,
+                                                        task.crashed, task.moved + 1), sender)
             elif task is not None:
                 self._log.warning("stage_retry", request_id=task.request_id, stage_id=stage_id,
                                   error="the stage's pool was replaced")
-                self._resend(dataclasses.replace(task, attempt=task.attempt + 1))
+                self._resend(dataclasses.replace(task, attempt=task.attempt + 1, moved=task.moved + 1))
 
     def receiveMsg_StageCancelled(self, msg: StageCancelled, sender):
         # (A cancel this actor did not ask for while its request runs, e.g. of an orphaned

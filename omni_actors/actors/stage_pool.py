@@ -39,7 +39,7 @@ from omni_actors.actors.supervision import (HealthPolicy, ParentWatch, ReplicaHe
 from omni_actors.balancing import POLICIES, ReplicaLoad
 from omni_actors.logs import get_logger
 from omni_actors.placement import LEFT_REASON
-from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, CancelStage, DrainReplica, EngineFailed,
+from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, MAX_TASK_MOVES, PLACING, CancelStage, DrainReplica, EngineFailed,
                                   EngineReady, ErrorKind, Heartbeat, HeartbeatAck, PoolState, ReleasePlacement,
                                   ReplicaState, ReplicaStatus, StageCancelled, StageFailed, StageTask, StartPool,
                                   TaskFinished, replica_index)
@@ -446,7 +446,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                 self.send(task.reply_to, StageFailed(
                     task.request_id, task.stage_id, rep.replica, ErrorKind.UNAVAILABLE,
                     f"replica {rep.replica} died ({cause}) right after this task: its results were lost",
-                    task.attempt))
+                    task.attempt, task.crashed, task.moved + 1))
         rep.finished.clear()
 
     def _elsewhere(self, task: StageTask, replica: str, why: str, crashed: bool = False) -> None:
@@ -454,7 +454,11 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         streaming task, tell its RequestActor (chunks already went out from or into
         that replica: it retries the streaming stages together, or fails the request).
         ``crashed``: the replica died running it; after ``max_task_crashes`` such
-        deaths the task is failed (``ErrorKind.CRASHED``), not retried."""
+        deaths the task is failed (``ErrorKind.CRASHED``), not retried. Otherwise
+        (its host was lost or left, it drained or refused the task) the move is not
+        counted as an attempt (``StageTask.moved``)."""
+        if not crashed:
+            task = dataclasses.replace(task, moved=task.moved + 1)
         if crashed:
             task = dataclasses.replace(task, crashed=task.crashed + (replica,))
             limit = self._spec.supervision.max_task_crashes
@@ -464,12 +468,13 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
                     task.request_id, task.stage_id, replica, ErrorKind.CRASHED,
                     f"stage {self._spec.stage.name}: {len(task.crashed)} replicas died while running this "
                     f"request ({', '.join(task.crashed)}; the last: {why}); not retried, it may be what "
-                    f"crashes them (supervision.max_task_crashes: {limit})", task.attempt, task.crashed))
+                    f"crashes them (supervision.max_task_crashes: {limit})", task.attempt, task.crashed,
+                    task.moved))
                 return
         if task.streaming:
             self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, replica, ErrorKind.UNAVAILABLE,
                                                  f"replica {replica} {why} mid-stream", task.attempt,
-                                                 task.crashed))
+                                                 task.crashed, task.moved))
             return
         self._log.warning("task_redispatched", request_id=task.request_id, replica=replica,
                           attempt=task.attempt + 1)
@@ -500,8 +505,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
         self._route(msg)
 
     def _route(self, task: StageTask, why: str = "") -> None:
-        if task.attempt >= self._spec.supervision.max_task_attempts:
-            self._reject(task, f"stage {self._spec.stage.name}: gave up after {task.attempt} attempts ({why})")
+        if task.counted_attempts >= self._spec.supervision.max_task_attempts or task.moved > MAX_TASK_MOVES:
+            self._reject(task, f"stage {self._spec.stage.name}: gave up after {task.counted_attempts} attempts"
+                               + (f" and {task.moved} moves" if task.moved else "") + f" ({why})")
             return
         ready = [r for r in self._replicas.values() if r.state in _ROUTABLE and r.replica not in task.exclude]
         if not ready:
@@ -546,7 +552,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
 
     def _reject(self, task: StageTask, message: str) -> None:
         self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, "", ErrorKind.UNAVAILABLE, message,
-                                             task.attempt))
+                                             task.attempt, task.crashed, task.moved))
 
     def _describe(self) -> str:
         return "; ".join(f"{r.replica} {r.state.value}" + (f": {r.reason}" if r.reason else "")

@@ -379,20 +379,42 @@ class VllmEngine:
             finish_reason="length" if str(comp.finish_reason) == "length" else "stop")
 
     def _check_sampling_keys(self, params: dict[str, Any], where: str) -> None:
-        unknown = sorted(k for k in params
-                         if k not in self._sampling_fields or k in _RESERVED_SAMPLING)
-        if unknown:
-            raise ValueError(f"{where}: sampling parameters unknown to vLLM: {', '.join(unknown)}")
+        _check_sampling_keys(params, self._sampling_fields, where)
 
     def _sampling_params(self, params: dict[str, Any]):
         self._check_sampling_keys(params, "sampling_params")
-        try:
-            return self._vllm["SamplingParams"](
-                **params, n=1, output_kind=self._vllm["RequestOutputKind"].DELTA)
-        except Exception as exc:  # vLLM raises ValueError, TypeError or VLLMValidationError
-            if _is_client_error(exc):
-                raise ValueError(f"invalid sampling parameters: {one_line(exc)}") from None
-            raise
+        return _make_sampling_params(self._vllm["SamplingParams"], self._vllm["RequestOutputKind"], params)
+
+
+def _check_sampling_keys(params: dict[str, Any], fields: frozenset[str], where: str) -> None:
+    unknown = sorted(k for k in params if k not in fields or k in _RESERVED_SAMPLING)
+    if unknown:
+        raise ValueError(f"{where}: sampling parameters unknown to vLLM: {', '.join(unknown)}")
+
+
+def _make_sampling_params(sampling_params_cls, output_kind_cls, params: dict[str, Any]):
+    try:
+        return sampling_params_cls(**params, n=1, output_kind=output_kind_cls.DELTA)
+    except Exception as exc:  # vLLM raises ValueError, TypeError or VLLMValidationError
+        if _is_client_error(exc):
+            raise ValueError(f"invalid sampling parameters: {one_line(exc)}") from None
+        raise
+
+
+def check_default_sampling_params(params: dict[str, Any]) -> None:
+    """Check a stage's ``default_sampling_params`` as a vLLM replica does when it
+    starts (names and values, by vLLM's own ``SamplingParams``), without an engine.
+
+    Raises:
+        ImportError: vLLM is not installed here (nothing was checked).
+        ValueError: a name vLLM does not know, or a value it refuses (a ``top_p``
+            of 0, a negative ``temperature``), with vLLM's reason on one line.
+    """
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    fields = frozenset(f for f in SamplingParams.__struct_fields__ if not f.startswith("_"))
+    _check_sampling_keys(params, fields, "default_sampling_params")
+    _make_sampling_params(SamplingParams, RequestOutputKind, params)
 
 
 def _chunk(texts: list[str], token_ids: list[int], sent: list[int]) -> OutputChunk:

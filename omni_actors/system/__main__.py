@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import socket
 import signal
@@ -436,6 +437,8 @@ def cmd_check_config(args) -> int:
     from omni_actors.logs import configure_logging
 
     configure_logging("error")  # the config's own warnings are printed below, not logged
+    logging.getLogger("vllm").setLevel(logging.ERROR)  # (its import warns about Triton on CPUs, before
+    # its own logging is set up: our one line stays the only one)
     try:
         config = load_config(args.config or DEFAULT_CONFIG,
                              on_warning=lambda text: print(f"warning: {text}", file=sys.stderr))
@@ -443,10 +446,36 @@ def cmd_check_config(args) -> int:
         return _fail(str(exc))
     for note in config.omni_connectors.notes:
         print(f"note: {note}", file=sys.stderr)
+    problem = _check_vllm_sampling_defaults(config)
+    if problem:
+        return _fail(problem)
     stages = ", ".join(f"{s.name} x{config.deployment_of(s).replicas}" for s in config.stage_args)
     n = len(config.stage_args)
     print(f"ok: {n} stage{'' if n == 1 else 's'} ({stages})")
     return 0
+
+
+def _check_vllm_sampling_defaults(config) -> str | None:
+    """The vLLM stages' ``default_sampling_params``, by vLLM's own rules where it is
+    installed (a replica would fail its start on them); a note on stderr where it is
+    not. Returns the first problem as ``"<config>: stage_args[i].default_sampling_params: ..."``."""
+    stages = [(i, s) for i, s in enumerate(config.stage_args)
+              if config.deployment_of(s).backend == "vllm" and s.default_sampling_params]
+    if not stages:
+        return None
+    try:
+        from omni_actors.engines.vllm import check_default_sampling_params
+        for i, s in stages:
+            try:
+                check_default_sampling_params(s.default_sampling_params)
+            except ValueError as exc:
+                detail = str(exc).removeprefix("default_sampling_params: ")
+                return f"{config.source}: stage_args[{i}].default_sampling_params: {detail}"
+    except ImportError:
+        names = ", ".join(s.name for _, s in stages)
+        print(f"note: vLLM is not installed here: default_sampling_params of {names} not checked "
+              "(a replica checks them when it starts)", file=sys.stderr)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
