@@ -376,6 +376,17 @@ def test_1nm_across_hosts_serves_and_every_replica_gets_work(cluster):
                                 for st in ("thinker", "talker", "code2wav")), "every request through every stage", 5)
 
 
+def test_stop_on_a_members_admin_port_says_it_is_no_leader_and_stops_nothing(cluster):
+    member = cluster.members["m1"]
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port", str(member.admin_port)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out
+    assert f"no omni-actors system recorded on admin port {member.admin_port}" in out.stderr
+    assert "a member (started with --convention-address" in out.stderr
+    assert member.proc.poll() is None
+    assert any(r["node"] == "m1" and r["state"] == "ready" for r in cluster.replicas())
+
+
 def test_stage_scale_up_and_down_under_load_loses_nothing(cluster):
     """talker and code2wav 2 -> 3 (every device in use), -> 1, -> 2 (on freed devices), all under load."""
     async def scenario():

@@ -288,7 +288,11 @@ def cmd_stop(args) -> int:
 
     state = _read_state(args.admin_port)
     if state is None:
-        return _fail(f"no omni-actors system recorded on admin port {args.admin_port}")
+        return _fail(f"no omni-actors system recorded on admin port {args.admin_port}"
+                     + ("; something listens there: a member (started with --convention-address; stop "
+                        "it with Ctrl-C or SIGTERM to its process) or another program"
+                        if _listening(args.admin_port) else "")
+                     + "; `stop` stops a leader started on this host")
     pid = state["pid"]
     timeout = args.timeout if args.timeout is not None else \
         float(state.get("drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S)) + STOP_GRACE_S
@@ -307,6 +311,17 @@ def cmd_stop(args) -> int:
           + (f" (its leader did not exit within {timeout:g} s: killed)" if forced else "")
           + (f" ({killed} leftover processes killed)" if killed else ""))
     return 0
+
+
+def _listening(port: int) -> bool:
+    """Whether something accepts TCP connections on ``port`` of this host (loopback)."""
+    import socket
+
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def _attach(args):
