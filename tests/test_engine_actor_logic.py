@@ -484,8 +484,9 @@ def _closing_request_actor(stages=("thinker", "talker")):
     ra.wakeupAfter = lambda delay, payload=None: wakeups.append((delay, payload))
     ra._myRef = SimpleNamespace(address="ra-address")
     plan = tuple(SimpleNamespace(stage_id=i, stage=name) for i, name in enumerate(stages))
-    ra._req = SimpleNamespace(request_id="r1", plan=SimpleNamespace(stages=plan), reply_to="bridge")
-    ra._started = 0.0
+    ra._req = SimpleNamespace(request_id="r1", plan=SimpleNamespace(stages=plan), reply_to="bridge",
+                              timeout_s=60.0, queued_s=0.0)
+    ra._started = time.monotonic()
     ra._pools = {i: f"pool-{name}" for i, name in enumerate(stages)}
     ra._running = {i: SimpleNamespace(attempt=0, streaming=False, emit_chunks=False) for i in range(len(stages))}
     return ra, sent, wakeups
@@ -784,3 +785,71 @@ def test_replicas_that_crash_under_a_task_still_use_up_its_attempts():
     failed = pool.sent[-1][1]
     assert isinstance(failed, StageFailed) and failed.kind == ErrorKind.UNAVAILABLE
     assert f"{MAX_TASK_MOVES + 1} moves" in failed.message and failed.moved == MAX_TASK_MOVES + 1
+
+
+def test_a_request_actor_ends_its_request_and_frees_itself_when_those_wakeups_are_lost():
+    """Thespian drops wake-ups that fall due while an actor drains a long transmit queue.
+    A RequestActor whose deadline wake-up was lost would have held its request (and its
+    slot in the API server) until its stages ended; one whose cancel-confirmation wake-up
+    was lost, for good. Its alive beat now runs both, WAKEUP_LOST_AFTER_S late at most."""
+    import time as _time
+
+    from omni_actors.actors.request import CANCEL_CONFIRM_S
+    from omni_actors.actors.supervision import WAKEUP_LOST_AFTER_S
+    from omni_actors.messages import CancelStage, ErrorKind, RequestActorFree, RequestFinished
+
+    ra, sent, wakeups = _closing_request_actor(("thinker",))
+    ra._req.timeout_s, ra._req.alive_every_s = 3.0, 1.0
+    ra._started = _time.monotonic() - 3.0 - WAKEUP_LOST_AFTER_S / 2
+    ra._beat()  # late, not yet lost: the wake-up may still come
+    assert [m for _, m in sent if isinstance(m, RequestFinished)] == []
+    ra._started -= WAKEUP_LOST_AFTER_S
+    ra._beat()
+    finished = [m for _, m in sent if isinstance(m, RequestFinished)]
+    assert len(finished) == 1 and finished[0].error == ErrorKind.TIMEOUT
+    assert "request deadline of 3 s passed" in finished[0].message and finished[0].free is False
+    assert ("pool-thinker", CancelStage("r1", 0)) in sent
+    sent.clear()
+    ra._beat()  # the stage never confirms its cancel, and that wake-up is lost too
+    assert not any(isinstance(m, RequestActorFree) for _, m in sent)
+    ra._closing_since -= CANCEL_CONFIRM_S + WAKEUP_LOST_AFTER_S + 0.1
+    ra._beat()
+    assert ("bridge", RequestActorFree("r1", "ra-address", False)) in sent
+    assert ra._closing is None and ra._req is None
+
+
+def test_the_coordinator_restarts_its_node_checks_when_their_wakeup_is_lost():
+    """The coordinator's node check re-arms itself; had its wake-up been lost, a member
+    host killed later would never be found lost. A pool's report now restarts it when it
+    is TICK_LOST_AFTER_INTERVALS late (the old chain's late wake-up is then ignored)."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from thespian.actors import WakeupMessage
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.actors.stage_pool import TICK_LOST_AFTER_INTERVALS
+    from omni_actors.messages import NodeInfo, PoolState
+
+    co = CoordinatorActor()
+    wakeups, lost = [], []
+    co.send = lambda address, message: None
+    co.wakeupAfter = lambda delay, payload=None: wakeups.append(payload)
+    co._lose_node = lambda name, reason: lost.append((name, reason))
+    co._config = SimpleNamespace(deployment=SimpleNamespace(heartbeat_interval_s=1.0))
+    co._leader_node = "leader"
+    for name in ("leader", "m1"):
+        co._inventory.add(NodeInfo(name))
+    co._last_node_check = _time.monotonic()
+    co._node_checks.start(co, 1.0)
+    assert wakeups == [("node_check", 1)]
+    co._inventory.nodes["m1"].last_seen = _time.monotonic() - 10  # killed, silent since
+    co.receiveMsg_PoolState(PoolState(0, "thinker", ()), "old-pool")  # checks not late: nothing
+    assert lost == [] and len(wakeups) == 1
+    co._last_node_check -= TICK_LOST_AFTER_INTERVALS * 1.0 + 0.1  # the wake-up was lost
+    co.receiveMsg_PoolState(PoolState(0, "thinker", ()), "old-pool")
+    assert [name for name, _ in lost] == ["m1"] and wakeups[-1] == ("node_check", 2)
+    co.receiveMsg_WakeupMessage(WakeupMessage(1.0, ("node_check", 1)), None)  # the old chain's, late
+    assert wakeups[-1] == ("node_check", 2) and len(wakeups) == 2
+    co.receiveMsg_WakeupMessage(WakeupMessage(1.0, ("node_check", 2)), None)
+    assert wakeups[-1] == ("node_check", 2) and len(wakeups) == 3

@@ -25,8 +25,8 @@ from thespian.actors import (ActorExitRequest, ActorSystemConventionUpdate, Acto
                              WakeupMessage)
 
 from omni_actors.actors.node_agent import NODE_CAPABILITY, NodeAgentActor
-from omni_actors.actors.stage_pool import StagePoolActor
-from omni_actors.actors.supervision import RestartPolicy
+from omni_actors.actors.stage_pool import TICK_LOST_AFTER_INTERVALS, StagePoolActor
+from omni_actors.actors.supervision import RestartPolicy, WakeupChain
 from omni_actors.connectors import data_service, default_prefix, free_usage, list_segments
 from omni_actors.logs import get_logger
 from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainReplica, GetRoutes, GetStatus, InjectFault,
@@ -68,6 +68,9 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._subscribers: list[tuple[object, float]] = []
         self._stopping = False
         self._inventory = Inventory()
+        #: the node check's wake-ups (restarted by a pool's report when one was lost)
+        self._node_checks = WakeupChain("node_check")
+        self._last_node_check = 0.0  # (monotonic)
         self._joins: dict[str, int] = {}  #: node -> times it joined the convention (see LEAVE_NOTICE_GRACE_S)
         #: node -> (its info, join number): in the convention, its node agent not heard from yet
         self._joining: dict[str, tuple[NodeInfo, int]] = {}
@@ -84,7 +87,8 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._leader_node = leader.name
             self._inventory.add(leader)
             self.notifyOnSystemRegistrationChanges(True)  # member hosts joining the convention
-            self.wakeupAfter(cfg.deployment.heartbeat_interval_s, payload="node_check")
+            self._last_node_check = time.monotonic()
+            self._node_checks.start(self, cfg.deployment.heartbeat_interval_s)
             for stage in cfg.stage_args:
                 self._states[stage.stage_id] = PoolState(stage.stage_id, stage.name, ())
                 self._pool_restarts[stage.stage_id] = []
@@ -150,6 +154,7 @@ class CoordinatorActor(ActorTypeDispatcher):
     # -- the instance table -----------------------------------------------
     def receiveMsg_PoolState(self, msg: PoolState, sender):
         self.send(sender, PoolStateAck())
+        self._node_checks_lost()
         if self._pools.get(msg.stage_id) != sender:
             return  # an old pool, draining after it was replaced
         old = self._states.get(msg.stage_id)
@@ -165,22 +170,39 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._publish_status()
         self._answer_deploy_waiters()
 
+    def _check_nodes(self) -> None:
+        """Every heartbeat interval: our own node's data-plane figures, and the member
+        nodes that went silent are lost."""
+        interval = self._config.deployment.heartbeat_interval_s
+        now = self._last_node_check = time.monotonic()
+        for name, node in list(self._inventory.nodes.items()):
+            if name == self._leader_node:
+                node.last_seen = now  # our own host: alive while we are
+                # and its data plane, as a member's agent reports it in heartbeats
+                node.data_service = os.environ.get(data_service.SERVICE_ENV)
+                node.buffers = len(list_segments(default_prefix()))
+                node.free_buffers, node.free_bytes = free_usage(default_prefix())
+            elif node.alive and now - node.last_seen > NODE_MISSED_HEARTBEATS * interval:
+                self._lose_node(name, f"missed {NODE_MISSED_HEARTBEATS} node heartbeats")
+
+    def _node_checks_lost(self) -> None:
+        """Called on each pool report: restart the node checks when their wake-up was lost
+        (Thespian drops wake-ups that fall due while an actor drains a long transmit
+        queue): member hosts would never be found lost again."""
+        interval = self._config.deployment.heartbeat_interval_s if self._config is not None else 0.0
+        since = time.monotonic() - self._last_node_check
+        if interval and self._last_node_check and since > TICK_LOST_AFTER_INTERVALS * interval:
+            self._log.warning("node_check_lost", since_s=round(since, 2))
+            self._check_nodes()
+            self._node_checks.start(self, interval)
+
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
         if msg.payload == "deploy_deadline":
             self._answer_deploy_waiters(force=True)
-        elif msg.payload == "node_check":
-            interval = self._config.deployment.heartbeat_interval_s
-            now = time.monotonic()
-            for name, node in list(self._inventory.nodes.items()):
-                if name == self._leader_node:
-                    node.last_seen = now  # our own host: alive while we are
-                    # and its data plane, as a member's agent reports it in heartbeats
-                    node.data_service = os.environ.get(data_service.SERVICE_ENV)
-                    node.buffers = len(list_segments(default_prefix()))
-                    node.free_buffers, node.free_bytes = free_usage(default_prefix())
-                elif node.alive and now - node.last_seen > NODE_MISSED_HEARTBEATS * interval:
-                    self._lose_node(name, f"missed {NODE_MISSED_HEARTBEATS} node heartbeats")
-            self.wakeupAfter(interval, payload="node_check")
+        elif self._node_checks.owns(msg.payload):
+            if self._node_checks.current(msg.payload):
+                self._check_nodes()
+                self._node_checks.again(self, self._config.deployment.heartbeat_interval_s)
         elif isinstance(msg.payload, tuple) and msg.payload[0] == "node_dropped":
             if self._joins.get(msg.payload[1], 0) == msg.payload[2]:  # (not if it rejoined since)
                 self._lose_node(msg.payload[1], "dropped from the convention without a leave notice")

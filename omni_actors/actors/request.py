@@ -47,7 +47,7 @@ import time
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
 
-from omni_actors.actors.supervision import WakeupChain
+from omni_actors.actors.supervision import WAKEUP_LOST_AFTER_S, WakeupChain
 from omni_actors.connectors import make_connector, release_all
 from omni_actors.logs import get_logger
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, MAX_TASK_MOVES, BridgeAlive, CancelRequest, CancelStage,
@@ -97,6 +97,7 @@ class RequestActor(ActorTypeDispatcher):
         #: (request id, stages whose cancel is not confirmed yet, its bridge) after an end
         #: with stages still running; None: free (see CANCEL_CONFIRM_S)
         self._closing: tuple[str, set[int], object] | None = None
+        self._closing_since = 0.0  # (monotonic) when it began to wait for those confirmations
         self._last_plan = ()  # the stages of the last request (names for the log)
         self._confirm_s = cancel_confirm_s()
         self._reset()
@@ -477,12 +478,33 @@ class RequestActor(ActorTypeDispatcher):
 
     def _beat(self) -> None:
         """Tell the bridge this actor still runs (or closes) its request; again later while it does."""
+        self._run_lost_wakeups(time.monotonic())
         if self._req is not None:
             self.send(self._req.reply_to, RequestActorAlive(self._req.request_id))
             self._alive_beats.again(self, self._req.alive_every_s)
         elif self._closing is not None:
             self.send(self._closing[2], RequestActorAlive(self._closing[0]))
             self._alive_beats.again(self, self._alive_every_s)
+
+    def _run_lost_wakeups(self, now: float) -> None:
+        """The request's deadline and the end of the wait for cancel confirmations, when
+        their wake-ups are over :data:`WAKEUP_LOST_AFTER_S` late (Thespian drops wake-ups
+        that fall due while an actor drains a long transmit queue): run late by the beat,
+        so a request still ends and its RequestActor is still freed."""
+        req = self._req
+        if req is not None and now - self._started > req.timeout_s + WAKEUP_LOST_AFTER_S:
+            self._log.warning("wakeup_lost", payload="request_deadline", request_id=req.request_id)
+            self._deadline_passed()
+        if self._closing is not None and now - self._closing_since > self._confirm_s + WAKEUP_LOST_AFTER_S:
+            self._log.warning("wakeup_lost", payload=CANCEL_CONFIRM, request_id=self._closing[0])
+            self._free(confirmed=False)
+
+    def _deadline_passed(self) -> None:
+        req = self._req
+        waited = (f" ({req.queued_s:.1f} s of it waiting for a RequestActor in the API server)"
+                  if req.queued_s >= 0.05 else "")
+        total = round(req.timeout_s + req.queued_s, 2)
+        self._finish(ErrorKind.TIMEOUT, f"request deadline of {total:g} s passed{waited}")
 
     def _heard(self, rearm: bool = False) -> None:
         self._heard_at = time.monotonic()
@@ -510,11 +532,7 @@ class RequestActor(ActorTypeDispatcher):
             if self._alive_beats.current(msg.payload):
                 self._beat()
         elif self._current(msg.payload):
-            req = self._req
-            waited = (f" ({req.queued_s:.1f} s of it waiting for a RequestActor in the API server)"
-                      if req.queued_s >= 0.05 else "")
-            total = round(req.timeout_s + req.queued_s, 2)
-            self._finish(ErrorKind.TIMEOUT, f"request deadline of {total:g} s passed{waited}")
+            self._deadline_passed()
 
     def _finish(self, error: ErrorKind | None, message: str) -> None:
         req = self._req
@@ -544,4 +562,5 @@ class RequestActor(ActorTypeDispatcher):
         self._reset()
         if unconfirmed:
             self._closing = (req.request_id, unconfirmed, req.reply_to)
+            self._closing_since = time.monotonic()
             self.wakeupAfter(self._confirm_s, payload=(CANCEL_CONFIRM, req.request_id))

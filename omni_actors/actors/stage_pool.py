@@ -34,8 +34,8 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExi
 from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.pool_admin import PoolAdminMixin
 from omni_actors.actors.pool_placement import PoolPlacementMixin
-from omni_actors.actors.supervision import (HealthPolicy, ParentWatch, ReplicaHealth, RestartPolicy, WakeupChain,
-                                            exit_if_orphaned_before_start)
+from omni_actors.actors.supervision import (WAKEUP_LOST_AFTER_S, HealthPolicy, ParentWatch, ReplicaHealth,
+                                            RestartPolicy, WakeupChain, exit_if_orphaned_before_start)
 from omni_actors.balancing import POLICIES, ReplicaLoad
 from omni_actors.logs import get_logger
 from omni_actors.placement import LEFT_REASON
@@ -62,8 +62,6 @@ PLACEMENT_RETRY_TICKS = 8
 TASK_OVERDUE_GRACE_S = 10.0
 #: Health ticks missed, in heartbeat intervals, before a heartbeat restarts them (see _after).
 TICK_LOST_AFTER_INTERVALS = 3
-#: How late a wake-up asked for with _after may be before the tick runs it instead.
-WAKEUP_LOST_AFTER_S = 2.0
 #: Stopped replicas (drained, scaled away) a pool keeps showing, the latest; older ones
 #: leave its table, `status` and /metrics (every scale or drain made one more for good).
 MAX_STOPPED_SHOWN = 8

@@ -51,6 +51,12 @@ def exit_if_orphaned_before_start(started: threading.Event, poll_s: float = 1.0)
     threading.Thread(target=watch, name="orphan-before-start", daemon=True).start()
 
 
+#: How late a wake-up may be before it counts as lost and whatever else runs regularly
+#: (a pool's tick, a RequestActor's alive beat) runs its work instead. Our own figure:
+#: wake-ups here come within milliseconds of their time unless dropped.
+WAKEUP_LOST_AFTER_S = 2.0
+
+
 class WakeupChain:
     """A repeating wake-up (``wakeupAfter`` re-armed by its own handler) that can be
     started afresh: its payload is ``(name, generation)`` and only the latest
