@@ -27,7 +27,7 @@ from omni_actors.actors.engine_stream import StreamingMixin
 from omni_actors.actors.outbox import PendingChunk, Sequencer, bundle, coalesce
 from omni_actors.actors.supervision import ParentWatch, WakeupChain, exit_if_orphaned_before_start
 from omni_actors.actors.node_agent import on_node
-from omni_actors.config import resolve_processor
+from omni_actors.config_checks import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
 from omni_actors.engines import create_backend
 from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal, TextDelta, UpstreamTimeout

@@ -1,0 +1,189 @@
+"""Checks of a parsed config that span fields: the stage graph (ids, names, edges,
+cycles, a final output), devices, per-stage settings against the deployment, CPU
+lists, and that each stage's processor imports. Each raises a
+:class:`~omni_actors.config.ConfigError` with the YAML path of the field at fault.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from omni_actors.config import ConfigError, PipelineConfig, StageSpec
+
+
+def _check_cpus(cfg: PipelineConfig, source: str) -> None:
+    """``deployment.stages.<stage>.cpus`` parses as a CPU list (whether the node has
+    those CPUs is checked where the replica starts); on a backend that cannot pin
+    its engine it is noted as not applied (``status`` shows the notes)."""
+    from omni_actors.engines.vllm_core import _cpu_list
+
+    for s in cfg.stage_args:
+        dep = cfg.deployment_of(s)
+        if isinstance(dep.cpus, int):
+            if dep.cpus < 0:
+                raise ConfigError(source, f"deployment.stages.{s.name}.cpus", f"{dep.cpus} is not a CPU number")
+            dep.cpus = str(dep.cpus)
+        if not dep.cpus:
+            continue
+        try:
+            _cpu_list(dep.cpus)
+        except ValueError as exc:
+            raise ConfigError(source, f"deployment.stages.{s.name}.cpus", str(exc)) from None
+        if dep.backend != "vllm":
+            note = (f"deployment.stages.{s.name}.cpus: not applied: only the vllm backend pins its engine "
+                    f"(backend: {dep.backend})")
+            if note not in cfg.omni_connectors.notes:
+                cfg.omni_connectors.notes.append(note)
+
+
+def _check_graph(cfg: PipelineConfig, source: str) -> None:
+    ids: dict[int, int] = {}
+    names: dict[str, int] = {}
+    for i, s in enumerate(cfg.stage_args):
+        p = f"stage_args[{i}]"
+        if s.stage_id in ids:
+            raise ConfigError(source, f"{p}.stage_id",
+                              f"duplicate stage_id {s.stage_id} (also stage_args[{ids[s.stage_id]}])")
+        ids[s.stage_id] = i
+        stage = s.engine_args.get("model_stage")
+        if not isinstance(stage, str) or not stage:
+            raise ConfigError(source, f"{p}.engine_args.model_stage",
+                              "required: the stage name as a non-empty string (e.g. `thinker`)")
+        if stage in names:
+            raise ConfigError(source, f"{p}.engine_args.model_stage",
+                              f"duplicate stage name `{stage}` (also stage_args[{names[stage]}])")
+        names[stage] = i
+        if s.final_output and s.final_output_type is None:
+            raise ConfigError(source, f"{p}.final_output_type",
+                              "required when final_output is true: one of text, audio, image")
+        _check_devices(s, source, f"{p}.runtime.devices")
+    if not cfg.stage_args:
+        raise ConfigError(source, "stage_args", "expected at least one stage")
+    for i, s in enumerate(cfg.stage_args):
+        for j, src in enumerate(s.engine_input_source):
+            if src not in ids:
+                raise ConfigError(source, f"stage_args[{i}].engine_input_source[{j}]",
+                                  f"unknown stage_id {src}; known: {sorted(ids)}")
+            if src == s.stage_id:
+                raise ConfigError(source, f"stage_args[{i}].engine_input_source[{j}]",
+                                  "a stage cannot take its own output as input")
+        if s.custom_process_input_func:
+            _check_importable(s.custom_process_input_func, source,
+                              f"stage_args[{i}].custom_process_input_func")
+    if not any(s.final_output for s in cfg.stage_args):
+        raise ConfigError(source, "stage_args", "no stage has final_output: true")
+    _check_acyclic(cfg, source)
+    for name, dep in cfg.deployment.stages.items():
+        if name not in names:
+            raise ConfigError(source, f"deployment.stages.{name}",
+                              f"no stage named `{name}`; stages: {sorted(names)}")
+    _check_stage_settings(cfg, source)
+
+
+def _check_devices(s: StageSpec, source: str, path: str) -> None:
+    """``runtime.devices``: a device id list such as ``"0,1"`` (or one id as a number, or a
+    YAML list of ids);
+    kept as its canonical string (``"0,1"``), which becomes ``CUDA_VISIBLE_DEVICES``."""
+    from omni_actors.placement import parse_devices  # (placement imports this module's users)
+
+    devices = s.runtime.devices
+    if devices is None:
+        return
+    if isinstance(devices, list):  # a YAML list [0, 1]: the same ids
+        devices = ",".join(str(d) for d in devices)
+    try:
+        ids = parse_devices(str(devices))
+    except ValueError as exc:
+        raise ConfigError(source, path, str(exc)) from None
+    if not ids:
+        raise ConfigError(source, path, "empty: give device ids such as \"0,1\", or leave `devices` out")
+    s.runtime.devices = ",".join(ids)
+
+
+def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
+    """Per-stage settings that only make sense together with the deployment."""
+    from omni_actors.engines.synthetic import SUPPORTED_STAGES
+
+    limit = cfg.deployment.max_tokens_limit
+    for i, s in enumerate(cfg.stage_args):
+        max_tokens = s.default_sampling_params.get("max_tokens")
+        path = f"stage_args[{i}].default_sampling_params.max_tokens"
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 1):
+            raise ConfigError(source, path, f"expected an integer >= 1, got `{max_tokens!r}`")
+        # Only text the client receives is bound by the API's limit: a Talker's or
+        # Code2Wav's own budget (4096, 65536 in vLLM-Omni's Qwen3-Omni YAML) is not.
+        if max_tokens is not None and max_tokens > limit and s.final_output_type == "text":
+            raise ConfigError(source, path, f"{max_tokens} is over deployment.max_tokens_limit ({limit})")
+        dep = cfg.deployment_of(s)
+        if dep.backend == "synthetic":
+            kind = dep.synthetic.kind or s.name
+            if kind not in SUPPORTED_STAGES:
+                where = (f"deployment.stages.{s.name}.synthetic.kind" if dep.synthetic.kind
+                         else f"stage_args[{i}].engine_args.model_stage")
+                raise ConfigError(source, where,
+                                  f"the synthetic engine has no `{kind}` stage; one of: "
+                                  f"{', '.join(SUPPORTED_STAGES)} (or set "
+                                  f"deployment.stages.{s.name}.synthetic.kind)")
+
+
+def _check_acyclic(cfg: PipelineConfig, source: str) -> None:
+    state: dict[int, int] = {}  # 1 visiting, 2 done
+    by_id = {s.stage_id: s for s in cfg.stage_args}
+
+    def visit(sid: int, trail: list[int]) -> None:
+        if state.get(sid) == 2:
+            return
+        if state.get(sid) == 1:
+            cycle = " -> ".join(str(x) for x in trail + [sid])
+            raise ConfigError(source, "stage_args", f"engine_input_source forms a cycle: {cycle}")
+        state[sid] = 1
+        for src in by_id[sid].engine_input_source:
+            visit(src, trail + [sid])
+        state[sid] = 2
+
+    for sid in by_id:
+        visit(sid, [])
+
+
+#: Engine packages whose processors are checked by their engine at load time
+#: when the package is not installed where the config is validated.
+ENGINE_PACKAGES = ("vllm_omni", "vllm")
+
+
+def _check_importable(dotted: str, source: str, path: str) -> None:
+    module, _, attr = dotted.rpartition(".")
+    if not module:
+        raise ConfigError(source, path, f"expected a dotted path `package.module.function`, got `{dotted}`")
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        # Processors of an engine package that is not installed here (vllm_omni on a
+        # CPU-only host) are checked by that engine when it loads.
+        top = (exc.name or "").split(".")[0]
+        if top in ENGINE_PACKAGES and dotted.startswith(top + "."):
+            return
+        raise ConfigError(source, path, f"cannot import `{module}`: {_one_line(exc)}") from None
+    except (Exception, SystemExit) as exc:  # the module's own code failed: a SyntaxError, its imports...
+        raise ConfigError(source, path,
+                          f"cannot import `{module}`: {type(exc).__name__}: {_one_line(exc)}") from None
+    try:
+        func = getattr(mod, attr, None)
+    except Exception as exc:  # a module __getattr__ that raises
+        raise ConfigError(source, path, f"`{module}.{attr}`: {type(exc).__name__}: {_one_line(exc)}") from None
+    if func is None:
+        raise ConfigError(source, path, f"`{module}` has no function `{attr}`")
+    if not callable(func):
+        raise ConfigError(source, path, f"`{module}.{attr}` is a {type(func).__name__}, not a function")
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (its first non-empty line; the type's name if none)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def resolve_processor(dotted: str):
+    """Import a ``custom_process_input_func`` by dotted path."""
+    module, _, attr = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
