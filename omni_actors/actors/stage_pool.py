@@ -1,5 +1,9 @@
 """StagePoolActor: owns the replicas of one stage, routes its tasks, supervises them.
 
+Its parts: placement (``pool_placement``), routing and the tasks of replicas that
+go (``pool_routing``), scaling and draining asked for by the admin (``pool_admin``);
+this module holds the replicas' lifecycle, supervision and status.
+
 Supervision follows ``omni_actors.actors.supervision`` (the policy, in one
 place). In short: a replica that misses heartbeats, stalls, or trips its
 circuit breaker is ISOLATED (no new work), killed, and restarted with
@@ -21,7 +25,6 @@ new pool.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import socket
@@ -29,20 +32,20 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExited, PoisonMessage, WakeupMessage
+from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExited, WakeupMessage
 
 from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.pool_admin import PoolAdminMixin
 from omni_actors.actors.pool_placement import PoolPlacementMixin
+from omni_actors.actors.pool_routing import TASK_OVERDUE_GRACE_S, PoolRoutingMixin  # noqa: F401 (re-exported)
 from omni_actors.actors.supervision import (WAKEUP_LOST_AFTER_S, HealthPolicy, ParentWatch, ReplicaHealth,
                                             RestartPolicy, WakeupChain, exit_if_orphaned_before_start)
-from omni_actors.balancing import POLICIES, ReplicaLoad
+from omni_actors.balancing import POLICIES
 from omni_actors.logs import get_logger
 from omni_actors.placement import LEFT_REASON
-from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, MAX_TASK_MOVES, PLACING, CancelStage, DrainReplica, EngineFailed,
-                                  EngineReady, ErrorKind, Heartbeat, HeartbeatAck, PoolState, ReleasePlacement,
-                                  ReplicaState, ReplicaStatus, StageCancelled, StageFailed, StageTask, StartPool,
-                                  TaskFinished, replica_index)
+from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, DrainReplica, EngineFailed, EngineReady,
+                                  Heartbeat, HeartbeatAck, PoolState, ReleasePlacement, ReplicaState, ReplicaStatus,
+                                  StageTask, StartPool, replica_index)
 
 #: Ticks per heartbeat interval: how often health is judged.
 TICKS_PER_INTERVAL = 4
@@ -50,16 +53,11 @@ TICKS_PER_INTERVAL = 4
 #: it is no longer this process's parent either (``ParentWatch``: a busy one acks late).
 ORPHAN_AFTER_INTERVALS = 5
 
-_ROUTABLE = (ReplicaState.READY,)
 #: States in which a replica has no process (any pid it had is gone).
 _NO_PROCESS = (ReplicaState.FAILED, ReplicaState.STOPPED, ReplicaState.DEAD)
 _ALIVE = LIVE_STATES
 #: Ticks between placement retries for replicas still waiting for a node.
 PLACEMENT_RETRY_TICKS = 8
-#: A task still in flight this long past its request's deadline (``StageTask.timeout_s``
-#: from its dispatch) was orphaned: its RequestActor ended it at the deadline, so its
-#: cancel was lost or overtaken. It is cancelled and no longer counted.
-TASK_OVERDUE_GRACE_S = 10.0
 #: Health ticks missed, in heartbeat intervals, before a heartbeat restarts them (see _after).
 TICK_LOST_AFTER_INTERVALS = 3
 #: Stopped replicas (drained, scaled away) a pool keeps showing, the latest; older ones
@@ -97,7 +95,7 @@ class Replica:
     latency_sum: float = 0.0
 
 
-class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
+class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, ActorTypeDispatcher):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._started = threading.Event()  # StartPool came (see exit_if_orphaned_before_start)
@@ -427,204 +425,10 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, ActorTypeDispatcher):
             self._after(delay, ("restart", rep.replica))
         self._publish()
 
-    def _redispatch(self, rep: Replica, crashed: bool = False) -> None:
-        """Send the replica's tasks elsewhere; ``crashed``: it died running them
-        (not drained or stopped on purpose), which counts against each task."""
-        tasks, rep.in_flight = [t for t, _ in rep.in_flight.values()], {}
-        for task in tasks:
-            self._elsewhere(task, rep.replica, f"{rep.state.value}: {rep.reason}", crashed=crashed)
-
-    def _hand_back_finished(self, rep: Replica, cause: str) -> None:
-        """The replica died: its tasks that finished within the window may have lost
-        their results (queued behind our TaskFinished in the dead process). Their
-        RequestActors retry those they still wait for and ignore the others."""
-        horizon = time.monotonic() - self._finished_window_s
-        for task, at in rep.finished.values():
-            if at >= horizon:
-                self.send(task.reply_to, StageFailed(
-                    task.request_id, task.stage_id, rep.replica, ErrorKind.UNAVAILABLE,
-                    f"replica {rep.replica} died ({cause}) right after this task: its results were lost",
-                    task.attempt, task.crashed, task.moved + 1))
-        rep.finished.clear()
-
-    def _elsewhere(self, task: StageTask, replica: str, why: str, crashed: bool = False) -> None:
-        """``task`` cannot finish on ``replica``: send it to another one, or, for a
-        streaming task, tell its RequestActor (chunks already went out from or into
-        that replica: it retries the streaming stages together, or fails the request).
-        ``crashed``: the replica died running it; after ``max_task_crashes`` such
-        deaths the task is failed (``ErrorKind.CRASHED``), not retried. Otherwise
-        (its host was lost or left, it drained or refused the task) the move is not
-        counted as an attempt (``StageTask.moved``)."""
-        if not crashed:
-            task = dataclasses.replace(task, moved=task.moved + 1)
-        if crashed:
-            task = dataclasses.replace(task, crashed=task.crashed + (replica,))
-            limit = self._spec.supervision.max_task_crashes
-            if len(task.crashed) >= limit:
-                self._log.error("task_crashed_replicas", request_id=task.request_id, replicas=list(task.crashed))
-                self.send(task.reply_to, StageFailed(
-                    task.request_id, task.stage_id, replica, ErrorKind.CRASHED,
-                    f"stage {self._spec.stage.name}: {len(task.crashed)} replicas died while running this "
-                    f"request ({', '.join(task.crashed)}; the last: {why}); not retried, it may be what "
-                    f"crashes them (supervision.max_task_crashes: {limit})", task.attempt, task.crashed,
-                    task.moved))
-                return
-        if task.streaming:
-            self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, replica, ErrorKind.UNAVAILABLE,
-                                                 f"replica {replica} {why} mid-stream", task.attempt,
-                                                 task.crashed, task.moved))
-            return
-        self._log.warning("task_redispatched", request_id=task.request_id, replica=replica,
-                          attempt=task.attempt + 1)
-        retry = dataclasses.replace(task, attempt=task.attempt + 1, exclude=task.exclude + (replica,))
-        self._route(retry, why=f"replica {replica} {why}")
-
-    def receiveMsg_PoisonMessage(self, msg: PoisonMessage, sender):
-        poisoned = msg.poisonMessage
-        self._log.error("poison_message", message_type=type(poisoned).__name__, details=str(msg.details))
-        if isinstance(poisoned, StageTask):
-            rep = next((r for r in self._replicas.values() if r.address == sender), None)
-            if rep is not None:
-                rep.in_flight.pop((poisoned.request_id, poisoned.stage_id), None)
-            self._route(dataclasses.replace(poisoned, attempt=poisoned.attempt + 1,
-                                            exclude=poisoned.exclude + ((rep.replica,) if rep else ())),
-                        why="the replica could not take the task")
-
     def receiveMsg_ActorExitRequest(self, msg, sender):
         self._orphaned = True  # shutting down: replicas that exit now are not restarted
         self._exiting = True
         return None  # Thespian sends our children their own exit requests
-
-    # -- request plane ----------------------------------------------------
-    def receiveMsg_StageTask(self, msg: StageTask, sender):
-        if self._cancelled_early.take((msg.request_id, msg.stage_id)):
-            self.send(msg.reply_to, StageCancelled(msg.request_id, msg.stage_id, msg.attempt))
-            return
-        self._route(msg)
-
-    def _route(self, task: StageTask, why: str = "") -> None:
-        if task.counted_attempts >= self._spec.supervision.max_task_attempts or task.moved > MAX_TASK_MOVES:
-            self._reject(task, f"stage {self._spec.stage.name}: gave up after {task.counted_attempts} attempts"
-                               + (f" and {task.moved} moves" if task.moved else "") + f" ({why})")
-            return
-        ready = [r for r in self._replicas.values() if r.state in _ROUTABLE and r.replica not in task.exclude]
-        if not ready:
-            ready = [r for r in self._replicas.values() if r.state in _ROUTABLE]
-        chosen = self._policy([ReplicaLoad(r.replica, len(r.in_flight), r.dispatched) for r in ready])
-        if chosen is None:
-            if any(r.state in (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.DEAD,
-                               ReplicaState.ISOLATED)
-                   for r in self._replicas.values()) and self._spec.supervision.queue_timeout_s > 0:
-                self._pending.append((task, time.monotonic() + self._spec.supervision.queue_timeout_s))
-            else:
-                self._reject(task, f"no ready replica of stage {self._spec.stage.name} ({self._describe()})")
-            return
-        rep = self._replicas[chosen]
-        now = time.monotonic()
-        rep.health.on_dispatch(now, was_idle=not rep.in_flight)
-        rep.in_flight[(task.request_id, task.stage_id)] = (task, now)
-        rep.dispatched += 1
-        self.send(rep.address, task)
-
-    def _drain_pending(self) -> None:
-        """Route the tasks that waited for a ready replica. While other replicas of the
-        stage are starting, the ready ones take their share of the backlog and the rest
-        waits for the others, at most a heartbeat interval (then it goes to whoever is
-        ready): the first replica up would otherwise take all of it (after a pool was
-        recreated: every task its RequestActors re-sent)."""
-        pending, self._pending = self._pending, []
-        now = time.monotonic()
-        ready = sum(r.state in _ROUTABLE for r in self._replicas.values())
-        starting = sum(r.state == ReplicaState.STARTING for r in self._replicas.values())
-        take = len(pending)
-        if starting and ready and pending:
-            if not self._hold_until:
-                self._hold_until = now + self._spec.heartbeat_interval_s
-            if now < self._hold_until:
-                take = -(-len(pending) * ready // (ready + starting))
-        if take == len(pending):
-            self._hold_until = 0.0
-        for task, _ in pending[:take]:
-            self._route(task)
-        self._pending = pending[take:] + self._pending
-
-    def _reject(self, task: StageTask, message: str) -> None:
-        self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, "", ErrorKind.UNAVAILABLE, message,
-                                             task.attempt, task.crashed, task.moved))
-
-    def _describe(self) -> str:
-        return "; ".join(f"{r.replica} {r.state.value}" + (f": {r.reason}" if r.reason else "")
-                         for r in self._replicas.values()) or "no replicas"
-
-    def receiveMsg_TaskFinished(self, msg: TaskFinished, sender):
-        rep = self._replicas.get(msg.replica)
-        if rep is None:
-            return
-        entry = rep.in_flight.pop((msg.request_id, msg.stage_id), None)
-        if entry is None:
-            return
-        if msg.rejected:  # it did not run there (the replica drains or is not ready)
-            if msg.reason == "draining" and rep.state == ReplicaState.READY:
-                # It drains on its own (it missed our acks): no more work; when it
-                # exits it is restarted as any isolated replica is.
-                rep.state, rep.reason = ReplicaState.ISOLATED, "drained itself: it heard nothing from its pool"
-                self._publish()
-            self._elsewhere(entry[0], rep.replica, f"is {msg.reason}")
-            return
-        now = time.monotonic()
-        if not msg.cancelled:
-            rep.finished[(msg.request_id, msg.stage_id)] = (entry[0], now)
-            while rep.finished and next(iter(rep.finished.values()))[1] < now - self._finished_window_s:
-                del rep.finished[next(iter(rep.finished))]
-        if msg.ok:
-            rep.completed += 1
-            took = now - entry[1]
-            rep.latency[next(i for i, b in enumerate(LATENCY_BUCKETS_S) if took <= b)] += 1
-            rep.latency_sum += took
-        elif msg.cancelled:
-            pass  # the client went away: says nothing about the replica's health
-        elif not msg.client_error:
-            rep.failed += 1  # (a client's bad request, a 400, is no failure of the replica)
-        if rep.health is not None and not msg.cancelled and not msg.input_error:
-            rep.health.on_task_done(msg.ok, now, dispatched_at=entry[1])
-            if not msg.ok and rep.state == ReplicaState.READY:
-                # judge now: a success before the next tick would reset the breaker's count
-                why = self._health.verdict(rep.health, now, len(rep.in_flight))
-                if why:
-                    # It answers (it just reported a failure): ask it to exit rather than
-                    # SIGKILL it, so the messages it has sent (the failure itself) are not
-                    # lost in transit with its process.
-                    self._isolate(rep, why, hard=False)
-                    return
-        if rep.state == ReplicaState.DRAINING and not rep.in_flight:
-            self.send(rep.address, DrainReplica(rep.replica))
-
-    def _cancel_overdue(self, now: float) -> None:
-        """Cancel tasks in flight past their request's deadline plus :data:`TASK_OVERDUE_GRACE_S`."""
-        for rep in self._replicas.values():
-            overdue = [key for key, (task, at) in rep.in_flight.items()
-                       if task.timeout_s and now - at > task.timeout_s + TASK_OVERDUE_GRACE_S]
-            for key in overdue:
-                task, at = rep.in_flight.pop(key)
-                self._log.warning("task_outlived_request", replica=rep.replica, request_id=task.request_id,
-                                  in_flight_s=round(now - at, 1), request_timeout_s=task.timeout_s)
-                if rep.address is not None:
-                    self.send(rep.address, CancelStage(task.request_id, task.stage_id))
-
-    def receiveMsg_CancelStage(self, msg: CancelStage, sender):
-        key = (msg.request_id, msg.stage_id)
-        queued = [(t, d) for t, d in self._pending if (t.request_id, t.stage_id) == key]
-        if queued:
-            self._pending = [(t, d) for t, d in self._pending if (t.request_id, t.stage_id) != key]
-            for task, _ in queued:  # it never ran: confirm the cancel here (the engine does otherwise)
-                self.send(task.reply_to, StageCancelled(task.request_id, task.stage_id, task.attempt))
-        found = bool(queued)
-        for rep in self._replicas.values():
-            if key in rep.in_flight:
-                self.send(rep.address, msg)
-                found = True
-        if not found:  # (its task may still be on its way here)
-            self._cancelled_early.add(key)
 
     # -- status -----------------------------------------------------------
     def _prune_stopped(self) -> None:
