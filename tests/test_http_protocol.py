@@ -156,6 +156,12 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": []}]}, 400,
      "messages[0].content"),
     (CHAT, chat(seed="x"), 400, "seed"),
+    (CHAT, chat(stop=[1, {"a": 2}]), 400, "stop"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "tool", "content": "42"}]}, 400, "messages[0].tool_call_id"),
+    (CHAT, chat(stop=5), 400, "stop"),
+    (CHAT, chat(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    (CHAT, chat(stop=[]), 400, "stop"),
+    (CHAT, chat(stop=""), 400, "stop"),
     (CHAT, chat(stream="yes"), 400, "stream"),
     (CHAT, chat(n=2), 400, "n"),
     (CHAT, chat(stream=True, stream_options={"include_usage": "yes"}), 400, "stream_options.include_usage"),
@@ -247,7 +253,7 @@ def test_non_streaming_chat_with_audio_and_pipeline_request():
         resp = await client.post(CHAT, json={
             "model": MODEL, "messages": messages, "modalities": ["audio", "text"],
             "audio": {"voice": "Chelsie", "format": "wav"}, "max_tokens": 100,
-            "temperature": 0.5, "top_p": 0.9, "seed": 7, "unknown_field": {"ignored": True}})
+            "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": "\n\n", "unknown_field": {"ignored": True}})
         assert resp.status == 200, await resp.text()
         data = await resp.json()
         assert data["object"] == "chat.completion" and data["model"] == MODEL
@@ -263,7 +269,8 @@ def test_non_streaming_chat_with_audio_and_pipeline_request():
         req = bridge.submitted[0]
         assert req.request_id == data["id"]
         assert req.output_types == frozenset({"text", "audio"})
-        assert req.sampling_params == {"max_tokens": 100, "temperature": 0.5, "top_p": 0.9, "seed": 7}
+        assert req.sampling_params == {"max_tokens": 100, "temperature": 0.5, "top_p": 0.9, "seed": 7,
+                                       "stop": ["\n\n"]}
         assert req.params == {"voice": "Chelsie"}
         assert req.timeout_s == bridge.request_timeout_s
         assert req.prompt == "system: be brief\nuser: say\nhello"
@@ -615,6 +622,8 @@ def test_a_long_streamed_audio_part_goes_out_in_parts_of_at_most_a_second():
     (b'{"a": "x\\ud800"}', "an unpaired utf-16 surrogate"),  # (msgspec itself says "truncated")
     (b'{"a": "\\udc00x"}', "invalid utf-16 surrogate pair"),
     (b'{"a": "x', "truncated"),
+    (b"", "the body is empty"),  # (msgspec says "truncated" here too)
+    (b" \n", "the body is empty"),
 ])
 def test_a_body_that_is_not_json_says_why(body, why):
     from omni_actors.http.app import decode_json

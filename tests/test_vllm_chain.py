@@ -403,6 +403,21 @@ def test_thinker_greedy_output_equals_transformers_generate(client, reference, q
     assert text == want_text
 
 
+def test_stop_ends_the_text_where_the_stop_string_first_appears(client, reference):
+    """`stop` reaches the Thinker's vLLM engine: the text is the greedy text up to the
+    first occurrence of the stop string (not included), streamed or not."""
+    prompt_ids = reference.prompt_ids(_messages(SEA))
+    full = reference.text(prompt_ids, reference.generate(prompt_ids, 32))
+    stop = next(full[i:i + 3] for i in range(len(full) // 2, len(full) - 3) if full.index(full[i:i + 3]) > 0)
+    want = full[:full.index(stop)]
+    kwargs = dict(model=MODEL, messages=_messages(SEA), max_tokens=32, temperature=0.0, stop=[stop])
+    resp = client.chat.completions.create(**kwargs)
+    assert resp.choices[0].message.content == want and resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens < 32
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+
+
 def test_talker_received_exactly_the_thinker_tokens(client, reference, chain_config):
     """No max_tokens in the request: each stage runs its own default_sampling_params
     (Thinker greedy 32; Talker greedy 48 with ignore_eos). The audio is computed here

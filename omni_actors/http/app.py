@@ -109,7 +109,9 @@ def decode_json(body: bytes) -> Any:
         return msgspec.json.decode(body)
     except msgspec.MsgspecError as e:
         why = str(e)
-        if "truncated" in why and _whole_but_a_lone_surrogate(body):
+        if not body.strip():
+            why = "the body is empty (send a JSON object)"
+        elif "truncated" in why and _whole_but_a_lone_surrogate(body):
             # (msgspec's word for a \ud800-\udbff escape with no low surrogate after it)
             why = "JSON is malformed: a string has an unpaired utf-16 surrogate (\\ud800-\\udbff)"
         raise P.ApiError(400, f"We could not parse the JSON body of your request: {why}") from None

@@ -37,6 +37,8 @@ __all__ = [
 ]
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+#: Most stop sequences a request may give (OpenAI's limit).
+MAX_STOP = 4
 AUDIO_FORMATS = frozenset({"wav", "pcm16"})  #: pcm16: raw int16 little-endian samples, as streamed parts are
 DEFAULT_SIZE = "256x256"
 MIN_SIDE, MAX_SIDE, SIDE_MULTIPLE = 64, 1024, 8
@@ -159,11 +161,14 @@ class ChatRequest:
     include_usage: bool = False
     audio_format: str = "wav"  #: of a whole audio output: "wav" or "pcm16" (streamed parts are always pcm16)
     top_p: float | None = None  #: nucleus sampling, in (0, 1] (vLLM's range)
+    #: strings that end the text where they first appear (not included), at most
+    #: :data:`MAX_STOP` (OpenAI's limit)
+    stop: list[str] | None = None
 
     def sampling_params(self) -> dict[str, Any]:
-        """``max_tokens`` / ``temperature`` / ``top_p`` / ``seed``, only those given."""
+        """``max_tokens`` / ``temperature`` / ``top_p`` / ``seed`` / ``stop``, only those given."""
         sp = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-              "seed": self.seed}
+              "seed": self.seed, "stop": self.stop}
         return {k: v for k, v in sp.items() if v is not None}
 
     def params(self) -> dict[str, Any]:
@@ -214,6 +219,8 @@ def render_prompt(messages: Any) -> str:
         if role not in ROLES:
             raise _bad(f"Invalid value for 'messages[{i}].role': {role!r}. Supported values "
                        f"are: {', '.join(sorted(ROLES))}.", f"messages[{i}].role")
+        if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
+            raise _bad(f"Missing required parameter: 'messages[{i}].tool_call_id'.", f"messages[{i}].tool_call_id")
         lines.append(f"{role}: {_message_text(msg.get('content'), i, role)}")
     return "\n".join(lines)
 
@@ -277,7 +284,23 @@ def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
         raise _bad("Invalid type for 'stream_options': expected an object.", "stream_options")
     include_usage = bool(_opt_bool(opts or {}, "include_usage", "stream_options.include_usage"))
     return ChatRequest(model, prompt, output_types, max_tokens, temperature, seed, voice,
-                       stream, include_usage, audio_format, top_p)
+                       stream, include_usage, audio_format, top_p, _stop(body))
+
+
+def _stop(body: dict) -> list[str] | None:
+    """``stop``: null, a string, or an array of 1 to :data:`MAX_STOP` non-empty strings."""
+    stop = body.get("stop")
+    if stop is None:
+        return None
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+        raise _bad("Invalid type for 'stop': expected a string or an array of strings.", "stop")
+    if not 1 <= len(stop) <= MAX_STOP:
+        raise _bad(f"Invalid 'stop': {len(stop)} sequences. Expected 1 to {MAX_STOP}.", "stop")
+    if not all(stop):
+        raise _bad("Invalid 'stop': empty string. Each stop sequence needs at least one character.", "stop")
+    return stop
 
 
 def _opt_number(body: dict, key: str, lo: float, hi: float, shown: str, *,
