@@ -825,6 +825,47 @@ def test_a_cancel_for_a_stopped_request_actor_does_not_hold_up_the_next_request(
         assert api.stop() == 0, api.log.read_text()[-2000:]
 
 
+@pytest.mark.system
+def test_a_stopped_idle_request_actor_does_not_hold_up_the_requests_behind_it(leader, tmp_path):
+    """An idle RequestActor is stopped (SIGSTOP; a hung one is the same) and then given a
+    request. Handing it over blocks the sender thread (one here) as long as Thespian tries,
+    up to 60 s, and every request behind it waited as long. The sender is now replaced
+    after HAND_OVER_STUCK_S: that request gets a 500 that says why, the others are served,
+    and the API server keeps its two RequestActors (a new one for the lost one)."""
+    import concurrent.futures
+
+    from omni_actors.http.request_actors import HAND_OVER_STUCK_S
+
+    baseline = _settle(leader.pids)
+    api = ApiServer(leader, tmp_path, min_request_actors=2, queue_limit=8, senders=1)
+    stopped = None
+    try:
+        deadline = time.monotonic() + 30  # (made in the background: slow on a busy machine)
+        while len(ras := _request_actors(set(leader.pids()) - baseline)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(ras) == 2, ras
+        stopped = sorted(ras)[0]
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:  # both RequestActors get one
+            results = list(ex.map(lambda _: _chat(api.url, 4), range(4)))
+        took = time.monotonic() - t0
+        statuses = sorted(status for status, _ in results)
+        failed = [body for status, body in results if status != 200]
+        assert statuses in ([200] * 4, [200] * 3 + [500]), results
+        assert all("did not take the request within" in body for body in failed), failed
+        assert took < HAND_OVER_STUCK_S + 10, f"4 requests took {took:.1f} s"
+        for _ in range(4):
+            status, body = _chat(api.url, 4)
+            assert status == 200, body
+        assert len(_request_actors(set(leader.pids()) - baseline) - {stopped}) >= 2
+        print(f"\nstopped idle RequestActor: 4 requests in {took:.1f} s, {statuses}")
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        assert api.stop() == 0, api.log.read_text()[-2000:]
+
+
 def _get(url: str) -> str:
     import urllib.request
 

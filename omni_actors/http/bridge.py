@@ -158,6 +158,14 @@ class ActorBridge(RequestActorKeeping):
         self._outboxes: list[queue.SimpleQueue] = [queue.SimpleQueue()
                                                    for _ in range(max(1, min(senders, request_actors)))]
         self._senders: list[threading.Thread] = []
+        n = len(self._outboxes)
+        #: per outbox: the generation of its current sender thread (a stuck one is replaced)
+        self._sender_gen = [0] * n
+        #: per outbox: (since, request id) while its sender hands a request to a RequestActor
+        self._handing: list[tuple[float, str] | None] = [None] * n
+        #: per outbox: request -> its RequestActor, and -> (pool, stage id) of its stages
+        self._running: list[dict[str, Any]] = [{} for _ in range(n)]
+        self._stages: list[dict[str, tuple]] = [{} for _ in range(n)]
         self._streams: dict[str, asyncio.Queue] = {}
         #: request -> what came early, and the requests that ended lately (receiver thread only)
         self._inbox: dict[str, _Inbox] = {}
@@ -184,10 +192,8 @@ class ActorBridge(RequestActorKeeping):
         if not ready.wait(self._connect_timeout_s + 1) or errors:
             self._stop.set()
             raise BridgeError(errors[0] if errors else "coordinator did not answer")
-        for i, outbox in enumerate(self._outboxes):
-            t = threading.Thread(target=self._send_loop, args=(outbox,), name=f"bridge-send-{i}", daemon=True)
-            t.start()
-            self._senders.append(t)
+        for i in range(len(self._outboxes)):
+            self._start_sender(i)
         # No request can come before start() returns, so the pool is not in use yet.
         self._pool.reserve(self._pool.minimum)
         for i in range(self._pool.minimum):
@@ -336,11 +342,19 @@ class ActorBridge(RequestActorKeeping):
             self._queries.pop(query_id, None)
 
     # -- threads ----------------------------------------------------------
-    def _send_loop(self, outbox: queue.SimpleQueue) -> None:
+    def _start_sender(self, i: int) -> None:
+        """A sender thread for outbox ``i``; one that was there before is retired (it
+        exits when its stuck ``tell`` returns, taking nothing more from the outbox)."""
+        self._sender_gen[i] += 1
+        t = threading.Thread(target=self._send_loop, args=(i, self._sender_gen[i]),
+                             name=f"bridge-send-{i}.{self._sender_gen[i]}", daemon=True)
+        t.start()
+        self._senders.append(t)
+
+    def _send_loop(self, i: int, gen: int) -> None:
+        outbox, running, stages = self._outboxes[i], self._running[i], self._stages[i]
         with self._asys.private() as ctx:
-            running: dict[str, Any] = {}
-            stages: dict[str, tuple] = {}  # request -> (pool, stage id) of each of its stages
-            while True:
+            while self._sender_gen[i] == gen:
                 item = outbox.get()
                 if item is None:
                     return
@@ -355,8 +369,18 @@ class ActorBridge(RequestActorKeeping):
                                 self._loop.call_soon_threadsafe(self._bind, run.request_id, actor)
                             running[run.request_id] = actor
                             stages[run.request_id] = tuple((s.pool, s.stage_id) for s in run.plan.stages)
-                            ctx.tell(actor, run)
+                            # Straight to it (through the supervisor would add a hop to every request);
+                            # a RequestActor that is stopped or hung holds this thread, so the event
+                            # loop replaces a sender stuck here (see _unstick_senders).
+                            self._handing[i] = (time.monotonic(), run.request_id)
+                            try:
+                                ctx.tell(actor, run)
+                            finally:
+                                if self._sender_gen[i] == gen:
+                                    self._handing[i] = None
                         except Exception as exc:  # noqa: BLE001 - fail this request, not the bridge
+                            if self._sender_gen[i] != gen:
+                                return  # (retired: the request was written off)
                             running.pop(run.request_id, None)
                             self._loop.call_soon_threadsafe(self._not_started, run.request_id, str(exc))
                             raise
@@ -370,7 +394,7 @@ class ActorBridge(RequestActorKeeping):
                     elif kind == "cancel":
                         actor = running.get(item[1])
                         if actor is not None:
-                            self._tell_busy(ctx, actor, CancelRequest(item[1], *item[2:]))
+                            self._tell_request_actor(ctx, actor, CancelRequest(item[1], *item[2:]))
                     elif kind == "finished":
                         running.pop(item[1], None)  # (the event loop takes its RequestActor back)
                         stages.pop(item[1], None)
@@ -379,20 +403,20 @@ class ActorBridge(RequestActorKeeping):
                             ctx.tell(pool, CancelStage(item[1], stage_id))
                         actor = running.pop(item[1], None)
                         if actor is not None and item[2]:
-                            ctx.tell(actor, ActorExitRequest())
+                            self._tell_request_actor(ctx, actor, ActorExitRequest())
                     elif kind == "supervise":  # the last one was lost; end its idle RequestActors
                         self._make_supervisor(ctx)
                         for actor in item[1]:
                             if self._supervisor is not None:
                                 ctx.tell(self._supervisor, Relay(actor, ActorExitRequest()))
-                    elif kind == "exit":  # idle too long
-                        ctx.tell(item[1], ActorExitRequest())
+                    elif kind == "exit":  # idle too long, or our supervisor when we close
+                        self._tell_request_actor(ctx, item[1], ActorExitRequest())
                     elif kind == "tell":
-                        ctx.tell(item[1], item[2])
+                        self._tell_request_actor(ctx, item[1], item[2])
                     elif kind == "routes":
                         # a pool was replaced: requests in flight re-send what waited on it
                         for actor in running.values():
-                            self._tell_busy(ctx, actor, RoutesChanged(item[1]))
+                            self._tell_request_actor(ctx, actor, RoutesChanged(item[1]))
                 except Exception as exc:  # noqa: BLE001 - keep the bridge alive
                     self._log.error("bridge_send_failed", kind=kind, error=str(exc))
 

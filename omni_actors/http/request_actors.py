@@ -8,9 +8,11 @@ bridge's :class:`~omni_actors.http.admission.RequestActorPool`):
   (:class:`~omni_actors.messages.MakeRequestActor`), which hears Thespian's
   ``ChildActorExited`` for each at once: a busy one's request fails with a 500 and its
   stages are cancelled; an idle one leaves the pool and is replaced up to the minimum;
-- messages to busy ones (cancels, route changes) go through that supervisor
-  (:class:`~omni_actors.messages.Relay`): an API server's ``tell`` to a stopped one
-  held a sender thread for up to 60 s;
+- messages to them (cancels, route changes, BridgeAlive, exit requests) go through that
+  supervisor (:class:`~omni_actors.messages.Relay`): an API server's ``tell`` to a
+  stopped one held a sender thread for up to 60 s; only a request's start goes
+  straight to its RequestActor, and a sender stuck there for :data:`HAND_OVER_STUCK_S`
+  is replaced (the request is written off);
 - the supervisor says it is alive every :data:`~omni_actors.messages.SUPERVISOR_ALIVE_EVERY_S`;
   one not heard from for :data:`~omni_actors.messages.SUPERVISOR_MISSED` of those is
   replaced, and its RequestActors with it;
@@ -48,6 +50,9 @@ REQUEST_ACTOR_ALIVE_EVERY_S = 5.0
 REQUEST_ACTOR_SILENT_S = 60.0
 #: Seconds to wait for the RequestActorSupervisor to make a RequestActor.
 MAKE_TIMEOUT_S = 10.0
+#: A sender thread still handing a request to its (idle) RequestActor after this long
+#: is stuck: that RequestActor is stopped or hangs (a hand-over takes milliseconds).
+HAND_OVER_STUCK_S = 3.0
 
 #: Environment variable: seconds after which an idle RequestActor that hears nothing from
 #: this API server exits (default :data:`~omni_actors.messages.BRIDGE_LOST_AFTER_S`).
@@ -65,8 +70,8 @@ class _Held:
 
 class RequestActorKeeping:
     """The bridge's RequestActor keeping (a mixin of :class:`~omni_actors.http.bridge.ActorBridge`,
-    which provides ``_pool``, ``_outbox``, ``_put``, ``_loop``, ``_stop``, ``_log`` and
-    ``_address``)."""
+    which provides ``_pool``, ``_outbox``, ``_put``, ``_loop``, ``_stop``, ``_log``,
+    ``_address``, ``_handing`` and ``_start_sender``)."""
 
     def _init_request_actors(self, silent_s: float, idle_exit_s: float) -> None:
         #: the requests on a RequestActor (event loop only)
@@ -89,11 +94,13 @@ class RequestActorKeeping:
         self._alive_due = 0.0
         self._tick_handle: asyncio.TimerHandle | None = None
 
-    def _tell_busy(self, ctx, actor: Any, message: Any) -> None:
-        """Sender thread: ``message`` to a busy RequestActor, through our supervisor (see
-        :class:`~omni_actors.messages.Relay`: a blocked one must not hold this thread)."""
+    def _tell_request_actor(self, ctx, actor: Any, message: Any) -> None:
+        """Sender thread: ``message`` to a RequestActor, busy or idle, through our
+        supervisor (see :class:`~omni_actors.messages.Relay`: a stopped or hung one must
+        not hold this thread; a busy one's cancel, an idle one's BridgeAlive held it up to
+        60 s). Only a request's start goes straight to its RequestActor (see _send_loop)."""
         supervisor = self._supervisor
-        if supervisor is not None:
+        if supervisor is not None and actor != supervisor:
             ctx.tell(supervisor, Relay(actor, message))
         else:
             ctx.tell(actor, message)
@@ -137,6 +144,7 @@ class RequestActorKeeping:
                 # a hung one exits by itself once idle, hearing no BridgeAlive)
                 self._write_off(rid, f"its RequestActor was not heard from for {self._silent_s:g} s "
                                      "(its process is gone?)", tell_exit=False)
+            self._unstick_senders(now)
             idle = self._pool.reap()
             for actor in idle:
                 self._outbox().put(("exit", actor))
@@ -151,6 +159,18 @@ class RequestActorKeeping:
                     self._outbox().put(("tell", actor, BridgeAlive(self._lost_after_s)))
         finally:
             self._tick_handle = self._loop.call_later(self._tick_s, self._tick)
+
+    def _unstick_senders(self, now: float) -> None:
+        """A sender thread that has been handing a request to its RequestActor for
+        :data:`HAND_OVER_STUCK_S` is stuck (the RequestActor is stopped or hangs): the
+        request is written off and the outbox gets a new sender, so the requests behind
+        it in that outbox are not held up as long as Thespian tries (up to 60 s)."""
+        for i, handing in enumerate(self._handing):
+            if handing is not None and now - handing[0] > HAND_OVER_STUCK_S:
+                self._handing[i] = None
+                self._start_sender(i)
+                self._write_off(handing[1], f"its RequestActor did not take the request within "
+                                            f"{HAND_OVER_STUCK_S:g} s (stopped or hung?)", tell_exit=False)
 
     def _supervisor_lost(self, now: float) -> None:
         """Our RequestActorSupervisor went silent (its process was killed): a new one is
