@@ -48,6 +48,32 @@ def test_progress_and_dispatch_to_an_idle_replica_reset_the_stall_clock():
     assert policy.verdict(health, now=9.0, in_flight=1) is not None
 
 
+def test_a_stalled_replica_whose_tasks_were_cancelled_keeps_its_stall_clock():
+    """Stalled with tasks in flight for 9.9 s of a 10 s stall timeout, its tasks cancelled
+    (a downstream stage timed out on them first), then a new task: it is stalled at once,
+    not given another 10 s (a trial saw a stalled Talker isolated only after 30 s). A
+    healthy replica idle between tasks starts each with a clean clock."""
+    policy = HealthPolicy(heartbeat_interval_s=1.0, stall_timeout_s=10.0)
+    health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
+    health.on_dispatch(now=0.0, was_idle=True)
+    for t in range(1, 10):
+        health.on_heartbeat(float(t), progress=5, idle_s=float(t))  # it makes no progress
+    health.went_idle(9.9)  # its task was cancelled
+    health.on_heartbeat(10.0, progress=5, idle_s=10.0)
+    health.on_dispatch(now=10.0, was_idle=True)
+    assert policy.verdict(health, now=10.05, in_flight=1) is None
+    assert policy.verdict(health, now=10.3, in_flight=1).startswith("stalled: 1 task(s)")
+
+    health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
+    health.on_dispatch(now=0.0, was_idle=True)
+    health.on_task_done(True, now=4.0)
+    health.went_idle(4.0)
+    health.on_heartbeat(60.0, progress=9, idle_s=56.0)
+    health.on_dispatch(now=60.0, was_idle=True)  # idle for 56 s, then a task: not a stall
+    health.on_heartbeat(61.5, progress=9, idle_s=57.5)  # (its first token not out yet)
+    assert policy.verdict(health, now=62.0, in_flight=1) is None
+
+
 def test_circuit_breaker_opens_after_consecutive_failures_only():
     policy = HealthPolicy(breaker_failures=3)
     health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)

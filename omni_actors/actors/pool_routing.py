@@ -184,6 +184,8 @@ class PoolRoutingMixin:
             pass  # the client went away: says nothing about the replica's health
         elif not msg.client_error:
             rep.failed += 1  # (a client's bad request, a 400, is no failure of the replica)
+        if rep.health is not None and not rep.in_flight:
+            rep.health.went_idle(now)
         if rep.health is not None and not msg.cancelled and not msg.input_error:
             rep.health.on_task_done(msg.ok, now, dispatched_at=entry[1])
             if not msg.ok and rep.state == ReplicaState.READY:
@@ -205,6 +207,8 @@ class PoolRoutingMixin:
                        if task.timeout_s and now - at > task.timeout_s + TASK_OVERDUE_GRACE_S]
             for key in overdue:
                 task, at = rep.in_flight.pop(key)
+                if rep.health is not None and not rep.in_flight:
+                    rep.health.went_idle(now)
                 self._log.warning("task_outlived_request", replica=rep.replica, request_id=task.request_id,
                                   in_flight_s=round(now - at, 1), request_timeout_s=task.timeout_s)
                 if rep.address is not None:

@@ -156,6 +156,8 @@ class ReplicaHealth:
     consecutive_failures: int = 0
     last_failure_at: float = float("-inf")
     history: list[tuple[float, int]] = field(default_factory=list)  # (time, progress) for rates
+    #: when its last task left it (None: it has tasks, or never had): see on_dispatch
+    idle_since: float | None = None
 
     def on_heartbeat(self, now: float, progress: int, idle_s: float | None = None) -> None:
         """``idle_s``: the engine's own count of seconds since its last progress,
@@ -172,9 +174,21 @@ class ReplicaHealth:
         del self.history[:-6]
 
     def on_dispatch(self, now: float, was_idle: bool) -> None:
-        """A task was sent; an idle replica's stall clock starts now."""
+        """A task was sent. An idle replica's stall clock starts again, from the time it
+        had already gone without progress while it last had tasks: only time with work
+        counts. (Restarted from zero, a stalled replica whose tasks were all cancelled
+        before the stall timeout, as a downstream stage's chunk timeout of the same 10 s
+        does, was given a fresh 10 s with every new task: a trial saw it isolated after
+        30 s, its requests failing meanwhile.)"""
         if was_idle:
-            self.progress_at = now
+            carried = max(0.0, self.idle_since - self.progress_at) if self.idle_since is not None else 0.0
+            self.progress_at = now - carried
+            self.idle_since = None
+
+    def went_idle(self, now: float) -> None:
+        """Its last task left it (finished, failed, cancelled): no progress is due until
+        the next one."""
+        self.idle_since = now
 
     def on_task_done(self, ok: bool, now: float, dispatched_at: float | None = None) -> None:
         """A task ended. Failures count in a row; a success resets the count only
