@@ -853,3 +853,26 @@ def test_the_coordinator_restarts_its_node_checks_when_their_wakeup_is_lost():
     assert wakeups[-1] == ("node_check", 2) and len(wakeups) == 2
     co.receiveMsg_WakeupMessage(WakeupMessage(1.0, ("node_check", 2)), None)
     assert wakeups[-1] == ("node_check", 2) and len(wakeups) == 3
+
+
+def test_a_replica_starting_again_says_why_it_was_down():
+    """A restart can take a minute (vLLM loads its model): `status` said nothing while it
+    was STARTING (a trial); it now says why the replica was down, as READY does after."""
+    from types import SimpleNamespace
+
+    from omni_actors.config import Supervision
+    from omni_actors.messages import Placement, ReplicaState
+
+    pool = _pool_routing({"talker/0": "m1"})
+    pool.createActor = lambda cls, targetActorRequirements=None: "new-address"
+    pool.wakeupAfter = lambda delay, payload=None: None
+    pool._coordinator = "coordinator"
+    pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=1, name="talker"), deployment=None,
+                                 heartbeat_interval_s=1.0, inline_threshold_bytes=65536, connector_mode="auto",
+                                 supervision=Supervision(), ready_timeout_s=60.0)
+    pool._gone(pool._replicas["talker/0"], "process exited")
+    pool._on_timer(("restart", "talker/0"))  # (its back-off over)
+    rep = pool._replicas["talker/0"]
+    assert rep.state == ReplicaState.PENDING
+    pool.receiveMsg_Placement(Placement("talker/0", "m1", ()), "coordinator")
+    assert rep.state == ReplicaState.STARTING and rep.reason == "starting again; it was down: process exited"

@@ -49,7 +49,9 @@ class PoolPlacementMixin:
             self._publish()
             return
         rep.address, rep.node, rep.devices = address, msg.node, ",".join(msg.devices)
-        rep.state, rep.reason = ReplicaState.STARTING, ""
+        # (a restart says why it was down while it starts, which can take a minute with vLLM)
+        rep.state, rep.reason = ReplicaState.STARTING, (
+            f"starting again; it was down: {rep.down_cause}" if rep.down_cause else "")
         self.send(address, StartEngine(rep.replica, spec.stage, spec.deployment, spec.heartbeat_interval_s,
                                        spec.inline_threshold_bytes, msg.node, msg.devices or None,
                                        connector_mode=spec.connector_mode,
