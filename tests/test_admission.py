@@ -759,6 +759,14 @@ def test_a_killed_request_actor_supervisor_is_replaced_and_watches_the_new_reque
         assert supervisors(mine) and _request_actors(mine) and not _request_actors(mine) & old, (
             f"no new supervisor with a new RequestActor {took:.1f} s after the kill", mine)
         assert '"request_supervisor_lost"' in api.log.read_text()
+        # (its process exists before the API server has it back idle; a request before that
+        # finds none idle and has another one made, and two are left: wait for it)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            text = _get(api.url.removesuffix("/v1") + "/metrics")
+            if _gauge(text, "omni_request_actors") == 1 and _gauge(text, "omni_request_actors_busy") == 0:
+                break
+            time.sleep(0.1)
         assert _chat(api.url, 4)[0] == 200
         # the new supervisor watches its RequestActors: an idle one killed is replaced at once
         idle = _settle(lambda: _request_actors(set(leader.pids()) - baseline))
