@@ -58,11 +58,15 @@ def test_a_stalled_replica_whose_tasks_were_cancelled_keeps_its_stall_clock():
     health.on_dispatch(now=0.0, was_idle=True)
     for t in range(1, 10):
         health.on_heartbeat(float(t), progress=5, idle_s=float(t))  # it makes no progress
+    health.on_heartbeat(9.5, progress=5, idle_s=9.5)
     health.went_idle(9.9)  # its task was cancelled
-    health.on_heartbeat(10.0, progress=5, idle_s=10.0)
+    health.on_heartbeat(10.0, progress=5, idle_s=0.0)  # (an engine with no task reports 0)
     health.on_dispatch(now=10.0, was_idle=True)
+    health.on_heartbeat(10.2, progress=5, idle_s=0.0)  # (its new task waits for its input first)
     assert policy.verdict(health, now=10.05, in_flight=1) is None
     assert policy.verdict(health, now=10.3, in_flight=1).startswith("stalled: 1 task(s)")
+    health.on_heartbeat(10.4, progress=6, idle_s=0.0)  # progress at last: a stall starts over
+    assert policy.verdict(health, now=12.0, in_flight=1) is None
 
     health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
     health.on_dispatch(now=0.0, was_idle=True)

@@ -156,13 +156,16 @@ class ReplicaHealth:
     consecutive_failures: int = 0
     last_failure_at: float = float("-inf")
     history: list[tuple[float, int]] = field(default_factory=list)  # (time, progress) for rates
-    #: when its last task left it (None: it has tasks, or never had): see on_dispatch
-    idle_since: float | None = None
+    #: seconds without progress, with work, of its earlier stretches of work since its last
+    #: progress (its tasks all left it, then new ones came): they count towards a stall
+    stalled_before_s: float = 0.0
 
     def on_heartbeat(self, now: float, progress: int, idle_s: float | None = None) -> None:
         """``idle_s``: the engine's own count of seconds since its last progress,
         so the stall clock starts when progress stopped, not when we heard of it."""
         self.last_heartbeat = now
+        if progress != self.progress:
+            self.stalled_before_s = 0.0  # it made progress: a stall starts over
         if idle_s is not None:
             # The engine's own measure wins: it reports 0 while its tasks only wait on
             # neighbour stages (streaming input, credits), which is no stall of its own.
@@ -174,21 +177,23 @@ class ReplicaHealth:
         del self.history[:-6]
 
     def on_dispatch(self, now: float, was_idle: bool) -> None:
-        """A task was sent. An idle replica's stall clock starts again, from the time it
-        had already gone without progress while it last had tasks: only time with work
-        counts. (Restarted from zero, a stalled replica whose tasks were all cancelled
-        before the stall timeout, as a downstream stage's chunk timeout of the same 10 s
-        does, was given a fresh 10 s with every new task: a trial saw it isolated after
-        30 s, its requests failing meanwhile.)"""
+        """A task was sent; an idle replica's stall clock starts now (time without work
+        is no stall), on top of :attr:`stalled_before_s`."""
         if was_idle:
-            carried = max(0.0, self.idle_since - self.progress_at) if self.idle_since is not None else 0.0
-            self.progress_at = now - carried
-            self.idle_since = None
+            self.progress_at = now
 
     def went_idle(self, now: float) -> None:
-        """Its last task left it (finished, failed, cancelled): no progress is due until
-        the next one."""
-        self.idle_since = now
+        """Its last task left it (finished, failed, cancelled). The time it had gone
+        without progress with work is kept until it makes progress again: a stalled
+        replica whose tasks were all cancelled before the stall timeout (a downstream
+        stage's chunk timeout of the same 10 s) was otherwise given a fresh 10 s with
+        every new task (a trial saw one isolated after 30 s, its requests failing
+        meanwhile)."""
+        self.stalled_before_s += max(0.0, now - self.progress_at)
+
+    def stalled_s(self, now: float) -> float:
+        """Seconds without progress while it had work (this stretch and the earlier ones)."""
+        return now - self.progress_at + self.stalled_before_s
 
     def on_task_done(self, ok: bool, now: float, dispatched_at: float | None = None) -> None:
         """A task ended. Failures count in a row; a success resets the count only
@@ -198,7 +203,7 @@ class ReplicaHealth:
         if ok:
             if dispatched_at is None or dispatched_at > self.last_failure_at:
                 self.consecutive_failures = 0
-            self.progress_at = now  # finishing a task is progress
+            self.progress_at, self.stalled_before_s = now, 0.0  # finishing a task is progress
         else:
             self.consecutive_failures += 1
             self.last_failure_at = now
@@ -228,9 +233,9 @@ class HealthPolicy:
         silent = now - health.last_heartbeat
         if self.silent(health, now):
             return f"missed {self.missed_heartbeats} heartbeats (silent {silent:.1f} s)"
-        if in_flight and now - health.progress_at > self.stall_timeout_s:
+        if in_flight and health.stalled_s(now) > self.stall_timeout_s:
             return (f"stalled: {in_flight} task(s) in flight and no progress for "
-                    f"{now - health.progress_at:.1f} s")
+                    f"{health.stalled_s(now):.1f} s")
         if health.consecutive_failures >= self.breaker_failures:
             return f"circuit breaker: {health.consecutive_failures} task failures in a row"
         return None
