@@ -828,7 +828,7 @@ def test_the_coordinator_restarts_its_node_checks_when_their_wakeup_is_lost():
     from thespian.actors import WakeupMessage
 
     from omni_actors.actors.coordinator import CoordinatorActor
-    from omni_actors.actors.stage_pool import TICK_LOST_AFTER_INTERVALS
+    from omni_actors.actors.supervision import TICK_LOST_AFTER_INTERVALS
     from omni_actors.messages import NodeInfo, PoolState
 
     co = CoordinatorActor()

@@ -25,8 +25,8 @@ from thespian.actors import (ActorExitRequest, ActorSystemConventionUpdate, Acto
                              WakeupMessage)
 
 from omni_actors.actors.node_agent import NODE_CAPABILITY, NodeAgentActor
-from omni_actors.actors.stage_pool import TICK_LOST_AFTER_INTERVALS, StagePoolActor
-from omni_actors.actors.supervision import RestartPolicy, WakeupChain
+from omni_actors.actors.stage_pool import StagePoolActor
+from omni_actors.actors.supervision import TICK_LOST_AFTER_INTERVALS, RestartPolicy, WakeupChain
 from omni_actors.connectors import data_service, default_prefix, free_usage, list_segments
 from omni_actors.logs import get_logger
 from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainReplica, GetRoutes, GetStatus, InjectFault,

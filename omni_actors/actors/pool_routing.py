@@ -62,7 +62,7 @@ class PoolRoutingMixin:
         counted as an attempt (``StageTask.moved``)."""
         if not crashed:
             task = dataclasses.replace(task, moved=task.moved + 1)
-        if crashed:
+        else:
             task = dataclasses.replace(task, crashed=task.crashed + (replica,))
             limit = self._spec.supervision.max_task_crashes
             if len(task.crashed) >= limit:

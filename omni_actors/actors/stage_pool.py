@@ -38,8 +38,9 @@ from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.pool_admin import PoolAdminMixin
 from omni_actors.actors.pool_placement import PoolPlacementMixin
 from omni_actors.actors.pool_routing import TASK_OVERDUE_GRACE_S, PoolRoutingMixin  # noqa: F401 (re-exported)
-from omni_actors.actors.supervision import (WAKEUP_LOST_AFTER_S, HealthPolicy, ParentWatch, ReplicaHealth,
-                                            RestartPolicy, WakeupChain, exit_if_orphaned_before_start)
+from omni_actors.actors.supervision import (TICK_LOST_AFTER_INTERVALS, WAKEUP_LOST_AFTER_S, HealthPolicy,
+                                            ParentWatch, ReplicaHealth, RestartPolicy, WakeupChain,
+                                            exit_if_orphaned_before_start)
 from omni_actors.balancing import POLICIES
 from omni_actors.logs import get_logger
 from omni_actors.placement import LEFT_REASON
@@ -58,8 +59,6 @@ _NO_PROCESS = (ReplicaState.FAILED, ReplicaState.STOPPED, ReplicaState.DEAD)
 _ALIVE = LIVE_STATES
 #: Ticks between placement retries for replicas still waiting for a node.
 PLACEMENT_RETRY_TICKS = 8
-#: Health ticks missed, in heartbeat intervals, before a heartbeat restarts them (see _after).
-TICK_LOST_AFTER_INTERVALS = 3
 #: Stopped replicas (drained, scaled away) a pool keeps showing, the latest; older ones
 #: leave its table, `status` and /metrics (every scale or drain made one more for good).
 MAX_STOPPED_SHOWN = 8

@@ -55,6 +55,10 @@ def exit_if_orphaned_before_start(started: threading.Event, poll_s: float = 1.0)
 #: (a pool's tick, a RequestActor's alive beat) runs its work instead. Our own figure:
 #: wake-ups here come within milliseconds of their time unless dropped.
 WAKEUP_LOST_AFTER_S = 2.0
+#: A repeating check (a pool's health tick, the coordinator's node check) missed for this
+#: many heartbeat intervals lost its wake-up: the next message that comes regularly (a
+#: heartbeat, a pool's report) restarts it.
+TICK_LOST_AFTER_INTERVALS = 3
 
 
 class WakeupChain:

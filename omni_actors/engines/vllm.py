@@ -214,13 +214,9 @@ class VllmEngine:
         passed, unknown = split_engine_args(args, accepted)
         if unknown:
             raise ValueError(f"engine_args keys unknown to vLLM: {', '.join(unknown)}")
-        self._sampling_fields = frozenset(
-            f for f in v["SamplingParams"].__struct_fields__ if not f.startswith("_"))
-        self._check_sampling_keys(self.stage.default_sampling_params, "default_sampling_params")
-        try:  # their values too (a top_p of 0, a negative temperature), before the engine loads
-            self._sampling_params(self.stage.default_sampling_params)
-        except ValueError as exc:
-            raise ValueError(f"default_sampling_params: {exc}") from None
+        self._sampling_fields = _sampling_fields(v["SamplingParams"])
+        # names and values (a top_p of 0, a negative temperature), before the engine loads
+        check_default_sampling_params(self.stage.default_sampling_params)
         passed.setdefault("disable_log_stats", True)
         if cpu:
             passed.setdefault("enforce_eager", True)
@@ -412,9 +408,16 @@ def check_default_sampling_params(params: dict[str, Any]) -> None:
     """
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-    fields = frozenset(f for f in SamplingParams.__struct_fields__ if not f.startswith("_"))
-    _check_sampling_keys(params, fields, "default_sampling_params")
-    _make_sampling_params(SamplingParams, RequestOutputKind, params)
+    _check_sampling_keys(params, _sampling_fields(SamplingParams), "default_sampling_params")
+    try:
+        _make_sampling_params(SamplingParams, RequestOutputKind, params)
+    except ValueError as exc:
+        raise ValueError(f"default_sampling_params: {exc}") from None
+
+
+def _sampling_fields(sampling_params_cls) -> frozenset[str]:
+    """The names vLLM's ``SamplingParams`` takes (its public struct fields)."""
+    return frozenset(f for f in sampling_params_cls.__struct_fields__ if not f.startswith("_"))
 
 
 def _chunk(texts: list[str], token_ids: list[int], sent: list[int]) -> OutputChunk:
