@@ -876,3 +876,77 @@ def test_a_replica_starting_again_says_why_it_was_down():
     assert rep.state == ReplicaState.PENDING
     pool.receiveMsg_Placement(Placement("talker/0", "m1", ()), "coordinator")
     assert rep.state == ReplicaState.STARTING and rep.reason == "starting again; it was down: process exited"
+
+
+def test_a_stalled_replica_taking_a_new_tasks_input_shows_no_progress():
+    """A stalled replica (here: `inject stall`) still takes a new streaming task's input
+    chunk before it stalls on it. That must neither count as progress in its heartbeats
+    nor start its idle clock afresh while an earlier task is stuck, or the pool's stall
+    clock starts over with every new task (trial L: a stalled Talker isolated after
+    20-30 s instead of its 10 s stall timeout). Time waiting for input is no stall; a
+    healthy replica counts the events its backend makes."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from omni_actors.actors.engine import EngineActor
+    from omni_actors.engines.base import OutputChunk
+    from omni_actors.messages import InputChunk, StageTask
+
+    actor = consumed = None
+
+    def replica() -> None:
+        nonlocal actor, consumed
+        actor, consumed = EngineActor(), []
+        actor._started.set()  # (ends its orphan watchdog thread)
+        actor._spec = SimpleNamespace(replica="talker/0", stage=SimpleNamespace(name="talker",
+                                                                                default_sampling_params={}))
+        actor._connector = SimpleNamespace(get=lambda ref: {"codes": ref.payload})
+        actor._processor = lambda upstream, prompt, params: {"codes": upstream[0]["codes"]}
+        actor._rt = SimpleNamespace(emit=lambda address, message, **kw: None)
+
+        async def generate(task):  # one output per input chunk
+            async for engine_input in task.input_stream:
+                consumed.append(engine_input["codes"])
+                yield OutputChunk({"codes": engine_input["codes"]})
+
+        actor._backend = SimpleNamespace(generate=generate)
+
+    def start(request_id: str) -> None:
+        task = StageTask(request_id, 1, "", (), {}, {}, None, False, "ra", stream_source=0)
+        actor._tasks[(request_id, 1)] = asyncio.ensure_future(actor._execute(task))
+
+    def chunk(request_id: str, codes: list) -> None:
+        actor._on_input_chunk(InputChunk(request_id, 1, 0, 0, SimpleNamespace(size=3, payload=codes), 0))
+
+    async def stop() -> None:
+        for running in actor._tasks.values():
+            running.cancel()
+        await asyncio.gather(*actor._tasks.values(), return_exceptions=True)
+
+    async def stalled() -> None:
+        replica()
+        actor._stalled = asyncio.Event()
+        start("r1")
+        await asyncio.sleep(0.2)
+        assert actor._idle_s() == 0.0  # waiting for input: no stall of its own
+        chunk("r1", [1])
+        await asyncio.sleep(0.3)  # took it, and stalled on it
+        start("r2")
+        await asyncio.sleep(0.05)
+        chunk("r2", [2])
+        await asyncio.sleep(0.05)
+        assert consumed == [[1], [2]] and actor._progress == 0  # took input, made nothing: no progress
+        assert actor._idle_s() >= 0.35  # since r1's input came, not r2's
+        await stop()
+
+    async def healthy() -> None:
+        replica()
+        start("r1")
+        await asyncio.sleep(0.05)
+        chunk("r1", [1])
+        await asyncio.sleep(0.05)
+        assert consumed == [[1]] and actor._progress == 1
+        await stop()
+
+    asyncio.run(stalled())
+    asyncio.run(healthy())

@@ -149,8 +149,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._credits: dict[tuple[str, int], list] = {}  # [attempt, chunks acknowledged, wake-up event]
         self._completed = 0
         self._failed = 0
-        self._progress = 0  # backend events produced, input chunks consumed: the stall watchdog reads it
-        self._progress_at = time.monotonic()
+        self._progress = 0  # backend events produced: the pool's stall watchdog reads it
+        self._progress_at = time.monotonic()  # start of the idle clock: last event or end of a wait
         self._parked = 0  # tasks waiting on a neighbour stage (input chunks, credits)
         self._last_ack = time.monotonic()
         self._last_hb = time.monotonic()  # when the heartbeat wake-up last ran
@@ -274,10 +274,13 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         with no task here (the pool may still count tasks whose end is in
         transit: messages can overtake each other) or while every task waits
         on a neighbour stage (see StreamingMixin). The backend's own activity
-        (``active_at``: a prefill step) counts as progress."""
+        (``active_at``: a prefill step) counts as progress, except under an
+        injected stall, which holds the backend's events while it works on."""
         if self._parked >= len(self._tasks):
             return 0.0
-        last = max(self._progress_at, getattr(self._backend, "active_at", 0.0) or 0.0)
+        last = self._progress_at
+        if self._stalled is None:
+            last = max(last, getattr(self._backend, "active_at", 0.0) or 0.0)
         return round(max(0.0, time.monotonic() - last), 4)
 
     def receiveMsg_WatchMessage(self, msg: WatchMessage, sender):

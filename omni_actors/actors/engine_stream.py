@@ -27,7 +27,7 @@ FETCH_ON_THREAD_BYTES = 1 << 20
 class StreamingMixin:
     """Needs ``self._rt`` (the loop thread), ``self._connector``,
     ``self._process_input``, ``self._inputs``, ``self._credits``, ``self._parked``,
-    ``self._progress`` and ``self._progress_at`` (see EngineActor)."""
+    and ``self._progress_at`` (see EngineActor)."""
 
     def receiveMsg_InputChunk(self, msg: InputChunk, sender):
         if self._rt is not None:
@@ -94,7 +94,6 @@ class StreamingMixin:
             item = early.pop(seq)
             outputs = await self._fetch(item.ref)
             seq += 1
-            self._note_progress()  # consuming input is progress, even before the stage outputs anything
             yield self._process_input({src: outputs}, msg)
             if item.last + 1 - reported >= every:
                 reported = item.last + 1
@@ -112,20 +111,23 @@ class StreamingMixin:
             credit[2].clear()
             with self._parked_while():
                 await credit[2].wait()
-            self._note_progress()
 
     @contextlib.contextmanager
     def _parked_while(self):
         """A task waits on a neighbour stage. While every task of this replica
         waits so, heartbeats report no idle time: nothing here could progress,
-        so the pool's stall watchdog must not blame this replica."""
+        so the pool's stall watchdog must not blame this replica.
+
+        When the first of them stops waiting, the idle clock starts afresh, with
+        no progress counted (``self._progress``, which the pool's stall clock
+        watches, is only what the backend makes). One task's wait that ends
+        while another is stuck starts nothing: a stalled replica takes a new
+        task's input before it stalls on it too, and must not look fresh then
+        (a trial saw a stalled Talker isolated after 20-30 s, not its 10 s)."""
         self._parked += 1
         try:
             yield
         finally:
             self._parked -= 1
-            self._note_progress()
-
-    def _note_progress(self) -> None:
-        self._progress += 1
-        self._progress_at = time.monotonic()
+            if self._parked + 1 >= len(self._tasks):  # every task was waiting: now one can work
+                self._progress_at = time.monotonic()
