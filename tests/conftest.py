@@ -18,6 +18,36 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 TEST_CONFIGS = Path(__file__).resolve().parent / "configs"
 
+#: Modules whose tests run real vLLM engines (or build models with torch). Under pytest-xdist
+#: (``make test``) they go to one worker, one after the other (two vLLM engines at once on 2 cores
+#: starve each other and any timing around them), and first, as the longest share of the run.
+HEAVY_MODULES = ("test_vllm_backend.py", "test_vllm_chain.py", "test_models.py")
+
+
+def _heavy(path: str) -> bool:
+    return path.rsplit("/", 1)[-1] in HEAVY_MODULES
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole modules per worker (their tests share module-scoped leaders and some follow
+    on from each other), :data:`HEAVY_MODULES` as one unit."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "heavy" if _heavy(path) else path
+
+    return ModuleScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, :data:`HEAVY_MODULES` first (every worker collects in this order)."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: not _heavy(item.path.name))  # (stable: the order is kept within)
+
+
 #: Why a vLLM-Omni test is skipped where vllm_omni does not import.
 OMNI_SKIP_REASON = ("vllm_omni is not importable here: vLLM-Omni needs its own venv "
                     "(on a GPU host: pip install -e '.[vllm-omni]'; on this CPU: make test-vllm-omni)")
