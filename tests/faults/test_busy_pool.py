@@ -16,7 +16,7 @@ from omni_actors.system.faultlab import read_events, replicas, stages, wait_read
 
 from .conftest import HEARTBEAT_S, REQUEST_TIMEOUT_S
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.serial]
 
 
 def _ask(leader, max_tokens: int = 64) -> int | str:

@@ -8,7 +8,7 @@ from omni_actors.system.faultlab import assert_no_request_lost, replicas, run_sc
 
 from .conftest import CLIENTS, REQUEST_TIMEOUT_S
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.serial]
 
 
 def _assert_broken_replica_isolated_and_restarted(r) -> None:

@@ -9,7 +9,7 @@ from omni_actors.system.faultlab import (assert_no_request_lost, replicas, run_s
 
 from .conftest import CLIENTS, HEARTBEAT_S, REQUEST_TIMEOUT_S
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.serial]
 
 
 def test_killed_coordinator_is_recreated_and_the_old_tree_winds_down(leader):

@@ -9,7 +9,7 @@ from omni_actors.system.faultlab import (assert_no_request_lost, inject_cli, rep
 
 from .conftest import CLIENTS, HEARTBEAT_S, REQUEST_TIMEOUT_S
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.serial]
 
 
 def _stage(table: dict, name: str) -> dict:

@@ -20,7 +20,7 @@ from omni_actors.system.local import LocalLeader
 
 from .conftest import CONFIG, REQUEST_TIMEOUT_S
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.serial]
 
 POISON = "POISON-PILL"
 

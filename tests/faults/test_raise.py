@@ -8,7 +8,7 @@ from omni_actors.system.faultlab import assert_no_request_lost, replicas, run_sc
 
 from .conftest import CLIENTS, REQUEST_TIMEOUT_S
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.serial]
 
 
 def test_task_failed_by_the_backend_is_retried_on_another_replica(leader):

@@ -9,7 +9,7 @@ from omni_actors.system.faultlab import (assert_no_request_lost, replicas, run_s
 
 from .conftest import CLIENTS, REQUEST_TIMEOUT_S
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.serial]
 
 
 def test_sigkilled_replica_is_isolated_at_once_its_tasks_rerun_and_it_is_restarted(leader):

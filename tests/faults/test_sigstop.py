@@ -9,7 +9,7 @@ from omni_actors.system.faultlab import (assert_no_request_lost, replicas, run_s
 
 from .conftest import CLIENTS, HEARTBEAT_S, REQUEST_TIMEOUT_S
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.serial]
 
 
 def test_hung_replica_is_isolated_killed_and_replaced_and_its_tasks_rerun(leader):

@@ -8,7 +8,7 @@ from omni_actors.system.faultlab import assert_no_request_lost, inject_cli, repl
 
 from .conftest import CLIENTS, REQUEST_TIMEOUT_S
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.serial]
 
 
 def test_replica_slowed_5x_fails_nothing_and_gets_less_work(leader):
@@ -18,7 +18,9 @@ def test_replica_slowed_5x_fails_nothing_and_gets_less_work(leader):
     fails, and least-loaded routing (fewest tasks in flight) sends it less
     work than talker/1, since its tasks stay in flight longer.
     """
-    r = run_scenario(leader, "slow", target="talker/0", factor=5.0, clients=CLIENTS,
+    # 64 tokens a request (not 16): the Talker's steps, not the actor messages around them,
+    # make up most of a task's time, so that the slow-down shows on a loaded machine too
+    r = run_scenario(leader, "slow", target="talker/0", factor=5.0, clients=CLIENTS, max_tokens=64,
                      request_timeout_s=REQUEST_TIMEOUT_S, hold_s=4.0, expect_disturbance=False)
 
     assert_no_request_lost(r)

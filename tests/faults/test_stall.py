@@ -9,7 +9,7 @@ from omni_actors.system.faultlab import (assert_no_request_lost, replicas, run_s
 
 from .conftest import CLIENTS, HEARTBEAT_S, REQUEST_TIMEOUT_S
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.serial]
 
 
 def test_replica_stalling_while_heartbeating_is_isolated_and_restarted(leader):
