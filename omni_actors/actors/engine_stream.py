@@ -27,7 +27,7 @@ FETCH_ON_THREAD_BYTES = 1 << 20
 class StreamingMixin:
     """Needs ``self._rt`` (the loop thread), ``self._connector``,
     ``self._process_input``, ``self._inputs``, ``self._credits``, ``self._parked``,
-    and ``self._progress_at`` (see EngineActor)."""
+    ``self._tasks`` and ``self._progress_at`` (see EngineActor)."""
 
     def receiveMsg_InputChunk(self, msg: InputChunk, sender):
         if self._rt is not None:
