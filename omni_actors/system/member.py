@@ -31,6 +31,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     """
     from thespian.actors import ActorSystem
 
+    import omni_actors.actors  # noqa: F401 - its Thespian fix, before the admin forks
     from omni_actors.connectors import SegmentDirError, check_segment_dir, sweep_segments
     from omni_actors.connectors.data_service import DEFAULT_REAP_AFTER_S, local_address_towards
     from omni_actors.logs import get_logger, thespian_log_defs
