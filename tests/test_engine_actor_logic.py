@@ -950,3 +950,32 @@ def test_a_stalled_replica_taking_a_new_tasks_input_shows_no_progress():
 
     asyncio.run(stalled())
     asyncio.run(healthy())
+
+
+def test_a_second_notice_of_a_pools_exit_starts_no_second_pool():
+    """A pool's exit can be reported twice (its own goodbye and Thespian's SIGCHLD check):
+    the coordinator handles it once, so one new pool starts, not two (the first of which
+    no one would track)."""
+    from thespian.actors import ChildActorExited, WakeupMessage
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.actors.supervision import RestartPolicy
+    from omni_actors.messages import PoolState, ReplicaState, ReplicaStatus
+
+    co = CoordinatorActor()
+    wakeups, started = [], []
+    co.send = lambda address, message: None
+    co.wakeupAfter = lambda delay, payload=None: wakeups.append(payload)
+    co._publish_status = co._publish_routes = lambda: None
+    co._start_pool = lambda stage: started.append(stage.stage_id)
+    co._restart = RestartPolicy()
+    co._config = type("Config", (), {"stage": lambda self, stage_id: type("Stage", (), {"stage_id": stage_id,
+                                                                                       "name": "talker"})()})()
+    co._pools, co._pool_restarts = {1: "pool-a"}, {1: []}
+    co._states[1] = PoolState(1, "talker", (ReplicaStatus("talker/0", ReplicaState.READY, ""),))
+    for _ in range(2):
+        co.receiveMsg_ChildActorExited(ChildActorExited("pool-a"), None)
+    assert wakeups == [("restart_pool", 1)]
+    assert co._states[1].replicas[0].state == ReplicaState.DEAD
+    co.receiveMsg_WakeupMessage(WakeupMessage(0.5, wakeups[0]), None)
+    assert started == [1]

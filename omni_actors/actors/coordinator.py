@@ -220,8 +220,8 @@ class CoordinatorActor(ActorTypeDispatcher):
             if pool != msg.childAddress:
                 continue
             old = self._states[stage_id]
-            if self._stopping:
-                return
+            if self._stopping or stage_id in self._pools_down:
+                return  # (a second notice of the same exit: handled, its restart is set)
             delay = self._restart.next_delay(self._pool_restarts[stage_id], time.monotonic())
             why = "stage pool exited" + ("" if delay is not None else
                                          f"; gave up after {len(self._pool_restarts[stage_id])} restarts")
