@@ -80,15 +80,18 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
 @pytest.fixture(scope="module")
 def vllm_ipc_in_a_temp_dir(tmp_path_factory):
     """For a module whose vLLM engines run in the test's process (outside any system, whose
-    replicas use the system's directory): their IPC sockets go to a directory of the test
-    session's, not to the temp directory, where vLLM leaves them."""
-    before = os.environ.get("VLLM_RPC_BASE_PATH")
-    os.environ["VLLM_RPC_BASE_PATH"] = str(tmp_path_factory.mktemp("vllm-ipc"))
+    replicas use the system's directory): their IPC sockets, and their engine cores' temporary
+    files (vLLM's FileStore, ``vllm_dist_<uuid>``: ``$TMPDIR`` of the spawned core), go to a
+    directory of the test session's, not to the temp directory, where vLLM leaves them."""
+    path = str(tmp_path_factory.mktemp("vllm-ipc"))
+    before = {name: os.environ.get(name) for name in ("VLLM_RPC_BASE_PATH", "TMPDIR")}
+    os.environ.update(VLLM_RPC_BASE_PATH=path, TMPDIR=path)
     yield
-    if before is None:
-        os.environ.pop("VLLM_RPC_BASE_PATH", None)
-    else:
-        os.environ["VLLM_RPC_BASE_PATH"] = before
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _leader(request, config: Path) -> LocalLeader:

@@ -360,15 +360,19 @@ def test_engine_that_cannot_load_is_failed_with_the_reason_and_requests_get_503(
 
 # -- the chain ----------------------------------------------------------------------
 
-def test_the_engines_ipc_sockets_are_in_the_systems_own_directory(chain):
-    """vLLM puts 3 ZeroMQ IPC sockets per engine in ``$VLLM_RPC_BASE_PATH`` (default: the temp
-    directory, where they stayed after every stop): the replicas point it at the system's
+def test_the_engines_ipc_sockets_and_temp_files_are_in_the_systems_own_directory(chain):
+    """vLLM puts 3 ZeroMQ IPC sockets per engine in ``$VLLM_RPC_BASE_PATH`` and one
+    ``torch.distributed`` FileStore per engine start (``vllm_dist_<uuid>``) in the temp
+    directory, where both stayed after every stop: the replicas put both in the system's
     directory, which the leader removes when it stops (checked at the module's end)."""
     from omni_actors.system.processes import ipc_dir
 
-    sockets = os.listdir(ipc_dir(chain.system_id))
-    assert len(sockets) >= 3 * 3, sockets  # three vLLM engines (the Thinker, two Talkers)
-    assert all(stat.S_ISSOCK(os.stat(os.path.join(ipc_dir(chain.system_id), n)).st_mode) for n in sockets)
+    names = os.listdir(ipc_dir(chain.system_id))
+    stores = [n for n in names if n.startswith("vllm_dist_")]
+    sockets = [n for n in names if stat.S_ISSOCK(os.stat(os.path.join(ipc_dir(chain.system_id), n)).st_mode)]
+    # three vLLM engines (the Thinker, two Talkers)
+    assert len(sockets) >= 3 * 3 and len(stores) >= 3, names
+    assert not [n for n in names if n.startswith("torchinductor_")], names  # torch's cache stays put
 
 @pytest.mark.parametrize("question, max_tokens", [(SEA, 24), (STORY, 64)],
                          ids=["length", "eos"])

@@ -204,6 +204,9 @@ class _CoreLauncher:
         _set_parent_death_signal()
         if os.getppid() != self.parent_pid:  # the parent died before prctl took effect
             os._exit(1)
+        from omni_actors.system.processes import use_ipc_dir_for_temp_files
+
+        use_ipc_dir_for_temp_files()  # (vLLM's FileStore: removed with the system)
         from vllm.v1.engine.core import EngineCoreProc
 
         send_dead = getattr(EngineCoreProc, "_send_engine_dead", None)

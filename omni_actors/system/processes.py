@@ -45,6 +45,33 @@ def use_ipc_dir() -> str | None:
     return path
 
 
+def use_ipc_dir_for_temp_files() -> str | None:
+    """In a vLLM engine core's process, before vLLM starts: its temporary files go to the
+    system's :func:`ipc_dir` (made, mode 0700), which the leader or member removes when it
+    stops; the directory, or None where this process belongs to no system.
+
+    vLLM makes one there per engine start: the ``torch.distributed`` FileStore of its
+    single-process executor (``vllm_dist_<uuid>``, 2.4 KB), left in the temp directory before
+    (13 after one session's test runs). torch's compile cache keeps its usual place
+    (``$TORCHINDUCTOR_CACHE_DIR``, set to ``<temp dir>/torchinductor_<user>`` unless set),
+    so it outlives the system as before."""
+    system_id = os.environ.get(ENV_SYSTEM_ID)
+    if not system_id:
+        return None
+    import getpass
+
+    path = ipc_dir(system_id)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid
+        user = str(os.getuid())
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"torchinductor_{user}"))
+    os.environ["TMPDIR"] = path
+    tempfile.tempdir = path
+    return path
+
+
 def remove_ipc_dir(system_id: str) -> int:
     """Remove the system's :func:`ipc_dir` (after its processes are gone); how many
     sockets (files) were left in it."""
