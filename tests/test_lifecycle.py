@@ -56,6 +56,36 @@ def test_ctrl_c_stops_every_process_within_seconds():
     assert "omni-actors stopped" in leader.stdout_path.read_text()
 
 
+def test_a_replica_frozen_with_sigstop_does_not_hold_up_the_stop(tmp_path):
+    """A replica stopped with SIGSTOP when the leader stops held the stop up for 14 s (a
+    trial): it could not take its exit request, so its pool, and the tree above, waited
+    until Thespian's 10 s shutdown timeout; then it ignored the SIGTERM until the SIGKILL
+    3 s later. The leader resumes stopped processes first, and it exits with the rest.
+    (Heartbeats every 5 s here, so that the pool does not isolate and kill it first.)"""
+    import yaml
+
+    from omni_actors.system.faultlab import inject_cli, read_events, replicas, stages
+
+    cfg = yaml.safe_load((CONFIGS / "cpu_omni_demo.yaml").read_text())
+    cfg["deployment"]["heartbeat_interval_s"] = 5.0
+    path = tmp_path / "slow_heartbeats.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    leader = LocalLeader(path).start()
+    try:
+        pid = replicas(stages(leader))["talker/0"]["pid"]
+        assert inject_cli(leader.admin_port, "sigstop", "--replica", "talker/0").returncode == 0
+        with open(f"/proc/{pid}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "T"  # stopped when the stop begins
+    finally:
+        t0, since = time.monotonic(), time.time()
+        code = leader.stop()
+        took = time.monotonic() - t0
+    assert code == 0 and leader.left_after_exit == []
+    stopped = [e for e in read_events(leader.log_path, since) if e.get("event") == "leader_stopped"]
+    assert stopped and stopped[0]["killed"] == [], stopped
+    assert took < 5, f"the stop took {took:.1f} s: {stopped}"
+
+
 @pytest.mark.parametrize("drain_s, ctrl_c", [(1.0, 1), (60.0, 2)], ids=["drain-ends", "second-ctrl-c"])
 def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_not_wait(tmp_path, drain_s, ctrl_c):
     """Ctrl-C lets requests in flight finish for ``supervision.drain_timeout_s`` (or
@@ -122,8 +152,9 @@ def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_
     assert "the server is shutting down" in body, got
     assert status == 503 or ("event: error" in body or '"error"' in body), got
     log = leader.log_path.read_text()
-    assert "drain_timeout_requests_ended" in log
-    why = "stopped at once (a second Ctrl-C)" if ctrl_c == 2 else "still running 1 s after the stop"
+    assert '"event": "stopping"' in log
+    assert ('"why": "second stop signal"' if ctrl_c == 2 else '"why": "drain_timeout_s"') in log
+    why = "stopped at once (a second Ctrl-C or SIGTERM)" if ctrl_c == 2 else "still running 1 s after the stop"
     assert why in json.loads(got["whole"][1])["error"]["message"], got
     # the RequestActors say why they ended the requests (not "cancelled by the client")
     ended = [json.loads(line) for line in log.splitlines() if '"request_finished"' in line]
@@ -171,6 +202,53 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_stop_with_a_timeout_shorter_than_the_drain_ends_requests_with_a_clear_error():
+    """`stop --timeout S` with S under the drain: a trial saw the leader SIGKILLed at S and a
+    stream in flight cut with no error event and no [DONE]. `stop` now sends a second
+    SIGTERM before S runs out: the stream gets an SSE error that says why, and the leader
+    exits by itself within S."""
+    import threading
+
+    from omni_actors.system.faultlab import inject_cli
+
+    leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()  # drain_timeout_s: 10
+    env = {"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)}
+    got = {}
+
+    def stream():
+        body = json.dumps({"model": "qwen3-omni-cpu-demo", "messages": MESSAGES, "max_tokens": 50,
+                           "stream": True}).encode()
+        req = urllib.request.Request(leader.base_url + "/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                got["stream"] = (r.status, r.read().decode())
+        except urllib.error.HTTPError as exc:  # a 503 before the stream began
+            got["stream"] = (exc.code, exc.read().decode())
+        except Exception as exc:  # noqa: BLE001 - recorded for the assert
+            got["stream"] = (None, repr(exc))
+
+    client = threading.Thread(target=stream)
+    try:
+        assert inject_cli(leader.admin_port, "slow", "--replica", "thinker/0", "--factor", "1000").returncode == 0
+        client.start()
+        time.sleep(1.5)
+        t0 = time.monotonic()
+        stop = _cli("stop", "--admin-port", str(leader.admin_port), "--timeout", "6", env=env)
+        took = time.monotonic() - t0
+        client.join(10)
+        assert stop.returncode == 0 and "killed" not in stop.stdout, stop.stdout
+        assert took < 6 + 2, took  # (the CLI's own start included)
+        status, body = got["stream"]  # a 503 before the stream began, else an SSE error event and [DONE]
+        assert status in (200, 503) and "the server is shutting down" in body and "stopped at once" in body, got
+        assert status == 503 or body.rstrip().endswith("data: [DONE]"), body[-300:]
+        leader.proc.wait(10)
+        assert leader.proc.returncode == 0
+    finally:
+        leader.stop()
+    assert leader.left_after_exit == []
 
 
 def test_stop_command_and_status_command():

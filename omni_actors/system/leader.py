@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omni_actors.config import PipelineConfig
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
-                                          serve_args_error)
+                                          resume_stopped, serve_args_error)
 
 ACTOR_BASE = "multiprocTCPBase"
 PR_SET_CHILD_SUBREAPER = 36
@@ -147,7 +147,8 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             if stopping.is_set():
                 hurry.set()  # a second Ctrl-C: do not wait for the drain
             stopping.set()
-        else:
+        elif not stopping.is_set():  # (a second one must not break off the clean-up)
+            stopping.set()
             raise KeyboardInterrupt
 
     serving, hurry = threading.Event(), threading.Event()
@@ -198,6 +199,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         t1 = time.monotonic()
         try:
             if asys is not None:
+                resume_stopped(system_id, sessions)
                 asys.shutdown()
         finally:
             killed: list[str] = []
@@ -281,7 +283,7 @@ ABORT_GRACE_S = 2.0
 
 async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | None = None) -> None:
     """Stop accepting connections, then let requests in flight finish (up to ``timeout_s``,
-    ``supervision.drain_timeout_s``, or until ``hurry`` is set: a second Ctrl-C). Those
+    ``supervision.drain_timeout_s``, or until ``hurry`` is set: a second Ctrl-C or SIGTERM). Those
     still running then end with a 503 that says the server stopped, and their stages are
     cancelled, so that neither the HTTP server nor the engines wait on them any longer."""
     from omni_actors.logs import get_logger
@@ -291,6 +293,7 @@ async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | 
     deadline = time.monotonic() + timeout_s
     in_flight = bridge.in_flight()
     log = get_logger(actor="api")
+    log.info("stopping", requests_in_flight=in_flight)
     if in_flight:
         log.info("draining", requests_in_flight=in_flight, timeout_s=timeout_s)
         print(f"draining: {in_flight} request(s) in flight get up to {timeout_s:g} s to finish "
@@ -300,9 +303,10 @@ async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | 
     if bridge.in_flight():
         hurried = hurry is not None and hurry.is_set()
         ended = bridge.abort_all("the server is shutting down: " + (
-            "stopped at once (a second Ctrl-C) while the request ran" if hurried else
+            "stopped at once (a second Ctrl-C or SIGTERM) while the request ran" if hurried else
             f"the request was still running {timeout_s:g} s after the stop (supervision.drain_timeout_s)"))
-        log.warning("drain_timeout_requests_ended", requests=ended, timeout_s=timeout_s)
+        log.warning("drain_ended_requests", requests=ended,
+                    why="second stop signal" if hurried else "drain_timeout_s", timeout_s=timeout_s)
         deadline = time.monotonic() + ABORT_GRACE_S
         while bridge.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

@@ -15,7 +15,8 @@ import threading
 import time
 
 from omni_actors.system.leader import ACTOR_BASE, StartError, node_capabilities, start_data_service
-from omni_actors.system.processes import ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir
+from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
+                                          resume_stopped)
 
 #: seconds between the member's checks that its convention leader's admin still answers
 LEADER_CHECK_S = 5.0
@@ -81,6 +82,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         return 0
     finally:
         if asys is not None:
+            resume_stopped(os.environ.get(ENV_SYSTEM_ID, ""), sessions)
             asys.shutdown()
         killed = kill_system(os.environ.get(ENV_SYSTEM_ID, ""), sessions=sessions)
         remove_ipc_dir(os.environ.get(ENV_SYSTEM_ID, ""))

@@ -145,10 +145,28 @@ def _is_tracker(entry: Path) -> bool:
         return False
 
 
+def resume_stopped(system_id: str, sessions: tuple[int, ...] | list[int] = ()) -> int:
+    """SIGCONT every process of a system that is stopped (state ``T``: a replica frozen by
+    ``inject sigstop``, or by SIGSTOP from outside), so that it can take its exit request;
+    how many. Called before the actor system shuts down: a stopped replica kept its pool,
+    and so the whole tree, from exiting until Thespian's 10 s shutdown timeout, then ignored
+    the SIGTERM that followed until the SIGKILL after the grace (a stop took 14 s)."""
+    resumed = 0
+    for pid in system_pids(system_id, sessions=sessions):
+        fields = _stat(Path(f"/proc/{pid}"))
+        if fields and fields[0] == "T":
+            try:
+                os.kill(pid, signal.SIGCONT)
+                resumed += 1
+            except ProcessLookupError:
+                pass
+    return resumed
+
+
 def kill_system(system_id: str, grace_s: float = 3.0, sessions: tuple[int, ...] | list[int] = (),
                 titles: list[str] | None = None) -> int:
-    """SIGTERM, then SIGKILL after ``grace_s``, every process of a system
-    (by its id and by its admins' ``sessions``).
+    """SIGTERM (and SIGCONT, for stopped ones), then SIGKILL after ``grace_s``, every
+    process of a system (by its id and by its admins' ``sessions``).
 
     Args:
         titles: if given, the titles (``ps`` names, e.g. ``"RequestActor ActorAddr-..."``)
@@ -168,6 +186,8 @@ def kill_system(system_id: str, grace_s: float = 3.0, sessions: tuple[int, ...] 
         for pid in pids:
             try:
                 os.kill(pid, sig)
+                if sig == signal.SIGTERM:
+                    os.kill(pid, signal.SIGCONT)  # a stopped process takes its SIGTERM only once resumed
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait
