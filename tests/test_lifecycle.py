@@ -37,6 +37,21 @@ def _cli(*args, env=None, timeout=60) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
 
 
+def _chat_into(got: dict, name: str, base_url: str, stream: bool) -> None:
+    """POST a 50-token chat completion; ``got[name]``: (HTTP status, body), or (None, the error)."""
+    body = json.dumps({"model": "qwen3-omni-cpu-demo", "messages": MESSAGES, "max_tokens": 50,
+                       "stream": stream}).encode()
+    req = urllib.request.Request(base_url + "/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            got[name] = (r.status, r.read().decode())
+    except urllib.error.HTTPError as exc:  # e.g. a 503 before a stream began
+        got[name] = (exc.code, exc.read().decode())
+    except Exception as exc:  # noqa: BLE001 - recorded for the assert
+        got[name] = (None, repr(exc))
+
+
 def test_ctrl_c_stops_every_process_within_seconds():
     leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
     try:
@@ -103,25 +118,12 @@ def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     leader = LocalLeader(path).start()
     got = {}
-
-    def ask(name, stream):
-        body = json.dumps({"model": "qwen3-omni-cpu-demo", "messages": MESSAGES, "max_tokens": 50,
-                           "stream": stream}).encode()
-        req = urllib.request.Request(leader.base_url + "/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                got[name] = (r.status, r.read().decode())
-        except urllib.error.HTTPError as exc:
-            got[name] = (exc.code, exc.read().decode())
-        except Exception as exc:  # noqa: BLE001 - recorded for the assert
-            got[name] = (None, repr(exc))
-
     import threading
 
     try:
         assert inject_cli(leader.admin_port, "slow", "--replica", "thinker/0", "--factor", "1000").returncode == 0
-        clients = [threading.Thread(target=ask, args=(name, name == "stream")) for name in ("whole", "stream")]
+        clients = [threading.Thread(target=_chat_into, args=(got, name, leader.base_url, name == "stream"))
+                       for name in ("whole", "stream")]
         for t in clients:
             t.start()
         time.sleep(1.5)
@@ -216,21 +218,7 @@ def test_stop_with_a_timeout_shorter_than_the_drain_ends_requests_with_a_clear_e
     leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()  # drain_timeout_s: 10
     env = {"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)}
     got = {}
-
-    def stream():
-        body = json.dumps({"model": "qwen3-omni-cpu-demo", "messages": MESSAGES, "max_tokens": 50,
-                           "stream": True}).encode()
-        req = urllib.request.Request(leader.base_url + "/chat/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                got["stream"] = (r.status, r.read().decode())
-        except urllib.error.HTTPError as exc:  # a 503 before the stream began
-            got["stream"] = (exc.code, exc.read().decode())
-        except Exception as exc:  # noqa: BLE001 - recorded for the assert
-            got["stream"] = (None, repr(exc))
-
-    client = threading.Thread(target=stream)
+    client = threading.Thread(target=_chat_into, args=(got, "stream", leader.base_url, True))
     try:
         assert inject_cli(leader.admin_port, "slow", "--replica", "thinker/0", "--factor", "1000").returncode == 0
         client.start()
