@@ -28,6 +28,7 @@ import json
 import os
 import re
 import stat
+import tempfile
 import subprocess
 import sys
 import time
@@ -115,6 +116,11 @@ def _config_copy(tiny_model: Path, path: Path, edit=None) -> Path:
     return path
 
 
+def _stores_in_temp_dir() -> set[str]:
+    """vLLM's ``torch.distributed`` FileStores in the temp directory (one per engine start)."""
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("vllm_dist_")}
+
+
 def _stop_and_check(leader: LocalLeader) -> None:
     from omni_actors.system.processes import ipc_dir
 
@@ -122,6 +128,10 @@ def _stop_and_check(leader: LocalLeader) -> None:
     assert leader.left_after_exit == [], f"left behind: {leader.left_after_exit}"
     # vLLM's IPC sockets (3 per engine, left in the temp directory before) went with the system
     assert not os.path.exists(ipc_dir(leader.system_id)), os.listdir(ipc_dir(leader.system_id))
+    # and so did its FileStores (left in the temp directory before); no other vLLM runs meanwhile
+    # (the vLLM test modules run one after another, on one worker)
+    before = getattr(leader, "stores_before", None)
+    assert before is None or _stores_in_temp_dir() - before == set(), _stores_in_temp_dir() - before
 
 
 def _thinker_abort(leader: LocalLeader, rid: str, completed_before: int, timeout_s: float = 5.0):
@@ -178,6 +188,7 @@ def chain_config(tiny_model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def chain(request, chain_config) -> LocalLeader:
     leader = LocalLeader(chain_config[0], start_timeout_s=240)
+    leader.stores_before = _stores_in_temp_dir()  # (checked when it stops: see _stop_and_check)
     request.addfinalizer(lambda: _stop_and_check(leader))
     leader.start()
     return leader
@@ -368,11 +379,11 @@ def test_the_engines_ipc_sockets_and_temp_files_are_in_the_systems_own_directory
     from omni_actors.system.processes import ipc_dir
 
     names = os.listdir(ipc_dir(chain.system_id))
-    stores = [n for n in names if n.startswith("vllm_dist_")]
     sockets = [n for n in names if stat.S_ISSOCK(os.stat(os.path.join(ipc_dir(chain.system_id), n)).st_mode)]
-    # three vLLM engines (the Thinker, two Talkers)
-    assert len(sockets) >= 3 * 3 and len(stores) >= 3, names
-    assert not [n for n in names if n.startswith("torchinductor_")], names  # torch's cache stays put
+    assert len(sockets) >= 3 * 3, names  # three vLLM engines (the Thinker, two Talkers)
+    # the FileStores: here while their engines run, none in the temp directory (checked at the stop)
+    assert not [n for n in names if not n.startswith("vllm_dist_") and n not in sockets], names
+    assert _stores_in_temp_dir() - chain.stores_before == set()
 
 @pytest.mark.parametrize("question, max_tokens", [(SEA, 24), (STORY, 64)],
                          ids=["length", "eos"])
