@@ -28,9 +28,9 @@ import json
 import os
 import re
 import stat
-import tempfile
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request

@@ -32,16 +32,25 @@ def ipc_dir(system_id: str) -> str:
     return os.path.join(tempfile.gettempdir(), f"omni-actors-ipc-{system_id[:16]}")
 
 
+def _own_ipc_dir() -> str | None:
+    """This process's system's :func:`ipc_dir`, made (mode 0700); None outside any system."""
+    system_id = os.environ.get(ENV_SYSTEM_ID)
+    if not system_id:
+        return None
+    path = ipc_dir(system_id)
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
 def use_ipc_dir() -> str | None:
     """In a replica's process, before its vLLM engine starts: point ``$VLLM_RPC_BASE_PATH``
     at this system's :func:`ipc_dir` (made, mode 0700), unless it is set already or this
     process belongs to no system; the directory, or None."""
-    system_id = os.environ.get(ENV_SYSTEM_ID)
-    if not system_id or os.environ.get(ENV_VLLM_IPC):
+    if os.environ.get(ENV_VLLM_IPC):
         return None
-    path = ipc_dir(system_id)
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.environ[ENV_VLLM_IPC] = path
+    path = _own_ipc_dir()
+    if path:
+        os.environ[ENV_VLLM_IPC] = path
     return path
 
 
@@ -55,13 +64,11 @@ def use_ipc_dir_for_temp_files() -> str | None:
     (13 after one session's test runs). torch's compile cache keeps its usual place
     (``$TORCHINDUCTOR_CACHE_DIR``, set to ``<temp dir>/torchinductor_<user>`` unless set),
     so it outlives the system as before."""
-    system_id = os.environ.get(ENV_SYSTEM_ID)
-    if not system_id:
+    path = _own_ipc_dir()
+    if not path:
         return None
     import getpass
 
-    path = ipc_dir(system_id)
-    os.makedirs(path, mode=0o700, exist_ok=True)
     try:
         user = getpass.getuser()
     except (KeyError, OSError):  # no name for this uid
