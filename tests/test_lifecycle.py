@@ -161,6 +161,8 @@ def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_
     # the RequestActors say why they ended the requests (not "cancelled by the client")
     ended = [json.loads(line) for line in log.splitlines() if '"request_finished"' in line]
     assert ended and all("the server is shutting down" in e["message"] for e in ended), ended
+    # and name the stages they cut short (the slowed Thinker's at least), not just the finished ones
+    assert all("thinker" in (e.get("stages_cancelled") or ()) for e in ended), ended
 
 
 def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):

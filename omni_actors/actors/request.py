@@ -551,7 +551,9 @@ class RequestActor(ActorTypeDispatcher):
         self._log.info("request_finished", request_id=req.request_id,
                        error=error.value if error else None, message=message or None,
                        duration_ms=round((time.monotonic() - self._started) * 1000, 2),
-                       replicas={names[sid]: d.replica for sid, d in self._done.items()})
+                       replicas={names[sid]: d.replica for sid, d in self._done.items()},
+                       # (stages cut short: cancelled with the request; their replicas are not known here)
+                       stages_cancelled=[names[sid] for sid in self._running] or None)
         self.send(req.reply_to, RequestFinished(
             req.request_id, error, message, prompt_tokens=self._tokens[0], completion_tokens=self._tokens[1],
             finish_reason=self._finish_reason,
