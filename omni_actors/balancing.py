@@ -6,7 +6,15 @@ Kept free of actors so they are unit-tested on their own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
+
+from omni_actors.messages import ReplicaState
+
+#: Replica states a stage's pool routes tasks to.
+ROUTABLE = (ReplicaState.READY,)
+#: Replica states of a replica on its way to READY (placed or not yet, starting, restarting):
+#: a task that finds none routable waits for it, up to ``supervision.queue_timeout_s``.
+ON_ITS_WAY = (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.DEAD, ReplicaState.ISOLATED)
 
 
 @dataclass(frozen=True)
@@ -44,3 +52,27 @@ def least_loaded(candidates: Sequence[ReplicaLoad]) -> str | None:
 
 
 POLICIES = {"least_loaded": least_loaded}
+
+
+def no_replica_reason(stage: str, replicas: Iterable, queue_timeout_s: float) -> str | None:
+    """Why a task of ``stage`` gets a 503 at once; None if it is routed now or may wait.
+
+    ``replicas`` are objects with ``replica``, ``state`` (:class:`ReplicaState`)
+    and ``reason`` (a pool's own records, or the ``ReplicaStatus`` es of a
+    published ``PoolState``). A task is taken when one is :data:`ROUTABLE`;
+    else it waits when one is :data:`ON_ITS_WAY` and ``queue_timeout_s`` > 0.
+    Otherwise (none, or all stopped, draining or failed) the answer names each
+    replica's state and reason, e.g. ``"no ready replica of stage talker
+    (talker/0 stopped: scaled down)"``.
+    """
+    replicas = list(replicas)
+    if any(r.state in ROUTABLE for r in replicas) or (
+            queue_timeout_s > 0 and any(r.state in ON_ITS_WAY for r in replicas)):
+        return None
+    return f"no ready replica of stage {stage} ({describe_replicas(replicas)})"
+
+
+def describe_replicas(replicas: Iterable) -> str:
+    """``"talker/0 stopped: scaled down; talker/1 starting"`` (``"no replicas"`` for none)."""
+    return "; ".join(f"{r.replica} {r.state.value}" + (f": {r.reason}" if r.reason else "")
+                     for r in replicas) or "no replicas"

@@ -323,6 +323,10 @@ class PoolState(Message):
     next_index: int = 0
 
 
+#: ``SystemStatus.query_id`` of the statuses the coordinator publishes to its subscribers.
+SUBSCRIPTION = "subscription"
+
+
 @dataclass(frozen=True)
 class SystemStatus(Message):
     query_id: str

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from omni_actors.balancing import POLICIES, ReplicaLoad, least_loaded
+from omni_actors.balancing import POLICIES, ReplicaLoad, least_loaded, no_replica_reason
 from omni_actors.config import load_config
-from omni_actors.messages import PlannedStage, RequestPlan
+from omni_actors.messages import PlannedStage, ReplicaState, ReplicaStatus, RequestPlan
 from omni_actors.planning import PlanError, plan_request
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,6 +90,33 @@ def omni_pools():
 
 def by_name(plan: RequestPlan) -> dict[str, PlannedStage]:
     return {s.stage: s for s in plan.stages}
+
+
+def _replicas(*states: ReplicaState) -> list[ReplicaStatus]:
+    return [ReplicaStatus(f"talker/{i}", s, "scaled down" if s == ReplicaState.STOPPED else "")
+            for i, s in enumerate(states)]
+
+
+@pytest.mark.parametrize("states, wait_s, refused", [
+    ((ReplicaState.READY, ReplicaState.STOPPED), 30.0, False),
+    ((ReplicaState.STARTING,), 30.0, False),  # one on its way: the task waits for it
+    ((ReplicaState.PENDING, ReplicaState.FAILED), 30.0, False),
+    ((ReplicaState.DEAD,), 30.0, False),  # restarting
+    ((ReplicaState.ISOLATED,), 30.0, False),
+    ((ReplicaState.STARTING,), 0.0, True),  # queue_timeout_s 0: no waiting
+    ((ReplicaState.STOPPED, ReplicaState.DRAINING), 30.0, True),
+    ((ReplicaState.FAILED,), 30.0, True),
+    ((), 30.0, True),
+])
+def test_a_stage_refuses_a_task_only_with_no_replica_ready_or_on_its_way(states, wait_s, refused) -> None:
+    reason = no_replica_reason("talker", _replicas(*states), wait_s)
+    assert (reason is not None) == refused, reason
+
+
+def test_the_refusal_names_each_replica_and_why() -> None:
+    reason = no_replica_reason("talker", _replicas(ReplicaState.STOPPED, ReplicaState.DRAINING), 30.0)
+    assert reason == "no ready replica of stage talker (talker/0 stopped: scaled down; talker/1 draining)"
+    assert no_replica_reason("dit", [], 30.0) == "no ready replica of stage dit (no replicas)"
 
 
 def test_text_only_runs_the_thinker_alone(omni, omni_pools) -> None:

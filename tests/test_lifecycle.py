@@ -37,10 +37,11 @@ def _cli(*args, env=None, timeout=60) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})})
 
 
-def _chat_into(got: dict, name: str, base_url: str, stream: bool) -> None:
-    """POST a 50-token chat completion; ``got[name]``: (HTTP status, body), or (None, the error)."""
+def _chat_into(got: dict, name: str, base_url: str, stream: bool, **fields) -> None:
+    """POST a 50-token chat completion (with ``fields`` added to its body); ``got[name]``:
+    (HTTP status, body), or (None, the error)."""
     body = json.dumps({"model": "qwen3-omni-cpu-demo", "messages": MESSAGES, "max_tokens": 50,
-                       "stream": stream}).encode()
+                       "stream": stream, **fields}).encode()
     req = urllib.request.Request(base_url + "/chat/completions", data=body,
                                  headers={"Content-Type": "application/json"})
     try:
@@ -342,6 +343,39 @@ def test_engine_that_cannot_load_shows_failed_and_requests_get_503():
         message = json.loads(err.value.read())["error"]["message"]
         assert "no ready replica of stage thinker" in message and "/models/missing" in message
         assert "WARNING" in leader.stdout_path.read_text().upper() or "failed" in leader.stdout_path.read_text()
+    finally:
+        leader.stop()
+
+
+def test_a_stream_that_needs_a_stage_scaled_to_zero_gets_a_503_before_it_begins():
+    """The Talker scaled to 0: a streamed text+audio request gets a 503 that names the
+    stage, not a 200 with part of the text and then an error event (its text began
+    before the Talker's pool, reached on the first chunk, refused it). Text alone,
+    which needs no Talker, is still served."""
+    leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
+    try:
+        out = _cli("stage", "scale", "--stage", "talker", "--replicas", "0", "--admin-port", str(leader.admin_port))
+        assert out.returncode == 0, out.stderr
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(leader.base_url + "/stages", timeout=10) as r:
+                talker = next(s for s in json.loads(r.read())["stages"] if s["stage"] == "talker")
+            if {rep["state"] for rep in talker["replicas"]} == {"stopped"}:
+                break
+            time.sleep(0.1)
+        got: dict = {}
+        t0 = time.monotonic()
+        _chat_into(got, "audio", leader.base_url, True, modalities=["text", "audio"])
+        took = time.monotonic() - t0
+        _chat_into(got, "text", leader.base_url, True, modalities=["text"])
+        status, body = got["audio"]
+        assert status == 503, got
+        error = json.loads(body)["error"]
+        assert error["type"] == "service_unavailable", error
+        assert error["message"].startswith("no ready replica of stage talker (talker/0 stopped"), error
+        assert took < 5, took
+        status, body = got["text"]
+        assert status == 200 and body.rstrip().endswith("data: [DONE]") and '"error"' not in body, got
     finally:
         leader.stop()
 

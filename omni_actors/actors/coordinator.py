@@ -34,7 +34,7 @@ from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainReplica, Get
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, PlaceReplica, Placement,
                                   PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
                                   ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, StartNodeAgent,
-                                  StartPool, Subscribe, SystemStatus, WhoAmI, YouAre)
+                                  StartPool, Subscribe, SUBSCRIPTION, SystemStatus, WhoAmI, YouAre)
 from omni_actors.placement import LEFT_REASON, Inventory, PlacementError
 
 #: A member node whose agent has been silent this many heartbeat intervals is lost.
@@ -348,7 +348,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._subscribers.append((msg.reply_to, now))
         if not known and self._config is not None:
             self.send(msg.reply_to, self._routes())
-            self.send(msg.reply_to, self._status("subscription"))
+            self.send(msg.reply_to, self._status(SUBSCRIPTION))
 
     def _routes(self) -> Routes:
         return Routes(self._config, dict(self._pools), self._routes_version)
@@ -361,7 +361,7 @@ class CoordinatorActor(ActorTypeDispatcher):
     def _publish_status(self) -> None:
         if self._config is None:
             return
-        status = self._status("subscription")
+        status = self._status(SUBSCRIPTION)
         for address, _ in self._subscribers:
             self.send(address, status)
 

@@ -19,7 +19,7 @@ import time
 
 from thespian.actors import PoisonMessage
 
-from omni_actors.balancing import ReplicaLoad
+from omni_actors.balancing import ROUTABLE, ReplicaLoad, describe_replicas, no_replica_reason
 from omni_actors.messages import (LATENCY_BUCKETS_S, MAX_TASK_MOVES, CancelStage, DrainReplica, ErrorKind,
                                   ReplicaState, StageCancelled, StageFailed, StageTask, TaskFinished)
 
@@ -28,9 +28,6 @@ from omni_actors.messages import (LATENCY_BUCKETS_S, MAX_TASK_MOVES, CancelStage
 #: cancel was lost or overtaken. It is cancelled and no longer counted.
 TASK_OVERDUE_GRACE_S = 10.0
 #: States in which a replica takes new tasks.
-ROUTABLE = (ReplicaState.READY,)
-
-
 class PoolRoutingMixin:
     def _redispatch(self, rep, crashed: bool = False) -> None:
         """Send the replica's tasks elsewhere; ``crashed``: it died running them
@@ -111,12 +108,12 @@ class PoolRoutingMixin:
             ready = [r for r in self._replicas.values() if r.state in ROUTABLE]
         chosen = self._policy([ReplicaLoad(r.replica, len(r.in_flight), r.dispatched) for r in ready])
         if chosen is None:
-            if any(r.state in (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.DEAD,
-                               ReplicaState.ISOLATED)
-                   for r in self._replicas.values()) and self._spec.supervision.queue_timeout_s > 0:
-                self._pending.append((task, time.monotonic() + self._spec.supervision.queue_timeout_s))
+            wait_s = self._spec.supervision.queue_timeout_s
+            refused = no_replica_reason(self._spec.stage.name, self._replicas.values(), wait_s)
+            if refused is None:
+                self._pending.append((task, time.monotonic() + wait_s))
             else:
-                self._reject(task, f"no ready replica of stage {self._spec.stage.name} ({self._describe()})")
+                self._reject(task, refused)
             return
         rep = self._replicas[chosen]
         now = time.monotonic()
@@ -152,8 +149,7 @@ class PoolRoutingMixin:
                                              task.attempt, task.crashed, task.moved))
 
     def _describe(self) -> str:
-        return "; ".join(f"{r.replica} {r.state.value}" + (f": {r.reason}" if r.reason else "")
-                         for r in self._replicas.values()) or "no replicas"
+        return describe_replicas(self._replicas.values())
 
     def receiveMsg_TaskFinished(self, msg: TaskFinished, sender):
         rep = self._replicas.get(msg.replica)

@@ -57,13 +57,14 @@ from typing import Any, AsyncIterator
 from thespian.actors import ActorExitRequest
 
 from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
+from omni_actors.balancing import no_replica_reason
 from omni_actors.connectors import make_connector
 from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone,
                                     RequestFailed, within)
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelRequest, CancelStage, ErrorKind, GetRoutes, GetStatus, OutputChunk,
                                   OutputDelta, OutputDeltas, OutputReady, Relay, RequestActorAlive, RequestActorExited,
-                                  RequestActorFree, RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe,
+                                  RequestActorFree, RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe, SUBSCRIPTION,
                                   SupervisorAlive, SystemStatus, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
 from omni_actors.http.request_actors import (LOST_AFTER_S, REQUEST_ACTOR_SILENT_S,  # noqa: F401 - (tests)
@@ -178,6 +179,8 @@ class ActorBridge(RequestActorKeeping):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._address = None
         self._routes: Routes | None = None
+        #: the stages' replicas as the coordinator last published them (on every state change)
+        self._published: SystemStatus | None = None
 
     # -- lifecycle --------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -238,6 +241,10 @@ class ActorBridge(RequestActorKeeping):
             plan = plan_request(self._routes.config, self._routes.pools, request.output_types)
         except PlanError as exc:
             yield RequestFailed(400, str(exc), "invalid_request_error")
+            return
+        refused = self._no_replica(plan)
+        if refused is not None:  # refused here, before a stream could begin (as the pool would, later)
+            yield RequestFailed(503, refused, "service_unavailable")
             return
         timeout = request.timeout_s or self.request_timeout_s
         rid = request.request_id
@@ -482,6 +489,8 @@ class ActorBridge(RequestActorKeeping):
                 return
             self._end(msg)
         elif isinstance(msg, SystemStatus):
+            if msg.query_id == SUBSCRIPTION:
+                self._published = msg
             self._loop.call_soon_threadsafe(self._resolve_query, msg)
         elif isinstance(msg, Routes):
             if msg.config is not None and (msg.version != self._routes.version or msg.pools != self._routes.pools):
@@ -598,6 +607,25 @@ class ActorBridge(RequestActorKeeping):
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.put_nowait(event)
+
+    def _no_replica(self, plan) -> str | None:
+        """Why a request of ``plan`` gets a 503 at once: a stage it needs has no ready
+        replica and none on its way (scaled to 0, failed, draining), as its pool
+        would answer (:func:`~omni_actors.balancing.no_replica_reason`) once an
+        upstream stage reached it, when a stream could already have begun (with
+        a 200 and part of the text). None when every stage may take it, or when
+        the coordinator has published no status yet (the pools decide then)."""
+        published = self._published
+        if published is None:
+            return None
+        wait_s = self._routes.config.deployment.supervision.queue_timeout_s
+        states = {st.stage_id: st for st in published.stages}
+        for planned in plan.stages:
+            st = states.get(planned.stage_id)
+            refused = st and no_replica_reason(planned.stage, st.replicas, wait_s)
+            if refused:
+                return refused
+        return None
 
     def _resolve_query(self, status: SystemStatus) -> None:
         fut = self._queries.get(status.query_id)
