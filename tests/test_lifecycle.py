@@ -380,6 +380,43 @@ def test_a_stream_that_needs_a_stage_scaled_to_zero_gets_a_503_before_it_begins(
         leader.stop()
 
 
+def test_a_replica_frozen_with_work_in_flight_is_isolated_as_silent_not_stalled():
+    """SIGSTOP (as a host that vanished) of the Talker running a request, on the demo
+    config (stall_timeout_s 2 s, silence after 3 x 1 s heartbeats): the replica was
+    called stalled first, and its task counted as a crash, as if the input crashed it
+    (a trial's member host SIGKILLed mid-request got a 500 "not retried, it may be what
+    crashes them"). Now it is isolated for its missed heartbeats, its task moves to the
+    other Talker, and the request succeeds."""
+    from omni_actors.system.faultlab import inject_cli, read_events
+
+    leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
+    try:
+        for replica in ("talker/0", "talker/1"):  # slow enough to be caught at work (about 2 s a task)
+            assert inject_cli(leader.admin_port, "slow", "--replica", replica, "--factor", "200").returncode == 0
+        got: dict = {}
+        import threading
+
+        client = threading.Thread(target=_chat_into, args=(got, "audio", leader.base_url, False),
+                                  kwargs={"modalities": ["text", "audio"], "max_tokens": 20})
+        client.start()
+        busy, deadline = None, time.monotonic() + 20
+        while busy is None and time.monotonic() < deadline:
+            with urllib.request.urlopen(leader.base_url + "/stages", timeout=10) as r:
+                talker = next(s for s in json.loads(r.read())["stages"] if s["stage"] == "talker")
+            busy = next((rep["replica"] for rep in talker["replicas"] if rep["in_flight"]), None)
+            time.sleep(0.05)
+        assert busy is not None, "no Talker took the request"
+        since = time.time()
+        assert inject_cli(leader.admin_port, "sigstop", "--replica", busy).returncode == 0
+        client.join(60)
+        assert got["audio"][0] == 200, got
+        isolated = [e for e in read_events(leader.log_path, since)
+                    if e.get("event") == "replica_isolated" and e.get("replica") == busy]
+        assert isolated and isolated[0]["reason"].startswith("missed 3 heartbeats"), isolated
+    finally:
+        leader.stop()
+
+
 def test_a_prefill_longer_than_the_stall_timeout_is_work_not_a_hang():
     """2,500 prompt words at 1 ms each (2.5 s) on a stage with stall_timeout_s 1 s: the
     backend's own activity counts as progress, so the replica is not isolated and the

@@ -44,8 +44,27 @@ def test_progress_and_dispatch_to_an_idle_replica_reset_the_stall_clock():
     health.on_heartbeat(5.5, progress=0)
     assert policy.verdict(health, now=6.0, in_flight=1) is None
     health.on_heartbeat(6.9, progress=7)
-    assert policy.verdict(health, now=8.5, in_flight=1) is None
+    health.on_heartbeat(7.9, progress=7)
+    health.on_heartbeat(8.8, progress=7)
+    assert policy.verdict(health, now=8.85, in_flight=1) is None
+    health.on_heartbeat(8.95, progress=7)  # its heartbeats say: no progress for over 2 s
     assert policy.verdict(health, now=9.0, in_flight=1) is not None
+
+
+def test_a_replica_that_falls_silent_with_work_is_silent_not_stalled():
+    """Its host killed (or the process frozen) with tasks in flight: its heartbeats stop
+    with its progress. Under a stall timeout shorter than the silence (2 s against
+    3 x 1 s) it was called stalled first, and its tasks counted as crashes (a trial's
+    member host SIGKILLed: "stalled: 2 task(s) in flight", then a 500 blaming the input).
+    Only heartbeats that go on without progress make a stall."""
+    policy = HealthPolicy(heartbeat_interval_s=1.0, missed_heartbeats=3, stall_timeout_s=2.0)
+    health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
+    health.on_dispatch(now=0.0, was_idle=True)
+    health.on_heartbeat(1.0, progress=3, idle_s=0.0)  # working
+    health.on_heartbeat(2.0, progress=6, idle_s=0.0)  # then gone: no more heartbeats
+    for now in (2.5, 4.1, 4.9):
+        assert policy.verdict(health, now=now, in_flight=2) is None, now
+    assert policy.verdict(health, now=5.1, in_flight=2).startswith("missed 3 heartbeats")
 
 
 def test_a_stalled_replica_whose_tasks_were_cancelled_keeps_its_stall_clock():
@@ -64,8 +83,9 @@ def test_a_stalled_replica_whose_tasks_were_cancelled_keeps_its_stall_clock():
     health.on_dispatch(now=10.0, was_idle=True)
     health.on_heartbeat(10.2, progress=5, idle_s=0.0)  # (its new task waits for its input first)
     assert policy.verdict(health, now=10.05, in_flight=1) is None
-    assert policy.verdict(health, now=10.3, in_flight=1).startswith("stalled: 1 task(s)")
-    health.on_heartbeat(10.4, progress=6, idle_s=0.0)  # progress at last: a stall starts over
+    health.on_heartbeat(10.4, progress=5, idle_s=0.2)  # its input came; no progress on it
+    assert policy.verdict(health, now=10.4, in_flight=1).startswith("stalled: 1 task(s)")
+    health.on_heartbeat(10.5, progress=6, idle_s=0.0)  # progress at last: a stall starts over
     assert policy.verdict(health, now=12.0, in_flight=1) is None
 
     health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)

@@ -9,7 +9,9 @@ Rules (defaults in :class:`omni_actors.config.Supervision`):
   ``missed_heartbeats`` intervals (3, as Ray Serve's 3 failed checks, but 1 s
   apart instead of 10 s) is isolated: it is hung or gone.
 - **Stall**: a replica that heartbeats, has work in flight, and reports no
-  progress (tokens or items produced) for ``stall_timeout_s`` is isolated.
+  progress (tokens or items produced) for ``stall_timeout_s`` is isolated: its
+  heartbeats say so (one that falls silent is isolated for that instead, after
+  ``missed_heartbeats`` intervals, whatever ``stall_timeout_s`` is).
 - **Circuit breaker**: ``breaker_failures`` task failures in a row isolate it.
 - **Restart** (Erlang/OTP-style intensity): after an isolated replica is
   killed, or a replica's process exits, it is restarted after an exponential
@@ -237,7 +239,11 @@ class HealthPolicy:
         silent = now - health.last_heartbeat
         if self.silent(health, now):
             return f"missed {self.missed_heartbeats} heartbeats (silent {silent:.1f} s)"
-        if in_flight and health.stalled_s(now) > self.stall_timeout_s:
+        # Judged as of its last heartbeat: a stall is seen in heartbeats that go on without
+        # progress. One that stopped heartbeating too is silent (above, in time), which says
+        # nothing about its tasks: its host may be gone (it was called stalled, and its tasks
+        # counted as crashes, when stall_timeout_s was under the silence's 3 intervals).
+        if in_flight and health.stalled_s(health.last_heartbeat) > self.stall_timeout_s:
             return (f"stalled: {in_flight} task(s) in flight and no progress for "
                     f"{health.stalled_s(now):.1f} s")
         if health.consecutive_failures >= self.breaker_failures:
