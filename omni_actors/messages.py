@@ -319,6 +319,9 @@ class PoolState(Message):
     #: (replica, monotonic times of its restarts) for the replicas restarted (the pool's reports only):
     #: a recreated pool carries them on, so its restart budget does not start over
     restart_times: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    #: (replica, why it went down) of its FAILED replicas: a recreated pool keeps them failed,
+    #: tried again after ``failed_retry_s``, where it used to start them at once
+    failed: tuple[tuple[str, str], ...] = ()
     #: the index the pool's next new replica gets (its names are never used twice)
     next_index: int = 0
 
@@ -353,13 +356,14 @@ class StartPool(Message):
     #: how its engines store outputs (``omni_actors.connectors.MODES``, or ``omni:...``:
     #: through a vLLM-Omni connector, ``omni_actors.connectors.omni``); None: each engine's default
     connector_mode: str | None = None
-    #: The replicas to start, ``(replica id, pin, restart times, counters)`` each (pin: ``(node,
-    #: devices)`` or ``()``; monotonic seconds, this host's clock; counters: ``(completed, failed,
-    #: latency buckets, latency sum in s)``, the last report's), instead of ``deployment.replicas``
-    #: new ones: a pool recreated after a crash gets the replicas its predecessor ran (launched and
-    #: scaled ones included, those scaled down or drained left out) with their restart history
-    #: and counters (Prometheus counters must not go back).
-    replicas: tuple[tuple[str, tuple, tuple[float, ...], tuple], ...] | None = None
+    #: The replicas to start, ``(replica id, pin, restart times, counters, failed)`` each (pin:
+    #: ``(node, devices)`` or ``()``; monotonic seconds, this host's clock; counters: ``(completed,
+    #: failed, latency buckets, latency sum in s)``, the last report's; failed: why it went down
+    #: if it is FAILED, then kept so, else ""), instead of ``deployment.replicas`` new ones: a
+    #: pool recreated after a crash gets the replicas its predecessor ran (launched and scaled
+    #: ones included, those scaled down or drained left out) with their restart history and
+    #: counters (Prometheus counters must not go back).
+    replicas: tuple[tuple[str, tuple, tuple[float, ...], tuple, str], ...] | None = None
     #: the index of the next new replica's name (``<stage>/<index>``): a recreated pool goes on
     #: from its predecessor's, so no name is used twice
     next_index: int = 0

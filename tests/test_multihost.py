@@ -98,8 +98,9 @@ class Member:
     """A member host: ``python -m omni_actors.system start --convention-address ...`` in a child process."""
 
     def __init__(self, workdir: Path, convention: str, name: str, devices: str, *,
-                 env: dict[str, str] | None = None, prefix: list[str] | None = None, admin_port: int = 0):
-        self.name, self.devices, self.convention = name, devices, convention
+                 env: dict[str, str] | None = None, prefix: list[str] | None = None, admin_port: int = 0,
+                 extra_args: tuple[str, ...] = ()):
+        self.name, self.devices, self.convention, self.extra_args = name, devices, convention, extra_args
         #: held until the member's admin listens on it (see reserve_port)
         self._reserved = None if admin_port else reserve_port()
         self.admin_port = admin_port or self._reserved.getsockname()[1]
@@ -115,7 +116,7 @@ class Member:
         self.out, self.err = self.workdir / f"{tag}.out", self.workdir / f"{tag}.err"
         cmd = [*self.prefix, sys.executable, "-m", "omni_actors.system", "start",
                "--convention-address", self.convention, "--admin-port", str(self.admin_port),
-               "--node-name", self.name, "--devices", self.devices]
+               "--node-name", self.name, "--devices", self.devices, *self.extra_args]
         with open(self.out, "wb") as out, open(self.err, "wb") as err:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=ROOT,
                                          env={**os.environ, **self.env})
@@ -466,6 +467,35 @@ def test_leader_first_member_replicas_pending_and_a_request_waits_until_members_
           f"{time.monotonic() - t_join:.2f} s after the members were started")
     reps = cluster.wait_all_ready(talker=2, code2wav=2)
     assert_placement(reps)
+
+
+def test_a_member_started_before_its_leader_waits_for_it_and_joins(request, tmp_path):
+    """Hosts started together, in any order (as a scheduler does): a member whose leader
+    does not answer yet waits for it (``--leader-wait``, 60 s by default) and joins once
+    it is up; it used to exit at once ("no convention leader answers"), so hosts had to
+    be started in order. One that waits in vain says for how long, with exit status 1."""
+    leader_port = free_port()
+    member = Member(tmp_path, f"127.0.0.1:{leader_port}", "m1", "0,1,2,3,4,5")
+    request.addfinalizer(member.stop)
+    joining = threading.Thread(target=member.start, kwargs={"timeout_s": 90})
+    joining.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (member.proc and b"waiting up to 60 s" in member.out.read_bytes()):
+        time.sleep(0.1)
+    assert b"no convention leader answers" in member.out.read_bytes(), member.tail()
+    leader = LocalLeader(CONFIG, extra_args=["--node-name", "leader"], admin_port=leader_port)
+    request.addfinalizer(leader.stop)
+    leader.start()
+    joining.join(90)
+    assert member.session is not None, f"the member did not join: {member.tail()}"
+    cluster = Cluster(request, tmp_path, leader, {})
+    cluster.members["m1"] = member
+    cluster.wait(lambda reps: any(r["node"] == "m1" and r["state"] == "ready" for r in reps), "placed on m1")
+
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "start", "--convention-address",
+                          f"127.0.0.1:{free_port()}", "--admin-port", str(free_port()), "--leader-wait", "1"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 1 and out.stderr.strip().endswith("(waited 1 s: --leader-wait)"), out.stderr
 
 
 def test_no_member_joins_a_request_gets_a_clear_503_after_queue_timeout(request, tmp_path):

@@ -56,15 +56,34 @@ def test_a_replica_that_falls_silent_with_work_is_silent_not_stalled():
     with its progress. Under a stall timeout shorter than the silence (2 s against
     3 x 1 s) it was called stalled first, and its tasks counted as crashes (a trial's
     member host SIGKILLed: "stalled: 2 task(s) in flight", then a 500 blaming the input).
-    Only heartbeats that go on without progress make a stall."""
+    Only heartbeats that go on without progress make a stall; silence with work is
+    found as soon (no progress for the stall timeout), and is not counted as a crash."""
     policy = HealthPolicy(heartbeat_interval_s=1.0, missed_heartbeats=3, stall_timeout_s=2.0)
     health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
     health.on_dispatch(now=0.0, was_idle=True)
     health.on_heartbeat(1.0, progress=3, idle_s=0.0)  # working
     health.on_heartbeat(2.0, progress=6, idle_s=0.0)  # then gone: no more heartbeats
-    for now in (2.5, 4.1, 4.9):
+    for now in (2.5, 3.9):
         assert policy.verdict(health, now=now, in_flight=2) is None, now
-    assert policy.verdict(health, now=5.1, in_flight=2).startswith("missed 3 heartbeats")
+    assert policy.verdict(health, now=4.1, in_flight=2) == (
+        "silent with 2 task(s) in flight: no heartbeat for 2.1 s and no progress for 2.1 s")
+    assert policy.silent(health, now=4.1, in_flight=2)  # (its tasks move uncounted)
+    assert policy.verdict(health, now=4.1, in_flight=0) is None  # idle: only missed heartbeats tell
+    assert policy.verdict(health, now=5.1, in_flight=0).startswith("missed 3 heartbeats")
+
+
+def test_a_stall_between_two_heartbeats_waits_for_the_next_one_to_say_so():
+    """No progress for the stall timeout, the next heartbeat not due yet: neither a stall
+    nor silence until that heartbeat says which (one interval at most)."""
+    policy = HealthPolicy(heartbeat_interval_s=1.0, missed_heartbeats=3, stall_timeout_s=2.0)
+    health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
+    health.on_dispatch(now=0.0, was_idle=True)
+    for t in (0.5, 1.5):
+        health.on_heartbeat(t, progress=0, idle_s=t)
+    assert policy.verdict(health, now=2.1, in_flight=1) is None
+    health.on_heartbeat(2.5, progress=0, idle_s=2.5)
+    assert policy.verdict(health, now=2.5, in_flight=1).startswith("stalled: 1 task(s)")
+    assert not policy.silent(health, now=2.5, in_flight=1)  # (its tasks count as crashes)
 
 
 def test_a_stalled_replica_whose_tasks_were_cancelled_keeps_its_stall_clock():

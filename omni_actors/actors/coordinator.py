@@ -120,17 +120,18 @@ class CoordinatorActor(ActorTypeDispatcher):
                                   next_index=getattr(self._reported.get(stage.stage_id), "next_index", 0),
                                   coordinator_pid=os.getpid(), coordinator_host=socket.gethostname()))
 
-    def _layout(self, stage_id: int) -> tuple[tuple[str, tuple, tuple[float, ...], tuple], ...] | None:
-        """``(replica id, pin, restart times, counters)`` of each replica the stage's pool last reported
-        running (launched and scaled ones included; scaled down or draining: left out); None
-        before any report (the config's count then)."""
+    def _layout(self, stage_id: int) -> tuple[tuple[str, tuple, tuple[float, ...], tuple, str], ...] | None:
+        """``(replica id, pin, restart times, counters, failed)`` of each replica the stage's pool last
+        reported running or failed (launched and scaled ones included; scaled down or draining: left
+        out); None before any report (the config's count then). See ``StartPool.replicas``."""
         report = self._reported.get(stage_id)
         if report is None:
             return None
-        restarts = dict(report.restart_times)
+        restarts, failed = dict(report.restart_times), dict(report.failed)
         return tuple((r.replica, r.pin, restarts.get(r.replica, ()),
-                      (r.completed, r.failed, r.latency_buckets, r.latency_sum_s)) for r in report.replicas
-                     if r.state not in (ReplicaState.STOPPED, ReplicaState.DRAINING))
+                      (r.completed, r.failed, r.latency_buckets, r.latency_sum_s),
+                      failed.get(r.replica, "") if r.state == ReplicaState.FAILED else "")
+                     for r in report.replicas if r.state not in (ReplicaState.STOPPED, ReplicaState.DRAINING))
 
     def _settled(self) -> bool:
         if self._config is None:

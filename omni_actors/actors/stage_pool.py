@@ -87,6 +87,7 @@ class Replica:
     placing: bool = False  # a PlaceReplica is out
     restarts: list[float] = field(default_factory=list)
     failed_at: float = 0.0  # when it went FAILED (its retry's wake-up carries it)
+    failed_why: str = ""  # why it went FAILED, without when it is tried next (a recreated pool says it)
     #: why it last went down (died, isolated, failed); its next incarnation's reason says it once READY
     down_cause: str = ""
     health: ReplicaHealth | None = None
@@ -141,11 +142,16 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             for _ in range(msg.deployment.replicas):
                 self._launch(self._new_replica_id())
         else:  # recreated after a crash: the replicas the last pool ran, under their names
-            for rid, pin, restarts, (completed, failed, buckets, latency_sum) in msg.replicas:
+            for rid, pin, restarts, (completed, failed, buckets, latency_sum), down in msg.replicas:
                 self._next_index = max(self._next_index, replica_index(rid) + 1)
                 if pin:
                     self._pins[rid] = (pin[0], tuple(pin[1]))
-                self._launch(rid, list(restarts))
+                if down:  # supervision gave up on it: it stays so until its next try, as it would have
+                    rep = self._replicas[rid] = Replica(rid, None, restarts=list(restarts))
+                    rep.state, rep.down_cause, rep.failed_why = ReplicaState.FAILED, down, down
+                    rep.reason = down + self._retry_later(rep)
+                else:
+                    self._launch(rid, list(restarts))
                 rep = self._replicas[rid]  # (its counters go on, as after a restart)
                 rep.completed, rep.failed, rep.latency_sum = completed, failed, latency_sum
                 if len(buckets) == len(rep.latency):
@@ -297,7 +303,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             if rep.state == ReplicaState.READY and rep.health is not None:
                 why = self._health.verdict(rep.health, now, len(rep.in_flight))
                 if why:  # (stalled running its tasks counts against them; silence may be a lost host)
-                    self._isolate(rep, why, crashed=not self._health.silent(rep.health, now))
+                    self._isolate(rep, why, crashed=not self._health.silent(rep.health, now, len(rep.in_flight)))
             elif rep.state == ReplicaState.DRAINING and not rep.in_flight:
                 self.send(rep.address, DrainReplica(rep.replica))
         if self._ticks % PLACEMENT_RETRY_TICKS == 0:
@@ -352,6 +358,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
     def _set_down(self, rep: Replica, state: ReplicaState, reason: str) -> None:
         rep.down_cause = reason
         if state == ReplicaState.FAILED:
+            rep.failed_why = reason
             reason += self._retry_later(rep)
         rep.state, rep.reason = state, reason
         self._log.error("replica_down", replica=rep.replica, state=state.value, reason=reason)
@@ -415,8 +422,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         elif delay is None:
             self._release(rep)
             rep.state = ReplicaState.FAILED
-            rep.reason = (f"{cause}; gave up after {self._restart.recent(rep.restarts, now)} restarts in "
-                          f"{self._restart.window_s:g} s{self._retry_later(rep)}")
+            rep.failed_why = (f"{cause}; gave up after {self._restart.recent(rep.restarts, now)} restarts in "
+                              f"{self._restart.window_s:g} s")
+            rep.reason = rep.failed_why + self._retry_later(rep)
         else:
             if not self._pins.get(rep.replica, ("", ()))[1]:
                 self._release(rep)  # a replica pinned to devices keeps them for its restart
@@ -460,4 +468,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                                                pid=os.getpid(), pending=len(self._pending),
                                                restart_times=tuple((r.replica, tuple(r.restarts))
                                                                    for r in self._replicas.values() if r.restarts),
+                                               failed=tuple((r.replica, r.failed_why)
+                                                            for r in self._replicas.values()
+                                                            if r.state == ReplicaState.FAILED and r.failed_why),
                                                next_index=self._next_index))

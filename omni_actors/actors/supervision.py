@@ -9,9 +9,9 @@ Rules (defaults in :class:`omni_actors.config.Supervision`):
   ``missed_heartbeats`` intervals (3, as Ray Serve's 3 failed checks, but 1 s
   apart instead of 10 s) is isolated: it is hung or gone.
 - **Stall**: a replica that heartbeats, has work in flight, and reports no
-  progress (tokens or items produced) for ``stall_timeout_s`` is isolated: its
-  heartbeats say so (one that falls silent is isolated for that instead, after
-  ``missed_heartbeats`` intervals, whatever ``stall_timeout_s`` is).
+  progress (tokens or items produced) for ``stall_timeout_s`` is isolated; one
+  with work whose heartbeats stopped too is isolated as silent then (hung or
+  its host lost: its tasks are not counted against them).
 - **Circuit breaker**: ``breaker_failures`` task failures in a row isolate it.
 - **Restart** (Erlang/OTP-style intensity): after an isolated replica is
   killed, or a replica's process exits, it is restarted after an exponential
@@ -222,6 +222,11 @@ class ReplicaHealth:
         return (p1 - p0) / (t1 - t0) if t1 > t0 else 0.0
 
 
+#: A replica with work that made no progress for ``stall_timeout_s`` and whose heartbeat is
+#: this many intervals late (the next one was due and did not come) is silent, not stalled.
+LATE_WITH_WORK_INTERVALS = 1.5
+
+
 @dataclass(frozen=True)
 class HealthPolicy:
     heartbeat_interval_s: float = 1.0
@@ -229,20 +234,32 @@ class HealthPolicy:
     stall_timeout_s: float = 10.0
     breaker_failures: int = 5
 
-    def silent(self, health: ReplicaHealth, now: float) -> bool:
-        """Missed heartbeats: the replica hung, or its host is gone (which says
-        nothing about the tasks it was running)."""
-        return now - health.last_heartbeat > self.missed_heartbeats * self.heartbeat_interval_s
+    def silent(self, health: ReplicaHealth, now: float, in_flight: int = 0) -> bool:
+        """Missed heartbeats, or silent with work (see :meth:`verdict`): the replica
+        hung, or its host is gone, which says nothing about the tasks it was running."""
+        return (now - health.last_heartbeat > self.missed_heartbeats * self.heartbeat_interval_s
+                or self._silent_with_work(health, now, in_flight))
+
+    def _silent_with_work(self, health: ReplicaHealth, now: float, in_flight: int) -> bool:
+        return (bool(in_flight) and now - health.last_heartbeat > LATE_WITH_WORK_INTERVALS * self.heartbeat_interval_s
+                and health.stalled_s(now) > self.stall_timeout_s)
 
     def verdict(self, health: ReplicaHealth, now: float, in_flight: int) -> str | None:
-        """Why the replica must be isolated now, or None while it is healthy."""
+        """Why the replica must be isolated now, or None while it is healthy.
+
+        With work in flight and no progress for ``stall_timeout_s``, its heartbeats
+        tell a stall (they go on: it runs, but its tasks do not move; they count
+        as crashes, the input may be the cause) from silence (they stopped too,
+        :data:`LATE_WITH_WORK_INTERVALS` late: hung or its host lost; its tasks
+        move uncounted). It was called stalled either way, so a member host
+        killed mid-request under the demo's 2 s stall timeout failed its request
+        as a poison input."""
         silent = now - health.last_heartbeat
-        if self.silent(health, now):
+        if silent > self.missed_heartbeats * self.heartbeat_interval_s:
             return f"missed {self.missed_heartbeats} heartbeats (silent {silent:.1f} s)"
-        # Judged as of its last heartbeat: a stall is seen in heartbeats that go on without
-        # progress. One that stopped heartbeating too is silent (above, in time), which says
-        # nothing about its tasks: its host may be gone (it was called stalled, and its tasks
-        # counted as crashes, when stall_timeout_s was under the silence's 3 intervals).
+        if self._silent_with_work(health, now, in_flight):
+            return (f"silent with {in_flight} task(s) in flight: no heartbeat for {silent:.1f} s "
+                    f"and no progress for {health.stalled_s(now):.1f} s")
         if in_flight and health.stalled_s(health.last_heartbeat) > self.stall_timeout_s:
             return (f"stalled: {in_flight} task(s) in flight and no progress for "
                     f"{health.stalled_s(now):.1f} s")

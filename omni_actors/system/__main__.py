@@ -47,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--node-name", default=None,
                        help="this host's node name (default: the hostname; members: hostname-ADMINPORT)")
     start.add_argument("--stages", default="", help="member: only these stages, e.g. talker,code2wav (default any)")
+    start.add_argument("--leader-wait", type=float, default=None, metavar="S",
+                       help="member: how long to wait for a convention leader that does not answer yet "
+                            "(default 60 s; 0: fail at once)")
     start.add_argument("--config", default=None,
                        help="pipeline + deployment YAML (default: configs/cpu_omni_demo.yaml)")
     start.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
@@ -176,7 +179,7 @@ def cmd_start(args) -> int:
 def _start_member(args, devices: tuple[str, ...]) -> int:
     from omni_actors.logs import configure_logging
     from omni_actors.system.leader import StartError
-    from omni_actors.system.member import default_node_name, run_member
+    from omni_actors.system.member import LEADER_WAIT_S, MAX_LEADER_WAIT_S, default_node_name, run_member
 
     try:
         host, port = _convention(args.convention_address)
@@ -184,12 +187,16 @@ def _start_member(args, devices: tuple[str, ...]) -> int:
         return _fail(str(exc), 2)
     if args.admin_port == DEFAULT_ADMIN_PORT and int(port) == DEFAULT_ADMIN_PORT:
         return _fail("a member needs its own --admin-port (the leader uses 1900)", 2)
+    leader_wait = LEADER_WAIT_S if args.leader_wait is None else args.leader_wait
+    if not 0 <= leader_wait <= MAX_LEADER_WAIT_S:  # (also refuses nan)
+        return _fail(f"--leader-wait must be from 0 to {MAX_LEADER_WAIT_S:g} s, got {args.leader_wait:g}", 2)
     _ensure_system_id()
     configure_logging(args.log_level)
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
     try:
         return run_member((host, int(port)), admin_port=args.admin_port,
-                          node=args.node_name or default_node_name(args.admin_port), devices=devices, stages=stages)
+                          node=args.node_name or default_node_name(args.admin_port), devices=devices, stages=stages,
+                          leader_wait_s=leader_wait)
     except StartError as exc:
         return _fail(str(exc))
 

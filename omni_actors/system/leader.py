@@ -303,7 +303,8 @@ async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | 
     if bridge.in_flight():
         hurried = hurry is not None and hurry.is_set()
         ended = bridge.abort_all("the server is shutting down: " + (
-            "stopped at once (a second Ctrl-C or SIGTERM) while the request ran" if hurried else
+            "stopped at once (a second Ctrl-C or SIGTERM, which `stop` also sends when its "
+            "--timeout is about to run out) while the request ran" if hurried else
             f"the request was still running {timeout_s:g} s after the stop (supervision.drain_timeout_s)"))
         log.warning("drain_ended_requests", requests=ended,
                     why="second stop signal" if hurried else "drain_timeout_s", timeout_s=timeout_s)

@@ -20,11 +20,22 @@ from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_sy
 
 #: seconds between the member's checks that its convention leader's admin still answers
 LEADER_CHECK_S = 5.0
+#: how long a member that starts before its leader waits for it (``start --leader-wait``):
+#: hosts started together (by a scheduler, in any order) join once the leader is up
+LEADER_WAIT_S = 60.0
+MAX_LEADER_WAIT_S = 86400.0
+#: seconds between a waiting member's tries
+LEADER_POLL_S = 0.5
 
 
 def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devices: tuple[str, ...],
-               stages: tuple[str, ...]) -> int:
-    """Join the convention at ``convention`` and serve until SIGINT/SIGTERM.
+               stages: tuple[str, ...], leader_wait_s: float = LEADER_WAIT_S) -> int:
+    """Join the convention at ``convention`` and serve until SIGINT/SIGTERM. A leader
+    that does not answer yet is waited for, up to ``leader_wait_s`` (default
+    :data:`LEADER_WAIT_S`; a port that answers but is no Thespian admin fails at once).
+
+    Returns:
+        0 once it has left the convention; 130 if interrupted while it waited.
 
     Raises:
         StartError: the admin port is taken, the leader cannot be reached, or a live member
@@ -42,7 +53,14 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         raise StartError(f"admin port {admin_port} is in use")
     from omni_actors.system.remote import node_name_taken, probe_admin
 
-    problem = probe_admin(host, port)  # (an HTTP port would accept the connection, then never answer)
+    stopping = threading.Event()
+    me = os.getpid()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set() if os.getpid() == me else None)
+    problem = _wait_for_leader(host, port, leader_wait_s, stopping)
+    if stopping.is_set():
+        print("omni-actors member stopped while it waited for its leader", flush=True)
+        return 130
     if problem:
         raise StartError(problem)
     problem = node_name_taken(host, port, node)
@@ -56,10 +74,6 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     os.environ["OMNI_ACTORS_SHM_PREFIX"] = shm_prefix  # this host's buffers, for its reaper
     sweep_segments(shm_prefix)
     log = get_logger(actor="member", node=node)
-    stopping = threading.Event()
-    me = os.getpid()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set() if os.getpid() == me else None)
     caps = node_capabilities(admin_port, node, devices, stages)
     caps["Convention Address.IPv4"] = (host, port)
     asys = data = None
@@ -91,6 +105,24 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
             data.stop()
         log.info("member_stopped", processes_killed=killed)
         print("omni-actors member stopped", flush=True)
+
+
+def _wait_for_leader(host: str, port: int, wait_s: float, stopping: threading.Event) -> str | None:
+    """Probe the leader's admin until it answers, for up to ``wait_s`` (saying so once on
+    stdout) or until ``stopping`` is set; why it did not answer, or None when it did."""
+    from omni_actors.system.remote import NO_LEADER, probe_admin
+
+    deadline, said = time.monotonic() + wait_s, False
+    while True:
+        problem = probe_admin(host, port)  # (an HTTP port would accept the connection, then never answer)
+        if problem is None or not problem.startswith(NO_LEADER) or stopping.is_set():
+            return problem
+        if time.monotonic() >= deadline:
+            return problem + (f" (waited {wait_s:g} s: --leader-wait)" if wait_s > 0 else "")
+        if not said:
+            print(f"{problem}: waiting up to {wait_s:g} s for it (--leader-wait; Ctrl-C to give up)", flush=True)
+            said = True
+        stopping.wait(min(LEADER_POLL_S, max(deadline - time.monotonic(), 0.0)))
 
 
 def _serve(stopping: threading.Event, host: str, port: int, log) -> None:

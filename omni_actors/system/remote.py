@@ -106,12 +106,16 @@ class RemoteSystem:
         self._transport.close()
 
 
+#: How :func:`probe_admin` begins its answer when nothing listens on the port (yet).
+NO_LEADER = "no convention leader answers"
+
+
 def probe_admin(host: str, port: int) -> str | None:
     """None when a Thespian admin answers at ``host:port``, else why not (one line)."""
     from thespian.system.messages.status import Thespian_StatusReq, Thespian_SystemStatus
 
     if not port_in_use(port, host):
-        return f"no convention leader answers at {host}:{port}"
+        return f"{NO_LEADER} at {host}:{port}"
     try:
         system = RemoteSystem(host, port)
     except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
