@@ -195,6 +195,8 @@ BAD_REQUESTS = [
     ("huge max_tokens", {"model": MODEL, "messages": MESSAGES, "max_tokens": 10**9}, 400),
     ("nested too deeply", b"[" * 100_000 + b"]" * 100_000, 400),
     ("body over the limit", {"model": MODEL, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}, 413),
+    ("prompt over the context length",  # (the Thinker's max_model_len: 32768 words)
+     {"model": MODEL, "messages": [{"role": "user", "content": "x " * 40_000}]}, 400),
 ]
 
 

@@ -380,8 +380,17 @@ def _parse_thinker(task: BackendTask) -> tuple:
             _seed(task, "thinker"))
 
 
+def _check_context(cost: SyntheticCost, num_prompt: int, n: int, stage: str) -> None:
+    """Raises ValueError (a 400) when the prompt and the tokens asked for exceed ``max_model_len``."""
+    if num_prompt + n > cost.max_model_len:
+        raise ValueError(f"{stage}: the prompt has {num_prompt} tokens and {n} more are asked for, "
+                         f"{num_prompt + n} in all: over the model's context length of {cost.max_model_len} "
+                         f"tokens (synthetic.max_model_len); shorten the prompt or lower max_tokens")
+
+
 def _compute_thinker(cost: SyntheticCost, prompt: str, n: int, seed: int) -> _Plan:
     num_prompt = len(prompt.split())
+    _check_context(cost, num_prompt, n, "thinker")
     rng = _rng("thinker", prompt, seed)
     idx = rng.integers(0, len(_VOCAB), size=n)
     hidden = rng.standard_normal((num_prompt + n, cost.hidden_size), dtype=np.float32)
@@ -507,8 +516,9 @@ def _parse_ar(task: BackendTask) -> tuple:
 
 def _compute_ar(cost: SyntheticCost, prompt: str, seed: int) -> _Plan:
     n = cost.prior_grid ** 2
-    prior = _rng("ar", prompt, seed).integers(0, PRIOR_VOCAB, size=n, dtype=np.int32)
     num_prompt = len(prompt.split())
+    _check_context(cost, num_prompt, n, "ar")
+    prior = _rng("ar", prompt, seed).integers(0, PRIOR_VOCAB, size=n, dtype=np.int32)
     final = StageFinal(outputs={"prior_token_ids": prior}, num_prompt_tokens=num_prompt,
                        num_output_tokens=n)
     return _Plan(num_prompt, n, final)
