@@ -57,6 +57,24 @@ def test_finish_reason_is_length_when_the_stage_default_max_tokens_is_reached(op
     assert resp.choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_stop_string_ends_the_text_before_it_with_finish_reason_stop(openai_client, stream):
+    whole = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, seed=3)
+    words = whole.choices[0].message.content.split()
+    at = next(i for i in range(3, len(words)) if all(words[i] not in w for w in words[:i]))  # (first here)
+    stop, before = words[at], " ".join(words[:at]) + " "
+    kwargs = dict(model=MODEL, messages=MESSAGES, max_tokens=12, seed=3, stop=[stop])
+    if stream:
+        chunks = list(openai_client.chat.completions.create(**kwargs, stream=True))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert (text, finish) == (before, ["stop"])
+    else:
+        cut = openai_client.chat.completions.create(**kwargs)
+        assert cut.choices[0].message.content == before and cut.choices[0].finish_reason == "stop"
+        assert cut.usage.completion_tokens == at + 1  # up to the token that completed it
+
+
 def test_same_request_same_output(openai_client):
     """The synthetic engine is deterministic: same prompt and seed, same text."""
     a = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=5)

@@ -73,6 +73,30 @@ def test_thinker_streams_deltas_that_add_up_to_the_text():
     assert final.num_prompt_tokens == 3 and final.num_output_tokens == 10
 
 
+def test_thinker_ends_where_a_stop_string_begins_with_the_same_tokens_up_to_it():
+    """``stop`` (the API's): the text ends before the first stop string completed; the
+    tokens are those generated without it, up to the one that completed it (as vLLM's);
+    finish_reason "stop". A trial saw the demo ignore it ("length", the word in the text)."""
+    whole = final_of(run_task("thinker", {"prompt": "hello there world"}, {"max_tokens": 10}))
+    words = whole.outputs["text"].split()
+    stop = words[4][:2]  # begins inside the 5th word (its first two letters)
+    assert stop not in " ".join(words[:4])
+    events = run_task("thinker", {"prompt": "hello there world"}, {"max_tokens": 10, "stop": ["zzz", stop]})
+    deltas, final = events[:-1], final_of(events)
+    assert final.outputs["text"] == " ".join(words[:4]) + " " and final.finish_reason == "stop"
+    assert "".join(d.text for d in deltas) == final.outputs["text"]
+    assert final.num_output_tokens == len(deltas) == 5  # the 5th completed the stop string
+    assert final.outputs["token_ids"].tolist() == whole.outputs["token_ids"][:5].tolist()
+    assert np.array_equal(final.outputs["hidden_states"], whole.outputs["hidden_states"][:3 + 5])
+    # a stop string that never occurs changes nothing; one at the very start leaves no text
+    none = final_of(run_task("thinker", {"prompt": "hello there world"}, {"max_tokens": 10, "stop": "zzz"}))
+    assert none.outputs["text"] == whole.outputs["text"] and none.finish_reason is None
+    first = final_of(run_task("thinker", {"prompt": "hello there world"}, {"max_tokens": 10, "stop": words[0]}))
+    assert first.outputs["text"] == "" and first.num_output_tokens == 1
+    with pytest.raises(ValueError, match="stop"):
+        run_task("thinker", {"prompt": "x"}, {"stop": [""]})
+
+
 def test_thinker_default_max_tokens_and_hidden_size():
     final = final_of(run_task("thinker", {"prompt": "hi"}, hidden_size=16))
     assert final.outputs["token_ids"].shape == (32,)

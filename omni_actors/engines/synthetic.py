@@ -15,7 +15,9 @@ according to a :class:`~omni_actors.config.SyntheticCost` cost model
 - ar: ``{prompt: str}`` -> ``prior_token_ids: int32[prior_grid ** 2]`` in [0, 16384);
 - dit: ``{prior_token_ids: int[N], prompt: str}`` -> ``image: uint8[height, width, 3]``.
 
-``n`` is ``sampling_params["max_tokens"]`` (default 32), ``P`` the number of
+``n`` is ``sampling_params["max_tokens"]`` (default 32), or fewer where a
+``sampling_params["stop"]`` string ends the text (cut where it begins, the
+tokens up to the one that completed it, as vLLM's), ``P`` the number of
 whitespace-separated prompt words; ``width``/``height`` come from
 ``task.params`` (default 256). Only the thinker streams :class:`TextDelta` s
 (one per token). Outputs depend only on the input and
@@ -377,7 +379,36 @@ def _seed(task: BackendTask, stage: str) -> int:
 def _parse_thinker(task: BackendTask) -> tuple:
     return (_str_field(task, "prompt", "thinker"),
             _int_param(task.sampling_params, "max_tokens", 32, 0, None, "thinker"),
-            _seed(task, "thinker"))
+            _seed(task, "thinker"), _stop_strings(task.sampling_params))
+
+
+def _stop_strings(params: dict) -> tuple[str, ...]:
+    """``sampling_params["stop"]``: None, a string, or a list of non-empty strings."""
+    stop = params.get("stop")
+    if stop is None:
+        return ()
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+        raise ValueError("thinker: sampling_params `stop` must be a string or a list of non-empty strings")
+    return tuple(stop)
+
+
+def _cut_at_stop(texts: list[str], stop: tuple[str, ...]) -> tuple[int, list[str]] | None:
+    """Where generation ends on a stop string, as vLLM's: at the token that completes the
+    first stop string to be completed, the text cut where that string begins. Returns
+    ``(tokens generated, their texts cut there)``, or None when no stop string occurs."""
+    full = "".join(texts)
+    found = [(i + len(x), i) for x in stop if (i := full.find(x)) >= 0]
+    if not found:
+        return None
+    done, cut = min(found)
+    kept, pos = [], 0
+    for t in texts:
+        kept.append(t[:max(0, cut - pos)])
+        pos += len(t)
+        if pos >= done:
+            break
+    return len(kept), kept
 
 
 def _check_context(cost: SyntheticCost, num_prompt: int, n: int, stage: str) -> None:
@@ -388,18 +419,22 @@ def _check_context(cost: SyntheticCost, num_prompt: int, n: int, stage: str) -> 
                          f"tokens (synthetic.max_model_len); shorten the prompt or lower max_tokens")
 
 
-def _compute_thinker(cost: SyntheticCost, prompt: str, n: int, seed: int) -> _Plan:
+def _compute_thinker(cost: SyntheticCost, prompt: str, n: int, seed: int, stop: tuple[str, ...] = ()) -> _Plan:
     num_prompt = len(prompt.split())
     _check_context(cost, num_prompt, n, "thinker")
     rng = _rng("thinker", prompt, seed)
     idx = rng.integers(0, len(_VOCAB), size=n)
     hidden = rng.standard_normal((num_prompt + n, cost.hidden_size), dtype=np.float32)
-    words = [_VOCAB[i] for i in idx.tolist()]
+    texts = [(w if k == 0 else " " + w) for k, w in enumerate(_VOCAB[i] for i in idx.tolist())]
+    stopped = _cut_at_stop(texts, stop) if stop else None
+    if stopped is not None:  # (the same tokens as without it, up to the stop)
+        n, texts = stopped
+        idx, hidden = idx[:n], hidden[:num_prompt + n]
     ids = _VOCAB_IDS[idx]
-    deltas = [TextDelta(text=(w if k == 0 else " " + w), token_ids=(int(t),))
-              for k, (w, t) in enumerate(zip(words, ids.tolist()))]
-    final = StageFinal(outputs={"text": " ".join(words), "token_ids": ids, "hidden_states": hidden},
-                       num_prompt_tokens=num_prompt, num_output_tokens=n)
+    deltas = [TextDelta(text=t, token_ids=(int(i),)) for t, i in zip(texts, ids.tolist())]
+    final = StageFinal(outputs={"text": "".join(texts), "token_ids": ids, "hidden_states": hidden},
+                       num_prompt_tokens=num_prompt, num_output_tokens=n,
+                       finish_reason="stop" if stopped is not None else None)
     return _Plan(num_prompt, n, final, deltas)
 
 
