@@ -243,6 +243,23 @@ def test_stop_with_a_timeout_shorter_than_the_drain_ends_requests_with_a_clear_e
     assert leader.left_after_exit == []
 
 
+def test_status_of_a_system_whose_leader_was_killed_says_it_does_not_serve():
+    """The leader process SIGKILLed (its actors live on): `status` exits 3 and its last line
+    says the model is not served; it said "ready" (a trial read the table, not the warning)."""
+    leader = LocalLeader(CONFIGS / "cpu_image_demo.yaml").start()
+    env = {"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)}
+    try:
+        os.kill(leader.proc.pid, signal.SIGKILL)
+        leader.proc.wait(10)
+        status = _cli("status", "--admin-port", str(leader.admin_port), env=env)
+        assert status.returncode == 3, status.stdout + status.stderr
+        assert status.stdout.splitlines()[-1] == ("model glm-image-cpu-demo: NOT SERVING (its stages are ready, "
+                                                 "but its leader is not running: the HTTP API is down)"), status.stdout
+        assert "is not running, so the HTTP API is down" in status.stderr
+    finally:
+        leader.stop()
+
+
 def test_stop_command_and_status_command():
     leader = LocalLeader(CONFIGS / "cpu_image_demo.yaml").start()
     env = {"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)}

@@ -385,7 +385,7 @@ def cmd_status(admin, args) -> int:
     if args.json:
         print(json.dumps(status_to_dict(status), indent=2))
     else:
-        print_status_table(status)
+        print_status_table(status, api_down=api_down)
     return 0 if status.ready and not api_down else NOT_READY_EXIT
 
 

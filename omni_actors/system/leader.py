@@ -58,8 +58,9 @@ def _become_subreaper() -> None:
     threading.Thread(target=reap, name="reaper", daemon=True).start()
 
 
-def print_status_table(status, out=sys.stdout) -> None:
-    """Print a ``SystemStatus`` as a table: stage, replica, state, load, reason."""
+def print_status_table(status, out=sys.stdout, api_down: bool = False) -> None:
+    """Print a ``SystemStatus`` as a table: stage, replica, state, load, reason; with
+    ``api_down`` (its leader process is gone) the last line says it does not serve."""
     rows = [("STAGE", "REPLICA", "STATE", "NODE", "DEVICES", "PID", "IN_FLIGHT", "DONE", "FAILED", "RESTARTS",
              "REASON")]
     for st in status.stages:
@@ -78,7 +79,11 @@ def print_status_table(status, out=sys.stdout) -> None:
                                     for n in status.nodes), file=out)
     for note in getattr(status, "notes", ()):
         print(f"note: {note}", file=out)
-    print(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}", file=out)
+    if api_down:
+        print(f"model {status.model}: NOT SERVING (its stages are {'ready' if status.ready else 'not ready'}, "
+              f"but its leader is not running: the HTTP API is down)", file=out)
+    else:
+        print(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}", file=out)
 
 
 def node_capabilities(admin_port: int, node: str, devices: tuple[str, ...], stages: tuple[str, ...]) -> dict:
