@@ -23,6 +23,7 @@ a warning (see :func:`omni_actors.config_keys.unknown_key_warnings`).
 from __future__ import annotations
 
 import contextvars
+import difflib
 import re
 import typing
 from pathlib import Path
@@ -465,9 +466,12 @@ def _expected(typ: Any, path: str, message: str, obj: Any = _MISSING) -> tuple[s
     m = re.match(r"Object contains unknown field `(.*)`", message)
     if m:
         t = _type_at(typ, path)
-        known = (f"; expected one of: {', '.join(f.name for f in msgspec.structs.fields(t))}"
-                 if isinstance(t, type) and issubclass(t, msgspec.Struct) else "")
+        names = [f.name for f in msgspec.structs.fields(t)] if isinstance(t, type) and issubclass(
+            t, msgspec.Struct) else []
         field = m.group(1)
+        near = difflib.get_close_matches(field, names, n=1)
+        known = (f" (did you mean `{near[0]}`?)" if near else "") + (
+            f"; expected one of: {', '.join(names)}" if names else "")
         return (f"{path}.{field}" if path else field), f"unknown field `{field}`{known}"
     if message.startswith("Invalid enum value"):
         t = _type_at(typ, path)

@@ -343,7 +343,7 @@ def test_typo_in_a_stage_deployment_names_the_field(tmp_path: Path) -> None:
 
     err = refused(tmp_path, variant(mutate))
     assert err.path == "deployment.stages.talker.replica"
-    assert "unknown field `replica`" in err.message
+    assert "unknown field `replica` (did you mean `replicas`?)" in err.message
     assert "replicas" in err.message.split("expected")[1]
 
 
