@@ -371,6 +371,8 @@ def parse_image_request(body: Any, bridge: Bridge) -> ImageRequest:
     if fmt not in (None, "b64_json"):
         raise _bad(f"Invalid value for 'response_format': {fmt!r}. Supported value is "
                    "'b64_json'.", "response_format")
+    if body.get("stream") not in (None, False):  # (a client that asked for partial images would wait for events)
+        raise _bad("Streaming is not supported for image generation: leave 'stream' out or false.", "stream")
     seed = _opt_int(body, "seed", -(2**63), 2**64 - 1)
     return ImageRequest(model, prompt, width, height, seed)
 
