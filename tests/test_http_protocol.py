@@ -33,7 +33,8 @@ def sine(n: int = 2400, sr: int = 24000) -> np.ndarray:
 
 class FakeBridge:
     """Scripted events; the prompt picks the script (``[fail503]``,
-    ``[failmid]``, ``[slow]``, ``[notext]``, ``[stuck]``)."""
+    ``[failmid]``, ``[slow]``, ``[notext]``, ``[stuck]``, ``[lost]``: its final
+    output lost with its host, ``[lost][lostonce]``: the first time only)."""
 
     def __init__(self, output_types=("text", "audio"), request_timeout_s: float = 30.0):
         self.model_name = MODEL
@@ -46,6 +47,11 @@ class FakeBridge:
     async def submit(self, req: PipelineRequest):
         self.submitted.append(req)
         p = req.prompt
+        if "[lost]" in p and ("[lostonce]" not in p or len(self.submitted) == 1):
+            for piece in ("Gone ", "soon"):
+                yield OutputText(piece)
+            yield RequestFailed(500, "final output lost: data service 10.0.0.9:4000 unreachable", lost_output=True)
+            return
         if "[fail503]" in p:
             yield RequestFailed(503, "no ready replica for stage thinker")
             return
@@ -91,6 +97,37 @@ def serve(bridge, body, **app_kwargs):
             return await body(client)
 
     return asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_whose_output_was_lost_with_its_host_runs_once_more(stream):
+    """The API server could not read a finished request's output (its member host was
+    killed meanwhile): the request runs again under a new id, within its deadline, and
+    the client gets the second run's answer; it got a 500. A stream runs again only if
+    nothing of it was sent (here its text was: an error event, as before)."""
+    async def body(client):
+        resp = await client.post(CHAT, json=chat("[lost][lostonce]", stream=stream))
+        return resp.status, await resp.text()
+
+    bridge = FakeBridge(output_types=("text",))
+    status, text = serve(bridge, body)
+    ids = [r.request_id for r in bridge.submitted]
+    if stream:
+        assert status == 200 and "final output lost" in text and len(ids) == 1, text
+        return
+    assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == "Hello world", text
+    assert len(ids) == 2 and ids[1] == ids[0] + "-rerun1", ids
+    assert bridge.submitted[1].timeout_s <= bridge.submitted[0].timeout_s
+
+    bridge = FakeBridge(output_types=("text",))  # lost again: one rerun only, and the error says so
+    status, text = serve(bridge, lambda client: _post_text(client, chat("[lost]")))
+    assert status == 500 and len(bridge.submitted) == 2
+    assert "after the request ran again: an output of its first run was lost with its host" in text, text
+
+
+async def _post_text(client, body):
+    resp = await client.post(CHAT, json=body)
+    return resp.status, await resp.text()
 
 
 def chat(content="hi", **extra):

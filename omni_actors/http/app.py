@@ -8,6 +8,7 @@ aiohttp's own 404/405/413 included, leaves as OpenAI error JSON.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import re
 import uuid
@@ -200,6 +201,18 @@ async def auth_middleware(request: web.Request, handler: _Handler) -> web.Stream
 
 # ------------------------------------------------------------------- running
 
+#: How many times a request whose output was lost with its host runs again.
+MAX_RERUNS = 1
+
+@dataclasses.dataclass(frozen=True)
+class Rerun:
+    """The request runs again from the start under ``request_id`` (its output was
+    lost with its host, :attr:`RequestFailed.lost_output`): drop what came before."""
+
+    request_id: str
+    why: str
+
+
 class _Run:
     """One pipeline request's event stream. Use as ``async with``: leaving
     before ``RequestDone``/``RequestFailed`` (early return, exception, client
@@ -207,11 +220,18 @@ class _Run:
 
     Guards against a stuck bridge: past ``timeout_s`` plus a grace period
     it yields ``RequestFailed(504)`` itself.
+
+    A request whose output was lost with its host after it ran (a member host
+    killed between making its stage's output and the API server reading it) runs
+    once more, within the same deadline, when ``can_rerun()`` says nothing of it
+    reached the client yet: a :class:`Rerun` event says so first. (It got a 500.)
     """
 
-    def __init__(self, bridge: Bridge, preq: PipelineRequest) -> None:
-        self.bridge, self.preq, self.finished = bridge, preq, False
+    def __init__(self, bridge: Bridge, preq: PipelineRequest,
+                 can_rerun: Callable[[], bool] = lambda: False) -> None:
+        self.bridge, self.preq, self.finished, self.can_rerun = bridge, preq, False, can_rerun
         self._events: AsyncIterator[BridgeEvent] | None = None
+        self.reruns = 0
 
     async def __aenter__(self) -> "_Run":
         self._events = self.bridge.submit(self.preq)
@@ -224,6 +244,9 @@ class _Run:
                 await asyncio.shield(self.bridge.cancel(self.preq.request_id))
             except Exception:
                 _log().exception("http_cancel_failed", request_id=self.preq.request_id)
+        await self._close_events()
+
+    async def _close_events(self) -> None:
         aclose = getattr(self._events, "aclose", None)
         if aclose is not None:
             try:
@@ -246,8 +269,24 @@ class _Run:
             except asyncio.TimeoutError:
                 yield RequestFailed(504, "The request timed out.", "timeout")
                 return
+            if (isinstance(event, RequestFailed) and event.lost_output and self.reruns < MAX_RERUNS
+                    and self.can_rerun() and (deadline is None or deadline - loop.time() > DEADLINE_GRACE_S)):
+                self.reruns += 1
+                left = None if deadline is None else deadline - loop.time() - DEADLINE_GRACE_S
+                old, self.preq = self.preq, dataclasses.replace(
+                    self.preq, request_id=f"{self.preq.request_id}-rerun{self.reruns}", timeout_s=left)
+                _log().warning("http_request_rerun", request_id=old.request_id, rerun_id=self.preq.request_id,
+                               why=event.message)
+                await self._close_events()
+                self._events = self.bridge.submit(self.preq)
+                it = self._events.__aiter__()
+                yield Rerun(self.preq.request_id, event.message)
+                continue
             if isinstance(event, (RequestDone, RequestFailed)):
                 self.finished = True
+                if isinstance(event, RequestFailed) and self.reruns:
+                    event = dataclasses.replace(event, message=f"{event.message} (after the request ran again: "
+                                                               f"an output of its first run was lost with its host)")
                 yield event
                 return
             yield event
@@ -293,9 +332,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if creq.stream:
         return await _stream_chat(request, bridge, creq, preq)
     created, deltas, text, audio, done = P.now(), [], None, None, RequestDone()
-    async with _Run(bridge, preq) as run:
+    async with _Run(bridge, preq, can_rerun=lambda: True) as run:  # (nothing is sent before the end)
         async for ev in run:
-            if isinstance(ev, OutputText):
+            if isinstance(ev, Rerun):
+                deltas, text, audio, done = [], None, None, RequestDone()
+            elif isinstance(ev, OutputText):
                 if ev.text:
                     M.first_text(request, CHAT_PATH, stream=False)
                 deltas.append(ev.text)
@@ -343,9 +384,12 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
         return P.chat_chunk(rid, creq.model, created, delta, finish, iu)
 
     streamed, audio, done, audio_id = [], None, None, None
-    async with _Run(bridge, preq) as run:
+    async with _Run(bridge, preq, can_rerun=lambda: not resp.prepared) as run:
         try:
             async for ev in run:
+                if isinstance(ev, Rerun):
+                    audio = done = None  # (nothing was sent: the stream begins with the rerun's events)
+                    continue
                 if isinstance(ev, RequestFailed) and not resp.prepared:
                     raise _failed(ev)
                 if not resp.prepared:
@@ -410,9 +454,11 @@ async def images_generations(request: web.Request) -> web.Response:
     preq = _pipeline_request(request, "img", ireq.prompt, frozenset({"image"}),
                              ireq.sampling_params(), ireq.params())
     image = None
-    async with _Run(bridge, preq) as run:
+    async with _Run(bridge, preq, can_rerun=lambda: True) as run:
         async for ev in run:
-            if isinstance(ev, OutputFinal) and ev.output_type == "image":
+            if isinstance(ev, Rerun):
+                image = None
+            elif isinstance(ev, OutputFinal) and ev.output_type == "image":
                 image = ev.data["image"]
             elif isinstance(ev, RequestFailed):
                 raise _failed(ev)

@@ -59,6 +59,7 @@ from thespian.actors import ActorExitRequest
 from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
 from omni_actors.balancing import no_replica_reason
 from omni_actors.connectors import make_connector
+from omni_actors.connectors.data_client import DataServiceError
 from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone,
                                     RequestFailed, within)
 from omni_actors.logs import get_logger
@@ -597,7 +598,8 @@ class ActorBridge(RequestActorKeeping):
         try:
             return self._connector.take(msg.ref)
         except Exception as exc:  # noqa: BLE001
-            self._deliver(msg.request_id, RequestFailed(500, f"{what} lost: {exc}"))
+            self._deliver(msg.request_id, RequestFailed(500, f"{what} lost: {exc}",
+                                                        lost_output=isinstance(exc, DataServiceError)))
             return None
 
     def _deliver(self, request_id: str, event: BridgeEvent) -> None:

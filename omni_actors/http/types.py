@@ -98,6 +98,10 @@ class RequestFailed:
     status: int
     message: str
     type: str = "server_error"
+    #: the pipeline ran, but an output it made was lost with its host (the node's data
+    #: service unreachable) before it was read: nothing in the request caused it, and it
+    #: may run again as long as nothing of it reached the client
+    lost_output: bool = False
 
 
 BridgeEvent = Union[OutputText, OutputPart, OutputFinal, RequestDone, RequestFailed]
