@@ -498,6 +498,42 @@ def test_a_member_started_before_its_leader_waits_for_it_and_joins(request, tmp_
     assert out.returncode == 1 and out.stderr.strip().endswith("(waited 1 s: --leader-wait)"), out.stderr
 
 
+def test_an_output_its_host_can_no_longer_serve_makes_the_request_run_again(request, tmp_path):
+    """The member's own process (its data service) SIGKILLed, its actors alive: the
+    API server cannot read the final audio Code2Wav made there. The request runs once
+    more (``http_request_rerun``), then fails with a 500 that says so; that rerun is
+    what saves a request whose host was killed outright, whose replicas are then
+    isolated and its tasks moved. It was a 500 at once."""
+    from omni_actors.connectors import sweep_segments
+
+    cluster = start_cluster(request, tmp_path, members=(("m1", "0,1,2,3"),), wait_ready=False)
+    member = cluster.members["m1"]
+    request.addfinalizer(lambda: sweep_segments(f"oa-{member.admin_port}-"))  # (its own cleanup is killed)
+    cluster.wait_all_ready(talker=2, code2wav=2, thinker=1)
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}],
+                       "modalities": ["text", "audio"], "max_tokens": 32}).encode()  # (audio over 64 KiB: not inline)
+
+    def chat_long() -> tuple[int, dict]:
+        req = urllib.request.Request(cluster.base_url + "/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+    assert_audio_reply(*chat_long())
+    since = time.time()
+    member.proc.kill()
+    member.proc.wait(10)
+    status, body = chat_long()
+    message = body.get("error", {}).get("message", "")
+    assert status == 500 and "final output lost: data service" in message, body
+    assert "after the request ran again: an output of its first run was lost with its host" in message, body
+    reruns = [e for e in read_events(cluster.leader.log_path, since) if e.get("event") == "http_request_rerun"]
+    assert len(reruns) == 1 and reruns[0]["rerun_id"].endswith("-rerun1"), reruns
+
+
 def test_no_member_joins_a_request_gets_a_clear_503_after_queue_timeout(request, tmp_path):
     config = tmp_path / "multihost_short_queue.yaml"
     text = CONFIG.read_text()
