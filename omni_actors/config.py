@@ -131,8 +131,9 @@ class SyntheticCost(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefill_ms_per_token: MsPerToken = 0.0
     decode_ms_per_token: MsPerToken = 0.0
     max_concurrency: _count(4096) = 8
-    #: Thinker / AR: the longest prompt plus ``max_tokens`` a task may ask for, in tokens
-    #: (whitespace-separated words), as vLLM's ``max_model_len``; longer ones fail with a 400.
+    #: Thinker / AR: the context length in tokens (whitespace-separated words), as vLLM's
+    #: ``max_model_len``: a longer prompt fails with a 400 (an AR prompt must leave room for its
+    #: image tokens), and a Thinker stops there (``finish_reason`` length), as vLLM's engine does.
     #: 32768 as Qwen3-Omni's Thinker's. (A 512,000-word prompt took a demo Thinker 100 s.)
     max_model_len: PositiveInt = 32768
     #: Thinker hidden size (columns of the hidden-state tensor).

@@ -169,16 +169,20 @@ def test_bad_params_raise_value_error():
                  params={"width": 0})
 
 
-def test_a_prompt_over_the_context_length_is_refused_as_bad_input():
-    """A prompt plus max_tokens over ``max_model_len`` is a ValueError (the client gets a
-    400), not 100 s of prefill and a 130 MB hidden-state array (a trial's 512,000 words)."""
+def test_a_prompt_over_the_context_length_is_refused_and_generation_stops_at_it():
+    """As vLLM's engine: a prompt longer than ``max_model_len`` is a ValueError (the client
+    gets a 400), not 100 s of prefill and a 130 MB hidden-state array (a trial's 512,000
+    words); a shorter one whose max_tokens runs past it stops there, finish_reason length."""
     words = " ".join(["w"] * 10)
-    final_of(run_task("thinker", {"prompt": words}, {"max_tokens": 6}, max_model_len=16))  # 16: fits
-    with pytest.raises(ValueError, match=r"the prompt has 10 tokens and 7 more are asked for, 17 in all: "
-                                         r"over the model's context length of 16 tokens"):
-        run_task("thinker", {"prompt": words}, {"max_tokens": 7}, max_model_len=16)
-    with pytest.raises(ValueError, match="context length of 16"):  # AR: prior_grid ** 2 tokens
-        run_task("ar", {"prompt": "a cat"}, prior_grid=4, max_model_len=16)
+    final = final_of(run_task("thinker", {"prompt": words}, {"max_tokens": 6}, max_model_len=16))  # fits
+    assert final.num_output_tokens == 6 and final.finish_reason is None
+    final = final_of(run_task("thinker", {"prompt": words}, {"max_tokens": 9}, max_model_len=16))
+    assert final.num_output_tokens == 6 and final.finish_reason == "length"
+    assert final.outputs["hidden_states"].shape[0] == 16
+    with pytest.raises(ValueError, match=r"the prompt has 17 tokens: over the model's context length of 16"):
+        run_task("thinker", {"prompt": words + " x" * 7}, {"max_tokens": 1}, max_model_len=16)
+    with pytest.raises(ValueError, match=r"the prompt has 2 tokens and 16 more are needed, 18 in all: over"):
+        run_task("ar", {"prompt": "a cat"}, prior_grid=4, max_model_len=16)  # AR: prior_grid ** 2 tokens
 
 
 # -- determinism ---------------------------------------------------------------

@@ -412,16 +412,19 @@ def _cut_at_stop(texts: list[str], stop: tuple[str, ...]) -> tuple[int, list[str
 
 
 def _check_context(cost: SyntheticCost, num_prompt: int, n: int, stage: str) -> None:
-    """Raises ValueError (a 400) when the prompt and the tokens asked for exceed ``max_model_len``."""
+    """Raises ValueError (a 400) when the prompt and the ``n`` tokens it must get exceed ``max_model_len``."""
     if num_prompt + n > cost.max_model_len:
-        raise ValueError(f"{stage}: the prompt has {num_prompt} tokens and {n} more are asked for, "
-                         f"{num_prompt + n} in all: over the model's context length of {cost.max_model_len} "
-                         f"tokens (synthetic.max_model_len); shorten the prompt or lower max_tokens")
+        asked = f" and {n} more are needed, {num_prompt + n} in all:" if n else ":"
+        raise ValueError(f"{stage}: the prompt has {num_prompt} tokens{asked} over the model's context length "
+                         f"of {cost.max_model_len} tokens (synthetic.max_model_len); shorten the prompt")
 
 
 def _compute_thinker(cost: SyntheticCost, prompt: str, n: int, seed: int, stop: tuple[str, ...] = ()) -> _Plan:
     num_prompt = len(prompt.split())
-    _check_context(cost, num_prompt, n, "thinker")
+    if num_prompt > cost.max_model_len:  # (a longer prompt fails, a shorter one stops there: vLLM's engine)
+        _check_context(cost, num_prompt, 0, "thinker")
+    clamped = num_prompt + n > cost.max_model_len
+    n = min(n, cost.max_model_len - num_prompt)
     rng = _rng("thinker", prompt, seed)
     idx = rng.integers(0, len(_VOCAB), size=n)
     hidden = rng.standard_normal((num_prompt + n, cost.hidden_size), dtype=np.float32)
@@ -434,7 +437,7 @@ def _compute_thinker(cost: SyntheticCost, prompt: str, n: int, seed: int, stop: 
     deltas = [TextDelta(text=t, token_ids=(int(i),)) for t, i in zip(texts, ids.tolist())]
     final = StageFinal(outputs={"text": "".join(texts), "token_ids": ids, "hidden_states": hidden},
                        num_prompt_tokens=num_prompt, num_output_tokens=n,
-                       finish_reason="stop" if stopped is not None else None)
+                       finish_reason="stop" if stopped is not None else "length" if clamped else None)
     return _Plan(num_prompt, n, final, deltas)
 
 
