@@ -196,6 +196,7 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
         time.sleep(2)  # (the replicas are starting)
         status = _cli("status", "--admin-port", str(admin_port), env=env)
         assert status.returncode == 3 and "starting" in status.stdout, (status.stdout, status.stderr)
+        assert "is not up yet: the leader opens it once every replica is ready or has failed" in status.stdout
         t0 = time.monotonic()
         stop = _cli("stop", "--admin-port", str(admin_port), env=env)
         took = time.monotonic() - t0

@@ -328,12 +328,12 @@ def cmd_stop(args) -> int:
     return 0
 
 
-def _listening(port: int) -> bool:
-    """Whether something accepts TCP connections on ``port`` of this host (loopback)."""
+def _listening(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts TCP connections on ``host:port`` (default: this host's loopback)."""
     import socket
 
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+        with socket.create_connection((host, port), timeout=0.5):
             return True
     except OSError:
         return False
@@ -378,6 +378,8 @@ def cmd_status(admin, args) -> int:
     status = admin.status()
     state = None if getattr(args, "convention_address", None) else _read_state(args.admin_port)
     api_down = state is not None and not _alive(state["pid"])
+    api_host = state and (state.get("host") if state.get("host") not in (None, "", "0.0.0.0", "::") else "127.0.0.1")
+    api_starting = bool(state and state.get("port") and not api_down and not _listening(state["port"], api_host))
     if api_down:
         print(f"warning: the leader (pid {state['pid']}) is not running, so the HTTP API is down; "
               f"`python -m omni_actors.system stop --admin-port {args.admin_port}` cleans up",
@@ -386,7 +388,10 @@ def cmd_status(admin, args) -> int:
         print(json.dumps(status_to_dict(status), indent=2))
     else:
         print_status_table(status, api_down=api_down)
-    return 0 if status.ready and not api_down else NOT_READY_EXIT
+        if api_starting:
+            print(f"the HTTP API (http://{api_host}:{state['port']}/v1) is not up yet: the leader opens it "
+                  f"once every replica is ready or has failed")
+    return 0 if status.ready and not api_down and not api_starting else NOT_READY_EXIT
 
 
 @_admin_verb
