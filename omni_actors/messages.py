@@ -282,6 +282,8 @@ class ReplicaStatus(Message):
     devices: str = ""
     backend: str = ""
     restarts: int = 0
+    #: a fault injected into it and still in force, as its last heartbeat said ("slow x20"); "" none
+    fault: str = ""
     rate: float = 0.0  #: tokens / frames / items per second, over the last heartbeats
     kv_cache_usage: float | None = None
     latency_buckets: tuple[int, ...] = ()  #: stage task latency histogram (``LATENCY_BUCKETS_S``)
@@ -289,6 +291,10 @@ class ReplicaStatus(Message):
     #: ``(node, devices)`` the replica was launched pinned to (``stage launch --node/--devices``;
     #: devices may be empty: that node only); ``()``: placed wherever it fits
     pin: tuple = ()
+
+    def reason_label(self) -> str:
+        """The REASON cell of a status table: its reason, and the fault injected into it, if any."""
+        return "; ".join(filter(None, (self.reason, self.fault and f"fault injected: {self.fault}")))
 
     def devices_label(self) -> str:
         """The DEVICES cell of a status table: ``"2"``, ``"2 (pinned)"`` (to those devices),
@@ -427,6 +433,8 @@ class Heartbeat(Message):
     kv_cache_usage: float | None = None
     progress: int = 0  #: tokens / frames / items produced since start (the stall watchdog's clock)
     idle_s: float | None = None  #: seconds since the last progress, as the engine measured it
+    #: the fault injected into it that is in force (``"slow x20"``, ``"stall"``, ``"raise x2"``); "" none
+    fault: str = ""
 
 
 @dataclass(frozen=True)

@@ -579,6 +579,37 @@ def test_stage_scale_and_drain_at_runtime(fanin_leader):
         "error: --replicas must be from 0 to 1024 (each replica is a process), got -1"), bad.stderr
 
 
+def test_status_shows_a_fault_injected_into_a_replica_until_it_is_cleared(fanin_leader):
+    """`inject slow` (or stall, raise) left no trace in `status` or /v1/stages: a trial could not
+    tell which replica was slowed, nor whether a fault was still in force."""
+    from omni_actors.system.faultlab import inject_cli
+
+    port, env = fanin_leader.admin_port, {"OMNI_ACTORS_STATE_DIR": str(fanin_leader.log_path.parent)}
+
+    def fault_of(replica: str) -> str:
+        with urllib.request.urlopen(fanin_leader.base_url + "/stages", timeout=10) as r:
+            return next(rep["fault"] for st in json.loads(r.read())["stages"] for rep in st["replicas"]
+                        if rep["replica"] == replica)
+
+    def wait_fault(replica: str, want: str) -> None:
+        deadline = time.monotonic() + 10  # (within a heartbeat)
+        while fault_of(replica) != want:
+            assert time.monotonic() < deadline, (replica, fault_of(replica), want)
+            time.sleep(0.1)
+
+    try:
+        assert inject_cli(port, "slow", "--replica", "thinker/0", "--factor", "3").returncode == 0
+        wait_fault("thinker/0", "slow x3")
+        table = _cli("status", "--admin-port", str(port), env=env).stdout
+        row = next(line for line in table.splitlines() if line.split()[:2] == ["thinker", "thinker/0"])
+        assert row.rstrip().endswith("fault injected: slow x3"), table
+        assert inject_cli(port, "raise", "--replica", "thinker/0", "--count", "2").returncode == 0
+        wait_fault("thinker/0", "raise x2")  # (the last injected replaces the one before)
+    finally:
+        assert inject_cli(port, "clear", "--replica", "thinker/0").returncode == 0
+    wait_fault("thinker/0", "")
+
+
 def test_stage_launch_and_stop_act_on_one_stage(image_leader):
     port = str(image_leader.admin_port)
 

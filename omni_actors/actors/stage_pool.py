@@ -79,6 +79,7 @@ class Replica:
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float | None = None
+    fault: str = ""  # the injected fault in force, as its engine's heartbeats say
     pid: int | None = None
     node: str = ""
     host: str = ""
@@ -239,6 +240,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             self._tick()
         if rep is not None and rep.health is not None:
             rep.running, rep.waiting, rep.kv_cache_usage = msg.running, msg.waiting, msg.kv_cache_usage
+            if msg.fault != rep.fault:
+                rep.fault = msg.fault
+                self._publish()  # (status shows an injected fault within a heartbeat)
             rep.health.on_heartbeat(time.monotonic(), msg.progress, msg.idle_s)
 
     def receiveMsg_PoolStateAck(self, msg, sender):
@@ -462,7 +466,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 rate=round(r.health.rate(), 2) if r.health and r.state not in _NO_PROCESS else 0.0,
                 kv_cache_usage=r.kv_cache_usage if r.state not in _NO_PROCESS else None,
                 latency_buckets=tuple(r.latency), latency_sum_s=round(r.latency_sum, 6),
-                pin=self._pins.get(r.replica, ()))
+                pin=self._pins.get(r.replica, ()), fault=r.fault if r.state not in _NO_PROCESS else "")
             for r in self._replicas.values())
         self.send(self._coordinator, PoolState(self._spec.stage.stage_id, self._spec.stage.name, replicas,
                                                pid=os.getpid(), pending=len(self._pending),

@@ -66,7 +66,7 @@ def print_status_table(status, out=sys.stdout, api_down: bool = False) -> None:
     for st in status.stages:
         for r in st.replicas:
             rows.append((st.stage, r.replica, r.state.value, r.node or "-", r.devices_label(), str(r.pid or "-"),
-                         str(r.in_flight), str(r.completed), str(r.failed), str(r.restarts), r.reason))
+                         str(r.in_flight), str(r.completed), str(r.failed), str(r.restarts), r.reason_label()))
         if not st.replicas:
             rows.append((st.stage, "-", "no replicas", "", "", "", "", "", "", "", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(10)]

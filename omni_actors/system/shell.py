@@ -309,7 +309,7 @@ class AdminShell(cmd.Cmd):
         for st in stages:
             for r in st.replicas:
                 rows.append((r.replica, r.state.value, r.pid or "-", r.node or "-", r.devices_label(),
-                             r.in_flight, r.completed, r.failed, r.restarts, r.reason))
+                             r.in_flight, r.completed, r.failed, r.restarts, r.reason_label()))
         _table(rows, self.stdout)
 
     def do_scale(self, arg):
