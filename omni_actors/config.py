@@ -149,6 +149,8 @@ class SyntheticCost(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Which synthetic behaviour to run (thinker, talker, code2wav, ar, dit);
     #: default: the stage name. Lets two stages of one graph share one.
     kind: str | None = None
+    #: For tests: spend ``startup_s`` blocking the engine's loop, as a vLLM engine's start does.
+    startup_blocks: bool = False
     #: Fault injection for tests: fail start-up with this message.
     fail_startup: str | None = None
     #: Fault injection for tests, a "poison" request: the replica's process exits at once

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -354,6 +355,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             self._stalled = asyncio.Event()
 
     def receiveMsg_ActorExitRequest(self, msg: ActorExitRequest, sender):
+        if self._rt is not None and self._backend is not None and not self._ready:
+            self._exit_while_loading()
         if self._rt is not None:
             if self._backend is not None:
                 # Stop the engine cleanly (a vLLM core is a child process), within a bound.
@@ -377,6 +380,23 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             sys.stderr.flush()
             os._exit(0)
         return None
+
+    def _exit_while_loading(self) -> None:
+        """Told to exit before its engine is ready: nothing of it is worth saving, and its
+        shutdown would wait for the load (a vLLM engine's start blocks the loop the shutdown
+        needs: a stop during start-up waited 10 s for each such replica, then killed them).
+        End what the engine started (a vLLM core, its workers) and this process, now."""
+        from omni_actors.system.processes import descendants
+
+        self._log.info("engine_exit_while_loading")
+        for pid in descendants():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     # -- request plane ----------------------------------------------------
     def receiveMsg_StageTask(self, msg: StageTask, sender):

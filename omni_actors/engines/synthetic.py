@@ -164,7 +164,9 @@ class SyntheticEngine:
             raise ValueError(
                 f"synthetic engine {self.replica}: unknown stage `{self.stage_name}`; "
                 f"supported: {', '.join(SUPPORTED_STAGES)}")
-        if self.cost.startup_s > 0:
+        if self.cost.startup_s > 0 and self.cost.startup_blocks:
+            time.sleep(self.cost.startup_s)  # (as a vLLM engine's start holds its loop)
+        elif self.cost.startup_s > 0:
             await asyncio.sleep(self.cost.startup_s)
         if self.cost.fail_startup:
             raise RuntimeError(self.cost.fail_startup)

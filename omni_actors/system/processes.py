@@ -99,6 +99,23 @@ def _stat(entry: Path) -> list[str] | None:
         return None
 
 
+def descendants(pid: int | None = None) -> list[int]:
+    """PIDs of ``pid``'s (default: this process's) children, theirs, and so on (zombies left out)."""
+    pid = pid or os.getpid()
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat(entry)
+            if fields and fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = [], list(children.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(children.get(child, ()))
+    return found
+
+
 def child_sessions(pid: int | None = None) -> list[int]:
     """Sessions of ``pid``'s children (zombies too) other than ``pid``'s own:
     called right after the actor system starts, these are its admin's session."""
