@@ -99,3 +99,37 @@ def test_the_end_of_a_request_whose_client_left_frees_its_request_actor_at_once(
     bridge._on_message(deltas("gone", (0, "a")))
     bridge._on_message(RequestFinished("gone", after_text=(0, 5), request_actor="ra"))
     assert bridge._outbox("gone").get_nowait() == ("finished", "gone", "ra")
+
+
+def test_a_request_is_refused_up_front_only_by_what_the_pools_last_reported():
+    """``_no_replica``: the published status says a stage the plan needs has no replica ready
+    or on its way (the Talker scaled to 0): a 503 before any stream begins. A stage whose
+    pool has not reported yet (a coordinator just restarted publishes empty stages) is left
+    to its pool, which queues the task for the replicas it is starting: no 503 for it."""
+    from pathlib import Path
+
+    from omni_actors.config import load_config
+    from omni_actors.messages import PoolState, ReplicaState, ReplicaStatus, Routes, SystemStatus
+    from omni_actors.planning import plan_request
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "cpu_omni_demo.yaml")
+    pools = {s.stage_id: f"pool-{s.name}" for s in cfg.stage_args}
+    bridge = ActorBridge.__new__(ActorBridge)
+    bridge._routes, bridge._published = Routes(cfg, pools), None
+    audio = plan_request(cfg, pools, frozenset({"text", "audio"}))
+    text = plan_request(cfg, pools, frozenset({"text"}))
+    assert bridge._no_replica(audio) is None  # nothing published yet
+
+    def publish(talker: PoolState) -> None:
+        ready = [PoolState(s.stage_id, s.name, (ReplicaStatus(f"{s.name}/0", ReplicaState.READY),), pid=10 + i)
+                 for i, s in enumerate(cfg.stage_args) if s.name != "talker"]
+        bridge._published = SystemStatus("subscription", "m", False, (*ready, talker))
+
+    talker_id = next(s.stage_id for s in cfg.stage_args if s.name == "talker")
+    publish(PoolState(talker_id, "talker", (ReplicaStatus("talker/0", ReplicaState.STOPPED, "scaled down"),), pid=7))
+    assert bridge._no_replica(audio) == "no ready replica of stage talker (talker/0 stopped: scaled down)"
+    assert bridge._no_replica(text) is None  # text alone needs no Talker
+    publish(PoolState(talker_id, "talker", (ReplicaStatus("talker/1", ReplicaState.STARTING),), pid=7))
+    assert bridge._no_replica(audio) is None  # one on its way: the pool queues the task
+    publish(PoolState(talker_id, "talker", ()))  # not reported yet
+    assert bridge._no_replica(audio) is None

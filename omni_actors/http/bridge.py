@@ -616,7 +616,8 @@ class ActorBridge(RequestActorKeeping):
         would answer (:func:`~omni_actors.balancing.no_replica_reason`) once an
         upstream stage reached it, when a stream could already have begun (with
         a 200 and part of the text). None when every stage may take it, or when
-        the coordinator has published no status yet (the pools decide then)."""
+        the coordinator has published no status yet, or none from a stage's pool
+        (the pools decide then)."""
         published = self._published
         if published is None:
             return None
@@ -624,7 +625,9 @@ class ActorBridge(RequestActorKeeping):
         states = {st.stage_id: st for st in published.stages}
         for planned in plan.stages:
             st = states.get(planned.stage_id)
-            refused = st and no_replica_reason(planned.stage, st.replicas, wait_s)
+            if st is None or (st.pid is None and not st.replicas):
+                continue  # its pool has not reported yet (a coordinator just restarted): it decides
+            refused = no_replica_reason(planned.stage, st.replicas, wait_s)
             if refused:
                 return refused
         return None
