@@ -378,7 +378,8 @@ def cmd_status(admin, args) -> int:
     status = admin.status()
     state = None if getattr(args, "convention_address", None) else _read_state(args.admin_port)
     api_down = state is not None and not _alive(state["pid"])
-    api_host = state and (state.get("host") if state.get("host") not in (None, "", "0.0.0.0", "::") else "127.0.0.1")
+    bound = (state or {}).get("host")
+    api_host = "127.0.0.1" if bound in (None, "", "0.0.0.0", "::") else bound  # (a wildcard: reach it on loopback)
     api_starting = bool(state and state.get("port") and not api_down and not _listening(state["port"], api_host))
     if api_down:
         print(f"warning: the leader (pid {state['pid']}) is not running, so the HTTP API is down; "
