@@ -208,7 +208,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                 asys.shutdown()
         finally:
             killed: list[str] = []
-            left = kill_system(system_id, sessions=sessions, titles=killed)
+            left = kill_system(system_id, sessions=sessions, titles=killed, settle_s=1.0 if asys is not None else 0.0)
             remove_ipc_dir(system_id)
             removed = sweep_segments(shm_prefix)
             if data is not None:

@@ -98,7 +98,8 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         if asys is not None:
             resume_stopped(os.environ.get(ENV_SYSTEM_ID, ""), sessions)
             asys.shutdown()
-        killed = kill_system(os.environ.get(ENV_SYSTEM_ID, ""), sessions=sessions)
+        killed = kill_system(os.environ.get(ENV_SYSTEM_ID, ""), sessions=sessions,
+                             settle_s=1.0 if asys is not None else 0.0)
         remove_ipc_dir(os.environ.get(ENV_SYSTEM_ID, ""))
         sweep_segments(shm_prefix)
         if data is not None:

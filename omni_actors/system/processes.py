@@ -188,21 +188,28 @@ def resume_stopped(system_id: str, sessions: tuple[int, ...] | list[int] = ()) -
 
 
 def kill_system(system_id: str, grace_s: float = 3.0, sessions: tuple[int, ...] | list[int] = (),
-                titles: list[str] | None = None) -> int:
+                titles: list[str] | None = None, settle_s: float = 0.0) -> int:
     """SIGTERM (and SIGCONT, for stopped ones), then SIGKILL after ``grace_s``, every
     process of a system (by its id and by its admins' ``sessions``).
 
     Args:
         titles: if given, the titles (``ps`` names, e.g. ``"RequestActor ActorAddr-..."``)
-            of the processes still alive at the start are appended to it.
+            of the processes signalled are appended to it.
+        settle_s: seconds to let processes that are exiting anyway go first, unsignalled
+            and uncounted (0: none). After an orderly ``ActorSystem.shutdown()`` the admin
+            answers before its process has exited; without this it was counted as killed.
 
     Returns:
-        How many processes were still alive at the start.
+        How many processes had to be signalled.
     """
     def alive():
         return system_pids(system_id, sessions=sessions)
 
     pids = alive()
+    deadline = time.monotonic() + settle_s
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pids = alive()
     initial = len(pids)
     if titles is not None:
         titles.extend(process_title(pid) for pid in pids)
