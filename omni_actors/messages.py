@@ -216,9 +216,12 @@ class NodeHeartbeatAck(Message):
 @dataclass(frozen=True)
 class NodeLeaving(Message):
     """NodeAgent -> Coordinator: its member host is stopping cleanly (Ctrl-C), so that the
-    node shows as left, not lost (Thespian's own notice says the same for both)."""
+    node shows as left, not lost (Thespian's own notice says the same for both); or, with
+    ``lost``, its actors are being stopped because its member process died (the host's
+    watchdog): the node is lost for that reason."""
 
     node: str
+    lost: str | None = None
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,9 @@ import pytest
 from omni_actors.connectors import list_segments
 from omni_actors.system import local
 from omni_actors.system.local import LocalLeader
+from omni_actors.system.faultlab import read_events
+from omni_actors.system.processes import port_in_use
+from omni_actors.system.watchdog import is_watchdog
 
 from conftest import CONFIGS, ROOT, TEST_CONFIGS
 
@@ -250,12 +253,44 @@ def test_stop_with_a_timeout_shorter_than_the_drain_ends_requests_with_a_clear_e
     assert leader.left_after_exit == []
 
 
+def test_a_leader_killed_outright_takes_its_system_with_it():
+    """The leader process SIGKILLed (as the OOM killer would): its watchdog stops the admin
+    and every actor within seconds, removes the state file, and says so; the admin port is
+    free for a new leader. They lived on, holding their devices, until `stop` was run."""
+    leader = LocalLeader(CONFIGS / "cpu_image_demo.yaml").start()
+    env = {"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)}
+    state = leader.log_path.parent / f"leader-{leader.admin_port}.json"
+    try:
+        actors = [pid for pid in leader.pids() if pid != leader.proc.pid]
+        assert actors and leader.watchdog_pid and is_watchdog(leader.watchdog_pid)
+        since = time.time()
+        os.kill(leader.proc.pid, signal.SIGKILL)
+        leader.proc.wait(10)
+        deadline = time.monotonic() + 15
+        while (leader.pids() or is_watchdog(leader.watchdog_pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert leader.pids() == [] and not is_watchdog(leader.watchdog_pid), leader.pids()
+        assert not state.exists() and not port_in_use(leader.admin_port)
+        said = leader.log_path.read_text(errors="replace")
+        assert (f"the leader process (pid {leader.proc.pid}) died without stopping its system; "
+                f"stopped its {len(actors)} remaining process(es) on this host") in said, said[-2000:]
+        died = [e for e in read_events(leader.log_path, since) if e.get("event") == "host_process_died"]
+        assert len(died) == 1 and died[0]["processes_killed"] == len(actors), died
+        assert any(title.startswith("MultiProcAdmin") for title in died[0]["killed"]), died
+        status = _cli("status", "--admin-port", str(leader.admin_port), env=env)
+        assert status.returncode != 0 and "Traceback" not in status.stderr, status.stdout + status.stderr
+    finally:
+        leader.stop()
+
+
 def test_status_of_a_system_whose_leader_was_killed_says_it_does_not_serve():
-    """The leader process SIGKILLed (its actors live on): `status` exits 3 and its last line
-    says the model is not served; it said "ready" (a trial read the table, not the warning)."""
+    """The leader process SIGKILLed with its watchdog (its actors live on): `status` exits 3
+    and its last line says the model is not served; it said "ready" (a trial read the
+    table, not the warning)."""
     leader = LocalLeader(CONFIGS / "cpu_image_demo.yaml").start()
     env = {"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)}
     try:
+        os.kill(leader.watchdog_pid, signal.SIGKILL)  # (else it stops the actors: see above)
         os.kill(leader.proc.pid, signal.SIGKILL)
         leader.proc.wait(10)
         status = _cli("status", "--admin-port", str(leader.admin_port), env=env)

@@ -40,6 +40,7 @@ import pytest
 from omni_actors.system.faultlab import LoadGenerator, read_events
 from omni_actors.system.local import LocalLeader, free_port, reserve_port
 from omni_actors.system.processes import kill_system, system_pids
+from omni_actors.system.watchdog import find_watchdog, is_watchdog
 
 from conftest import ROOT, TEST_CONFIGS
 
@@ -108,6 +109,7 @@ class Member:
         self.workdir = workdir
         self.proc: subprocess.Popen | None = None
         self.session: int | None = None
+        self.watchdog: int | None = None
         self.system_id = ""
         self.left_after_exit: list[int] = []
 
@@ -137,6 +139,7 @@ class Member:
         admin = admin_pid(self.admin_port)
         assert admin is not None, f"no admin process for member {self.name} on port {self.admin_port}"
         self.session = os.getsid(admin)
+        self.watchdog = find_watchdog(self.proc.pid)  # (started before "joined" is printed)
         try:
             env = Path(f"/proc/{self.proc.pid}/environ").read_bytes().split(b"\0")
             self.system_id = next((e.split(b"=", 1)[1].decode() for e in env
@@ -155,8 +158,8 @@ class Member:
         return sorted(pids)
 
     def kill(self) -> float:
-        """SIGKILL the whole host at once; returns when (Unix time)."""
-        victims = self.pids()
+        """SIGKILL the whole host at once (its watchdog too); returns when (Unix time)."""
+        victims = self.pids() + ([self.watchdog] if self.watchdog and is_watchdog(self.watchdog) else [])
         at = time.time()
         for pid in victims:
             try:
@@ -178,6 +181,9 @@ class Member:
                 self.proc.kill()
                 self.proc.wait(5)
         self.left_after_exit = self.pids()  # what its own shutdown left (a killed host: nothing to leave)
+        if self.watchdog and self.proc.returncode == 0 and is_watchdog(self.watchdog):
+            self.left_after_exit.append(self.watchdog)  # (an orderly stop ends it and waits for it)
+            os.kill(self.watchdog, signal.SIGKILL)
         if self.left_after_exit:
             print(f"\nmember {self.name} (admin port {self.admin_port}) left {self.left_after_exit} after "
                   f"exit code {self.proc.returncode}: killing them")
@@ -524,6 +530,7 @@ def test_an_output_its_host_can_no_longer_serve_makes_the_request_run_again(requ
 
     assert_audio_reply(*chat_long())
     since = time.time()
+    os.kill(member.watchdog, signal.SIGKILL)  # (else it stops the member's actors too: see below)
     member.proc.kill()
     member.proc.wait(10)
     status, body = chat_long()
@@ -532,6 +539,38 @@ def test_an_output_its_host_can_no_longer_serve_makes_the_request_run_again(requ
     assert "after the request ran again: an output of its first run was lost with its host" in message, body
     reruns = [e for e in read_events(cluster.leader.log_path, since) if e.get("event") == "http_request_rerun"]
     assert len(reruns) == 1 and reruns[0]["rerun_id"].endswith("-rerun1"), reruns
+
+
+def test_a_member_killed_outright_takes_its_actors_with_it(request, tmp_path):
+    """The member's own process SIGKILLed (as the OOM killer would): its watchdog stops the
+    admin and every actor on that host within seconds, and the leader loses the node and
+    serves on. They lived on, serving nothing (the host's data service died with it)."""
+    cluster = start_cluster(request, tmp_path, members=(("m1", "0,1,2"), ("m2", "3,4,5")))
+    member = cluster.members["m1"]
+    assert member.watchdog is not None and is_watchdog(member.watchdog)
+    actors = [pid for pid in member.pids() if pid != member.proc.pid]
+    assert actors, "no actor on m1"
+    since = time.time()
+    member.proc.kill()
+    member.proc.wait(10)
+    deadline = time.monotonic() + 15
+    while (member.pids() or is_watchdog(member.watchdog)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert member.pids() == [], member.pids()
+    assert not is_watchdog(member.watchdog)
+    said = member.err.read_text(errors="replace")
+    assert (f"the member process (pid {member.proc.pid}) died without stopping its system; "
+            f"stopped its {len(actors)} remaining process(es) on this host") in said, said[-2000:]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        lost = [e for e in read_events(cluster.leader.log_path, since) if e.get("event") in ("node_lost", "node_left")]
+        if lost:
+            break
+        time.sleep(0.2)
+    assert [(e["event"], e["node"], e["reason"]) for e in lost] == [
+        ("node_lost", "m1", f"its member process (pid {member.proc.pid}) died")], lost
+    status, body = chat(cluster.base_url, timeout_s=60)
+    assert status == 200, body
 
 
 def test_no_member_joins_a_request_gets_a_clear_503_after_queue_timeout(request, tmp_path):

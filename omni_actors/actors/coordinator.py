@@ -290,7 +290,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._publish_status()
 
     def receiveMsg_NodeLeaving(self, msg: NodeLeaving, sender):
-        self._lose_node(msg.node, LEFT_REASON)
+        self._lose_node(msg.node, msg.lost or LEFT_REASON)
 
     def receiveMsg_NodeHeartbeat(self, msg: NodeHeartbeat, sender):
         self.send(sender, NodeHeartbeatAck())

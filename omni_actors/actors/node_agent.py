@@ -80,6 +80,10 @@ class NodeAgentActor(ActorTypeDispatcher):
 
     def receiveMsg_ActorExitRequest(self, msg: ActorExitRequest, sender):
         """Its member stops cleanly (its actor system shuts down), or its coordinator
-        exits: say so, and the node shows as left rather than lost."""
+        exits: say so, and the node shows as left rather than lost. Stopped because the
+        member process died (by its watchdog): the node is lost, and why."""
         if self._spec is not None and not self._orphaned:
-            self.send(self._coordinator, NodeLeaving(self._spec.node))
+            from omni_actors.system.watchdog import host_process_gone
+
+            gone = host_process_gone()
+            self.send(self._coordinator, NodeLeaving(self._spec.node, lost=gone))

@@ -23,6 +23,7 @@ from pathlib import Path
 from omni_actors.config import PipelineConfig
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
                                           resume_stopped, serve_args_error)
+from omni_actors.system.watchdog import start_watchdog, stop_watchdog
 
 ACTOR_BASE = "multiprocTCPBase"
 PR_SET_CHILD_SUBREAPER = 36
@@ -163,7 +164,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     t0 = time.monotonic()
     leader_node = NodeInfo(node or socket.gethostname(), tuple(devices))
     sfile = state_file(admin_port)
-    asys = data = None
+    asys = data = watchdog = None
     sessions: list[int] = []
     try:
         data = start_data_service(leader_node.name, host, config.deployment.request_timeout_s + 30)
@@ -173,9 +174,11 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
             raise StartError(f"the actor system did not start on admin port {admin_port}: {exc}") from None
         sessions = child_sessions()  # the admin's session: the whole actor tree lives in it
+        watchdog = start_watchdog("leader", system_id, sessions, shm_prefix=shm_prefix, state_file=sfile)
         # (before the deployment, which waits for every replica: `stop` finds the leader by it)
         sfile.parent.mkdir(parents=True, exist_ok=True)
         sfile.write_text(json.dumps({"pid": os.getpid(), "admin_port": admin_port, "host": host,
+                                     "watchdog_pid": watchdog.pid if watchdog else None,
                                      "sessions": sessions, "shm_dir": shm_dir,
                                      "drain_timeout_s": config.deployment.supervision.drain_timeout_s,
                                      "port": port, "system_id": system_id, "config": config.source,
@@ -214,6 +217,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             if data is not None:
                 data.stop()
             sfile.unlink(missing_ok=True)
+            stop_watchdog(watchdog)
             log.info("leader_stopped", shutdown_s=round(time.monotonic() - t1, 2),
                      processes_killed=left, killed=killed[:20], shm_segments_removed=removed)
             print("omni-actors stopped", flush=True)

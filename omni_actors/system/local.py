@@ -28,6 +28,7 @@ import urllib.request
 from pathlib import Path
 
 from omni_actors.system.processes import kill_system, system_pids
+from omni_actors.system.watchdog import is_watchdog
 
 
 def free_port() -> int:
@@ -176,6 +177,7 @@ class LocalLeader:
                 self.system_id = state["system_id"]
                 self.sessions = state.get("sessions", [])
                 self.shm_dir = state.get("shm_dir")  # where its segments live (--shm-dir)
+                self.watchdog_pid = state.get("watchdog_pid")  # (see omni_actors.system.watchdog)
                 return True
             time.sleep(0.1)
         self.stop()
@@ -232,6 +234,14 @@ class LocalLeader:
             #: what the leader's own shutdown left behind (tests assert it is empty)
             self.left_after_exit = system_pids(self.system_id, sessions=self.sessions)
             kill_system(self.system_id, sessions=self.sessions)
+        watchdog = getattr(self, "watchdog_pid", None)
+        if watchdog:  # the leader's orderly stop ends it; a killed leader's finishes its clean-up
+            deadline = time.monotonic() + (0 if self.exit_code == 0 else 8)
+            while is_watchdog(watchdog) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if is_watchdog(watchdog):
+                self.left_after_exit.append(watchdog)
+                os.kill(watchdog, signal.SIGKILL)
         return self.exit_code
 
     def pids(self) -> list[int]:

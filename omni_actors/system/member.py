@@ -17,6 +17,7 @@ import time
 from omni_actors.system.leader import ACTOR_BASE, StartError, node_capabilities, start_data_service
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
                                           resume_stopped)
+from omni_actors.system.watchdog import mark_host_process, start_watchdog, stop_watchdog
 
 #: seconds between the member's checks that its convention leader's admin still answers
 LEADER_CHECK_S = 5.0
@@ -76,17 +77,19 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     log = get_logger(actor="member", node=node)
     caps = node_capabilities(admin_port, node, devices, stages)
     caps["Convention Address.IPv4"] = (host, port)
-    asys = data = None
+    asys = data = watchdog = None
     sessions: list[int] = []
     try:
         # Bound to the address this host uses to reach the leader; the coordinator's
         # node agent sets the reap age from the config (see actors.node_agent).
         data = start_data_service(node, local_address_towards(host, port), DEFAULT_REAP_AFTER_S)
+        mark_host_process()  # (inherited by the admin and every actor placed here)
         try:
             asys = ActorSystem(ACTOR_BASE, caps, logDefs=thespian_log_defs())
         except Exception as exc:  # noqa: BLE001
             raise StartError(f"the actor system did not start on admin port {admin_port}: {exc}") from None
         sessions = child_sessions()  # the admin's session: every actor placed here lives in it
+        watchdog = start_watchdog("member", os.environ.get(ENV_SYSTEM_ID, ""), sessions, shm_prefix=shm_prefix)
         print(f"omni-actors member {node!r} joined the convention at {host}:{port} "
               f"(admin port {admin_port}, devices {','.join(devices) or 'none (CPU)'}, "
               f"stages {','.join(stages) or 'any'}); Ctrl-C to leave", flush=True)
@@ -104,6 +107,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         sweep_segments(shm_prefix)
         if data is not None:
             data.stop()
+        stop_watchdog(watchdog)
         log.info("member_stopped", processes_killed=killed)
         print("omni-actors member stopped", flush=True)
 

@@ -1,0 +1,186 @@
+"""The host watchdog: what a leader or member host's processes do when its main process dies.
+
+A host's main process (``start --convention-leader`` or a member's ``start``) holds
+the HTTP API (leader) and the host's data service, and its orderly stop ends the
+Thespian admin and every actor on the host. Killed outright (SIGKILL, the kernel's
+OOM killer), it cannot: the admin daemonises into a session of its own, so the
+admin and its actors lived on, holding devices and memory, serving nothing (a
+member's outputs could no longer be read: its data service was gone).
+
+So each host's main process starts one small watchdog process, in a session of its
+own and without the system's id in its environment (so that the host's own
+clean-up, which ends everything carrying the id, does not count it). It checks the
+main process every :data:`POLL_S`; when it is gone, the watchdog does what the
+orderly stop would have done: SIGTERM, then SIGKILL after 3 s, to every process of
+the host's system (:func:`~omni_actors.system.processes.kill_system`), removes its
+vLLM IPC directory and its shared-memory segments, and the leader's state file. It
+says so on stderr (inherited: the host's log) in one line and one ``host_process_died``
+log event. The main process SIGTERMs it at the end of its orderly stop.
+
+Run as ``python -m omni_actors.system.watchdog --pid P --start-time T --role R
+--system-id ID [--session S ...] [--shm-prefix P] [--state-file F]``;
+:func:`start_watchdog` builds that command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omni_actors.system.processes import ENV_SYSTEM_ID, kill_system, remove_ipc_dir
+
+#: Seconds between two looks at the main process (the SIGTERM grace comes after).
+POLL_S = 0.2
+#: ``<pid>:<start time>`` of the host's main process, set by it before its admin starts, so
+#: that every actor of the host inherits it (see :func:`host_process_gone`).
+ENV_HOST_PROCESS = "OMNI_ACTORS_HOST_PROCESS"
+
+
+def start_time(pid: int) -> int | None:
+    """``pid``'s start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), None
+    if it is gone: with the pid it names one process, a reused pid being another."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else int(fields[19])  # a zombie has exited
+
+
+def mark_host_process() -> None:
+    """Record this process as its host's main process (:data:`ENV_HOST_PROCESS`) for the
+    processes it starts from now on."""
+    os.environ[ENV_HOST_PROCESS] = f"{os.getpid()}:{start_time(os.getpid())}"
+
+
+def host_process_gone() -> str | None:
+    """Why this host's main process is gone (``"its member process (pid N) died"``), or
+    None while it lives (or where none was recorded)."""
+    pid, _, started = os.environ.get(ENV_HOST_PROCESS, "").partition(":")
+    if not pid.isdigit() or str(start_time(int(pid))) == started:
+        return None
+    return f"its member process (pid {pid}) died"
+
+
+def start_watchdog(role: str, system_id: str, sessions: list[int], *, shm_prefix: str | None = None,
+                   state_file: Path | None = None) -> subprocess.Popen | None:
+    """Start this process's watchdog (see the module docstring); None where it cannot
+    start (logged by the caller's stderr: the host serves all the same).
+
+    Args:
+        role: ``"leader"`` or ``"member"`` (what its messages call the main process).
+        system_id: the host's ``OMNI_ACTORS_SYSTEM_ID``.
+        sessions: the admin's sessions (:func:`~omni_actors.system.processes.child_sessions`).
+        shm_prefix: the host's segment prefix (``oa-<admin port>-``); its segments are swept.
+        state_file: the leader's state file, removed if it still names this process.
+    """
+    me = os.getpid()
+    cmd = [sys.executable, "-m", "omni_actors.system.watchdog", "--pid", str(me),
+           "--start-time", str(start_time(me)), "--role", role, "--system-id", system_id]
+    for session in sessions:
+        cmd += ["--session", str(session)]
+    if shm_prefix:
+        cmd += ["--shm-prefix", shm_prefix]
+    if state_file is not None:
+        cmd += ["--state-file", str(state_file)]
+    env = {k: v for k, v in os.environ.items() if k != ENV_SYSTEM_ID}
+    try:
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as exc:
+        print(f"warning: no host watchdog ({exc}): if this process is killed, stop its system with "
+              f"`python -m omni_actors.system stop`", file=sys.stderr)
+        return None
+
+
+def is_watchdog(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) watchdog process."""
+    try:
+        return (start_time(pid) is not None
+                and b"omni_actors.system.watchdog" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    except OSError:
+        return False
+
+
+def find_watchdog(main_pid: int) -> int | None:
+    """The pid of ``main_pid``'s watchdog (a live child of it running this module), or None."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == main_pid and is_watchdog(int(entry.name)):
+            return int(entry.name)
+    return None
+
+
+def stop_watchdog(proc: subprocess.Popen | None) -> None:
+    """End the watchdog after an orderly stop (SIGTERM; waits up to 2 s for it)."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(2)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _clean_up(args) -> None:
+    from omni_actors.connectors import sweep_segments
+    from omni_actors.logs import configure_logging, get_logger
+
+    configure_logging()
+    titles: list[str] = []
+    killed = kill_system(args.system_id, sessions=args.session, titles=titles)
+    remove_ipc_dir(args.system_id)
+    removed = sweep_segments(args.shm_prefix) if args.shm_prefix else 0
+    if args.state_file:
+        _remove_state_file(Path(args.state_file), args.pid)
+    try:  # (stderr may be a closed terminal by now)
+        print(f"omni-actors watchdog: the {args.role} process (pid {args.pid}) died without stopping its "
+              f"system; stopped its {killed} remaining process(es) on this host", file=sys.stderr, flush=True)
+        get_logger(actor="watchdog").warning("host_process_died", role=args.role, main_pid=args.pid,
+                                             processes_killed=killed, killed=titles[:20],
+                                             shm_segments_removed=removed)
+    except OSError:
+        pass
+
+
+def _remove_state_file(path: Path, pid: int) -> None:
+    import json
+
+    try:
+        if json.loads(path.read_text()).get("pid") == pid:  # (not a new leader's)
+            path.unlink(missing_ok=True)
+    except (OSError, ValueError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m omni_actors.system.watchdog",
+                                     description="Stop a host's actor system if its main process dies.")
+    parser.add_argument("--pid", type=int, required=True)
+    parser.add_argument("--start-time", type=int, required=True)
+    parser.add_argument("--role", default="leader")
+    parser.add_argument("--system-id", required=True)
+    parser.add_argument("--session", type=int, action="append", default=[])
+    parser.add_argument("--shm-prefix")
+    parser.add_argument("--state-file")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the orderly stop's "done"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's Ctrl-C is for the main process)
+    while start_time(args.pid) == args.start_time:
+        time.sleep(POLL_S)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the clean-up is not broken off half-way
+    _clean_up(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
