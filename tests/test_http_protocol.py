@@ -209,6 +209,7 @@ BAD = [
     (IMAGES, {**GOOD_IMAGE, "size": "32x64"}, 400, "size"),
     (IMAGES, {**GOOD_IMAGE, "size": "big"}, 400, "size"),
     (IMAGES, {**GOOD_IMAGE, "stream": True}, 400, "stream"),
+    (IMAGES, {**GOOD_IMAGE, "size": "0256x256"}, 400, "size"),  # (OpenAI's sizes have no leading zeros)
     (IMAGES, {**GOOD_IMAGE, "size": "64x128\n"}, 400, "size"),  # ("$" matched before a final newline)
     (IMAGES, {**GOOD_IMAGE, "size": "\u0666\u0664x128"}, 400, "size"),  # Arabic-Indic digits: int() takes them
     (IMAGES, {**GOOD_IMAGE, "n": 2}, 400, "n"),

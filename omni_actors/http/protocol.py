@@ -43,7 +43,7 @@ AUDIO_FORMATS = frozenset({"wav", "pcm16"})  #: pcm16: raw int16 little-endian s
 DEFAULT_SIZE = "256x256"
 MIN_SIDE, MAX_SIDE, SIDE_MULTIPLE = 64, 1024, 8
 AUDIO_TTL_S = 3600
-_SIZE_RE = re.compile(r"(\d{1,5})x(\d{1,5})", re.ASCII)  # (fullmatch: no trailing newline; ASCII digits only)
+_SIZE_RE = re.compile(r"([1-9]\d{0,4})x([1-9]\d{0,4})", re.ASCII)  # (fullmatch: no trailing newline; ASCII digits, no leading 0)
 
 
 class ApiError(Exception):
