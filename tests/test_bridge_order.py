@@ -5,6 +5,9 @@ arrive in."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 
 from omni_actors.connectors import make_connector
@@ -133,3 +136,27 @@ def test_a_request_is_refused_up_front_only_by_what_the_pools_last_reported():
     assert bridge._no_replica(audio) is None  # one on its way: the pool queues the task
     publish(PoolState(talker_id, "talker", ()))  # not reported yet
     assert bridge._no_replica(audio) is None
+
+
+def test_a_rerun_waits_until_the_host_that_lost_its_output_is_reported_down():
+    """``wait_node_down``: the published status shows the node (by name or by its data
+    service's address) lost, or the wait times out (False)."""
+    from omni_actors.messages import NodeStatus, SystemStatus
+
+    bridge = ActorBridge.__new__(ActorBridge)
+    bridge._published = None
+
+    def publish(alive: bool) -> None:
+        node = NodeStatus("m1", alive, ("0",), {}, (), (), data_service="127.0.0.1:4100",
+                          down_reason="" if alive else "its member process (pid 9) died")
+        bridge._published = SystemStatus("subscription", "m", True, (), nodes=(node,))
+
+    async def main():
+        publish(True)
+        assert await bridge.wait_node_down("m1", 0.1) is False  # still up: the wait ends at its timeout
+        asyncio.get_running_loop().call_later(0.1, publish, False)
+        t0 = time.monotonic()
+        assert await bridge.wait_node_down("127.0.0.1:4100", 5.0) is True
+        assert time.monotonic() - t0 < 2.0  # as soon as it is reported, not at the timeout
+
+    asyncio.run(main())

@@ -43,6 +43,12 @@ class FakeBridge:
         self.request_timeout_s = request_timeout_s
         self.submitted: list[PipelineRequest] = []
         self.cancelled: list[str] = []
+        self.waited: list[tuple[str, int]] = []  # (node, requests submitted by then)
+
+    async def wait_node_down(self, node: str, timeout_s: float) -> bool:
+        self.waited.append((node, len(self.submitted)))
+        await asyncio.sleep(0.01)
+        return True
 
     async def submit(self, req: PipelineRequest):
         self.submitted.append(req)
@@ -50,7 +56,8 @@ class FakeBridge:
         if "[lost]" in p and ("[lostonce]" not in p or len(self.submitted) == 1):
             for piece in ("Gone ", "soon"):
                 yield OutputText(piece)
-            yield RequestFailed(500, "final output lost: data service 10.0.0.9:4000 unreachable", lost_output=True)
+            yield RequestFailed(500, "final output lost: data service 10.0.0.9:4000 unreachable", lost_output=True,
+                                lost_on="m9")
             return
         if "[fail503]" in p:
             yield RequestFailed(503, "no ready replica for stage thinker")
@@ -118,6 +125,7 @@ def test_a_request_whose_output_was_lost_with_its_host_runs_once_more(stream):
     assert status == 200 and json.loads(text)["choices"][0]["message"]["content"] == "Hello world", text
     assert len(ids) == 2 and ids[1] == ids[0] + "-rerun1", ids
     assert bridge.submitted[1].timeout_s <= bridge.submitted[0].timeout_s
+    assert bridge.waited == [("m9", 1)]  # the rerun waited for the host to be reported down
 
     bridge = FakeBridge(output_types=("text",))  # lost again: one rerun only, and the error says so
     status, text = serve(bridge, lambda client: _post_text(client, chat("[lost]")))

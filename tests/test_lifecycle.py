@@ -26,7 +26,7 @@ from omni_actors.connectors import list_segments
 from omni_actors.system import local
 from omni_actors.system.local import LocalLeader
 from omni_actors.system.faultlab import read_events
-from omni_actors.system.processes import port_in_use
+from omni_actors.system.processes import port_in_use, process_title
 from omni_actors.system.watchdog import is_watchdog
 
 from conftest import CONFIGS, ROOT, TEST_CONFIGS
@@ -134,9 +134,12 @@ def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_
         assert got == {}, got
     finally:
         t0, since = time.monotonic(), time.time()
+        during = None
         if ctrl_c == 2 and leader.proc.poll() is None:
             leader.proc.send_signal(signal.SIGINT)
             time.sleep(0.5)  # (LocalLeader.stop sends the second)
+            during = _cli("status", "--admin-port", str(leader.admin_port),
+                          env={"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)})
         code = leader.stop()
         took = time.monotonic() - t0
     for t in clients:
@@ -151,6 +154,9 @@ def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_
     assert took < 1.0 + 6, f"the stop took {took:.1f} s: {timeline}"
     if ctrl_c == 2:
         assert "Ctrl-C again: end them now" in leader.log_path.read_text(), "the drain did not say how to skip it"
+        # `status` during the drain says so (it said the HTTP API was "not up yet", as at start-up)
+        assert during.returncode == 3 and during.stdout.splitlines()[-1].startswith(
+            "the leader is stopping: the HTTP API"), during.stdout + during.stderr
     status, body = got["whole"]
     assert status == 503 and json.loads(body)["error"]["type"] == "service_unavailable", got
     assert "the server is shutting down" in json.loads(body)["error"]["message"]
@@ -298,6 +304,23 @@ def test_status_of_a_system_whose_leader_was_killed_says_it_does_not_serve():
         assert status.stdout.splitlines()[-1] == ("model glm-image-cpu-demo: NOT SERVING (its stages are ready, "
                                                  "but its leader is not running: the HTTP API is down)"), status.stdout
         assert "is not running, so the HTTP API is down" in status.stderr
+        coordinator = next(p for p in leader.pids() if process_title(p).startswith("CoordinatorActor"))
+        os.kill(coordinator, signal.SIGKILL)  # (nobody restarts it now): a table of nothing said "not ready"
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            status = _cli("status", "--admin-port", str(leader.admin_port), env=env)
+            if "neither is its coordinator" in status.stdout:
+                break
+            time.sleep(0.5)
+        assert status.returncode == 3 and status.stdout.strip() == (
+            f"NOT SERVING: the leader (pid {leader.proc.pid}) is not running and neither is its coordinator; "
+            f"`python -m omni_actors.system stop --admin-port {leader.admin_port}` stops what is left"), status.stdout
+        again = _cli("start", "--convention-leader", "--config", str(CONFIGS / "cpu_image_demo.yaml"),
+                     "--port", str(local.free_port()), "--admin-port", str(leader.admin_port), env=env)
+        assert again.returncode != 0 and again.stderr.strip() == (
+            f"error: admin port {leader.admin_port} is still held by what the leader (pid {leader.proc.pid}) that "
+            f"died there left: `python -m omni_actors.system stop --admin-port {leader.admin_port}` stops it"), \
+            again.stderr
     finally:
         leader.stop()
 

@@ -6,6 +6,11 @@ heartbeat from it every interval; three missed and the node is lost (its
 replicas are re-placed). An agent that stops getting acks (its coordinator
 was replaced) exits.
 
+At each heartbeat the agent also checks that its member's main process lives (it
+holds the host's data service): if it died and its watchdog did not stop the host
+(killed too), the agent reports the node lost and why, and starts that clean-up
+itself (:func:`omni_actors.system.watchdog.clean_up_dead_host`).
+
 The agent also looks after the host's data service: it sets its reap age from
 the config, and every heartbeat carries the service's address and the host's
 live shared-memory buffer count, free (recycled) ones apart (``status`` shows them per node).
@@ -70,6 +75,16 @@ class NodeAgentActor(ActorTypeDispatcher):
 
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
         if self._spec is None:
+            return
+        from omni_actors.system.watchdog import clean_up_dead_host, host_process_gone
+
+        gone = host_process_gone()
+        if gone is not None:  # (its watchdog would have stopped this host by now: it is gone too)
+            self._orphaned = True  # (said below; nothing more to say on exit)
+            self.send(self._coordinator, NodeLeaving(self._spec.node, lost=gone))
+            started = clean_up_dead_host()
+            get_logger(actor="node_agent", node=self._spec.node).error(
+                "host_process_gone", reason=gone, clean_up_started=started)
             return
         if time.monotonic() - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.interval_s:
             self._orphaned = True

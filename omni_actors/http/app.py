@@ -203,6 +203,11 @@ async def auth_middleware(request: web.Request, handler: _Handler) -> web.Stream
 
 #: How many times a request whose output was lost with its host runs again.
 MAX_RERUNS = 1
+#: Before it does, at most this long (seconds, within its deadline) it waits for the
+#: coordinator to report that host down, so that the rerun is not routed to its replicas:
+#: a host whose main process died is reported within about a second (its watchdog), one
+#: that vanished after 3 missed node heartbeats (``heartbeat_interval_s``: 1 s by default).
+RERUN_NODE_DOWN_WAIT_S = 5.0
 
 @dataclasses.dataclass(frozen=True)
 class Rerun:
@@ -272,6 +277,13 @@ class _Run:
             if (isinstance(event, RequestFailed) and event.lost_output and self.reruns < MAX_RERUNS
                     and self.can_rerun() and (deadline is None or deadline - loop.time() > DEADLINE_GRACE_S)):
                 self.reruns += 1
+                if event.lost_on is not None:  # (else the rerun may go to the dying host's replicas)
+                    wait = RERUN_NODE_DOWN_WAIT_S if deadline is None else min(
+                        RERUN_NODE_DOWN_WAIT_S, max(0.0, deadline - loop.time() - 2 * DEADLINE_GRACE_S))
+                    t0 = loop.time()
+                    down = await self.bridge.wait_node_down(event.lost_on, wait)
+                    _log().info("http_rerun_waited_for_node", request_id=self.preq.request_id,
+                                node=event.lost_on, down=down, waited_s=round(loop.time() - t0, 2))
                 left = None if deadline is None else deadline - loop.time() - DEADLINE_GRACE_S
                 old, self.preq = self.preq, dataclasses.replace(
                     self.preq, request_id=f"{self.preq.request_id}-rerun{self.reruns}", timeout_s=left)

@@ -598,8 +598,9 @@ class ActorBridge(RequestActorKeeping):
         try:
             return self._connector.take(msg.ref)
         except Exception as exc:  # noqa: BLE001
-            self._deliver(msg.request_id, RequestFailed(500, f"{what} lost: {exc}",
-                                                        lost_output=isinstance(exc, DataServiceError)))
+            lost = isinstance(exc, DataServiceError)
+            self._deliver(msg.request_id, RequestFailed(500, f"{what} lost: {exc}", lost_output=lost,
+                                                        lost_on=(msg.ref.node or msg.ref.service) if lost else None))
             return None
 
     def _deliver(self, request_id: str, event: BridgeEvent) -> None:
@@ -631,6 +632,19 @@ class ActorBridge(RequestActorKeeping):
             if refused:
                 return refused
         return None
+
+    async def wait_node_down(self, node: str, timeout_s: float) -> bool:
+        """See :meth:`omni_actors.http.types.Bridge.wait_node_down`: watches the status the
+        coordinator publishes on every change (a node lost, left)."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            published = self._published
+            if published is not None and any(not n.alive and node in (n.name, n.data_service)
+                                             for n in published.nodes):
+                return True
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
 
     def _resolve_query(self, status: SystemStatus) -> None:
         fut = self._queries.get(status.query_id)

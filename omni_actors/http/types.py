@@ -102,6 +102,8 @@ class RequestFailed:
     #: service unreachable) before it was read: nothing in the request caused it, and it
     #: may run again as long as nothing of it reached the client
     lost_output: bool = False
+    #: with ``lost_output``: the node (or data service address) the output was lost on
+    lost_on: str | None = None
 
 
 BridgeEvent = Union[OutputText, OutputPart, OutputFinal, RequestDone, RequestFailed]
@@ -125,3 +127,8 @@ class Bridge(Protocol):
     async def cancel(self, request_id: str) -> None: ...
 
     async def stages(self) -> dict[str, Any]: ...
+
+    async def wait_node_down(self, node: str, timeout_s: float) -> bool:
+        """Wait until the coordinator reports ``node`` (a node name or data service
+        address) down, at most ``timeout_s``; whether it did (False: still up, or unknown)."""
+        ...

@@ -380,19 +380,29 @@ def cmd_status(admin, args) -> int:
     api_down = state is not None and not _alive(state["pid"])
     bound = (state or {}).get("host")
     api_host = "127.0.0.1" if bound in (None, "", "0.0.0.0", "::") else bound  # (a wildcard: reach it on loopback)
-    api_starting = bool(state and state.get("port") and not api_down and not _listening(state["port"], api_host))
+    api_closed = bool(state and state.get("port") and not api_down and not _listening(state["port"], api_host))
     if api_down:
         print(f"warning: the leader (pid {state['pid']}) is not running, so the HTTP API is down; "
               f"`python -m omni_actors.system stop --admin-port {args.admin_port}` cleans up",
               file=sys.stderr)
     if args.json:
         print(json.dumps(status_to_dict(status), indent=2))
+    elif api_down and not status.stages:  # (its coordinator is gone too: as while its watchdog is at work)
+        from omni_actors.system.watchdog import is_watchdog
+
+        watched = bool(state.get("watchdog_pid")) and is_watchdog(state["watchdog_pid"])
+        print(f"NOT SERVING: the leader (pid {state['pid']}) is not running and neither is its coordinator; "
+              + ("its watchdog stops what is left within seconds" if watched else
+                 f"`python -m omni_actors.system stop --admin-port {args.admin_port}` stops what is left"))
     else:
         print_status_table(status, api_down=api_down)
-        if api_starting:
+        if api_closed and state.get("stopping"):
+            print(f"the leader is stopping: the HTTP API (http://{api_host}:{state['port']}/v1) takes no new "
+                  f"requests while those in flight finish (up to supervision.drain_timeout_s)")
+        elif api_closed:
             print(f"the HTTP API (http://{api_host}:{state['port']}/v1) is not up yet: the leader opens it "
                   f"once every replica is ready or has failed")
-    return 0 if status.ready and not api_down and not api_starting else NOT_READY_EXIT
+    return 0 if status.ready and not api_down and not api_closed else NOT_READY_EXIT
 
 
 @_admin_verb

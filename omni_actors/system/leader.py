@@ -23,7 +23,8 @@ from pathlib import Path
 from omni_actors.config import PipelineConfig
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
                                           resume_stopped, serve_args_error)
-from omni_actors.system.watchdog import start_watchdog, stop_watchdog
+from omni_actors.system.watchdog import (exit_if_host_gone, is_watchdog, mark_host_process, start_time,
+                                         start_watchdog, stop_watchdog)
 
 ACTOR_BASE = "multiprocTCPBase"
 PR_SET_CHILD_SUBREAPER = 36
@@ -75,7 +76,7 @@ def print_status_table(status, out=sys.stdout, api_down: bool = False) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[10], file=out)
     down = [n.name for n in status.nodes if not n.alive]
     if len(status.nodes) > 1 or down:
-        print("nodes: " + ", ".join(f"{n.name}{'' if n.alive else f' ({n.state.upper()})'}"
+        print("nodes: " + ", ".join(f"{n.name}{'' if n.alive else f' ({_down_label(n)})'}"
                                     f"{'' if n.buffers is None or not n.alive else f' ({n.buffers} buffers)'}"
                                     for n in status.nodes), file=out)
     for note in getattr(status, "notes", ()):
@@ -85,6 +86,12 @@ def print_status_table(status, out=sys.stdout, api_down: bool = False) -> None:
               f"but its leader is not running: the HTTP API is down)", file=out)
     else:
         print(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}", file=out)
+
+
+def _down_label(node) -> str:
+    """``LEFT``, or ``LOST: <why>`` (``LOST: missed 3 node heartbeats``)."""
+    label = node.state.upper()
+    return f"{label}: {node.down_reason}" if node.state == "lost" and node.down_reason else label
 
 
 def node_capabilities(admin_port: int, node: str, devices: tuple[str, ...], stages: tuple[str, ...]) -> dict:
@@ -107,6 +114,22 @@ def start_data_service(node: str, default_host: str, reap_after_s: float):
         raise StartError(f"the data service could not start on {default_host}: {exc}") from None
 
 
+def _admin_port_taken(admin_port: int) -> str:
+    """Why the leader cannot have ``admin_port``: another system, or what a leader that
+    died there left, which its watchdog is stopping (a few seconds)."""
+    try:
+        state = json.loads(state_file(admin_port).read_text())
+    except (OSError, ValueError):
+        state = {}
+    pid, stop = state.get("pid"), f"`python -m omni_actors.system stop --admin-port {admin_port}`"
+    if isinstance(pid, int) and start_time(pid) is None:
+        watchdog = state.get("watchdog_pid")
+        return (f"admin port {admin_port} is still held by what the leader (pid {pid}) that died there left: "
+                + ("its watchdog is stopping it; try again in a few seconds"
+                   if isinstance(watchdog, int) and is_watchdog(watchdog) else f"{stop} stops it"))
+    return f"admin port {admin_port} is in use (another system? {stop})"
+
+
 def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                api_key: str | None = None, node: str = "", devices: tuple[str, ...] = ()) -> int:
     """Run the leader in the foreground until SIGINT/SIGTERM. Returns the exit code.
@@ -125,8 +148,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     if problem:
         raise StartError(problem)
     if port_in_use(admin_port):
-        raise StartError(f"admin port {admin_port} is in use (another system? "
-                         f"`python -m omni_actors.system stop --admin-port {admin_port}`)")
+        raise StartError(_admin_port_taken(admin_port))
     try:
         shm_dir = check_segment_dir()  # $OMNI_ACTORS_SHM_DIR (--shm-dir), inherited by every actor
     except SegmentDirError as exc:
@@ -148,6 +170,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         # after that it asks the serve loop to stop. Processes forked from here (the
         # Thespian admin) inherit this handler: they leave their own shutdown to the leader.
         if os.getpid() != leader_pid:
+            exit_if_host_gone(signum)
             return
         if serving.is_set():
             if stopping.is_set():
@@ -158,7 +181,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             raise KeyboardInterrupt
 
     serving, hurry = threading.Event(), threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (SIGHUP: its terminal was closed)
         signal.signal(sig, interrupt)
 
     t0 = time.monotonic()
@@ -168,6 +191,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     sessions: list[int] = []
     try:
         data = start_data_service(leader_node.name, host, config.deployment.request_timeout_s + 30)
+        mark_host_process("leader")  # (inherited by the admin and every actor)
         try:
             asys = ActorSystem(ACTOR_BASE, node_capabilities(admin_port, leader_node.name, devices, ()),
                                logDefs=thespian_log_defs())
@@ -197,7 +221,13 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         threading.Thread(target=_watch_coordinator, args=(asys, config, leader_node, stopping),
                          name="coordinator-watchdog",
                          daemon=True).start()
-        asyncio.run(_serve(asys, coordinator, config, host, port, api_key, stopping, hurry))
+        def mark_stopping() -> None:  # (`status` then says so, not that the HTTP API is not up yet)
+            try:
+                sfile.write_text(json.dumps({**json.loads(sfile.read_text()), "stopping": True}))
+            except (OSError, ValueError):
+                pass
+
+        asyncio.run(_serve(asys, coordinator, config, host, port, api_key, stopping, hurry, mark_stopping))
         return 0
     except KeyboardInterrupt:
         print("interrupted during start-up", file=sys.stderr)
@@ -262,7 +292,7 @@ def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: thre
 
 
 async def _serve(asys, coordinator, config, host, port, api_key, stopping: threading.Event,
-                 hurry: threading.Event | None = None) -> None:
+                 hurry: threading.Event | None = None, on_stop=None) -> None:
     from omni_actors.http.app import start_http
     from omni_actors.http.bridge import ActorBridge
 
@@ -280,6 +310,8 @@ async def _serve(asys, coordinator, config, host, port, api_key, stopping: threa
     try:
         while not stopping.is_set():
             await asyncio.sleep(0.2)
+        if on_stop is not None:
+            on_stop()
         await drain_http(runner, bridge, config.deployment.supervision.drain_timeout_s, hurry)
     finally:
         await runner.cleanup()

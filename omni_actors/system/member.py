@@ -17,7 +17,7 @@ import time
 from omni_actors.system.leader import ACTOR_BASE, StartError, node_capabilities, start_data_service
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
                                           resume_stopped)
-from omni_actors.system.watchdog import mark_host_process, start_watchdog, stop_watchdog
+from omni_actors.system.watchdog import exit_if_host_gone, mark_host_process, start_watchdog, stop_watchdog
 
 #: seconds between the member's checks that its convention leader's admin still answers
 LEADER_CHECK_S = 5.0
@@ -56,8 +56,14 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
 
     stopping = threading.Event()
     me = os.getpid()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopping.set() if os.getpid() == me else None)
+    def interrupt(signum, frame):
+        if os.getpid() == me:
+            stopping.set()
+        else:  # (a process forked from here: the admin, its logger)
+            exit_if_host_gone(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (SIGHUP: its terminal was closed)
+        signal.signal(sig, interrupt)
     problem = _wait_for_leader(host, port, leader_wait_s, stopping)
     if stopping.is_set():
         print("omni-actors member stopped while it waited for its leader", flush=True)
@@ -83,7 +89,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         # Bound to the address this host uses to reach the leader; the coordinator's
         # node agent sets the reap age from the config (see actors.node_agent).
         data = start_data_service(node, local_address_towards(host, port), DEFAULT_REAP_AFTER_S)
-        mark_host_process()  # (inherited by the admin and every actor placed here)
+        mark_host_process("member")  # (inherited by the admin and every actor placed here)
         try:
             asys = ActorSystem(ACTOR_BASE, caps, logDefs=thespian_log_defs())
         except Exception as exc:  # noqa: BLE001

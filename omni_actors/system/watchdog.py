@@ -52,19 +52,78 @@ def start_time(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])  # a zombie has exited
 
 
-def mark_host_process() -> None:
-    """Record this process as its host's main process (:data:`ENV_HOST_PROCESS`) for the
-    processes it starts from now on."""
-    os.environ[ENV_HOST_PROCESS] = f"{os.getpid()}:{start_time(os.getpid())}"
+def mark_host_process(role: str) -> None:
+    """Record this process as its host's main process (:data:`ENV_HOST_PROCESS`, with its
+    ``role``: ``"leader"`` or ``"member"``) for the processes it starts from now on."""
+    os.environ[ENV_HOST_PROCESS] = f"{os.getpid()}:{start_time(os.getpid())}:{role}"
 
 
 def host_process_gone() -> str | None:
     """Why this host's main process is gone (``"its member process (pid N) died"``), or
     None while it lives (or where none was recorded)."""
-    pid, _, started = os.environ.get(ENV_HOST_PROCESS, "").partition(":")
+    pid, _, rest = os.environ.get(ENV_HOST_PROCESS, "").partition(":")
+    started, _, role = rest.partition(":")
     if not pid.isdigit() or str(start_time(int(pid))) == started:
         return None
-    return f"its member process (pid {pid}) died"
+    return f"its {role or 'host'} process (pid {pid}) died"
+
+
+def exit_if_host_gone(signum: int) -> None:
+    """For the signal handler that the host's main process installs and the Thespian admin
+    and its logger inherit (they leave their shutdown to the main process, so they ignore
+    its SIGTERM): once the main process is gone, a SIGTERM is the watchdog's (or
+    ``stop``'s) clean-up, and they exit at once. (They waited for its SIGKILL, 3 s on.)"""
+    if signum == signal.SIGTERM and host_process_gone() is not None:
+        os._exit(0)
+
+
+def watchdog_of(main_pid: int) -> int | None:
+    """The pid of a live watchdog watching ``main_pid`` (its parent, or not any more), or None."""
+    needle = f"--pid\0{main_pid}\0".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and is_watchdog(int(entry.name)):
+            try:
+                if needle in (entry / "cmdline").read_bytes():
+                    return int(entry.name)
+            except OSError:
+                continue
+    return None
+
+
+def clean_up_dead_host() -> bool:
+    """From a process of a host whose main process has died and whose watchdog is gone
+    too (a member's node agent sees it): start a watchdog for the dead process, which
+    cleans up at once, as the first would have. Returns whether one was started."""
+    pid, _, rest = os.environ.get(ENV_HOST_PROCESS, "").partition(":")
+    started, _, role = rest.partition(":")
+    if not pid.isdigit() or not started.isdigit() or watchdog_of(int(pid)) is not None:
+        return False
+    cmd = _command(int(pid), int(started), role or "member", os.environ.get(ENV_SYSTEM_ID, ""),
+                   [os.getsid(0)], os.environ.get("OMNI_ACTORS_SHM_PREFIX"), None)
+    return _spawn(cmd) is not None
+
+
+def _command(pid: int, started: int | None, role: str, system_id: str, sessions: list[int],
+             shm_prefix: str | None, state_file: Path | None) -> list[str]:
+    cmd = [sys.executable, "-m", "omni_actors.system.watchdog", "--pid", str(pid),
+           "--start-time", str(started), "--role", role, "--system-id", system_id]
+    for session in sessions:
+        cmd += ["--session", str(session)]
+    if shm_prefix:
+        cmd += ["--shm-prefix", shm_prefix]
+    if state_file is not None:
+        cmd += ["--state-file", str(state_file)]
+    return cmd
+
+
+def _spawn(cmd: list[str]) -> subprocess.Popen | None:
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_SYSTEM_ID, ENV_HOST_PROCESS)}
+    try:
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as exc:
+        print(f"warning: no host watchdog ({exc}): if this process is killed, stop its system with "
+              f"`python -m omni_actors.system stop`", file=sys.stderr)
+        return None
 
 
 def start_watchdog(role: str, system_id: str, sessions: list[int], *, shm_prefix: str | None = None,
@@ -80,21 +139,7 @@ def start_watchdog(role: str, system_id: str, sessions: list[int], *, shm_prefix
         state_file: the leader's state file, removed if it still names this process.
     """
     me = os.getpid()
-    cmd = [sys.executable, "-m", "omni_actors.system.watchdog", "--pid", str(me),
-           "--start-time", str(start_time(me)), "--role", role, "--system-id", system_id]
-    for session in sessions:
-        cmd += ["--session", str(session)]
-    if shm_prefix:
-        cmd += ["--shm-prefix", shm_prefix]
-    if state_file is not None:
-        cmd += ["--state-file", str(state_file)]
-    env = {k: v for k, v in os.environ.items() if k != ENV_SYSTEM_ID}
-    try:
-        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-    except OSError as exc:
-        print(f"warning: no host watchdog ({exc}): if this process is killed, stop its system with "
-              f"`python -m omni_actors.system stop`", file=sys.stderr)
-        return None
+    return _spawn(_command(me, start_time(me), role, system_id, sessions, shm_prefix, state_file))
 
 
 def is_watchdog(pid: int) -> bool:
