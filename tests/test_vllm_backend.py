@@ -326,9 +326,11 @@ def test_out_of_range_default_sampling_params_fail_start_before_the_engine_loads
     assert "\n" not in str(err.value) and time.monotonic() - t0 < 15
 
 
-def test_check_config_refuses_default_sampling_params_that_vllm_refuses(tmp_path):
-    """`check-config` checks a vLLM stage's default_sampling_params by vLLM's own
-    SamplingParams: one line with the field's path and vLLM's reason, exit 1."""
+@pytest.mark.parametrize("config, index", [("cpu_vllm_chain.yaml", 1), ("cpu_vllm_omni.yaml", 0)])
+def test_check_config_refuses_default_sampling_params_that_vllm_refuses(tmp_path, config, index):
+    """`check-config` checks a vLLM or vLLM-Omni (LLM) stage's default_sampling_params by
+    vLLM's own SamplingParams: one line with the field's path and vLLM's reason, exit 1.
+    (A trial's vLLM-Omni stage with `top_p: 0` passed, started, and failed every request.)"""
     import subprocess
     import sys
 
@@ -336,17 +338,19 @@ def test_check_config_refuses_default_sampling_params_that_vllm_refuses(tmp_path
 
     _vllm()
     root = Path(__file__).resolve().parents[1]
-    cfg = yaml.safe_load((root / "configs" / "cpu_vllm_chain.yaml").read_text())
-    cfg["stage_args"][1]["default_sampling_params"]["top_p"] = 0
+    cfg = yaml.safe_load((root / "configs" / config).read_text())
+    cfg["stage_args"][index].setdefault("default_sampling_params", {})["top_p"] = 0
     path = tmp_path / "bad_top_p.yaml"
     path.write_text(yaml.safe_dump(cfg))
     out = subprocess.run([sys.executable, "-m", "omni_actors.system", "check-config", "--config", str(path)],
                          capture_output=True, text=True, timeout=120, cwd=root)
     assert out.returncode == 1 and out.stdout == "", out
     assert out.stderr.count("\n") == 1, out.stderr
-    assert out.stderr.startswith(f"error: {path}: stage_args[1].default_sampling_params: "
+    assert out.stderr.startswith(f"error: {path}: stage_args[{index}].default_sampling_params: "
                                  "invalid sampling parameters: "), out.stderr
     assert "top_p" in out.stderr
+    if config != "cpu_vllm_chain.yaml":
+        return
 
     # (the same function, in this process: a second CLI run would import vLLM again for 15 s)
     from omni_actors.engines.vllm import check_default_sampling_params

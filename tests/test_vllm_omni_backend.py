@@ -199,8 +199,33 @@ def test_first_stage_streams_and_aborts(rt):
         events = rt.run(abort_after_first())
         assert events and not any(isinstance(e, StageFinal) for e in events)
         assert eng.load().running == 0
+
+        # The client's mistakes are ValueErrors (a 400, not retried, not the replica's failure):
+        # a trial's too-long prompts were RuntimeErrors, retried until the circuit breaker
+        # isolated the only Thinker.
+        too_long = BackendTask("r4", {"prompt_token_ids": [5] * 257}, {"max_tokens": 4})
+        with pytest.raises(ValueError, match="maximum context length is 256"):
+            rt.run(collect(eng, too_long))
+        with pytest.raises(ValueError, match="top_p"):
+            rt.run(collect(eng, BackendTask("r5", {"prompt": "hello"}, {"max_tokens": 4, "top_p": 0.0})))
+        _, after = rt.run(collect(eng, BackendTask("r6", task.engine_input, task.sampling_params)))
+        assert after.outputs["token_ids"].tolist() == ids  # and it serves on
     finally:
         rt.run(eng.shutdown())
+
+
+@needs_omni
+def test_default_sampling_params_vllm_refuses_fail_the_start(rt):
+    """`top_p: 0` in a stage's defaults: the replica fails its start with vLLM's reason
+    (it started, then failed every request: a trial)."""
+    import msgspec
+
+    from omni_actors.models import ensure_tiny_model
+
+    spec = msgspec.structs.replace(stage(str(ensure_tiny_model())), default_sampling_params={"top_p": 0})
+    eng = VllmOmniEngine(spec, "thinker/0")
+    with pytest.raises(RuntimeError, match=r"default_sampling_params: invalid sampling parameters: .*top_p"):
+        rt.run(eng.start())
 
 
 @needs_omni

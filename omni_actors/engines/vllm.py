@@ -56,7 +56,7 @@ import numpy as np
 
 from omni_actors.config import StageSpec
 from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, OutputChunk, StageFinal, TextDelta
-from omni_actors.engines.vllm_core import CoreWatch, keep_off, one_line, parse_cpus, pinned
+from omni_actors.engines.vllm_core import CoreWatch, is_client_error, keep_off, one_line, parse_cpus, pinned
 from omni_actors.logs import get_logger
 from omni_actors.system.processes import use_ipc_dir
 
@@ -353,7 +353,7 @@ class VllmEngine:
             self._log.error("vllm_engine_dead", error=self._dead)
             raise RuntimeError(f"vLLM engine {self.replica} died: {self._dead}") from None
         except Exception as exc:
-            if _is_client_error(exc):
+            if is_client_error(exc):
                 raise ValueError(one_line(exc)) from None
             raise RuntimeError(one_line(exc.__cause__ or exc)) from None
         finally:
@@ -400,7 +400,7 @@ def _make_sampling_params(sampling_params_cls, output_kind_cls, params: dict[str
     try:
         return sampling_params_cls(**params, n=1, output_kind=output_kind_cls.DELTA)
     except Exception as exc:  # vLLM raises ValueError, TypeError or VLLMValidationError
-        if _is_client_error(exc):
+        if is_client_error(exc):
             raise ValueError(f"invalid sampling parameters: {one_line(exc)}") from None
         raise
 
@@ -453,15 +453,3 @@ def _parse_input(engine_input: dict[str, Any]) -> dict[str, Any]:
         return {"prompt": prompt}
     raise ValueError("vllm: engine_input needs `prompt` (str) or `prompt_token_ids` "
                      f"(int[P]); got fields: {sorted(engine_input)}")
-
-
-def _is_client_error(exc: BaseException) -> bool:
-    """vLLM's request validation errors (``VLLMClientError``) and plain ValueErrors."""
-    for e in (exc, exc.__cause__):
-        if e is None:
-            continue
-        if isinstance(e, (ValueError, TypeError)):
-            return True
-        if any(c.__name__ == "VLLMClientError" for c in type(e).__mro__):
-            return True
-    return False

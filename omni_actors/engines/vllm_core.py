@@ -125,6 +125,20 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def is_client_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause) is the client's mistake, a 400 as vLLM's own server
+    answers it: vLLM's request validation errors (``VLLMClientError``, such as a prompt
+    over ``max_model_len``; not ValueErrors in recent vLLM) and ValueErrors/TypeErrors."""
+    for e in (exc, exc.__cause__):
+        if e is None:
+            continue
+        if isinstance(e, (ValueError, TypeError)):
+            return True
+        if any(c.__name__ == "VLLMClientError" for c in type(e).__mro__):
+            return True
+    return False
+
+
 class CoreWatch:
     """The error file and the spawn-time patch for one engine.
 

@@ -73,7 +73,7 @@ import numpy as np
 
 from omni_actors.config import StageSpec
 from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta
-from omni_actors.engines.vllm_core import one_line
+from omni_actors.engines.vllm_core import is_client_error, one_line
 from omni_actors.logs import get_logger
 from omni_actors.system.processes import use_ipc_dir
 
@@ -169,6 +169,10 @@ class VllmOmniEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._import)
+        if not self._diffusion:  # (names and values, before the engine loads, as the vllm backend does)
+            from omni_actors.engines.vllm import check_default_sampling_params
+
+            check_default_sampling_params(self.stage.default_sampling_params)
         self._processor = self._resolve_processor()
         v = self._v
         name = f"omni_actors_{self.stage.name}_{self.stage.stage_id}"
@@ -385,8 +389,10 @@ class VllmOmniEngine:
                 params = v["SamplingParams"](**task.sampling_params, n=1,
                                              output_kind=v["RequestOutputKind"].DELTA)
             prompt = self._engine_prompt(task, params)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise ValueError(one_line(exc)) from None
+        except Exception as exc:  # (vLLM's VLLMValidationError for a top_p of 0 is no ValueError)
+            if isinstance(exc, KeyError) or is_client_error(exc):
+                raise ValueError(one_line(exc)) from None
+            raise
         vid = f"{task.request_id}:{self.stage.stage_id}:{next(self._ids)}"
         self._inflight.setdefault(task.request_id, set()).add(vid)
         texts: list[str] = []
@@ -403,7 +409,9 @@ class VllmOmniEngine:
                 # (``outputs``, ``prompt_token_ids``); older ones wrapped one.
                 ro = getattr(out, "request_output", None) or (out if hasattr(out, "outputs") else None)
                 if getattr(out, "error", None):
-                    raise RuntimeError(str(out.error))
+                    code = getattr(out, "error_status_code", None) or getattr(out, "status_code", None)
+                    raise (ValueError if code is not None and 400 <= int(code) < 500 else RuntimeError)(
+                        str(out.error))
                 mm = _multimodal_dict(out)
                 extra.update(_multimodal(out, mm))
                 last_mm = mm or last_mm
@@ -422,8 +430,11 @@ class VllmOmniEngine:
                     token_ids.extend(ids)
                     yield TextDelta(text=comp.text or "", token_ids=ids)
         except Exception as exc:
-            if isinstance(exc, (ValueError, TypeError)):
-                raise ValueError(one_line(exc)) from None
+            # The client's mistake (a 400, not retried, not the replica's failure), also when
+            # vLLM-Omni raises it from one (a trial's prompts over max_model_len were 500s,
+            # retried until the circuit breaker isolated the only Thinker).
+            if is_client_error(exc):
+                raise ValueError(one_line(exc.__cause__ or exc)) from None
             raise RuntimeError(one_line(exc.__cause__ or exc)) from None
         finally:
             await stream.aclose()

@@ -506,7 +506,9 @@ def _check_vllm_sampling_defaults(config) -> str | None:
     installed (a replica would fail its start on them); a note on stderr where it is
     not. Returns the first problem as ``"<config>: stage_args[i].default_sampling_params: ..."``."""
     stages = [(i, s) for i, s in enumerate(config.stage_args)
-              if config.deployment_of(s).backend == "vllm" and s.default_sampling_params]
+              if s.default_sampling_params and (config.deployment_of(s).backend == "vllm" or (
+                  config.deployment_of(s).backend == "vllm_omni"  # (a diffusion stage's are vLLM-Omni's own)
+                  and str(s.engine_args.get("stage_type", "")).lower() != "diffusion"))]
     if not stages:
         return None
     try:
