@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -368,7 +369,14 @@ def test_omni_chain_matches_transformers_and_talker_gets_thinker_tokens(omni_cha
     import openai
     from test_vllm_chain import Reference  # the same transformers + synthetic Code2Wav reference
 
+    import os
+
     leader, config, tiny = omni_chain
+    # The engine cores' temporary files are in the system's own directory, removed with it
+    # (and by the host's watchdog): a killed replica's vllm_dist_<uuid> stayed in /tmp.
+    # (Under this module's $TMPDIR, which the leader inherits: see _ipc.)
+    own = Path(os.environ["TMPDIR"]) / f"omni-actors-ipc-{leader.system_id[:16]}"
+    assert [p.name for p in own.glob("vllm_dist_*")], sorted(p.name for p in own.iterdir())
     ref = Reference(tiny, config)
     client = openai.OpenAI(base_url=leader.base_url, api_key="unused", max_retries=0, timeout=120)
     model = config.deployment.served_model_name

@@ -75,7 +75,7 @@ from omni_actors.config import StageSpec
 from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta
 from omni_actors.engines.vllm_core import is_client_error, one_line
 from omni_actors.logs import get_logger
-from omni_actors.system.processes import use_ipc_dir
+from omni_actors.system.processes import use_ipc_dir, use_ipc_dir_for_temp_files
 
 __all__ = ["VllmOmniEngine", "stage_inputs", "multimodal_inputs", "client_audio", "PIPELINE_KEYS",
            "TOKEN_FIELDS", "DEFAULT_SAMPLE_RATE"]
@@ -164,6 +164,9 @@ class VllmOmniEngine:
             raise FileNotFoundError(f"model directory {model} does not exist")
         cpu = _is_cpu_build()
         use_ipc_dir()  # vLLM's IPC sockets in the system's directory, removed when it stops
+        # and its engine cores' temporary files (vLLM's FileStore, vllm_dist_<uuid>: a killed
+        # replica's stayed in the temp directory), through the $TMPDIR they inherit
+        use_ipc_dir_for_temp_files()
         if cpu:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -29,7 +29,8 @@ def ipc_dir(system_id: str) -> str:
     """The directory of the vLLM IPC sockets of the system (one host's process tree)
     ``system_id``: ``<temp dir>/omni-actors-ipc-<first 16 characters of the id>`` (short: a
     socket path has at most 107 bytes). The leader or member removes it when it stops."""
-    return os.path.join(tempfile.gettempdir(), f"omni-actors-ipc-{system_id[:16]}")
+    name, base = f"omni-actors-ipc-{system_id[:16]}", tempfile.gettempdir()
+    return base if os.path.basename(base) == name else os.path.join(base, name)  # (it may be $TMPDIR now)
 
 
 def _own_ipc_dir() -> str | None:
