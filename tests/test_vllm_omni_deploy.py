@@ -443,3 +443,30 @@ def test_shipped_qwen3_omni_deploy_file_matches_our_hand_written_config(tmp_path
         assert mine.default_sampling_params == theirs.default_sampling_params
         assert mine.runtime.devices == theirs.runtime.devices
         assert {k: theirs.engine_args.get(k) for k in mine.engine_args} == mine.engine_args
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm_omni") is None, reason="needs vllm_omni (make test-vllm-omni)")
+def test_check_config_refuses_a_connector_vllm_omni_does_not_have(tmp_path: Path) -> None:
+    """A misspelt connector class passed `check-config` (noted as applied) where vLLM-Omni is
+    installed: now one line naming the connector, the nearest name, exit 1."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "configs" / "cpu_vllm_omni_deploy.yaml").read_text()
+    assert "name: SharedMemoryConnector" in text
+    path = tmp_path / "typo.yaml"
+    path.write_text(text.replace("name: SharedMemoryConnector", "name: SharedMemConnector"))
+
+    def check(p: Path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "omni_actors.system", "check-config", "--config", str(p)],
+                              capture_output=True, text=True, timeout=300, cwd=root)
+
+    out = check(path)
+    assert out.returncode == 1 and out.stdout == "", out
+    assert out.stderr.splitlines()[-1].startswith(
+        f"error: {path}: connector `local_shm`: vLLM-Omni has no connector `SharedMemConnector` "
+        f"(did you mean `SharedMemoryConnector`?); it has: "), out.stderr
+    path.write_text(text)
+    good = check(path)
+    assert good.returncode == 0 and good.stdout.startswith("ok: "), good

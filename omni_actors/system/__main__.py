@@ -483,6 +483,7 @@ def cmd_check_config(args) -> int:
     from omni_actors.logs import configure_logging
 
     configure_logging("error")  # the config's own warnings are printed below, not logged
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # (vLLM-Omni's import logs to stdout)
     logging.getLogger("vllm").setLevel(logging.ERROR)  # (its import warns about Triton on CPUs, before
     # its own logging is set up: our one line stays the only one)
     try:
@@ -490,6 +491,9 @@ def cmd_check_config(args) -> int:
                              on_warning=lambda text: print(f"warning: {text}", file=sys.stderr))
     except ConfigError as exc:
         return _fail(str(exc))
+    problem = _check_omni_connector_names(config)  # (before the notes, which call it applied)
+    if problem:
+        return _fail(problem)
     for note in config.omni_connectors.notes:
         print(f"note: {note}", file=sys.stderr)
     problem = _check_vllm_sampling_defaults(config)
@@ -523,6 +527,35 @@ def _check_vllm_sampling_defaults(config) -> str | None:
         names = ", ".join(s.name for _, s in stages)
         print(f"note: vLLM is not installed here: default_sampling_params of {names} not checked "
               "(a replica checks them when it starts)", file=sys.stderr)
+    return None
+
+
+def _check_omni_connector_names(config) -> str | None:
+    """The vLLM-Omni connectors the config names, against those vLLM-Omni's factory has, where
+    ``vllm_omni`` is installed (a misspelt one passed, noted as applied); the first unknown one as
+    ``"<config>: connector `key` (<where>): ..."``, or None (nothing named, all known, or no vllm_omni)."""
+    import difflib
+
+    from omni_actors.connector_config import SHARED_MEMORY_CONNECTORS
+    from omni_actors.connectors import omni
+
+    named = {key: spec.get("name") for key, spec in config.omni_connectors.connectors.items()}
+    named.update({f"edge {edge}": name for edge, name in config.omni_connectors.by_edge.items()
+                  if name not in named.values()})
+    if not named or not omni.available():
+        return None
+    try:
+        from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory
+    except Exception as exc:  # noqa: BLE001 - vllm_omni found but not importable here
+        print(f"note: vLLM-Omni's connectors not checked: vllm_omni cannot be imported here ({exc})",
+              file=sys.stderr)
+        return None
+    known = set(OmniConnectorFactory.list_registered_connectors()) | set(SHARED_MEMORY_CONNECTORS)
+    for key, name in named.items():
+        if name not in known:
+            near = difflib.get_close_matches(str(name), sorted(known), n=1)
+            return (f"{config.source}: connector `{key}`: vLLM-Omni has no connector `{name}`"
+                    + (f" (did you mean `{near[0]}`?)" if near else "") + f"; it has: {', '.join(sorted(known))}")
     return None
 
 
