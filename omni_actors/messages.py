@@ -462,6 +462,12 @@ class InjectFault(Message):
     count: int = 1  #: RAISE_NEXT: how many of the next tasks raise
     reply_to: ActorAddress = None  #: who gets the :class:`AdminReply` (default: the sender)
 
+    def log_fields(self) -> dict:
+        """``kind``, and ``factor`` or ``count`` where the kind has one (for the log)."""
+        extra = ({"factor": self.factor} if self.kind is FaultKind.SLOW else
+                 {"count": self.count} if self.kind is FaultKind.RAISE_NEXT else {})
+        return {"kind": self.kind.value, **extra}
+
 
 @dataclass(frozen=True)
 class DrainReplica(Message):

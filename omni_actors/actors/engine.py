@@ -336,7 +336,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             self.wakeupAfter(EXIT_GRACE_S, payload="exit")
 
     def receiveMsg_InjectFault(self, msg: InjectFault, sender):
-        self._log.warning("fault_injected", kind=msg.kind.value, factor=msg.factor)
+        self._log.warning("fault_injected", **msg.log_fields())
         if self._rt is not None:
             self._rt.loop.call_soon_threadsafe(self._set_fault, msg)
         return self._watch()

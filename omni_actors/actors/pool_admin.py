@@ -24,7 +24,7 @@ class PoolAdminMixin:
             self.send(msg.reply_to or sender, AdminReply(False, f"no live replica {msg.replica}"))
             return
         self.send(rep.address, msg)
-        self._log.warning("fault_injected", replica=msg.replica, kind=msg.kind.value, factor=msg.factor)
+        self._log.warning("fault_injected", replica=msg.replica, **msg.log_fields())
         self.send(msg.reply_to or sender, AdminReply(True, f"{msg.kind.value} injected into {msg.replica}"))
 
     def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):

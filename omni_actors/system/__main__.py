@@ -21,10 +21,12 @@ DEFAULT_HTTP_PORT = 8000  # vLLM's default API port
 #: `stop`: seconds beyond the system's drain for its processes to exit (three vLLM engine
 #: cores took 5-9 s on 2 cores) before what is left is killed.
 STOP_GRACE_S = 20.0
-#: `stop`: this long before its timeout runs out, a second SIGTERM ends the requests still in
-#: flight at once, with a 503 or an SSE error event that says why (the leader gives them 2 s
-#: to send it, then stops in about 1 s), rather than a SIGKILL cutting their connections.
-HURRY_BEFORE_S = 4.0
+#: `stop`: this long before its timeout runs out (half the timeout, at least 4 s and at most
+#: 10 s), a second SIGTERM ends the requests still in flight at once, with a 503 or an SSE
+#: error event that says why (the leader gives them 2 s to send it), rather than a SIGKILL
+#: cutting their connections; the rest is the engines' shutdown (the synthetic demo's about
+#: 1 s, vLLM-Omni's about 4 s on 2 cores: a trial's `--timeout 10` killed them at 4 s).
+HURRY_BEFORE_S = (4.0, 10.0)
 #: `stop` on a system whose state file predates drain_timeout_s in it: the config default.
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
 #: `status` when the model is not ready, or the leader (its HTTP API) is not running: the
@@ -310,7 +312,7 @@ def cmd_stop(args) -> int:
     if _alive(pid):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        hurry_at = deadline - HURRY_BEFORE_S
+        hurry_at = deadline - min(HURRY_BEFORE_S[1], max(HURRY_BEFORE_S[0], timeout / 2))
         while _alive(pid) and time.monotonic() < deadline:
             if hurry_at is not None and time.monotonic() >= hurry_at:
                 os.kill(pid, signal.SIGTERM)  # a second one: no more drain
