@@ -92,7 +92,7 @@ def remove_ipc_dir(system_id: str) -> int:
     return left
 
 
-def _stat(entry: Path) -> list[str] | None:
+def proc_stat(entry: Path) -> list[str] | None:
     """Fields of /proc/PID/stat after the command name: state, ppid, pgrp, session, ..."""
     try:
         return (entry / "stat").read_text().rsplit(")", 1)[1].split()
@@ -106,7 +106,7 @@ def descendants(pid: int | None = None) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
-            fields = _stat(entry)
+            fields = proc_stat(entry)
             if fields and fields[0] != "Z":
                 children.setdefault(int(fields[1]), []).append(int(entry.name))
     found, todo = [], list(children.get(pid, ()))
@@ -125,7 +125,7 @@ def child_sessions(pid: int | None = None) -> list[int]:
     found = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
-            fields = _stat(entry)
+            fields = proc_stat(entry)
             if fields and int(fields[1]) == pid and int(fields[3]) != own:
                 found.add(int(fields[3]))
     return sorted(found)
@@ -148,7 +148,7 @@ def system_pids(system_id: str, *, exclude_self: bool = True, sessions: tuple[in
         pid = int(entry.name)
         if exclude_self and pid == me:
             continue
-        fields = _stat(entry)
+        fields = proc_stat(entry)
         if fields is None or fields[0] == "Z":  # zombies hold nothing
             continue
         try:
@@ -178,7 +178,7 @@ def resume_stopped(system_id: str, sessions: tuple[int, ...] | list[int] = ()) -
     the SIGTERM that followed until the SIGKILL after the grace (a stop took 14 s)."""
     resumed = 0
     for pid in system_pids(system_id, sessions=sessions):
-        fields = _stat(Path(f"/proc/{pid}"))
+        fields = proc_stat(Path(f"/proc/{pid}"))
         if fields and fields[0] == "T":
             try:
                 os.kill(pid, signal.SIGCONT)

@@ -32,24 +32,20 @@ import sys
 import time
 from pathlib import Path
 
-from omni_actors.system.processes import ENV_SYSTEM_ID, kill_system, remove_ipc_dir
+from omni_actors.system.processes import ENV_SYSTEM_ID, kill_system, proc_stat, remove_ipc_dir
 
 #: Seconds between two looks at the main process (the SIGTERM grace comes after).
 POLL_S = 0.2
-#: ``<pid>:<start time>`` of the host's main process, set by it before its admin starts, so
-#: that every actor of the host inherits it (see :func:`host_process_gone`).
+#: ``<pid>:<start time>:<role>`` of the host's main process, set by it before its admin starts,
+#: so that every actor of the host inherits it (see :func:`host_process_gone`).
 ENV_HOST_PROCESS = "OMNI_ACTORS_HOST_PROCESS"
 
 
 def start_time(pid: int) -> int | None:
     """``pid``'s start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), None
     if it is gone: with the pid it names one process, a reused pid being another."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] in ("Z", "X") else int(fields[19])  # a zombie has exited
+    fields = proc_stat(Path(f"/proc/{pid}"))
+    return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])  # a zombie has exited
 
 
 def mark_host_process(role: str) -> None:
@@ -58,14 +54,22 @@ def mark_host_process(role: str) -> None:
     os.environ[ENV_HOST_PROCESS] = f"{os.getpid()}:{start_time(os.getpid())}:{role}"
 
 
+def _host_process() -> tuple[int, int, str] | None:
+    """(pid, start time, role) of :data:`ENV_HOST_PROCESS`; None where it is not set."""
+    pid, _, rest = os.environ.get(ENV_HOST_PROCESS, "").partition(":")
+    started, _, role = rest.partition(":")
+    if not pid.isdigit() or not started.isdigit():
+        return None
+    return int(pid), int(started), role or "host"
+
+
 def host_process_gone() -> str | None:
     """Why this host's main process is gone (``"its member process (pid N) died"``), or
     None while it lives (or where none was recorded)."""
-    pid, _, rest = os.environ.get(ENV_HOST_PROCESS, "").partition(":")
-    started, _, role = rest.partition(":")
-    if not pid.isdigit() or str(start_time(int(pid))) == started:
+    host = _host_process()
+    if host is None or start_time(host[0]) == host[1]:
         return None
-    return f"its {role or 'host'} process (pid {pid}) died"
+    return f"its {host[2]} process (pid {host[0]}) died"
 
 
 def exit_if_host_gone(signum: int) -> None:
@@ -94,12 +98,11 @@ def clean_up_dead_host() -> bool:
     """From a process of a host whose main process has died and whose watchdog is gone
     too (a member's node agent sees it): start a watchdog for the dead process, which
     cleans up at once, as the first would have. Returns whether one was started."""
-    pid, _, rest = os.environ.get(ENV_HOST_PROCESS, "").partition(":")
-    started, _, role = rest.partition(":")
-    if not pid.isdigit() or not started.isdigit() or watchdog_of(int(pid)) is not None:
+    host = _host_process()
+    if host is None or watchdog_of(host[0]) is not None:
         return False
-    cmd = _command(int(pid), int(started), role or "member", os.environ.get(ENV_SYSTEM_ID, ""),
-                   [os.getsid(0)], os.environ.get("OMNI_ACTORS_SHM_PREFIX"), None)
+    cmd = _command(*host, os.environ.get(ENV_SYSTEM_ID, ""), [os.getsid(0)],
+                   os.environ.get("OMNI_ACTORS_SHM_PREFIX"), None)
     return _spawn(cmd) is not None
 
 
@@ -156,11 +159,8 @@ def find_watchdog(main_pid: int) -> int | None:
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == main_pid and is_watchdog(int(entry.name)):
+        fields = proc_stat(entry)
+        if fields is not None and int(fields[1]) == main_pid and is_watchdog(int(entry.name)):
             return int(entry.name)
     return None
 
