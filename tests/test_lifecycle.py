@@ -155,8 +155,9 @@ def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_
     if ctrl_c == 2:
         assert "Ctrl-C again: end them now" in leader.log_path.read_text(), "the drain did not say how to skip it"
         # `status` during the drain says so (it said the HTTP API was "not up yet", as at start-up)
-        assert during.returncode == 3 and during.stdout.splitlines()[-1].startswith(
-            "the leader is stopping: the HTTP API"), during.stdout + during.stderr
+        assert during.returncode == 3 and during.stdout.splitlines()[-1] == (
+            "model qwen3-omni-cpu-demo: STOPPING (the leader takes no new requests while those in flight finish, "
+            "up to supervision.drain_timeout_s)"), during.stdout + during.stderr
     status, body = got["whole"]
     assert status == 503 and json.loads(body)["error"]["type"] == "service_unavailable", got
     assert "the server is shutting down" in json.loads(body)["error"]["message"]

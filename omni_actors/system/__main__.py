@@ -21,12 +21,12 @@ DEFAULT_HTTP_PORT = 8000  # vLLM's default API port
 #: `stop`: seconds beyond the system's drain for its processes to exit (three vLLM engine
 #: cores took 5-9 s on 2 cores) before what is left is killed.
 STOP_GRACE_S = 20.0
-#: `stop`: this long before its timeout runs out (half the timeout, at least 4 s and at most
-#: 10 s), a second SIGTERM ends the requests still in flight at once, with a 503 or an SSE
-#: error event that says why (the leader gives them 2 s to send it), rather than a SIGKILL
-#: cutting their connections; the rest is the engines' shutdown (the synthetic demo's about
-#: 1 s, vLLM-Omni's about 4 s on 2 cores: a trial's `--timeout 10` killed them at 4 s).
-HURRY_BEFORE_S = (4.0, 10.0)
+#: `stop`: this long before its timeout runs out (half the timeout, at most 10 s), a second
+#: SIGTERM ends the requests still in flight at once, with a 503 or an SSE error event that
+#: says why (the leader gives them 2 s to send it), rather than a SIGKILL cutting their
+#: connections; the rest is the engines' shutdown (the synthetic demo's about 1 s,
+#: vLLM-Omni's about 4 s on 2 cores: a trial's `--timeout 10` killed them, 4 s before).
+HURRY_BEFORE_MAX_S = 10.0
 #: `stop` on a system whose state file predates drain_timeout_s in it: the config default.
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
 #: `status` when the model is not ready, or the leader (its HTTP API) is not running: the
@@ -312,7 +312,7 @@ def cmd_stop(args) -> int:
     if _alive(pid):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        hurry_at = deadline - min(HURRY_BEFORE_S[1], max(HURRY_BEFORE_S[0], timeout / 2))
+        hurry_at = deadline - min(HURRY_BEFORE_MAX_S, timeout / 2)
         while _alive(pid) and time.monotonic() < deadline:
             if hurry_at is not None and time.monotonic() >= hurry_at:
                 os.kill(pid, signal.SIGTERM)  # a second one: no more drain
@@ -397,11 +397,9 @@ def cmd_status(admin, args) -> int:
               + ("its watchdog stops what is left within seconds" if watched else
                  f"`python -m omni_actors.system stop --admin-port {args.admin_port}` stops what is left"))
     else:
-        print_status_table(status, api_down=api_down)
-        if api_closed and state.get("stopping"):
-            print(f"the leader is stopping: the HTTP API (http://{api_host}:{state['port']}/v1) takes no new "
-                  f"requests while those in flight finish (up to supervision.drain_timeout_s)")
-        elif api_closed:
+        stopping = api_closed and bool(state.get("stopping"))
+        print_status_table(status, api_down=api_down, stopping=stopping)
+        if api_closed and not stopping:
             print(f"the HTTP API (http://{api_host}:{state['port']}/v1) is not up yet: the leader opens it "
                   f"once every replica is ready or has failed")
     return 0 if status.ready and not api_down and not api_closed else NOT_READY_EXIT

@@ -60,9 +60,10 @@ def _become_subreaper() -> None:
     threading.Thread(target=reap, name="reaper", daemon=True).start()
 
 
-def print_status_table(status, out=sys.stdout, api_down: bool = False) -> None:
+def print_status_table(status, out=sys.stdout, api_down: bool = False, stopping: bool = False) -> None:
     """Print a ``SystemStatus`` as a table: stage, replica, state, load, reason; with
-    ``api_down`` (its leader process is gone) the last line says it does not serve."""
+    ``api_down`` (its leader process is gone) the last line says it does not serve, with
+    ``stopping`` (its leader drains) that it is stopping."""
     rows = [("STAGE", "REPLICA", "STATE", "NODE", "DEVICES", "PID", "IN_FLIGHT", "DONE", "FAILED", "RESTARTS",
              "REASON")]
     for st in status.stages:
@@ -84,6 +85,9 @@ def print_status_table(status, out=sys.stdout, api_down: bool = False) -> None:
     if api_down:
         print(f"model {status.model}: NOT SERVING (its stages are {'ready' if status.ready else 'not ready'}, "
               f"but its leader is not running: the HTTP API is down)", file=out)
+    elif stopping:
+        print(f"model {status.model}: STOPPING (the leader takes no new requests while those in flight "
+              f"finish, up to supervision.drain_timeout_s)", file=out)
     else:
         print(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}", file=out)
 

@@ -188,6 +188,9 @@ def _clean_up(args) -> None:
     if args.state_file:
         _remove_state_file(Path(args.state_file), args.pid)
     try:  # (stderr may be a closed terminal by now)
+        if not killed and not removed:  # (`stop` killed it and cleaned up, or it died with nothing left)
+            get_logger(actor="watchdog").info("host_process_gone_nothing_left", role=args.role, main_pid=args.pid)
+            return
         print(f"omni-actors watchdog: the {args.role} process (pid {args.pid}) died without stopping its "
               f"system; stopped its {killed} remaining process(es) on this host", file=sys.stderr, flush=True)
         get_logger(actor="watchdog").warning("host_process_died", role=args.role, main_pid=args.pid,
