@@ -109,6 +109,12 @@ def _is_cpu_build() -> bool:
         return False
 
 
+def is_diffusion_stage(stage: StageSpec) -> bool:
+    """Whether vLLM-Omni runs ``stage`` as a diffusion stage (``engine_args.stage_type``), whose
+    sampling parameters are vLLM-Omni's own, not vLLM's ``SamplingParams``."""
+    return str(stage.engine_args.get("stage_type", "")).lower() == "diffusion"
+
+
 class VllmOmniEngine:
     """One single-stage vLLM-Omni ``AsyncOmni`` serving one stage replica.
 
@@ -127,7 +133,7 @@ class VllmOmniEngine:
         self._aborted: set[str] = set()
         self._ids = itertools.count()
         self._deploy_file: str | None = None
-        self._diffusion = str(stage.engine_args.get("stage_type", "")).lower() == "diffusion"
+        self._diffusion = is_diffusion_stage(stage)
         self._dead: str | None = None
         self._log = get_logger(backend="vllm_omni", replica=replica)
         #: Seconds ``start`` took (import + engine + warm-up).

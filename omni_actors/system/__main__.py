@@ -509,10 +509,11 @@ def _check_vllm_sampling_defaults(config) -> str | None:
     """The vLLM stages' ``default_sampling_params``, by vLLM's own rules where it is
     installed (a replica would fail its start on them); a note on stderr where it is
     not. Returns the first problem as ``"<config>: stage_args[i].default_sampling_params: ..."``."""
+    from omni_actors.engines.vllm_omni import is_diffusion_stage
+
     stages = [(i, s) for i, s in enumerate(config.stage_args)
               if s.default_sampling_params and (config.deployment_of(s).backend == "vllm" or (
-                  config.deployment_of(s).backend == "vllm_omni"  # (a diffusion stage's are vLLM-Omni's own)
-                  and str(s.engine_args.get("stage_type", "")).lower() != "diffusion"))]
+                  config.deployment_of(s).backend == "vllm_omni" and not is_diffusion_stage(s)))]
     if not stages:
         return None
     try:
@@ -533,7 +534,8 @@ def _check_vllm_sampling_defaults(config) -> str | None:
 def _check_omni_connector_names(config) -> str | None:
     """The vLLM-Omni connectors the config names, against those vLLM-Omni's factory has, where
     ``vllm_omni`` is installed (a misspelt one passed, noted as applied); the first unknown one as
-    ``"<config>: connector `key` (<where>): ..."``, or None (nothing named, all known, or no vllm_omni)."""
+    ``"<config>: connector `key`: vLLM-Omni has no connector ..."``, or None (nothing named, all
+    known, or no vllm_omni)."""
     import difflib
 
     from omni_actors.connector_config import SHARED_MEMORY_CONNECTORS
