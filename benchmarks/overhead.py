@@ -114,7 +114,7 @@ async def measure(name: str, one: Callable[[int], Awaitable[bool]], plan: list[t
 # ------------------------------------------------------------------------ direct
 
 async def bench_direct(config, plan, warmup, max_tokens) -> dict[int, dict[str, Any]]:
-    from omni_actors.config import resolve_processor
+    from omni_actors.config_checks import resolve_processor
     from omni_actors.engines.base import BackendTask, StageFinal
     from omni_actors.engines.synthetic import SyntheticEngine
     from omni_actors.processors import default_input

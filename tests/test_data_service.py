@@ -134,6 +134,37 @@ def test_concurrent_gets_from_many_threads_each_see_the_same_bytes(prefix, servi
     release_all([ref])
 
 
+def test_a_recycled_segment_served_again_and_again_gives_each_payload(prefix, service_process):
+    """The service sends from the mapping it keeps of a recycled segment's file: each
+    get through it must carry the payload of the put that claimed the file last, and a
+    name released since is not found."""
+    connector = producer(prefix, service_process)
+    inodes, refs = set(), []
+    for k in range(6):
+        payload = np.full(300_000, k, dtype=np.float32)  # 1.2 MB: the size class of 2 MiB each time
+        ref = connector.put({"x": payload})
+        inodes.add(os.stat(os.path.join(SHM_DIR, ref.location)).st_ino)
+        got = consumer().get(ref)["x"]
+        assert got.shape == payload.shape and np.all(got == k), f"payload {k}: stale bytes {got[:3]}"
+        del got
+        release_all([ref], recycle=True)  # through the service, as a request owner on another node
+        refs.append(ref)
+    assert len(inodes) < 6  # (the files were recycled: the kept mapping was used)
+    with pytest.raises(ConnectorError, match="not found"):
+        consumer().get(refs[-1])
+    assert ds.stats(service_process)["gets"] == 6
+
+
+def test_an_empty_get_says_whether_the_segment_is_there(prefix, service):
+    ref = producer(prefix, service.address).put({"x": np.ones(100)})
+    with connect(service.address) as sock:
+        assert raw_request(sock, json.dumps({"op": "get", "name": ref.location, "size": 0}).encode()) \
+            == (ds.OK, b"")
+        status, text = raw_request(sock, json.dumps({"op": "get", "name": prefix + "gone", "size": 0}).encode())
+        assert status == ds.NOT_FOUND and "not found" in text.decode()
+    release_all([ref])
+
+
 def test_release_unlinks_and_is_idempotent(prefix, service):
     connector = producer(prefix, service.address)
     refs = [connector.put({"x": np.full(100, i)}) for i in range(3)]

@@ -6,10 +6,11 @@ interface the host uses to reach the others. It serves the segments of its
 prefix (``$OMNI_ACTORS_SHM_PREFIX``, in ``$OMNI_ACTORS_SHM_DIR``, default
 ``/dev/shm``) over plain TCP:
 
-- ``get``: the raw bytes of a segment, sent from the segment itself
-  (``os.sendfile``, the reply's header held back with ``MSG_MORE`` to leave
-  with the first bytes; ``sendall`` of a read-only mapping where sendfile is
-  not supported), nothing pickled, nothing copied in user space;
+- ``get``: the raw bytes of a segment, sent from a read-only mapping of it
+  (the one this process keeps of a recycled segment's file, see
+  :mod:`omni_actors.connectors.mappings`; the reply's header held back with
+  ``MSG_MORE`` to leave with the first bytes), nothing pickled, nothing copied
+  in user space;
 - ``release``: unlink segments (the request owner, on another node, is done),
   or with ``"recycle": true`` keep them as free segments of this node for
   later puts (:func:`omni_actors.connectors.shm.release_segments`);
@@ -41,7 +42,6 @@ Run one by hand (or from a benchmark): ``python -m omni_actors.connectors.data_s
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import mmap
 import os
@@ -62,7 +62,9 @@ from omni_actors.connectors.data_client import (  # noqa: F401 - the client side
     parse_address, release, stats)
 from omni_actors.connectors.recycling import free_budget, free_idle_s, free_usage, trim_free_segments
 from omni_actors.connectors.shm import DIR_ENV, _unlink, check_name, check_segment_dir, default_prefix, \
-    list_segments, open_segment, release_segments, segment_dir, segment_usage
+    list_segments, open_segment, read_segment, release_segments, segment_dir, segment_usage
+from omni_actors.connectors.inline import ConnectorError
+from omni_actors.connectors.mappings import SegmentNotFound
 
 log = structlog.get_logger(__name__)
 
@@ -339,29 +341,38 @@ class DataService:
             _reply(sock, BAD_REQUEST, problem.encode())
             return
         try:
-            fd, actual = open_segment(name)
-        except FileNotFoundError:
+            # From this process's mapping of the segment's file (kept when the file comes back
+            # recycled, see connectors.mappings: no open, mmap or page faults then). Measured
+            # side by side here, sending from a mapping beat sendfile from the tmpfs at 1, 16 and
+            # 64 MB (median 0.30 against 0.64 ms at 1 MB; 5-6 against 8.4-8.9 ms at 16 MB).
+            view = read_segment(name, size) if size else None
+            if view is None:  # (nothing to send: only whether it is there)
+                os.close(open_segment(name)[0])
+        except (SegmentNotFound, FileNotFoundError):
             self._count(errors=1)
             _reply(sock, NOT_FOUND, f"segment {name!r} not found on node {self.node or '?'}: "
                                     "already released, or reaped".encode())
             return
+        except ConnectorError as exc:  # (smaller than the size asked)
+            self._count(errors=1)
+            _reply(sock, BAD_REQUEST, str(exc).encode())
+            return
         except OSError as exc:
             self._count(errors=1)
-            _reply(sock, FAILED, f"cannot open segment {name!r}: {exc}".encode())
+            _reply(sock, FAILED, f"cannot read segment {name!r}: {exc}".encode())
             return
+        self._count(gets=1, bytes_served=size)  # before the bytes: a client may ask stats next
         try:
-            if size > actual:
-                self._count(errors=1)
-                _reply(sock, BAD_REQUEST, f"segment {name!r} has {actual} bytes, "
-                                          f"{size} were asked".encode())
-                return
-            self._count(gets=1, bytes_served=size)  # before the bytes: a client may ask stats next
-            # The header leaves with the first bytes of the segment (MSG_MORE: no packet of its own, one
-            # wakeup of the client less; sendfile sends what it holds back).
+            # The header leaves with the first bytes of the segment (MSG_MORE: no packet of its own,
+            # one wakeup of the client less).
             sock.sendall(REPLY_HEADER.pack(OK, size), _MSG_MORE if size else 0)
-            _send_segment(sock, fd, size)
+            if view is not None:
+                sock.sendall(view)
         finally:
-            os.close(fd)
+            if isinstance(view, mmap.mmap):
+                view.close()  # a file read once: unmapped now, not when the garbage collector gets to it
+            elif view is not None:
+                view.release()
 
     def _release(self, sock: socket.socket, req: dict) -> None:
         names = req.get("names")
@@ -458,29 +469,6 @@ class DataService:
 
 
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)
-
-
-def _send_segment(sock: socket.socket, fd: int, size: int) -> None:
-    """Send ``size`` bytes of segment ``fd`` from the kernel's copy (sendfile), or
-    from a read-only mapping where sendfile is not supported. (Either sends what
-    a ``MSG_MORE`` send before it held back.)"""
-    sent = 0
-    try:
-        while sent < size:
-            n = os.sendfile(sock.fileno(), fd, sent, size - sent)
-            if n == 0:
-                raise ConnectionError("sendfile sent nothing")
-            sent += n
-    except OSError as exc:
-        if sent or exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise
-
-        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as m:
-            view = memoryview(m)
-            try:
-                sock.sendall(view)
-            finally:
-                view.release()
 
 
 # -- command line -------------------------------------------------------------------------------

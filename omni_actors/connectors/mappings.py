@@ -77,8 +77,12 @@ _OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _MMAP_KWARGS = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 
-def _not_found(name: str, directory: str) -> ConnectorError:
-    return ConnectorError(f"shared-memory segment {name!r} not found in {directory}: already "
+class SegmentNotFound(ConnectorError):
+    """The segment a name refers to is gone (released, recycled, reaped or swept)."""
+
+
+def _not_found(name: str, directory: str) -> SegmentNotFound:
+    return SegmentNotFound(f"shared-memory segment {name!r} not found in {directory}: already "
                           "released, or reaped/swept")
 
 
@@ -365,7 +369,7 @@ class _ReadCache(_Cache):
         new mapping (kept, within the bounds, if this process read that file before).
 
         Raises:
-            ConnectorError: the segment is gone or smaller than ``size``.
+            SegmentNotFound: the segment is gone. ConnectorError: it is smaller than ``size``.
         """
         path = f"{directory}/{name}"
         try:

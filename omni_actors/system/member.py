@@ -52,7 +52,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     host, port = convention
     if port_in_use(admin_port):
         raise StartError(f"admin port {admin_port} is in use")
-    from omni_actors.system.remote import node_name_taken, probe_admin
+    from omni_actors.system.remote import node_name_taken
 
     stopping = threading.Event()
     me = os.getpid()
