@@ -153,6 +153,11 @@ class Direct:
         keep_off(cpus)
         return time.perf_counter() - t0
 
+    def cpu(self) -> tuple[float, float]:
+        """(serving, engine core) CPU seconds so far: this process (AsyncLLM's front end
+        and the streams), its engine core."""
+        return time.process_time(), cpu_seconds(os.getpid(), include_root=False)[1]
+
     async def stream(self, i: int, max_tokens: int) -> tuple[float, int, int]:
         """One greedy stream; returns (TTFT s, output tokens, outputs with text)."""
         from omni_actors.http.protocol import render_prompt
@@ -182,9 +187,15 @@ class Direct:
 class Actors:
     """Streams over HTTP to a leader's /v1/chat/completions."""
 
-    def __init__(self, base_url: str):
+    def __init__(self, base_url: str, leader_pid: int | None = None):
         self.url = base_url + "/chat/completions"
         self.session = None
+        self.leader_pid = leader_pid
+
+    def cpu(self) -> tuple[float, float]:
+        """(serving, engine core) CPU seconds so far of the leader's processes (the API
+        server, the actors, the replica's front end; not this HTTP client)."""
+        return cpu_seconds(self.leader_pid) if self.leader_pid else (0.0, 0.0)
 
     async def open(self) -> None:
         import aiohttp
@@ -223,11 +234,41 @@ class Actors:
 
 # -------------------------------------------------------------------- measuring
 
+def cpu_seconds(root_pid: int, include_root: bool = True) -> tuple[float, float]:
+    """CPU seconds (user + system) used so far by ``root_pid``'s process tree:
+    ``(serving, engine cores)``, the vLLM engine core processes apart. With
+    ``include_root`` False only its descendants count (this process: its own CPU
+    is counted with :func:`time.process_time`). Processes that ended are not counted."""
+    import psutil
+
+    serving = engine = 0.0
+    try:
+        root = psutil.Process(root_pid)
+        procs = root.children(recursive=True) + ([root] if include_root else [])
+    except psutil.NoSuchProcess:
+        return 0.0, 0.0
+    for proc in procs:
+        try:
+            cpu = proc.cpu_times()
+            used = cpu.user + cpu.system
+            if proc.name().startswith("VLLM::"):
+                engine += used
+            else:
+                serving += used
+        except psutil.NoSuchProcess:
+            pass
+    return serving, engine
+
+
 async def one_run(path, conc: int, max_tokens: int, offset: int) -> dict[str, Any]:
-    """``conc`` streams at once; TTFT p50 over them, tokens/s over the run's wall time."""
+    """``conc`` streams at once; TTFT p50 over them, tokens/s over the run's wall time,
+    and the CPU the path's serving processes and engine core used per 1,000 tokens
+    (``path.cpu()``: see :func:`cpu_seconds`)."""
+    cpu0 = path.cpu()
     t0 = time.perf_counter()
     res = await asyncio.gather(*(path.stream(offset + k, max_tokens) for k in range(conc)))
     wall = time.perf_counter() - t0
+    cpu1 = path.cpu()
     tokens = sum(t for _, t, _ in res)
     bad = [t for _, t, _ in res if t != max_tokens]
     if bad:
@@ -235,7 +276,9 @@ async def one_run(path, conc: int, max_tokens: int, offset: int) -> dict[str, An
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
             "ttft_ms": statistics.median(t for t, _, _ in res) * 1000.0,
             "ttft_ms_max": max(t for t, _, _ in res) * 1000.0,
-            "chunks_per_stream": statistics.median(c for _, _, c in res)}
+            "chunks_per_stream": statistics.median(c for _, _, c in res),
+            "serving_cpu_ms_per_ktok": (cpu1[0] - cpu0[0]) * 1e6 / tokens,
+            "engine_cpu_ms_per_ktok": (cpu1[1] - cpu0[1]) * 1e6 / tokens}
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -247,11 +290,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "ttft_ms_min": min(r["ttft_ms"] for r in runs),
             "ttft_ms_max": max(r["ttft_ms"] for r in runs),
             "chunks_per_stream_p50": statistics.median(r["chunks_per_stream"] for r in runs),
+            "serving_cpu_ms_per_ktok_p50": statistics.median(r["serving_cpu_ms_per_ktok"] for r in runs),
+            "engine_cpu_ms_per_ktok_p50": statistics.median(r["engine_cpu_ms_per_ktok"] for r in runs),
             "all": runs}
 
 
-async def bench(args, base_url: str, direct: Direct) -> dict[str, Any]:
-    actors = Actors(base_url)
+async def bench(args, base_url: str, direct: Direct, leader_pid: int | None = None) -> dict[str, Any]:
+    actors = Actors(base_url, leader_pid)
     await actors.open()
     paths = {"direct": direct, "actors": actors}
     runs: dict[str, dict[int, list]] = {m: {c: [] for c in args.concurrency} for m in MODES}
@@ -268,7 +313,9 @@ async def bench(args, base_url: str, direct: Direct) -> dict[str, Any]:
                     print(f"  c={conc} run {r + 1}/{args.runs} {mode:<7} "
                           f"{res['tokens_per_s']:8.1f} tok/s  TTFT p50 {res['ttft_ms']:7.2f} ms "
                           f"(max {res['ttft_ms_max']:7.2f})  {res['chunks_per_stream']:5.0f} "
-                          f"text chunks/stream", flush=True)
+                          f"text chunks/stream  CPU ms/1k tokens: serving "
+                          f"{res['serving_cpu_ms_per_ktok']:5.0f}, engine core "
+                          f"{res['engine_cpu_ms_per_ktok']:5.0f}", flush=True)
     finally:
         await actors.close()
     return {mode: {conc: summarize(rs) for conc, rs in by_c.items()} for mode, by_c in runs.items()}
@@ -279,7 +326,8 @@ def report(results: dict[str, Any], args) -> dict[int, dict[str, Any]]:
     print(f"== tiny model, {args.max_tokens} tokens per stream, greedy ignore_eos; "
           f"p50 of {args.runs} runs ==")
     header = (f"{'path':<8}{'c':>4}{'tok/s p50':>12}{'(min':>9}{'max)':>9}"
-              f"{'TTFT p50 ms':>14}{'(min':>9}{'max)':>9}{'chunks':>8}")
+              f"{'TTFT p50 ms':>14}{'(min':>9}{'max)':>9}{'chunks':>8}"
+              f"{'serving CPU':>13}{'engine CPU':>12}")
     print(header)
     print("-" * len(header))
     for conc in args.concurrency:
@@ -287,7 +335,11 @@ def report(results: dict[str, Any], args) -> dict[int, dict[str, Any]]:
             s = results[mode][conc]
             print(f"{mode:<8}{conc:>4}{s['tokens_per_s_p50']:>12.1f}{s['tokens_per_s_min']:>9.1f}"
                   f"{s['tokens_per_s_max']:>9.1f}{s['ttft_ms_p50']:>14.2f}{s['ttft_ms_min']:>9.2f}"
-                  f"{s['ttft_ms_max']:>9.2f}{s['chunks_per_stream_p50']:>8.0f}")
+                  f"{s['ttft_ms_max']:>9.2f}{s['chunks_per_stream_p50']:>8.0f}"
+                  f"{s['serving_cpu_ms_per_ktok_p50']:>13.0f}{s['engine_cpu_ms_per_ktok_p50']:>12.0f}")
+    print("(serving / engine CPU: ms of CPU per 1,000 output tokens, p50: the direct path's own process "
+          "(AsyncLLM's front end), the actor path's leader processes (API server, actors, the "
+          "replica's front end; not the HTTP client); and the vLLM engine cores)")
     print()
     print(f"== actors vs direct (targets: tokens/s ratio >= {TARGET_RATIO}, "
           f"TTFT added < {TARGET_TTFT_MS:g} ms) ==")
@@ -377,7 +429,7 @@ def main(argv=None) -> int:
         startup = loop.run_until_complete(direct.start())
         print(f"  direct AsyncLLM up in {startup:.1f} s "
               f"(engine args {json.dumps(direct.engine_args)})", flush=True)
-        results = loop.run_until_complete(bench(args, leader.base_url, direct))
+        results = loop.run_until_complete(bench(args, leader.base_url, direct, leader.proc.pid))
         derived = report(results, args)
         out = {"model": model, "config": args.config, "engine_args": direct.engine_args,
                "engine_cpus": args.engine_cpus,

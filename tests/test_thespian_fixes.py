@@ -1,4 +1,4 @@
-"""Thespian's multiprocess base, with our fix (omni_actors.actors.thespian_fixes): a parent
+"""Thespian's multiprocess base, with our fixes (omni_actors.actors.thespian_fixes): a parent
 hears of every child that exits, even one that dies while the parent handles another
 child's exit. Without the fix Thespian forgets that child silently; an exiting parent
 then waits for it until the system's 10 s shutdown timeout (the leader's stop took 13 s).
@@ -7,15 +7,19 @@ A real multiprocTCPBase system on a free port: the race is in its process handli
 
 from __future__ import annotations
 
+import errno
 import os
+import selectors
 import signal
+import socket
 import time
 from pathlib import Path
 
 import pytest
-from thespian.actors import ActorSystem, ActorTypeDispatcher, ChildActorExited
+from thespian.actors import ActorSystem, ActorTypeDispatcher, ChildActorExited, ThespianWatch
 
 import omni_actors.actors  # noqa: F401 - applies the fix in this process, before the admin forks
+from omni_actors.actors.thespian_fixes import PollSelector
 from omni_actors.system.local import free_port
 
 
@@ -99,3 +103,82 @@ def test_a_child_that_dies_while_its_parent_handles_another_childs_exit_is_not_m
     actor_system.stopped = True
     actor_system.shutdown()
     assert time.monotonic() - t0 < 5
+
+
+# -- the transport's selector: one poll per loop turn -------------------------------------------
+
+def test_the_poll_selector_reports_what_is_ready_and_waits_when_nothing_is():
+    reader, writer = socket.socketpair()
+    with reader, writer:
+        sel = PollSelector()
+        sel.register(reader.fileno(), selectors.EVENT_READ)
+        sel.register(writer.fileno(), selectors.EVENT_WRITE)
+        assert [(k.fd, ev) for k, ev in sel.select(0)] == [(writer.fileno(), selectors.EVENT_WRITE)]
+        writer.send(b"x")
+        assert sorted((k.fd, ev) for k, ev in sel.select(1)) == sorted(
+            [(reader.fileno(), selectors.EVENT_READ), (writer.fileno(), selectors.EVENT_WRITE)])
+        reader.recv(1)
+        sel = PollSelector()
+        sel.register(reader.fileno(), selectors.EVENT_READ)
+        t0 = time.monotonic()
+        assert sel.select(0.1) == []
+        assert time.monotonic() - t0 >= 0.09
+
+
+def test_the_poll_selector_raises_ebadf_for_a_closed_descriptor_as_epoll_does():
+    """Thespian's loop handles that error by dropping the bad watch; a poll that reported
+    it as ready instead would make the loop spin."""
+    reader, writer = socket.socketpair()
+    fd = reader.fileno()
+    reader.close()
+    with writer:
+        sel = PollSelector()
+        sel.register(fd, selectors.EVENT_READ)
+        with pytest.raises(OSError) as err:
+            sel.select(1)
+        assert err.value.errno == errno.EBADF
+        for selector in (PollSelector(), selectors.DefaultSelector()):  # (a closed socket's fileno())
+            with pytest.raises(ValueError):
+                selector.register(-1, selectors.EVENT_READ)
+
+
+class Watcher(ActorTypeDispatcher):
+    """``"selector"``: the transport's selector class here; ``"watch"``: watch a socket;
+    ``"close"``: close it, still watched; ``"cpu"``: this process's CPU seconds."""
+
+    sock = None
+
+    def receiveMsg_str(self, msg, sender):
+        from thespian.system.transport import TCPTransport
+
+        if msg == "selector":
+            self.send(sender, TCPTransport.selectors.DefaultSelector.__name__)
+        elif msg == "watch":
+            self.sock, self.peer = socket.socketpair()
+            self.fd = self.sock.fileno()
+            self.send(sender, "watching")
+        elif msg == "close":
+            self.sock.close()
+            self.peer.close()
+            self.send(sender, "closed")
+        elif msg == "cpu":
+            self.send(sender, time.process_time())
+        return self._watch()
+
+    def receiveMsg_WatchMessage(self, msg, sender):
+        return self._watch()  # (as the EngineActor does: every handler returns its watch)
+
+    def _watch(self):
+        return ThespianWatch([self.fd]) if self.sock is not None else None
+
+
+def test_actors_poll_and_drop_a_watched_descriptor_that_was_closed(actor_system):
+    actor = actor_system.createActor(Watcher)
+    assert actor_system.ask(actor, "selector", 10) == "PollSelector"  # (inherited from this process)
+    assert actor_system.ask(actor, "watch", 10) == "watching"
+    assert actor_system.ask(actor, "close", 10) == "closed"
+    cpu0 = actor_system.ask(actor, "cpu", 10)
+    time.sleep(1.0)
+    cpu1 = actor_system.ask(actor, "cpu", 10)
+    assert cpu0 is not None and cpu1 is not None, "the actor stopped answering after its watch was closed"
+    assert cpu1 - cpu0 < 0.3, f"the actor spun on its closed watch: {cpu1 - cpu0:.2f} s of CPU in 1 s"

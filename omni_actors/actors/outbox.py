@@ -65,29 +65,53 @@ def coalesce(items: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     chunks, queued since the last drain. One merges into an earlier one of the
     same task (target, request, stage, attempt) only while no other message for
     that request came in between, so nothing moves past a ``StageDone`` and
-    text and chunks keep their order relative to each other's neighbours."""
+    text and chunks keep their order relative to each other's neighbours.
+
+    Runs once per drain over every token queued since the last (tens per drain
+    under load): a merged delta is built once, from the list of its texts."""
     out: list[tuple[Any, Any]] = []
     open_at: dict[tuple, int] = {}  # (kind, address, request, stage, attempt) -> index in out
+    texts: dict[int, list[str]] = {}  # index in out of a text delta -> the texts merged into it
+    names = _AddressNames()
     for address, message in items:
         request_id = getattr(message, "request_id", None)
-        if isinstance(message, (OutputDelta, PendingChunk)):
-            # (str(address): Thespian's ActorAddress is not hashable)
-            key = (type(message).__name__, str(address), request_id, message.stage_id, message.attempt)
+        delta = isinstance(message, OutputDelta)
+        if delta or isinstance(message, PendingChunk):
+            key = (delta, names[address], request_id, message.stage_id, message.attempt)
             i = open_at.get(key)
             if i is not None:
-                first = out[i][1]
-                if isinstance(message, OutputDelta):
-                    out[i] = (address, dataclasses.replace(first, text=first.text + message.text))
+                if delta:
+                    texts[i].append(message.text)
                 else:
+                    first = out[i][1]
                     first.outputs.extend(message.outputs)
                     first.last = message.last
                 continue
             open_at[key] = len(out)
-        elif request_id is not None:
+            if delta:
+                texts[len(out)] = [message.text]
+        elif request_id is not None and open_at:
             for key in [k for k in open_at if k[2] == request_id]:
                 del open_at[key]
         out.append((address, message))
+    for i, parts in texts.items():
+        if len(parts) > 1:
+            address, first = out[i]
+            out[i] = (address, OutputDelta(first.request_id, "".join(parts), first.seq, first.stage_id,
+                                           first.attempt))
     return out
+
+
+class _AddressNames(dict):
+    """``str(address)`` of each actor address seen in one drain, computed once per
+    address object (Thespian's ActorAddress is not hashable, and its ``str()`` is
+    not cheap; the deltas of one task all carry the same address object)."""
+
+    def __getitem__(self, address: Any) -> str:
+        name = self.get(id(address))
+        if name is None:
+            name = self[id(address)] = str(address)
+        return name
 
 
 class Sequencer:
@@ -114,7 +138,7 @@ class Sequencer:
         if isinstance(message, OutputDelta):
             counts = self._counts(message.request_id, message.stage_id, message.attempt)
             counts[1] += 1
-            return dataclasses.replace(message, seq=counts[1] - 1)
+            return OutputDelta(message.request_id, message.text, counts[1] - 1, message.stage_id, message.attempt)
         if isinstance(message, PendingChunk):
             ref = self._put(merge_outputs(message.outputs))
             counts = self._counts(message.request_id, message.stage_id, message.attempt)
@@ -136,11 +160,12 @@ def bundle(items: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     else to that address is overtaken.)"""
     out: list[tuple[Any, Any]] = []
     batches: dict[str, list[OutputDelta]] = {}  # str(address): ActorAddress is not hashable
+    names = _AddressNames()
     for address, message in items:
         if isinstance(message, OutputDelta):
-            batch = batches.get(str(address))
+            batch = batches.get(names[address])
             if batch is None:
-                batch = batches[str(address)] = []
+                batch = batches[names[address]] = []
                 out.append((address, batch))
             batch.append(message)
         else:
