@@ -24,7 +24,7 @@ new selector for each turn of its loop (its own comment: "creates selector on ea
 loop, perhaps this could be optimized"): with the default epoll selector that is an
 ``epoll_create``, an ``epoll_ctl`` per socket, the wait and a ``close``, several turns
 per message on each side. :class:`PollSelector` does the same with one ``poll``
-system call. Measured side by side (``benchmarks/messages.py``): about 8% less CPU
+system call. Measured side by side (``benchmarks/messages.py``): 7-10% less CPU
 and wall time per message on both sides.
 """
 
