@@ -92,6 +92,11 @@ class ErrorKind(str, enum.Enum):
     #: a stage's input processor failed on its upstream stages' outputs (500): a pipeline or
     #: processor error, not the client's input, and the same on any replica: not retried
     STAGE_INPUT = "stage_input"
+    #: an upstream stage's output could not be fetched: the data service of the host it was on
+    #: is unreachable (the host is gone). Not the consuming replica's fault, and the same on any
+    #: replica: not retried there; the API server runs the request again once the host is
+    #: reported down, if nothing reached the client yet (500 otherwise)
+    INPUT_LOST = "input_lost"
     CANCELLED = "cancelled"  #: the client went away
 
 
@@ -864,6 +869,7 @@ class StageFailed(Message):
     attempt: int = 0  #: of the task that failed; a failure of an attempt already retried is ignored
     crashed: tuple[str, ...] = ()  #: the task's ``crashed`` with this failure (a replica that died running it)
     moved: int = 0  #: the task's ``moved`` with this failure (one more when it was not the task's fault)
+    lost_on: str | None = None  #: with INPUT_LOST: the node (or data service address) the input was on
 
 
 @dataclass(frozen=True)
@@ -961,6 +967,7 @@ class RequestFinished(Message):
     sent: int = 0  #: OutputChunk/OutputReady sent before this (the bridge waits for them all)
     after_text: tuple[int, int] | None = None  #: as :attr:`OutputReady.after_text` (success only)
     free: bool = True  #: False: busy until its :class:`RequestActorFree`
+    lost_on: str | None = None  #: with INPUT_LOST: the node an upstream stage's output was lost with
 
 
 @dataclass(frozen=True)

@@ -104,6 +104,23 @@ def test_the_end_of_a_request_whose_client_left_frees_its_request_actor_at_once(
     assert bridge._outbox("gone").get_nowait() == ("finished", "gone", "ra")
 
 
+def test_a_request_whose_input_was_lost_with_a_host_may_run_again(bridge):
+    """A stage's input lost with its host (INPUT_LOST) fails the request as a lost
+    output: the API server runs it again once that host is reported down (see
+    test_a_rerun_waits_until_the_host_that_lost_its_output_is_reported_down)."""
+    from omni_actors.messages import ErrorKind
+
+    stream = _open(bridge, "r5")
+    bridge._on_message(RequestFinished("r5", ErrorKind.INPUT_LOST, "stage code2wav: an input was lost with host m1",
+                                       request_actor="ra", lost_on="m1"))
+    (failed,) = stream
+    assert isinstance(failed, RequestFailed) and failed.status == 500
+    assert failed.lost_output and failed.lost_on == "m1" and "lost with host m1" in failed.message
+    stream = _open(bridge, "r6")  # other failures do not run again
+    bridge._on_message(RequestFinished("r6", ErrorKind.ENGINE_ERROR, "boom", request_actor="ra"))
+    assert not stream[0].lost_output and stream[0].lost_on is None
+
+
 def test_a_request_is_refused_up_front_only_by_what_the_pools_last_reported():
     """``_no_replica``: the published status says a stage the plan needs has no replica ready
     or on its way (the Talker scaled to 0): a 503 before any stream begins. A stage whose

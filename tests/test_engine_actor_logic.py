@@ -979,3 +979,59 @@ def test_a_second_notice_of_a_pools_exit_starts_no_second_pool():
     assert co._states[1].replicas[0].state == ReplicaState.DEAD
     co.receiveMsg_WakeupMessage(WakeupMessage(0.5, wakeups[0]), None)
     assert started == [1]
+
+
+def test_an_input_lost_with_its_host_ends_the_task_without_counting_against_the_replica():
+    """A consumer whose upstream output lives on a host that just died (its data service
+    refuses connections) fails with INPUT_LOST and the host's name; the replica is not
+    at fault: its TaskFinished is not a failure (no circuit breaker). A trial saw a
+    healthy Code2Wav retried 5 times in 50 ms against the dead service and isolated."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from omni_actors.actors.engine import EngineActor
+    from omni_actors.connectors import ConnectorRef, DataServiceError
+    from omni_actors.messages import ErrorKind, StageFailed, StageTask, TaskFinished
+
+    actor = EngineActor()
+    actor._started.set()  # (ends its orphan watchdog thread)
+    actor._spec = SimpleNamespace(replica="code2wav/0", stage=SimpleNamespace(name="code2wav"))
+    actor._pool = "pool"
+
+    def unreachable(ref):
+        raise DataServiceError("data service 127.0.0.1:43709 unreachable: [Errno 111] Connection refused")
+
+    actor._connector = SimpleNamespace(get=unreachable)
+    ref = ConnectorRef(kind="shm", size=4096, layout=(), location="oa-x-1", node="m1", service="127.0.0.1:43709")
+
+    async def execute(msg):  # as the real one starts: fetch the inputs
+        return {sid: await actor._fetch(r) for sid, r in msg.inputs}
+
+    actor._execute = execute
+    sent = []
+
+    async def main():
+        actor._rt = SimpleNamespace(emit=lambda address, message, **kw: sent.append((address, message)))
+        await actor._run_task(StageTask("r1", 2, "", ((1, ref),), {}, {}, None, False, "ra"))
+
+    asyncio.run(main())
+    (to_ra, failed), (to_pool, finished) = sent
+    assert to_ra == "ra" and isinstance(failed, StageFailed) and failed.kind == ErrorKind.INPUT_LOST
+    assert failed.lost_on == "m1" and "lost with host m1" in failed.message and "Connection refused" in failed.message
+    assert to_pool == "pool" and isinstance(finished, TaskFinished) and not finished.ok and finished.cancelled
+    assert actor._failed == 0
+
+
+def test_a_request_actor_does_not_retry_a_stage_whose_input_was_lost_and_says_where():
+    from omni_actors.messages import ErrorKind, RequestFinished, StageFailed, StageTask
+
+    ra, sent, _ = _closing_request_actor(("talker", "code2wav"))
+    for task in ra._running.values():
+        task.moved = 0
+    ra._req.max_attempts = 3
+    ra.receiveMsg_StageFailed(StageFailed("r1", 1, "code2wav/0", ErrorKind.INPUT_LOST,
+                                          "stage code2wav (code2wav/0): an input was lost with host m1: ...",
+                                          lost_on="m1"), "code2wav-engine")
+    assert not [m for _, m in sent if isinstance(m, StageTask)], sent  # not retried
+    finished = [m for _, m in sent if isinstance(m, RequestFinished)]
+    assert len(finished) == 1 and finished[0].error == ErrorKind.INPUT_LOST and finished[0].lost_on == "m1"

@@ -31,7 +31,7 @@ from omni_actors.actors.node_agent import on_node
 from omni_actors.config_checks import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
 from omni_actors.engines import create_backend
-from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal, TextDelta, UpstreamTimeout
+from omni_actors.engines.base import BackendTask, InputLost, OutputChunk, StageFinal, TextDelta, UpstreamTimeout
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelStage, DrainReplica, EngineFailed, EngineReady, ErrorKind, FaultKind,
                                   Heartbeat, HeartbeatAck, InjectFault, OutputDelta, StageAccepted,
@@ -461,6 +461,17 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             emit(msg.reply_to, StageFailed(msg.request_id, msg.stage_id, replica, ErrorKind.TIMEOUT,
                                            f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt,
                                            moved=msg.moved))
+        except InputLost as exc:
+            # An upstream stage's output went with its host (its data service is unreachable):
+            # this replica is healthy (not counted as its failure), and any other would fail the
+            # same way, so the request ends and its API server runs it again once that host is
+            # reported down (a retry here would hammer the dead service: seen 5 in 50 ms).
+            cancelled = True
+            self._log.warning("stage_input_lost", request_id=msg.request_id, node=exc.node, error=str(exc))
+            emit(msg.reply_to, StageFailed(msg.request_id, msg.stage_id, replica, ErrorKind.INPUT_LOST,
+                                           f"stage {self._spec.stage.name} ({replica}): an input was lost with "
+                                           f"host {exc.node}: {exc}", msg.attempt, moved=msg.moved,
+                                           lost_on=exc.node))
         except Exception as exc:  # noqa: BLE001 - a task failure fails the task, not the replica
             # What it was given, not this replica: a processor that cannot use its upstream outputs
             # (500, the same anywhere), a ValueError on the client's input (400, e.g. a prompt over

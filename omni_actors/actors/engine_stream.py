@@ -17,7 +17,8 @@ import contextlib
 import time
 from typing import Any
 
-from omni_actors.engines.base import UpstreamTimeout
+from omni_actors.connectors import DataServiceError
+from omni_actors.engines.base import InputLost, UpstreamTimeout
 from omni_actors.messages import ChunkAck, ChunkConsumed, InputChunk, StageTask
 
 #: Inputs at least this large are read on a worker thread (see StreamingMixin._fetch).
@@ -57,10 +58,18 @@ class StreamingMixin:
     async def _fetch(self, ref) -> dict[str, Any]:
         """Read a connector ref. A large one runs on a worker thread: fetched from
         another node's data service it can take 0.1 s per 256 MB here, and the
-        loop must keep every other task streaming meanwhile."""
-        if ref.size < FETCH_ON_THREAD_BYTES:
-            return self._connector.get(ref)
-        return await asyncio.to_thread(self._connector.get, ref)
+        loop must keep every other task streaming meanwhile.
+
+        Raises:
+            InputLost: the ref's data lives on a host whose data service is unreachable.
+            ConnectorError: the data was released (its request ended).
+        """
+        try:
+            if ref.size < FETCH_ON_THREAD_BYTES:
+                return self._connector.get(ref)
+            return await asyncio.to_thread(self._connector.get, ref)
+        except DataServiceError as exc:
+            raise InputLost(ref.node or ref.service or "?", str(exc)) from None
 
     async def _input_chunks(self, msg: StageTask, chunks: asyncio.Queue):
         """The processed input chunks of a streaming task, in order, until the end marker.

@@ -394,7 +394,7 @@ class RequestActor(ActorTypeDispatcher):
                                              crashed=msg.crashed or task.crashed, moved=moved))
             return
         del self._running[msg.stage_id]
-        self._finish(msg.kind, message)
+        self._finish(msg.kind, message, lost_on=msg.lost_on)
 
     def _relay_state(self, dst: int, src: int) -> str:
         """What this RequestActor got from stream source ``src`` and relayed to consumer
@@ -534,7 +534,7 @@ class RequestActor(ActorTypeDispatcher):
         elif self._current(msg.payload):
             self._deadline_passed()
 
-    def _finish(self, error: ErrorKind | None, message: str) -> None:
+    def _finish(self, error: ErrorKind | None, message: str, lost_on: str | None = None) -> None:
         req = self._req
         for stage_id in self._running:
             self.send(self._pools[stage_id], CancelStage(req.request_id, stage_id))
@@ -558,7 +558,8 @@ class RequestActor(ActorTypeDispatcher):
             req.request_id, error, message, prompt_tokens=self._tokens[0], completion_tokens=self._tokens[1],
             finish_reason=self._finish_reason,
             stage_replicas={sid: d.replica for sid, d in self._done.items()}, request_actor=self.myAddress,
-            sent=self._out_seq, after_text=None if error else self._after_text(), free=not unconfirmed))
+            sent=self._out_seq, after_text=None if error else self._after_text(), free=not unconfirmed,
+            lost_on=lost_on))
         self._heard_at = time.monotonic()  # (a request that outlived lost_after_s is no silence)
         self._last_plan = req.plan.stages
         self._reset()

@@ -54,6 +54,16 @@ class UpstreamTimeout(TimeoutError):
     """No chunk came from the upstream stage within ``chunk_timeout_s``."""
 
 
+class InputLost(RuntimeError):
+    """An upstream stage's output (or chunk) could not be fetched: the data service of
+    the host it lives on is unreachable. ``node``: that host's name, else the service's
+    ``host:port``."""
+
+    def __init__(self, node: str, message: str) -> None:
+        super().__init__(message)
+        self.node = node
+
+
 @dataclass
 class TextDelta:
     """New text produced by a text stage (one or more tokens)."""

@@ -85,8 +85,8 @@ REQUEST_ACTOR_IDLE_EXIT_S = 30.0
 RETRY_AFTER_S = 1
 #: HTTP status for each way a request can fail.
 HTTP_STATUS = {ErrorKind.UNAVAILABLE: 503, ErrorKind.TIMEOUT: 504, ErrorKind.ENGINE_ERROR: 500,
-               ErrorKind.CRASHED: 500, ErrorKind.STAGE_INPUT: 500, ErrorKind.BAD_REQUEST: 400,
-               ErrorKind.CANCELLED: 499}
+               ErrorKind.CRASHED: 500, ErrorKind.STAGE_INPUT: 500, ErrorKind.INPUT_LOST: 500,
+               ErrorKind.BAD_REQUEST: 400, ErrorKind.CANCELLED: 499}
 
 
 class BridgeError(RuntimeError):
@@ -587,7 +587,8 @@ class ActorBridge(RequestActorKeeping):
             status = HTTP_STATUS.get(msg.error, 500)
             kind = {503: "service_unavailable", 504: "timeout", 400: "invalid_request_error"}.get(
                 status, "server_error")
-            event = RequestFailed(status, msg.message, kind)
+            lost = msg.error == ErrorKind.INPUT_LOST  # (the API server may run it again, as a lost final output)
+            event = RequestFailed(status, msg.message, kind, lost_output=lost, lost_on=msg.lost_on if lost else None)
         self._deliver(msg.request_id, event)
 
     def _take(self, msg: OutputChunk | OutputReady, what: str) -> dict[str, Any] | None:
