@@ -72,7 +72,10 @@ def test_ctrl_c_stops_every_process_within_seconds():
     assert code == 0
     assert leader.left_after_exit == []
     assert took < 10
-    assert "omni-actors stopped" in leader.stdout_path.read_text()
+    said = leader.stdout_path.read_text()
+    assert "omni-actors stopped" in said
+    # the stop command it advertises reaches this system (not the default admin port's)
+    assert f"`python -m omni_actors.system stop --admin-port {leader.admin_port}` to stop" in said, said
 
 
 def test_a_replica_frozen_with_sigstop_does_not_hold_up_the_stop(tmp_path):

@@ -231,7 +231,8 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             except (OSError, ValueError):
                 pass
 
-        asyncio.run(_serve(asys, coordinator, config, host, port, api_key, stopping, hurry, mark_stopping))
+        asyncio.run(_serve(asys, coordinator, config, host, port, api_key, stopping, hurry, mark_stopping,
+                           admin_port=admin_port))
         return 0
     except KeyboardInterrupt:
         print("interrupted during start-up", file=sys.stderr)
@@ -296,7 +297,7 @@ def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: thre
 
 
 async def _serve(asys, coordinator, config, host, port, api_key, stopping: threading.Event,
-                 hurry: threading.Event | None = None, on_stop=None) -> None:
+                 hurry: threading.Event | None = None, on_stop=None, admin_port: int | None = None) -> None:
     from omni_actors.http.app import start_http
     from omni_actors.http.bridge import ActorBridge
 
@@ -308,9 +309,10 @@ async def _serve(asys, coordinator, config, host, port, api_key, stopping: threa
         bridge.close()
         raise StartError(f"cannot serve HTTP on {host}:{port}: {exc.strerror}") from None
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    # (the port always: a `stop` without it asks the default admin port, another system's or none)
+    stop = "python -m omni_actors.system stop" + (f" --admin-port {admin_port}" if admin_port is not None else "")
     print(f"omni-actors serving model {config.deployment.served_model_name!r} at http://{shown}:{port}/v1 "
-          f"(admin port {asys.capabilities.get('Admin Port', '?') if hasattr(asys, 'capabilities') else '?'}); "
-          f"Ctrl-C or `python -m omni_actors.system stop` to stop", flush=True)
+          f"(admin port {admin_port if admin_port is not None else '?'}); Ctrl-C or `{stop}` to stop", flush=True)
     try:
         while not stopping.is_set():
             await asyncio.sleep(0.2)
