@@ -70,14 +70,15 @@ class _StdlibToJson(logging.Filter):
 
 
 def _is_bad_http(exc: BaseException | None) -> bool:
-    """Whether ``exc`` is aiohttp's parse error for a malformed HTTP request."""
+    """Whether ``exc`` is aiohttp's parse error for a malformed HTTP request (or a body
+    that does not decode: a payload error caused by one)."""
     if exc is None:
         return False
     try:
         from aiohttp.http_exceptions import BadHttpMessage
     except ImportError:  # pragma: no cover - aiohttp is a dependency
         return False
-    return isinstance(exc, BadHttpMessage)
+    return isinstance(exc, BadHttpMessage) or isinstance(exc.__cause__, BadHttpMessage)
 
 
 #: Stdlib loggers whose records are re-emitted as JSON events (:class:`_StdlibToJson`).

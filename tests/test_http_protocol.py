@@ -612,6 +612,42 @@ def test_a_body_that_stalls_midway_gets_408_and_the_server_serves_on(monkeypatch
     serve(FakeBridge(), body)
 
 
+def test_a_gzip_body_that_does_not_decompress_gets_a_json_400_and_the_server_serves_on():
+    """``Content-Encoding: gzip`` on a body that is not gzip: an OpenAI-style 400 that says
+    so (a trial got a 500 and two tracebacks); a real gzip body is served."""
+    import gzip
+
+    async def body(client):
+        resp = await client.post(CHAT, data=json.dumps(chat()).encode(),
+                                 headers={"Content-Type": "application/json", "Content-Encoding": "gzip",
+                                          "Connection": "close"})  # (the server closes it after the answer)
+        assert resp.status == 400, await resp.text()
+        err = (await resp.json())["error"]
+        assert err["type"] == "invalid_request_error", err
+        assert err["message"] == "We could not read the body of your request: Can not decode content-encoding: gzip"
+        resp = await client.post(CHAT, data=gzip.compress(json.dumps(chat()).encode()),
+                                 headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+        assert resp.status == 200, await resp.text()
+
+    serve(FakeBridge(), body)
+
+
+def test_a_body_that_does_not_decode_is_logged_as_a_bad_request_not_a_server_error():
+    from aiohttp.http_exceptions import ContentEncodingError
+    from aiohttp.web_protocol import RequestPayloadError
+
+    from omni_actors.logs import _is_bad_http
+
+    try:
+        try:
+            raise ContentEncodingError("Can not decode content-encoding: gzip")
+        except ContentEncodingError as cause:
+            raise RequestPayloadError("400, message: Can not decode content-encoding: gzip") from cause
+    except RequestPayloadError as exc:
+        assert _is_bad_http(exc)
+    assert not _is_bad_http(RuntimeError("boom"))
+
+
 def test_a_body_declared_over_the_limit_gets_413_at_once_without_being_sent():
     """``Content-Length`` over the body limit and no body: a 413 at once, where the server
     used to wait ``BODY_READ_TIMEOUT_S`` (30 s) for a body it would refuse, then say 408."""

@@ -876,3 +876,13 @@ def test_a_client_hanging_up_mid_request_logs_one_json_line_not_a_traceback():
     assert len(lost) == 3 and all(e["level"] == "info" and "exception" not in e for e in lost), lost
     bad = [json.loads(line) for line in lines if '"bad_http_request"' in line]
     assert len(bad) == 1 and bad[0]["level"] == "info" and "Content-Length" in bad[0]["error"], bad
+
+
+@pytest.mark.parametrize("args", [("status", "--admin-port", "99999"), ("stop", "--admin-port", "0"),
+                                  ("start", "--convention-leader", "--port", "70000")])
+def test_a_port_out_of_range_is_a_one_line_usage_error(args):
+    """A trial's `status --admin-port 99999` ended in an OverflowError traceback."""
+    out = _cli(*args)
+    assert out.returncode == 2, out
+    assert "Traceback" not in out.stderr
+    assert f"invalid port (1-65535) value: '{args[-1]}'" in out.stderr.strip().splitlines()[-1], out.stderr

@@ -195,6 +195,11 @@ class Member:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        # What a host killed outright (its watchdog too) left in shared memory: in a deployment,
+        # that host's next start (or a `stop`) sweeps it; this one never starts again.
+        from omni_actors.connectors import sweep_segments
+
+        sweep_segments(f"oa-{self.admin_port}-")
 
     def tail(self, n: int = 1500) -> str:
         return "".join(p.read_bytes()[-n:].decode(errors="replace") for p in (self.out, self.err) if p.exists())

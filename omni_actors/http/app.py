@@ -97,6 +97,12 @@ async def _read_json(request: web.Request) -> Any:
         # logs its ConnectionResetError, which logs.py turns into this same one line).
         _log().info("client_connection_lost", message="the client left while its request body was being read")
         raise
+    except web.RequestPayloadError as exc:
+        # A body that cannot be decoded (a Content-Encoding: gzip body that is not gzip): the
+        # client's mistake, a 400 (aiohttp then closes the connection: reading on through the
+        # rest of that body fails again, logged as one bad_http_request event).
+        why = str(exc).split("message:", 1)[-1].strip() or "it could not be decoded"
+        raise P.ApiError(400, f"We could not read the body of your request: {why}") from None
     return decode_json(body)
 
 

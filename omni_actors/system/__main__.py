@@ -34,6 +34,17 @@ DEFAULT_DRAIN_TIMEOUT_S = 10.0
 NOT_READY_EXIT = 3
 
 
+
+def port_number(text: str) -> int:
+    """A TCP port argument, 1-65535 (argparse turns the ValueError into a one-line error, exit 2)."""
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise ValueError(text)
+    return port
+
+
+port_number.__name__ = "port (1-65535)"  # (argparse's error: "invalid port (1-65535) value: '99999'")
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m omni_actors.system",
                                 description="Serve multi-stage omni pipelines on an actor system.")
@@ -55,8 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--config", default=None,
                        help="pipeline + deployment YAML (default: configs/cpu_omni_demo.yaml)")
     start.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
-    start.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT, help="HTTP port (default 8000)")
-    start.add_argument("--admin-port", type=int, default=DEFAULT_ADMIN_PORT,
+    start.add_argument("--port", type=port_number, default=DEFAULT_HTTP_PORT, help="HTTP port (default 8000)")
+    start.add_argument("--admin-port", type=port_number, default=DEFAULT_ADMIN_PORT,
                        help="Thespian admin port (default 1900)")
     start.add_argument("--api-key", default=os.environ.get("OMNI_ACTORS_API_KEY"),
                        help="require this bearer key on the API (default $OMNI_ACTORS_API_KEY)")
@@ -68,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
                             "a tmpfs mounted with huge=within_size is faster where /dev/shm has no huge pages")
 
     def admin_port(sp, remote: bool = False):
-        sp.add_argument("--admin-port", type=int, default=DEFAULT_ADMIN_PORT,
+        sp.add_argument("--admin-port", type=port_number, default=DEFAULT_ADMIN_PORT,
                         help="admin port of the system on this host (default 1900)")
         if remote:
             sp.add_argument("--convention-address", default=None, metavar="HOST:PORT",
@@ -99,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(--admin-port) or on any host (--convention-address)")
     admin_port(sp)
     sp.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
-    sp.add_argument("--port", type=int, required=True, help="HTTP port")
+    sp.add_argument("--port", type=port_number, required=True, help="HTTP port")
     sp.add_argument("--api-key", default=os.environ.get("OMNI_ACTORS_API_KEY"),
                     help="require this bearer key on the API (default $OMNI_ACTORS_API_KEY)")
     sp.add_argument("--request-actors", type=int, default=None,
