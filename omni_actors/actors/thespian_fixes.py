@@ -128,17 +128,15 @@ def apply() -> None:
     MultiProcReplicator._childExited = _child_exited
 
 
-def use_poll_selector(enabled: bool) -> bool:
+def use_poll_selector(enabled: bool) -> None:
     """Make Thespian's TCP transport use :class:`PollSelector` for each turn of its
     loop (``enabled``), or its own ``selectors.DefaultSelector`` again; for this
-    process and the processes it forks from now on. Returns whether it was in use
-    before (False also where Thespian has no TCP transport module)."""
+    process and the processes it forks from now on (a no-op where Thespian has no
+    TCP transport module)."""
     try:
         from thespian.system.transport import TCPTransport
     except ImportError:
-        return False
-    before = getattr(TCPTransport.selectors, "DefaultSelector", None) is PollSelector
+        return
     TCPTransport.selectors = (types.SimpleNamespace(DefaultSelector=PollSelector, EVENT_READ=selectors.EVENT_READ,
                                                     EVENT_WRITE=selectors.EVENT_WRITE)
                               if enabled else selectors)
-    return before
