@@ -523,16 +523,21 @@ def test_a_member_whose_process_and_watchdog_were_killed_is_stopped_by_its_node_
     os.kill(member.watchdog, signal.SIGKILL)
     member.proc.kill()
     member.proc.wait(10)
+    def said() -> str:
+        return member.err.read_text(errors="replace")
+
+    # (the clean-up watchdog kills the actors, then sweeps the segments, then says so: wait
+    # for all three, as a CI run read stderr between the first and the last)
     deadline = time.monotonic() + 15
-    while member.pids() and time.monotonic() < deadline:
+    while (member.pids() or list_segments(f"oa-{member.admin_port}-")
+           or "died without stopping its system" not in said()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert member.pids() == [], member.pids()
     assert list_segments(f"oa-{member.admin_port}-") == []
+    assert "host_process_gone" in said() and "died without stopping its system" in said(), said()[-2000:]
     lost = [e for e in read_events(cluster.leader.log_path, since) if e.get("event") in ("node_lost", "node_left")]
     assert [(e["event"], e["node"], e["reason"]) for e in lost] == [
         ("node_lost", "m1", f"its member process (pid {member.proc.pid}) died")], lost
-    said = member.err.read_text(errors="replace")
-    assert "host_process_gone" in said and "died without stopping its system" in said, said[-2000:]
     status, body = chat(cluster.base_url, timeout_s=60)
     assert status == 200, body
 
