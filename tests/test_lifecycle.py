@@ -645,7 +645,7 @@ def test_stage_scale_and_drain_at_runtime(fanin_leader):
     assert bad.returncode == 1 and "talker_a/0 is stopped, not ready or starting" in bad.stderr, bad.stderr
     bad = _cli("stage", "scale", "--stage", "talker_a", "--replicas", "-1", "--admin-port", port)
     assert bad.returncode == 2 and bad.stderr.strip() == (
-        "error: --replicas must be from 0 to 1024 (each replica is a process), got -1"), bad.stderr
+        "error: --replicas: the replica count must be from 0 to 1024 (each replica is a process), got -1"), bad.stderr
 
 
 def test_status_shows_a_fault_injected_into_a_replica_until_it_is_cleared(fanin_leader):
@@ -886,3 +886,26 @@ def test_a_port_out_of_range_is_a_one_line_usage_error(args):
     assert out.returncode == 2, out
     assert "Traceback" not in out.stderr
     assert f"invalid port (1-65535) value: '{args[-1]}'" in out.stderr.strip().splitlines()[-1], out.stderr
+
+
+@pytest.mark.parametrize("args, error", [
+    (("stage", "scale", "--stage", "talker", "--replicas", "-1"),
+     "error: --replicas: the replica count must be from 0 to 1024 (each replica is a process), got -1"),
+    (("stage", "launch", "--stage", "talker", "--replicas", "0"),
+     "error: --replicas: the replica count must be from 1 to 1024 (each replica is a process), got 0"),
+    (("inject", "sigkill"), "error: sigkill needs --replica STAGE/N"),
+    (("inject", "kill-pool"), "error: kill-pool needs --stage STAGE"),
+    (("inject", "raise", "--replica", "talker/0", "--count", "0"),
+     "error: --count: the count of tasks to raise must be from 1 to 1000000, got 0"),
+    (("stage", "--admin-port", "1901", "scale", "--stage", "talker", "--replicas", "2"),
+     "error: `stage` takes its action first, then --admin-port: "
+     "python -m omni_actors.system stage {drain,scale,launch,stop} [options]"),
+])
+def test_a_bad_argument_is_a_usage_error_before_any_system_is_asked(args, error):
+    """Counts and targets that no system would take are refused in one line with exit 2,
+    as argparse refuses the rest, whether or not a system runs (a trial got exit 1 from
+    `inject` but 2 from `stage` for the same kind of mistake, and `stage --admin-port N`
+    said "invalid choice: 'N'"). No system listens on this port."""
+    out = _cli(*args, *(() if args[1].startswith("-") else ("--admin-port", str(local.free_port()))))
+    assert out.returncode == 2, out
+    assert out.stderr.strip() == error, out.stderr

@@ -316,9 +316,10 @@ def test_shell_launch_refuses_a_bad_device_list_before_asking_the_system(devices
 
 
 @pytest.mark.parametrize("call, error", [
-    (lambda a: a.scale("talker", 2000), "--replicas must be from 0 to 1024 (each replica is a process), got 2000"),
-    (lambda a: a.scale("talker", -1), "--replicas must be from 0 to 1024"),
-    (lambda a: a.launch("talker", 1025), "--replicas must be from 1 to 1024"),
+    (lambda a: a.scale("talker", 2000),
+     "the replica count must be from 0 to 1024 (each replica is a process), got 2000"),
+    (lambda a: a.scale("talker", -1), "the replica count must be from 0 to 1024"),  # (the shell's `scale`: no flag)
+    (lambda a: a.launch("talker", 1025), "the replica count must be from 1 to 1024"),
     (lambda a: a.inject("raise", replica="talker/0", count=0), "the count of tasks to raise must be from 1 to"),
     (lambda a: a.inject("raise", replica="talker/0", count=-5), "the count of tasks to raise must be from 1 to"),
 ])

@@ -426,19 +426,12 @@ def cmd_inject(admin, args) -> int:
 
 @_admin_verb
 def cmd_stage(admin, args) -> int:
-    from omni_actors.config import MAX_REPLICAS
-
-    if args.action == "drain":
+    if args.action == "drain":  # (counts were checked by main: _usage_problem)
         for replica in dict.fromkeys(args.replica):
             print(admin.drain(replica))
     elif args.action == "scale":
-        if not 0 <= args.replicas <= MAX_REPLICAS:  # (exit 2 as every usage error; the admin checks too)
-            return _fail(f"--replicas must be from 0 to {MAX_REPLICAS} (each replica is a process), "
-                         f"got {args.replicas}", 2)
         print(admin.scale(args.stage, args.replicas))
     elif args.action == "launch":
-        if args.replicas is not None and args.replicas < 1:
-            return _fail("--replicas must be >= 1", 2)
         print(admin.launch(args.stage, args.replicas, node=args.node, devices=args.devices))
     else:
         print(admin.scale(args.stage, 0))
@@ -572,8 +565,42 @@ def _check_omni_connector_names(config) -> str | None:
     return None
 
 
+def _usage_problem(args) -> str | None:
+    """What is wrong with a verb's arguments that the system need not be asked about
+    (a usage error: one line, exit 2, before any admin is reached), or None."""
+    from omni_actors.system.admin import ENGINE_FAULTS, SIGNAL_FAULTS, inject_problem, replicas_problem
+
+    if args.verb == "inject":
+        if args.fault == "kill-pool" and not args.stage:
+            return "kill-pool needs --stage STAGE"
+        if (args.fault in SIGNAL_FAULTS or args.fault in ENGINE_FAULTS) and not args.replica:
+            return f"{args.fault} needs --replica STAGE/N"
+        problem = inject_problem(args.fault, replica=args.replica, stage=args.stage, factor=args.factor,
+                                 count=args.count)
+        return problem and f"--{'factor' if args.fault == 'slow' else 'count'}: {problem}"
+    if args.verb == "stage" and args.action in ("scale", "launch") and args.replicas is not None:
+        problem = replicas_problem(args.replicas, 0 if args.action == "scale" else 1)
+        return problem and f"--replicas: {problem}"
+    return None
+
+
+def _verb_first(argv: list[str]) -> str | None:
+    """``stage --admin-port 1901 scale ...``: the sub-verb must come first (argparse took the
+    port for the sub-verb: "invalid choice: '1901'"); what to say, or None."""
+    if len(argv) > 1 and argv[0] == "stage" and argv[1].startswith("-") and argv[1] not in ("-h", "--help"):
+        return (f"`stage` takes its action first, then {argv[1]}: "
+                "python -m omni_actors.system stage {drain,scale,launch,stop} [options]")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    problem = _verb_first(sys.argv[1:] if argv is None else argv)
+    if problem:
+        return _fail(problem, 2)
     args = _parser().parse_args(argv)
+    problem = _usage_problem(args)
+    if problem:
+        return _fail(problem, 2)
     if isinstance(getattr(args, "devices", None), str):  # start, stage launch
         from omni_actors.placement import parse_devices
 

@@ -31,6 +31,35 @@ MAX_SLOW_FACTOR = 1000.0
 MAX_RAISE_COUNT = 1_000_000
 
 
+
+def replicas_problem(replicas: int, least: int) -> str | None:
+    """Why ``replicas`` is not a replica count from ``least`` to ``config.MAX_REPLICAS``
+    (the bound a config's ``replicas`` has), or None. (The admin shell and the CLI
+    check with it before they reach the system; the pool checks again.)"""
+    if least <= replicas <= MAX_REPLICAS:
+        return None
+    return f"the replica count must be from {least} to {MAX_REPLICAS} (each replica is a process), got {replicas}"
+
+
+def inject_problem(fault: str, *, replica: str = "", stage: str = "", factor: float = 1.0,
+                   count: int = 1) -> str | None:
+    """Why :meth:`Admin.inject` would refuse these arguments without asking the system
+    (an unknown fault, a missing target, a ``slow`` factor outside 1..:data:`MAX_SLOW_FACTOR`,
+    a ``raise`` count outside 1..:data:`MAX_RAISE_COUNT`), or None."""
+    if fault not in FAULTS:
+        return f"unknown fault {fault!r}; one of: {', '.join(FAULTS)}"
+    if fault == "kill-pool":
+        return None if stage else "kill-pool needs a stage (STAGE)"
+    if fault == "kill-coordinator":
+        return None
+    if not replica:
+        return f"{fault} needs a replica (STAGE/N)"
+    if fault == "raise" and not 1 <= count <= MAX_RAISE_COUNT:
+        return f"the count of tasks to raise must be from 1 to {MAX_RAISE_COUNT}, got {count}"
+    if fault == "slow" and not (math.isfinite(factor) and 1.0 <= factor <= MAX_SLOW_FACTOR):
+        return f"the slow-down factor must be a number from 1 to {MAX_SLOW_FACTOR:g}, got {factor:g}"
+    return None
+
 class AdminError(RuntimeError):
     """A one-line reason the admin operation could not be done."""
 
@@ -67,6 +96,9 @@ class Admin:
             AdminError: unknown fault or target, a ``slow`` factor outside 1..``MAX_SLOW_FACTOR``,
             or the system did not answer.
         """
+        problem = inject_problem(fault, replica=replica, stage=stage, factor=factor, count=count)
+        if problem:
+            raise AdminError(problem)
         if fault in SIGNAL_FAULTS or fault in ("kill-pool", "kill-coordinator"):
             if self.remote:
                 raise AdminError(f"{fault} signals a process: run it on the leader's host (--admin-port)")
@@ -77,31 +109,19 @@ class Admin:
             except ProcessLookupError:
                 raise AdminError(f"{target} (pid {pid}) is not running any more") from None
             return {"fault": fault, "target": target, "pid": pid, "at": at}
-        if fault in ENGINE_FAULTS:
-            if not replica:
-                raise AdminError(f"{fault} needs --replica STAGE/N")
-            if fault == "raise" and not 1 <= count <= MAX_RAISE_COUNT:
-                raise AdminError(f"the count of tasks to raise must be from 1 to {MAX_RAISE_COUNT}, got {count}")
-            if fault == "slow" and not (math.isfinite(factor) and 1.0 <= factor <= MAX_SLOW_FACTOR):
-                raise AdminError(f"the slow-down factor must be a number from 1 to {MAX_SLOW_FACTOR:g}, got {factor:g}")
-            at = time.time()
-            message = self._ask(InjectFault(replica, ENGINE_FAULTS[fault], factor, count))
-            return {"fault": fault, "target": replica, "at": at, "message": message}
-        raise AdminError(f"unknown fault {fault!r}; one of: {', '.join(FAULTS)}")
+        at = time.time()
+        message = self._ask(InjectFault(replica, ENGINE_FAULTS[fault], factor, count))
+        return {"fault": fault, "target": replica, "at": at, "message": message}
 
     def _pid_of(self, fault: str, replica: str, stage: str) -> tuple[int, str]:
         status = self.status()
         if fault == "kill-coordinator":
             return status.coordinator_pid, "coordinator"
         if fault == "kill-pool":
-            if not stage:
-                raise AdminError("kill-pool needs --stage STAGE")
             pool = next((s for s in status.stages if s.stage == stage), None)
             if pool is None or not pool.pid:
                 raise AdminError(f"no running pool for stage {stage!r}")
             return pool.pid, f"pool {stage}"
-        if not replica:
-            raise AdminError(f"{fault} needs --replica STAGE/N")
         rep = next((r for s in status.stages for r in s.replicas if r.replica == replica), None)
         if rep is None:
             raise AdminError(f"no replica named {replica!r} (see `status`)")
@@ -120,8 +140,9 @@ class Admin:
         Raises:
             AdminError: a count out of range, an unknown stage, or no answer.
         """
-        if not 0 <= replicas <= MAX_REPLICAS:
-            raise AdminError(f"--replicas must be from 0 to {MAX_REPLICAS} (each replica is a process), got {replicas}")
+        problem = replicas_problem(replicas, 0)
+        if problem:
+            raise AdminError(problem)
         return self._ask(ScaleStage(stage, replicas))
 
     def launch(self, stage: str, replicas: int | None = None, *, node: str = "",
@@ -140,8 +161,9 @@ class Admin:
                 devices = parse_devices(devices)
             except ValueError as exc:
                 raise AdminError(f"--devices: {exc}") from None
-        if replicas is not None and not 1 <= replicas <= MAX_REPLICAS:
-            raise AdminError(f"--replicas must be from 1 to {MAX_REPLICAS} (each replica is a process), got {replicas}")
+        problem = None if replicas is None else replicas_problem(replicas, 1)
+        if problem:
+            raise AdminError(problem)
         return self._ask(LaunchReplicas(stage, replicas, node=node, devices=tuple(devices)))
 
 

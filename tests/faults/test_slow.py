@@ -63,6 +63,6 @@ def test_slow_really_slows_a_self_pacing_engine(leader):
 def test_slow_rejects_a_factor_that_is_not_a_slow_down(leader, factor):
     """A NaN, negative, speed-up or infinite factor is refused in one line, before anything is sent."""
     out = inject_cli(leader.admin_port, "slow", "--replica", "thinker/0", "--factor", factor)
-    assert out.returncode != 0
-    assert out.stderr.strip().startswith("error: the slow-down factor must be a number from 1 to 1000"), out.stderr
+    assert out.returncode == 2
+    assert out.stderr.strip().startswith("error: --factor: the slow-down factor must be a number from 1 to 1000"), out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
