@@ -11,6 +11,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 import time
 import urllib.request
 import wave
@@ -228,5 +229,8 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(omni_leader, opena
     assert err.value.code == status
     error = json.loads(err.value.read())["error"]
     assert error["message"] and error["type"]
+    if name == "prompt over the context length":  # (the stage named once: it said "...: thinker: the prompt...")
+        assert re.match(r"stage thinker \(thinker/\d+\): the prompt has \d+ tokens: over the model's context "
+                        r"length of 32768 tokens", error["message"]), error["message"]
     ok = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
     assert ok.choices[0].message.content

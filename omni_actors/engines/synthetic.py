@@ -413,18 +413,19 @@ def _cut_at_stop(texts: list[str], stop: tuple[str, ...]) -> tuple[int, list[str
     return len(kept), kept
 
 
-def _check_context(cost: SyntheticCost, num_prompt: int, n: int, stage: str) -> None:
-    """Raises ValueError (a 400) when the prompt and the ``n`` tokens it must get exceed ``max_model_len``."""
+def _check_context(cost: SyntheticCost, num_prompt: int, n: int) -> None:
+    """Raises ValueError (a 400) when the prompt and the ``n`` tokens it must get exceed
+    ``max_model_len`` (the message does not name the stage: the replica's error says which)."""
     if num_prompt + n > cost.max_model_len:
         asked = f" and {n} more are needed, {num_prompt + n} in all:" if n else ":"
-        raise ValueError(f"{stage}: the prompt has {num_prompt} tokens{asked} over the model's context length "
+        raise ValueError(f"the prompt has {num_prompt} tokens{asked} over the model's context length "
                          f"of {cost.max_model_len} tokens (synthetic.max_model_len); shorten the prompt")
 
 
 def _compute_thinker(cost: SyntheticCost, prompt: str, n: int, seed: int, stop: tuple[str, ...] = ()) -> _Plan:
     num_prompt = len(prompt.split())
     if num_prompt > cost.max_model_len:  # (a longer prompt fails, a shorter one stops there: vLLM's engine)
-        _check_context(cost, num_prompt, 0, "thinker")
+        _check_context(cost, num_prompt, 0)
     clamped = num_prompt + n > cost.max_model_len
     n = min(n, cost.max_model_len - num_prompt)
     rng = _rng("thinker", prompt, seed)
@@ -557,7 +558,7 @@ def _parse_ar(task: BackendTask) -> tuple:
 def _compute_ar(cost: SyntheticCost, prompt: str, seed: int) -> _Plan:
     n = cost.prior_grid ** 2
     num_prompt = len(prompt.split())
-    _check_context(cost, num_prompt, n, "ar")
+    _check_context(cost, num_prompt, n)
     prior = _rng("ar", prompt, seed).integers(0, PRIOR_VOCAB, size=n, dtype=np.int32)
     final = StageFinal(outputs={"prior_token_ids": prior}, num_prompt_tokens=num_prompt,
                        num_output_tokens=n)
