@@ -604,6 +604,65 @@ def test_shutdown_drains_requests_in_flight():
     assert leader.left_after_exit == []
 
 
+def test_a_stop_refuses_new_requests_on_open_connections_and_closes_them():
+    """A stop refused new connections only: a trial's clients went on sending on their pooled
+    keep-alive connections through the drain and after it (two got a 503 saying they ran 10 s
+    after the stop, two more ran to the end after the drain), and the stop took 25 s, not 10.
+    Now a request on a connection still open gets a 503 at once and the connection closes;
+    the stream in flight finishes; /v1/stages still answers (and closes its connection)."""
+    import http.client
+
+    leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
+    try:
+        idle, watch = (http.client.HTTPConnection("127.0.0.1", leader.port, timeout=30) for _ in range(2))
+        for conn in (idle, watch):  # (kept alive, idle, from before the stop)
+            conn.request("GET", "/v1/models")
+            first = conn.getresponse()
+            assert first.status == 200 and first.getheader("Connection", "").lower() != "close"
+            first.read()
+        chat = json.dumps({"model": "qwen3-omni-cpu-demo", "messages": MESSAGES, "max_tokens": 10}).encode()
+        after_stop: dict = {}
+
+        async def run():
+            body = {"model": "qwen3-omni-cpu-demo", "messages": MESSAGES, "max_tokens": 1000, "stream": True}
+            events = []
+            async with aiohttp.ClientSession() as s:
+                async with s.post(leader.base_url + "/chat/completions", json=body) as r:
+                    async for line in r.content:
+                        if not line.startswith(b"data: "):
+                            continue
+                        events.append(line.strip())
+                        if len(events) == 3:  # mid-stream (1000 tokens x 4 ms)
+                            since = time.time()
+                            leader.proc.send_signal(signal.SIGINT)
+                            await asyncio.to_thread(_after_stop, since)
+            return events
+
+        def _after_stop(since: float) -> None:
+            deadline = time.monotonic() + 10
+            while not [e for e in read_events(leader.log_path, since) if e.get("event") == "stopping"]:
+                assert time.monotonic() < deadline, "the leader did not start stopping"
+                time.sleep(0.05)
+            idle.request("POST", "/v1/chat/completions", body=chat, headers={"Content-Type": "application/json"})
+            refused = idle.getresponse()
+            after_stop["chat"] = (refused.status, refused.getheader("Connection"), json.loads(refused.read()))
+            watch.request("GET", "/v1/stages")
+            shown = watch.getresponse()
+            after_stop["stages"] = (shown.status, shown.getheader("Connection"), json.loads(shown.read()))
+
+        events = asyncio.run(run())
+        assert events[-1] == b"data: [DONE]"  # the stream in flight finished
+        status, connection, body = after_stop["chat"]
+        assert (status, connection) == (503, "close"), after_stop
+        assert body["error"]["message"].startswith("The server is shutting down and takes no new requests"), body
+        status, connection, body = after_stop["stages"]
+        assert (status, connection) == (200, "close") and body["stages"], after_stop
+        assert leader.proc.wait(15) == 0
+    finally:
+        leader.stop()
+    assert leader.left_after_exit == []
+
+
 def test_stage_scale_and_drain_at_runtime(fanin_leader):
     """`stage scale` adds replicas and `stage drain` retires one, without restarting anything else."""
     port = str(fanin_leader.admin_port)

@@ -23,7 +23,7 @@ from omni_actors.http.types import (
     Bridge, BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone, RequestFailed, within,
 )
 
-__all__ = ["create_app", "start_http", "BRIDGE_KEY"]
+__all__ = ["create_app", "start_http", "refuse_new_requests", "BRIDGE_KEY"]
 
 
 
@@ -36,6 +36,7 @@ BRIDGE_KEY: web.AppKey[Any] = web.AppKey("bridge", object)
 _API_KEY: web.AppKey[Any] = web.AppKey("api_key", object)
 _CREATED: web.AppKey[int] = web.AppKey("created", int)
 _MAX_BODY: web.AppKey[int] = web.AppKey("max_body_bytes", int)
+_STOPPING: web.AppKey[Any] = web.AppKey("stopping", object)
 _RID: web.RequestKey[str] = web.RequestKey("request_id", str)
 # Only /health is open. /metrics needs the key when one is set: it shows pids, nodes,
 # devices, failure reasons and traffic volume, and Prometheus sends a bearer token
@@ -167,6 +168,42 @@ async def request_id_middleware(request: web.Request, handler: _Handler) -> web.
     resp = await handler(request)
     if not resp.prepared:
         resp.headers["X-Request-Id"] = request[_RID]
+    return resp
+
+
+class _Stopping:
+    """Whether the server stops (set once by :func:`refuse_new_requests`; event loop only)."""
+
+    def __init__(self) -> None:
+        self.set = False
+
+
+#: Paths still answered while the server stops: what an operator watches the drain with.
+_WHILE_STOPPING = ("/v1/stages", "/metrics")
+
+
+def refuse_new_requests(app: web.Application) -> None:
+    """From now on (a stop: ``omni_actors.system.leader.drain_http``), a request that
+    arrives on a connection still open (keep-alive) gets a 503, ``/health`` included (a
+    load balancer stops sending here), except ``/v1/stages`` and ``/metrics``; every
+    response closes its connection, those of requests in flight included. (Only new
+    connections were refused: a trial's clients went on sending on their pooled ones
+    through the whole drain and after it, and the stop took 25 s instead of 10.)"""
+    app[_STOPPING].set = True
+
+
+@web.middleware
+async def stopping_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """See :func:`refuse_new_requests`."""
+    stopping = request.app[_STOPPING]
+    if stopping.set and request.path not in _WHILE_STOPPING:
+        resp = _error(P.ApiError(503, "The server is shutting down and takes no new requests; "
+                                 "send them to another server, or again once it is back.", "server_error"))
+        resp.force_close()
+        return resp
+    resp = await handler(request)
+    if stopping.set:  # (it began while this request ran: its connection goes with it)
+        resp.force_close()
     return resp
 
 
@@ -544,11 +581,12 @@ def create_app(bridge: Bridge, *, max_body_bytes: int = 1 << 20,
     (``/metrics`` included). Each app has its own metrics registry.
     """
     app = web.Application(client_max_size=max_body_bytes, middlewares=[
-        request_id_middleware, error_middleware, auth_middleware])
+        request_id_middleware, stopping_middleware, error_middleware, auth_middleware])
     app[BRIDGE_KEY] = bridge
     app[_API_KEY] = api_key or None
     app[_CREATED] = P.now()
     app[_MAX_BODY] = max_body_bytes
+    app[_STOPPING] = _Stopping()
     app[M.METRICS_KEY] = M.Metrics()
     app[M.METRICS_KEY].registry.register(M.RequestActorCollector(bridge))
     app.add_routes(ROUTES)

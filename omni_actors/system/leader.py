@@ -329,12 +329,14 @@ ABORT_GRACE_S = 2.0
 
 
 async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | None = None) -> None:
-    """Stop accepting connections, then let requests in flight finish (up to ``timeout_s``,
+    """Stop accepting connections and requests, then let requests in flight finish (up to ``timeout_s``,
     ``supervision.drain_timeout_s``, or until ``hurry`` is set: a second Ctrl-C or SIGTERM). Those
     still running then end with a 503 that says the server stopped, and their stages are
     cancelled, so that neither the HTTP server nor the engines wait on them any longer."""
+    from omni_actors.http.app import refuse_new_requests
     from omni_actors.logs import get_logger
 
+    refuse_new_requests(runner.app)  # (requests on connections still open: 503)
     for site in list(runner.sites):
         await site.stop()
     deadline = time.monotonic() + timeout_s
