@@ -22,6 +22,7 @@ a warning (see :func:`omni_actors.config_keys.unknown_key_warnings`).
 
 from __future__ import annotations
 
+import codecs
 import contextvars
 import difflib
 import re
@@ -69,9 +70,11 @@ _HOUR_S = 3600
 Timeout = Annotated[float, msgspec.Meta(gt=0, le=_DAY_S, extra={"unit": "seconds", "max": "a day"})]
 #: A wait that may be 0 (no wait): 0 s to a day.
 Wait = Annotated[float, msgspec.Meta(ge=0, le=_DAY_S, extra={"unit": "seconds", "max": "a day"})]
-#: The heartbeat interval: more than 0 s, at most 10 minutes (a lost replica or host
+#: The heartbeat interval: 0.1 s to 10 minutes (a lost replica or host
 #: is noticed after a few intervals).
-HeartbeatInterval = Annotated[float, msgspec.Meta(gt=0, le=600, extra={"unit": "seconds", "max": "10 minutes"})]
+#: (At least 0.1 s: each beat is an actor message per replica, about 1 ms of CPU; a trial's 0.001 s
+#: swamped the pools until the coordinator stopped answering and the leader never served.)
+HeartbeatInterval = Annotated[float, msgspec.Meta(ge=0.1, le=600, extra={"unit": "seconds", "max": "10 minutes"})]
 #: A restart backoff or a simulated start-up time: 0 s to an hour.
 UpToAnHour = Annotated[float, msgspec.Meta(ge=0, le=_HOUR_S, extra={"unit": "seconds", "max": "an hour"})]
 #: Simulated time per token: 0 to 60000 ms (a minute).
@@ -407,7 +410,7 @@ def _type_at(typ: Any, path: str) -> Any:
             typ = args[0]
             continue
         if isinstance(typ, type) and issubclass(typ, msgspec.Struct):
-            fields = {f.name: f.type for f in msgspec.structs.fields(typ)}
+            fields = {f.encode_name: f.type for f in msgspec.structs.fields(typ)}
             if part not in fields:
                 return None
             typ = fields[part]
@@ -469,7 +472,7 @@ def _expected(typ: Any, path: str, message: str, obj: Any = _MISSING) -> tuple[s
     m = re.match(r"Object contains unknown field `(.*)`", message)
     if m:
         t = _type_at(typ, path)
-        names = [f.name for f in msgspec.structs.fields(t)] if isinstance(t, type) and issubclass(
+        names = [f.encode_name for f in msgspec.structs.fields(t)] if isinstance(t, type) and issubclass(
             t, msgspec.Struct) else []
         field = m.group(1)
         near = difflib.get_close_matches(field, names, n=1)
@@ -564,9 +567,10 @@ def load_config(path: str | Path, on_warning: typing.Callable[[str], None] | Non
     p = Path(path)
     source = str(path)
     try:
-        text = p.read_text()
+        raw = p.read_bytes()
     except OSError as exc:
         raise ConfigError(source, "", f"cannot read config: {exc.strerror}") from None
+    text = _decode(raw, source)
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except _DuplicateKey as exc:
@@ -576,6 +580,20 @@ def load_config(path: str | Path, on_warning: typing.Callable[[str], None] | Non
         where = f"line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(source, where, f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
     return parse_config(data, source, on_warning)
+
+
+def _decode(raw: bytes, source: str) -> str:
+    """A config file's text: UTF-8 (a BOM allowed), or UTF-16 with its BOM, as YAML allows.
+
+    Raises:
+        ConfigError: other bytes (the line of the first one that does not decode)."""
+    encoding = "utf-16" if raw.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) else "utf-8-sig"
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(source, f"line {line}", f"not {encoding.upper().removesuffix('-SIG')} text: "
+                          f"byte {exc.start} ({raw[exc.start:exc.start + 1]!r}): {exc.reason}") from None
 
 
 class _DuplicateKey(Exception):

@@ -59,6 +59,7 @@ def _check_graph(cfg: PipelineConfig, source: str) -> None:
         _check_devices(s, source, f"{p}.runtime.devices")
     if not cfg.stage_args:
         raise ConfigError(source, "stage_args", "expected at least one stage")
+    consumed = {src for s in cfg.stage_args for src in s.engine_input_source}
     for i, s in enumerate(cfg.stage_args):
         for j, src in enumerate(s.engine_input_source):
             if src not in ids:
@@ -67,11 +68,27 @@ def _check_graph(cfg: PipelineConfig, source: str) -> None:
             if src == s.stage_id:
                 raise ConfigError(source, f"stage_args[{i}].engine_input_source[{j}]",
                                   "a stage cannot take its own output as input")
+            if src in s.engine_input_source[:j]:
+                raise ConfigError(source, f"stage_args[{i}].engine_input_source[{j}]",
+                                  f"stage_id {src} is named twice")
+        # (A trial's graph with these mistakes passed check-config; every request that needed the
+        # stage then failed at run time, with a 400 that blamed the client.)
+        if s.custom_process_input_func and not s.engine_input_source:
+            raise ConfigError(source, f"stage_args[{i}].engine_input_source",
+                              f"empty, but custom_process_input_func `{s.custom_process_input_func}` makes "
+                              "this stage's input from upstream stages' outputs: name the stage_id(s) it "
+                              "takes them from")
         if s.custom_process_input_func:
             _check_importable(s.custom_process_input_func, source,
                               f"stage_args[{i}].custom_process_input_func")
     if not any(s.final_output for s in cfg.stage_args):
         raise ConfigError(source, "stage_args", "no stage has final_output: true")
+    for i, s in enumerate(cfg.stage_args):
+        if not s.final_output and s.stage_id not in consumed:
+            raise ConfigError(source, f"stage_args[{i}]",
+                              f"stage `{s.engine_args.get('model_stage')}` is not a final output "
+                              "(final_output) and no stage takes its outputs (engine_input_source): "
+                              "its work would be thrown away")
     _check_acyclic(cfg, source)
     for name, dep in cfg.deployment.stages.items():
         if name not in names:

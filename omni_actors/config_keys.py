@@ -37,6 +37,8 @@ _ENGINE_KEYS = frozenset({
     "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "trust_remote_code", "dtype",
     "enable_prefix_caching", "enable_chunked_prefill", "distributed_executor_backend",
     "quantization", "worker_cls", "scheduler_cls", "tokenizer", "seed"})
+#: Top-level keys of a legacy config: ours, and those vLLM-Omni's legacy stage configs carry.
+_TOP_KEYS = frozenset({"stage_args", "deployment", "runtime", "async_chunk", "env"})
 #: Stage keys of the other format, and this format's key for the same thing.
 _OTHER_FORMAT = {"input_sources": "engine_input_source"}
 
@@ -61,19 +63,21 @@ def _check_keys(mapping: Any, known: frozenset[str], path: str, fate: str,
             continue
         meant = (aliases or {}).get(key) or _near_miss(key, known)
         if meant is not None and meant != key:
-            out.append((f"{path}.{key}", f"unknown key ({fate}); did you mean `{meant}`?"))
+            out.append((f"{path}.{key}" if path else key, f"unknown key ({fate}); did you mean `{meant}`?"))
     return out
 
 
 def unknown_key_warnings(data: Any) -> list[tuple[str, str]]:
-    """``(YAML path, message)`` for each stage key of a decoded config that is
-    probably a typo (see above): in a ``stage_args`` entry (ignored), its
+    """``(YAML path, message)`` for each key of a decoded config that is probably a
+    typo (see above): at the top of a legacy config (ignored), in a ``stage_args`` entry (ignored), its
     ``runtime`` (ignored) and its ``engine_args`` (passed to the engine as they
     are); in a deploy file's ``stages`` entries (and each platform's), whose
     other keys are engine arguments. Pure: nothing is logged."""
     out: list[tuple[str, str]] = []
     if not isinstance(data, dict):
         return out
+    if "stages" not in data and "base_config" not in data:  # (a trial's `runtim:` took its connectors away)
+        out += _check_keys(data, _TOP_KEYS, "", "ignored")
     stage_args = data.get("stage_args")
     if isinstance(stage_args, list) and "stages" not in data:
         for i, entry in enumerate(stage_args):

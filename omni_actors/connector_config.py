@@ -166,6 +166,10 @@ def omni_connectors(data: dict[str, Any], cfg: PipelineConfig, source: str) -> O
     if edges:
         notes.append("runtime.edges: kept, not applied (flow control between stages is "
                      "deployment.streaming.max_buffered_chunks)")
+    for j, edge in enumerate(edges):  # (as a stage's connectors on an edge the graph lacks, above)
+        if edge.from_stage not in ids[edge.to_stage].engine_input_source:
+            notes.append(f"runtime.edges[{j}]: edge {edge.from_stage}->{edge.to_stage} is not in the stage graph "
+                         f"(stage {edge.to_stage}'s engine_input_source)")
     return OmniConnectors(connectors={k: msgspec.to_builtins(v) for k, v in specs.items()},
                           edges=[msgspec.to_builtins(e) for e in edges],
                           by_edge={f"{a}->{b}": spec.name for (a, b), (spec, _, _) in sorted(by_edge.items())},

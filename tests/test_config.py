@@ -354,11 +354,13 @@ def test_unknown_backend(tmp_path: Path) -> None:
     assert "synthetic, vllm, vllm_omni" in err.message
 
 
-@pytest.mark.parametrize("value", [-1, 0])
-def test_heartbeat_interval_must_be_positive(tmp_path: Path, value: float) -> None:
+@pytest.mark.parametrize("value", [-1, 0, 0.001, 0.099])
+def test_heartbeat_interval_must_be_at_least_a_tenth_of_a_second(tmp_path: Path, value: float) -> None:
+    """A trial's 0.001 s swamped the pools with heartbeats until the coordinator stopped
+    answering and the leader exited without serving."""
     err = refused(tmp_path, variant(lambda d: d["deployment"].update(heartbeat_interval_s=value)))
     assert err.path == "deployment.heartbeat_interval_s"
-    assert err.message == ("must be a finite number of seconds > 0 and <= 600 (10 minutes), "
+    assert err.message == ("must be a finite number of seconds >= 0.1 and <= 600 (10 minutes), "
                            f"got {value}")
 
 
@@ -449,7 +451,7 @@ def deployment(*keys: str, value: Any) -> Callable[[dict], None]:
     (("ready_timeout_s",), float("nan"), f"{DAY} nan"),
     (("request_timeout_s",), 1e30, f"{DAY} 1e+30"),
     (("heartbeat_interval_s",), float("inf"),
-     "must be a finite number of seconds > 0 and <= 600 (10 minutes), got inf"),
+     "must be a finite number of seconds >= 0.1 and <= 600 (10 minutes), got inf"),
     (("supervision", "stall_timeout_s"), 86401.0, f"{DAY} 86401.0"),
     (("supervision", "queue_timeout_s"), float("-inf"),
      "must be a finite number of seconds >= 0 and <= 86400 (a day), got -inf"),
@@ -552,8 +554,9 @@ def warnings_of(data: Any, tmp_path: Path) -> tuple[list[dict], Any]:
     (stage(0, runtime={"device": "0"}), "stage_args[0].runtime.device", "devices"),
     (stage(0, engine_args={"model_stage": "thinker", "tensor_paralel_size": 2}),
      "stage_args[0].engine_args.tensor_paralel_size", "tensor_parallel_size"),
+    (lambda d: d.update(runtim={"edges": [{"from": 0, "to": 1}]}), "runtim", "runtime"),  # (a trial's: silent)
 ], ids=["engine_input_sources", "final_ouput", "custom_process_input_fn", "input_sources", "runtime.device",
-        "engine_args.tensor_paralel_size"])
+        "engine_args.tensor_paralel_size", "top-level runtim"])
 def test_a_misspelt_stage_key_is_loaded_with_a_warning_naming_the_key_meant(
         tmp_path: Path, mutate: Callable[[dict], None], path: str, meant: str) -> None:
     events, cfg = warnings_of(variant(mutate), tmp_path)
@@ -764,3 +767,57 @@ def test_check_config_refuses_a_bad_config_with_one_line_and_exit_1(tmp_path: Pa
     assert out.stderr.count("\n") == 1, out.stderr  # one line, no traceback
     assert out.stderr.startswith(f"error: {path}: stage_args[1].custom_process_input_func: "
                                  "cannot import `bad_syntax_processor`: SyntaxError: ")
+
+
+# ------------------------------------------------------- from a trial's broken configs
+
+def test_a_config_that_is_not_utf8_is_refused_with_its_line(tmp_path: Path) -> None:
+    """A trial's non-UTF-8 byte in a config ended `check-config` and `start` in a
+    UnicodeDecodeError traceback."""
+    text = yaml.safe_dump(BASE, sort_keys=False).replace("test-model", "mi\udcff\udcfene")
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    line = next(n for n, row in enumerate(text.splitlines(), 1) if "mi" in row and "served" in row)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    err = info.value
+    assert (err.path, "\n" in str(err)) == (f"line {line}", False), str(err)
+    assert err.message.startswith("not UTF-8 text: byte ") and "invalid start byte" in err.message, err.message
+
+
+def test_a_config_in_utf16_with_its_bom_loads_as_yaml_allows(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(yaml.safe_dump(BASE, sort_keys=False).encode("utf-16"))
+    assert load_config(path).deployment.served_model_name == "test-model"
+
+
+def test_a_processor_stage_with_no_upstream_is_refused(tmp_path: Path) -> None:
+    """A trial's Code2Wav with `engine_input_source: []` passed check-config; every audio
+    request then failed with a 400 ("talker2code2wav: needs at least one upstream stage")."""
+    err = refused(tmp_path, variant(stage(2, engine_input_source=[])))
+    assert err.path == "stage_args[2].engine_input_source"
+    assert err.message.startswith("empty, but custom_process_input_func "
+                                  "`omni_actors.processors.talker2code2wav` makes this stage's input"), err.message
+
+
+def test_a_stage_whose_outputs_nobody_takes_is_refused(tmp_path: Path) -> None:
+    def mutate(d: dict) -> None:  # code2wav takes the Thinker's outputs: nothing takes the Talker's
+        d["stage_args"][2].update(engine_input_source=[0], custom_process_input_func=None)
+
+    err = refused(tmp_path, variant(mutate))
+    assert err.path == "stage_args[1]"
+    assert err.message == ("stage `talker` is not a final output (final_output) and no stage takes its "
+                           "outputs (engine_input_source): its work would be thrown away")
+
+
+def test_a_source_named_twice_is_refused(tmp_path: Path) -> None:
+    err = refused(tmp_path, variant(stage(2, engine_input_source=[1, 1])))
+    assert (err.path, err.message) == ("stage_args[2].engine_input_source[1]", "stage_id 1 is named twice")
+
+
+def test_an_unknown_edge_field_lists_the_yaml_names(tmp_path: Path) -> None:
+    """It said "unknown field `from_stage` (did you mean `from_stage`?); expected one of:
+    from_stage, to_stage, ...": the Python names, not the YAML keys `from` and `to`."""
+    err = refused(tmp_path, variant(lambda d: d.update(runtime={"edges": [{"from_stage": 0, "to_stage": 1}]})))
+    assert err.path == "runtime.edges[0].from_stage"
+    assert err.message == "unknown field `from_stage`; expected one of: from, to, window_size, max_inflight"

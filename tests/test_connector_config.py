@@ -261,3 +261,13 @@ def test_bad_connector_settings_name_the_yaml_path(tmp_path, runtime, per_stage,
         load(tmp_path, data)
     assert exc.value.path == path, str(exc.value)
     assert message in exc.value.message
+
+
+@pytest.mark.parametrize("edge", [{"from": 2, "to": 0}, {"from": 1, "to": 1}])
+def test_an_edge_that_is_not_in_the_stage_graph_gets_a_note(tmp_path, no_vllm_omni, edge):
+    """A reversed edge or a self-loop in `runtime.edges` was kept without a word (the same
+    edge named by a stage's output_connectors gets one)."""
+    cfg = load(tmp_path, with_connectors({"edges": [{"from": 0, "to": 1}, edge]}))
+    assert (f"runtime.edges[1]: edge {edge['from']}->{edge['to']} is not in the stage graph "
+            f"(stage {edge['to']}'s engine_input_source)") in cfg.omni_connectors.notes
+    assert not any(n.startswith("runtime.edges[0]") for n in cfg.omni_connectors.notes)

@@ -6,6 +6,7 @@ and the API-server tests count the system's processes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pty
@@ -332,3 +333,24 @@ def test_admin_counts_out_of_range_are_refused_before_asking_the_system(call, er
     with pytest.raises(AdminError) as err:
         call(Admin(asys=None, coordinator=None))
     assert str(err.value).startswith(error), str(err.value)
+
+
+def test_an_api_server_that_cannot_reach_its_coordinator_fails_start_in_one_line(monkeypatch):
+    """A trial's leader (heartbeats every 1 ms, now refused by the config) printed its
+    stage table, then died in a BridgeError traceback when the swamped coordinator did
+    not answer its API server: now a StartError, which `start` prints as one line."""
+    import threading
+
+    from omni_actors.config import load_config
+    from omni_actors.http.bridge import ActorBridge, BridgeError
+    from omni_actors.system import leader
+
+    def no_answer(self, loop):
+        raise BridgeError("the coordinator did not answer (is the system deployed?)")
+
+    monkeypatch.setattr(ActorBridge, "start", no_answer)
+    config = load_config(CONFIGS / "cpu_omni_demo.yaml")
+    with pytest.raises(leader.StartError) as err:
+        asyncio.run(leader._serve(None, None, config, "127.0.0.1", 0, None, threading.Event()))
+    assert str(err.value) == ("the API server could not start: the coordinator did not answer "
+                              "(is the system deployed?)")

@@ -299,10 +299,13 @@ def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: thre
 async def _serve(asys, coordinator, config, host, port, api_key, stopping: threading.Event,
                  hurry: threading.Event | None = None, on_stop=None, admin_port: int | None = None) -> None:
     from omni_actors.http.app import start_http
-    from omni_actors.http.bridge import ActorBridge
+    from omni_actors.http.bridge import ActorBridge, BridgeError
 
     bridge = ActorBridge(asys, coordinator, request_actors=config.deployment.request_actors)
-    bridge.start(asyncio.get_running_loop())
+    try:
+        bridge.start(asyncio.get_running_loop())
+    except BridgeError as exc:  # (one line and exit 2, as every start-up failure: it was a traceback)
+        raise StartError(f"the API server could not start: {exc}") from None
     try:
         runner = await start_http(bridge, host, port, api_key=api_key)
     except OSError as exc:
