@@ -354,3 +354,13 @@ def test_an_api_server_that_cannot_reach_its_coordinator_fails_start_in_one_line
         asyncio.run(leader._serve(None, None, config, "127.0.0.1", 0, None, threading.Event()))
     assert str(err.value) == ("the API server could not start: the coordinator did not answer "
                               "(is the system deployed?)")
+
+
+def test_the_shells_inject_says_where_its_value_goes_when_given_a_flag(leader):
+    """A trial's `inject slow talker/3 --factor 2` (the CLI's way) got only the usage line."""
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "shell", "--admin-port",
+                          str(leader.admin_port), "-c", "inject slow thinker/0 --factor 2"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip() == ("error: usage: inject FAULT [REPLICA|STAGE] [VALUE] (the value goes last, "
+                                  "without a flag: `inject slow talker/0 2`)"), out.stderr

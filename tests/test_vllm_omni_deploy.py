@@ -146,6 +146,9 @@ def test_num_replicas_becomes_replicas_unless_the_deployment_block_says(tmp_path
     assert dep["thinker"].replicas == 1
     assert dep["talker"].replicas == 3          # num_replicas
     assert dep["code2wav"].replicas == 4        # ours wins over runtime.num_replicas: 2
+    # ... and says so (a trial's 5 over 2 went unsaid); none for the stages where only one is set
+    assert [n for n in cfg.omni_connectors.notes if "replicas" in n] == [
+        "deployment.stages.code2wav.replicas (4) is used, not stages[2].num_replicas (2)"]
     assert dep["talker"].devices_per_replica == 2   # tensor_parallel_size
     assert dep["thinker"].backend == "vllm_omni"    # the default for a deploy file
     assert dep["code2wav"].backend == "synthetic"   # ours wins
@@ -284,6 +287,8 @@ def test_shipped_deploy_demo_config_loads() -> None:
      ">= 1"),
     (lambda d: d.pop("deployment"), "deployment", "missing"),
     (lambda d: d.update(stage_args=[]), "stage_args", "not both"),
+    (lambda d: d.update(env=5), "env", "expected a mapping, got `5`"),  # (a trial's: accepted)
+    (lambda d: d.update(platforms=["rocm"]), "platforms", "Expected `object | null`, got `array`"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_bad_deploy_file_is_refused_with_its_yaml_path(tmp_path: Path, mutate, path: str, words: str) -> None:
     err = refused_sample(tmp_path, mutate)

@@ -13,7 +13,7 @@ stage names and replica ids:
     launch STAGE [N] [--node NODE] [--devices IDS]
                                add N replicas (default 1) to STAGE, on NODE / pinned to IDS
     drain REPLICA              finish its work, then stop it
-    inject FAULT [TARGET] [V]  fault injection (see `help inject`)
+    inject FAULT [TARGET] [V]  fault injection; V: slow's factor, raise's count (`help inject`)
     requests                   tasks in flight and waiting, by stage
     logs [N]                   the last N lines (default 20) of the leader's log
     status                     the stage table, as `python -m omni_actors.system status`
@@ -342,7 +342,10 @@ class AdminShell(cmd.Cmd):
         FAULT: sigkill, sigstop, sigcont, raise, slow, stall, clear (TARGET: a replica, STAGE/N);
         kill-pool (TARGET: a stage); kill-coordinator (no target).
         VALUE: for `raise`, how many next tasks raise (default 1); for `slow`, the factor (default 5)."""
-        words = self._args(arg, 1, 3, "inject FAULT [REPLICA|STAGE] [VALUE]")
+        usage = "inject FAULT [REPLICA|STAGE] [VALUE]"
+        if any(w.startswith("--") for w in shlex.split(arg)):  # (the CLI's --factor/--count: a trial's guess)
+            raise AdminError(f"usage: {usage} (the value goes last, without a flag: `inject slow talker/0 2`)")
+        words = self._args(arg, 1, 3, usage)
         fault, target = words[0], (words[1] if len(words) > 1 else "")
         if fault not in FAULTS:
             raise AdminError(f"unknown fault {fault!r}; one of: {', '.join(FAULTS)}")

@@ -157,6 +157,8 @@ def parse_deploy_config(data: dict[str, Any], source: str = "<memory>") -> Deplo
         _convert(spec, ConnectorSpec, source, f"connectors.{name}")
     check_connectors(merged, origin, by_id, source)
 
+    if merged.get("env") is not None and not isinstance(merged["env"], dict):  # (kept, not applied: still checked)
+        raise ConfigError(source, "env", f"expected a mapping, got `{merged['env']!r}`")
     stages = {int(s["stage_id"]): s for s in merged.get("stages") or []}
     stage_args = [_stage_args(ts, topo, stages.get(ts.stage_id, {}), merged, data.get("model"))
                   for ts in topo.stages]
@@ -166,6 +168,7 @@ def parse_deploy_config(data: dict[str, Any], source: str = "<memory>") -> Deplo
     except ConfigError as exc:
         raise _where(exc, topo, key, origin) from None
     cfg.omni_connectors = _connectors(merged, stages, topo, origin, cfg, source)
+    cfg.omni_connectors.notes += _replica_notes(data.get("deployment"), topo, stages, origin)
 
     names = {ts.stage_id: ts.model_stage for ts in topo.stages}
     kept = VllmOmniDeploy(
@@ -263,6 +266,22 @@ def _own(stage: dict[str, Any], key: str) -> Any:
     """``devices``, ``num_replicas``, ``env``: under ``runtime`` first, as vLLM-Omni reads them."""
     runtime = stage.get("runtime") or {}
     return runtime.get(key, stage.get(key))
+
+
+def _replica_notes(raw: Any, topo: Topology, stages: dict[int, dict[str, Any]],
+                   origin: dict[int, tuple[str, int]]) -> list[str]:
+    """A note for each stage whose replica count our block sets and the deploy file's
+    ``num_replicas`` sets otherwise (ours is used: a trial's 5 over 2 went unsaid)."""
+    ours = raw.get("stages") if isinstance(raw, dict) else None
+    notes = []
+    for ts in topo.stages:
+        entry = ours.get(ts.model_stage) if isinstance(ours, dict) else None
+        theirs = _own(stages.get(ts.stage_id, {}), "num_replicas")
+        if isinstance(entry, dict) and entry.get("replicas") is not None and theirs is not None \
+                and entry["replicas"] != theirs:
+            notes.append(f"deployment.stages.{ts.model_stage}.replicas ({entry['replicas']}) is used, not "
+                         f"stages[{origin.get(ts.stage_id, ('', '?'))[1]}].num_replicas ({theirs})")
+    return notes
 
 
 def _deployment(raw: Any, topo: Topology, stages: dict[int, dict[str, Any]],
