@@ -1035,3 +1035,19 @@ def test_a_request_actor_does_not_retry_a_stage_whose_input_was_lost_and_says_wh
     assert not [m for _, m in sent if isinstance(m, StageTask)], sent  # not retried
     finished = [m for _, m in sent if isinstance(m, RequestFinished)]
     assert len(finished) == 1 and finished[0].error == ErrorKind.INPUT_LOST and finished[0].lost_on == "m1"
+
+
+def test_vllm_requests_abort_every_engine_request_of_a_pipeline_request_and_only_those():
+    """The bookkeeping both vLLM backends share: a retry on the same replica gets a new
+    engine request id; an abort reaches every engine request of its pipeline request and
+    each one's output loop learns it was aborted, once."""
+    from omni_actors.engines.vllm_requests import VllmRequests
+
+    book = VllmRequests(stage_id=1)
+    first, retry, other = book.start("r1"), book.start("r1"), book.start("r2")
+    assert len({first, retry, other}) == 3 and first.startswith("r1:1:") and len(book) == 3
+    assert sorted(book.abort("r1")) == sorted([first, retry]) and book.abort("nope") == []
+    assert book.aborted(first) and book.aborted(retry) and not book.aborted(other)
+    assert book.end("r1", first) is True and book.end("r1", retry) is True
+    assert book.end("r2", other) is False
+    assert len(book) == 0 and book.requests() == [] and not book.aborted(first)

@@ -238,7 +238,7 @@ def test_cancelling_the_consumer_aborts_inside_vllm(engine, loop_thread):
         return engine._llm.get_num_unfinished_requests()
 
     assert loop_thread.run(scenario()) == 0
-    assert _settles(lambda: engine.load().running == 0 and not engine._inflight)
+    assert _settles(lambda: engine.load().running == 0 and not engine._requests.requests())
 
 
 def test_abort_of_unknown_request_is_ignored(engine, loop_thread):

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import os
 import time
 from pathlib import Path
@@ -57,6 +56,7 @@ import numpy as np
 from omni_actors.config import StageSpec
 from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, OutputChunk, StageFinal, TextDelta
 from omni_actors.engines.vllm_core import CoreWatch, is_client_error, keep_off, one_line, parse_cpus, pinned
+from omni_actors.engines.vllm_requests import VllmRequests
 from omni_actors.logs import get_logger
 from omni_actors.system.processes import use_ipc_dir
 
@@ -154,9 +154,7 @@ class VllmEngine:
         self._llm = None
         self._vllm: dict[str, Any] = {}  # the vLLM names we use, imported by start()
         self._sampling_fields: frozenset[str] = frozenset()
-        self._inflight: dict[str, set[str]] = {}  # request_id -> vLLM request ids
-        self._aborted: set[str] = set()
-        self._ids = itertools.count()
+        self._requests = VllmRequests(stage.stage_id)  # our tasks' requests in the engine
         self._stats: tuple[int, int, float] | None = None
         self.active_at = 0.0  #: monotonic time of the last engine step with running requests
         self._watch: CoreWatch | None = None
@@ -255,7 +253,7 @@ class VllmEngine:
 
     async def shutdown(self) -> None:
         """Abort every task, then stop the engine core (waits for it to exit)."""
-        for rid in list(self._inflight):
+        for rid in self._requests.requests():
             await self.abort(rid)
         await self._teardown()
 
@@ -287,7 +285,7 @@ class VllmEngine:
         task of ours in flight, running and waiting are 0 whatever the last
         report said (this backend is the engine's only client). Before the
         first report: our in-flight task count as running, usage unknown."""
-        busy = sum(len(ids) for ids in self._inflight.values())
+        busy = len(self._requests)
         stats = self._stats
         if stats is None:
             return BackendLoad(running=busy, waiting=0, kv_cache_usage=None)
@@ -299,12 +297,13 @@ class VllmEngine:
     async def abort(self, request_id: str) -> None:
         """Abort every task of ``request_id`` in vLLM: their ``generate`` iterators
         end without a :class:`StageFinal`. Unknown ids are ignored; never raises."""
-        ids = self._inflight.get(request_id)
-        if not ids or self._llm is None:
+        if self._llm is None:
             return
-        self._aborted.update(ids)
+        ids = self._requests.abort(request_id)
+        if not ids:
+            return
         try:
-            await self._llm.abort(list(ids))
+            await self._llm.abort(ids)
         except Exception as exc:  # noqa: BLE001 - abort never raises
             self._log.warning("vllm_abort_failed", request_id=request_id, error=one_line(exc))
 
@@ -325,8 +324,7 @@ class VllmEngine:
             raise RuntimeError(f"vLLM engine {self.replica} is not started")
         prompt = _parse_input(task.engine_input)
         params = self._sampling_params(task.sampling_params)
-        vid = f"{task.request_id}:{self.stage.stage_id}:{next(self._ids)}"
-        self._inflight.setdefault(task.request_id, set()).add(vid)
+        vid = self._requests.start(task.request_id)
         texts: list[str] = []
         token_ids: list[int] = []
         prompt_ids: list[int] | None = None
@@ -339,7 +337,7 @@ class VllmEngine:
                     prompt_ids = list(out.prompt_token_ids)
                 last = out
                 comp = out.outputs[0] if out.outputs else None
-                if comp is None or vid in self._aborted:
+                if comp is None or self._requests.aborted(vid):
                     continue
                 ids = tuple(comp.token_ids)
                 if ids or comp.text:
@@ -360,13 +358,7 @@ class VllmEngine:
             # Our consumer stopped early (aclose/cancel): closing vLLM's stream aborts
             # the request there now rather than when the generator is collected.
             await stream.aclose()
-            ids_left = self._inflight.get(task.request_id)
-            if ids_left is not None:
-                ids_left.discard(vid)
-                if not ids_left:
-                    del self._inflight[task.request_id]
-            aborted = vid in self._aborted
-            self._aborted.discard(vid)
+            aborted = self._requests.end(task.request_id, vid)
         comp = last.outputs[0] if (last is not None and last.outputs) else None
         if aborted or last is None or not last.finished or comp is None \
                 or comp.finish_reason == "abort":

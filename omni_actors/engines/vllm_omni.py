@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import os
 import tempfile
 import time
@@ -74,6 +73,7 @@ import numpy as np
 from omni_actors.config import StageSpec
 from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta
 from omni_actors.engines.vllm_core import is_client_error, one_line
+from omni_actors.engines.vllm_requests import VllmRequests
 from omni_actors.logs import get_logger
 from omni_actors.system.processes import use_ipc_dir, use_ipc_dir_for_temp_files
 
@@ -129,9 +129,7 @@ class VllmOmniEngine:
         self._omni = None
         self._v: dict[str, Any] = {}
         self._processor = None
-        self._inflight: dict[str, set[str]] = {}
-        self._aborted: set[str] = set()
-        self._ids = itertools.count()
+        self._requests = VllmRequests(stage.stage_id)  # our tasks' requests in the engine
         self._deploy_file: str | None = None
         self._diffusion = is_diffusion_stage(stage)
         self._dead: str | None = None
@@ -284,7 +282,7 @@ class VllmOmniEngine:
             pass
 
     async def shutdown(self) -> None:
-        for rid in list(self._inflight):
+        for rid in self._requests.requests():
             await self.abort(rid)
         await self._teardown()
 
@@ -306,15 +304,16 @@ class VllmOmniEngine:
     def load(self) -> BackendLoad:
         """Our in-flight tasks as running (vLLM-Omni 0.30 does not expose its
         stage scheduler's counts through ``AsyncOmni``); KV usage unknown."""
-        return BackendLoad(running=sum(len(i) for i in self._inflight.values()), waiting=0)
+        return BackendLoad(running=len(self._requests), waiting=0)
 
     async def abort(self, request_id: str) -> None:
-        ids = self._inflight.get(request_id)
-        if not ids or self._omni is None:
+        if self._omni is None:
             return
-        self._aborted.update(ids)
+        ids = self._requests.abort(request_id)
+        if not ids:
+            return
         try:
-            await self._omni.abort(list(ids))
+            await self._omni.abort(ids)
         except Exception as exc:  # noqa: BLE001 - abort never raises
             self._log.warning("vllm_omni_abort_failed", request_id=request_id, error=one_line(exc))
 
@@ -402,8 +401,7 @@ class VllmOmniEngine:
             if isinstance(exc, KeyError) or is_client_error(exc):
                 raise ValueError(one_line(exc)) from None
             raise
-        vid = f"{task.request_id}:{self.stage.stage_id}:{next(self._ids)}"
-        self._inflight.setdefault(task.request_id, set()).add(vid)
+        vid = self._requests.start(task.request_id)
         texts: list[str] = []
         token_ids: list[int] = []
         prompt_ids: list[int] | None = None
@@ -425,7 +423,7 @@ class VllmOmniEngine:
                 extra.update(_multimodal(out, mm))
                 last_mm = mm or last_mm
                 finished = finished or bool(getattr(out, "finished", False))
-                if ro is None or vid in self._aborted:
+                if ro is None or self._requests.aborted(vid):
                     continue
                 if prompt_ids is None and getattr(ro, "prompt_token_ids", None) is not None:
                     prompt_ids = list(ro.prompt_token_ids)
@@ -447,13 +445,7 @@ class VllmOmniEngine:
             raise RuntimeError(one_line(exc.__cause__ or exc)) from None
         finally:
             await stream.aclose()
-            left = self._inflight.get(task.request_id)
-            if left is not None:
-                left.discard(vid)
-                if not left:
-                    del self._inflight[task.request_id]
-            aborted = vid in self._aborted
-            self._aborted.discard(vid)
+            aborted = self._requests.end(task.request_id, vid)
         if aborted or not finished or finish == "abort":
             return
         prompt_arr = np.asarray(prompt_ids or [], dtype=np.int32)
