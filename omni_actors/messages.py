@@ -968,6 +968,9 @@ class RequestFinished(Message):
     after_text: tuple[int, int] | None = None  #: as :attr:`OutputReady.after_text` (success only)
     free: bool = True  #: False: busy until its :class:`RequestActorFree`
     lost_on: str | None = None  #: with INPUT_LOST: the node an upstream stage's output was lost with
+    #: a failed stage was not retried only because text of it had gone to the API server
+    #: (which may not have sent any of it to the client yet: it may then run the request again)
+    output_sent: bool = False
 
 
 @dataclass(frozen=True)

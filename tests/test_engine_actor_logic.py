@@ -1051,3 +1051,24 @@ def test_vllm_requests_abort_every_engine_request_of_a_pipeline_request_and_only
     assert book.end("r1", first) is True and book.end("r1", retry) is True
     assert book.end("r2", other) is False
     assert len(book) == 0 and book.requests() == [] and not book.aborted(first)
+
+
+def test_a_stage_failed_after_its_text_went_out_tells_the_bridge_so():
+    """A streaming stage that fails after its text left for the API server is not retried
+    (the client may have part of it), and the RequestFinished says so (``output_sent``):
+    the API server, which knows whether it sent any, may then run the request again."""
+    from types import SimpleNamespace
+
+    from omni_actors.messages import ErrorKind, RequestFinished, StageFailed
+
+    ra, sent, _ = _closing_request_actor(stages=("thinker",))
+    ra._req.max_attempts = 3
+    ra._running = {0: SimpleNamespace(attempt=0, streaming=True, stream_source=None, moved=0, exclude=(),
+                                      crashed=False)}
+    ra._to_client, ra._stream_consumers = {0}, {0: []}
+    ra.receiveMsg_StageFailed(StageFailed("r1", 0, "thinker/0", ErrorKind.UNAVAILABLE, "dead: process exited"),
+                              "pool")
+    finished = [m for _, m in sent if isinstance(m, RequestFinished)]
+    assert len(finished) == 1 and finished[0].output_sent is True, sent
+    assert finished[0].message == ("dead: process exited (part of the output had already reached the client, "
+                                   "so it was not retried)")

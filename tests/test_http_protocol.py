@@ -62,6 +62,11 @@ class FakeBridge:
         if "[fail503]" in p:
             yield RequestFailed(503, "no ready replica for stage thinker")
             return
+        if "[midsent]" in p and ("[midonce]" not in p or len(self.submitted) == 1):
+            if "[textfirst]" in p:
+                yield OutputText("Hel")
+            yield RequestFailed(503, MID_STREAM, "service_unavailable", output_sent=True)
+            return
         if "[stuck]" in p:
             await asyncio.sleep(3600)
         if "[slow]" in p:
@@ -131,6 +136,42 @@ def test_a_request_whose_output_was_lost_with_its_host_runs_once_more(stream):
     status, text = serve(bridge, lambda client: _post_text(client, chat("[lost]")))
     assert status == 500 and len(bridge.submitted) == 2
     assert "after the request ran again: an output of its first run was lost with its host" in text, text
+
+
+MID_STREAM = ("replica thinker/0 dead: process exited mid-stream (part of the output had already reached "
+              "the client, so it was not retried)")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_stage_that_failed_mid_stream_before_any_output_reached_the_client_runs_once_more(stream):
+    """A soak trial: the Thinker was SIGKILLed just after its first text left for the API
+    server, so its RequestActor did not retry it ("part of the output had already reached
+    the client"), but that text never came: the client got a 503 and no event. Now the API
+    server, which knows it sent nothing, runs the request again."""
+    bridge = FakeBridge(output_types=("text",))
+    status, text = serve(bridge, lambda client: _post_text(client, chat("[midsent][midonce]", stream=stream)))
+    ids = [r.request_id for r in bridge.submitted]
+    if stream:
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    else:
+        content = json.loads(text)["choices"][0]["message"]["content"]
+    assert (status, content) == (200, "Hello world"), text
+    assert ids == [ids[0], ids[0] + "-rerun1"] and bridge.waited == []  # (no host to wait for)
+
+    bridge = FakeBridge(output_types=("text",))  # again: one rerun only, and the error says why it ran again
+    status, text = serve(bridge, lambda client: _post_text(client, chat("[midsent]", stream=stream)))
+    assert status == 503 and len(bridge.submitted) == 2, text
+    assert json.loads(text)["error"]["message"] == (
+        MID_STREAM + " (after the request ran again: its first run failed before any of it reached the client)")
+
+
+def test_a_stage_that_failed_mid_stream_after_text_reached_the_client_does_not_run_again():
+    """The stream's text went out: an SSE error event, as before; the request is not run again."""
+    bridge = FakeBridge(output_types=("text",))
+    status, text = serve(bridge, lambda client: _post_text(client, chat("[midsent][midonce][textfirst]",
+                                                                         stream=True)))
+    assert status == 200 and MID_STREAM in text and len(bridge.submitted) == 1, text
 
 
 async def _post_text(client, body):

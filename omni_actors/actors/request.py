@@ -376,10 +376,11 @@ class RequestActor(ActorTypeDispatcher):
         message = msg.message
         if msg.kind == ErrorKind.TIMEOUT and task.stream_source is not None:
             message += self._relay_state(msg.stage_id, task.stream_source)
+        output_sent = False
         if task.streaming:
             affected = self._downstream(msg.stage_id)
             if retry and affected & self._to_client:
-                retry = False
+                retry, output_sent = False, True
                 message += " (part of the output had already reached the client, so it was not retried)"
             elif retry:
                 for sid in affected - {msg.stage_id}:  # its streaming consumers start over with it
@@ -394,7 +395,7 @@ class RequestActor(ActorTypeDispatcher):
                                              crashed=msg.crashed or task.crashed, moved=moved))
             return
         del self._running[msg.stage_id]
-        self._finish(msg.kind, message, lost_on=msg.lost_on)
+        self._finish(msg.kind, message, lost_on=msg.lost_on, output_sent=output_sent)
 
     def _relay_state(self, dst: int, src: int) -> str:
         """What this RequestActor got from stream source ``src`` and relayed to consumer
@@ -534,7 +535,8 @@ class RequestActor(ActorTypeDispatcher):
         elif self._current(msg.payload):
             self._deadline_passed()
 
-    def _finish(self, error: ErrorKind | None, message: str, lost_on: str | None = None) -> None:
+    def _finish(self, error: ErrorKind | None, message: str, lost_on: str | None = None,
+                output_sent: bool = False) -> None:
         req = self._req
         for stage_id in self._running:
             self.send(self._pools[stage_id], CancelStage(req.request_id, stage_id))
@@ -559,7 +561,7 @@ class RequestActor(ActorTypeDispatcher):
             finish_reason=self._finish_reason,
             stage_replicas={sid: d.replica for sid, d in self._done.items()}, request_actor=self.myAddress,
             sent=self._out_seq, after_text=None if error else self._after_text(), free=not unconfirmed,
-            lost_on=lost_on))
+            lost_on=lost_on, output_sent=output_sent))
         self._heard_at = time.monotonic()  # (a request that outlived lost_after_s is no silence)
         self._last_plan = req.plan.stages
         self._reset()

@@ -244,7 +244,8 @@ async def auth_middleware(request: web.Request, handler: _Handler) -> web.Stream
 
 # ------------------------------------------------------------------- running
 
-#: How many times a request whose output was lost with its host runs again.
+#: How many times a request runs again when its output was lost with its host, or when a
+#: stage failed mid-stream and none of the request had reached the client yet.
 MAX_RERUNS = 1
 #: Before it does, at most this long (seconds, within its deadline) it waits for the
 #: coordinator to report that host down, so that the rerun is not routed to its replicas:
@@ -255,7 +256,9 @@ RERUN_NODE_DOWN_WAIT_S = 5.0
 @dataclasses.dataclass(frozen=True)
 class Rerun:
     """The request runs again from the start under ``request_id`` (its output was
-    lost with its host, :attr:`RequestFailed.lost_output`): drop what came before."""
+    lost with its host, :attr:`RequestFailed.lost_output`, or a stage failed after its
+    text went out, :attr:`RequestFailed.output_sent`, and none reached the client):
+    drop what came before."""
 
     request_id: str
     why: str
@@ -270,9 +273,12 @@ class _Run:
     it yields ``RequestFailed(504)`` itself.
 
     A request whose output was lost with its host after it ran (a member host
-    killed between making its stage's output and the API server reading it) runs
-    once more, within the same deadline, when ``can_rerun()`` says nothing of it
-    reached the client yet: a :class:`Rerun` event says so first. (It got a 500.)
+    killed between making its stage's output and the API server reading it), or
+    whose stage failed mid-stream after its text had gone to this API server
+    (:attr:`RequestFailed.output_sent`: the RequestActor does not retry that stage)
+    runs once more, within the same deadline, when ``can_rerun()`` says nothing of
+    it reached the client yet: a :class:`Rerun` event says so first. (It got a 500,
+    or a 503 that said part of the output had reached the client when none had.)
     """
 
     def __init__(self, bridge: Bridge, preq: PipelineRequest,
@@ -280,6 +286,7 @@ class _Run:
         self.bridge, self.preq, self.finished, self.can_rerun = bridge, preq, False, can_rerun
         self._events: AsyncIterator[BridgeEvent] | None = None
         self.reruns = 0
+        self._first_failure: RequestFailed | None = None  #: what made it run again
 
     async def __aenter__(self) -> "_Run":
         self._events = self.bridge.submit(self.preq)
@@ -317,9 +324,11 @@ class _Run:
             except asyncio.TimeoutError:
                 yield RequestFailed(504, "The request timed out.", "timeout")
                 return
-            if (isinstance(event, RequestFailed) and event.lost_output and self.reruns < MAX_RERUNS
-                    and self.can_rerun() and (deadline is None or deadline - loop.time() > DEADLINE_GRACE_S)):
+            if (isinstance(event, RequestFailed) and (event.lost_output or event.output_sent)
+                    and self.reruns < MAX_RERUNS and self.can_rerun()
+                    and (deadline is None or deadline - loop.time() > DEADLINE_GRACE_S)):
                 self.reruns += 1
+                self._first_failure = event
                 if event.lost_on is not None:  # (else the rerun may go to the dying host's replicas)
                     wait = RERUN_NODE_DOWN_WAIT_S if deadline is None else min(
                         RERUN_NODE_DOWN_WAIT_S, max(0.0, deadline - loop.time() - 2 * DEADLINE_GRACE_S))
@@ -340,8 +349,10 @@ class _Run:
             if isinstance(event, (RequestDone, RequestFailed)):
                 self.finished = True
                 if isinstance(event, RequestFailed) and self.reruns:
+                    why = ("an output of its first run was lost with its host" if self._first_failure.lost_output
+                           else "its first run failed before any of it reached the client")
                     event = dataclasses.replace(event, message=f"{event.message} (after the request ran again: "
-                                                               f"an output of its first run was lost with its host)")
+                                                               f"{why})")
                 yield event
                 return
             yield event

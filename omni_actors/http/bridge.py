@@ -588,7 +588,8 @@ class ActorBridge(RequestActorKeeping):
             kind = {503: "service_unavailable", 504: "timeout", 400: "invalid_request_error"}.get(
                 status, "server_error")
             lost = msg.error == ErrorKind.INPUT_LOST  # (the API server may run it again, as a lost final output)
-            event = RequestFailed(status, msg.message, kind, lost_output=lost, lost_on=msg.lost_on if lost else None)
+            event = RequestFailed(status, msg.message, kind, lost_output=lost, lost_on=msg.lost_on if lost else None,
+                                  output_sent=msg.output_sent)
         self._deliver(msg.request_id, event)
 
     def _take(self, msg: OutputChunk | OutputReady, what: str) -> dict[str, Any] | None:

@@ -104,6 +104,10 @@ class RequestFailed:
     lost_output: bool = False
     #: with ``lost_output``: the node (or data service address) the output was lost on
     lost_on: str | None = None
+    #: a stage failed mid-stream and was not retried because its text had gone to the API
+    #: server: the request may run again as long as none of it reached the client (a trial's
+    #: stream got this 503 before any event: its text never arrived, the replica died with it)
+    output_sent: bool = False
 
 
 BridgeEvent = Union[OutputText, OutputPart, OutputFinal, RequestDone, RequestFailed]
