@@ -426,7 +426,8 @@ def cmd_inject(admin, args) -> int:
 
 @_admin_verb
 def cmd_stage(admin, args) -> int:
-    if args.action == "drain":  # (counts were checked by main: _usage_problem)
+    """(Replica counts were checked by main, before attaching: :func:`_usage_problem`.)"""
+    if args.action == "drain":
         for replica in dict.fromkeys(args.replica):
             print(admin.drain(replica))
     elif args.action == "scale":
