@@ -193,6 +193,24 @@ def test_image_pipeline_returns_png(image_leader):
     client.close()
 
 
+def test_an_image_requests_seed_changes_the_image_and_repeats_it(image_leader):
+    """The client's seed reaches the image stages: the same seed gives the same PNG,
+    another seed another PNG (the AR stage draws its prior tokens from it)."""
+    import openai
+
+    client = openai.OpenAI(base_url=image_leader.base_url, api_key="x", max_retries=0)
+
+    def png(seed):
+        resp = client.images.generate(model="glm-image-cpu-demo", prompt="a red lighthouse", size="64x64",
+                                      response_format="b64_json", extra_body={"seed": seed})
+        return base64.b64decode(resp.data[0].b64_json)
+
+    first, again, other = png(1), png(1), png(2)
+    assert first == again
+    assert first != other
+    client.close()
+
+
 def test_models_health_and_stages(omni_leader):
     models = _get_json(omni_leader.base_url + "/models")
     assert [m["id"] for m in models["data"]] == [MODEL]

@@ -166,10 +166,7 @@ class RequestActor(ActorTypeDispatcher):
             inputs = tuple((src, self._done[src].output) for src in st.sources if src != stream)
             task = StageTask(
                 request_id=req.request_id, stage_id=st.stage_id, prompt=req.prompt, inputs=inputs,
-                # The client's max_tokens / temperature / seed are about the text it reads: they
-                # go to the final text stage; other stages run their default_sampling_params
-                # (a Talker's own token budget is not the client's max_tokens).
-                sampling_params=req.sampling_params if st.final_output_type == "text" else {},
+                sampling_params=self._sampling_for(st),
                 params=req.params,
                 final_output_type=st.final_output_type,
                 needs_output=st.needs_output, reply_to=self.myAddress,
@@ -180,6 +177,22 @@ class RequestActor(ActorTypeDispatcher):
                 timeout_s=self._left())
             self._running[st.stage_id] = task
             self.send(self._pools[st.stage_id], task)
+
+    def _sampling_for(self, st) -> dict:
+        """The client's sampling overrides that stage ``st`` runs with (over its
+        ``default_sampling_params``).
+
+        A request with a text output (chat): its ``max_tokens`` / ``temperature`` /
+        ``seed`` are about the text the client reads, so only the final text stage
+        gets them (a Talker's own token budget is not the client's max_tokens).
+        A request without one (an image): its only override, ``seed``, seeds every
+        stage, as each draws its own randomness (the AR stage its prior tokens, a
+        DiT its noise), so that another seed gives another image.
+        """
+        plan = self._req.plan.stages
+        if any(s.final_output_type == "text" for s in plan):
+            return self._req.sampling_params if st.final_output_type == "text" else {}
+        return self._req.sampling_params
 
     def _emits_chunks(self, st) -> bool:
         """Chunks go to a streaming consumer, or (final audio) to a streaming client."""
