@@ -258,6 +258,8 @@ BAD = [
     (IMAGES, {**GOOD_IMAGE, "size": "32x64"}, 400, "size"),
     (IMAGES, {**GOOD_IMAGE, "size": "big"}, 400, "size"),
     (IMAGES, {**GOOD_IMAGE, "stream": True}, 400, "stream"),
+    (IMAGES, {**GOOD_IMAGE, "output_format": "jpeg"}, 400, "output_format"),
+    (IMAGES, {**GOOD_IMAGE, "background": "transparent"}, 400, "background"),
     (IMAGES, {**GOOD_IMAGE, "size": "0256x256"}, 400, "size"),  # (OpenAI's sizes have no leading zeros)
     (IMAGES, {**GOOD_IMAGE, "size": "64x128\n"}, 400, "size"),  # ("$" matched before a final newline)
     (IMAGES, {**GOOD_IMAGE, "size": "\u0666\u0664x128"}, 400, "size"),  # Arabic-Indic digits: int() takes them
@@ -496,8 +498,8 @@ def test_images_models_health_stages():
     bridge = FakeBridge(output_types=("image",))
 
     async def body(client):
-        resp = await client.post(IMAGES, json={**GOOD_IMAGE, "seed": 3,
-                                               "response_format": "b64_json"})
+        resp = await client.post(IMAGES, json={**GOOD_IMAGE, "seed": 3, "response_format": "b64_json",
+                                               "output_format": "png", "background": "opaque"})
         assert resp.status == 200, await resp.text()
         data = await resp.json()
         png = base64.b64decode(data["data"][0]["b64_json"])

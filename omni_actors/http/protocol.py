@@ -371,6 +371,12 @@ def parse_image_request(body: Any, bridge: Bridge) -> ImageRequest:
     if fmt not in (None, "b64_json"):
         raise _bad(f"Invalid value for 'response_format': {fmt!r}. Supported value is "
                    "'b64_json'.", "response_format")
+    # Fields that would change what the returned bytes are: refused rather than ignored
+    # (a client that asked for a JPEG or a transparent background must not get an opaque PNG).
+    for key, ok in (("output_format", ("png",)), ("background", ("auto", "opaque"))):
+        if body.get(key) not in (None, *ok):
+            raise _bad(f"Invalid value for '{key}': {body.get(key)!r}. Supported: "
+                       f"{', '.join(repr(v) for v in ok)} (the image is an opaque RGB PNG).", key)
     if body.get("stream") not in (None, False):  # (a client that asked for partial images would wait for events)
         raise _bad("Streaming is not supported for image generation: leave 'stream' out or false.", "stream")
     seed = _opt_int(body, "seed", -(2**63), 2**64 - 1)
