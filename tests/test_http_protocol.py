@@ -65,7 +65,7 @@ class FakeBridge:
         if "[midsent]" in p and ("[midonce]" not in p or len(self.submitted) == 1):
             if "[textfirst]" in p:
                 yield OutputText("Hel")
-            yield RequestFailed(503, MID_STREAM, "service_unavailable", output_sent=True)
+            yield RequestFailed(503, MID_STREAM, code="service_unavailable", output_sent=True)
             return
         if "[stuck]" in p:
             await asyncio.sleep(3600)
@@ -259,6 +259,9 @@ BAD = [
     (IMAGES, {**GOOD_IMAGE, "size": "big"}, 400, "size"),
     (IMAGES, {**GOOD_IMAGE, "stream": True}, 400, "stream"),
     (IMAGES, {**GOOD_IMAGE, "output_format": "jpeg"}, 400, "output_format"),
+    (IMAGES, {**GOOD_IMAGE, "stream": "x"}, 400, "stream"),
+    (CHAT, chat(stream_options={"include_usage": True}), 400, "stream_options"),
+    (CHAT, chat(stream=False, stream_options={"include_usage": True}), 400, "stream_options"),
     (IMAGES, {**GOOD_IMAGE, "background": "transparent"}, 400, "background"),
     (IMAGES, {**GOOD_IMAGE, "size": "0256x256"}, 400, "size"),  # (OpenAI's sizes have no leading zeros)
     (IMAGES, {**GOOD_IMAGE, "size": "64x128\n"}, 400, "size"),  # ("$" matched before a final newline)
@@ -488,7 +491,7 @@ def test_stuck_bridge_times_out_with_504(monkeypatch):
 
     async def body(client):
         err = await assert_error(await client.post(CHAT, json=chat("[stuck]")), 504)
-        assert err["type"] == "timeout"
+        assert (err["type"], err["code"]) == ("server_error", "timeout")
         assert bridge.cancelled == [bridge.submitted[0].request_id]
 
     serve(bridge, body)

@@ -162,7 +162,8 @@ def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_
             "model qwen3-omni-cpu-demo: STOPPING (the leader takes no new requests while those in flight finish, "
             "up to supervision.drain_timeout_s)"), during.stdout + during.stderr
     status, body = got["whole"]
-    assert status == 503 and json.loads(body)["error"]["type"] == "service_unavailable", got
+    assert status == 503 and json.loads(body)["error"]["type"] == "server_error", got
+    assert json.loads(body)["error"]["code"] == "service_unavailable", got
     assert "the server is shutting down" in json.loads(body)["error"]["message"]
     status, body = got["stream"]  # a 503 before the stream began, else an SSE error event
     assert "the server is shutting down" in body, got
@@ -459,7 +460,7 @@ def test_a_stream_that_needs_a_stage_scaled_to_zero_gets_a_503_before_it_begins(
         status, body = got["audio"]
         assert status == 503, got
         error = json.loads(body)["error"]
-        assert error["type"] == "service_unavailable", error
+        assert (error["type"], error["code"]) == ("server_error", "service_unavailable"), error
         assert error["message"].startswith("no ready replica of stage talker (talker/0 stopped"), error
         assert took < 5, took
         status, body = got["text"]

@@ -178,7 +178,8 @@ class _Stopping:
         self.set = False
 
 
-#: Paths still answered while the server stops: what an operator watches the drain with.
+#: Paths still answered on a connection left open while the server stops (once each: the
+#: answer closes it, and new connections are refused): a monitor's last true scrape.
 _WHILE_STOPPING = ("/v1/stages", "/metrics")
 
 
@@ -198,7 +199,8 @@ async def stopping_middleware(request: web.Request, handler: _Handler) -> web.St
     stopping = request.app[_STOPPING]
     if stopping.set and request.path not in _WHILE_STOPPING:
         resp = _error(P.ApiError(503, "The server is shutting down and takes no new requests; "
-                                 "send them to another server, or again once it is back.", "server_error"))
+                                 "send them to another server, or again once it is back.", "server_error",
+                                 code="service_unavailable"))
         resp.force_close()
         return resp
     resp = await handler(request)
@@ -322,7 +324,7 @@ class _Run:
                 raise P.ApiError(500, "The pipeline ended without a result.",
                                  "server_error") from None
             except asyncio.TimeoutError:
-                yield RequestFailed(504, "The request timed out.", "timeout")
+                yield RequestFailed(504, "The request timed out.", code="timeout")
                 return
             if (isinstance(event, RequestFailed) and (event.lost_output or event.output_sent)
                     and self.reruns < MAX_RERUNS and self.can_rerun()
@@ -371,7 +373,7 @@ def _failed(ev: RequestFailed) -> P.ApiError:
     """The error to answer for ``ev``; a refusal for load (the bridge's ``RequestRejected``,
     429) keeps its ``code`` and gets a ``Retry-After`` header."""
     retry_after = getattr(ev, "retry_after_s", None)
-    return P.ApiError(ev.status, ev.message, ev.type, code=getattr(ev, "code", None),
+    return P.ApiError(ev.status, ev.message, ev.type, code=ev.code,
                       headers=None if retry_after is None else {"Retry-After": str(int(retry_after))})
 
 
@@ -484,7 +486,7 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                     done = ev
                 elif isinstance(ev, RequestFailed):
                     M.set_outcome(request, ev.status)  # the 200 is sent; count the failure
-                    await send(P.error_body(ev.message, ev.type))
+                    await send(P.error_body(ev.message, ev.type, code=ev.code))
             if done is not None:
                 if audio is not None:
                     payload = P.audio_payload(await _wav(audio, creq.audio_format), "".join(streamed), created)

@@ -245,7 +245,7 @@ class ActorBridge(RequestActorKeeping):
             return
         refused = self._no_replica(plan)
         if refused is not None:  # refused here, before a stream could begin (as the pool would, later)
-            yield RequestFailed(503, refused, "service_unavailable")
+            yield RequestFailed(503, refused, code="service_unavailable")
             return
         timeout = request.timeout_s or self.request_timeout_s
         rid = request.request_id
@@ -267,10 +267,10 @@ class ActorBridge(RequestActorKeeping):
                 return
             except asyncio.TimeoutError:
                 yield RequestFailed(504, f"request deadline of {timeout:g} s passed while the request waited "
-                                         f"for a free RequestActor (all {self._pool.maximum} busy)", "timeout")
+                                         f"for a free RequestActor (all {self._pool.maximum} busy)", code="timeout")
                 return
             except ShuttingDown as exc:
-                yield RequestFailed(503, str(exc), "service_unavailable")
+                yield RequestFailed(503, str(exc), code="service_unavailable")
                 return
             remaining = max(timeout - (time.monotonic() - t0), 0.001)
             now = time.monotonic()
@@ -292,7 +292,7 @@ class ActorBridge(RequestActorKeeping):
                 try:
                     event = await within(stream.get(), max(left, 0.001))
                 except asyncio.TimeoutError:
-                    yield RequestFailed(504, f"no answer from the pipeline within {timeout:g} s", "timeout")
+                    yield RequestFailed(504, f"no answer from the pipeline within {timeout:g} s", code="timeout")
                     return
                 finished = isinstance(event, (RequestDone, RequestFailed))
                 yield event
@@ -326,7 +326,7 @@ class ActorBridge(RequestActorKeeping):
         for rid in list(self._streams):
             if rid in self._held:  # started on a RequestActor: stop its stages too
                 self._outbox(rid).put(("cancel", rid, reason))
-                self._put(rid, RequestFailed(503, reason, "service_unavailable"))
+                self._put(rid, RequestFailed(503, reason, code="service_unavailable"))
                 ended += 1
         return ended
 
@@ -585,11 +585,11 @@ class ActorBridge(RequestActorKeeping):
             event = RequestDone(msg.prompt_tokens, msg.completion_tokens, msg.finish_reason)
         else:
             status = HTTP_STATUS.get(msg.error, 500)
-            kind = {503: "service_unavailable", 504: "timeout", 400: "invalid_request_error"}.get(
-                status, "server_error")
+            kind = "invalid_request_error" if status == 400 else "server_error"
+            code = {503: "service_unavailable", 504: "timeout"}.get(status)
             lost = msg.error == ErrorKind.INPUT_LOST  # (the API server may run it again, as a lost final output)
             event = RequestFailed(status, msg.message, kind, lost_output=lost, lost_on=msg.lost_on if lost else None,
-                                  output_sent=msg.output_sent)
+                                  output_sent=msg.output_sent, code=code)
         self._deliver(msg.request_id, event)
 
     def _take(self, msg: OutputChunk | OutputReady, what: str) -> dict[str, Any] | None:

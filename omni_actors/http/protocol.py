@@ -282,6 +282,8 @@ def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise _bad("Invalid type for 'stream_options': expected an object.", "stream_options")
+    if opts is not None and not stream:  # (as OpenAI and vLLM answer: the client expected a stream's usage chunk)
+        raise _bad("'stream_options' is only allowed when 'stream' is true.", "stream_options")
     include_usage = bool(_opt_bool(opts or {}, "include_usage", "stream_options.include_usage"))
     return ChatRequest(model, prompt, output_types, max_tokens, temperature, seed, voice,
                        stream, include_usage, audio_format, top_p, _stop(body))
@@ -377,7 +379,7 @@ def parse_image_request(body: Any, bridge: Bridge) -> ImageRequest:
         if body.get(key) not in (None, *ok):
             raise _bad(f"Invalid value for '{key}': {body.get(key)!r}. Supported: "
                        f"{', '.join(repr(v) for v in ok)} (the image is an opaque RGB PNG).", key)
-    if body.get("stream") not in (None, False):  # (a client that asked for partial images would wait for events)
+    if _opt_bool(body, "stream"):  # (a client that asked for partial images would wait for events)
         raise _bad("Streaming is not supported for image generation: leave 'stream' out or false.", "stream")
     seed = _opt_int(body, "seed", -(2**63), 2**64 - 1)
     return ImageRequest(model, prompt, width, height, seed)

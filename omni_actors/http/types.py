@@ -97,7 +97,7 @@ class RequestFailed:
 
     status: int
     message: str
-    type: str = "server_error"
+    type: str = "server_error"  #: OpenAI's error type: ``server_error`` for every 5xx
     #: the pipeline ran, but an output it made was lost with its host (the node's data
     #: service unreachable) before it was read: nothing in the request caused it, and it
     #: may run again as long as nothing of it reached the client
@@ -108,6 +108,8 @@ class RequestFailed:
     #: server: the request may run again as long as none of it reached the client (a trial's
     #: stream got this 503 before any event: its text never arrived, the replica died with it)
     output_sent: bool = False
+    #: the error's ``code``: ``service_unavailable`` (503), ``timeout`` (504), or None
+    code: str | None = None
 
 
 BridgeEvent = Union[OutputText, OutputPart, OutputFinal, RequestDone, RequestFailed]
