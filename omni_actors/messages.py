@@ -299,6 +299,8 @@ class ReplicaStatus(Message):
     #: ``(node, devices)`` the replica was launched pinned to (``stage launch --node/--devices``;
     #: devices may be empty: that node only); ``()``: placed wherever it fits
     pin: tuple = ()
+    #: the machine its process runs on (``supervision.host_identity()``); "" unknown or none
+    host: str = ""
 
     def reason_label(self) -> str:
         """The REASON cell of a status table: its reason, and the fault injected into it, if any."""
@@ -338,6 +340,7 @@ class PoolState(Message):
     failed: tuple[tuple[str, str], ...] = ()
     #: the index the pool's next new replica gets (its names are never used twice)
     next_index: int = 0
+    host: str = ""  #: the machine the pool's process runs on (``supervision.host_identity()``)
 
 
 #: ``SystemStatus.query_id`` of the statuses the coordinator publishes to its subscribers.
@@ -352,6 +355,7 @@ class SystemStatus(Message):
     stages: tuple[PoolState, ...]
     coordinator_pid: int | None = None
     nodes: tuple[NodeStatus, ...] = ()
+    coordinator_host: str = ""  #: the machine the coordinator runs on (``supervision.host_identity()``)
     #: config settings accepted but not (or only partly) applied, one line each
     notes: tuple[str, ...] = ()
 
@@ -420,7 +424,7 @@ class EngineReady(Message):
     node: str = ""
     devices: str = ""
     backend: str = ""
-    host: str = ""  #: the machine's hostname (where ``pid`` means something)
+    host: str = ""  #: the machine it runs on (``supervision.host_identity()``: where ``pid`` means something)
 
 
 @dataclass(frozen=True)

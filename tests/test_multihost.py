@@ -400,6 +400,28 @@ def test_stop_on_a_members_admin_port_says_it_is_no_leader_and_stops_nothing(clu
     assert any(r["node"] == "m1" and r["state"] == "ready" for r in cluster.replicas())
 
 
+def test_signal_faults_and_logs_work_through_a_members_admin_port_on_the_leaders_host(cluster):
+    """A member's admin port on the leader's host leads to the leader (README): a signal
+    fault and the shell's `logs` work through it as through the leader's own. (Both
+    were refused: "run it on the leader's host", "no leader log file known".)"""
+    member = cluster.members["m1"]
+    rep = next(r for r in cluster.replicas() if r["node"] == "m1" and r["state"] == "ready")
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "omni_actors.system", *args, "--admin-port",
+                               str(member.admin_port)], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                              env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(cluster.leader.log_path.parent)})
+
+    stopped = cli("inject", "sigstop", "--replica", rep["replica"])
+    state = (_proc_stat(rep["pid"]) or ["gone"])[0]
+    resumed = cli("inject", "sigcont", "--replica", rep["replica"])
+    assert stopped.returncode == 0 and state == "T", (state, stopped.stderr)
+    assert resumed.returncode == 0, resumed.stderr
+    logs = cli("shell", "-c", "logs 5")
+    assert logs.returncode == 0 and len(logs.stdout.splitlines()) == 5, logs
+    cluster.wait_all_ready(30)
+
+
 def test_stage_scale_up_and_down_under_load_loses_nothing(cluster):
     """talker and code2wav 2 -> 3 (every device in use), -> 1, -> 2 (on freed devices), all under load."""
     async def scenario():

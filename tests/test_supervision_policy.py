@@ -202,3 +202,39 @@ def test_a_process_orphaned_before_its_start_message_exits(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_signal_fault_is_refused_when_its_target_runs_on_another_machine(monkeypatch):
+    """``inject sigkill`` signals a pid from the process that runs it: for a replica on
+    another machine that pid names some other process there, so it is refused, and
+    nothing is signalled; on this machine it is sent."""
+    import signal as sig
+
+    from omni_actors.actors.supervision import host_identity
+    from omni_actors.messages import PoolState, ReplicaState, ReplicaStatus, SystemStatus
+    from omni_actors.system import admin as admin_mod
+
+    here = host_identity()
+    assert here.startswith(__import__("socket").gethostname() + "/")
+    status = SystemStatus("q", "m", True, (PoolState(1, "talker", (
+        ReplicaStatus("talker/0", ReplicaState.READY, pid=4242, node="m1", host="gpu-host-7/0b5e"),
+        ReplicaStatus("talker/1", ReplicaState.READY, pid=4343, node="", host=here)), pid=99, host=here),),
+        coordinator_pid=98, coordinator_host="gpu-host-7/0b5e")
+
+    class Asys:
+        def ask(self, to, msg, timeout):
+            return status
+
+    sent = []
+    monkeypatch.setattr(admin_mod.os, "kill", lambda pid, signum: sent.append((pid, signum)))
+    adm = admin_mod.Admin(Asys(), object())
+    with pytest.raises(admin_mod.AdminError) as err:
+        adm.inject("sigkill", replica="talker/0")
+    assert str(err.value) == ("sigkill signals a process, and talker/0 runs on another machine "
+                              f"(gpu-host-7) than this one ({here.rsplit('/', 1)[0]}): run it there")
+    with pytest.raises(admin_mod.AdminError, match="coordinator runs on another machine"):
+        adm.inject("kill-coordinator")
+    assert sent == []
+    assert adm.inject("sigstop", replica="talker/1")["pid"] == 4343
+    assert adm.inject("kill-pool", stage="talker")["pid"] == 99
+    assert sent == [(4343, sig.SIGSTOP), (99, sig.SIGKILL)]

@@ -26,7 +26,7 @@ from thespian.actors import (ActorExitRequest, ActorSystemConventionUpdate, Acto
 
 from omni_actors.actors.node_agent import NODE_CAPABILITY, NodeAgentActor
 from omni_actors.actors.stage_pool import StagePoolActor
-from omni_actors.actors.supervision import TICK_LOST_AFTER_INTERVALS, RestartPolicy, WakeupChain
+from omni_actors.actors.supervision import TICK_LOST_AFTER_INTERVALS, RestartPolicy, WakeupChain, host_identity
 from omni_actors.connectors import data_service, default_prefix, free_usage, list_segments
 from omni_actors.logs import get_logger
 from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainReplica, GetRoutes, GetStatus, InjectFault,
@@ -431,7 +431,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         model = self._config.deployment.served_model_name if self._config else ""
         notes = tuple(self._config.omni_connectors.notes) if self._config else ()
         return SystemStatus(query_id=query_id or str(time.time()), model=model, ready=ready, stages=stages,
-                            coordinator_pid=os.getpid(), nodes=self._inventory.status(), notes=notes)
+                            coordinator_pid=os.getpid(), nodes=self._inventory.status(), notes=notes,
+                            coordinator_host=host_identity())
 
 
 def _split(value) -> tuple[str, ...]:

@@ -26,7 +26,7 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ThespianWatch
 from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.engine_stream import StreamingMixin
 from omni_actors.actors.outbox import PendingChunk, Sequencer, bundle, coalesce
-from omni_actors.actors.supervision import ParentWatch, WakeupChain, exit_if_orphaned_before_start
+from omni_actors.actors.supervision import ParentWatch, WakeupChain, exit_if_orphaned_before_start, host_identity
 from omni_actors.actors.node_agent import on_node
 from omni_actors.config_checks import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
@@ -238,7 +238,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._log.info("engine_ready", load_s=round(time.monotonic() - t0, 3), pid=os.getpid())
         self._rt.emit(self._pool, EngineReady(spec.replica, os.getpid(), spec.node,
                                               os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-                                              spec.deployment.backend, socket.gethostname()))
+                                              spec.deployment.backend, host_identity()))
 
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
         if msg.payload == "exit" and self._draining and not self._tasks:

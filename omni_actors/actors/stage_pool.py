@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.pool_admin import PoolAdminMixin
 from omni_actors.actors.pool_placement import PoolPlacementMixin
 from omni_actors.actors.pool_routing import TASK_OVERDUE_GRACE_S, PoolRoutingMixin  # noqa: F401 (re-exported)
-from omni_actors.actors.supervision import (TICK_LOST_AFTER_INTERVALS, WAKEUP_LOST_AFTER_S, HealthPolicy,
+from omni_actors.actors.supervision import (TICK_LOST_AFTER_INTERVALS, WAKEUP_LOST_AFTER_S, HealthPolicy, host_identity,
                                             ParentWatch, ReplicaHealth, RestartPolicy, WakeupChain,
                                             exit_if_orphaned_before_start)
 from omni_actors.balancing import POLICIES
@@ -349,7 +348,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
     def _kill(self, rep: Replica) -> bool:
         """SIGKILL a replica on this host (a hung process cannot take an exit
         request) and return True; elsewhere, ask it to exit and return False."""
-        if rep.pid and rep.host == socket.gethostname():
+        if rep.pid and rep.host == host_identity():
             try:
                 os.kill(rep.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -466,7 +465,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 rate=round(r.health.rate(), 2) if r.health and r.state not in _NO_PROCESS else 0.0,
                 kv_cache_usage=r.kv_cache_usage if r.state not in _NO_PROCESS else None,
                 latency_buckets=tuple(r.latency), latency_sum_s=round(r.latency_sum, 6),
-                pin=self._pins.get(r.replica, ()), fault=r.fault if r.state not in _NO_PROCESS else "")
+                pin=self._pins.get(r.replica, ()), fault=r.fault if r.state not in _NO_PROCESS else "",
+                host=r.host if r.state not in _NO_PROCESS else "")
             for r in self._replicas.values())
         self.send(self._coordinator, PoolState(self._spec.stage.stage_id, self._spec.stage.name, replicas,
                                                pid=os.getpid(), pending=len(self._pending),
@@ -475,4 +475,4 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                                                failed=tuple((r.replica, r.failed_why)
                                                             for r in self._replicas.values()
                                                             if r.state == ReplicaState.FAILED and r.failed_why),
-                                               next_index=self._next_index))
+                                               next_index=self._next_index, host=host_identity()))

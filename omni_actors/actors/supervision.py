@@ -91,6 +91,19 @@ class WakeupChain:
         return self.owns(payload) and payload[1] == self.gen
 
 
+def host_identity() -> str:
+    """Which machine (kernel) this process runs on, as ``"<hostname>/<boot id>"``: where a
+    pid it reports means that process. The boot id (``/proc/sys/kernel/random/boot_id``,
+    "" where there is none) tells apart two hosts that share a hostname; network namespaces
+    on one host share it, as they share its pids."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
 class ParentWatch:
     """Is the actor that started this process gone?
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from omni_actors.messages import (AdminReply, DrainReplica, FaultKind, GetStatus, InjectFault, LaunchReplicas,
                                   ScaleStage, SystemStatus)
+from omni_actors.actors.supervision import host_identity
 from omni_actors.config import MAX_REPLICAS
 from omni_actors.placement import parse_devices
 
@@ -70,8 +71,9 @@ class Admin:
 
     asys: object
     coordinator: object
-    #: attached from another host (``--convention-address``): process signals cannot be sent from here
-    remote: bool = False
+    #: the convention leader's admin port when it was found through a member's admin on
+    #: this host and runs on this host too (its state file, and so its log, is here); else None
+    leader_port: int | None = None
 
     def status(self, timeout_s: float = 5.0) -> SystemStatus:
         status = self.asys.ask(self.coordinator, GetStatus("admin"), timeout_s)
@@ -92,17 +94,24 @@ class Admin:
         """Inject ``fault`` (one of :data:`FAULTS`). Returns what was done and when
         (``at``: Unix time, seconds), for scripts that measure reaction times.
 
+        Signal faults (``sigkill``, ``sigstop``, ``sigcont``, ``kill-pool``,
+        ``kill-coordinator``) signal the target's process from this process, so they
+        work only on the machine that process runs on (any admin port of the system
+        there will do); elsewhere a pid would name another process.
+
         Raises:
             AdminError: unknown fault or target, a ``slow`` factor outside 1..``MAX_SLOW_FACTOR``,
-            or the system did not answer.
+            a signal fault whose target runs on another machine, or the system did not answer.
         """
         problem = inject_problem(fault, replica=replica, stage=stage, factor=factor, count=count)
         if problem:
             raise AdminError(problem)
         if fault in SIGNAL_FAULTS or fault in ("kill-pool", "kill-coordinator"):
-            if self.remote:
-                raise AdminError(f"{fault} signals a process: run it on the leader's host (--admin-port)")
-            pid, target = self._pid_of(fault, replica, stage)
+            pid, target, host = self._pid_of(fault, replica, stage)
+            here = host_identity()
+            if host != here:
+                raise AdminError(f"{fault} signals a process, and {target} runs on another machine "
+                                 f"({_hostname(host)}) than this one ({_hostname(here)}): run it there")
             at = time.time()
             try:
                 os.kill(pid, SIGNAL_FAULTS.get(fault, signal.SIGKILL))
@@ -113,15 +122,16 @@ class Admin:
         message = self._ask(InjectFault(replica, ENGINE_FAULTS[fault], factor, count))
         return {"fault": fault, "target": replica, "at": at, "message": message}
 
-    def _pid_of(self, fault: str, replica: str, stage: str) -> tuple[int, str]:
+    def _pid_of(self, fault: str, replica: str, stage: str) -> tuple[int, str, str]:
+        """``(pid, what it is, the machine it runs on)`` of the process ``fault`` signals."""
         status = self.status()
         if fault == "kill-coordinator":
-            return status.coordinator_pid, "coordinator"
+            return status.coordinator_pid, "coordinator", status.coordinator_host
         if fault == "kill-pool":
             pool = next((s for s in status.stages if s.stage == stage), None)
             if pool is None or not pool.pid:
                 raise AdminError(f"no running pool for stage {stage!r}")
-            return pool.pid, f"pool {stage}"
+            return pool.pid, f"pool {stage}", pool.host
         rep = next((r for s in status.stages for r in s.replicas if r.replica == replica), None)
         if rep is None:
             raise AdminError(f"no replica named {replica!r} (see `status`)")
@@ -129,7 +139,7 @@ class Admin:
             raise AdminError(f"{replica} is {rep.state.value}, not running (see `status`)")
         if rep.state.value not in ("ready", "starting", "draining", "isolated") and fault != "sigcont":
             raise AdminError(f"{replica} is {rep.state.value}, not running (see `status`)")
-        return rep.pid, replica
+        return rep.pid, replica, rep.host
 
     def drain(self, replica: str) -> str:
         return self._ask(DrainReplica(replica))
@@ -165,6 +175,12 @@ class Admin:
         if problem:
             raise AdminError(problem)
         return self._ask(LaunchReplicas(stage, replicas, node=node, devices=tuple(devices)))
+
+
+
+def _hostname(host: str) -> str:
+    """The hostname part of a ``supervision.host_identity()``; "unknown" for ""."""
+    return host.rsplit("/", 1)[0] or "unknown"
 
 
 def attach(admin_port: int) -> Admin:

@@ -168,6 +168,16 @@ def node_name_taken(host: str, port: int, node: str) -> str | None:
     return None
 
 
+def _local_leader_port(system: RemoteSystem, host: str) -> int | None:
+    """The admin port of the leader ``system`` talks to, when it was reached through a
+    member's admin at ``host`` and listens on that same address (one host); else None."""
+    try:
+        ip, port = system.admin_address.addressDetails.connectArgs[0]
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return None
+    return int(port) if (port != system.port and ip == host) else None
+
+
 def attach_remote(host: str, port: int) -> Admin:
     """An :class:`Admin` on the convention whose admin listens at ``host:port``:
     the leader's admin, or a member's (then its convention leader is used).
@@ -202,7 +212,7 @@ def attach_remote(host: str, port: int) -> Admin:
         coordinator = status.globalActors.get(COORDINATOR_NAME)
         if coordinator is None:  # being restarted by the leader's watchdog: the lookup waits for it
             coordinator = system.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
-        return Admin(system, coordinator, remote=True)
+        return Admin(system, coordinator, leader_port=_local_leader_port(system, host))
     except BaseException:
         system.close()
         raise

@@ -411,7 +411,8 @@ class AdminShell(cmd.Cmd):
         try:
             from omni_actors.system.leader import state_file
 
-            state = json.loads(state_file(self.admin_port).read_text())
+            # (attached through a member's admin port: the leader's own, when it runs here)
+            state = json.loads(state_file(self.admin.leader_port or self.admin_port).read_text())
         except (OSError, ValueError, ImportError):
             return None
         if state.get("log_file"):
