@@ -137,13 +137,17 @@ class NodeStatus(Message):
     free_bytes: int | None = None  #: their bytes
     #: why it is not alive: ``placement.LEFT_REASON`` (its member stopped cleanly), or what was missed
     down_reason: str = ""
+    leaving: bool = False  #: alive, but its member is stopping: its replicas drain, nothing new goes there
 
     @property
     def state(self) -> str:
-        """``alive``, ``left`` (stopped cleanly) or ``lost`` (gone without a word)."""
+        """``alive``, ``leaving`` (its member stops: draining), ``left`` (stopped cleanly)
+        or ``lost`` (gone without a word)."""
         from omni_actors.placement import LEFT_REASON
 
-        return "alive" if self.alive else "left" if self.down_reason == LEFT_REASON else "lost"
+        if self.alive:
+            return "leaving" if self.leaving else "alive"
+        return "left" if self.down_reason == LEFT_REASON else "lost"
 
 
 @dataclass(frozen=True)
@@ -356,6 +360,8 @@ class SystemStatus(Message):
     coordinator_pid: int | None = None
     nodes: tuple[NodeStatus, ...] = ()
     coordinator_host: str = ""  #: the machine the coordinator runs on (``supervision.host_identity()``)
+    #: the config's ``supervision.drain_timeout_s``: how long a drain waits (0: no config yet)
+    drain_timeout_s: float = 0.0
     #: config settings accepted but not (or only partly) applied, one line each
     notes: tuple[str, ...] = ()
 
@@ -476,6 +482,17 @@ class InjectFault(Message):
         extra = ({"factor": self.factor} if self.kind is FaultKind.SLOW else
                  {"count": self.count} if self.kind is FaultKind.RAISE_NEXT else {})
         return {"kind": self.kind.value, **extra}
+
+
+@dataclass(frozen=True)
+class DrainNode(Message):
+    """A member host that stops cleanly (Ctrl-C) -> Coordinator -> every pool: nothing new
+    is placed on ``node`` any more; each replica there stops taking tasks, a replacement
+    starts elsewhere (a replica pinned to the node waits for it instead), and the replica
+    stops once its tasks in flight finish. The member then leaves (:class:`NodeLeaving`)."""
+
+    node: str = ""
+    reply_to: ActorAddress = None
 
 
 @dataclass(frozen=True)

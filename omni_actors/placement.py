@@ -79,10 +79,14 @@ class Node:
     buffers: int | None = None  # its live shared-memory segments (from its heartbeats)
     free_buffers: int | None = None  # its free (recycled) segments, and their bytes
     free_bytes: int | None = None
+    leaving: bool = False  # its member stops (it drains): nothing new is placed here
 
     @property
     def gone(self) -> str:
-        """How a node that is not alive went: ``"left"`` (its member stopped cleanly) or ``"lost"``."""
+        """How a node that is not alive went: ``"left"`` (its member stopped cleanly) or
+        ``"lost"``; ``"leaving"`` for one that is alive but whose member stops."""
+        if self.alive:
+            return "leaving"
         return "left" if self.down_reason == LEFT_REASON else "lost"
 
     @property
@@ -117,6 +121,15 @@ class Inventory:
         node.alive, node.down_reason, node.used, node.replicas = False, reason, {}, {}
         return lost
 
+    def drain(self, name: str) -> bool:
+        """Node ``name``'s member stops cleanly: nothing new is placed there from now on
+        (what it holds stays held until its replicas stop). False if it is not alive."""
+        node = self.nodes.get(name)
+        if node is None or not node.alive:
+            return False
+        node.leaving = True
+        return True
+
     def place(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...] = (),
               pin: tuple[str, ...] = ()) -> tuple[str, tuple[str, ...]]:
         """Choose ``(node, devices)`` for ``replica``; releases what it held before.
@@ -133,14 +146,15 @@ class Inventory:
             return self._place_pinned(stage, replica, allowed[0] if allowed else "", pin)
         fits = []
         for node in self.nodes.values():
-            if not node.alive or not node.accepts(stage) or (allowed and node.info.name not in allowed):
+            if (not node.alive or node.leaving or not node.accepts(stage)
+                    or (allowed and node.info.name not in allowed)):
                 continue
             if node.info.devices and len(node.free) < devices:
                 continue
             same_stage = sum(1 for s in node.replicas.values() if s == stage)
             fits.append((same_stage, -len(node.free), node.info.name, node))
         if not fits:
-            raise PlacementError(self._why_not(stage, devices, allowed))
+            raise PlacementError(self._why_not(stage, replica, devices, allowed))
         node = min(fits, key=lambda f: f[:3])[3]
         chosen = tuple(node.free[:devices]) if node.info.devices else ()
         for d in chosen:
@@ -150,7 +164,7 @@ class Inventory:
 
     def _place_pinned(self, stage: str, replica: str, name: str, pin: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
         node = self.nodes.get(name)
-        if node is None or not node.alive:
+        if node is None or not node.alive or node.leaving:
             raise PlacementError(f"{replica} is pinned to devices {','.join(pin)} of node {name or '?'}, "
                                  f"which {_is(node.gone) if node is not None else 'is not known'}")
         missing, held = _missing_and_held(node, pin)
@@ -205,7 +219,7 @@ class Inventory:
         if n is None:
             known = ", ".join(sorted(self.nodes)) or "none"
             raise PlacementError(f"no node named {node!r} (nodes: {known})")
-        if not n.alive:
+        if not n.alive or n.leaving:
             raise PlacementError(f"node {node} {_is(n.gone)}")
         if not n.accepts(stage):
             raise PlacementError(f"node {node} does not take {stage} (it takes {','.join(n.info.stages)})")
@@ -230,7 +244,7 @@ class Inventory:
     def _node_offering(self, stage: str, devices: tuple[str, ...], allowed: tuple[str, ...]) -> str:
         """The one alive node that offers all ``devices`` (device ids repeat across hosts)."""
         offering = [n.info.name for n in self.nodes.values()
-                    if n.alive and all(d in n.info.devices for d in devices)]
+                    if n.alive and not n.leaving and all(d in n.info.devices for d in devices)]
         if len(offering) > 1:
             fit = [name for name in offering if self.nodes[name].accepts(stage) and (not allowed or name in allowed)]
             offering = fit if len(fit) == 1 else offering
@@ -248,12 +262,20 @@ class Inventory:
             if node.replicas.pop(replica, None) is not None:
                 node.used = {d: r for d, r in node.used.items() if r != replica}
 
-    def _why_not(self, stage: str, devices: int, allowed: tuple[str, ...]) -> str:
+    def _why_not(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...]) -> str:
+        if allowed and all(n in self.nodes and (not self.nodes[n].alive or self.nodes[n].leaving) for n in allowed):
+            # (a replica pinned to its node, or a stage's `nodes` rule: it waits for them, which
+            # "no node has N free devices" hid)
+            if len(allowed) == 1:
+                return (f"{replica} may run only on node {allowed[0]}, which {_is(self.nodes[allowed[0]].gone)}: "
+                        f"it waits for the node to come back")
+            gone = ", ".join(f"{n} ({self.nodes[n].gone})" for n in allowed)
+            return f"{replica} may run only on nodes {gone}: it waits for one of them to come back"
         seen = []
         for node in self.nodes.values():
             if allowed and node.info.name not in allowed:
                 continue
-            if not node.alive:
+            if not node.alive or node.leaving:
                 seen.append(f"{node.info.name}: {node.gone}")
             elif not node.accepts(stage):
                 seen.append(f"{node.info.name}: does not take {stage}")
@@ -267,7 +289,7 @@ class Inventory:
         return tuple(
             NodeStatus(n.info.name, n.alive, n.info.devices, dict(n.used), n.info.stages,
                        tuple(sorted(n.replicas)), round(now - n.last_seen, 3), n.data_service, n.buffers,
-                       n.free_buffers, n.free_bytes, n.down_reason)
+                       n.free_buffers, n.free_bytes, n.down_reason, n.alive and n.leaving)
             for n in sorted(self.nodes.values(), key=lambda n: n.info.name))
 
 

@@ -33,6 +33,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
@@ -740,6 +741,58 @@ def test_a_member_killed_while_the_leader_reads_its_outputs_loses_no_request(req
     assert not isolated, isolated
     (c2w,) = [x for x in cluster.replicas() if x["stage"] == "code2wav"]
     assert c2w["state"] == "ready" and not c2w.get("restarts"), c2w
+
+
+def _stream(base_url: str, max_tokens: int) -> tuple[int, list[str]]:
+    """One streamed text + audio chat: (HTTP status, its SSE data payloads)."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}],
+            "modalities": ["text", "audio"], "stream": True, "max_tokens": max_tokens}
+    req = urllib.request.Request(base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, [line[6:].decode().strip() for line in r if line.startswith(b"data: ")]
+    except urllib.error.HTTPError as err:
+        return err.code, [err.read().decode()]
+
+
+def test_a_member_leaving_with_ctrl_c_drains_its_replicas_first(request, tmp_path):
+    """Ctrl-C on a member host with audio streaming from its Code2Wav: it has the coordinator
+    drain its replicas (replacements start on the other member, nothing new is sent to it), waits
+    until the work in flight there is done, then leaves. Every stream ends with [DONE] and no
+    error event (a trial's stream was cut: "replica code2wav/4 dead: process exited mid-stream")."""
+    import yaml
+
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["deployment"]["stages"]["thinker"]["synthetic"] = {"decode_ms_per_token": 5}
+    cfg["deployment"]["stages"]["code2wav"]["synthetic"] = {"decode_ms_per_token": 20}
+    config = tmp_path / "slow-talker.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    cluster = start_cluster(request, tmp_path, config=config, members=(("m1", "0,1,2,3"), ("m2", "4,5,6,7")))
+    with ThreadPoolExecutor(6) as pool:
+        streams = [pool.submit(_stream, cluster.base_url, 40) for _ in range(6)]
+        _, reps = cluster.wait(lambda rs: any(r["stage"] == "code2wav" and r["in_flight"] for r in rs),
+                               "a code2wav busy", 20, poll_s=0.02)
+        time.sleep(0.3)  # (its first audio parts have gone out)
+        victim = next(r["node"] for r in reps if r["stage"] == "code2wav" and r["in_flight"])
+        member = cluster.members[victim]
+        member.proc.send_signal(signal.SIGINT)
+        results = [f.result(90) for f in streams]
+    assert member.proc.wait(30) == 0
+    for status, events in results:
+        assert status == 200 and events[-1] == "[DONE]", (status, events[-3:])
+        errors = [e for e in events if e.startswith('{"error"')]
+        assert not errors, errors
+    out = member.out.read_text()
+    assert f"leaving: the replicas on node {victim} drain" in out, out
+    _, reps = cluster.wait(lambda rs: sum(r["state"] == "ready" for r in rs if r["stage"] in MEMBER_STAGES) == 4,
+                           "two talkers and two code2wavs ready again", 20)
+    assert all(r["node"] != victim for r in reps if r["state"] in LIVE), _table(reps)
+    drained = [r for r in reps if r["node"] == victim and r["stage"] in MEMBER_STAGES]
+    assert drained and all(r["state"] == "stopped" and f"node {victim} is leaving: drained, replaced by"
+                           in r["reason"] for r in drained), _table(reps)
+    events = [e["event"] for e in read_events(cluster.leader.log_path, 0) if e.get("node") == victim]
+    assert "node_leaving" in events and "node_left" in events and "node_lost" not in events, events
 
 
 def test_member_that_rejoins_gets_work_again(request, tmp_path):

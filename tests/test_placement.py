@@ -86,7 +86,9 @@ def test_random_place_release_lose_never_overlaps():
                 node, devices = inv.place(stage, replica, tp, allowed)
             except PlacementError as exc:
                 refused += 1
-                assert f"no node has {tp} free device(s) for a {stage} replica" in str(exc)
+                # (no alive node allowed: it says it waits for one)
+                assert (f"no node has {tp} free device(s) for a {stage} replica" in str(exc)
+                        or f"{replica} may run only on node" in str(exc)), str(exc)
                 # a refused re-placement still released what the replica held
                 given.pop(replica, None)
                 before.pop(replica, None)
@@ -350,3 +352,25 @@ def test_a_pinned_replica_waits_for_its_own_devices_and_node():
     inv.add(NodeInfo("m1", ("1",)))  # back without device 0
     with pytest.raises(PlacementError, match=r"node m1 no longer offers device\(s\) 0 that talker/0 is pinned to"):
         inv.place("talker", "talker/0", 1, ("m1",), pin=("0",))
+
+
+def test_a_replica_allowed_only_on_nodes_that_are_gone_or_leaving_says_it_waits_for_them():
+    """(It said "no node has 1 free device(s) ... (m2: lost)" while other nodes had room.)"""
+    inv = inventory(NodeInfo("m1", ("0", "1")), NodeInfo("m2", ("2", "3")), NodeInfo("m3", ("4",)))
+    inv.lose("m2", "missed 3 heartbeats")
+    with pytest.raises(PlacementError) as err:
+        inv.place("code2wav", "code2wav/1", 1, ("m2",))
+    assert str(err.value) == "code2wav/1 may run only on node m2, which is lost: it waits for the node to come back"
+    assert inv.drain("m3") and not inv.drain("m2")
+    with pytest.raises(PlacementError, match=r"only on nodes m2 \(lost\), m3 \(leaving\): it waits for one of them"):
+        inv.place("code2wav", "code2wav/1", 1, ("m2", "m3"))
+    # a leaving node takes nothing new, pinned or not; the others still do
+    assert inv.place("talker", "talker/0", 1)[0] == "m1"
+    assert inv.place("talker", "talker/1", 1)[0] == "m1"
+    with pytest.raises(PlacementError, match=r"m3: leaving"):
+        inv.place("talker", "talker/2", 1)
+    with pytest.raises(PlacementError, match="of node m3, which is leaving"):
+        inv.place("talker", "talker/2", 1, ("m3",), pin=("4",))
+    with pytest.raises(PlacementError, match="node m3 is leaving"):
+        inv.plan_launch("talker", 1, 1, node="m3")
+    assert {n.name: n.state for n in inv.status()} == {"m1": "alive", "m2": "lost", "m3": "leaving"}

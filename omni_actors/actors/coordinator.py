@@ -29,8 +29,8 @@ from omni_actors.actors.stage_pool import StagePoolActor
 from omni_actors.actors.supervision import TICK_LOST_AFTER_INTERVALS, RestartPolicy, WakeupChain, host_identity
 from omni_actors.connectors import data_service, default_prefix, free_usage, list_segments
 from omni_actors.logs import get_logger
-from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainReplica, GetRoutes, GetStatus, InjectFault,
-                                  LaunchReplicas, NodeHeartbeat, NodeLeaving,
+from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainNode, DrainReplica, GetRoutes, GetStatus,
+                                  InjectFault, LaunchReplicas, NodeHeartbeat, NodeLeaving,
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, PlaceReplica, Placement,
                                   PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
                                   ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, StartNodeAgent,
@@ -289,6 +289,20 @@ class CoordinatorActor(ActorTypeDispatcher):
             self.send(pool, NodeLost(name, reason))
         self._publish_status()
 
+    def receiveMsg_DrainNode(self, msg: DrainNode, sender):
+        """A member that stops cleanly asks first: nothing new goes to its node, and every
+        pool drains its replicas there (see :class:`DrainNode`); answered at once, the
+        member then watches ``status`` until they have stopped."""
+        reply_to = msg.reply_to or sender
+        if not self._inventory.drain(msg.node):
+            self.send(reply_to, AdminReply(False, f"no alive node named {msg.node!r}"))
+            return
+        self._log.info("node_leaving", node=msg.node)
+        for pool in self._pools.values():
+            self.send(pool, DrainNode(msg.node))
+        self._publish_status()
+        self.send(reply_to, AdminReply(True, f"node {msg.node}: its replicas drain"))
+
     def receiveMsg_NodeLeaving(self, msg: NodeLeaving, sender):
         self._lose_node(msg.node, msg.lost or LEFT_REASON)
 
@@ -432,7 +446,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         notes = tuple(self._config.omni_connectors.notes) if self._config else ()
         return SystemStatus(query_id=query_id or str(time.time()), model=model, ready=ready, stages=stages,
                             coordinator_pid=os.getpid(), nodes=self._inventory.status(), notes=notes,
-                            coordinator_host=host_identity())
+                            coordinator_host=host_identity(),
+                            drain_timeout_s=self._config.deployment.supervision.drain_timeout_s if self._config else 0.0)
 
 
 def _split(value) -> tuple[str, ...]:

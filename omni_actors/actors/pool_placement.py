@@ -21,8 +21,8 @@ from thespian.actors import ActorExitRequest
 from omni_actors.actors.engine import EngineActor
 from omni_actors.actors.node_agent import NODE_CAPABILITY
 from omni_actors.placement import LEFT_REASON
-from omni_actors.messages import (LIVE_STATES, NodeLost, NodesChanged, PlaceReplica, Placement, PlacementFailed,
-                                  ReleasePlacement, ReplicaState, StartEngine)
+from omni_actors.messages import (LIVE_STATES, AdminReply, DrainNode, NodeLost, NodesChanged, PlaceReplica, Placement,
+                                  PlacementFailed, ReleasePlacement, ReplicaState, StartEngine)
 
 
 class PoolPlacementMixin:
@@ -77,6 +77,31 @@ class PoolPlacementMixin:
         for rep in self._replicas.values():
             if rep.state == ReplicaState.PENDING and not rep.placing:
                 self._place(rep)
+
+    def receiveMsg_DrainNode(self, msg: DrainNode, sender):
+        """Node ``msg.node``'s member stops cleanly: each of this stage's replicas there
+        that runs or starts is drained (no new tasks; it stops once those in flight are
+        done) and a replacement starts on another node at once. A replica pinned to the
+        node starts again instead once it has stopped, and waits (``pending``) for the
+        node to be back. Answers ``reply_to`` with what it drains."""
+        drained = []
+        for rep in list(self._replicas.values()):
+            if rep.node != msg.node or rep.state not in (ReplicaState.READY, ReplicaState.STARTING):
+                continue
+            if rep.replica in self._pins:
+                rep.relaunch = True
+                why = f"node {msg.node} is leaving: drained; it starts again when the node is back"
+            else:
+                new = self._new_replica_id()
+                self._launch(new)
+                why = f"node {msg.node} is leaving: drained, replaced by {new}"
+            self._drain(rep, why)
+            drained.append(rep.replica)
+        if drained:
+            self._log.info("node_draining", node=msg.node, replicas=drained)
+        self._publish()
+        if msg.reply_to is not None:
+            self.send(msg.reply_to, AdminReply(True, ", ".join(drained)))
 
     def receiveMsg_NodeLost(self, msg: NodeLost, sender):
         for rep in list(self._replicas.values()):

@@ -93,6 +93,9 @@ class Replica:
     health: ReplicaHealth | None = None
     latency: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS_S))
     latency_sum: float = 0.0
+    #: drained because its node's member stops, and pinned there: started again (placed
+    #: when the node is back) once it has stopped, rather than stopped for good
+    relaunch: bool = False
 
 
 class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, ActorTypeDispatcher):
@@ -403,6 +406,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             self._release(rep)
             rep.state, rep.reason = ReplicaState.STOPPED, rep.reason or "drained"
             self._redispatch(rep)
+            if rep.relaunch and not self._orphaned and not self._exiting:
+                rep.down_cause = rep.reason
+                self._launch(rep.replica, rep.restarts)
             self._publish()
             return
         rep.state, rep.reason, rep.down_cause = ReplicaState.DEAD, cause, cause

@@ -15,8 +15,8 @@ import signal
 import time
 from dataclasses import dataclass
 
-from omni_actors.messages import (AdminReply, DrainReplica, FaultKind, GetStatus, InjectFault, LaunchReplicas,
-                                  ScaleStage, SystemStatus)
+from omni_actors.messages import (AdminReply, DrainNode, DrainReplica, FaultKind, GetStatus, InjectFault,
+                                  LaunchReplicas, ScaleStage, SystemStatus)
 from omni_actors.actors.supervision import host_identity
 from omni_actors.config import MAX_REPLICAS
 from omni_actors.placement import parse_devices
@@ -143,6 +143,14 @@ class Admin:
 
     def drain(self, replica: str) -> str:
         return self._ask(DrainReplica(replica))
+
+    def drain_node(self, node: str) -> str:
+        """Drain every replica on ``node`` (its member stops): see :class:`DrainNode`.
+
+        Raises:
+            AdminError: no alive node by that name, or no answer.
+        """
+        return self._ask(DrainNode(node))
 
     def scale(self, stage: str, replicas: int) -> str:
         """Run ``replicas`` replicas of ``stage`` (0 to ``config.MAX_REPLICAS``, as the config).

@@ -2,8 +2,10 @@
 its devices. The coordinator places replicas on it (see ``omni_actors.placement``).
 
 ``run_member`` is what ``python -m omni_actors.system start --convention-address
-HOST:PORT`` runs in the foreground; Ctrl-C or SIGTERM leave the convention (the
-coordinator re-places what ran here) and end every process this host started.
+HOST:PORT`` runs in the foreground; Ctrl-C or SIGTERM leave the convention: first
+the replicas here are drained (:func:`drain_node`: the coordinator starts their
+replacements elsewhere and the work in flight here finishes; a second Ctrl-C skips
+the wait), then every process this host started ends.
 """
 
 from __future__ import annotations
@@ -54,10 +56,12 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         raise StartError(f"admin port {admin_port} is in use")
     from omni_actors.system.remote import node_name_taken
 
-    stopping = threading.Event()
+    stopping, hurry = threading.Event(), threading.Event()
     me = os.getpid()
     def interrupt(signum, frame):
         if os.getpid() == me:
+            if stopping.is_set():  # a second Ctrl-C or SIGTERM: leave without waiting for the drain
+                hurry.set()
             stopping.set()
         else:  # (a process forked from here: the admin, its logger)
             exit_if_host_gone(signum)
@@ -102,6 +106,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         log.info("member_started", admin_port=admin_port, devices=list(devices), stages=list(stages),
                  shm_dir=shm_dir)
         _serve(stopping, host, port, log)
+        drain_node(host, port, node, hurry, log)
         return 0
     finally:
         if asys is not None:
@@ -116,6 +121,62 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         stop_watchdog(watchdog)
         log.info("member_stopped", processes_killed=killed)
         print("omni-actors member stopped", flush=True)
+
+
+#: seconds a member waits for its node's replicas to drain when the leader does not say
+#: (its ``supervision.drain_timeout_s``, the leader's own drain's bound, in ``status``)
+DEFAULT_DRAIN_S = 10.0
+#: seconds the member waits beyond that for its replicas to stop once their work is done
+DRAIN_GRACE_S = 5.0
+
+
+def drain_node(host: str, port: int, node: str, hurry: threading.Event, log) -> bool:
+    """Before a member leaves cleanly: have the coordinator at ``host:port`` drain the
+    replicas on ``node`` (:class:`~omni_actors.messages.DrainNode`: replacements start
+    elsewhere, tasks in flight finish here), and wait until none runs here any more, up
+    to the leader's ``supervision.drain_timeout_s`` (+ :data:`DRAIN_GRACE_S`) or until
+    ``hurry`` is set (a second Ctrl-C). Says what it does on stdout. A leader that does
+    not answer is not waited for: what runs here ends with the member, as before.
+
+    Returns:
+        Whether every replica here stopped in time (True too when none ran here).
+    """
+    from omni_actors.messages import ReplicaState
+    from omni_actors.system.admin import AdminError
+    from omni_actors.system.remote import attach_remote
+
+    running = (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.DRAINING, ReplicaState.ISOLATED)
+    try:
+        admin = attach_remote(host, port)
+    except AdminError as exc:
+        print(f"leaving without a drain: {exc}", flush=True)
+        return False
+    try:
+        status = admin.status(timeout_s=5.0)
+        if not any(r.node == node and r.state in running for s in status.stages for r in s.replicas):
+            return True
+        admin.drain_node(node)
+        wait_s = (status.drain_timeout_s or DEFAULT_DRAIN_S) + DRAIN_GRACE_S
+        print(f"leaving: the replicas on node {node} drain (their requests in flight finish, up to "
+              f"{wait_s:g} s; new ones go to other nodes; Ctrl-C again: leave now)", flush=True)
+        log.info("member_draining", node=node, timeout_s=wait_s)
+        deadline, left = time.monotonic() + wait_s, ()
+        while not hurry.is_set():
+            left = [r.replica for s in admin.status(timeout_s=5.0).stages for r in s.replicas
+                    if r.node == node and r.state in running]
+            if not left or time.monotonic() >= deadline:
+                break
+            hurry.wait(0.2)
+        if left:
+            why = "second Ctrl-C" if hurry.is_set() else f"still running after {wait_s:g} s"
+            print(f"leaving with {len(left)} replica(s) not drained ({why}): {', '.join(left)}", flush=True)
+            log.warning("member_drain_incomplete", node=node, replicas=left, why=why)
+        return not left
+    except AdminError as exc:
+        print(f"leaving without waiting for the drain: {exc}", flush=True)
+        return False
+    finally:
+        admin.asys.close()
 
 
 def _wait_for_leader(host: str, port: int, wait_s: float, stopping: threading.Event) -> str | None:
