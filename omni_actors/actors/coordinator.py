@@ -161,7 +161,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         old = self._states.get(msg.stage_id)
         self._reported[msg.stage_id] = msg
         self._states[msg.stage_id] = PoolState(msg.stage_id, msg.stage, msg.replicas, msg.pid, msg.pending,
-                                               len(self._pool_restarts.get(msg.stage_id, ())))
+                                               len(self._pool_restarts.get(msg.stage_id, ())), host=msg.host)
         if old is None or _states_of(old) != _states_of(msg):
             for r in msg.replicas:
                 before = next((o for o in (old.replicas if old else ()) if o.replica == r.replica), None)
