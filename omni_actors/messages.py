@@ -276,6 +276,9 @@ class Routes(Message):
     config: PipelineConfig
     pools: dict[int, ActorAddress]
     version: int = 0
+    #: when the coordinator took its config (Unix seconds): the served model's ``created``,
+    #: the same through every API server
+    deployed_at: int = 0
 
 
 @dataclass(frozen=True)

@@ -245,6 +245,10 @@ def test_two_api_servers_serve_at_once_and_killing_one_leaves_the_other(leader):
         with ThreadPoolExecutor(len(ports)) as pool:
             answers = list(pool.map(_chat, ports))
         assert all(answers) and len(set(answers)) == 1  # same pipeline, same seed
+        # one model, one `created` (each server's own start time differed)
+        models = [json.loads(urllib.request.urlopen(f"http://127.0.0.1:{p}/v1/models", timeout=10).read())
+                  for p in (leader.port, port)]
+        assert models[0] == models[1] and models[0]["data"][0]["created"] > 0, models
         api.kill()  # SIGKILL: no chance to clean up
         api.wait(10)
         with pytest.raises(OSError):

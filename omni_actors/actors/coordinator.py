@@ -64,6 +64,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._reported: dict[int, PoolState] = {}
         self._pools_down: dict[int, str] = {}  #: stage id -> why its pool is not there (exited, not yet back)
         self._routes_version = 0
+        self._deployed_at = 0  # (Unix seconds: when it took its config)
         self._deploy_waiters: list[object] = []
         self._subscribers: list[tuple[object, float]] = []
         self._stopping = False
@@ -81,6 +82,7 @@ class CoordinatorActor(ActorTypeDispatcher):
     def receiveMsg_Deploy(self, msg: Deploy, sender):
         if self._config is None:
             self._config = cfg = msg.config
+            self._deployed_at = int(time.time())
             r = cfg.deployment.supervision.restart
             self._restart = RestartPolicy(r.initial_backoff_s, r.max_backoff_s, r.max_restarts, r.window_s)
             leader = msg.leader_node or NodeInfo("local")
@@ -366,7 +368,7 @@ class CoordinatorActor(ActorTypeDispatcher):
             self.send(msg.reply_to, self._status(SUBSCRIPTION))
 
     def _routes(self) -> Routes:
-        return Routes(self._config, dict(self._pools), self._routes_version)
+        return Routes(self._config, dict(self._pools), self._routes_version, self._deployed_at)
 
     def _publish_routes(self) -> None:
         routes = self._routes()

@@ -597,7 +597,7 @@ def create_app(bridge: Bridge, *, max_body_bytes: int = 1 << 20,
         request_id_middleware, stopping_middleware, error_middleware, auth_middleware])
     app[BRIDGE_KEY] = bridge
     app[_API_KEY] = api_key or None
-    app[_CREATED] = P.now()
+    app[_CREATED] = getattr(bridge, "created", 0) or P.now()  # (the pipeline's deploy time: one for all servers)
     app[_MAX_BODY] = max_body_bytes
     app[_STOPPING] = _Stopping()
     app[M.METRICS_KEY] = M.Metrics()

@@ -205,6 +205,7 @@ class ActorBridge(RequestActorKeeping):
         loop.call_soon_threadsafe(self._tick)
         cfg = self._routes.config
         self.model_name = cfg.deployment.served_model_name
+        self.created = self._routes.deployed_at
         self.output_types = frozenset(cfg.output_types())
         self.max_tokens_limit = cfg.deployment.max_tokens_limit
         self.request_timeout_s = cfg.deployment.request_timeout_s

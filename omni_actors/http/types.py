@@ -127,6 +127,8 @@ class Bridge(Protocol):
     output_types: frozenset[str]
     max_tokens_limit: int
     request_timeout_s: float
+    #: the model's ``created`` in ``/v1/models`` (Unix seconds; 0: the app's start)
+    created: int = 0
 
     def submit(self, request: PipelineRequest) -> AsyncIterator[BridgeEvent]: ...
 
