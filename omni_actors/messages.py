@@ -486,6 +486,17 @@ class InjectFault(Message):
                  {"count": self.count} if self.kind is FaultKind.RAISE_NEXT else {})
         return {"kind": self.kind.value, **extra}
 
+    def describe(self) -> str:
+        """The fault in force once this is applied, for ``status``: ``"slow x20"``,
+        ``"stall"``, ``"raise x2"``; "" for ``clear``."""
+        if self.kind is FaultKind.CLEAR:
+            return ""
+        if self.kind is FaultKind.SLOW:
+            return f"slow x{self.factor:g}"
+        if self.kind is FaultKind.RAISE_NEXT:
+            return f"raise x{self.count}"
+        return self.kind.value
+
 
 @dataclass(frozen=True)
 class DrainNode(Message):

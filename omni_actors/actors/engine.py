@@ -126,17 +126,6 @@ class StageInputError(RuntimeError):
     fault (its processor, or what the stage before produced), not the client's input."""
 
 
-
-def _describe_fault(fault: InjectFault | None) -> str:
-    """The injected fault in force, for ``status``: ``"slow x20"``, ``"stall"``, ``"raise x2"``; "" none."""
-    if fault is None:
-        return ""
-    if fault.kind == FaultKind.SLOW:
-        return f"slow x{fault.factor:g}"
-    if fault.kind == FaultKind.RAISE_NEXT:
-        return f"raise x{fault.count}"
-    return fault.kind.value
-
 class EngineActor(StreamingMixin, ActorTypeDispatcher):
     """Hosts one engine backend; see the module docstring for the threading model."""
 
@@ -277,7 +266,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 waiting=load.waiting if load else 0,
                 completed=self._completed, failed=self._failed,
                 kv_cache_usage=load.kv_cache_usage if load else None, progress=self._progress,
-                idle_s=self._idle_s(), fault=_describe_fault(self._fault)))
+                idle_s=self._idle_s(), fault=self._fault.describe() if self._fault else ""))
             self._heartbeats.again(self, self._spec.heartbeat_interval_s)
         return self._watch()
 

@@ -24,6 +24,8 @@ class PoolAdminMixin:
             self.send(msg.reply_to or sender, AdminReply(False, f"no live replica {msg.replica}"))
             return
         self.send(rep.address, msg)
+        rep.fault = msg.describe()  # (shown at once: its engine's heartbeats said it up to an interval later)
+        self._publish()
         self._log.warning("fault_injected", replica=msg.replica, **msg.log_fields())
         self.send(msg.reply_to or sender, AdminReply(True, f"{msg.kind.value} injected into {msg.replica}"))
 
