@@ -90,14 +90,31 @@ def get_logger(**fields):
     return structlog.get_logger().bind(pid=os.getpid(), **fields)
 
 
+class ThespianJsonFormatter(logging.Formatter):
+    """Thespian's own log records (its logger process) as JSON events like ours: event
+    ``thespian``, its ``level`` and ``message``, a UTC ``timestamp``, the ``pid`` of the
+    process that logged it. (They were plain text lines among the JSON ones.)"""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import datetime
+        import json
+
+        when = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+        event = {"event": "thespian", "level": record.levelname.lower(), "message": record.getMessage(),
+                 "pid": record.process, "timestamp": when.isoformat().replace("+00:00", "Z")}
+        if record.exc_info:
+            event["exception"] = self.formatException(record.exc_info)
+        return json.dumps(event)
+
+
 def thespian_log_defs(level: str = "WARNING") -> dict:
     """``logDefs`` for ``ActorSystem``: Thespian's own stdlib logging to stderr
-    at WARNING, instead of its default file."""
+    at WARNING, instead of its default file, as JSON events (:class:`ThespianJsonFormatter`)."""
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "formatters": {"plain": {"format": "%(asctime)s thespian %(levelname)s %(message)s"}},
-        "handlers": {"err": {"class": "logging.StreamHandler", "formatter": "plain",
+        "formatters": {"json": {"()": ThespianJsonFormatter}},
+        "handlers": {"err": {"class": "logging.StreamHandler", "formatter": "json",
                              "stream": "ext://sys.stderr", "level": level}},
         "root": {"handlers": ["err"], "level": level},
     }

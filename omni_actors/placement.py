@@ -99,6 +99,8 @@ class Node:
 
 #: Why a node that left the convention cleanly (its member stopped) is down.
 LEFT_REASON = "left the convention"
+#: In the reason of a replica drained because its node's member stops (and so not a crash).
+LEAVING = "is leaving"
 
 
 class Inventory:

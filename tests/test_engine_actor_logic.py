@@ -1070,5 +1070,5 @@ def test_a_stage_failed_after_its_text_went_out_tells_the_bridge_so():
                               "pool")
     finished = [m for _, m in sent if isinstance(m, RequestFinished)]
     assert len(finished) == 1 and finished[0].output_sent is True, sent
-    assert finished[0].message == ("dead: process exited (part of the output had already reached the client, "
-                                   "so it was not retried)")
+    assert finished[0].message == ("dead: process exited; part of the output had already reached the client, "
+                                   "so it was not retried")

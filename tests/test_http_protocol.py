@@ -138,8 +138,8 @@ def test_a_request_whose_output_was_lost_with_its_host_runs_once_more(stream):
     assert "after the request ran again: an output of its first run was lost with its host" in text, text
 
 
-MID_STREAM = ("replica thinker/0 dead: process exited mid-stream (part of the output had already reached "
-              "the client, so it was not retried)")
+MID_STREAM = ("replica thinker/0 went down mid-stream (dead: process exited); part of the output had already "
+              "reached the client, so it was not retried")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -108,6 +108,49 @@ def test_a_replica_frozen_with_sigstop_does_not_hold_up_the_stop(tmp_path):
     assert took < 5, f"the stop took {took:.1f} s: {stopped}"
 
 
+def test_a_replica_that_hangs_while_it_drains_has_its_work_moved_not_waited_for(tmp_path):
+    """A drained replica was no longer health-checked: one frozen (SIGSTOP) while it drained
+    held its tasks until their requests timed out (a trial's streams hung 20 s). Now it is
+    isolated as a READY one would be: its task runs on another replica, the request gets its
+    answer, and the replica ends `stopped` with why."""
+    import threading
+
+    import yaml
+
+    from omni_actors.system.faultlab import inject_cli, replicas, stages
+
+    cfg = yaml.safe_load((CONFIGS / "cpu_omni_demo.yaml").read_text())
+    cfg["deployment"]["heartbeat_interval_s"] = 0.5
+    cfg["deployment"]["stages"]["talker"]["synthetic"]["decode_ms_per_token"] = 60  # 50 tokens: 3 s
+    path = tmp_path / "slow_talker.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    leader = LocalLeader(path).start()
+    try:
+        got: dict = {}
+        client = threading.Thread(target=_chat_into, args=(got, "audio", leader.base_url, False),
+                                  kwargs={"modalities": ["text", "audio"]})
+        client.start()
+        deadline = time.monotonic() + 20
+        while not any(r["in_flight"] for n, r in replicas(stages(leader)).items() if n.startswith("talker/")):
+            assert time.monotonic() < deadline, stages(leader)
+            time.sleep(0.02)
+        busy = next(n for n, r in replicas(stages(leader)).items() if n.startswith("talker/") and r["in_flight"])
+        assert inject_cli(leader.admin_port, "sigstop", "--replica", busy).returncode == 0
+        out = _cli("stage", "drain", "--replica", busy, "--admin-port", str(leader.admin_port),
+                   env={"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)})
+        assert out.returncode == 0, out.stderr
+        t0 = time.monotonic()
+        client.join(30)
+        took = time.monotonic() - t0
+        status, body = got["audio"]
+        assert status == 200 and json.loads(body)["choices"][0]["message"]["audio"]["data"], got
+        assert took < 10, f"the request waited {took:.1f} s for the frozen replica"
+        rep = replicas(stages(leader))[busy]
+        assert rep["state"] == "stopped" and "while draining (drained on request)" in rep["reason"], rep
+    finally:
+        assert leader.stop() == 0
+
+
 @pytest.mark.parametrize("drain_s, ctrl_c", [(1.0, 1), (60.0, 2)], ids=["drain-ends", "second-ctrl-c"])
 def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_not_wait(tmp_path, drain_s, ctrl_c):
     """Ctrl-C lets requests in flight finish for ``supervision.drain_timeout_s`` (or

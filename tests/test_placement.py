@@ -13,7 +13,7 @@ import random
 import pytest
 
 from omni_actors.messages import NodeInfo
-from omni_actors.placement import Inventory, PlacementError
+from omni_actors.placement import LEFT_REASON, Inventory, PlacementError
 
 
 def inventory(*nodes: NodeInfo) -> Inventory:
@@ -374,3 +374,35 @@ def test_a_replica_allowed_only_on_nodes_that_are_gone_or_leaving_says_it_waits_
     with pytest.raises(PlacementError, match="node m3 is leaving"):
         inv.plan_launch("talker", 1, 1, node="m3")
     assert {n.name: n.state for n in inv.status()} == {"m1": "alive", "m2": "lost", "m3": "leaving"}
+
+
+def test_status_and_the_shell_name_a_leaving_node():
+    """`status` and the shell's `nodes` labelled only nodes that were down: a leaving one (alive,
+    draining) looked like any other, though `status --json` said `leaving`."""
+    import io
+
+    from omni_actors.messages import PoolState, ReplicaState, ReplicaStatus, SystemStatus
+    from omni_actors.system.leader import print_status_table
+    from omni_actors.system.shell import AdminShell
+
+    inv = inventory(NodeInfo("leader"), NodeInfo("m1", ("0",)), NodeInfo("m2", ("1",)))
+    assert inv.place("talker", "talker/0", 1, ("m2",)) == ("m2", ("1",))
+    inv.drain("m2")
+    inv.lose("m1", LEFT_REASON)
+    status = SystemStatus("q", "m", True, (PoolState(1, "talker", (
+        ReplicaStatus("talker/0", ReplicaState.DRAINING, node="m2", devices="1"),
+        ReplicaStatus("talker/1", ReplicaState.PENDING, pin=("m1", ())))),), nodes=inv.status())
+    out = io.StringIO()
+    print_status_table(status, out)
+    assert "nodes: leader, m1 (LEFT), m2 (LEAVING)" in out.getvalue(), out.getvalue()
+
+    class Admin:
+        leader_port = None
+
+        def status(self, timeout_s=5.0):
+            return status
+
+    shell_out = io.StringIO()
+    AdminShell(Admin(), 1900, stdout=shell_out).onecmd("nodes")
+    text = shell_out.getvalue()
+    assert "m2 LEAVING: 1 replicas" in text and "m1 LEFT: 1 replicas" in text, text  # (talker/1 waits for m1)

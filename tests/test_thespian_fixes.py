@@ -182,3 +182,20 @@ def test_actors_poll_and_drop_a_watched_descriptor_that_was_closed(actor_system)
     cpu1 = actor_system.ask(actor, "cpu", 10)
     assert cpu0 is not None and cpu1 is not None, "the actor stopped answering after its watch was closed"
     assert cpu1 - cpu0 < 0.3, f"the actor spun on its closed watch: {cpu1 - cpu0:.2f} s of CPU in 1 s"
+
+
+def test_thespians_own_log_records_are_json_events_like_ours():
+    """Thespian's records ("Pending Actor create ... failed", seen at a stop after members
+    left) were plain-text lines among the JSON events on stderr."""
+    import json
+    import logging
+
+    from omni_actors.logs import ThespianJsonFormatter, thespian_log_defs
+
+    assert thespian_log_defs()["formatters"]["json"]["()"] is ThespianJsonFormatter
+    record = logging.LogRecord("thespian", logging.ERROR, __file__, 1, "Pending Actor create for %s failed (%d)",
+                               ("ActorAddr-(T|:35313)", 3585), None)
+    event = json.loads(ThespianJsonFormatter().format(record))
+    assert event["event"] == "thespian" and event["level"] == "error"
+    assert event["message"] == "Pending Actor create for ActorAddr-(T|:35313) failed (3585)"
+    assert event["timestamp"].endswith("Z") and event["pid"] == record.process

@@ -20,7 +20,7 @@ from thespian.actors import ActorExitRequest
 
 from omni_actors.actors.engine import EngineActor
 from omni_actors.actors.node_agent import NODE_CAPABILITY
-from omni_actors.placement import LEFT_REASON
+from omni_actors.placement import LEAVING, LEFT_REASON
 from omni_actors.messages import (LIVE_STATES, AdminReply, DrainNode, NodeLost, NodesChanged, PlaceReplica, Placement,
                                   PlacementFailed, ReleasePlacement, ReplicaState, StartEngine)
 
@@ -90,11 +90,11 @@ class PoolPlacementMixin:
                 continue
             if rep.replica in self._pins:
                 rep.relaunch = True
-                why = f"node {msg.node} is leaving: drained; it starts again when the node is back"
+                why = f"node {msg.node} {LEAVING}; it starts again when the node is back"
             else:
                 new = self._new_replica_id()
                 self._launch(new)
-                why = f"node {msg.node} is leaving: drained, replaced by {new}"
+                why = f"node {msg.node} {LEAVING} (replaced by {new})"
             self._drain(rep, why)
             drained.append(rep.replica)
         if drained:

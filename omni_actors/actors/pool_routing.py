@@ -73,7 +73,7 @@ class PoolRoutingMixin:
                 return
         if task.streaming:
             self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, replica, ErrorKind.UNAVAILABLE,
-                                                 f"replica {replica} {why} mid-stream", task.attempt,
+                                                 f"replica {replica} went down mid-stream ({why})", task.attempt,
                                                  task.crashed, task.moved))
             return
         self._log.warning("task_redispatched", request_id=task.request_id, replica=replica,

@@ -394,7 +394,7 @@ class RequestActor(ActorTypeDispatcher):
             affected = self._downstream(msg.stage_id)
             if retry and affected & self._to_client:
                 retry, output_sent = False, True
-                message += " (part of the output had already reached the client, so it was not retried)"
+                message += "; part of the output had already reached the client, so it was not retried"
             elif retry:
                 for sid in affected - {msg.stage_id}:  # its streaming consumers start over with it
                     if self._running.pop(sid, None) is not None:

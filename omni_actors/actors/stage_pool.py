@@ -42,7 +42,7 @@ from omni_actors.actors.supervision import (TICK_LOST_AFTER_INTERVALS, WAKEUP_LO
                                             exit_if_orphaned_before_start)
 from omni_actors.balancing import POLICIES
 from omni_actors.logs import get_logger
-from omni_actors.placement import LEFT_REASON
+from omni_actors.placement import LEAVING, LEFT_REASON
 from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, DrainReplica, EngineFailed, EngineReady,
                                   Heartbeat, HeartbeatAck, PoolState, ReleasePlacement, ReplicaState, ReplicaStatus,
                                   StageTask, StartPool, replica_index)
@@ -207,7 +207,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             now = time.monotonic()
             # After a restart, READY says when and why it was down (RESTARTS alone does not).
             rep.state, rep.reason = ReplicaState.READY, (
-                f"{'placed again' if LEFT_REASON in rep.down_cause else 'restarted'} at "
+                f"{'placed again' if LEFT_REASON in rep.down_cause or LEAVING in rep.down_cause else 'restarted'} at "
                 f"{time.strftime('%H:%M:%S')}; it was down: {rep.down_cause}" if rep.down_cause else "")
             rep.pid, rep.host, rep.backend = msg.pid, msg.host, msg.backend
             rep.devices = msg.devices or rep.devices
@@ -312,6 +312,15 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                     self._isolate(rep, why, crashed=not self._health.silent(rep.health, now, len(rep.in_flight)))
             elif rep.state == ReplicaState.DRAINING and not rep.in_flight:
                 self.send(rep.address, DrainReplica(rep.replica))
+            elif rep.state == ReplicaState.DRAINING and rep.health is not None:
+                why = self._health.verdict(rep.health, now, len(rep.in_flight))
+                if why:  # hung while it drains: its tasks go elsewhere now (they waited for it for ever)
+                    self._log.error("replica_isolated", replica=rep.replica, reason=why, draining=True)
+                    rep.reason = f"{why} while draining ({rep.reason})"
+                    self._redispatch(rep, crashed=not self._health.silent(rep.health, now, len(rep.in_flight)))
+                    if not self._kill(rep):
+                        self._gone(rep, rep.reason)
+                    self._publish()
         if self._ticks % PLACEMENT_RETRY_TICKS == 0:
             self._retry_placements()  # devices may have been freed by another stage
         expired = [(t, d) for t, d in self._pending if now >= d]

@@ -75,9 +75,9 @@ def print_status_table(status, out=sys.stdout, api_down: bool = False, stopping:
     widths = [max(len(row[i]) for row in rows) for i in range(10)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[10], file=out)
-    down = [n.name for n in status.nodes if not n.alive]
+    down = [n.name for n in status.nodes if n.state != "alive"]
     if len(status.nodes) > 1 or down:
-        print("nodes: " + ", ".join(f"{n.name}{'' if n.alive else f' ({_down_label(n)})'}"
+        print("nodes: " + ", ".join(f"{n.name}{'' if n.state == 'alive' else f' ({_down_label(n)})'}"
                                     f"{'' if n.buffers is None or not n.alive else f' ({n.buffers} buffers)'}"
                                     for n in status.nodes), file=out)
     for note in getattr(status, "notes", ()):
@@ -93,7 +93,8 @@ def print_status_table(status, out=sys.stdout, api_down: bool = False, stopping:
 
 
 def _down_label(node) -> str:
-    """``LEFT``, or ``LOST: <why>`` (``LOST: missed 3 node heartbeats``)."""
+    """``LEAVING`` (its member stops: it drains), ``LEFT``, or ``LOST: <why>``
+    (``LOST: missed 3 node heartbeats``)."""
     label = node.state.upper()
     return f"{label}: {node.down_reason}" if node.state == "lost" and node.down_reason else label
 

@@ -151,11 +151,13 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log) -> 
     except AdminError as exc:
         print(f"leaving without a drain: {exc}", flush=True)
         return False
+    started = False
     try:
         status = admin.status(timeout_s=5.0)
         if not any(r.node == node and r.state in running for s in status.stages for r in s.replicas):
             return True
         admin.drain_node(node)
+        started = True
         wait_s = (status.drain_timeout_s or DEFAULT_DRAIN_S) + DRAIN_GRACE_S
         print(f"leaving: the replicas on node {node} drain (their requests in flight finish, up to "
               f"{wait_s:g} s; new ones go to other nodes; Ctrl-C again: leave now)", flush=True)
@@ -172,8 +174,9 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log) -> 
             print(f"leaving with {len(left)} replica(s) not drained ({why}): {', '.join(left)}", flush=True)
             log.warning("member_drain_incomplete", node=node, replicas=left, why=why)
         return not left
-    except AdminError as exc:
-        print(f"leaving without waiting for the drain: {exc}", flush=True)
+    except AdminError as exc:  # (the leader stopped or was killed meanwhile)
+        print(f"stopped waiting for the drain, the leader no longer answers: {exc}" if started
+              else f"leaving without a drain: {exc}", flush=True)
         return False
     finally:
         admin.asys.close()

@@ -258,7 +258,8 @@ class AdminShell(cmd.Cmd):
                 if r.state.value == "stopped":
                     stopped += 1
                     continue
-                by_node[r.node or "(not reported yet)"].append(r)
+                # (a replica pinned to a node that is away waits for it: listed under that node)
+                by_node[r.node or (r.pin[0] if r.pin else "") or "(not placed yet)"].append(r)
         control = [("coordinator", "-", status.coordinator_pid or "-", "-")]
         control += [(f"pool {st.stage}", "-", st.pid or "-", "-") for st in status.stages]
         # The coordinator's node inventory: every host, idle or lost ones too.
@@ -274,8 +275,10 @@ class AdminShell(cmd.Cmd):
                 devices = f"devices {','.join(inv.devices)} ({len(inv.devices) - len(inv.used)} free)"
             else:
                 devices = "no devices (CPU)"
-            alive = "" if inv is None or inv.alive else f" {inv.state.upper()}"
-            port = "" if getattr(self, "remote", False) else "admin port %d, " % self.admin_port
+            alive = "" if inv is None or inv.state == "alive" else f" {inv.state.upper()}"
+            # (attached through a member's admin port: the leader's own is not that one)
+            leader_port = self.admin.leader_port or self.admin_port
+            port = "" if getattr(self, "remote", False) else "admin port %d, " % leader_port
             extra = f" ({port}control plane)" if node == leader else ""
             self._out(f"{node}{alive}{extra}: {len(reps)} replicas, {ready} ready, {devices}")
             rows = [("  WHAT", "STATE", "PID", "DEVICES")]
