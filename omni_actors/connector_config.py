@@ -27,6 +27,22 @@ _EDGE_KEYS = {"input_connectors": re.compile(r"from_stage_(\d+)"),
 _NOT_APPLIED = "not applied: needs vLLM-Omni's own connector (e.g. Mooncake)"
 
 
+#: The largest ``shm_threshold_bytes``: that of ``deployment.inline_threshold_bytes`` (64 MiB),
+#: which it stands in for (more would carry hundreds of MB in actor messages).
+MAX_SHM_THRESHOLD_BYTES = 64 << 20
+
+
+def _check_shm_threshold(spec: ConnectorSpec, source: str, named: str) -> None:
+    """Refuse a ``SharedMemoryConnector``'s ``extra.shm_threshold_bytes`` that is not an
+    integer from 0 to :data:`MAX_SHM_THRESHOLD_BYTES` (``ConfigError`` with its YAML path)."""
+    value = spec.extra.get("shm_threshold_bytes") if spec.name in SHARED_MEMORY_CONNECTORS else None
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 0 <= value <= MAX_SHM_THRESHOLD_BYTES):
+        raise ConfigError(source, f"{named}.extra.shm_threshold_bytes",
+                          f"expected an integer >= 0 and <= {MAX_SHM_THRESHOLD_BYTES} (as "
+                          f"deployment.inline_threshold_bytes), got `{value!r}`")
+
+
 def _omni_not_applied(name: str, cfg: PipelineConfig) -> str | None:
     """Why vLLM-Omni connector ``name`` cannot carry a stage's outputs; None: it can."""
     from omni_actors.connectors import omni
@@ -61,6 +77,8 @@ def omni_connectors(data: dict[str, Any], cfg: PipelineConfig, source: str) -> O
         raise ConfigError(source, "runtime.connectors", "expected a mapping of connector names to "
                                                         "`{name, extra}`")
     specs = {str(k): _convert(v, ConnectorSpec, source, f"runtime.connectors.{k}") for k, v in defined.items()}
+    for k, spec in specs.items():  # (each one, named by a stage or not: a bad value is a mistake either way)
+        _check_shm_threshold(spec, source, f"runtime.connectors.{k}")
     edges = _convert(runtime.get("edges") or [], list[Edge], source, "runtime.edges")
     ids = {st.stage_id: st for st in cfg.stage_args}
     for j, edge in enumerate(edges):
@@ -129,9 +147,7 @@ def omni_connectors(data: dict[str, Any], cfg: PipelineConfig, source: str) -> O
                          f"connector (inline up to deployment.inline_threshold_bytes, "
                          f"{cfg.deployment.inline_threshold_bytes})")
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ConfigError(source, f"{named}.extra.shm_threshold_bytes",
-                              f"expected an integer >= 0, got `{value!r}`")
+        _check_shm_threshold(spec, source, named)
         thresholds.setdefault(src, {}).setdefault(value, where)
     applied: dict[str, StageConnector] = {}
     for src, found in thresholds.items():

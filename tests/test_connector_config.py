@@ -250,6 +250,12 @@ def test_edge_outside_the_graph_is_ignored_with_a_note(tmp_path):
     ({"connectors": {"shm": {"name": "SharedMemoryConnector", "extra": {"shm_threshold_bytes": -1}}}},
      {"s0": {"output_connectors": {"to_stage_1": "shm"}}}, "runtime.connectors.shm.extra.shm_threshold_bytes",
      "expected an integer >= 0"),
+    # above 64 MiB (as deployment.inline_threshold_bytes), or bad while no stage names it yet
+    ({"connectors": {"shm": {"name": "SharedMemoryConnector", "extra": {"shm_threshold_bytes": 99999999999}}}},
+     {"s0": {"output_connectors": {"to_stage_1": "shm"}}}, "runtime.connectors.shm.extra.shm_threshold_bytes",
+     "<= 67108864"),
+    ({"connectors": {"shm": {"name": "SharedMemoryConnector", "extra": {"shm_threshold_bytes": "abc"}}}}, {},
+     "runtime.connectors.shm.extra.shm_threshold_bytes", "got `'abc'`"),
     ({"connectors": {"shm": SHM, "rdma": MOONCAKE}},
      {"s0": {"output_connectors": {"to_stage_1": "shm"}}, "s1": {"input_connectors": {"from_stage_0": "rdma"}}},
      "stage_args[1].input_connectors.from_stage_0",

@@ -199,3 +199,14 @@ def test_thespians_own_log_records_are_json_events_like_ours():
     assert event["event"] == "thespian" and event["level"] == "error"
     assert event["message"] == "Pending Actor create for ActorAddr-(T|:35313) failed (3585)"
     assert event["timestamp"].endswith("Z") and event["pid"] == record.process
+
+
+def test_an_admin_that_does_not_answer_at_start_is_said_in_words():
+    """Thespian's "ActorAddr-(T|:58140) is not a valid or useable ActorSystem Admin" (its admin
+    did not answer in time, seen on a loaded machine) was the whole start-up error."""
+    from omni_actors.system.leader import admin_start_error
+
+    text = admin_start_error(58140, RuntimeError("ActorAddr-(T|:58140) is not a valid or useable ActorSystem Admin"))
+    assert text.startswith("the actor system did not start on admin port 58140: its admin process did not answer")
+    assert "try again" in text and "ActorAddr" not in text
+    assert admin_start_error(1900, OSError("boom")) == "the actor system did not start on admin port 1900: boom"

@@ -602,7 +602,9 @@ class ActorBridge(RequestActorKeeping):
             return self._connector.take(msg.ref)
         except Exception as exc:  # noqa: BLE001
             lost = isinstance(exc, DataServiceError)
-            self._deliver(msg.request_id, RequestFailed(500, f"{what} lost: {exc}", lost_output=lost,
+            # (the host by name: the service's address alone left a client to guess which one)
+            where = f" (made on node {msg.ref.node})" if lost and msg.ref.node else ""
+            self._deliver(msg.request_id, RequestFailed(500, f"{what} lost{where}: {exc}", lost_output=lost,
                                                         lost_on=(msg.ref.node or msg.ref.service) if lost else None))
             return None
 

@@ -92,6 +92,18 @@ def print_status_table(status, out=sys.stdout, api_down: bool = False, stopping:
         print(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}", file=out)
 
 
+def admin_start_error(admin_port: int, exc: BaseException) -> str:
+    """The one line for an ``ActorSystem(...)`` that did not start on ``admin_port``. Thespian's
+    "... is not a valid or useable ActorSystem Admin" means that the admin it forked did not
+    answer within its wait (about 10 s): said in words, with what to do."""
+    text = str(exc)
+    if "not a valid or useable ActorSystem Admin" in text:
+        return (f"the actor system did not start on admin port {admin_port}: its admin process did not "
+                f"answer within Thespian's start-up wait (a machine busy with other work, or another "
+                f"program took the port meanwhile); try again, or pick another --admin-port")
+    return f"the actor system did not start on admin port {admin_port}: {text}"
+
+
 def _down_label(node) -> str:
     """``LEAVING`` (its member stops: it drains), ``LEFT``, or ``LOST: <why>``
     (``LOST: missed 3 node heartbeats``)."""
@@ -201,7 +213,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             asys = ActorSystem(ACTOR_BASE, node_capabilities(admin_port, leader_node.name, devices, ()),
                                logDefs=thespian_log_defs())
         except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
-            raise StartError(f"the actor system did not start on admin port {admin_port}: {exc}") from None
+            raise StartError(admin_start_error(admin_port, exc)) from None
         sessions = child_sessions()  # the admin's session: the whole actor tree lives in it
         watchdog = start_watchdog("leader", system_id, sessions, shm_prefix=shm_prefix, state_file=sfile)
         # (before the deployment, which waits for every replica: `stop` finds the leader by it)

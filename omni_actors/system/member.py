@@ -16,7 +16,8 @@ import socket
 import threading
 import time
 
-from omni_actors.system.leader import ACTOR_BASE, StartError, node_capabilities, start_data_service
+from omni_actors.system.leader import (ACTOR_BASE, StartError, admin_start_error, node_capabilities,
+                                       start_data_service)
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
                                           resume_stopped)
 from omni_actors.system.watchdog import exit_if_host_gone, mark_host_process, start_watchdog, stop_watchdog
@@ -97,7 +98,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         try:
             asys = ActorSystem(ACTOR_BASE, caps, logDefs=thespian_log_defs())
         except Exception as exc:  # noqa: BLE001
-            raise StartError(f"the actor system did not start on admin port {admin_port}: {exc}") from None
+            raise StartError(admin_start_error(admin_port, exc)) from None
         sessions = child_sessions()  # the admin's session: every actor placed here lives in it
         watchdog = start_watchdog("member", os.environ.get(ENV_SYSTEM_ID, ""), sessions, shm_prefix=shm_prefix)
         print(f"omni-actors member {node!r} joined the convention at {host}:{port} "
