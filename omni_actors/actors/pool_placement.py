@@ -21,7 +21,7 @@ from thespian.actors import ActorExitRequest
 from omni_actors.actors.engine import EngineActor
 from omni_actors.actors.node_agent import NODE_CAPABILITY
 from omni_actors.placement import LEAVING, LEFT_REASON
-from omni_actors.messages import (LIVE_STATES, AdminReply, DrainNode, NodeLost, NodesChanged, PlaceReplica, Placement,
+from omni_actors.messages import (LIVE_STATES, DrainNode, NodeLost, NodesChanged, PlaceReplica, Placement,
                                   PlacementFailed, ReleasePlacement, ReplicaState, StartEngine)
 
 
@@ -83,7 +83,7 @@ class PoolPlacementMixin:
         that runs or starts is drained (no new tasks; it stops once those in flight are
         done) and a replacement starts on another node at once. A replica pinned to the
         node starts again instead once it has stopped, and waits (``pending``) for the
-        node to be back. Answers ``reply_to`` with what it drains."""
+        node to be back. (The coordinator answers the member that asked.)"""
         drained = []
         for rep in list(self._replicas.values()):
             if rep.node != msg.node or rep.state not in (ReplicaState.READY, ReplicaState.STARTING):
@@ -100,8 +100,6 @@ class PoolPlacementMixin:
         if drained:
             self._log.info("node_draining", node=msg.node, replicas=drained)
         self._publish()
-        if msg.reply_to is not None:
-            self.send(msg.reply_to, AdminReply(True, ", ".join(drained)))
 
     def receiveMsg_NodeLost(self, msg: NodeLost, sender):
         for rep in list(self._replicas.values()):

@@ -27,6 +27,7 @@ Rules (defaults in :class:`omni_actors.config.Supervision`):
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import threading
@@ -91,11 +92,13 @@ class WakeupChain:
         return self.owns(payload) and payload[1] == self.gen
 
 
+@functools.lru_cache(maxsize=1)
 def host_identity() -> str:
     """Which machine (kernel) this process runs on, as ``"<hostname>/<boot id>"``: where a
     pid it reports means that process. The boot id (``/proc/sys/kernel/random/boot_id``,
     "" where there is none) tells apart two hosts that share a hostname; network namespaces
-    on one host share it, as they share its pids."""
+    on one host share it, as they share its pids. Read once per process (its status
+    reports carry it at every heartbeat interval)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
