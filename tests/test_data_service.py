@@ -261,13 +261,18 @@ def test_a_forked_child_does_not_keep_the_service_listening(prefix):
     svc = DataService("127.0.0.1", 0, prefix).start()
     listening = f"socket:[{os.fstat(svc._server.socket.fileno()).st_ino}]"
     read, write = os.pipe()
+    up_read, up_write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child (as a Thespian admin forked from a leader) just lives a while
         os.close(write)
+        os.write(up_write, b"u")  # (past the fork and its hooks: CI once looked before the child ran them)
         os.read(read, 1)
         os._exit(0)
     os.close(read)
+    os.close(up_write)
     try:
+        assert os.read(up_read, 1) == b"u"
+        os.close(up_read)
         svc.stop()
         held = []
         for fd in os.listdir(f"/proc/{pid}/fd"):
