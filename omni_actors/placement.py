@@ -90,6 +90,11 @@ class Node:
         return "left" if self.down_reason == LEFT_REASON else "lost"
 
     @property
+    def open(self) -> bool:
+        """Whether new replicas may be placed here: alive, and its member not leaving."""
+        return self.alive and not self.leaving
+
+    @property
     def free(self) -> list[str]:
         return [d for d in self.info.devices if d not in self.used]
 
@@ -121,6 +126,7 @@ class Inventory:
             return []
         lost = list(node.replicas)
         node.alive, node.down_reason, node.used, node.replicas = False, reason, {}, {}
+        node.leaving = False  # (it has left, or was lost while it drained)
         return lost
 
     def drain(self, name: str) -> bool:
@@ -148,8 +154,7 @@ class Inventory:
             return self._place_pinned(stage, replica, allowed[0] if allowed else "", pin)
         fits = []
         for node in self.nodes.values():
-            if (not node.alive or node.leaving or not node.accepts(stage)
-                    or (allowed and node.info.name not in allowed)):
+            if not node.open or not node.accepts(stage) or (allowed and node.info.name not in allowed):
                 continue
             if node.info.devices and len(node.free) < devices:
                 continue
@@ -166,7 +171,7 @@ class Inventory:
 
     def _place_pinned(self, stage: str, replica: str, name: str, pin: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
         node = self.nodes.get(name)
-        if node is None or not node.alive or node.leaving:
+        if node is None or not node.open:
             raise PlacementError(f"{replica} is pinned to devices {','.join(pin)} of node {name or '?'}, "
                                  f"which {_is(node.gone) if node is not None else 'is not known'}")
         missing, held = _missing_and_held(node, pin)
@@ -221,7 +226,7 @@ class Inventory:
         if n is None:
             known = ", ".join(sorted(self.nodes)) or "none"
             raise PlacementError(f"no node named {node!r} (nodes: {known})")
-        if not n.alive or n.leaving:
+        if not n.open:
             raise PlacementError(f"node {node} {_is(n.gone)}")
         if not n.accepts(stage):
             raise PlacementError(f"node {node} does not take {stage} (it takes {','.join(n.info.stages)})")
@@ -246,7 +251,7 @@ class Inventory:
     def _node_offering(self, stage: str, devices: tuple[str, ...], allowed: tuple[str, ...]) -> str:
         """The one alive node that offers all ``devices`` (device ids repeat across hosts)."""
         offering = [n.info.name for n in self.nodes.values()
-                    if n.alive and not n.leaving and all(d in n.info.devices for d in devices)]
+                    if n.open and all(d in n.info.devices for d in devices)]
         if len(offering) > 1:
             fit = [name for name in offering if self.nodes[name].accepts(stage) and (not allowed or name in allowed)]
             offering = fit if len(fit) == 1 else offering
@@ -265,7 +270,7 @@ class Inventory:
                 node.used = {d: r for d, r in node.used.items() if r != replica}
 
     def _why_not(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...]) -> str:
-        if allowed and all(n in self.nodes and (not self.nodes[n].alive or self.nodes[n].leaving) for n in allowed):
+        if allowed and all(n in self.nodes and not self.nodes[n].open for n in allowed):
             # (a replica pinned to its node, or a stage's `nodes` rule: it waits for them, which
             # "no node has N free devices" hid)
             if len(allowed) == 1:
@@ -277,7 +282,7 @@ class Inventory:
         for node in self.nodes.values():
             if allowed and node.info.name not in allowed:
                 continue
-            if not node.alive or node.leaving:
+            if not node.open:
                 seen.append(f"{node.info.name}: {node.gone}")
             elif not node.accepts(stage):
                 seen.append(f"{node.info.name}: does not take {stage}")
@@ -291,7 +296,7 @@ class Inventory:
         return tuple(
             NodeStatus(n.info.name, n.alive, n.info.devices, dict(n.used), n.info.stages,
                        tuple(sorted(n.replicas)), round(now - n.last_seen, 3), n.data_service, n.buffers,
-                       n.free_buffers, n.free_bytes, n.down_reason, n.alive and n.leaving)
+                       n.free_buffers, n.free_bytes, n.down_reason, n.leaving)
             for n in sorted(self.nodes.values(), key=lambda n: n.info.name))
 
 

@@ -147,6 +147,10 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log) -> 
     from omni_actors.system.remote import attach_remote
 
     running = (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.DRAINING, ReplicaState.ISOLATED)
+
+    def running_here(status) -> list[str]:
+        return [r.replica for s in status.stages for r in s.replicas if r.node == node and r.state in running]
+
     try:
         admin = attach_remote(host, port)
     except AdminError as exc:
@@ -155,7 +159,7 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log) -> 
     started = False
     try:
         status = admin.status(timeout_s=5.0)
-        if not any(r.node == node and r.state in running for s in status.stages for r in s.replicas):
+        if not running_here(status):
             return True
         admin.drain_node(node)
         started = True
@@ -165,8 +169,7 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log) -> 
         log.info("member_draining", node=node, timeout_s=wait_s)
         deadline, left = time.monotonic() + wait_s, ()
         while not hurry.is_set():
-            left = [r.replica for s in admin.status(timeout_s=5.0).stages for r in s.replicas
-                    if r.node == node and r.state in running]
+            left = running_here(admin.status(timeout_s=5.0))
             if not left or time.monotonic() >= deadline:
                 break
             hurry.wait(0.2)
