@@ -289,6 +289,30 @@ def test_a_request_actor_stops_a_producer_that_streams_for_a_request_already_ove
     assert sent == [("thinker-engine", CancelStage("gone", 0))]
 
 
+def test_a_consumers_chunk_timeout_names_the_upstream_stage_where_the_chunks_stopped():
+    """A stalled Thinker starves the Talker; on a loaded machine Code2Wav's timeout on
+    the Talker can fire before the Talker's on the Thinker (CI saw it). The message
+    then also says how long the Thinker, still running, has been silent."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from omni_actors.actors.request import RequestActor
+
+    ra = RequestActor()
+    ra._reset()
+    ra._plan = {0: SimpleNamespace(stream_source=None), 1: SimpleNamespace(stream_source=0),
+                2: SimpleNamespace(stream_source=1)}
+    now = _time.monotonic()
+    ra._chunks = {0: [None] * 5, 1: [None] * 29}
+    ra._chunk_at = {0: now - 2.4, 1: now - 2.0}
+    ra._sent, ra._consumer = {1: 5, 2: 29}, {1: "talker", 2: "code2wav"}
+    assert ra._relay_state(2, 1) == (" [request actor: 29 chunk(s) of stage 1 in order, stage 1 still running, "
+                                     "29 relayed; upstream of it, stage 0 still running, its last chunk 2.4 s ago]")
+    assert ra._relay_state(1, 0) == " [request actor: 5 chunk(s) of stage 0 in order, stage 0 still running, 5 relayed]"
+    ra._done[0] = object()  # a finished upstream stage is not named
+    assert "upstream of it" not in ra._relay_state(2, 1)
+
+
 def test_a_replica_without_a_process_shows_no_load():
     """A stopped (failed, dead) replica's row has no pid and no load: not the running,
     waiting, KV-cache and rate figures of its last heartbeat, which summed per stage

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import os
 import random
@@ -413,11 +414,16 @@ def test_signal_faults_and_logs_work_through_a_members_admin_port_on_the_leaders
                                str(member.admin_port)], capture_output=True, text=True, timeout=60, cwd=ROOT,
                               env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(cluster.leader.log_path.parent)})
 
+    # SIGCONT first, to a running replica (harmless): with heartbeats every 0.5 s a
+    # replica held stopped while a second CLI starts (seconds on a loaded machine) is
+    # isolated as silent and killed, and a SIGCONT after it is refused ("dead").
+    resumed = cli("inject", "sigcont", "--replica", rep["replica"])
+    assert resumed.returncode == 0, resumed.stderr
     stopped = cli("inject", "sigstop", "--replica", rep["replica"])
     state = (_proc_stat(rep["pid"]) or ["gone"])[0]
-    resumed = cli("inject", "sigcont", "--replica", rep["replica"])
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(rep["pid"], signal.SIGCONT)  # (or the pool isolates and replaces it: both end ready)
     assert stopped.returncode == 0 and state == "T", (state, stopped.stderr)
-    assert resumed.returncode == 0, resumed.stderr
     logs = cli("shell", "-c", "logs 5")
     assert logs.returncode == 0 and len(logs.stdout.splitlines()) == 5, logs
     cluster.wait_all_ready(30)

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 import threading
 import time
 import wave
@@ -284,7 +285,12 @@ def test_a_stalled_thinker_ends_the_request_at_the_chunk_timeout(leader):
         errors = [(t, e) for t, k, e in s.events if k == "error"]
         assert errors, s.kinds()
         t_err, err = errors[0]
-        assert "no chunk from upstream stage 0 within 2 s" in err["message"], err
+        # The Talker's timeout on the Thinker usually fires first; on a loaded machine
+        # Code2Wav's on the Talker can, and then the RequestActor names the Thinker as
+        # the stage whose chunks stopped.
+        silent = re.search(r"upstream of it, stage 0 still running, its last chunk ([\d.]+) s ago", err["message"])
+        assert ("no chunk from upstream stage 0 within 2 s" in err["message"]
+                or (silent and float(silent.group(1)) >= 1.5)), err
         # The RequestActor says what it got and relayed: here the producer stalled, nothing went astray.
         assert "stage 0 still running" in err["message"] and "relayed" in err["message"], err
         assert 1.5 < t_err - stalled < 6.0

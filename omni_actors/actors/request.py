@@ -115,6 +115,7 @@ class RequestActor(ActorTypeDispatcher):
         self._chunks: dict[int, list] = {}  # producer -> its chunk refs, by seq
         self._chunk_last: dict[int, list[int]] = {}  # producer -> per chunk, the backend's last chunk in it
         self._chunk_total: dict[int, int] = {}  # producer -> chunk count, once it is done
+        self._chunk_at: dict[int, float] = {}  # producer -> monotonic time of its latest chunk
         self._producer: dict[int, object] = {}  # producer -> the engine sending its chunks
         self._consumer: dict[int, object] = {}  # consumer -> the engine that accepted it
         self._sent: dict[int, int] = {}  # consumer -> chunks sent to it (end marker: -1)
@@ -250,6 +251,7 @@ class RequestActor(ActorTypeDispatcher):
         # each other, so they are put back in order by seq here.
         early = self._early.setdefault(msg.stage_id, {})
         early[msg.seq] = msg
+        self._chunk_at[msg.stage_id] = time.monotonic()
         self._producer[msg.stage_id] = sender
         chunks = self._chunks.setdefault(msg.stage_id, [])
         consumers = self._stream_consumers[msg.stage_id]
@@ -423,7 +425,21 @@ class RequestActor(ActorTypeDispatcher):
                 + (f", {held} waiting for an earlier one" if held else "")
                 + (f", stage {src} done after {total}" if total is not None else f", stage {src} still running")
                 + (", all relayed with the end marker" if sent < 0 else
-                   f", {sent} relayed" if dst in self._consumer else ", consumer not accepted yet") + "]")
+                   f", {sent} relayed" if dst in self._consumer else ", consumer not accepted yet")
+                + self._upstream_silence(src) + "]")
+
+    def _upstream_silence(self, src: int) -> str:
+        """How long each still-running stage that ``src`` streams from has been
+        silent: a stalled Thinker starves the Talker, and Code2Wav's timeout on the
+        Talker can fire first; this names the stage where the chunks stopped."""
+        notes, now = [], time.monotonic()
+        up = self._plan[src].stream_source
+        while up is not None and up not in self._done and up not in self._done_waiting:
+            at = self._chunk_at.get(up)
+            notes.append(f"; upstream of it, stage {up} still running, " +
+                         (f"its last chunk {now - at:.1f} s ago" if at is not None else "no chunk from it yet"))
+            up = self._plan[up].stream_source
+        return "".join(notes)
 
     def _left(self) -> float:
         """Seconds left before this request's deadline (at least a millisecond)."""
