@@ -11,7 +11,10 @@ Rules:
 - a node takes only the stages it offers (``--stages``), and a stage only the
   nodes its config allows (``deployment.stages.<stage>.nodes``);
 - among the nodes that fit, the one with the fewest replicas of that stage
-  wins (spread), then the one with the most free devices, then by name.
+  wins (spread), then the one with the most free devices, then by name;
+- a stage with no replica running goes first: while one waits for devices
+  (its host was lost, say), another replica of a stage that still has one
+  running is not given the devices that it needs (:class:`FirstInLine`).
 
 A replica launched with explicit devices (``stage launch --devices 2,3
 --node N``) is *pinned*: :meth:`Inventory.plan_launch` checks the request
@@ -31,6 +34,19 @@ from omni_actors.messages import NodeInfo, NodeStatus
 
 class PlacementError(RuntimeError):
     """No node can take the replica; the message says what was free."""
+
+
+@dataclass(frozen=True)
+class FirstInLine:
+    """A stage that has no replica running and wants one: until it has, its
+    ``devices`` (per replica) on one of ``allowed`` nodes (empty: any) are kept
+    from the other replicas of stages that still have one running. Without it the
+    pools' re-placements after a host loss race, and a second Talker could take
+    the last device while the only Code2Wav waits (every audio request a 503)."""
+
+    stage: str
+    devices: int
+    allowed: tuple[str, ...] = ()
 
 
 #: Largest device id taken (hosts have up to 8-16 GPUs; MIG and multi-host ids stay far below).
@@ -139,15 +155,17 @@ class Inventory:
         return True
 
     def place(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...] = (),
-              pin: tuple[str, ...] = ()) -> tuple[str, tuple[str, ...]]:
+              pin: tuple[str, ...] = (), first: tuple[FirstInLine, ...] = ()) -> tuple[str, tuple[str, ...]]:
         """Choose ``(node, devices)`` for ``replica``; releases what it held before.
 
         With ``pin`` (device ids), the replica takes exactly those devices of
-        the one node in ``allowed``, or nothing.
+        the one node in ``allowed``, or nothing. ``first``: stages with no replica
+        running, whose devices this one may not take (a pinned replica ignores it).
 
         Raises:
             PlacementError: no alive node that accepts the stage has enough free devices
-                (pinned: the node is lost, or a pinned device is held by another replica).
+                (pinned: the node is lost, or a pinned device is held by another replica),
+                or every node that has them would leave a stage of ``first`` without room.
         """
         self.release(replica)
         if pin:
@@ -162,12 +180,44 @@ class Inventory:
             fits.append((same_stage, -len(node.free), node.info.name, node))
         if not fits:
             raise PlacementError(self._why_not(stage, replica, devices, allowed))
+        if first:
+            fits = self._leave_room(fits, devices, first)
         node = min(fits, key=lambda f: f[:3])[3]
         chosen = tuple(node.free[:devices]) if node.info.devices else ()
         for d in chosen:
             node.used[d] = replica
         node.replicas[replica] = stage
         return node.info.name, chosen
+
+    def _leave_room(self, fits: list, devices: int, first: tuple[FirstInLine, ...]) -> list:
+        """The candidate nodes (``fits`` rows) whose taking ``devices`` still lets every
+        stage of ``first`` that can be placed now be placed."""
+        could = self._placeable(first)
+        ok = [f for f in fits if self._placeable(first, f[3].info.name, devices) >= could]
+        if ok:
+            return ok
+        names = ", ".join(sorted({need.stage for need in first}))
+        raise PlacementError(f"the free devices are kept for stage {names}, which has no replica running "
+                             f"(a stage with none goes first); waiting for more")
+
+    def _placeable(self, first: tuple[FirstInLine, ...], taken_on: str = "", taken: int = 0) -> int:
+        """How many of ``first`` fit at once (greedily, in order) in the free devices,
+        less ``taken`` of them on node ``taken_on``."""
+        free = {name: len(n.free) - (taken if name == taken_on else 0)
+                for name, n in self.nodes.items() if n.open and n.info.devices}
+        placed = 0
+        for need in first:
+            for name, node in self.nodes.items():
+                if not node.open or not node.accepts(need.stage) or (need.allowed and name not in need.allowed):
+                    continue
+                if not node.info.devices:
+                    placed += 1  # a CPU node takes any number
+                    break
+                if free[name] >= need.devices:
+                    free[name] -= need.devices
+                    placed += 1
+                    break
+        return placed
 
     def _place_pinned(self, stage: str, replica: str, name: str, pin: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
         node = self.nodes.get(name)

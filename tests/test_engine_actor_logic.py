@@ -668,6 +668,45 @@ def test_a_late_heartbeat_cannot_bring_back_a_node_that_left():
     assert coord._inventory.nodes["m2"].alive
 
 
+def test_after_a_host_loss_the_stage_left_with_no_replica_is_placed_before_a_second_one_of_another():
+    """Trial K: a host with a Talker and the only Code2Wav was lost; the Talker pool's
+    re-placement came first and took the last free device, and every audio request got
+    a 503. The coordinator now keeps that device for Code2Wav (its pool's last report
+    still shows it ready, on the lost node), whichever request comes first; the Talker's
+    replacement waits, and gets the next device to come free."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import (PlaceReplica, Placement, PlacementFailed, PoolState, ReplicaState,
+                                      ReplicaStatus)
+    from omni_actors.placement import NodeInfo
+
+    co = CoordinatorActor()
+    co.sent = []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co._inventory.add(NodeInfo("m1", ("0", "1", "2"), ()))
+    co._inventory.add(NodeInfo("m2", ("0", "1"), ()))
+    ready = ReplicaState.READY
+    placed = {"thinker/0": "m1", "talker/0": "m1", "talker/1": "m2", "code2wav/0": "m2"}
+    for replica, node in placed.items():
+        co._inventory.place(replica.split("/")[0], replica, 1, (node,))
+    co._config = SimpleNamespace(stage_by_name=lambda name: name,  # every stage: TP1, any node
+                                 deployment_of=lambda stage: SimpleNamespace(devices_per_replica=1, nodes=[]))
+    for sid, stage in enumerate(("thinker", "talker", "code2wav")):
+        co._states[sid] = PoolState(sid, stage, tuple(ReplicaStatus(r, ready, node=n)
+                                                      for r, n in placed.items() if r.startswith(stage)))
+    co._inventory.lose("m2", "missed 3 node heartbeats")
+    co.receiveMsg_PlaceReplica(PlaceReplica("talker", "talker/2", 1, (), ()), "talker-pool")
+    refused = co.sent[-1][1]
+    assert isinstance(refused, PlacementFailed) and refused.replica == "talker/2"
+    assert "kept for stage code2wav, which has no replica running" in refused.reason
+    co.receiveMsg_PlaceReplica(PlaceReplica("code2wav", "code2wav/1", 1, (), ()), "code2wav-pool")
+    assert co.sent[-1] == ("code2wav-pool", Placement("code2wav/1", "m1", ("2",)))
+    co._inventory.add(NodeInfo("m3", ("0",), ()))  # a device comes free: the Talker takes it
+    co.receiveMsg_PlaceReplica(PlaceReplica("talker", "talker/2", 1, (), ()), "talker-pool")
+    assert co.sent[-1] == ("talker-pool", Placement("talker/2", "m3", ("0",)))
+
+
 def test_a_busy_request_actor_tells_its_bridge_it_is_alive_until_it_is_free():
     """A busy RequestActor tells its bridge every alive_every_s that it still runs its
     request (silence means its process is gone), while it runs the request and while it

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from omni_actors.messages import NodeInfo
-from omni_actors.placement import LEFT_REASON, Inventory, PlacementError
+from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, PlacementError
 
 
 def inventory(*nodes: NodeInfo) -> Inventory:
@@ -406,3 +406,36 @@ def test_status_and_the_shell_name_a_leaving_node():
     AdminShell(Admin(), 1900, stdout=shell_out).onecmd("nodes")
     text = shell_out.getvalue()
     assert "m2 LEAVING: 1 replicas" in text and "m1 LEFT: 1 replicas" in text, text  # (talker/1 waits for m1)
+
+
+def test_a_stage_with_no_replica_running_goes_first_for_the_last_devices():
+    """Trial: after a host loss the Talker's replacement took the last free device and
+    the only Code2Wav waited (every audio request a 503). A stage in ``first`` keeps
+    the devices it needs; a node that leaves them is still used; a stage in ``first``
+    that cannot be placed anyway keeps nothing."""
+    inv = inventory(NodeInfo("m1", ("0", "1")), NodeInfo("m2", ("2",)))
+    inv.place("talker", "talker/0", 1)  # m1 (spread: most free)
+    need = (FirstInLine("code2wav", 1),)
+    assert inv.place("talker", "talker/1", 1, first=need)[0] == "m2"  # one free on each node: room left
+    with pytest.raises(PlacementError) as err:
+        inv.place("talker", "talker/2", 1, first=need)
+    assert str(err.value) == ("the free devices are kept for stage code2wav, which has no replica running "
+                              "(a stage with none goes first); waiting for more")
+    assert "talker/2" not in {r for n in inv.nodes.values() for r in n.replicas}  # nothing half-taken
+    assert inv.place("code2wav", "code2wav/0", 1)[1]  # and the stage that goes first gets it
+    # A first stage that cannot fit anywhere (TP2, or only on a lost node) holds nothing back:
+    inv = inventory(NodeInfo("m1", ("0",)), NodeInfo("m2", ("1",)))
+    inv.place("talker", "talker/0", 1)
+    assert inv.place("talker", "talker/1", 1, first=(FirstInLine("dit", 2),))[0] == "m2"
+    inv = inventory(NodeInfo("m1", ("0", "1")), NodeInfo("m3", ("2",)))
+    inv.lose("m3")
+    inv.place("talker", "talker/0", 1)
+    assert inv.place("talker", "talker/1", 1, first=(FirstInLine("code2wav", 1, ("m3",)),))[0] == "m1"
+    # Two first stages and two free devices: the second-last is not given away either.
+    inv = inventory(NodeInfo("m1", ("0", "1", "2")))
+    inv.place("talker", "talker/0", 1)
+    with pytest.raises(PlacementError, match="kept for stage code2wav, thinker"):
+        inv.place("talker", "talker/1", 1, first=(FirstInLine("thinker", 1), FirstInLine("code2wav", 1)))
+    # A CPU node takes any number: nothing to keep.
+    inv = inventory(NodeInfo("cpu"))
+    assert inv.place("talker", "talker/1", 1, first=need)[0] == "cpu"

@@ -35,7 +35,7 @@ from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainNode, DrainR
                                   PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
                                   ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, StartNodeAgent,
                                   StartPool, Subscribe, SUBSCRIPTION, SystemStatus, WhoAmI, YouAre)
-from omni_actors.placement import LEFT_REASON, Inventory, PlacementError
+from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, PlacementError
 
 #: A member node whose agent has been silent this many heartbeat intervals is lost.
 NODE_MISSED_HEARTBEATS = 3
@@ -63,6 +63,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         #: stage id -> its pool's last own report: what a pool recreated after a crash starts (see _layout)
         self._reported: dict[int, PoolState] = {}
         self._pools_down: dict[int, str] = {}  #: stage id -> why its pool is not there (exited, not yet back)
+        self._asks: dict[str, PlaceReplica] = {}  #: replica -> its latest placement request (nodes, devices)
         self._routes_version = 0
         self._deployed_at = 0  # (Unix seconds: when it took its config)
         self._deploy_waiters: list[object] = []
@@ -162,6 +163,8 @@ class CoordinatorActor(ActorTypeDispatcher):
             return  # an old pool, draining after it was replaced
         old = self._states.get(msg.stage_id)
         self._reported[msg.stage_id] = msg
+        shown = {r.replica for r in msg.replicas}
+        self._asks = {r: a for r, a in self._asks.items() if a.stage != msg.stage or r in shown}
         self._states[msg.stage_id] = PoolState(msg.stage_id, msg.stage, msg.replicas, msg.pid, msg.pending,
                                                len(self._pool_restarts.get(msg.stage_id, ())), host=msg.host)
         if old is None or _states_of(old) != _states_of(msg):
@@ -336,13 +339,48 @@ class CoordinatorActor(ActorTypeDispatcher):
             node.free_buffers, node.free_bytes = msg.free_buffers, msg.free_bytes
 
     def receiveMsg_PlaceReplica(self, msg: PlaceReplica, sender):
+        self._asks[msg.replica] = msg
         try:
             node, devices = self._inventory.place(msg.stage, msg.replica, msg.devices, msg.nodes,
-                                                  pin=msg.pin_devices)
+                                                  pin=msg.pin_devices,
+                                                  first=() if msg.pin_devices else self._first_in_line(msg))
         except PlacementError as exc:
             self.send(sender, PlacementFailed(msg.replica, str(exc)))
             return
         self.send(sender, Placement(msg.replica, node, devices))
+
+    def _first_in_line(self, ask: PlaceReplica) -> tuple[FirstInLine, ...]:
+        """The other stages that have no replica running (placed, or reported starting
+        or ready, on an open node) and one that wants to run, when ``ask``'s stage has
+        one running besides ``ask.replica``: their devices are not given to it."""
+        def running(stage: str, state: PoolState | None, but: str = "") -> set[str]:
+            placed = {r for n in self._inventory.nodes.values() if n.open
+                      for r, s in n.replicas.items() if s == stage}
+            reported = {r.replica for r in (state.replicas if state else ())
+                        if r.state in (ReplicaState.READY, ReplicaState.STARTING)
+                        and r.node in self._inventory.nodes and self._inventory.nodes[r.node].open}
+            return (placed | reported) - {but}
+
+        states = {st.stage: st for st in self._states.values()}
+        if not running(ask.stage, states.get(ask.stage), ask.replica):
+            return ()  # its own stage has none running: it is one of the first
+        first = []
+        for stage, state in states.items():
+            if stage == ask.stage or running(stage, state):
+                continue
+            wanting = [r.replica for r in state.replicas
+                       if r.state not in (ReplicaState.FAILED, ReplicaState.STOPPED)]
+            if not wanting:
+                continue
+            asked = next((self._asks[r] for r in wanting if r in self._asks), None)
+            if asked is not None and asked.pin_devices:
+                continue  # pinned: it waits for its own devices, not for any
+            if asked is None:
+                dep = self._config.deployment_of(self._config.stage_by_name(stage))
+                first.append(FirstInLine(stage, dep.devices_per_replica, tuple(dep.nodes)))
+            else:
+                first.append(FirstInLine(stage, asked.devices, asked.nodes))
+        return tuple(first)
 
     def receiveMsg_ReleasePlacement(self, msg: ReleasePlacement, sender):
         self._inventory.release(msg.replica)
