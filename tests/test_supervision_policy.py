@@ -238,3 +238,35 @@ def test_a_signal_fault_is_refused_when_its_target_runs_on_another_machine(monke
     assert adm.inject("sigstop", replica="talker/1")["pid"] == 4343
     assert adm.inject("kill-pool", stage="talker")["pid"] == 99
     assert sent == [(4343, sig.SIGSTOP), (99, sig.SIGKILL)]
+
+
+def test_an_orphaned_pool_whose_exit_thespian_holds_exits_hard_after_the_grace():
+    """A pool orphaned by a killed coordinator drains its replicas, then asks to exit;
+    Thespian holds that exit until every child confirms, and a child whose creation went
+    towards a member that is gone never does (trial: two old pools alive until the system
+    stopped). Here the exit request goes nowhere, as then: the process still ends once
+    ORPHAN_EXIT_GRACE_S has passed, and says so (once, however many ticks asked)."""
+    import subprocess
+    import sys
+
+    child = (
+        "import time\n"
+        "from types import SimpleNamespace\n"
+        "import omni_actors.actors.stage_pool as sp\n"
+        "sp.ORPHAN_EXIT_GRACE_S = 0.5\n"
+        "pool = sp.StagePoolActor()\n"
+        "pool._started.set()\n"
+        "pool.send = lambda address, message: print('sent', type(message).__name__, flush=True)\n"
+        "pool._myRef = SimpleNamespace(address='pool')\n"
+        "pool._spec = SimpleNamespace(heartbeat_interval_s=0.5)\n"
+        "pool._parent = SimpleNamespace(lost=lambda late: True)\n"
+        "for _ in range(3):\n"
+        "    pool._wind_down_if_orphaned(time.monotonic())\n"
+        "time.sleep(30)\n"
+        "print('still here', flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=20)
+    assert out.returncode == 0, out
+    lines = out.stdout.splitlines()
+    assert lines.count("sent ActorExitRequest") == 3 and "still here" not in lines, out
+    forced = [line for line in lines if "exit_forced" in line]  # (console log format: no log config here)
+    assert len(forced) == 1 and "after_s=0.5" in forced[0] and "reason='coordinator lost'" in forced[0], out

@@ -39,7 +39,7 @@ from omni_actors.actors.pool_placement import PoolPlacementMixin
 from omni_actors.actors.pool_routing import TASK_OVERDUE_GRACE_S, PoolRoutingMixin  # noqa: F401 (re-exported)
 from omni_actors.actors.supervision import (TICK_LOST_AFTER_INTERVALS, WAKEUP_LOST_AFTER_S, HealthPolicy, host_identity,
                                             ParentWatch, ReplicaHealth, RestartPolicy, WakeupChain,
-                                            exit_if_orphaned_before_start)
+                                            exit_hard_after, exit_if_orphaned_before_start)
 from omni_actors.balancing import POLICIES
 from omni_actors.logs import get_logger
 from omni_actors.placement import LEAVING, LEFT_REASON
@@ -52,6 +52,9 @@ TICKS_PER_INTERVAL = 4
 #: Missing this many coordinator acks (in intervals) means the coordinator is gone, once
 #: it is no longer this process's parent either (``ParentWatch``: a busy one acks late).
 ORPHAN_AFTER_INTERVALS = 5
+#: An orphaned pool (see above) whose replicas have all exited asks to exit; if it has not
+#: within this many seconds (Thespian waits for a child that never answers), it exits hard.
+ORPHAN_EXIT_GRACE_S = 30.0
 
 #: States in which a replica has no process (any pid it had is gone).
 _NO_PROCESS = (ReplicaState.FAILED, ReplicaState.STOPPED, ReplicaState.DEAD)
@@ -114,6 +117,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         self._pins: dict[str, tuple[str, tuple[str, ...]]] = {}  # replica -> (node, devices) it is pinned to
         self._last_ack = time.monotonic()
         self._orphaned = False
+        self._exit_timer = None  # orphaned and exiting: ends the process if Thespian does not
         self._parent = ParentWatch(0, "")
         self._last_tick = 0.0  # when the last health tick ran (monotonic)
         self._ticks_chain = WakeupChain("tick")  # (restarted by a heartbeat when its wake-up is lost)
@@ -331,6 +335,12 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                                    f"{self._spec.supervision.queue_timeout_s:g} s ({self._describe()})")
         if self._hold_until and now >= self._hold_until:
             self._drain_pending()  # the backlog kept for replicas that are still starting
+        self._wind_down_if_orphaned(now)
+
+    def _wind_down_if_orphaned(self, now: float) -> None:
+        """With no acks from the coordinator for :data:`ORPHAN_AFTER_INTERVALS` (or its
+        process gone), drain every replica; once none is alive, exit (hard after
+        :data:`ORPHAN_EXIT_GRACE_S` if Thespian holds the exit)."""
         if not self._orphaned and self._parent.lost(
                 now - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.heartbeat_interval_s):
             self._orphaned = True
@@ -340,6 +350,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                     self.send(rep.address, DrainReplica(rep.replica))
         if self._orphaned and not any(r.state in _ALIVE and r.address is not None
                                       for r in self._replicas.values()):
+            if self._exit_timer is None:
+                self._exit_timer = exit_hard_after(ORPHAN_EXIT_GRACE_S, self._log, reason="coordinator lost")
             self.send(self.myAddress, ActorExitRequest())
 
     def _isolate(self, rep: Replica, why: str, hard: bool = True, crashed: bool = False) -> None:

@@ -54,6 +54,26 @@ def exit_if_orphaned_before_start(started: threading.Event, poll_s: float = 1.0)
     threading.Thread(target=watch, name="orphan-before-start", daemon=True).start()
 
 
+def exit_hard_after(delay_s: float, log, **fields) -> threading.Timer:
+    """End this process (``os._exit(0)``) ``delay_s`` seconds from now, from a daemon
+    timer, unless it has ended by then; logs ``exit_forced`` with ``fields`` first.
+
+    For an actor that asked Thespian to exit and holds nothing: Thespian then waits
+    for every child to confirm its exit, and a child whose creation was sent towards
+    a member that is gone never does (a pool orphaned by a killed coordinator was
+    seen alive until the system stopped). Wake-ups are no help there: an exiting
+    actor gets none.
+    """
+    def force() -> None:
+        log.warning("exit_forced", after_s=delay_s, **fields)
+        os._exit(0)
+
+    timer = threading.Timer(delay_s, force)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 #: How late a wake-up may be before it counts as lost and whatever else runs regularly
 #: (a pool's tick, a RequestActor's alive beat) runs its work instead. Our own figure:
 #: wake-ups here come within milliseconds of their time unless dropped.
