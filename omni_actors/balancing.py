@@ -72,7 +72,23 @@ def no_replica_reason(stage: str, replicas: Iterable, queue_timeout_s: float) ->
     return f"no ready replica of stage {stage} ({describe_replicas(replicas)})"
 
 
+#: Stopped replicas a description lists when the stage has no other.
+STOPPED_LISTED = 2
+
+
 def describe_replicas(replicas: Iterable) -> str:
-    """``"talker/0 stopped: scaled down; talker/1 starting"`` (``"no replicas"`` for none)."""
-    return "; ".join(f"{r.replica} {r.state.value}" + (f": {r.reason}" if r.reason else "")
-                     for r in replicas) or "no replicas"
+    """``"talker/1 starting; talker/2 pending: ...; 3 stopped"`` (``"no replicas"`` for none).
+
+    Stopped replicas (scaled down, drained) are counted, not listed, beside any other
+    (a trial's 503 listed five); with no other, the latest :data:`STOPPED_LISTED` are
+    listed, as they say why the stage has nothing.
+    """
+    reps = list(replicas)
+    others = [r for r in reps if r.state.value != "stopped"]
+    stopped = [r for r in reps if r.state.value == "stopped"]
+    listed = others or stopped[-STOPPED_LISTED:]
+    text = "; ".join(f"{r.replica} {r.state.value}" + (f": {r.reason}" if r.reason else "") for r in listed)
+    more = len(stopped) - (0 if others else len(listed))
+    if more:
+        text += f"; {more} {'more ' if not others else ''}stopped"
+    return text or "no replicas"

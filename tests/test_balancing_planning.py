@@ -115,7 +115,12 @@ def test_a_stage_refuses_a_task_only_with_no_replica_ready_or_on_its_way(states,
 
 def test_the_refusal_names_each_replica_and_why() -> None:
     reason = no_replica_reason("talker", _replicas(ReplicaState.STOPPED, ReplicaState.DRAINING), 30.0)
-    assert reason == "no ready replica of stage talker (talker/0 stopped: scaled down; talker/1 draining)"
+    assert reason == "no ready replica of stage talker (talker/1 draining; 1 stopped)"
+    # Stopped ones are counted beside others (a trial's 503 listed five); with nothing else
+    # the latest two say why the stage has nothing.
+    reason = no_replica_reason("talker", _replicas(*[ReplicaState.STOPPED] * 5), 30.0)
+    assert reason == ("no ready replica of stage talker (talker/3 stopped: scaled down; "
+                      "talker/4 stopped: scaled down; 3 more stopped)")
     assert no_replica_reason("dit", [], 30.0) == "no ready replica of stage dit (no replicas)"
 
 

@@ -358,6 +358,32 @@ def test_draining_the_last_replica_of_a_stage_says_what_follows():
     assert last.ok and "it was the last replica of stage thinker: its requests get 503" in last.message
 
 
+def test_scaling_down_retires_a_replica_that_cannot_serve_before_a_ready_one():
+    """Trial P: talker/4 pending (pinned to a device its node no longer offers) and talker/5
+    ready; `scale 1` stopped the ready one (the newest) and kept the one that could never
+    start: NOT READY, every audio request a 503. Now pending, dead, isolated and starting
+    replicas go before ready ones."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+    from omni_actors.messages import AdminReply, ReplicaState, ScaleStage
+
+    pool = StagePoolActor()
+    pool._started.set()
+    sent = []
+    pool.send = lambda address, message: sent.append(message)
+    pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=1, name="talker"))
+    pool._replicas = {"talker/4": Replica("talker/4", None, state=ReplicaState.PENDING),
+                      "talker/5": Replica("talker/5", "a5", state=ReplicaState.READY),
+                      "talker/6": Replica("talker/6", "a6", state=ReplicaState.STARTING)}
+    pool.receiveMsg_ScaleStage(ScaleStage("talker", 2), "cli")
+    assert pool._replicas["talker/4"].state == ReplicaState.STOPPED
+    pool.receiveMsg_ScaleStage(ScaleStage("talker", 1), "cli")
+    assert pool._replicas["talker/6"].state == ReplicaState.DRAINING
+    assert pool._replicas["talker/5"].state == ReplicaState.READY
+    assert [m.message for m in sent if isinstance(m, AdminReply)] == ["talker: 3 -> 2 replicas", "talker: 2 -> 1 replicas"]
+
+
 def test_a_pool_shows_only_its_latest_stopped_replicas():
     """Every drain or scale-down used to leave one more stopped row for good (trial: 15 in
     `status`, 448 series in /metrics); a pool keeps the latest MAX_STOPPED_SHOWN."""

@@ -391,7 +391,8 @@ def test_status_and_the_shell_name_a_leaving_node():
     inv.lose("m1", LEFT_REASON)
     status = SystemStatus("q", "m", True, (PoolState(1, "talker", (
         ReplicaStatus("talker/0", ReplicaState.DRAINING, node="m2", devices="1"),
-        ReplicaStatus("talker/1", ReplicaState.PENDING, pin=("m1", ())))),), nodes=inv.status())
+        ReplicaStatus("talker/1", ReplicaState.PENDING, pin=("m1", ())),
+        ReplicaStatus("talker/2", ReplicaState.PENDING))),), nodes=inv.status())
     out = io.StringIO()
     print_status_table(status, out)
     assert "nodes: leader, m1 (LEFT), m2 (LEAVING)" in out.getvalue(), out.getvalue()
@@ -406,6 +407,11 @@ def test_status_and_the_shell_name_a_leaving_node():
     AdminShell(Admin(), 1900, stdout=shell_out).onecmd("nodes")
     text = shell_out.getvalue()
     assert "m2 LEAVING: 1 replicas" in text and "m1 LEFT: 1 replicas" in text, text  # (talker/1 waits for m1)
+    # A node that is gone offers nothing (a trial read "devices 1 (1 free)" on a LOST node), and
+    # the replicas not placed yet are no CPU host.
+    assert "m1 LEFT: 1 replicas, 0 ready, devices 0 (none offered while it is left)" in text, text
+    assert "m2 LEAVING: 1 replicas, 0 ready, devices 1 (0 free)" in text, text
+    assert "(not placed yet): 1 replicas, 0 ready, waiting for a node" in text, text
 
 
 def test_a_stage_with_no_replica_running_goes_first_for_the_last_devices():

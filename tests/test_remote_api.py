@@ -285,3 +285,18 @@ def test_api_in_another_network_namespace_serves_through_the_leaders_admin(reque
         api.stop(signal.SIGKILL)
     assert api.others() == []
     print(f"\nremote API server in another network namespace: scenario {time.monotonic() - t0:.1f} s")
+
+
+def test_a_leader_address_in_a_message_reads_as_host_and_port():
+    """A trial read `the convention leader ActorAddr-(T|:59000) of the member at ...`:
+    Thespian's text for an admin on the member's own host. It is `127.0.0.1:59000` now."""
+    from thespian.actors import ActorAddress
+    from thespian.system.transport.IPBase import TCPv4ActorAddress
+
+    from omni_actors.system.remote import _address_text
+
+    assert _address_text(ActorAddress(TCPv4ActorAddress(None, 59000, external=False)), "127.0.0.1") == \
+        "127.0.0.1:59000"
+    assert _address_text(ActorAddress(TCPv4ActorAddress("10.0.0.5", 1900, external=True)), "127.0.0.1") == \
+        "10.0.0.5:1900"
+    assert _address_text("leader", "h") == "leader"

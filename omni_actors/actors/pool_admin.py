@@ -12,6 +12,10 @@ from omni_actors.messages import LIVE_STATES as _ALIVE
 from omni_actors.messages import (AdminReply, DrainReplica, InjectFault, LaunchReplicas, ReplicaState, ScaleStage,
                                   replica_index)
 
+#: ``scale`` down retires replicas in this order of state (a ready one last).
+_RETIRE_ORDER = {ReplicaState.PENDING: 0, ReplicaState.DEAD: 1, ReplicaState.ISOLATED: 2, ReplicaState.STARTING: 3,
+                 ReplicaState.READY: 4}
+
 
 class PoolAdminMixin:
     #: States of the replicas that count toward a stage's size (``scale`` and ``launch``).
@@ -69,8 +73,11 @@ class PoolAdminMixin:
             for _ in range(msg.replicas - len(live)):
                 self._launch(self._new_replica_id())
         else:
-            # retire the least busy, newest first
-            for rep in sorted(live, key=lambda r: (len(r.in_flight), -replica_index(r.replica)))[:len(live) - msg.replicas]:
+            # retire those furthest from serving first (pending, then restarting, starting, isolated;
+            # a ready one last: a trial's scale 2 -> 1 stopped the only ready replica and kept one
+            # pending that could never be placed), then the least busy, newest first
+            for rep in sorted(live, key=lambda r: (_RETIRE_ORDER.get(r.state, len(_RETIRE_ORDER)), len(r.in_flight),
+                                                   -replica_index(r.replica)))[:len(live) - msg.replicas]:
                 if rep.state in (ReplicaState.DEAD, ReplicaState.PENDING):
                     rep.state, rep.reason = ReplicaState.STOPPED, "scaled down"
                     self._release(rep)

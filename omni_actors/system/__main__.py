@@ -27,6 +27,8 @@ STOP_GRACE_S = 20.0
 #: connections; the rest is the engines' shutdown (the synthetic demo's about 1 s,
 #: vLLM-Omni's about 4 s on 2 cores: a trial's `--timeout 10` killed them, 4 s before).
 HURRY_BEFORE_MAX_S = 10.0
+#: Longest `stop --timeout` taken (a day: a drain is minutes at most).
+MAX_STOP_TIMEOUT_S = 86400.0
 #: `stop` on a system whose state file predates drain_timeout_s in it: the config default.
 DEFAULT_DRAIN_TIMEOUT_S = 10.0
 #: `status` when the model is not ready, or the leader (its HTTP API) is not running: the
@@ -174,6 +176,8 @@ def cmd_start(args) -> int:
         return _fail(problem, 2)
     if args.convention_address:
         return _start_member(args, devices)
+    if args.port == args.admin_port:  # (an argument error, as the ranges are: exit 2)
+        return _fail(f"--port and --admin-port must differ (both {args.port})", 2)
     # The config loads once, after the re-exec and with logging set up, so that its
     # warnings (a misspelt stage key) are logged once, as JSON lines like every event.
     _ensure_system_id()
@@ -310,6 +314,8 @@ def cmd_stop(args) -> int:
     from omni_actors.system.leader import state_file
     from omni_actors.system.processes import kill_system
 
+    if args.timeout is not None and not 0 <= args.timeout <= MAX_STOP_TIMEOUT_S:  # (also refuses nan)
+        return _fail(f"--timeout must be from 0 to {MAX_STOP_TIMEOUT_S:g} s, got {args.timeout:g}", 2)
     state = _read_state(args.admin_port)
     if state is None:
         return _fail(f"no omni-actors system recorded on admin port {args.admin_port}"

@@ -178,6 +178,16 @@ def _local_leader_port(system: RemoteSystem, host: str) -> int | None:
     return int(port) if (port != system.port and ip == host) else None
 
 
+def _address_text(address, host: str) -> str:
+    """A Thespian admin address as ``host:port`` (``ActorAddr-(T|:1900)``, with no IP,
+    is one on ``host``); Thespian's own text when it has no TCP details."""
+    try:
+        ip, port = address.addressDetails.connectArgs[0]
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return str(address)
+    return f"{host if ip in ('', '0.0.0.0') else ip}:{port}"
+
+
 def attach_remote(host: str, port: int) -> Admin:
     """An :class:`Admin` on the convention whose admin listens at ``host:port``:
     the leader's admin, or a member's (then its convention leader is used).
@@ -207,7 +217,8 @@ def attach_remote(host: str, port: int) -> Admin:
             system.retarget(leader)
             status = system.ask(system.admin_address, Thespian_StatusReq(), ADMIN_ANSWER_S)
             if not isinstance(status, Thespian_SystemStatus):
-                raise AdminError(f"the convention leader {leader} of the member at {host}:{port} does not "
+                raise AdminError(f"the convention leader {_address_text(leader, host)} of the member at "
+                                 f"{host}:{port} does not "
                                  f"answer (stopped, or busy for over {ADMIN_ANSWER_S:g} s)")
         coordinator = status.globalActors.get(COORDINATOR_NAME)
         if coordinator is None:  # being restarted by the leader's watchdog: the lookup waits for it

@@ -271,8 +271,12 @@ class AdminShell(cmd.Cmd):
             reps = by_node.get(node, [])
             inv = inventory.get(node)
             ready = sum(1 for r in reps if r.state.value == "ready")
-            if inv is not None and inv.devices:
+            if inv is None:
+                devices = "waiting for a node"  # (the replicas not placed yet)
+            elif inv.devices and inv.state in ("alive", "leaving"):
                 devices = f"devices {','.join(inv.devices)} ({len(inv.devices) - len(inv.used)} free)"
+            elif inv.devices:
+                devices = f"devices {','.join(inv.devices)} (none offered while it is {inv.state})"
             else:
                 devices = "no devices (CPU)"
             alive = "" if inv is None or inv.state == "alive" else f" {inv.state.upper()}"
