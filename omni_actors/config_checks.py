@@ -49,6 +49,15 @@ def _check_graph(cfg: PipelineConfig, source: str) -> None:
         if not isinstance(stage, str) or not stage:
             raise ConfigError(source, f"{p}.engine_args.model_stage",
                               "required: the stage name as a non-empty string (e.g. `thinker`)")
+        if "/" in stage or not stage.isprintable() or stage != stage.strip() or " " in stage:
+            # (a trial's `a b/c` was taken, then blamed on deployment.stages: replica names
+            # are `<stage>/<index>`, and the CLI and shell split them on the slash)
+            raise ConfigError(source, f"{p}.engine_args.model_stage",
+                              f"`{stage}` is no usable stage name: no `/`, spaces or control characters")
+        model = s.engine_args.get("model")
+        if model is not None and (not isinstance(model, str) or not model.strip()):
+            raise ConfigError(source, f"{p}.engine_args.model",
+                              f"expected a model id or path (a non-empty string), got `{model!r}`")
         if stage in names:
             raise ConfigError(source, f"{p}.engine_args.model_stage",
                               f"duplicate stage name `{stage}` (also stage_args[{names[stage]}])")
@@ -95,6 +104,11 @@ def _check_graph(cfg: PipelineConfig, source: str) -> None:
             raise ConfigError(source, f"deployment.stages.{name}",
                               f"no stage named `{name}`; stages: {sorted(names)}")
     _check_stage_settings(cfg, source)
+    restart = cfg.deployment.supervision.restart
+    if restart.initial_backoff_s > restart.max_backoff_s:
+        raise ConfigError(source, "deployment.supervision.restart.initial_backoff_s",
+                          f"{restart.initial_backoff_s:g} s is over max_backoff_s ({restart.max_backoff_s:g} s): "
+                          "the backoff doubles from the first up to the most")
 
 
 def _check_devices(s: StageSpec, source: str, path: str) -> None:

@@ -49,8 +49,19 @@ def _near_miss(key: str, known: frozenset[str]) -> str | None:
     ``data_parallel_size``); None when ``key`` is known or close to none."""
     if key in known:
         return None
+    swapped = next((k for k in sorted(known) if _one_swap(key, k)), None)
+    if swapped:  # (`modle`: difflib rates a swap in a short key below the cutoff)
+        return swapped
     close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.85)
     return next((k for k in close if abs(len(k) - len(key)) <= 2), None)
+
+
+def _one_swap(a: str, b: str) -> bool:
+    """``a`` is ``b`` with two neighbouring characters swapped."""
+    if len(a) != len(b) or a == b:
+        return False
+    diff = [i for i in range(len(a)) if a[i] != b[i]]
+    return len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]]
 
 
 def _check_keys(mapping: Any, known: frozenset[str], path: str, fate: str,

@@ -327,6 +327,19 @@ def ensure_tiny_model(directory: str | os.PathLike | None = None, **params) -> P
     return make_tiny_model(target, **params)
 
 
+def _unwritable(directory: str, exc: OSError) -> str:
+    """Why a build into ``directory`` failed with ``exc``, in words: the first part of
+    the path that exists and is not a directory, or not writable, else the OS's text."""
+    path = os.path.abspath(directory)
+    while path != os.path.dirname(path) and not os.path.lexists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        return f"cannot build into {directory}: {path} is not a directory"
+    if not os.access(path, os.W_OK):
+        return f"cannot build into {directory}: {path} is not writable"
+    return f"cannot build into {directory}: {exc.strerror}" + (f" ({exc.filename})" if exc.filename else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 1 build failure, 2 usage)."""
     ap = argparse.ArgumentParser(prog="python -m omni_actors.models",
@@ -347,9 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         fn = make_tiny_model if args.force else ensure_tiny_model
         path = fn(args.dir, **params)
-    except (MissingDependency, ValueError, FileExistsError) as exc:
+    except (MissingDependency, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
+    except OSError as exc:  # (FileExistsError: a directory of something else, ours never overwrites it)
+        print(f"error: {exc if exc.errno is None else _unwritable(args.dir, exc)}", file=sys.stderr)
+        return 1
     print(f"{path} ({time.monotonic() - t0:.1f} s)")
     return 0
 

@@ -246,6 +246,35 @@ def test_duplicate_stage_name(tmp_path: Path) -> None:
     assert "duplicate stage name `talker`" in err.message
 
 
+@pytest.mark.parametrize("name", ["a b/c", "talker/x", " talker", "tal\tker"])
+def test_a_stage_name_that_replica_names_cannot_carry_is_refused_where_it_is_given(tmp_path: Path, name: str) -> None:
+    """A trial's `model_stage: 'a b/c'` was taken, then blamed on `deployment.stages.thinker`."""
+    err = refused(tmp_path, variant(stage(0, engine_args={"model_stage": name})))
+    assert err.path == "stage_args[0].engine_args.model_stage"
+    assert err.message == f"`{name}` is no usable stage name: no `/`, spaces or control characters"
+
+
+@pytest.mark.parametrize("model", [5, "", ["a"]], ids=["int", "empty", "list"])
+def test_a_model_that_is_no_id_or_path_is_refused(tmp_path: Path, model: Any) -> None:
+    """A trial's deploy file with `model: 5` passed check-config (a vLLM replica then fails to load)."""
+    err = refused(tmp_path, variant(stage(0, engine_args={"model_stage": "thinker", "model": model})))
+    assert (err.path, err.message) == ("stage_args[0].engine_args.model",
+                                       f"expected a model id or path (a non-empty string), got `{model!r}`")
+    deploy = yaml.safe_load((ROOT / "configs" / "cpu_vllm_omni_deploy.yaml").read_text())
+    deploy["model"] = model
+    err = refused(tmp_path, deploy)
+    assert (err.path, err.message) == ("model", f"expected a model id or path (a non-empty string), got `{model!r}`")
+
+
+def test_a_first_restart_backoff_over_the_longest_is_refused(tmp_path: Path) -> None:
+    """A trial's initial_backoff_s 10 with max_backoff_s 1 passed check-config."""
+    def mutate(d: dict) -> None:
+        d["deployment"]["supervision"] = {"restart": {"initial_backoff_s": 10, "max_backoff_s": 1}}
+    err = refused(tmp_path, variant(mutate))
+    assert err.path == "deployment.supervision.restart.initial_backoff_s"
+    assert err.message.startswith("10 s is over max_backoff_s (1 s)")
+
+
 def test_input_source_naming_an_unknown_stage(tmp_path: Path) -> None:
     err = refused(tmp_path, variant(stage(1, engine_input_source=[7])))
     assert err.path == "stage_args[1].engine_input_source[0]"
@@ -555,8 +584,10 @@ def warnings_of(data: Any, tmp_path: Path) -> tuple[list[dict], Any]:
     (stage(0, engine_args={"model_stage": "thinker", "tensor_paralel_size": 2}),
      "stage_args[0].engine_args.tensor_paralel_size", "tensor_parallel_size"),
     (lambda d: d.update(runtim={"edges": [{"from": 0, "to": 1}]}), "runtim", "runtime"),  # (a trial's: silent)
+    # two letters swapped in a short key (a trial's `modle`: difflib rates it below its cutoff)
+    (stage(1, engine_args={"model_stage": "talker", "modle": "x"}), "stage_args[1].engine_args.modle", "model"),
 ], ids=["engine_input_sources", "final_ouput", "custom_process_input_fn", "input_sources", "runtime.device",
-        "engine_args.tensor_paralel_size", "top-level runtim"])
+        "engine_args.tensor_paralel_size", "top-level runtim", "engine_args.modle"])
 def test_a_misspelt_stage_key_is_loaded_with_a_warning_naming_the_key_meant(
         tmp_path: Path, mutate: Callable[[dict], None], path: str, meant: str) -> None:
     events, cfg = warnings_of(variant(mutate), tmp_path)

@@ -1004,6 +1004,11 @@ def test_a_port_out_of_range_is_a_one_line_usage_error(args):
     (("stage", "--admin-port", "1901", "scale", "--stage", "talker", "--replicas", "2"),
      "error: `stage` takes its action first, then --admin-port: "
      "python -m omni_actors.system stage {drain,scale,launch,stop} [options]"),
+    # (a trial's `stop --timeout -1` killed the system with no drain at all, and exited 0)
+    (("stop", "--timeout", "-1"), "error: --timeout must be from 0 to 86400 s, got -1"),
+    (("stop", "--timeout", "nan"), "error: --timeout must be from 0 to 86400 s, got nan"),
+    (("start", "--convention-leader", "--port", "59990", "--admin-port", "59990"),
+     "error: --port and --admin-port must differ (both 59990)"),
 ])
 def test_a_bad_argument_is_a_usage_error_before_any_system_is_asked(args, error):
     """Counts and targets that no system would take are refused in one line with exit 2,

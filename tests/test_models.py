@@ -114,6 +114,21 @@ def test_cli_reports_bad_parameters_in_one_line():
     assert out.stderr.strip() == "error: hidden_size 100 is not divisible by heads 3"
 
 
+def test_cli_says_in_one_line_why_it_cannot_build_into_a_path(ml_stack, tmp_path):
+    """A trial's `make-tiny /proc/nope` ended in an 18-line traceback, and a path through a
+    plain file said only "[Errno 17] File exists"."""
+    (tmp_path / "afile").write_text("x")
+    out = subprocess.run([sys.executable, "-m", "omni_actors.models", "make-tiny", str(tmp_path / "afile" / "sub")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out
+    assert out.stderr.strip() == f"error: cannot build into {tmp_path / 'afile' / 'sub'}: {tmp_path / 'afile'} " \
+                                 "is not a directory", out.stderr
+    out = subprocess.run([sys.executable, "-m", "omni_actors.models", "make-tiny", "/proc/nope"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out
+    assert out.stderr.startswith("error: cannot build into /proc/nope: ") and out.stderr.count("\n") == 1, out.stderr
+
+
 def test_params_and_cache_dir_need_no_ml_stack(monkeypatch, tmp_path):
     monkeypatch.setenv("OMNI_ACTORS_CACHE", str(tmp_path))
     p = tiny_model_params(seed=5)

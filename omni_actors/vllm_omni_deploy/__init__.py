@@ -159,6 +159,9 @@ def parse_deploy_config(data: dict[str, Any], source: str = "<memory>") -> Deplo
 
     if merged.get("env") is not None and not isinstance(merged["env"], dict):  # (kept, not applied: still checked)
         raise ConfigError(source, "env", f"expected a mapping, got `{merged['env']!r}`")
+    model = data.get("model")
+    if model is not None and (not isinstance(model, str) or not model.strip()):  # (a trial's `model: 5` passed)
+        raise ConfigError(source, "model", f"expected a model id or path (a non-empty string), got `{model!r}`")
     stages = {int(s["stage_id"]): s for s in merged.get("stages") or []}
     stage_args = [_stage_args(ts, topo, stages.get(ts.stage_id, {}), merged, data.get("model"))
                   for ts in topo.stages]
