@@ -270,6 +270,21 @@ BAD = [
     (IMAGES, {**GOOD_IMAGE, "prompt": ""}, 400, "prompt"),
     (IMAGES, {"model": MODEL}, 400, "prompt"),
     (IMAGES, {**GOOD_IMAGE, "model": "nope"}, 404, "model"),
+    # (a trial: all these got a 200, and `logprobs: true` a silent null)
+    (CHAT, chat(logprobs=True), 400, "logprobs"),
+    (CHAT, chat(logprobs="yes"), 400, "logprobs"),
+    (CHAT, chat(top_logprobs=5), 400, "top_logprobs"),
+    (CHAT, chat(top_logprobs=50), 400, "top_logprobs"),
+    (CHAT, chat(response_format="json"), 400, "response_format"),
+    (CHAT, chat(response_format={"type": "json_object"}), 400, "response_format.type"),
+    (CHAT, chat(tools="nope"), 400, "tools"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"), 400,
+     "tool_choice"),
+    (CHAT, chat(tool_choice="sometimes"), 400, "tool_choice"),
+    (CHAT, chat(presence_penalty=5), 400, "presence_penalty"),
+    (CHAT, chat(frequency_penalty="x"), 400, "frequency_penalty"),
+    (CHAT, chat(user=5), 400, "user"),
+    (CHAT, chat(seed=2**63), 400, "seed"),  # (a signed 64-bit integer, as OpenAI and vLLM take it)
 ]
 
 
@@ -346,7 +361,11 @@ def test_non_streaming_chat_with_audio_and_pipeline_request():
         resp = await client.post(CHAT, json={
             "model": MODEL, "messages": messages, "modalities": ["audio", "text"],
             "audio": {"voice": "Chelsie", "format": "wav"}, "max_tokens": 100,
-            "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": "\n\n", "unknown_field": {"ignored": True}})
+            "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": "\n\n", "unknown_field": {"ignored": True},
+            # accepted and ignored (they ask for nothing the reply lacks)
+            "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}, "presence_penalty": 0.5,
+            "frequency_penalty": -1, "user": "u1", "tool_choice": "auto",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]})
         assert resp.status == 200, await resp.text()
         data = await resp.json()
         assert data["object"] == "chat.completion" and data["model"] == MODEL
@@ -564,6 +583,13 @@ def test_unexpected_exception_is_500_json():
 def test_protocol_pure_functions():
     assert render_prompt([{"role": "developer", "content": "d"},
                           {"role": "assistant", "content": None}]) == "developer: d\nassistant: "
+    # An assistant turn replayed from OpenAI may hold a refusal part (a trial's got a 400); a user's may not.
+    assert render_prompt([{"role": "user", "content": "x"},
+                          {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}]) == \
+        "user: x\nassistant: no"
+    with pytest.raises(ApiError) as e:
+        render_prompt([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])
+    assert e.value.param == "messages[0].content[0].type"
     bridge = FakeBridge()
     creq = parse_chat_request(chat(max_tokens=5, max_completion_tokens=7), bridge)
     assert creq.sampling_params() == {"max_tokens": 7}

@@ -193,12 +193,14 @@ def _message_text(content: Any, i: int, role: str) -> str:
         pp = f"{param}[{j}]"
         if not isinstance(part, dict):
             raise _bad(f"Invalid type for '{pp}': expected an object.", pp)
-        if part.get("type") != "text":
-            raise _bad(f"Invalid value for '{pp}.type': {part.get('type')!r}; only 'text' "
-                       "content parts are supported.", f"{pp}.type")
-        if not isinstance(part.get("text"), str):
-            raise _bad(f"Invalid type for '{pp}.text': expected a string.", f"{pp}.text")
-        texts.append(part["text"])
+        # (an assistant turn replayed from OpenAI may hold a `refusal` part: its words are the turn's)
+        key = "refusal" if role == "assistant" and part.get("type") == "refusal" else "text"
+        if part.get("type") != key:
+            raise _bad(f"Invalid value for '{pp}.type': {part.get('type')!r}; only 'text' content parts "
+                       "(and 'refusal' in an assistant message) are supported.", f"{pp}.type")
+        if not isinstance(part.get(key), str):
+            raise _bad(f"Invalid type for '{pp}.{key}': expected a string.", f"{pp}.{key}")
+        texts.append(part[key])
     return "\n".join(texts)
 
 
@@ -257,6 +259,51 @@ def _audio(body: dict) -> tuple[str | None, str]:
     return voice, fmt
 
 
+#: ``seed`` range: a signed 64-bit integer, as OpenAI documents it and vLLM takes it.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+#: ``response_format`` types OpenAI defines; only ``text`` is served (no constrained decoding here).
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _check_unserved(body: dict) -> None:
+    """OpenAI fields this server does not act on: checked for type and range as OpenAI
+    does, and refused (400) where the reply would lack what the client asked for
+    (log-probabilities, JSON output, a required tool call). The rest (``tools`` with
+    ``tool_choice`` auto or none, penalties, ``user``) are accepted and ignored.
+
+    Raises:
+        ApiError: 400 naming the field.
+    """
+    if _opt_bool(body, "logprobs"):
+        raise _bad("'logprobs' is not supported by this server: its stages return no log-probabilities.",
+                   "logprobs")
+    if _opt_int(body, "top_logprobs", 0, 20):
+        raise _bad("'top_logprobs' is not supported by this server: its stages return no log-probabilities.",
+                   "top_logprobs")
+    for key in ("presence_penalty", "frequency_penalty"):
+        _opt_number(body, key, -2.0, 2.0, "[-2, 2]")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise _bad("Invalid type for 'user': expected a string.", "user")
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind not in RESPONSE_FORMATS:
+            raise _bad("Invalid 'response_format': expected an object with 'type' one of "
+                       f"{', '.join(RESPONSE_FORMATS)}.", "response_format")
+        if kind != "text":
+            raise _bad(f"response_format '{kind}' is not supported by this server: its stages do not "
+                       "constrain their output; use 'text'.", "response_format.type")
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise _bad("Invalid type for 'tools': expected an array of objects.", "tools")
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in ("none", "auto"):
+        if not isinstance(choice, (str, dict)) or (isinstance(choice, str) and choice != "required"):
+            raise _bad("Invalid 'tool_choice': expected 'none', 'auto', 'required' or an object.", "tool_choice")
+        raise _bad("tool calls are not supported by this server: 'tool_choice' may be 'none' or 'auto' "
+                   "(the reply is text).", "tool_choice")
+
+
 def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
     """Validate a chat-completions JSON body against ``bridge``.
 
@@ -275,9 +322,10 @@ def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
         max_tokens = mct
     temperature = _opt_number(body, "temperature", 0.0, 2.0, "[0, 2]")
     top_p = _opt_number(body, "top_p", 0.0, 1.0, "(0, 1]", low_open=True)
-    seed = _opt_int(body, "seed", -(2**63), 2**64 - 1)
+    seed = _opt_int(body, "seed", SEED_MIN, SEED_MAX)
     if _opt_int(body, "n", 1) not in (None, 1):
         raise _bad("Only n=1 is supported.", "n")
+    _check_unserved(body)
     stream = bool(_opt_bool(body, "stream"))
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
@@ -381,7 +429,7 @@ def parse_image_request(body: Any, bridge: Bridge) -> ImageRequest:
                        f"{', '.join(repr(v) for v in ok)} (the image is an opaque RGB PNG).", key)
     if _opt_bool(body, "stream"):  # (a client that asked for partial images would wait for events)
         raise _bad("Streaming is not supported for image generation: leave 'stream' out or false.", "stream")
-    seed = _opt_int(body, "seed", -(2**63), 2**64 - 1)
+    seed = _opt_int(body, "seed", SEED_MIN, SEED_MAX)
     return ImageRequest(model, prompt, width, height, seed)
 
 
