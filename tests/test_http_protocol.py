@@ -535,6 +535,9 @@ def test_images_models_health_stages():
         assert req.params == {"width": 64, "height": 128} and req.sampling_params == {"seed": 3}
         await client.post(IMAGES, json={"model": MODEL, "prompt": "x"})
         assert bridge.submitted[1].params == {"width": 256, "height": 256}
+        # `model` is optional in OpenAI's images API (a trial's request without it got a 400)
+        resp = await client.post(IMAGES, json={"prompt": "x"})
+        assert resp.status == 200 and (await resp.json())["data"], await resp.text()
 
         models = await (await client.get("/v1/models")).json()
         assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]

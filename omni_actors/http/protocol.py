@@ -407,6 +407,8 @@ def parse_image_request(body: Any, bridge: Bridge) -> ImageRequest:
     Raises :class:`ApiError` (400, or 404 ``model_not_found``).
     """
     body = _check_body(body)
+    if body.get("model") is None:  # (optional in OpenAI's images API: the model served here)
+        body = {**body, "model": bridge.model_name}
     model = _check_model(body, bridge, "image", "/v1/images/generations")
     prompt = _require_str(body, "prompt")
     if not prompt.strip():
