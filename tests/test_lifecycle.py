@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import random
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,7 +76,7 @@ def test_ctrl_c_stops_every_process_within_seconds():
     said = leader.stdout_path.read_text()
     assert "omni-actors stopped" in said
     # the stop command it advertises reaches this system (not the default admin port's)
-    assert f"`python -m omni_actors.system stop --admin-port {leader.admin_port}` to stop" in said, said
+    assert f"`PYTHON -m omni_actors.system stop --admin-port {leader.admin_port}` to stop" in _with_cli(said), said
 
 
 def test_a_replica_frozen_with_sigstop_does_not_hold_up_the_stop(tmp_path):
@@ -361,14 +362,14 @@ def test_status_of_a_system_whose_leader_was_killed_says_it_does_not_serve():
             if "neither is its coordinator" in status.stdout:
                 break
             time.sleep(0.5)
-        assert status.returncode == 3 and status.stdout.strip() == (
+        assert status.returncode == 3 and _with_cli(status.stdout.strip()) == (
             f"NOT SERVING: the leader (pid {leader.proc.pid}) is not running and neither is its coordinator; "
-            f"`python -m omni_actors.system stop --admin-port {leader.admin_port}` stops what is left"), status.stdout
+            f"`PYTHON -m omni_actors.system stop --admin-port {leader.admin_port}` stops what is left"), status.stdout
         again = _cli("start", "--convention-leader", "--config", str(CONFIGS / "cpu_image_demo.yaml"),
                      "--port", str(local.free_port()), "--admin-port", str(leader.admin_port), env=env)
-        assert again.returncode != 0 and again.stderr.strip() == (
+        assert again.returncode != 0 and _with_cli(again.stderr.strip()) == (
             f"error: admin port {leader.admin_port} is still held by what the leader (pid {leader.proc.pid}) that "
-            f"died there left: `python -m omni_actors.system stop --admin-port {leader.admin_port}` stops it"), \
+            f"died there left: `PYTHON -m omni_actors.system stop --admin-port {leader.admin_port}` stops it"), \
             again.stderr
     finally:
         leader.stop()
@@ -1018,3 +1019,16 @@ def test_a_bad_argument_is_a_usage_error_before_any_system_is_asked(args, error)
     out = _cli(*args, *(() if args[1].startswith("-") else ("--admin-port", str(local.free_port()))))
     assert out.returncode == 2, out
     assert out.stderr.strip() == error, out.stderr
+
+
+def _with_cli(text: str) -> str:
+    """``text`` with the interpreter of each `... -m omni_actors.system` it prints replaced by
+    PYTHON, once checked to be this one (the venv's, as a user can paste it from ROOT: a
+    trial's bare `python` there lacked the project's packages)."""
+    def check(m: re.Match) -> str:
+        shown = m.group(1)
+        exe = shutil.which(shown) if shown == "python" else str(ROOT / shown)
+        assert exe and os.path.abspath(exe) == os.path.abspath(sys.executable), (shown, sys.executable)
+        return "`PYTHON -m omni_actors.system"
+    return re.sub(r"`(\S+) -m omni_actors\.system", check, text)
+

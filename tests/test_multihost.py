@@ -398,6 +398,8 @@ def test_stop_on_a_members_admin_port_says_it_is_no_leader_and_stops_nothing(clu
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out
     assert f"no omni-actors system recorded on admin port {member.admin_port}" in out.stderr
     assert "a member (started with --convention-address" in out.stderr
+    # (a trial's leader recorded in another OMNI_ACTORS_STATE_DIR got only "a member or another program")
+    assert "a leader that records itself elsewhere (started with another OMNI_ACTORS_STATE_DIR" in out.stderr
     assert member.proc.poll() is None
     assert any(r["node"] == "m1" and r["state"] == "ready" for r in cluster.replicas())
 

@@ -311,17 +311,18 @@ def _alive(pid: int) -> bool:
 
 def cmd_stop(args) -> int:
     from omni_actors.connectors import sweep_segments
-    from omni_actors.system.leader import state_file
+    from omni_actors.system.leader import state_dir, state_file
     from omni_actors.system.processes import kill_system
 
     if args.timeout is not None and not 0 <= args.timeout <= MAX_STOP_TIMEOUT_S:  # (also refuses nan)
         return _fail(f"--timeout must be from 0 to {MAX_STOP_TIMEOUT_S:g} s, got {args.timeout:g}", 2)
     state = _read_state(args.admin_port)
     if state is None:
-        return _fail(f"no omni-actors system recorded on admin port {args.admin_port}"
-                     + ("; something listens there: a member (started with --convention-address; stop "
-                        "it with Ctrl-C or SIGTERM to its process) or another program"
-                        if _listening(args.admin_port) else "")
+        return _fail(f"no omni-actors system recorded on admin port {args.admin_port} in {state_dir()}"
+                     + ("; something listens there: a leader that records itself elsewhere (started with "
+                        "another OMNI_ACTORS_STATE_DIR or HOME: set the same one here), a member (started "
+                        "with --convention-address; stop it with Ctrl-C or SIGTERM to its process) or "
+                        "another program" if _listening(args.admin_port) else "")
                      + "; `stop` stops a leader started on this host")
     pid = state["pid"]
     timeout = args.timeout if args.timeout is not None else \
@@ -393,6 +394,7 @@ def _admin_verb(fn):
 def cmd_status(admin, args) -> int:
     from omni_actors.http.bridge import status_to_dict
     from omni_actors.system.leader import print_status_table
+    from omni_actors.system.processes import cli
 
     status = admin.status()
     state = None if getattr(args, "convention_address", None) else _read_state(args.admin_port)
@@ -402,7 +404,7 @@ def cmd_status(admin, args) -> int:
     api_closed = bool(state and state.get("port") and not api_down and not _listening(state["port"], api_host))
     if api_down:
         print(f"warning: the leader (pid {state['pid']}) is not running, so the HTTP API is down; "
-              f"`python -m omni_actors.system stop --admin-port {args.admin_port}` cleans up",
+              f"`{cli('stop')} --admin-port {args.admin_port}` cleans up",
               file=sys.stderr)
     if args.json:
         print(json.dumps(status_to_dict(status), indent=2))
@@ -412,7 +414,7 @@ def cmd_status(admin, args) -> int:
         watched = bool(state.get("watchdog_pid")) and is_watchdog(state["watchdog_pid"])
         print(f"NOT SERVING: the leader (pid {state['pid']}) is not running and neither is its coordinator; "
               + ("its watchdog stops what is left within seconds" if watched else
-                 f"`python -m omni_actors.system stop --admin-port {args.admin_port}` stops what is left"))
+                 f"`{cli('stop')} --admin-port {args.admin_port}` stops what is left"))
     else:
         stopping = api_closed and bool(state.get("stopping"))
         print_status_table(status, api_down=api_down, stopping=stopping)

@@ -21,8 +21,8 @@ import uuid
 from pathlib import Path
 
 from omni_actors.config import PipelineConfig
-from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
-                                          resume_stopped, serve_args_error)
+from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, cli, kill_system, port_in_use,
+                                          remove_ipc_dir, resume_stopped, serve_args_error)
 from omni_actors.system.watchdog import (exit_if_host_gone, is_watchdog, mark_host_process, start_time,
                                          start_watchdog, stop_watchdog)
 
@@ -138,7 +138,7 @@ def _admin_port_taken(admin_port: int) -> str:
         state = json.loads(state_file(admin_port).read_text())
     except (OSError, ValueError):
         state = {}
-    pid, stop = state.get("pid"), f"`python -m omni_actors.system stop --admin-port {admin_port}`"
+    pid, stop = state.get("pid"), f"`{cli('stop')} --admin-port {admin_port}`"
     if isinstance(pid, int) and start_time(pid) is None:
         watchdog = state.get("watchdog_pid")
         return (f"admin port {admin_port} is still held by what the leader (pid {pid}) that died there left: "
@@ -326,7 +326,7 @@ async def _serve(asys, coordinator, config, host, port, api_key, stopping: threa
         raise StartError(f"cannot serve HTTP on {host}:{port}: {exc.strerror}") from None
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
     # (the port always: a `stop` without it asks the default admin port, another system's or none)
-    stop = "python -m omni_actors.system stop" + (f" --admin-port {admin_port}" if admin_port is not None else "")
+    stop = cli("stop") + (f" --admin-port {admin_port}" if admin_port is not None else "")
     print(f"omni-actors serving model {config.deployment.served_model_name!r} at http://{shown}:{port}/v1 "
           f"(admin port {admin_port if admin_port is not None else '?'}); Ctrl-C or `{stop}` to stop", flush=True)
     try:

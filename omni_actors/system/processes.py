@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -268,3 +269,23 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
         return s.connect_ex((host, port)) == 0
+
+
+def cli(verb: str) -> str:
+    """``python -m omni_actors.system VERB`` as this user can paste it: the interpreter
+    running now, relative when it is under the working directory (``.venv/bin/python``,
+    as after `make run`), bare ``python`` when that is the one on ``PATH``, else its
+    full path (a trial pasted a printed ``python -m ...`` into a shell whose ``python``
+    lacked the project's packages)."""
+    exe = os.path.abspath(sys.executable)
+    here = os.getcwd()
+    on_path = shutil.which("python")
+    # (not realpath: a venv's python is a link to the system's, which lacks the venv's packages)
+    if on_path and os.path.abspath(on_path) == exe:
+        shown = "python"
+    elif exe.startswith(here + os.sep):
+        shown = os.path.relpath(exe, here)
+    else:
+        shown = exe
+    return f"{shown} -m omni_actors.system {verb}"
+

@@ -404,8 +404,9 @@ class AdminShell(cmd.Cmd):
             raise AdminError("N must be >= 1")
         path = self._log_file()
         if path is None:
-            raise AdminError("no leader log file known: the leader logs to its stderr; set "
-                             "OMNI_ACTORS_LOG_FILE=PATH here, or start the leader with `2> PATH`")
+            raise AdminError("no leader log file known: the leader logs to its stderr (a terminal?); start "
+                             "it with `2> PATH`, or set OMNI_ACTORS_LOG_FILE=PATH here naming the file "
+                             "its stderr goes to")
         for line in _tail(path, n):
             self._out(line)
 

@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from omni_actors.system.processes import ENV_SYSTEM_ID, kill_system, proc_stat, remove_ipc_dir
+from omni_actors.system.processes import ENV_SYSTEM_ID, cli, kill_system, proc_stat, remove_ipc_dir
 
 #: Seconds between two looks at the main process (the SIGTERM grace comes after).
 POLL_S = 0.2
@@ -125,7 +125,7 @@ def _spawn(cmd: list[str]) -> subprocess.Popen | None:
         return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
     except OSError as exc:
         print(f"warning: no host watchdog ({exc}): if this process is killed, stop its system with "
-              f"`python -m omni_actors.system stop`", file=sys.stderr)
+              f"`{cli('stop')}`", file=sys.stderr)
         return None
 
 
