@@ -354,6 +354,11 @@ class PoolState(Message):
 SUBSCRIPTION = "subscription"
 
 
+#: What an admin request or ``status`` gets from a coordinator that has no config yet.
+NOT_DEPLOYED = ("the coordinator has no config yet: it was just recreated (the leader's watchdog redeploys "
+                "the config) or the system is starting; try again in a few seconds")
+
+
 @dataclass(frozen=True)
 class SystemStatus(Message):
     query_id: str

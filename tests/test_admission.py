@@ -378,8 +378,9 @@ def test_a_text_stage_retried_after_its_text_went_out_is_named_by_its_stage_name
     bridge._streams["r"] = Stream()
     bridge._on_message(OutputDeltas((OutputDelta("r", "hello", 0, stage_id=0, attempt=0),)))
     bridge._on_message(OutputDeltas((OutputDelta("r", "hello", 0, stage_id=0, attempt=1),)))
-    assert isinstance(events[-1], RequestFailed) and events[-1].status == 500
-    assert events[-1].message.startswith("stage thinker failed after part of its text")
+    assert isinstance(events[-1], RequestFailed) and (events[-1].status, events[-1].code) == (503, "service_unavailable")
+    assert events[-1].message.startswith("stage thinker was run again (its replica or pool went down) after part "
+                                         "of its text had reached the client")
 
 
 # -- over HTTP, on a real actor system ------------------------------------------

@@ -88,12 +88,12 @@ def test_text_of_a_new_attempt_after_some_text_went_out_fails_the_request(bridge
     stream = _open(bridge, "r3")
     bridge._on_message(deltas("r3", (0, "hello")))
     bridge._on_message(deltas("r3", (0, "hello again"), attempt=1))
-    assert seen(stream) == ["hello", ("failed", 500)]
+    assert seen(stream) == ["hello", ("failed", 503)]
     assert "reached the client" in stream[-1].message
     assert bridge._outbox("r3").get_nowait() == ("cancel", "r3")  # its RequestActor stops the retry
     bridge._on_message(deltas("r3", (1, "more"), attempt=1))
     bridge._on_message(RequestFinished("r3", after_text=(1, 2), request_actor="ra"))
-    assert seen(stream)[:2] == ["hello", ("failed", 500)] and "more" not in seen(stream)
+    assert seen(stream)[:2] == ["hello", ("failed", 503)] and "more" not in seen(stream)
     assert bridge._outbox("r3").get_nowait() == ("finished", "r3", "ra")
 
 

@@ -733,6 +733,29 @@ def test_after_a_host_loss_the_stage_left_with_no_replica_is_placed_before_a_sec
     assert co.sent[-1] == ("talker-pool", Placement("talker/2", "m3", ("0",)))
 
 
+def test_admin_requests_to_a_coordinator_without_its_config_say_it_is_being_redeployed():
+    """Trial S: right after `inject kill-coordinator`, `stage scale --stage talker` said
+    "no stage named 'talker'" and `status` printed an empty table with "model : NOT READY"."""
+    import io
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import (NOT_DEPLOYED, AdminReply, DrainReplica, FaultKind, InjectFault,
+                                      LaunchReplicas, ScaleStage)
+    from omni_actors.system.leader import print_status_table
+
+    co = CoordinatorActor()
+    co.sent = []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co.receiveMsg_ScaleStage(ScaleStage("talker", 2), "cli")
+    co.receiveMsg_DrainReplica(DrainReplica("talker/1"), "cli")
+    co.receiveMsg_InjectFault(InjectFault("talker/0", FaultKind.STALL), "cli")
+    co.receiveMsg_LaunchReplicas(LaunchReplicas("talker", 1), "cli")
+    assert co.sent == [("cli", AdminReply(False, NOT_DEPLOYED))] * 4
+    out = io.StringIO()
+    print_status_table(co._status("q"), out)
+    assert out.getvalue().splitlines()[-1] == f"NOT READY: {NOT_DEPLOYED}"
+
+
 def test_a_busy_request_actor_tells_its_bridge_it_is_alive_until_it_is_free():
     """A busy RequestActor tells its bridge every alive_every_s that it still runs its
     request (silence means its process is gone), while it runs the request and while it

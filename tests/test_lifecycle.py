@@ -1006,6 +1006,10 @@ def test_a_port_out_of_range_is_a_one_line_usage_error(args):
      "error: `stage` takes its action first, then --admin-port: "
      "python -m omni_actors.system stage {drain,scale,launch,stop} [options]"),
     # (a trial's `stop --timeout -1` killed the system with no drain at all, and exited 0)
+    (("inject", "stall", "--replica", "talker/0", "--count", "3"),
+     "error: --count applies only to `raise`, not to `stall`"),  # (a trial's count was silently ignored)
+    (("inject", "raise", "--replica", "talker/0", "--factor", "3"),
+     "error: --factor applies only to `slow`, not to `raise`"),
     (("stop", "--timeout", "-1"), "error: --timeout must be from 0 to 86400 s, got -1"),
     (("stop", "--timeout", "nan"), "error: --timeout must be from 0 to 86400 s, got nan"),
     (("start", "--convention-leader", "--port", "59990", "--admin-port", "59990"),

@@ -421,6 +421,7 @@ def test_signal_faults_and_logs_work_through_a_members_admin_port_on_the_leaders
     # isolated as silent and killed, and a SIGCONT after it is refused ("dead").
     resumed = cli("inject", "sigcont", "--replica", rep["replica"])
     assert resumed.returncode == 0, resumed.stderr
+    assert f"{rep['replica']} (pid {rep['pid']}) was not stopped" in resumed.stdout, resumed.stdout
     stopped = cli("inject", "sigstop", "--replica", rep["replica"])
     state = (_proc_stat(rep["pid"]) or ["gone"])[0]
     with contextlib.suppress(ProcessLookupError):

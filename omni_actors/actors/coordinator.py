@@ -31,7 +31,8 @@ from omni_actors.connectors import data_service, default_prefix, free_usage, lis
 from omni_actors.logs import get_logger
 from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainNode, DrainReplica, GetRoutes, GetStatus,
                                   InjectFault, LaunchReplicas, NodeHeartbeat, NodeLeaving,
-                                  NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, PlaceReplica, Placement,
+                                  NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, NOT_DEPLOYED, PlaceReplica,
+                                  Placement,
                                   PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
                                   ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, StartNodeAgent,
                                   StartPool, Subscribe, SUBSCRIPTION, SystemStatus, WhoAmI, YouAre)
@@ -143,7 +144,7 @@ class CoordinatorActor(ActorTypeDispatcher):
             replicas = self._states[stage.stage_id].replicas
             if len(replicas) < self._config.deployment_of(stage).replicas:
                 return False
-            if any(r.state not in _SETTLED or (r.state == ReplicaState.PENDING and r.reason == PLACING)
+            if any(r.state not in _SETTLED or (r.state == ReplicaState.PENDING and r.reason.startswith(PLACING))
                    for r in replicas):
                 return False
         return True
@@ -436,7 +437,7 @@ class CoordinatorActor(ActorTypeDispatcher):
     def _forward_admin(self, pool, msg, sender, what: str) -> None:
         """Pass an admin request to its pool, which answers the requester directly (at once
         here, with the reason, when there is no such stage or its pool is down)."""
-        down = self._pool_down(pool) if pool is not None else None
+        down = NOT_DEPLOYED if self._config is None else self._pool_down(pool) if pool is not None else None
         if pool is None or down:
             self.send(msg.reply_to or sender, AdminReply(False, down or f"no {what} (see `status`)"))
         else:
@@ -456,7 +457,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         it to the pool with one pin per replica (or the reason it cannot be done)."""
         reply_to = msg.reply_to or sender
         pool = self._pool_of_replica(msg.stage + "/")
-        down = self._pool_down(pool) if pool is not None else None
+        down = NOT_DEPLOYED if self._config is None else self._pool_down(pool) if pool is not None else None
         if pool is None or down:
             self.send(reply_to, AdminReply(False, down or f"no stage named {msg.stage!r}"))
             return

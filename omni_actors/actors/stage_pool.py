@@ -159,6 +159,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                     rep.reason = down + self._retry_later(rep)
                 else:
                     self._launch(rid, list(restarts))
+                    # (its process was replaced with its pool's: a trial saw nothing in `status` say so)
+                    self._replicas[rid].down_cause = "its stage pool was lost and recreated"
                 rep = self._replicas[rid]  # (its counters go on, as after a restart)
                 rep.completed, rep.failed, rep.latency_sum = completed, failed, latency_sum
                 if len(buckets) == len(rep.latency):
@@ -201,6 +203,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             rep.dispatched, rep.completed, rep.failed = old.dispatched, old.completed, old.failed
             rep.down_cause = old.down_cause
             rep.latency, rep.latency_sum = old.latency, old.latency_sum
+            if rep.down_cause:  # (a trial read a restart as a bare "waiting for placement")
+                rep.reason = f"{PLACING}; it was down: {rep.down_cause}"
         self._replicas[replica_id] = rep
         self._place(rep)
 

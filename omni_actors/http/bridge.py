@@ -534,9 +534,12 @@ class ActorBridge(RequestActorKeeping):
                 self._discard(rid)
                 self._ended[rid] = None
                 self._outbox(rid).put(("cancel", rid))
+                # (a 503 as the RequestActor's own error for it: the stage's replica or pool
+                # went down; the same event gave a trial a 500 with no code one way, 503 the other)
                 self._deliver(rid, RequestFailed(
-                    500, f"stage {self._stage_name(delta.stage_id)} failed after part of its text had "
-                         "reached the client (it was not retried)"))
+                    503, f"stage {self._stage_name(delta.stage_id)} was run again (its replica or pool went "
+                         "down) after part of its text had reached the client; the request was not retried",
+                    output_sent=True, code="service_unavailable"))
                 return
             box.text_attempt, box.text_seq, box.text_early = delta.attempt, 0, {}
         box.text_early[delta.seq] = delta.text

@@ -104,8 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("fault", choices=FAULTS)
     sp.add_argument("--replica", default="", help="target replica, STAGE/N")
     sp.add_argument("--stage", default="", help="target stage (kill-pool)")
-    sp.add_argument("--factor", type=float, default=5.0, help="slow-down factor for `slow` (default 5)")
-    sp.add_argument("--count", type=int, default=1, help="for `raise`: how many next tasks raise (default 1)")
+    sp.add_argument("--factor", type=float, default=None, help="slow-down factor for `slow` (default 5)")
+    sp.add_argument("--count", type=int, default=None, help="for `raise`: how many next tasks raise (default 1)")
     sp.add_argument("--json", action="store_true", help="print what was done as JSON")
 
     sp = sub.add_parser("api", help="serve one more API server, attached to a running system on this host "
@@ -428,7 +428,7 @@ def cmd_status(admin, args) -> int:
 def cmd_inject(admin, args) -> int:
     done = admin.inject(args.fault, replica=args.replica, stage=args.stage, factor=args.factor,
                         count=args.count)
-    print(json.dumps(done) if args.json else f"injected {done['fault']} into {done['target']}")
+    print(json.dumps(done) if args.json else f"injected {done['fault']} into {done['target']}{done.get('note', '')}")
     return 0
 
 
@@ -580,6 +580,12 @@ def _usage_problem(args) -> str | None:
     from omni_actors.system.admin import ENGINE_FAULTS, SIGNAL_FAULTS, inject_problem, replicas_problem
 
     if args.verb == "inject":
+        # (a trial's `inject stall --count 3` was taken, the count silently ignored)
+        for flag, value, fault in (("--factor", args.factor, "slow"), ("--count", args.count, "raise")):
+            if value is not None and args.fault != fault:
+                return f"{flag} applies only to `{fault}`, not to `{args.fault}`"
+        args.factor = 5.0 if args.factor is None else args.factor
+        args.count = 1 if args.count is None else args.count
         if args.fault == "kill-pool" and not args.stage:
             return "kill-pool needs --stage STAGE"
         if (args.fault in SIGNAL_FAULTS or args.fault in ENGINE_FAULTS) and not args.replica:

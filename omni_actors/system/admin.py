@@ -14,9 +14,10 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from omni_actors.messages import (AdminReply, DrainNode, DrainReplica, FaultKind, GetStatus, InjectFault,
-                                  LaunchReplicas, ScaleStage, SystemStatus)
+                                  LaunchReplicas, NOT_DEPLOYED, ScaleStage, SystemStatus)
 from omni_actors.actors.supervision import host_identity
 from omni_actors.config import MAX_REPLICAS
 from omni_actors.placement import parse_devices
@@ -113,11 +114,16 @@ class Admin:
                 raise AdminError(f"{fault} signals a process, and {target} runs on another machine "
                                  f"({_hostname(host)}) than this one ({_hostname(here)}): run it there")
             at = time.time()
+            # (a trial's `sigcont` after a `sigstop` went to the process that had replaced the
+            # stopped one, isolated and killed meanwhile, and said only "injected")
+            note = "" if fault != "sigcont" or _stopped(pid) else (
+                f"; {target} (pid {pid}) was not stopped: a process stopped before may have been "
+                "isolated and replaced (see `status`)")
             try:
                 os.kill(pid, SIGNAL_FAULTS.get(fault, signal.SIGKILL))
             except ProcessLookupError:
                 raise AdminError(f"{target} (pid {pid}) is not running any more") from None
-            return {"fault": fault, "target": target, "pid": pid, "at": at}
+            return {"fault": fault, "target": target, "pid": pid, "at": at, "note": note}
         at = time.time()
         message = self._ask(InjectFault(replica, ENGINE_FAULTS[fault], factor, count))
         return {"fault": fault, "target": replica, "at": at, "message": message}
@@ -127,6 +133,8 @@ class Admin:
         status = self.status()
         if fault == "kill-coordinator":
             return status.coordinator_pid, "coordinator", status.coordinator_host
+        if not status.model:  # (a coordinator just recreated: its stages are not known yet, not absent)
+            raise AdminError(NOT_DEPLOYED)
         if fault == "kill-pool":
             pool = next((s for s in status.stages if s.stage == stage), None)
             if pool is None or not pool.pid:
@@ -184,6 +192,14 @@ class Admin:
             raise AdminError(problem)
         return self._ask(LaunchReplicas(stage, replicas, node=node, devices=tuple(devices)))
 
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` (on this machine) is stopped (SIGSTOP: state ``T``)."""
+    from omni_actors.system.processes import proc_stat
+
+    stat = proc_stat(Path(f"/proc/{pid}"))
+    return bool(stat) and stat[0] in ("T", "t")
 
 
 def _hostname(host: str) -> str:

@@ -88,6 +88,10 @@ def print_status_table(status, out=sys.stdout, api_down: bool = False, stopping:
     elif stopping:
         print(f"model {status.model}: STOPPING (the leader takes no new requests while those in flight "
               f"finish, up to supervision.drain_timeout_s)", file=out)
+    elif not status.model:  # (a trial read an empty table and "model : NOT READY")
+        from omni_actors.messages import NOT_DEPLOYED
+
+        print(f"NOT READY: {NOT_DEPLOYED}", file=out)
     else:
         print(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}", file=out)
 

@@ -380,7 +380,7 @@ class AdminShell(cmd.Cmd):
                 raise AdminError(f"{fault} targets a replica (STAGE/N), not {target!r}")
             done = self.admin.inject(fault, replica=target, **kwargs)
         where = f" (pid {done['pid']})" if "pid" in done else ""
-        self._out(done.get("message") or f"injected {done['fault']} into {done['target']}{where}")
+        self._out(done.get("message") or f"injected {done['fault']} into {done['target']}{where}{done.get('note', '')}")
 
     def do_requests(self, arg):
         """requests: stage tasks in flight (on replicas) and pending (waiting for a ready replica), by stage."""

@@ -41,6 +41,9 @@ def test_killed_pool_is_recreated_and_its_orphaned_engines_exit(leader):
     assert all(rep["completed"] >= done_before.get(rep["replica"], 0) for rep in new["replicas"]), (old, new)
     old_engines = [rep["pid"] for rep in old["replicas"]]
     assert not set(old_engines) & {rep["pid"] for rep in new["replicas"]}
+    # `status` says why each replica has a new process (a trial saw an empty REASON)
+    assert all("it was down: its stage pool was lost and recreated" in rep["reason"]
+               for rep in new["replicas"]), new["replicas"]
     # engines whose pool is gone exit by themselves (3 missed acks), not only at shutdown
     assert wait_gone(leader, [old["pid"], *old_engines], timeout_s=6 * HEARTBEAT_S) == []
     assert wait_no_segments(leader) == []
