@@ -300,15 +300,18 @@ def test_a_consumers_chunk_timeout_names_the_upstream_stage_where_the_chunks_sto
 
     ra = RequestActor()
     ra._reset()
-    ra._plan = {0: SimpleNamespace(stream_source=None), 1: SimpleNamespace(stream_source=0),
-                2: SimpleNamespace(stream_source=1)}
+    ra._plan = {0: SimpleNamespace(stage="thinker", stream_source=None),
+                1: SimpleNamespace(stage="talker", stream_source=0),
+                2: SimpleNamespace(stage="code2wav", stream_source=1)}
     now = _time.monotonic()
     ra._chunks = {0: [None] * 5, 1: [None] * 29}
     ra._chunk_at = {0: now - 2.4, 1: now - 2.0}
     ra._sent, ra._consumer = {1: 5, 2: 29}, {1: "talker", 2: "code2wav"}
-    assert ra._relay_state(2, 1) == (" [request actor: 29 chunk(s) of stage 1 in order, stage 1 still running, "
-                                     "29 relayed; upstream of it, stage 0 still running, its last chunk 2.4 s ago]")
-    assert ra._relay_state(1, 0) == " [request actor: 5 chunk(s) of stage 0 in order, stage 0 still running, 5 relayed]"
+    assert ra._relay_state(2, 1) == (" [request actor: 29 chunk(s) of stage 1 (talker) in order, stage 1 still "
+                                     "running, 29 relayed; upstream of it, stage 0 (thinker) still running, its last "
+                                     "chunk 2.4 s ago]")
+    assert ra._relay_state(1, 0) == (" [request actor: 5 chunk(s) of stage 0 (thinker) in order, stage 0 still "
+                                     "running, 5 relayed]")
     ra._done[0] = object()  # a finished upstream stage is not named
     assert "upstream of it" not in ra._relay_state(2, 1)
 

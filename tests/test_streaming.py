@@ -288,7 +288,7 @@ def test_a_stalled_thinker_ends_the_request_at_the_chunk_timeout(leader):
         # The Talker's timeout on the Thinker usually fires first; on a loaded machine
         # Code2Wav's on the Talker can, and then the RequestActor names the Thinker as
         # the stage whose chunks stopped.
-        silent = re.search(r"upstream of it, stage 0 still running, its last chunk ([\d.]+) s ago", err["message"])
+        silent = re.search(r"upstream of it, stage 0 \(thinker\) still running, its last chunk ([\d.]+) s ago", err["message"])
         assert ("no chunk from upstream stage 0 within 2 s" in err["message"]
                 or (silent and float(silent.group(1)) >= 1.5)), err
         # The RequestActor says what it got and relayed: here the producer stalled, nothing went astray.

@@ -421,7 +421,7 @@ class RequestActor(ActorTypeDispatcher):
         if total is None and src in self._done_waiting:
             total = self._done_waiting[src].chunks
         sent = self._sent.get(dst, 0)
-        return (f" [request actor: {got} chunk(s) of stage {src} in order"
+        return (f" [request actor: {got} chunk(s) of stage {src} ({self._plan[src].stage}) in order"
                 + (f", {held} waiting for an earlier one" if held else "")
                 + (f", stage {src} done after {total}" if total is not None else f", stage {src} still running")
                 + (", all relayed with the end marker" if sent < 0 else
@@ -436,7 +436,7 @@ class RequestActor(ActorTypeDispatcher):
         up = self._plan[src].stream_source
         while up is not None and up not in self._done and up not in self._done_waiting:
             at = self._chunk_at.get(up)
-            notes.append(f"; upstream of it, stage {up} still running, " +
+            notes.append(f"; upstream of it, stage {up} ({self._plan[up].stage}) still running, " +
                          (f"its last chunk {now - at:.1f} s ago" if at is not None else "no chunk from it yet"))
             up = self._plan[up].stream_source
         return "".join(notes)
