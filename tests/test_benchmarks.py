@@ -80,3 +80,15 @@ def test_vllm_overhead_runs():
     out = run_benchmark("vllm_overhead.py", "--runs", "1", "--warmup", "0", "--max-tokens", "4",
                         "--concurrency", "2")
     assert "== actors vs direct" in out and "c=2: tokens/s" in out, out
+
+
+def test_first_audio_p90_is_interpolated_and_never_below_the_median():
+    """A trial's 2-sample run printed a p90 below its p50 (the index was rounded down)."""
+    import statistics
+
+    spec = importlib.util.spec_from_file_location("first_audio_bench", BENCH / "first_audio.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for values in ([0.1], [0.291, 0.292], [1.0, 2.0, 3.0], [float(i) for i in range(11)]):
+        assert module._p90(values) >= statistics.median(values)
+    assert module._p90([0.1, 0.2]) == pytest.approx(0.19) and module._p90([float(i) for i in range(11)]) == 9.0
