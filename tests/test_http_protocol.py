@@ -556,7 +556,11 @@ def test_api_key():
 
     async def body(client):
         err = await assert_error(await client.post(CHAT, json=GOOD_CHAT), 401)
-        assert err["code"] is None
+        assert err["code"] is None and err["message"].startswith("You didn't provide an API key")
+        # a key sent another way is not "no key" (a trial's `Basic ...` was told it gave none)
+        err = await assert_error(await client.post(
+            CHAT, json=GOOD_CHAT, headers={"Authorization": "Basic czNjcmV0"}), 401)
+        assert err["message"] == "The Authorization header is not 'Bearer YOUR_KEY' (it has scheme 'Basic')."
         err = await assert_error(await client.post(
             CHAT, json=GOOD_CHAT, headers={"Authorization": "Bearer wrong"}), 401)
         assert err["code"] == "invalid_api_key"

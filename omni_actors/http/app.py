@@ -236,9 +236,12 @@ async def auth_middleware(request: web.Request, handler: _Handler) -> web.Stream
     if key is not None and request.path not in OPEN_PATHS:
         auth = request.headers.get("Authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
+        if not auth.strip():
             raise P.ApiError(401, "You didn't provide an API key. Provide it in the "
                              "Authorization header as 'Bearer YOUR_KEY'.")
+        if scheme.lower() != "bearer" or not token.strip():  # (a trial's `Basic ...` read "didn't provide")
+            raise P.ApiError(401, "The Authorization header is not 'Bearer YOUR_KEY' (it has "
+                             f"{'scheme ' + repr(scheme[:20]) if scheme else 'no scheme'}).")
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise P.ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
     return await handler(request)

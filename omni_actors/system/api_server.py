@@ -48,8 +48,8 @@ class ApiServerError(RuntimeError):
 class _TrackingContext:
     """An ``ActorSystem`` context that records the RequestActors created through it."""
 
-    def __init__(self, ctx, created: list, lock: threading.Lock):
-        self._ctx, self._created, self._lock = ctx, created, lock
+    def __init__(self, ctx, created: list, lock: threading.Lock, supervisors: list):
+        self._ctx, self._created, self._lock, self._supervisors = ctx, created, lock, supervisors
 
     def createActor(self, actorClass, *args, **kwargs):
         from omni_actors.actors.request import RequestActor
@@ -59,7 +59,7 @@ class _TrackingContext:
         # (ending the supervisor ends the RequestActors it made)
         if actorClass in (RequestActor, RequestActorSupervisor) and not kwargs.get("globalName"):
             with self._lock:
-                self._created.append(address)
+                (self._supervisors if actorClass is RequestActorSupervisor else self._created).append(address)
         return address
 
     def tell(self, address, message) -> None:
@@ -91,21 +91,26 @@ class TrackingSystem:
         self._asys = asys
         self._lock = threading.Lock()
         self.created: list = []
+        #: RequestActorSupervisors made here: told to exit at close even when the bridge
+        #: told them already (a trial's stopped server left one and its RequestActors behind)
+        self.supervisors: list = []
 
     @contextmanager
     def private(self):
         with self._asys.private() as ctx:
-            yield _TrackingContext(ctx, self.created, self._lock)
+            yield _TrackingContext(ctx, self.created, self._lock, self.supervisors)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._asys, name)
 
     def exit_request_actors(self) -> int:
-        """Send ``ActorExitRequest`` to every RequestActor created here; returns how many were told."""
+        """Send ``ActorExitRequest`` to every RequestActor (and RequestActorSupervisor, which
+        ends those it made) created here; returns how many were told."""
         from thespian.actors import ActorExitRequest
 
         with self._lock:
-            actors, self.created[:] = list(self.created), []
+            actors = [*self.supervisors, *(a for a in self.created if a not in self.supervisors)]
+            self.created[:], self.supervisors[:] = [], []
         told = 0
         with self._asys.private() as ctx:
             for address in actors:
@@ -213,6 +218,9 @@ async def _serve(asys, coordinator, *, host: str, port: int, where: str, alive, 
         shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
         print(f"omni-actors API server serving model {bridge.model_name!r} at http://{shown}:{port}/v1 "
               f"(attached to {where}); Ctrl-C to stop this server only", flush=True)
+        if not api_key:  # (a trial's second server answered everyone while the leader took a key)
+            print("note: this API server takes no API key (--api-key K or OMNI_ACTORS_API_KEY): every client "
+                  "is served; a key the leader was given is not taken over", file=sys.stderr, flush=True)
         try:
             next_check = time.monotonic() + ADMIN_CHECK_EVERY_S
             while not stopping.is_set():
