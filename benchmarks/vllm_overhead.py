@@ -426,6 +426,12 @@ def main(argv=None) -> int:
         leader.start()
         print(f"  leader up in {time.perf_counter() - t0:.1f} s ({leader.base_url}; "
               f"config {config_path})", flush=True)
+        # The direct engine's IPC sockets go in our temporary directory, removed at the end (a
+        # trial found three left in /tmp per run: vLLM's default). (After the leader started:
+        # its replicas use their system's own directory.)
+        ipc = tmpdir / "ipc"
+        ipc.mkdir(mode=0o700)
+        os.environ["VLLM_RPC_BASE_PATH"] = str(ipc)
         startup = loop.run_until_complete(direct.start())
         print(f"  direct AsyncLLM up in {startup:.1f} s "
               f"(engine args {json.dumps(direct.engine_args)})", flush=True)

@@ -7,6 +7,7 @@ lists, and that each stage's processor imports. Each raises a
 from __future__ import annotations
 
 import importlib
+import re
 
 from omni_actors.config import ConfigError, PipelineConfig, StageSpec
 
@@ -147,6 +148,8 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
         if max_tokens is not None and max_tokens > limit and s.final_output_type == "text":
             raise ConfigError(source, path, f"{max_tokens} is over deployment.max_tokens_limit ({limit})")
         dep = cfg.deployment_of(s)
+        if dep.backend in ("vllm", "vllm_omni"):
+            _check_engine_args(s.engine_args, source, f"stage_args[{i}].engine_args")
         if dep.backend == "synthetic":
             kind = dep.synthetic.kind or s.name
             if kind not in SUPPORTED_STAGES:
@@ -156,6 +159,38 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
                                   f"the synthetic engine has no `{kind}` stage; one of: "
                                   f"{', '.join(SUPPORTED_STAGES)} (or set "
                                   f"deployment.stages.{s.name}.synthetic.kind)")
+
+
+#: vLLM's ``dtype`` choices (``--dtype``).
+VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+#: Engine arguments that vLLM takes as counts of at least 1.
+_COUNT_ARGS = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "max_num_seqs",
+               "max_num_batched_tokens")
+
+
+def _check_engine_args(args: dict, source: str, path: str) -> None:
+    """The vLLM engine arguments whose type or range is plain, checked as vLLM would
+    when a replica starts (a trial's `tensor_parallel_size: 0`, `max_model_len: "abc"`
+    and `dtype: flaot32` passed check-config, then every replica failed to load)."""
+    for key in _COUNT_ARGS:
+        value = args.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ConfigError(source, f"{path}.{key}", f"expected an integer >= 1, got `{value!r}`")
+    value = args.get("max_model_len")
+    if value is not None:  # (vLLM also takes "32k", "1.5M")
+        ok = (isinstance(value, int) and not isinstance(value, bool) and value >= 1) or (
+            isinstance(value, str) and re.fullmatch(r"[0-9]+(\.[0-9]+)?[kKmMgG]?", value.strip()) is not None)
+        if not ok:
+            raise ConfigError(source, f"{path}.max_model_len",
+                              f"expected a token count >= 1 (or such as `32k`), got `{value!r}`")
+    value = args.get("gpu_memory_utilization")
+    if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                              or not 0 < value <= 1):
+        raise ConfigError(source, f"{path}.gpu_memory_utilization",
+                          f"expected a fraction of the device's memory, more than 0 and at most 1, got `{value!r}`")
+    value = args.get("dtype")
+    if value is not None and value not in VLLM_DTYPES:
+        raise ConfigError(source, f"{path}.dtype", f"`{value}` is not one of vLLM's: {', '.join(VLLM_DTYPES)}")
 
 
 def _check_acyclic(cfg: PipelineConfig, source: str) -> None:

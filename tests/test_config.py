@@ -266,6 +266,28 @@ def test_a_model_that_is_no_id_or_path_is_refused(tmp_path: Path, model: Any) ->
     assert (err.path, err.message) == ("model", f"expected a model id or path (a non-empty string), got `{model!r}`")
 
 
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("tensor_parallel_size", 0, "expected an integer >= 1, got `0`"),
+    ("tensor_parallel_size", "two", "expected an integer >= 1, got `'two'`"),
+    ("max_num_seqs", True, "expected an integer >= 1, got `True`"),
+    ("max_model_len", -5, "expected a token count >= 1 (or such as `32k`), got `-5`"),
+    ("max_model_len", "abc", "expected a token count >= 1 (or such as `32k`), got `'abc'`"),
+    ("gpu_memory_utilization", 1.5, "expected a fraction of the device's memory, more than 0 and at most 1, "
+                                    "got `1.5`"),
+    ("dtype", "flaot32", "`flaot32` is not one of vLLM's: auto, half, float16, bfloat16, float, float32"),
+])
+def test_a_vllm_engine_argument_of_the_wrong_type_or_range_is_refused(tmp_path: Path, key: str, value: Any,
+                                                                        message: str) -> None:
+    """A trial's `tensor_parallel_size: 0`, `max_model_len: "abc"`, `dtype: flaot32` passed
+    check-config; every replica then failed to load."""
+    data = yaml.safe_load((ROOT / "configs" / "cpu_vllm_chain.yaml").read_text())
+    data["stage_args"][0]["engine_args"][key] = value
+    err = refused(tmp_path, data)
+    assert (err.path, err.message) == (f"stage_args[0].engine_args.{key}", message)
+    data["stage_args"][0]["engine_args"][key] = {"max_model_len": "32k", "dtype": "bfloat16"}.get(key, 1)
+    assert load_config(write(tmp_path, data))  # (and what vLLM takes passes: "32k", a count of 1)
+
+
 def test_a_first_restart_backoff_over_the_longest_is_refused(tmp_path: Path) -> None:
     """A trial's initial_backoff_s 10 with max_backoff_s 1 passed check-config."""
     def mutate(d: dict) -> None:

@@ -270,3 +270,38 @@ def test_an_orphaned_pool_whose_exit_thespian_holds_exits_hard_after_the_grace()
     assert lines.count("sent ActorExitRequest") == 3 and "still here" not in lines, out
     forced = [line for line in lines if "exit_forced" in line]  # (console log format: no log config here)
     assert len(forced) == 1 and "after_s=0.5" in forced[0] and "reason='coordinator lost'" in forced[0], out
+
+
+def test_killing_a_system_unlinks_the_semaphores_its_killed_processes_left():
+    """A trial's `stop` while vLLM engines were loading left `/dev/shm/sem.mp-*` files: a
+    process and the resource tracker that would unlink its semaphores were both killed.
+    Here a process of system ``sid`` makes a multiprocessing (spawn) lock, its tracker is
+    SIGKILLed, then ``kill_system`` ends the process: the semaphore file is gone after."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import uuid
+
+    from omni_actors.system.processes import ENV_SYSTEM_ID, kill_system
+
+    sid = f"test-sem-{uuid.uuid4().hex[:8]}"
+    child = ("import multiprocessing as mp, time\n"
+             "lock = mp.get_context('spawn').Lock()\n"
+             "import importlib\n"  # (not the module's name whole: a cmdline with it is taken for a tracker)
+             "rt = importlib.import_module('multiprocessing.resource_' + 'tracker')\n"
+             "print(lock._semlock.name, getattr(rt, '_resource_' + 'tracker')._pid, flush=True)\n"
+             "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, ENV_SYSTEM_ID: sid})
+    try:
+        name, tracker = proc.stdout.readline().split()
+        path = f"/dev/shm/sem.{name.lstrip('/')}"
+        assert os.path.exists(path), path
+        os.kill(int(tracker), signal.SIGKILL)  # (as a kill of the whole tree may)
+        assert kill_system(sid, grace_s=1.0) == 1
+        proc.wait(5)
+        assert not os.path.exists(path), f"{path} was left behind"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

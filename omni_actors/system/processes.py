@@ -208,6 +208,7 @@ def kill_system(system_id: str, grace_s: float = 3.0, sessions: tuple[int, ...] 
         return system_pids(system_id, sessions=sessions)
 
     pids = alive()
+    semaphores = mapped_semaphores(pids)
     deadline = time.monotonic() + settle_s
     while pids and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -229,7 +230,66 @@ def kill_system(system_id: str, grace_s: float = 3.0, sessions: tuple[int, ...] 
         pids = alive()
         if not pids:
             break
+    _unlink_leaked_semaphores(semaphores)
     return initial
+
+
+def mapped_semaphores(pids: list[int]) -> set[tuple[int, int]]:
+    """``(device, inode)`` of the POSIX named semaphores (``/dev/shm/sem.*`` files) that
+    processes ``pids`` have mapped: multiprocessing's (vLLM's engine cores make some) are
+    unlinked by the resource tracker of the process that made them, which does not happen
+    when both are killed mid-start (a trial's stop during engine loading left ``sem.mp-*``
+    files). By inode: glibc maps a semaphore under a temporary name before it links it."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    parts = line.split(maxsplit=5)  # address perms offset dev inode path
+                    if len(parts) == 6 and parts[5].startswith("/dev/shm/sem."):
+                        major, minor = (int(x, 16) for x in parts[3].split(":"))
+                        found.add((os.makedev(major, minor), int(parts[4])))
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def _unlink_leaked_semaphores(inodes: set[tuple[int, int]], wait_s: float = 2.0,
+                              directory: str = "/dev/shm") -> int:
+    """Unlink the ``sem.*`` files of ``directory`` with these ``(device, inode)`` that are
+    left once their resource trackers have had ``wait_s`` to do it (they clean up when
+    the processes that made them are gone); how many."""
+    def left() -> list[str]:
+        out = []
+        try:
+            with os.scandir(directory) as it:
+                for e in it:
+                    if e.name.startswith("sem."):
+                        try:
+                            st = e.stat(follow_symlinks=False)
+                        except OSError:
+                            continue
+                        if (st.st_dev, st.st_ino) in inodes:
+                            out.append(e.path)
+        except OSError:
+            pass
+        return out
+
+    if not inodes:
+        return 0
+    deadline = time.monotonic() + wait_s
+    paths = left()
+    while paths and time.monotonic() < deadline:
+        time.sleep(0.1)
+        paths = left()
+    removed = 0
+    for path in paths:
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+    return removed
 
 
 def process_title(pid: int) -> str:
