@@ -388,14 +388,15 @@ class StartPool(Message):
     #: how its engines store outputs (``omni_actors.connectors.MODES``, or ``omni:...``:
     #: through a vLLM-Omni connector, ``omni_actors.connectors.omni``); None: each engine's default
     connector_mode: str | None = None
-    #: The replicas to start, ``(replica id, pin, restart times, counters, failed)`` each (pin:
+    #: The replicas to start, ``(replica id, pin, restart times, counters, failed, ran)`` each (pin:
     #: ``(node, devices)`` or ``()``; monotonic seconds, this host's clock; counters: ``(completed,
     #: failed, latency buckets, latency sum in s)``, the last report's; failed: why it went down
-    #: if it is FAILED, then kept so, else ""), instead of ``deployment.replicas`` new ones: a
+    #: if it is FAILED, then kept so, else ""; ran: it had a process under the last pool, so
+    #: its new one is a restart), instead of ``deployment.replicas`` new ones: a
     #: pool recreated after a crash gets the replicas its predecessor ran (launched and scaled
     #: ones included, those scaled down or drained left out) with their restart history and
     #: counters (Prometheus counters must not go back).
-    replicas: tuple[tuple[str, tuple, tuple[float, ...], tuple, str], ...] | None = None
+    replicas: tuple[tuple[str, tuple, tuple[float, ...], tuple, str, bool], ...] | None = None
     #: the index of the next new replica's name (``<stage>/<index>``): a recreated pool goes on
     #: from its predecessor's, so no name is used twice
     next_index: int = 0

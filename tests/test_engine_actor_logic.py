@@ -759,6 +759,37 @@ def test_admin_requests_to_a_coordinator_without_its_config_say_it_is_being_rede
     assert out.getvalue().splitlines()[-1] == f"NOT READY: {NOT_DEPLOYED}"
 
 
+def test_a_pool_that_exits_keeps_its_replicas_counts_and_only_those_that_ran_restart():
+    """Trial W: right after `kill-pool` every replica read `dead` with DONE and RESTARTS 0 (a
+    pending one too), and the new pool's replica that had only waited for placement said
+    "restarted ...; it was down: its stage pool was lost and recreated"."""
+    from types import SimpleNamespace
+
+    from thespian.actors import ChildActorExited
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import PoolState, ReplicaState, ReplicaStatus
+
+    co = CoordinatorActor()
+    co.sent, co.wakeups = [], []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co.wakeupAfter = lambda delay, payload=None: co.wakeups.append((delay, payload))
+    co._publish_status = lambda: None
+    co._config = SimpleNamespace(deployment=SimpleNamespace(supervision=SimpleNamespace()))
+    co._restart = SimpleNamespace(next_delay=lambda restarts, now: 1.0)
+    co._pools, co._pool_restarts = {1: "pool-1"}, {1: []}
+    report = PoolState(1, "code2wav", (ReplicaStatus("code2wav/0", ReplicaState.READY, completed=60, restarts=2,
+                                                     pid=11, node="m2"),
+                                       ReplicaStatus("code2wav/1", ReplicaState.PENDING, reason="no room")))
+    co._states[1] = co._reported[1] = report
+    co.receiveMsg_ChildActorExited(ChildActorExited("pool-1"), None)
+    rows = {r.replica: r for r in co._states[1].replicas}
+    assert (rows["code2wav/0"].state, rows["code2wav/0"].completed, rows["code2wav/0"].restarts,
+            rows["code2wav/0"].pid) == (ReplicaState.DEAD, 60, 2, None)
+    assert rows["code2wav/1"].state == ReplicaState.PENDING and rows["code2wav/1"].reason == "stage pool exited"
+    assert [(rid, ran) for rid, *_, ran in co._layout(1)] == [("code2wav/0", True), ("code2wav/1", False)]
+
+
 def test_a_busy_request_actor_tells_its_bridge_it_is_alive_until_it_is_free():
     """A busy RequestActor tells its bridge every alive_every_s that it still runs its
     request (silence means its process is gone), while it runs the request and while it

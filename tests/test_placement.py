@@ -411,7 +411,7 @@ def test_status_and_the_shell_name_a_leaving_node():
     # the replicas not placed yet are no CPU host.
     assert "m1 LEFT: 1 replicas, 0 ready, devices 0 (none offered while it is left)" in text, text
     assert "m2 LEAVING: 1 replicas, 0 ready, devices 1 (0 free)" in text, text
-    assert "(not placed yet): 1 replicas, 0 ready, waiting for a node" in text, text
+    assert "(not placed yet): 1 replicas, 0 ready, waiting for placement (`replicas` says why)" in text, text
 
 
 def test_a_stage_with_no_replica_running_goes_first_for_the_last_devices():

@@ -29,8 +29,8 @@ from omni_actors.actors.stage_pool import StagePoolActor
 from omni_actors.actors.supervision import TICK_LOST_AFTER_INTERVALS, RestartPolicy, WakeupChain, host_identity
 from omni_actors.connectors import data_service, default_prefix, free_usage, list_segments
 from omni_actors.logs import get_logger
-from omni_actors.messages import (PLACING, AdminReply, Deploy, DrainNode, DrainReplica, GetRoutes, GetStatus,
-                                  InjectFault, LaunchReplicas, NodeHeartbeat, NodeLeaving,
+from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, Deploy, DrainNode, DrainReplica, GetRoutes,
+                                  GetStatus, InjectFault, LaunchReplicas, NodeHeartbeat, NodeLeaving,
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, NOT_DEPLOYED, PlaceReplica,
                                   Placement,
                                   PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
@@ -124,8 +124,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                                   next_index=getattr(self._reported.get(stage.stage_id), "next_index", 0),
                                   coordinator_pid=os.getpid(), coordinator_host=socket.gethostname()))
 
-    def _layout(self, stage_id: int) -> tuple[tuple[str, tuple, tuple[float, ...], tuple, str], ...] | None:
-        """``(replica id, pin, restart times, counters, failed)`` of each replica the stage's pool last
+    def _layout(self, stage_id: int) -> tuple[tuple[str, tuple, tuple[float, ...], tuple, str, bool], ...] | None:
+        """``(replica id, pin, restart times, counters, failed, ran)`` of each replica the stage's pool last
         reported running or failed (launched and scaled ones included; scaled down or draining: left
         out); None before any report (the config's count then). See ``StartPool.replicas``."""
         report = self._reported.get(stage_id)
@@ -134,7 +134,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         restarts, failed = dict(report.restart_times), dict(report.failed)
         return tuple((r.replica, r.pin, restarts.get(r.replica, ()),
                       (r.completed, r.failed, r.latency_buckets, r.latency_sum_s),
-                      failed.get(r.replica, "") if r.state == ReplicaState.FAILED else "")
+                      failed.get(r.replica, "") if r.state == ReplicaState.FAILED else "",
+                      r.pid is not None or r.state in LIVE_STATES)
                      for r in report.replicas if r.state not in (ReplicaState.STOPPED, ReplicaState.DRAINING))
 
     def _settled(self) -> bool:
@@ -239,8 +240,13 @@ class CoordinatorActor(ActorTypeDispatcher):
             for r in old.replicas:
                 if r.replica not in kept:
                     self._inventory.release(r.replica)
+            # (counters kept, and a replica that was only waiting for placement still waits: a
+            # trial read DONE and RESTARTS 0, and a pending one "dead", until the new pool reported)
+            down = ReplicaState.DEAD if delay is not None else ReplicaState.FAILED
             self._states[stage_id] = PoolState(stage_id, old.stage, tuple(
-                ReplicaStatus(r.replica, ReplicaState.DEAD if delay is not None else ReplicaState.FAILED, why)
+                dataclasses.replace(r, reason=why, pid=None, in_flight=0, running=0, waiting=0,
+                                    state=(r.state if r.state in (ReplicaState.PENDING, ReplicaState.STOPPED)
+                                           and delay is not None else down))
                 for r in old.replicas), None, 0, len(self._pool_restarts[stage_id]))
             self._pools_down[stage_id] = (f"its pool exited; a new one starts in {delay:g} s, try again then"
                                           if delay is not None else why)

@@ -149,7 +149,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             for _ in range(msg.deployment.replicas):
                 self._launch(self._new_replica_id())
         else:  # recreated after a crash: the replicas the last pool ran, under their names
-            for rid, pin, restarts, (completed, failed, buckets, latency_sum), down in msg.replicas:
+            for rid, pin, restarts, (completed, failed, buckets, latency_sum), down, ran in msg.replicas:
                 self._next_index = max(self._next_index, replica_index(rid) + 1)
                 if pin:
                     self._pins[rid] = (pin[0], tuple(pin[1]))
@@ -159,8 +159,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                     rep.reason = down + self._retry_later(rep)
                 else:
                     self._launch(rid, list(restarts))
-                    # (its process was replaced with its pool's: a trial saw nothing in `status` say so)
-                    self._replicas[rid].down_cause = "its stage pool was lost and recreated"
+                    if ran:  # (its process was replaced with its pool's: a trial saw nothing in `status` say so)
+                        self._replicas[rid].down_cause = "its stage pool was lost and recreated"
                 rep = self._replicas[rid]  # (its counters go on, as after a restart)
                 rep.completed, rep.failed, rep.latency_sum = completed, failed, latency_sum
                 if len(buckets) == len(rep.latency):

@@ -71,7 +71,8 @@ def print_status_table(status, out=sys.stdout, api_down: bool = False, stopping:
             rows.append((st.stage, r.replica, r.state.value, r.node or "-", r.devices_label(), str(r.pid or "-"),
                          str(r.in_flight), str(r.completed), str(r.failed), str(r.restarts), r.reason_label()))
         if not st.replicas:
-            rows.append((st.stage, "-", "no replicas", "", "", "", "", "", "", "", ""))
+            # (a pool that has not reported yet, as just after a redeploy, is no stage without replicas)
+            rows.append((st.stage, "-", "no replicas" if st.pid else "pool starting", "", "", "", "", "", "", "", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(10)]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[10], file=out)

@@ -272,7 +272,7 @@ class AdminShell(cmd.Cmd):
             inv = inventory.get(node)
             ready = sum(1 for r in reps if r.state.value == "ready")
             if inv is None:
-                devices = "waiting for a node"  # (the replicas not placed yet)
+                devices = "waiting for placement (`replicas` says why)"  # (the replicas not placed yet)
             elif inv.devices and inv.state in ("alive", "leaving"):
                 devices = f"devices {','.join(inv.devices)} ({len(inv.devices) - len(inv.used)} free)"
             elif inv.devices:
