@@ -401,6 +401,10 @@ def test_stop_on_a_members_admin_port_says_it_is_no_leader_and_stops_nothing(clu
     # (a trial's leader recorded in another OMNI_ACTORS_STATE_DIR got only "a member or another program")
     assert "a leader that records itself elsewhere (started with another OMNI_ACTORS_STATE_DIR" in out.stderr
     assert member.proc.poll() is None
+    # (and a member keeps no zombie: the process that forked its admin was one for its whole life)
+    zombies = [e.name for e in Path("/proc").iterdir() if e.name.isdigit()
+               and (_proc_stat(int(e.name)) or ["", ""])[:2] == ["Z", str(member.proc.pid)]]
+    assert zombies == [], zombies
     assert any(r["node"] == "m1" and r["state"] == "ready" for r in cluster.replicas())
 
 

@@ -16,8 +16,8 @@ import socket
 import threading
 import time
 
-from omni_actors.system.leader import (ACTOR_BASE, StartError, admin_start_error, node_capabilities,
-                                       start_data_service)
+from omni_actors.system.leader import (ACTOR_BASE, StartError, _become_subreaper, admin_start_error,
+                                       node_capabilities, start_data_service)
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
                                           resume_stopped)
 from omni_actors.system.watchdog import exit_if_host_gone, mark_host_process, start_watchdog, stop_watchdog
@@ -95,6 +95,9 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         # node agent sets the reap age from the config (see actors.node_agent).
         data = start_data_service(node, local_address_towards(host, port), DEFAULT_REAP_AFTER_S)
         mark_host_process("member")  # (inherited by the admin and every actor placed here)
+        # (as the leader: the process that forks the admin and exits was left a zombie for the
+        # member's whole life, a trial saw; orphaned actors here are reaped too)
+        _become_subreaper()
         try:
             asys = ActorSystem(ACTOR_BASE, caps, logDefs=thespian_log_defs())
         except Exception as exc:  # noqa: BLE001
