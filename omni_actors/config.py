@@ -26,6 +26,7 @@ import codecs
 import contextvars
 import difflib
 import re
+import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -449,7 +450,9 @@ def _show(value: Any) -> str:
 
 def _bounds_message(typ: Any, value: Any) -> str | None:
     """``must be a finite number of seconds > 0 and <= 86400 (a day), got inf`` for a
-    field typed with bounds and ``extra["unit"]``; None for any other field."""
+    field typed with bounds and ``extra["unit"]`` (or such a type or None); None for any other field."""
+    if typing.get_origin(typ) in (typing.Union, types.UnionType):
+        typ = next((a for a in typing.get_args(typ) if typing.get_origin(a) is Annotated), typ)
     if typing.get_origin(typ) is not Annotated:
         return None
     base, *metas = typing.get_args(typ)

@@ -152,6 +152,13 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
             _check_engine_args(s.engine_args, source, f"stage_args[{i}].engine_args")
         if dep.backend == "synthetic":
             kind = dep.synthetic.kind or s.name
+            makes = _SYNTHETIC_OUTPUT.get(kind)
+            if s.final_output and kind in SUPPORTED_STAGES and makes != s.final_output_type:
+                # (a trial's text final output on a synthetic `ar` stage: every chat request a bare 500)
+                raise ConfigError(source, f"stage_args[{i}].final_output_type",
+                                  f"{s.final_output_type}, but the synthetic `{kind}` stage makes "
+                                  + (f"{makes}" if makes else "no final output a client can take (it feeds "
+                                                              "another stage)"))
             if kind not in SUPPORTED_STAGES:
                 where = (f"deployment.stages.{s.name}.synthetic.kind" if dep.synthetic.kind
                          else f"stage_args[{i}].engine_args.model_stage")
@@ -161,6 +168,8 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
                                   f"deployment.stages.{s.name}.synthetic.kind)")
 
 
+#: What each synthetic stage kind makes that a client can take as a final output.
+_SYNTHETIC_OUTPUT = {"thinker": "text", "code2wav": "audio", "dit": "image"}
 #: vLLM's ``dtype`` choices (``--dtype``).
 VLLM_DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 #: Engine arguments that vLLM takes as counts of at least 1.

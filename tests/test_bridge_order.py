@@ -177,3 +177,17 @@ def test_a_rerun_waits_until_the_host_that_lost_its_output_is_reported_down():
         assert time.monotonic() - t0 < 2.0  # as soon as it is reported, not at the timeout
 
     asyncio.run(main())
+
+
+def test_a_final_output_without_what_its_type_needs_fails_the_request_with_a_reason(bridge):
+    """A trial's text final output from a stage that made prior tokens: a KeyError in the
+    API server, a bare 500 "The server had an error". Now the 500 says what was missing."""
+    import numpy as np
+
+    stream = _open(bridge, "r9")
+    final = make_connector().put({"prior_token_ids": np.arange(4, dtype=np.int32)}, final=True)
+    bridge._on_message(OutputReady("r9", 0, "text", final, seq=0, after_text=(0, 0)))
+    failed = [ev for ev in stream if isinstance(ev, RequestFailed)]
+    assert len(failed) == 1 and failed[0].status == 500, stream
+    assert failed[0].message == ("stage 0's text output has no `text` (it has: prior_token_ids): its engine "
+                                 "makes no text; see its final_output_type in the config")

@@ -288,6 +288,17 @@ def test_a_vllm_engine_argument_of_the_wrong_type_or_range_is_refused(tmp_path: 
     assert load_config(write(tmp_path, data))  # (and what vLLM takes passes: "32k", a count of 1)
 
 
+def test_a_final_output_type_the_synthetic_stage_does_not_make_is_refused(tmp_path: Path) -> None:
+    """A trial's text final output on a synthetic `ar` stage passed check-config; every
+    chat request then got a bare 500 (a KeyError in the API server)."""
+    def mutate(d: dict) -> None:
+        d["deployment"]["stages"]["thinker"] = {"replicas": 1, "synthetic": {"kind": "ar"}}
+    err = refused(tmp_path, variant(mutate))
+    assert err.path == "stage_args[0].final_output_type"
+    assert err.message == ("text, but the synthetic `ar` stage makes no final output a client can take "
+                           "(it feeds another stage)")
+
+
 def test_a_first_restart_backoff_over_the_longest_is_refused(tmp_path: Path) -> None:
     """A trial's initial_backoff_s 10 with max_backoff_s 1 passed check-config."""
     def mutate(d: dict) -> None:

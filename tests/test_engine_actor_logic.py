@@ -1218,3 +1218,24 @@ def test_a_stage_failed_after_its_text_went_out_tells_the_bridge_so():
     assert len(finished) == 1 and finished[0].output_sent is True, sent
     assert finished[0].message == ("dead: process exited; part of the output had already reached the client, "
                                    "so it was not retried")
+
+
+def test_a_vllm_omni_engine_dead_error_marks_the_replica_failed_for_its_next_heartbeat():
+    """Trial AA: a SIGKILLed vLLM-Omni stage engine left its replica `ready` until the circuit
+    breaker tripped after 5 failed tasks (its backend never set `failure`). Recognised by
+    name (its module moves between versions), also as the cause of another error."""
+    from omni_actors.engines.vllm_omni import _engine_dead
+
+    class OmniEngineDeadError(Exception):
+        pass
+
+    assert _engine_dead(OmniEngineDeadError("Stage-0 has no live replica"))
+    try:
+        try:
+            raise OmniEngineDeadError("gone")
+        except OmniEngineDeadError as exc:
+            raise RuntimeError("generate failed") from exc
+    except RuntimeError as wrapped:
+        assert _engine_dead(wrapped)
+    assert _engine_dead(RuntimeError("OmniEngineDeadError: Stage-0 has no live replica"))
+    assert not _engine_dead(ValueError("prompt too long")) and not _engine_dead(RuntimeError("oom"))

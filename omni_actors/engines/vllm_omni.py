@@ -442,6 +442,12 @@ class VllmOmniEngine:
             # retried until the circuit breaker isolated the only Thinker).
             if is_client_error(exc):
                 raise ValueError(one_line(exc.__cause__ or exc)) from None
+            if _engine_dead(exc):
+                # Its stage engine is gone (a trial SIGKILLed it): this replica can serve no more,
+                # and says so at its next heartbeat (it read `ready` until the circuit breaker
+                # tripped after 5 failed tasks).
+                self._dead = one_line(exc)
+                self._log.error("vllm_omni_engine_dead", error=self._dead)
             raise RuntimeError(one_line(exc.__cause__ or exc)) from None
         finally:
             await stream.aclose()
@@ -570,3 +576,16 @@ def multimodal_inputs(out: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     return {k: torch.from_numpy(np.array(val, copy=True)) for k, val in arrays.items()}
+
+
+def _engine_dead(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what caused it) is vLLM's or vLLM-Omni's "engine dead" error
+    (``EngineDeadError``, ``OmniEngineDeadError``): by name, as its module moves between
+    versions."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if type(exc).__name__.endswith("EngineDeadError") or "EngineDeadError" in str(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+

@@ -118,6 +118,10 @@ class _Inbox:
         return after_text is None or (self.text_attempt == after_text[0] and self.text_seq >= after_text[1])
 
 
+#: What each final output type must hold (see :class:`~omni_actors.http.types.OutputFinal`).
+_FINAL_KEYS = {"text": ("text",), "audio": ("audio",), "image": ("image",)}
+
+
 class ActorBridge(RequestActorKeeping):
     """Implements :class:`omni_actors.http.types.Bridge` over a running actor system.
 
@@ -559,6 +563,13 @@ class ActorBridge(RequestActorKeeping):
         """Deliver one RequestActor output of a request, in order."""
         data = self._take(msg, "streamed output" if isinstance(msg, OutputChunk) else "final output")
         if data is None:
+            return
+        missing = [k for k in _FINAL_KEYS.get(msg.output_type, ()) if k not in data]
+        if missing:  # (a trial's `final_output_type: text` on a stage making prior tokens: a KeyError, a bare 500)
+            self._deliver(msg.request_id, RequestFailed(
+                500, f"stage {self._stage_name(msg.stage_id)}'s {msg.output_type} output has no "
+                     f"`{missing[0]}` (it has: {', '.join(sorted(data)) or 'nothing'}): its engine makes no "
+                     f"{msg.output_type}; see its final_output_type in the config"))
             return
         event = (OutputPart if isinstance(msg, OutputChunk) else OutputFinal)(msg.stage_id, msg.output_type, data)
         self._deliver(msg.request_id, event)

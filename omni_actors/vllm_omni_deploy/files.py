@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import yaml
 
-from omni_actors.config import ConfigError, _convert, _DuplicateKey, _UniqueKeyLoader
+from omni_actors.config import ConfigError, Replicas, _convert, _DuplicateKey, _UniqueKeyLoader
 
 __all__ = ["ConnectorSpec", "Edge", "OUR_KEYS", "resolve", "check_connectors", "deep_merge"]
 
@@ -61,7 +61,7 @@ class Edge(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class _StageRuntime(msgspec.Struct, kw_only=True):
     devices: str | int | None = None
-    num_replicas: PositiveInt | None = None
+    num_replicas: Replicas | None = None  # (1 to 1024, as deployment.stages.*.replicas)
     env: dict[str, Any] | None = None
 
 
@@ -70,7 +70,7 @@ class _Stage(msgspec.Struct, kw_only=True):
 
     stage_id: NonNegInt
     devices: str | int | None = None
-    num_replicas: PositiveInt | None = None
+    num_replicas: Replicas | None = None  # (1 to 1024, as deployment.stages.*.replicas)
     env: dict[str, Any] | None = None
     async_chunk: bool | None = None
     input_connectors: dict[str, str | ConnectorSpec] | None = None
