@@ -14,7 +14,8 @@ Rules:
   wins (spread), then the one with the most free devices, then by name;
 - a stage with no replica running goes first: while one waits for devices
   (its host was lost, say), another replica of a stage that still has one
-  running is not given the devices that it needs (:class:`FirstInLine`).
+  running is not given the free devices it would fit in now (:class:`FirstInLine`;
+  only free devices are kept, nothing running is stopped for it).
 
 A replica launched with explicit devices (``stage launch --devices 2,3
 --node N``) is *pinned*: :meth:`Inventory.plan_launch` checks the request

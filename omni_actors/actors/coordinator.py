@@ -32,8 +32,7 @@ from omni_actors.logs import get_logger
 from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, Deploy, DrainNode, DrainReplica, GetRoutes,
                                   GetStatus, InjectFault, LaunchReplicas, NodeHeartbeat, NodeLeaving,
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, NOT_DEPLOYED, PlaceReplica,
-                                  Placement,
-                                  PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
+                                  Placement, PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
                                   ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, StartNodeAgent,
                                   StartPool, Subscribe, SUBSCRIPTION, SystemStatus, WhoAmI, YouAre)
 from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, PlacementError
@@ -360,13 +359,18 @@ class CoordinatorActor(ActorTypeDispatcher):
         """The other stages that have no replica running (placed, or reported starting
         or ready, on an open node) and one that wants to run, when ``ask``'s stage has
         one running besides ``ask.replica``: their devices are not given to it."""
+        nodes = self._inventory.nodes
+        placed: dict[str, set[str]] = {}  # stage -> its replicas placed on open nodes
+        for node in nodes.values():
+            if node.open:
+                for replica, stage in node.replicas.items():
+                    placed.setdefault(stage, set()).add(replica)
+
         def running(stage: str, state: PoolState | None, but: str = "") -> set[str]:
-            placed = {r for n in self._inventory.nodes.values() if n.open
-                      for r, s in n.replicas.items() if s == stage}
             reported = {r.replica for r in (state.replicas if state else ())
                         if r.state in (ReplicaState.READY, ReplicaState.STARTING)
-                        and r.node in self._inventory.nodes and self._inventory.nodes[r.node].open}
-            return (placed | reported) - {but}
+                        and r.node in nodes and nodes[r.node].open}
+            return (placed.get(stage, set()) | reported) - {but}
 
         states = {st.stage: st for st in self._states.values()}
         if not running(ask.stage, states.get(ask.stage), ask.replica):

@@ -93,8 +93,9 @@ class StreamingMixin:
                 except asyncio.TimeoutError:
                     held = f"; chunks {sorted(early)} came ahead of it" if early else ""
                     raise UpstreamTimeout(f"no chunk from upstream stage {src} within {msg.chunk_timeout_s:g} s "
-                                          f"(after {seq} chunks{held}): its replica died or stalled, or it makes its chunks "
-                                          "more slowly than that (streaming.chunk_timeout_s)") from None
+                                          f"(after {seq} chunks{held}): its replica died or stalled, or it "
+                                          "makes its chunks more slowly than that (streaming.chunk_timeout_s)"
+                                          ) from None
                 if item.ref is None:
                     end_at = item.seq
                 elif item.seq >= seq:
