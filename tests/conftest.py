@@ -144,3 +144,13 @@ def prefix():
     sweep_segments(p)
     drop_mappings()
 
+
+@pytest.fixture
+def segments_not_slots(monkeypatch):
+    """Every put takes a segment of its own (recycled or new), as when a producer's
+    slots are over their budget: ``$OMNI_ACTORS_SHM_SLOT_BYTES`` 0 (slots are
+    tested in test_shm_slots.py)."""
+    from omni_actors.connectors.slots import SLOT_BYTES_ENV
+
+    monkeypatch.setenv(SLOT_BYTES_ENV, "0")
+

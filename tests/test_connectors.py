@@ -22,6 +22,9 @@ from omni_actors.connectors.data_service import NODE_ENV, SERVICE_ENV
 from omni_actors.connectors.inline import ALIGN
 from omni_actors.connectors.shm import PREFIX_ENV, ShmConnector
 
+#: These tests are about per-put segments; slots are tested in test_shm_slots.py.
+pytestmark = pytest.mark.usefixtures("segments_not_slots")
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 import yaml
 
-from omni_actors.connectors import data_service, list_free_segments, list_segments
+from omni_actors.connectors import data_service, free_usage, list_segments
 from omni_actors.system.local import LocalLeader
 
 from conftest import TEST_CONFIGS
@@ -178,12 +178,13 @@ def test_a_thousand_requests_with_client_disconnects_leak_nothing(cluster):
                 data_service.stats(a)["segments"] for a in services.values())):
             time.sleep(0.1)
 
-    def trimmed() -> dict[str, list[str]]:
-        """Free (recycled) segments go once idle for free_idle_s (2 s), trimmed every 0.5 s."""
+    def trimmed() -> dict[str, int]:
+        """Free segments (recycled ones and free slots) go once idle for free_idle_s (2 s),
+        trimmed every 0.5 s (recycled ones by the data service, slots by their producer)."""
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(list_free_segments(p) for p in prefixes):
+        while time.monotonic() < deadline and any(free_usage(p)[0] for p in prefixes):
             time.sleep(0.1)
-        return {p: list_free_segments(p) for p in prefixes}
+        return {p: free_usage(p)[0] for p in prefixes}
 
     def rss() -> dict[str, int]:
         pids = {"api server (leader)": cluster.leader.proc.pid}
@@ -211,7 +212,7 @@ def test_a_thousand_requests_with_client_disconnects_leak_nothing(cluster):
     # every hand-over crossing hosts here); once idle, the free ones are trimmed too.
     recycled = sum(data_service.stats(a)["recycled"] for a in services.values()) - recycled_before
     assert recycled > 0
-    assert trimmed() == {p: [] for p in prefixes}
+    assert trimmed() == {p: 0 for p in prefixes}
     free = {node: data_service.stats(addr)["free_segments"] for node, addr in services.items()}
     assert free == {node: 0 for node in services}, free
     now = rss()

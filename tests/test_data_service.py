@@ -26,6 +26,9 @@ from omni_actors.connectors.shm import SHM_DIR, size_class
 from conftest import stop_process
 from test_connectors import assert_same_outputs, sample_outputs
 
+#: These tests are about per-put segments; slots are tested in test_shm_slots.py.
+pytestmark = pytest.mark.usefixtures("segments_not_slots")
+
 REPO = Path(__file__).resolve().parents[1]
 
 

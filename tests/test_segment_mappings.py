@@ -21,6 +21,9 @@ from omni_actors.connectors import data_service as ds
 from omni_actors.connectors import mappings, recycling, shm
 from omni_actors.connectors.shm import SHM_DIR
 
+#: These tests are about per-put segments; slots are tested in test_shm_slots.py.
+pytestmark = pytest.mark.usefixtures("segments_not_slots")
+
 MB = 1 << 20
 
 

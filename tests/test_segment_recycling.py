@@ -28,6 +28,9 @@ from omni_actors.http.types import RequestFailed
 from omni_actors.messages import (CancelRequest, ErrorKind, OutputReady, PlannedStage, RequestFinished,
                                   RequestPlan, RunRequest, StageDone, StageTask)
 
+#: These tests are about per-put segments; slots are tested in test_shm_slots.py.
+pytestmark = pytest.mark.usefixtures("segments_not_slots")
+
 REPO = Path(__file__).resolve().parents[1]
 MB = 1 << 20
 

@@ -19,7 +19,9 @@ prefix (``$OMNI_ACTORS_SHM_PREFIX``, in ``$OMNI_ACTORS_SHM_DIR``, default
 - ``config``: change ``reap_after_s`` (a member learns it from the coordinator).
 
 A reaper thread unlinks segments of the prefix older than ``reap_after_s``
-(by their files' mtime): what a dead replica or a crashed request left; and
+(by their files' mtime; slots in use that long, by their headers, see
+:mod:`omni_actors.connectors.slots`): what a dead replica or a crashed
+request left, and the free slots of producers that exited; and
 every ``free_idle_s / 4`` it trims the prefix's free segments: those idle
 longer than ``free_idle_s`` go, then the oldest until they fit
 ``free_budget_bytes`` (:func:`omni_actors.connectors.recycling.trim_free_segments`).
@@ -60,9 +62,11 @@ from omni_actors.connectors.data_client import (  # noqa: F401 - the client side
     BAD_REQUEST, FAILED, MAX_REQUEST, NOT_FOUND, OK, POOL_ENV, RECV_CHUNK, RELEASE_BATCH, REPLY_HEADER,
     REQUEST_HEADER, DataServiceError, ReceivePool, _recv_exact, close_connections, configure, fetch,
     parse_address, release, stats)
-from omni_actors.connectors.recycling import free_budget, free_idle_s, free_usage, trim_free_segments
+from omni_actors.connectors import slots
+from omni_actors.connectors.recycling import free_budget, free_idle_s, trim_free_segments
 from omni_actors.connectors.shm import DIR_ENV, _unlink, check_name, check_segment_dir, default_prefix, \
-    list_segments, open_segment, read_segment, release_segments, segment_dir, segment_usage
+    free_usage, list_segment_files, list_segments, open_segment, read_segment, release_segments, segment_dir, \
+    segment_usage
 from omni_actors.connectors.inline import ConnectorError
 from omni_actors.connectors.mappings import SegmentNotFound
 
@@ -426,11 +430,13 @@ class DataService:
 
     # -- reaper -----------------------------------------------------------------------------
     def reap(self, now: float | None = None) -> int:
-        """Unlink the segments of the prefix older than ``reap_after_s``; how many."""
+        """Unlink the segments of the prefix older than ``reap_after_s`` (slots: in use that long); how many."""
         now = time.time() if now is None else now
         removed = 0
         directory = segment_dir()
-        for name in list_segments(self.prefix, directory):
+        for name in list_segment_files(self.prefix, directory):
+            if slots.is_slot(name):
+                continue  # (below, by their headers: writes through a mapping leave the mtime alone)
             try:
                 age = now - os.stat(os.path.join(directory, name)).st_mtime
             except FileNotFoundError:
@@ -438,15 +444,29 @@ class DataService:
             if age > self.reap_after_s and _unlink(name):
                 removed += 1
                 log.warning("data_service_reaped", segment=name, age_s=round(age, 1))
+        removed += len(self._slots(self.reap_after_s, now)[0])
         if removed:
             self._count(reaped=removed)
         return removed
 
+    def _slots(self, reap_after_s: float | None = None, now: float | None = None) -> tuple[list, int]:
+        """:func:`omni_actors.connectors.slots.reap_slots` over the prefix's slots (logs what it reaped)."""
+        directory = segment_dir()
+        names = [n for n in list_segment_files(self.prefix, directory) if slots.is_slot(n)]
+        if not names:
+            return [], 0
+        reaped, trimmed = slots.reap_slots(names, directory, reap_after_s=reap_after_s, now=now)
+        for name, age in reaped:
+            log.warning("data_service_reaped", segment=name, age_s=round(age, 1))
+        return reaped, trimmed
+
     def trim(self, now: float | None = None) -> int:
         """Unlink the prefix's free segments idle over ``free_idle_s``, then the
-        oldest until they fit ``free_budget_bytes``; how many."""
+        oldest until they fit ``free_budget_bytes``, and the free slots of
+        producers that exited; how many."""
         removed = trim_free_segments(self.prefix, idle_s=self.free_idle_s, budget=self.free_budget_bytes,
                                      now=now)
+        removed += self._slots(now=now)[1]
         if removed:
             self._count(trimmed=removed)
             log.debug("data_service_trimmed", segments=removed)

@@ -323,20 +323,28 @@ class _MapCache(_Cache):
                 # pwrite them, it fails cleanly when the tmpfs is full; a new mapping follows).
                 entry.close()
                 return False
-            mm, pos = entry.mm, 0
-            for field, arr in zip([f for f in layout if f.kind == "array"], arrays):
-                if field.nbytes:
-                    if field.offset > pos:  # padding: zeros, not the last payload's bytes
-                        mm[pos:field.offset] = bytes(field.offset - pos)
-                    mm[field.offset:field.offset + field.nbytes] = array_bytes(arr)
-                    pos = field.offset + field.nbytes
-            if size > pos:
-                mm[pos:size] = bytes(size - pos)
+            write_payload(entry.mm, 0, size, layout, arrays)
         except BaseException:
             entry.close()
             raise
         self.put_back(directory, ino, entry)
         return True
+
+
+def write_payload(mm: mmap.mmap, base: int, size: int, layout: tuple[FieldLayout, ...],
+                  arrays: list[np.ndarray]) -> None:
+    """Copy ``arrays`` (from :func:`~omni_actors.connectors.inline.plan`) into ``mm``
+    at ``base`` + their offsets, the ``size`` bytes' padding as zeros (not the
+    last payload's bytes)."""
+    pos = 0
+    for field, arr in zip([f for f in layout if f.kind == "array"], arrays):
+        if field.nbytes:
+            if field.offset > pos:
+                mm[base + pos:base + field.offset] = bytes(field.offset - pos)
+            mm[base + field.offset:base + field.offset + field.nbytes] = array_bytes(arr)
+            pos = field.offset + field.nbytes
+    if size > pos:
+        mm[base + pos:base + size] = bytes(size - pos)
 
 
 class _ReadCache(_Cache):
@@ -434,11 +442,18 @@ _maps = _MapCache()
 _reads = _ReadCache()
 
 
+#: Called by :func:`drop_mappings` too: the slots' mappings (:mod:`omni_actors.connectors.slots`).
+_drop_hooks: list = []
+
+
 def drop_mappings() -> None:
     """Close every mapping this process keeps (to write, :class:`_MapCache`, and to
-    read, :class:`_ReadCache`), e.g. before unmounting a segment directory."""
+    read, :class:`_ReadCache`; and its slots, which it forgets without unlinking
+    them), e.g. before unmounting a segment directory."""
     _maps.clear()
     _reads.clear()
+    for hook in _drop_hooks:
+        hook()
 
 
 def drop_unlinked_mappings() -> int:

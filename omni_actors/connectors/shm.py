@@ -47,13 +47,14 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from omni_actors.connectors import slots
 from omni_actors.connectors.base import DIR_ENV, SHM_DIR, ConnectorRef, FieldLayout, _unlink_in, segment_dir  # noqa: F401
 from omni_actors.connectors.inline import ConnectorError, InlineConnector, array_bytes, plan, \
     read_outputs
 from omni_actors.connectors.mappings import _OPEN_FLAGS, _maps, _reads, drop_unlinked_mappings
 from omni_actors.connectors.mappings import MAP_CHECK_S, drop_mappings  # noqa: F401 - re-exported for tests
-from omni_actors.connectors.recycling import FREE_SUFFIX, _claim, _recycle, free_budget, \
-    purge_free_segments, size_class
+from omni_actors.connectors.recycling import FREE_SUFFIX, _claim, _free_usage_in, _recycle, free_budget, \
+    free_dir, purge_free_segments, size_class
 from omni_actors.connectors.recycling import (  # noqa: F401 - re-exported for tests, benchmarks
     FREE_BYTES_ENV, _free_ino, free_dir)
 
@@ -217,9 +218,15 @@ def read_segment(name: str, size: int) -> memoryview | mmap.mmap:
     :class:`~omni_actors.connectors.mappings._ReadCache`; one is made and kept
     when there is none).
 
+    A slot's location (``<name>@<generation>``, see
+    :mod:`omni_actors.connectors.slots`) reads that generation's payload.
+
     Raises:
         ConnectorError: the segment is gone or smaller than ``size``.
     """
+    if "@" in name:
+        file, gen = slots.split(name)
+        return slots.read(segment_dir(), file, gen, size)
     return _reads.view(segment_dir(), name, size)
 
 
@@ -259,11 +266,17 @@ class ShmConnector:
         """``put`` for a result of :func:`plan` (saves planning twice)."""
         if size == 0:
             return self._inline.put_planned(layout, size, arrays)
+        directory = segment_dir()
+        location = slots.put(self.prefix, directory, size, layout, arrays)
+        if location is not None:
+            return ConnectorRef(kind=self.kind, size=size, layout=layout, location=location,
+                                node=self.node, service=self.service)
         name = f"{self.prefix}{os.urandom(8).hex()}"
         try:
             create_segment(name, size, layout, arrays, reuse_prefix=self.prefix)
         except OSError as exc:
-            if exc.errno != errno.ENOSPC or not (purge_free_segments(self.prefix) + drop_unlinked_mappings()):
+            if exc.errno != errno.ENOSPC or not (purge_free_segments(self.prefix) + drop_unlinked_mappings()
+                                                 + slots.drop_free_slots()):
                 raise
             # The tmpfs is full, and free segments (or our mappings of unlinked ones, kept to write
             # or to read) held some of it: give them back, try once more.
@@ -309,17 +322,26 @@ def release_segments(names: Iterable[str], *, recycle: bool = False, directory: 
     or its name or size is not one ``put`` makes. Names already gone are skipped.
 
     Recycle only what no process reads any more: an array mapped from the
-    segment before would see the next payload.
+    segment before would see the next payload. A slot's location
+    (``<name>@<generation>``) is released in its header instead
+    (:func:`omni_actors.connectors.slots.release`: free for its producer, or
+    retired and unlinked).
 
     Returns:
         ``(released, recycled)``: how many were still there, how many of those were kept.
     """
     directory = segment_dir() if directory is None else directory
-    if recycle and budget is None:
-        budget = free_budget(directory)
     released = recycled = 0
     usage: dict[str, list[int]] = {}  # free directory -> [segments, bytes], listed once per call
     for name in names:
+        slot = slots.split(name) if "@" in name else None
+        if slot is not None:
+            if slots.release(directory, slot, recycle=recycle):
+                released += 1
+                recycled += recycle
+            continue
+        if recycle and budget is None:
+            budget = free_budget(directory)
         try:
             kept = recycle and _recycle(name, directory, usage, budget)
         except OSError:  # (whatever stops the recycling, the segment is still released)
@@ -335,7 +357,15 @@ def release_segments(names: Iterable[str], *, recycle: bool = False, directory: 
 def list_segments(prefix: str, directory: str | None = None) -> list[str]:
     """Names of the in-use segments in ``directory`` (default :func:`segment_dir`)
     that start with ``prefix``, sorted; none if the directory does not exist.
-    Free (recycled) segments are not listed: see :func:`list_free_segments`."""
+    Free (recycled) segments are not listed (see :func:`list_free_segments`),
+    nor slots that are not in use (see :func:`list_segment_files`)."""
+    directory = segment_dir() if directory is None else directory
+    return [n for n in list_segment_files(prefix, directory)
+            if not slots.is_slot(n) or (h := slots.header(directory, n)) is not None and slots.state(h) == slots.IN_USE]
+
+
+def list_segment_files(prefix: str, directory: str | None = None) -> list[str]:
+    """Names of every segment file under ``prefix`` in ``directory``, slots in any state included, sorted."""
     if not prefix:
         raise ValueError("refusing an empty prefix: it would match every segment")
     try:
@@ -344,6 +374,18 @@ def list_segments(prefix: str, directory: str | None = None) -> list[str]:
                           if e.name.startswith(prefix) and not e.is_dir(follow_symlinks=False))
     except FileNotFoundError:
         return []
+
+
+def free_usage(prefix: str, directory: str | None = None) -> tuple[int, int]:
+    """``(segments, bytes)`` of ``prefix``'s free segments right now: recycled ones
+    (from their names) and free slots (from their headers)."""
+    directory = segment_dir() if directory is None else directory
+    count, total = _free_usage_in(free_dir(prefix, directory))
+    names = [n for n in list_segment_files(prefix, directory) if slots.is_slot(n)]
+    if names:
+        free = slots.usage(names, directory)[slots.FREE]
+        count, total = count + free[0], total + free[1]
+    return count, total
 
 
 def segment_usage(prefix: str, directory: str | None = None) -> tuple[int, int]:
@@ -369,7 +411,8 @@ def sweep_segments(prefix: str, directory: str | None = None) -> int:
         ValueError: ``prefix`` is empty.
     """
     directory = segment_dir() if directory is None else directory
-    removed = sum(_unlink_in(directory, name) for name in list_segments(prefix, directory))
+    removed = sum(slots.retire_and_unlink(directory, name) if slots.is_slot(name) else _unlink_in(directory, name)
+                  for name in list_segment_files(prefix, directory))
     try:
         with os.scandir(directory) as it:
             fdirs = [e.path for e in it if e.name.startswith(prefix) and e.name.endswith(FREE_SUFFIX)

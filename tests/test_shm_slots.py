@@ -1,0 +1,200 @@
+"""Slots: a producer's segment files written again and again (omni_actors.connectors.slots).
+
+What a user of the connectors sees: a put after a recycled release lands in
+the same file under a new generation, an old ref reads nothing, an unrecycled
+release unlinks the file while arrays read from it keep their bytes, readers
+and releasers in other processes and on other nodes (through the data
+service) work, and idle or orphaned slots go away.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import numpy as np
+import pytest
+
+from omni_actors.connectors import ConnectorError, DataService, NodeConnector, free_usage, list_segments, \
+    segment_dir, slots
+from omni_actors.connectors.shm import list_segment_files
+
+from test_connectors import assert_same_outputs, sample_outputs
+
+MB = 1 << 20
+
+
+def _payload(seed: int, n: int = MB // 4) -> dict:
+    return {"x": np.random.default_rng(seed).standard_normal(n).astype(np.float32), "step": seed}
+
+
+def _file(ref) -> str:
+    name, gen = slots.split(ref.location)
+    return name
+
+
+def test_a_recycled_slot_takes_the_next_put_and_an_old_ref_reads_nothing(prefix):
+    conn = NodeConnector(0, prefix)
+    first = conn.put(_payload(1))
+    assert slots.split(first.location)[1] == 1 and first.location.startswith(prefix)
+    assert_same_outputs(conn.get(first), _payload(1))
+    assert list_segments(prefix) == [_file(first)]
+
+    conn.release(first, recycle=True)
+    assert list_segments(prefix) == []  # (free: not in use)
+    assert free_usage(prefix)[0] == 1
+
+    second = conn.put(_payload(2))
+    assert _file(second) == _file(first) and slots.split(second.location)[1] == 2
+    assert_same_outputs(conn.get(second), _payload(2))
+    with pytest.raises(ConnectorError, match="already released"):
+        conn.get(first)
+    conn.release(first, recycle=True)  # a late release of the old generation changes nothing
+    assert_same_outputs(conn.get(second), _payload(2))
+    assert list_segments(prefix) == [_file(second)]
+
+
+def test_every_dtype_round_trips_through_a_slot(prefix):
+    conn = NodeConnector(0, prefix)
+    ref = conn.put(sample_outputs())
+    assert "@" in ref.location
+    assert_same_outputs(conn.get(ref), sample_outputs())
+    conn.release(ref, recycle=True)
+    ref = conn.put(sample_outputs())  # (again, through the producer's mapping)
+    assert slots.split(ref.location)[1] == 2
+    assert_same_outputs(conn.get(ref), sample_outputs())
+
+
+def test_an_unrecycled_release_unlinks_and_arrays_read_before_keep_their_bytes(prefix):
+    conn = NodeConnector(0, prefix)
+    ref = conn.put(_payload(3))
+    conn.release(conn.put(_payload(9)), recycle=True)  # (a free slot beside it)
+    got = conn.get(ref)
+    conn.release(ref)
+    assert _file(ref) not in list_segment_files(prefix)
+    np.testing.assert_array_equal(got["x"], _payload(3)["x"])
+    with pytest.raises(ConnectorError):
+        conn.get(ref)
+    again = conn.put(_payload(4))
+    assert _file(again) != _file(ref)  # (the free one, never the retired one)
+    np.testing.assert_array_equal(got["x"], _payload(3)["x"])
+
+
+def test_a_bigger_payload_of_the_same_class_takes_a_slot_that_holds_it(prefix):
+    conn = NodeConnector(0, prefix)
+    small = conn.put(_payload(1, n=MB // 4 - 4096))
+    conn.release(small, recycle=True)
+    big = conn.put(_payload(2))
+    assert _file(big) != _file(small)
+    assert_same_outputs(conn.get(big), _payload(2))
+
+
+def _read_and_release(location_ref, recycle, queue) -> None:
+    try:
+        conn = NodeConnector()
+        got = conn.get(location_ref)
+        queue.put(float(got["x"].sum()))
+        del got
+        conn.release(location_ref, recycle=recycle)
+        queue.put("released")
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        queue.put(repr(exc))
+
+
+def test_a_reader_in_another_process_releases_the_slot_back_to_its_producer(prefix):
+    conn = NodeConnector(0, prefix)
+    ctx = multiprocessing.get_context("fork")
+    for step in range(3):
+        ref = conn.put(_payload(step))
+        queue = ctx.Queue()
+        child = ctx.Process(target=_read_and_release, args=(ref, True, queue))
+        child.start()
+        try:
+            assert queue.get(timeout=30) == pytest.approx(float(_payload(step)["x"].sum()))
+            assert queue.get(timeout=30) == "released"
+        finally:
+            child.join(30)
+        assert slots.split(ref.location)[1] == step + 1  # (the same slot, again and again)
+    assert len(list_segment_files(prefix)) == 1 and list_segments(prefix) == []
+
+
+def test_through_the_data_service_a_far_reader_gets_and_recycles_slots(prefix):
+    with DataService(prefix=prefix, node="far", free_idle_s=600) as service:
+        producer = NodeConnector(0, prefix, node="far", service=service.address)
+        reader = NodeConnector(node="near")
+        ref = producer.put(sample_outputs())
+        assert "@" in ref.location
+        assert_same_outputs(reader.get(ref), sample_outputs())
+        stats = service.stats()
+        assert (stats["segments"], stats["free_segments"]) == (1, 0)
+        reader.release(ref, recycle=True)
+        stats = service.stats()
+        assert (stats["segments"], stats["free_segments"], stats["recycled"]) == (0, 1, 1)
+        with pytest.raises(ConnectorError, match="already released"):
+            reader.get(ref)
+        again = producer.put(sample_outputs())
+        assert _file(again) == _file(ref)
+        assert_same_outputs(reader.get(again), sample_outputs())
+        reader.release(again)  # (unrecycled: unlinked there)
+        assert list_segment_files(prefix) == []
+
+
+def test_a_malformed_slot_location_is_a_clear_error(prefix):
+    with pytest.raises(ConnectorError, match="malformed slot location"):
+        slots.split(f"{prefix}0123@2")
+    assert slots.split(f"{prefix}0123456789abcdef") is None
+
+
+def test_the_producer_unlinks_its_slots_idle_past_free_idle_s(prefix, monkeypatch):
+    monkeypatch.setenv("OMNI_ACTORS_SHM_FREE_IDLE_S", "0.2")
+    conn = NodeConnector(0, prefix)
+    ref = conn.put(_payload(1))
+    conn.release(ref, recycle=True)
+    in_use = conn.put(_payload(2, n=1000))
+    deadline = time.monotonic() + 10
+    while _file(ref) in list_segment_files(prefix) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list_segment_files(prefix) == [_file(in_use)]  # (the one in use stays)
+    assert_same_outputs(conn.get(in_use), _payload(2, n=1000))
+
+
+def _make_and_exit(prefix: str, queue) -> None:
+    conn = NodeConnector(0, prefix)
+    kept = conn.put(_payload(1))
+    conn.release(conn.put(_payload(2, n=1000)), recycle=True)
+    queue.put(kept)
+    queue.close()
+    queue.join_thread()
+    os._exit(0)  # (no trim: as a producer that was killed)
+
+
+def test_the_data_service_trims_the_free_slots_of_an_exited_producer_and_reaps_old_ones_in_use(prefix):
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_make_and_exit, args=(prefix, queue))
+    child.start()
+    kept = queue.get(timeout=30)
+    child.join(30)
+    assert len(list_segment_files(prefix)) == 2
+    with DataService(prefix=prefix, reap_after_s=3600, free_idle_s=600) as service:
+        assert service.trim() == 1
+        assert list_segment_files(prefix) == [_file(kept)]  # (in use: a request may still read it)
+        reader = NodeConnector()
+        assert_same_outputs(reader.get(kept), _payload(1))
+        assert service.reap(now=time.time() + 7200) == 1
+        assert list_segment_files(prefix) == []
+        with pytest.raises(ConnectorError):
+            reader.get(kept)  # (the reader kept no mapping of a first generation; a kept one says released)
+        assert service.stats()["reaped"] == 1
+
+
+def test_over_the_slot_budget_a_put_takes_a_segment_of_its_own(prefix, monkeypatch):
+    monkeypatch.setenv(slots.SLOT_BYTES_ENV, str(MB))
+    conn = NodeConnector(0, prefix)
+    first = conn.put(_payload(1, n=MB // 8))  # (half a MB, and the header: within the budget)
+    second = conn.put(_payload(2, n=MB // 8))
+    assert "@" in first.location and "@" not in second.location
+    assert_same_outputs(conn.get(second), _payload(2, n=MB // 8))
+    conn.release(second)
+    assert os.path.exists(os.path.join(segment_dir(), _file(first)))
