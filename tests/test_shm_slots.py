@@ -198,3 +198,20 @@ def test_over_the_slot_budget_a_put_takes_a_segment_of_its_own(prefix, monkeypat
     assert_same_outputs(conn.get(second), _payload(2, n=MB // 8))
     conn.release(second)
     assert os.path.exists(os.path.join(segment_dir(), _file(first)))
+
+
+def test_a_producer_that_drops_its_mappings_leaves_no_slot_behind(prefix):
+    from omni_actors.connectors.mappings import drop_mappings
+
+    conn = NodeConnector(0, prefix)
+    free = conn.put(_payload(1))
+    conn.release(free, recycle=True)
+    in_use = conn.put(_payload(2, n=1000))
+    drop_mappings()
+    assert list_segment_files(prefix) == [_file(in_use)]  # (the free one went with the mapping)
+    assert_same_outputs(conn.get(in_use), _payload(2, n=1000))
+    conn.release(in_use, recycle=True)
+    with DataService(prefix=prefix, free_idle_s=600) as service:
+        assert service.trim() == 1  # (nobody will claim it again: the data service takes it)
+    assert list_segment_files(prefix) == []
+    assert "@1" in conn.put(_payload(3)).location  # (a new slot)

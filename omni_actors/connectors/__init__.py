@@ -1,7 +1,9 @@
 """Connectors: stage outputs travel between actors by reference.
 
 Use :func:`make_connector`: small outputs ride inline in the ref, larger ones
-go into a shared-memory segment on the producer's node. A consumer on that
+go into a shared-memory segment on the producer's node (a slot the producer
+writes again and again, :mod:`omni_actors.connectors.slots`, or beyond the
+slots' budget a segment of its own). A consumer on that
 node maps the segment (zero copy); a consumer on another node fetches it from
 the node's data service (:mod:`omni_actors.connectors.data_service`). Whoever
 owns a request releases its refs (:func:`release_all`) however the request ends:
@@ -27,6 +29,9 @@ Environment (set by the host's leader/member for every actor it starts):
   how many bytes of segments a producer keeps mapped to write them again, and
   a consumer to read them again (default 1 GiB each; 0: off; see
   :mod:`omni_actors.connectors.mappings`).
+- ``OMNI_ACTORS_SHM_SLOT_BYTES``: how many bytes of slots (segment files a
+  producer writes again in place, :mod:`omni_actors.connectors.slots`) a
+  process keeps (default: the free budget; 0: a segment of its own per put).
 - ``OMNI_ACTORS_DATA_TCP_CONGESTION``: the TCP congestion control the node's
   data service sends with (default: the host's).
 - ``OMNI_ACTORS_CONNECTOR``: default mode, see :data:`MODES` (or an

@@ -1,4 +1,9 @@
-"""The shared-memory connector: one segment per ``put`` (read in place on its node).
+"""The shared-memory connector: segments read in place on their node.
+
+A ``put`` writes into one of its process's slots
+(:mod:`omni_actors.connectors.slots`: files it writes again and again, no
+system call per put, get or release) while their budget allows; otherwise
+into a segment of its own, as described here.
 
 A segment is a file in a tmpfs directory: ``$OMNI_ACTORS_SHM_DIR``, else
 ``/dev/shm`` (on Linux a POSIX ``shm_open`` segment is exactly such a file in

@@ -136,19 +136,10 @@ _own_start: dict[int, int] = {}  # this process's start time, by pid (a forked c
 
 
 def _alive(pid: int, start: int) -> bool:
-    """Whether the process that wrote ``pid``/``start`` into a header still runs."""
-    if pid <= 0:
-        return False
-    now = _start_time(pid)
-    if now == 0:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return start == 0
-    return start == 0 or now == start
+    """Whether the process that wrote ``pid``/``start`` into a header still runs
+    (its pid not taken by another process since: the start times agree)."""
+    now = _start_time(pid) if pid > 0 else 0
+    return now != 0 and (start == 0 or now == start)
 
 
 # -- the producer -------------------------------------------------------------------------------
@@ -565,22 +556,18 @@ def release(directory: str, location: tuple[str, int], *, recycle: bool) -> bool
 def retire_and_unlink(directory: str, name: str, gen: int | None = None) -> bool:
     """Mark slot ``name`` retired and unlink it (sweeps, the reaper); with ``gen``,
     only while that generation is still its last one."""
-    try:
-        fd = os.open(f"{directory}/{name}", os.O_RDWR | _OPEN_FLAGS)
-    except OSError:
-        return False
-    try:
-        raw = os.pread(fd, _HEAD.size, 0)
-        if len(raw) == _HEAD.size:
-            h = _HEAD.unpack(raw)
-            if h[W_MAGIC] == MAGIC:
-                if gen is not None and h[W_GEN] != gen:
-                    return False
+    h = header(directory, name)
+    if h is not None:
+        if gen is not None and h[W_GEN] != gen:
+            return False
+        try:
+            fd = os.open(f"{directory}/{name}", os.O_WRONLY | _OPEN_FLAGS)
+            try:
                 os.pwrite(fd, _WORD.pack(h[W_GEN]), W_RETIRED * 8)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
     return _unlink_in(directory, name)
 
 
@@ -630,9 +617,19 @@ def usage(names: list[str], directory: str) -> dict[str, list[int]]:
 
 
 def forget_slots() -> None:
-    """Close every mapping of slots this process keeps (its own, unlinked by
-    nobody: a sweep or the reaper takes their files; those it read or released)."""
-    _store.after_fork()
+    """Close every mapping of slots this process keeps: its own (the free ones are
+    unlinked; those in use are handed to the data service, which unlinks them
+    once released, as the slots of a producer that exited) and those it read
+    or released."""
+    with _store._lock:
+        own = [s for group in _store._slots.values() for s in group]
+        _store._slots.clear()
+        _store._held = 0
+    for s in own:
+        free = s.free()
+        if not free:
+            s.hdr[W_PID] = 0
+        s.close(unlink=free)
     _reads.clear()
     _headers.clear()
 
