@@ -81,13 +81,16 @@ def test_an_unrecycled_release_unlinks_and_arrays_read_before_keep_their_bytes(p
     np.testing.assert_array_equal(got["x"], _payload(3)["x"])
 
 
-def test_a_bigger_payload_of_the_same_class_takes_a_slot_that_holds_it(prefix):
+def test_every_payload_of_a_size_class_fits_the_slots_of_that_class(prefix):
     conn = NodeConnector(0, prefix)
     small = conn.put(_payload(1, n=MB // 4 - 4096))
     conn.release(small, recycle=True)
-    big = conn.put(_payload(2))
-    assert _file(big) != _file(small)
+    big = conn.put(_payload(2))  # (the same class, 16 KiB more)
+    assert _file(big) == _file(small)
     assert_same_outputs(conn.get(big), _payload(2))
+    conn.release(big, recycle=True)
+    again = conn.put(_payload(3, n=MB // 4 - 4096))
+    assert_same_outputs(conn.get(again), _payload(3, n=MB // 4 - 4096))
 
 
 def _read_and_release(location_ref, recycle, queue) -> None:

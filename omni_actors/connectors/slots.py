@@ -152,7 +152,8 @@ def _words(mm: mmap.mmap) -> memoryview:
 
 class _Slot:
     """One slot this process made: its name, the writable mapping of its header
-    and ``capacity`` payload bytes (all backed by pages), and the header words."""
+    and ``capacity`` payload bytes (its size class, all backed by pages), and the
+    header words."""
 
     __slots__ = ("name", "path", "cls", "capacity", "mm", "hdr")
 
@@ -227,11 +228,10 @@ class SlotStore:
                 group.append(slot)
             else:
                 gen = 1
-                capacity = -(-size // PAGE) * PAGE
-                if self._held + HEADER + capacity <= slot_budget(directory):
-                    slot = self._make(prefix, directory, cls, capacity, size, layout, arrays)
+                if self._held + HEADER + cls <= slot_budget(directory):
+                    slot = self._make(prefix, directory, cls, layout, arrays)
                 if slot is not None:
-                    self._held += HEADER + capacity
+                    self._held += HEADER + cls
                     self._slots.setdefault(key, []).append(slot)
                     if self._thread is None:
                         self._thread = threading.Thread(target=self._watch, name="shm-slots", daemon=True)
@@ -246,11 +246,13 @@ class SlotStore:
                 raise
         return f"{slot.name}@{gen}"
 
-    def _make(self, prefix: str, directory: str, cls: int, capacity: int, size: int,
-              layout: tuple[FieldLayout, ...], arrays: list[np.ndarray]) -> _Slot | None:
-        """A new slot holding this payload as generation 1 (in use). The file is
-        written with ``pwrite`` (pages allocated once, a full tmpfs an error, not a
-        SIGBUS later) and then mapped."""
+    def _make(self, prefix: str, directory: str, cls: int, layout: tuple[FieldLayout, ...],
+              arrays: list[np.ndarray]) -> _Slot | None:
+        """A new slot of ``cls`` payload bytes (any payload of its size class fits),
+        holding this payload as generation 1 (in use). The payload is written with
+        ``pwrite`` and the rest allocated with ``fallocate`` (every page once, a
+        full tmpfs an error here, not a SIGBUS later), then the file is mapped."""
+        capacity = cls
         name = f"{prefix}{TAG}{os.urandom(8).hex()}"
         path = f"{directory}/{name}"
         try:
@@ -272,8 +274,8 @@ class SlotStore:
                 data = memoryview(piece).cast("B")
                 _pwrite_all(fd, data, pos)
                 pos += data.nbytes
-            if HEADER + capacity > pos:  # (the last page's tail: a page to allocate, not a hole)
-                _pwrite_all(fd, memoryview(bytes(HEADER + capacity - pos)), pos)
+            if HEADER + capacity > pos:  # (the class's tail: pages to allocate, not a hole)
+                os.posix_fallocate(fd, pos, HEADER + capacity - pos)
             # (not populated: a slot released unrecycled never pays for page tables; a reused one
             # fills them on its first write through the mapping)
             mm = mmap.mmap(fd, HEADER + capacity, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
