@@ -144,9 +144,46 @@ def test_through_the_data_service_a_far_reader_gets_and_recycles_slots(prefix):
 
 
 def test_a_malformed_slot_location_is_a_clear_error(prefix):
-    with pytest.raises(ConnectorError, match="malformed slot location"):
-        slots.split(f"{prefix}0123@2")
+    conn = NodeConnector(0, prefix)
+    name = _file(conn.put(_payload(1, n=1000)))
+    for bad in (f"{prefix}0123@2", f"{name}@\u0661", f"{name}@\u00b2", f"{name}@{'9' * 20}",
+                f"../../tmp/x/{name}@1"):
+        with pytest.raises(ConnectorError, match="malformed slot location"):
+            slots.split(bad)
     assert slots.split(f"{prefix}0123456789abcdef") is None
+
+
+def test_a_full_tmpfs_gives_back_slots_unlinked_under_a_reader_and_a_releaser(prefix, tmp_path, monkeypatch):
+    """A process that reads and releases keeps mappings of slots unlinked since (for a
+    second at most): a put that finds the tmpfs full closes them and tries again."""
+    import subprocess
+
+    from omni_actors.connectors import DIR_ENV
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "oa-test-tiny", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        monkeypatch.setenv(DIR_ENV, str(mnt))
+        conn = NodeConnector(0, prefix)
+        for step in range(12):
+            # A slot's second generation (its reader keeps the mapping), then released unrecycled
+            # (unlinked, its 2 MB still mapped here): the next step needs a new slot.
+            conn.release(conn.put(_payload(step, n=MB // 2)), recycle=True)
+            ref = conn.put(_payload(step, n=MB // 2))
+            np.testing.assert_array_equal(conn.get(ref)["x"], _payload(step, n=MB // 2)["x"])
+            conn.release(ref)
+        assert list_segments(prefix) == []
+    finally:
+        from omni_actors.connectors.mappings import drop_mappings
+
+        drop_mappings()
+        slots.forget_slots()
+        subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
 def test_the_producer_unlinks_its_slots_idle_past_free_idle_s(prefix, monkeypatch):

@@ -456,9 +456,13 @@ def drop_mappings() -> None:
         hook()
 
 
+#: Called by :func:`drop_unlinked_mappings` too (the slots'); each returns how many it closed.
+_drop_unlinked_hooks: list = []
+
+
 def drop_unlinked_mappings() -> int:
-    """Close this process's mappings of segments unlinked meanwhile; how many."""
-    return _maps.drop_unlinked() + _reads.drop_unlinked()
+    """Close this process's mappings of segments unlinked meanwhile (slots' included); how many."""
+    return _maps.drop_unlinked() + _reads.drop_unlinked() + sum(hook() for hook in _drop_unlinked_hooks)
 
 
 def _after_fork_in_child() -> None:

@@ -53,12 +53,15 @@ import time
 from typing import Any
 
 import numpy as np
+import structlog
 
 from omni_actors.connectors.base import FieldLayout, _unlink_in
 from omni_actors.connectors.inline import ConnectorError, pieces
-from omni_actors.connectors.mappings import _OPEN_FLAGS, PAGE, SegmentNotFound, _Cache, _drop_hooks, _Mapped, \
-    _not_found, _too_small, write_payload
+from omni_actors.connectors.mappings import _OPEN_FLAGS, PAGE, SegmentNotFound, _Cache, _drop_hooks, \
+    _drop_unlinked_hooks, _Mapped, _not_found, _too_small, write_payload
 from omni_actors.connectors.recycling import free_budget, free_idle_s, size_class
+
+log = structlog.get_logger(__name__)
 
 SLOT_BYTES_ENV = "OMNI_ACTORS_SHM_SLOT_BYTES"  #: most bytes of slots one producer keeps (0: no slots)
 SLOT_READ_ENTRIES = 256  #: most slot files a consumer keeps mapped
@@ -79,7 +82,7 @@ FREE, IN_USE, RETIRED = "free", "in use", "retired"
 
 def is_slot(name: str) -> bool:
     """Whether segment file ``name`` is a slot (``<prefix>slot-<16 hex>``)."""
-    return len(name) > 21 and _TAIL.fullmatch(name, len(name) - 21) is not None
+    return len(name) > 21 and "/" not in name and _TAIL.fullmatch(name, len(name) - 21) is not None
 
 
 def split(location: str) -> tuple[str, int] | None:
@@ -91,7 +94,7 @@ def split(location: str) -> tuple[str, int] | None:
     name, at, gen = location.rpartition("@")
     if not at:
         return None
-    if not is_slot(name) or not gen.isdigit() or len(gen) > 19:
+    if not is_slot(name) or not gen.isascii() or not gen.isdigit() or len(gen) > 19:
         raise ConnectorError(f"malformed slot location {location!r}")
     return name, int(gen)
 
@@ -159,7 +162,7 @@ class _Slot:
 
     def __init__(self, name: str, path: str, cls: int, capacity: int, mm: mmap.mmap) -> None:
         self.name, self.path, self.cls, self.capacity, self.mm = name, path, cls, capacity, mm
-        self.hdr = _words(mm)
+        self.hdr: memoryview | None = _words(mm)  # (None once closed)
 
     def free(self) -> bool:
         h = self.hdr
@@ -175,6 +178,7 @@ class _Slot:
             self.hdr[W_RETIRED] = self.hdr[W_GEN]
             _unlink_in(os.path.dirname(self.path), self.name)
         self.hdr.release()
+        self.hdr = None
         try:
             self.mm.close()
         except (BufferError, ValueError):
@@ -338,8 +342,11 @@ class SlotStore:
             with self._lock:
                 if self._thread is not threading.current_thread():
                     return  # (a forked child reset the store)
-            self._gone()
-            self.trim(free_idle_s())
+            try:
+                self._gone()
+                self.trim(free_idle_s())
+            except Exception:  # noqa: BLE001 - the watcher outlives any one bad pass
+                log.warning("shm_slots_trim_failed", exc_info=True)
             with self._lock:
                 if self._thread is not threading.current_thread():
                     return
@@ -525,6 +532,9 @@ class _SlotHeaders(_Cache):
                 return done
         with self._lock:
             done = _release_in(entry.words, gen, False)
+            # (unlinked only if the generation retired is still the slot's last: another release
+            # of it may have recycled it meanwhile, and its producer put the next one into it)
+            done = done and entry.words[W_GEN] == gen
             if self._entries.get(key) is entry:
                 self._pop(key)
         entry.close()
@@ -563,9 +573,13 @@ def retire_and_unlink(directory: str, name: str, gen: int | None = None) -> bool
         if gen is not None and h[W_GEN] != gen:
             return False
         try:
-            fd = os.open(f"{directory}/{name}", os.O_WRONLY | _OPEN_FLAGS)
+            fd = os.open(f"{directory}/{name}", os.O_RDWR | _OPEN_FLAGS)
             try:
                 os.pwrite(fd, _WORD.pack(h[W_GEN]), W_RETIRED * 8)
+                # Retired at that generation, its producer no longer claims it; unless it had
+                # claimed the next one meanwhile (released just then): that one is not ours to unlink.
+                if gen is not None and _WORD.unpack(os.pread(fd, 8, W_GEN * 8))[0] != gen:
+                    return False
             finally:
                 os.close(fd)
         except OSError:
@@ -636,7 +650,15 @@ def forget_slots() -> None:
     _headers.clear()
 
 
+def _drop_unlinked() -> int:
+    """Close the mappings of slots unlinked meanwhile (this process's own retired
+    ones, and those it read or released); how many."""
+    _store._gone()
+    return _store.trim(float("inf")) + _reads.drop_unlinked() + _headers.drop_unlinked()
+
+
 _drop_hooks.append(forget_slots)
+_drop_unlinked_hooks.append(_drop_unlinked)
 
 
 def _after_fork_in_child() -> None:
