@@ -255,3 +255,41 @@ def test_a_producer_that_drops_its_mappings_leaves_no_slot_behind(prefix):
         assert service.trim() == 1  # (nobody will claim it again: the data service takes it)
     assert list_segment_files(prefix) == []
     assert "@1" in conn.put(_payload(3)).location  # (a new slot)
+
+
+def _stop_then_put(prefix: str, pipe) -> None:
+    import signal
+
+    conn = NodeConnector(0, prefix)
+    ref = conn.put(_payload(1))
+    conn.release(ref, recycle=True)
+    pipe.send(_file(ref))
+    os.kill(os.getpid(), signal.SIGSTOP)  # (as `inject sigstop`: its trim thread stops too)
+    again = conn.put(_payload(2))
+    pipe.send((again.location, float(conn.get(again)["x"].sum())))
+    conn.release(again, recycle=True)
+    os._exit(0)
+
+
+def test_the_free_slots_of_a_stopped_producer_are_trimmed_and_never_claimed_after(prefix, monkeypatch):
+    import signal
+
+    monkeypatch.setenv("OMNI_ACTORS_SHM_FREE_IDLE_S", "0.1")
+    ctx = multiprocessing.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_stop_then_put, args=(prefix, there))
+    child.start()
+    try:
+        assert here.poll(30)
+        first = here.recv()
+        time.sleep(0.2 * slots.TRIM_AFTER)
+        with DataService(prefix=prefix, free_idle_s=0.1) as service:
+            assert service.trim() == 1
+        assert first not in list_segment_files(prefix)
+        os.kill(child.pid, signal.SIGCONT)
+        assert here.poll(30)
+        location, total = here.recv()
+        assert not location.startswith(first) and total == pytest.approx(float(_payload(2)["x"].sum()))
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        child.join(30)

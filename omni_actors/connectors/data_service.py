@@ -455,7 +455,8 @@ class DataService:
         names = [n for n in list_segment_files(self.prefix, directory) if slots.is_slot(n)]
         if not names:
             return [], 0
-        reaped, trimmed = slots.reap_slots(names, directory, reap_after_s=reap_after_s, now=now)
+        reaped, trimmed = slots.reap_slots(names, directory, reap_after_s=reap_after_s, idle_s=self.free_idle_s,
+                                           now=now)
         for name, age in reaped:
             log.warning("data_service_reaped", segment=name, age_s=round(age, 1))
         return reaped, trimmed

@@ -64,6 +64,10 @@ from omni_actors.connectors.recycling import free_budget, free_idle_s, size_clas
 log = structlog.get_logger(__name__)
 
 SLOT_BYTES_ENV = "OMNI_ACTORS_SHM_SLOT_BYTES"  #: most bytes of slots one producer keeps (0: no slots)
+#: A producer claims a free slot only within this many ``free_idle_s`` of its release (its
+#: own trim takes it at 1); the data service unlinks free slots idle for TRIM_AFTER of them
+#: (those of a producer that cannot trim: stopped, or its thread stuck) without asking it.
+CLAIM_WITHIN, TRIM_AFTER = 2, 4
 SLOT_READ_ENTRIES = 256  #: most slot files a consumer keeps mapped
 HEADER = max(PAGE, 4096)  #: bytes before the payload
 TAG = "slot-"
@@ -100,14 +104,18 @@ def split(location: str) -> tuple[str, int] | None:
 
 
 def slot_budget(directory: str) -> int:
-    """Bytes of slots a producer may keep in ``directory``: ``$OMNI_ACTORS_SHM_SLOT_BYTES``,
-    else :func:`~omni_actors.connectors.recycling.free_budget` of it."""
+    """Bytes of slots one producing process may keep in ``directory``:
+    ``$OMNI_ACTORS_SHM_SLOT_BYTES``, else (unset, or not an integer >= 0: logged
+    once) :func:`~omni_actors.connectors.recycling.free_budget` of it."""
     raw = os.environ.get(SLOT_BYTES_ENV)
     if raw:
-        try:
-            return max(0, int(raw))
-        except ValueError:
-            pass
+        if raw.isascii() and raw.isdigit():
+            return int(raw)
+        if raw not in _warned:
+            _warned.add(raw)
+            log.warning("shm_slot_bytes_invalid", value=raw,
+                        reason=f"${SLOT_BYTES_ENV} must be an integer >= 0 (bytes; 0: no slots): "
+                               "the default budget applies")
     budget = _budgets.get(directory)
     if budget is None:
         budget = _budgets[directory] = free_budget(directory)
@@ -115,6 +123,7 @@ def slot_budget(directory: str) -> int:
 
 
 _budgets: dict[str, int] = {}
+_warned: set[str] = set()
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -216,11 +225,14 @@ class SlotStore:
             group = self._slots.get(key)
             slot = None
             if group:
+                fresh_after = time.time_ns() - CLAIM_WITHIN * free_idle_s() * 1e9
                 for i in range(len(group) - 1, -1, -1):
                     s = group[i]
                     if s.capacity >= size and s.free():
-                        slot = group.pop(i)
-                        break
+                        if s.hdr[W_RELEASED_NS] >= fresh_after:
+                            slot = group.pop(i)
+                            break
+                        continue  # (free too long: the data service may be unlinking it; our trim takes it)
                     if s.retired():  # (released without recycling and unlinked: its pages go with our
                         group.pop(i)  # mapping, and a slot made next reuses them while they are in the cache)
                         s.close(unlink=False)
@@ -588,16 +600,19 @@ def retire_and_unlink(directory: str, name: str, gen: int | None = None) -> bool
 
 
 def reap_slots(names: list[str], directory: str, *, reap_after_s: float | None = None,
-               now: float | None = None) -> tuple[list[tuple[str, float]], int]:
+               idle_s: float | None = None, now: float | None = None) -> tuple[list[tuple[str, float]], int]:
     """The data service's pass over slot files ``names``: retired ones are unlinked,
-    and free ones of producers that exited (trimmed; a running producer trims
-    its own, and only it may: it claims them without asking anyone); with
-    ``reap_after_s``, those in use for longer are retired and unlinked (reaped).
+    and free ones of producers that exited or idle for :data:`TRIM_AFTER` times
+    ``idle_s`` (default :func:`free_idle_s`; a running producer trims its own
+    at ``idle_s`` and claims none idle past :data:`CLAIM_WITHIN` times it);
+    with ``reap_after_s``, those in use for longer are retired and unlinked
+    (reaped).
 
     Returns:
         ``([(name, age in use, s), ...] reaped, trimmed count)``.
     """
     now_ns = int((time.time() if now is None else now) * 1e9)
+    stale_ns = TRIM_AFTER * (free_idle_s() if idle_s is None else idle_s) * 1e9
     reaped, trimmed = [], 0
     for name in names:
         h = header(directory, name)
@@ -610,8 +625,8 @@ def reap_slots(names: list[str], directory: str, *, reap_after_s: float | None =
             age = (now_ns - h[W_CLAIMED_NS]) / 1e9
             if reap_after_s is not None and age > reap_after_s and retire_and_unlink(directory, name, h[W_GEN]):
                 reaped.append((name, age))
-        elif not _alive(h[W_PID], h[W_START]):
-            trimmed += retire_and_unlink(directory, name)
+        elif now_ns - h[W_RELEASED_NS] > stale_ns or not _alive(h[W_PID], h[W_START]):
+            trimmed += retire_and_unlink(directory, name, h[W_GEN])
     return reaped, trimmed
 
 
