@@ -150,6 +150,9 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
         dep = cfg.deployment_of(s)
         if dep.backend in ("vllm", "vllm_omni"):
             _check_engine_args(s.engine_args, source, f"stage_args[{i}].engine_args")
+        if dep.backend == "vllm" and not s.engine_args.get("model"):  # (its replicas fail to start without)
+            raise ConfigError(source, f"stage_args[{i}].engine_args.model",
+                              "a vllm stage needs `model` (a model directory or a model id)")
         if dep.backend == "synthetic":
             kind = dep.synthetic.kind or s.name
             makes = _SYNTHETIC_OUTPUT.get(kind)

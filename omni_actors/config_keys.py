@@ -98,7 +98,7 @@ def unknown_key_warnings(data: Any) -> list[tuple[str, str]]:
             out += _check_keys(entry, _STAGE_KEYS, p, "ignored", _OTHER_FORMAT)
             out += _check_keys(entry.get("runtime"), _RUNTIME_KEYS, f"{p}.runtime", "ignored")
             out += _check_keys(entry.get("engine_args"), _ENGINE_KEYS, f"{p}.engine_args",
-                               "passed to the engine as it is")
+                               "passed to the engine, which may refuse it")
         return out
     if "stages" not in data and "base_config" not in data:
         return out
@@ -116,8 +116,8 @@ def unknown_key_warnings(data: Any) -> list[tuple[str, str]]:
             p = f"{where}[{i}]"
             if not isinstance(entry, dict):
                 continue
-            out += _check_keys(entry, _ENGINE_KEYS | _STAGE_OWN, p, "passed to the engine as it is")
+            out += _check_keys(entry, _ENGINE_KEYS | _STAGE_OWN, p, "passed to the engine, which may refuse it")
             out += _check_keys(entry.get("runtime"), _RUNTIME_KEYS, f"{p}.runtime", "ignored")
             for sub in ("engine_args", "engine_extras"):
-                out += _check_keys(entry.get(sub), _ENGINE_KEYS, f"{p}.{sub}", "passed to the engine as it is")
+                out += _check_keys(entry.get(sub), _ENGINE_KEYS, f"{p}.{sub}", "passed to the engine, which may refuse it")
     return out

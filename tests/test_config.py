@@ -288,6 +288,16 @@ def test_a_vllm_engine_argument_of_the_wrong_type_or_range_is_refused(tmp_path: 
     assert load_config(write(tmp_path, data))  # (and what vLLM takes passes: "32k", a count of 1)
 
 
+def test_a_vllm_stage_without_a_model_is_refused(tmp_path: Path) -> None:
+    """A trial's vLLM stage with no `model` passed check-config; every replica then failed
+    ("engine_args has no 'model'")."""
+    data = yaml.safe_load((ROOT / "configs" / "cpu_vllm_chain.yaml").read_text())
+    del data["stage_args"][1]["engine_args"]["model"]
+    err = refused(tmp_path, data)
+    assert (err.path, err.message) == ("stage_args[1].engine_args.model",
+                                       "a vllm stage needs `model` (a model directory or a model id)")
+
+
 def test_a_final_output_type_the_synthetic_stage_does_not_make_is_refused(tmp_path: Path) -> None:
     """A trial's text final output on a synthetic `ar` stage passed check-config; every
     chat request then got a bare 500 (a KeyError in the API server)."""
@@ -670,9 +680,9 @@ def test_deploy_format_stage_typos_are_warned_with_the_files_paths() -> None:
     cfg = parse_config(data, "deploy.yaml", on_warning=lines.append)
     assert cfg.stage_args
     assert lines == [
-        "deploy.yaml: stages[0].engine_args.max_num_seq: unknown key (passed to the engine as it is); "
+        "deploy.yaml: stages[0].engine_args.max_num_seq: unknown key (passed to the engine, which may refuse it); "
         "did you mean `max_num_seqs`?",
-        "deploy.yaml: stages[1].num_replica: unknown key (passed to the engine as it is); "
+        "deploy.yaml: stages[1].num_replica: unknown key (passed to the engine, which may refuse it); "
         "did you mean `num_replicas`?"]
 
 

@@ -1014,6 +1014,9 @@ def test_a_port_out_of_range_is_a_one_line_usage_error(args):
     (("stop", "--timeout", "nan"), "error: --timeout must be from 0 to 86400 s, got nan"),
     (("start", "--convention-leader", "--port", "59990", "--admin-port", "59990"),
      "error: --port and --admin-port must differ (both 59990)"),
+    # (a trial's member without --admin-port took 1900, the leader's default, and waited 60 s)
+    (("start", "--convention-address", "127.0.0.1:59991"),
+     "error: a member needs its own --admin-port (its Thespian admin on this host; not the leader's)"),
 ])
 def test_a_bad_argument_is_a_usage_error_before_any_system_is_asked(args, error):
     """Counts and targets that no system would take are refused in one line with exit 2,
@@ -1023,6 +1026,21 @@ def test_a_bad_argument_is_a_usage_error_before_any_system_is_asked(args, error)
     out = _cli(*args, *(() if args[1].startswith("-") else ("--admin-port", str(local.free_port()))))
     assert out.returncode == 2, out
     assert out.stderr.strip() == error, out.stderr
+
+
+def test_an_unusable_state_directory_is_refused_before_anything_starts(tmp_path):
+    """`stop` and `status` find a leader by the file it writes in its state directory; one
+    that cannot be made was a traceback after the admin and actors had started (a trial)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    admin = local.free_port()
+    out = _cli("start", "--convention-leader", "--port", str(local.free_port()), "--admin-port", str(admin),
+               env={"OMNI_ACTORS_STATE_DIR": str(blocker / "state")})
+    assert out.returncode == 2, out
+    assert out.stderr.strip() == (f"error: state directory {str(blocker / 'state')!r} ($OMNI_ACTORS_STATE_DIR, "
+                                  "default ~/.omni-actors) is not usable: Not a directory"), out.stderr
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", admin)) != 0  # (no admin was started)
 
 
 def _with_cli(text: str) -> str:

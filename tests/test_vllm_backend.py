@@ -352,6 +352,18 @@ def test_check_config_refuses_default_sampling_params_that_vllm_refuses(tmp_path
     if config != "cpu_vllm_chain.yaml":
         return
 
+    # An engine argument vLLM does not know (a trial's `max_model_lenn` passed with a warning
+    # that said it went to the engine; every replica then failed to start).
+    cfg = yaml.safe_load((root / "configs" / config).read_text())
+    cfg["stage_args"][0]["engine_args"]["max_model_lenn"] = 12
+    path.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "check-config", "--config", str(path)],
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 1 and out.stdout == "", out
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"error: {path}: stage_args[0].engine_args: keys unknown to vLLM: max_model_lenn "
+        "(did you mean `max_model_len`?)"), out.stderr
+
     # (the same function, in this process: a second CLI run would import vLLM again for 15 s)
     from omni_actors.engines.vllm import check_default_sampling_params
 

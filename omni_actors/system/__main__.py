@@ -69,8 +69,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="pipeline + deployment YAML (default: configs/cpu_omni_demo.yaml)")
     start.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
     start.add_argument("--port", type=port_number, default=DEFAULT_HTTP_PORT, help="HTTP port (default 8000)")
-    start.add_argument("--admin-port", type=port_number, default=DEFAULT_ADMIN_PORT,
-                       help="Thespian admin port (default 1900)")
+    start.add_argument("--admin-port", type=port_number, default=None,
+                       help="Thespian admin port (leader: default 1900; a member must give its own)")
     start.add_argument("--api-key", default=os.environ.get("OMNI_ACTORS_API_KEY"),
                        help="require this bearer key on the API (default $OMNI_ACTORS_API_KEY)")
     start.add_argument("--log-level", default=None, choices=("debug", "info", "warning", "error"),
@@ -176,6 +176,11 @@ def cmd_start(args) -> int:
         return _fail(problem, 2)
     if args.convention_address:
         return _start_member(args, devices)
+    if args.admin_port is None:
+        args.admin_port = DEFAULT_ADMIN_PORT
+    problem = _state_dir_problem()
+    if problem:
+        return _fail(problem, 2)
     if args.port == args.admin_port:  # (an argument error, as the ranges are: exit 2)
         return _fail(f"--port and --admin-port must differ (both {args.port})", 2)
     # The config loads once, after the re-exec and with logging set up, so that its
@@ -202,8 +207,9 @@ def _start_member(args, devices: tuple[str, ...]) -> int:
         host, port = _convention(args.convention_address)
     except ValueError as exc:
         return _fail(str(exc), 2)
-    if args.admin_port == DEFAULT_ADMIN_PORT and int(port) == DEFAULT_ADMIN_PORT:
-        return _fail("a member needs its own --admin-port (the leader uses 1900)", 2)
+    if args.admin_port is None:
+        return _fail("a member needs its own --admin-port (its Thespian admin on this host; not the "
+                     "leader's)", 2)
     leader_wait = LEADER_WAIT_S if args.leader_wait is None else args.leader_wait
     if not 0 <= leader_wait <= MAX_LEADER_WAIT_S:  # (also refuses nan)
         return _fail(f"--leader-wait must be from 0 to {MAX_LEADER_WAIT_S:g} s, got {args.leader_wait:g}", 2)
@@ -216,6 +222,23 @@ def _start_member(args, devices: tuple[str, ...]) -> int:
                           leader_wait_s=leader_wait)
     except StartError as exc:
         return _fail(str(exc))
+
+
+def _state_dir_problem() -> str | None:
+    """Why the leader could not record itself in its state directory (``stop`` and
+    ``status`` find it there), or None; checked before anything starts."""
+    from omni_actors.system.leader import state_dir
+
+    path = state_dir()
+    probe = path / f".probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        return (f"state directory {str(path)!r} ($OMNI_ACTORS_STATE_DIR, default ~/.omni-actors) is not usable: "
+                f"{exc.strerror or exc}")
+    return None
 
 
 def _use_shm_dir(shm_dir: str | None) -> str | None:
@@ -509,7 +532,7 @@ def cmd_check_config(args) -> int:
         return _fail(problem)
     for note in config.omni_connectors.notes:
         print(f"note: {note}", file=sys.stderr)
-    problem = _check_vllm_sampling_defaults(config)
+    problem = _check_vllm_sampling_defaults(config) or _check_vllm_engine_args(config)
     if problem:
         return _fail(problem)
     stages = ", ".join(f"{s.name} x{config.deployment_of(s).replicas}" for s in config.stage_args)
@@ -541,6 +564,41 @@ def _check_vllm_sampling_defaults(config) -> str | None:
         names = ", ".join(s.name for _, s in stages)
         print(f"note: vLLM is not installed here: default_sampling_params of {names} not checked "
               "(a replica checks them when it starts)", file=sys.stderr)
+    return None
+
+
+def _check_vllm_engine_args(config) -> str | None:
+    """The vllm stages' ``engine_args`` keys against vLLM's ``AsyncEngineArgs`` where vLLM
+    is installed (a replica refuses unknown ones when it starts: a trial's misspelt key
+    passed check-config); a note where it is not, and for vllm_omni stages where vLLM-Omni
+    is not. Returns the first problem as ``"<config>: stage_args[i].engine_args: ..."``."""
+    import dataclasses
+    import difflib
+
+    from omni_actors.connectors import omni
+
+    omni_stages = [s.name for s in config.stage_args if config.deployment_of(s).backend == "vllm_omni"]
+    if omni_stages and not omni.available():
+        print(f"note: vLLM-Omni is not installed here: the replicas of {', '.join(omni_stages)} "
+              "(backend vllm_omni) cannot start in this environment", file=sys.stderr)
+    stages = [(i, s) for i, s in enumerate(config.stage_args) if config.deployment_of(s).backend == "vllm"]
+    if not stages:
+        return None
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        from omni_actors.engines.vllm import split_engine_args
+    except ImportError:
+        print(f"note: vLLM is not installed here: engine_args of {', '.join(s.name for _, s in stages)} "
+              "not checked against it (a replica checks them when it starts)", file=sys.stderr)
+        return None
+    accepted = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    for i, s in stages:
+        unknown = split_engine_args(s.engine_args, accepted)[1]
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], sorted(accepted), n=1)
+            return (f"{config.source}: stage_args[{i}].engine_args: keys unknown to vLLM: {', '.join(unknown)}"
+                    + (f" (did you mean `{near[0]}`?)" if near else ""))
     return None
 
 

@@ -269,7 +269,10 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             removed = sweep_segments(shm_prefix)
             if data is not None:
                 data.stop()
-            sfile.unlink(missing_ok=True)
+            try:
+                sfile.unlink(missing_ok=True)
+            except OSError:
+                pass  # (an unusable state directory: nothing was recorded there)
             stop_watchdog(watchdog)
             log.info("leader_stopped", shutdown_s=round(time.monotonic() - t1, 2),
                      processes_killed=left, killed=killed[:20], shm_segments_removed=removed)
