@@ -73,6 +73,10 @@ class FakeBridge:
             while True:
                 await asyncio.sleep(0.02)
                 yield OutputText("tick ")
+        if "[flood]" in p:
+            while True:
+                await asyncio.sleep(0.001)
+                yield OutputText("x" * 65536)
         if "image" in req.output_types:
             w, h = req.params["width"], req.params["height"]
             img = np.zeros((h, w, 3), np.uint8)
@@ -478,6 +482,47 @@ def test_client_disconnect_mid_stream_cancels(handler_cancellation):
         await assert_good_chat(client)
 
     serve(bridge, body, handler_cancellation=handler_cancellation)
+
+
+def test_a_client_that_reads_nothing_of_its_stream_is_cut_off_and_its_request_cancelled(monkeypatch):
+    """A trial's clients that never read their streams kept every byte of their replies in
+    the API server (13 MB per audio stream) for as long as they stayed connected."""
+    import socket
+
+    monkeypatch.setenv("OMNI_ACTORS_SEND_TIMEOUT_S", "0.5")
+    bridge = FakeBridge(output_types=("text",))
+
+    async def body(client):
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (client.server.host, client.server.port))
+        payload = json.dumps(chat("[flood]", stream=True)).encode()
+        await loop.sock_sendall(sock, b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                                b"Content-Type: application/json\r\nContent-Length: "
+                                + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        try:
+            for _ in range(250):  # (never reading: the stream fills the buffers, then waits)
+                if bridge.cancelled:
+                    break
+                await asyncio.sleep(0.02)
+            assert bridge.cancelled == [bridge.submitted[0].request_id]
+            got = 0
+            while True:  # what was in flight, then the connection's end
+                try:
+                    chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 5)
+                except ConnectionResetError:
+                    break
+                if not chunk:
+                    break
+                got += len(chunk)
+            assert got < 64 << 20  # (cut off: the flood never ends)
+        finally:
+            sock.close()
+        await assert_good_chat(client)  # (and the server serves on)
+
+    serve(bridge, body)
 
 
 def test_client_disconnect_non_streaming_cancels_with_start_http():

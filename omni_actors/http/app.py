@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import os
 import re
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable
@@ -81,6 +82,22 @@ CLEANUP_TIMEOUT_S = 5.0
 #: client that stalls mid-body gets 408 (aiohttp itself would wait for ever). 30 s:
 #: 1 MiB (the body limit) at about 35 KB/s.
 BODY_READ_TIMEOUT_S = 30.0
+#: Seconds one write of a stream may wait for the client to read (its socket buffers full)
+#: before the stream is cut and its output freed: a client that reads nothing would
+#: otherwise keep its whole reply in the API server's memory (a trial: 13 MB per stalled
+#: audio stream, for as long as the connection stayed open). nginx's send_timeout is 60 s;
+#: ``$OMNI_ACTORS_SEND_TIMEOUT_S`` sets another.
+SEND_TIMEOUT_S = 60.0
+SEND_TIMEOUT_ENV = "OMNI_ACTORS_SEND_TIMEOUT_S"
+
+
+def send_timeout_s() -> float:
+    """:data:`SEND_TIMEOUT_S`, or ``$OMNI_ACTORS_SEND_TIMEOUT_S`` when it is a number > 0."""
+    try:
+        value = float(os.environ.get(SEND_TIMEOUT_ENV) or SEND_TIMEOUT_S)
+    except ValueError:
+        return SEND_TIMEOUT_S
+    return value if 0 < value < float("inf") else SEND_TIMEOUT_S
 
 
 async def _read_json(request: web.Request) -> Any:
@@ -448,8 +465,21 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache", "X-Request-Id": rid})
 
+    limit_s = send_timeout_s()
+
+    async def write(data: bytes) -> None:
+        try:
+            await within(resp.write(data), limit_s)
+        except asyncio.TimeoutError:
+            _log().warning("client_stalled", request_id=rid, waited_s=limit_s,
+                           message="the client read nothing of its stream for this long: the stream is cut "
+                                   "and its output freed")
+            if request.transport is not None:
+                request.transport.abort()
+            raise ConnectionResetError(f"the client read nothing for {limit_s:g} s") from None
+
     async def send(obj: Any) -> None:
-        await resp.write(b"data: " + _encoder.encode(obj) + b"\n\n")
+        await write(b"data: " + _encoder.encode(obj) + b"\n\n")
 
     def chunk(delta: dict, finish: str | None = None) -> dict:
         return P.chat_chunk(rid, creq.model, created, delta, finish, iu)
@@ -513,7 +543,7 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                 err = P.ApiError(500, "The server had an error while streaming.", "server_error")
             M.set_outcome(request, err.status)
             await send(err.body())
-    await resp.write(b"data: [DONE]\n\n")
+    await write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
 
