@@ -150,6 +150,14 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
         dep = cfg.deployment_of(s)
         if dep.backend in ("vllm", "vllm_omni"):
             _check_engine_args(s.engine_args, source, f"stage_args[{i}].engine_args")
+        if dep.backend in ("vllm", "vllm_omni"):
+            need = s.engine_args.get("tensor_parallel_size") or 1
+            need *= s.engine_args.get("pipeline_parallel_size") or 1
+            if need > dep.devices_per_replica:  # (its engine would get fewer devices than it shards over)
+                raise ConfigError(source, f"deployment.stages.{s.name}.devices_per_replica",
+                                  f"{dep.devices_per_replica}, but stage_args[{i}].engine_args shard the model "
+                                  f"over {need} devices (tensor_parallel_size x pipeline_parallel_size): "
+                                  f"give each replica {need}")
         if dep.backend == "vllm" and not s.engine_args.get("model"):  # (its replicas fail to start without)
             raise ConfigError(source, f"stage_args[{i}].engine_args.model",
                               "a vllm stage needs `model` (a model directory or a model id)")

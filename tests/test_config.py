@@ -288,6 +288,19 @@ def test_a_vllm_engine_argument_of_the_wrong_type_or_range_is_refused(tmp_path: 
     assert load_config(write(tmp_path, data))  # (and what vLLM takes passes: "32k", a count of 1)
 
 
+def test_a_replica_with_fewer_devices_than_its_engine_shards_over_is_refused(tmp_path: Path) -> None:
+    """A trial's `tensor_parallel_size: 2` with the default one device per replica passed
+    check-config (on a GPU host the engine would get one device for two shards)."""
+    data = yaml.safe_load((ROOT / "configs" / "cpu_vllm_chain.yaml").read_text())
+    data["stage_args"][0]["engine_args"]["tensor_parallel_size"] = 2
+    err = refused(tmp_path, data)
+    name = data["stage_args"][0]["stage_name"] if "stage_name" in data["stage_args"][0] else "thinker"
+    assert (err.path, err.message) == (
+        f"deployment.stages.{name}.devices_per_replica",
+        "1, but stage_args[0].engine_args shard the model over 2 devices (tensor_parallel_size x "
+        "pipeline_parallel_size): give each replica 2")
+
+
 def test_a_vllm_stage_without_a_model_is_refused(tmp_path: Path) -> None:
     """A trial's vLLM stage with no `model` passed check-config; every replica then failed
     ("engine_args has no 'model'")."""
