@@ -154,3 +154,31 @@ def segments_not_slots(monkeypatch):
 
     monkeypatch.setenv(SLOT_BYTES_ENV, "0")
 
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """``mount(size)``: a tmpfs of ``size`` (e.g. ``"1m"``) mounted under ``tmp_path``, its
+    path; skips the test where this process cannot mount one (not root). Unmounted
+    afterwards, once this process's segment mappings are dropped."""
+    import subprocess
+
+    from omni_actors.connectors.mappings import drop_mappings
+
+    mounted = []
+
+    def mount(size: str):
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        mnt = tmp_path / f"tiny-{len(mounted)}"
+        mnt.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "oa-test-tiny", str(mnt)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a tmpfs here")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    if mounted:
+        drop_mappings()  # (a producer keeps mappings of reused segments and slots: the mount must go)
+        for mnt in mounted:
+            subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -244,44 +243,34 @@ def test_the_reaper_leaves_free_segments_to_the_trim_and_in_use_ones_to_their_ag
     del old
 
 
-def test_a_full_tmpfs_gives_back_free_segments_then_fails_cleanly(prefix, tmp_path, monkeypatch):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "oa-test-tiny", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        monkeypatch.setenv(DIR_ENV, str(mnt))
-        monkeypatch.setenv(FREE_BYTES_ENV, str(MB))
-        connector = make_connector(0, prefix=prefix)
-        ref = connector.put({"x": np.ones(600_000, dtype=np.uint8)})
-        connector.release(ref, recycle=True)
-        assert len(list_free_segments(prefix)) == 1
-        # Another class: no room beside the free one, which is given back; the put succeeds.
-        big = connector.put({"x": np.full(700_000, 7, dtype=np.uint8)})
-        assert list_free_segments(prefix) == [] and list_segments(prefix) == [big.location]
-        assert connector.get(big)["x"][-1] == 7
-        # No room at all: OSError, nothing left behind.
-        with pytest.raises(OSError):
-            connector.put({"x": np.ones(900_000, dtype=np.uint8)})
-        assert list_segments(prefix) == [big.location] and list_free_segments(prefix) == []
-        connector.release(big)
-        # The pages of a segment unlinked while this producer still maps it (to write it again)
-        # are given back too when the tmpfs is full.
-        first = connector.put({"x": np.ones(600_000, dtype=np.uint8)})
-        connector.release(first, recycle=True)
-        again = connector.put({"x": np.ones(600_000, dtype=np.uint8)})  # reused: now mapped here
-        connector.release(again)
-        other = connector.put({"x": np.full(700_000, 3, dtype=np.uint8)})
-        assert connector.get(other)["x"][0] == 3
-        connector.release(other)
-        sweep_segments(prefix)
-        assert os.listdir(mnt) == []
-    finally:
-        shm.drop_mappings()  # (a producer keeps mappings of reused segments: the mount must go)
-        subprocess.run(["umount", str(mnt)], capture_output=True)
+def test_a_full_tmpfs_gives_back_free_segments_then_fails_cleanly(prefix, tiny_tmpfs, monkeypatch):
+    mnt = tiny_tmpfs("1m")
+    monkeypatch.setenv(DIR_ENV, str(mnt))
+    monkeypatch.setenv(FREE_BYTES_ENV, str(MB))
+    connector = make_connector(0, prefix=prefix)
+    ref = connector.put({"x": np.ones(600_000, dtype=np.uint8)})
+    connector.release(ref, recycle=True)
+    assert len(list_free_segments(prefix)) == 1
+    # Another class: no room beside the free one, which is given back; the put succeeds.
+    big = connector.put({"x": np.full(700_000, 7, dtype=np.uint8)})
+    assert list_free_segments(prefix) == [] and list_segments(prefix) == [big.location]
+    assert connector.get(big)["x"][-1] == 7
+    # No room at all: OSError, nothing left behind.
+    with pytest.raises(OSError):
+        connector.put({"x": np.ones(900_000, dtype=np.uint8)})
+    assert list_segments(prefix) == [big.location] and list_free_segments(prefix) == []
+    connector.release(big)
+    # The pages of a segment unlinked while this producer still maps it (to write it again)
+    # are given back too when the tmpfs is full.
+    first = connector.put({"x": np.ones(600_000, dtype=np.uint8)})
+    connector.release(first, recycle=True)
+    again = connector.put({"x": np.ones(600_000, dtype=np.uint8)})  # reused: now mapped here
+    connector.release(again)
+    other = connector.put({"x": np.full(700_000, 3, dtype=np.uint8)})
+    assert connector.get(other)["x"][0] == 3
+    connector.release(other)
+    sweep_segments(prefix)
+    assert os.listdir(mnt) == []
 
 
 # -- through the data service --------------------------------------------------------------------

@@ -153,37 +153,21 @@ def test_a_malformed_slot_location_is_a_clear_error(prefix):
     assert slots.split(f"{prefix}0123456789abcdef") is None
 
 
-def test_a_full_tmpfs_gives_back_slots_unlinked_under_a_reader_and_a_releaser(prefix, tmp_path, monkeypatch):
+def test_a_full_tmpfs_gives_back_slots_unlinked_under_a_reader_and_a_releaser(prefix, tiny_tmpfs, monkeypatch):
     """A process that reads and releases keeps mappings of slots unlinked since (for a
     second at most): a put that finds the tmpfs full closes them and tries again."""
-    import subprocess
-
     from omni_actors.connectors import DIR_ENV
 
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "oa-test-tiny", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        monkeypatch.setenv(DIR_ENV, str(mnt))
-        conn = NodeConnector(0, prefix)
-        for step in range(12):
-            # A slot's second generation (its reader keeps the mapping), then released unrecycled
-            # (unlinked, its 2 MB still mapped here): the next step needs a new slot.
-            conn.release(conn.put(_payload(step, n=MB // 2)), recycle=True)
-            ref = conn.put(_payload(step, n=MB // 2))
-            np.testing.assert_array_equal(conn.get(ref)["x"], _payload(step, n=MB // 2)["x"])
-            conn.release(ref)
-        assert list_segments(prefix) == []
-    finally:
-        from omni_actors.connectors.mappings import drop_mappings
-
-        drop_mappings()
-        slots.forget_slots()
-        subprocess.run(["umount", str(mnt)], capture_output=True)
+    monkeypatch.setenv(DIR_ENV, str(tiny_tmpfs("8m")))
+    conn = NodeConnector(0, prefix)
+    for step in range(12):
+        # A slot's second generation (its reader keeps the mapping), then released unrecycled
+        # (unlinked, its 2 MB still mapped here): the next step needs a new slot.
+        conn.release(conn.put(_payload(step, n=MB // 2)), recycle=True)
+        ref = conn.put(_payload(step, n=MB // 2))
+        np.testing.assert_array_equal(conn.get(ref)["x"], _payload(step, n=MB // 2)["x"])
+        conn.release(ref)
+    assert list_segments(prefix) == []
 
 
 def test_the_producer_unlinks_its_slots_idle_past_free_idle_s(prefix, monkeypatch):
