@@ -277,3 +277,18 @@ def test_the_free_slots_of_a_stopped_producer_are_trimmed_and_never_claimed_afte
     finally:
         os.kill(child.pid, signal.SIGCONT)
         child.join(30)
+
+
+def test_a_nodes_buffer_counts_take_slots_and_segments_in_one_pass(prefix, monkeypatch):
+    """What a node's heartbeat reports (`status`: buffers, free_buffers, free_bytes)."""
+    from omni_actors.connectors import buffer_counts, size_class
+
+    conn = NodeConnector(0, prefix)
+    in_use_slot = conn.put(_payload(1))
+    conn.release(conn.put(_payload(2, n=1000)), recycle=True)  # a free slot
+    monkeypatch.setenv(slots.SLOT_BYTES_ENV, "0")
+    in_use_segment = conn.put(_payload(3))
+    conn.release(conn.put(_payload(4, n=2000)), recycle=True)  # a recycled segment
+    assert "@" in in_use_slot.location and "@" not in in_use_segment.location
+    assert buffer_counts(prefix) == (2, 2, size_class(4000) + size_class(8000))
+    assert free_usage(prefix) == buffer_counts(prefix)[1:]

@@ -27,7 +27,7 @@ from thespian.actors import (ActorExitRequest, ActorSystemConventionUpdate, Acto
 from omni_actors.actors.node_agent import NODE_CAPABILITY, NodeAgentActor
 from omni_actors.actors.stage_pool import StagePoolActor
 from omni_actors.actors.supervision import TICK_LOST_AFTER_INTERVALS, RestartPolicy, WakeupChain, host_identity
-from omni_actors.connectors import data_service, default_prefix, free_usage, list_segments
+from omni_actors.connectors import buffer_counts, data_service, default_prefix
 from omni_actors.logs import get_logger
 from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, Deploy, DrainNode, DrainReplica, GetRoutes,
                                   GetStatus, InjectFault, LaunchReplicas, NodeHeartbeat, NodeLeaving,
@@ -187,8 +187,7 @@ class CoordinatorActor(ActorTypeDispatcher):
                 node.last_seen = now  # our own host: alive while we are
                 # and its data plane, as a member's agent reports it in heartbeats
                 node.data_service = os.environ.get(data_service.SERVICE_ENV)
-                node.buffers = len(list_segments(default_prefix()))
-                node.free_buffers, node.free_bytes = free_usage(default_prefix())
+                node.buffers, node.free_buffers, node.free_bytes = buffer_counts(default_prefix())
             elif node.alive and now - node.last_seen > NODE_MISSED_HEARTBEATS * interval:
                 self._lose_node(name, f"missed {NODE_MISSED_HEARTBEATS} node heartbeats")
 

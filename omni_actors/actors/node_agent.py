@@ -23,7 +23,7 @@ import time
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
 
-from omni_actors.connectors import SERVICE_ENV, data_client, default_prefix, free_usage, list_segments
+from omni_actors.connectors import SERVICE_ENV, buffer_counts, data_client, default_prefix
 from omni_actors.logs import get_logger
 from omni_actors.messages import NodeHeartbeat, NodeHeartbeatAck, NodeLeaving, StartNodeAgent
 
@@ -66,9 +66,8 @@ class NodeAgentActor(ActorTypeDispatcher):
         self.wakeupAfter(msg.interval_s)
 
     def _heartbeat(self) -> NodeHeartbeat:
-        free = free_usage(default_prefix())
-        return NodeHeartbeat(self._spec.node, os.environ.get(SERVICE_ENV),
-                             len(list_segments(default_prefix())), free[0], free[1], join=self._spec.join)
+        return NodeHeartbeat(self._spec.node, os.environ.get(SERVICE_ENV), *buffer_counts(default_prefix()),
+                             join=self._spec.join)
 
     def receiveMsg_NodeHeartbeatAck(self, msg: NodeHeartbeatAck, sender):
         self._last_ack = time.monotonic()

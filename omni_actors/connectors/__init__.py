@@ -53,11 +53,11 @@ from omni_actors.connectors.data_client import DataServiceError
 from omni_actors.connectors.data_service import NODE_ENV, SERVICE_ENV, DataService
 from omni_actors.connectors.inline import ConnectorError, InlineConnector, plan, read_outputs
 from omni_actors.connectors.recycling import list_free_segments, size_class, trim_free_segments
-from omni_actors.connectors.shm import DIR_ENV, SegmentDirError, ShmConnector, check_segment_dir, \
-    default_prefix, free_usage, list_segments, read_segment, release_segments, segment_dir, segment_usage, sweep_segments
+from omni_actors.connectors.shm import DIR_ENV, SegmentDirError, ShmConnector, buffer_counts, \
+    check_segment_dir, default_prefix, free_usage, list_segments, read_segment, release_segments, segment_dir, segment_usage, sweep_segments
 
 __all__ = [
-    "Connector", "ConnectorError", "ConnectorRef", "DIR_ENV", "DataService", "DataServiceError", "FieldLayout",
+    "Connector", "ConnectorError", "ConnectorRef", "DIR_ENV", "buffer_counts", "DataService", "DataServiceError", "FieldLayout",
     "InlineConnector", "MODES", "NodeConnector", "OmniHandle", "SegmentDirError", "ShmConnector",
     "check_segment_dir", "default_prefix", "free_usage", "list_free_segments", "list_segments", "local_node",
     "make_connector", "release_all", "release_segments", "segment_dir", "segment_usage", "size_class",

@@ -384,13 +384,23 @@ def list_segment_files(prefix: str, directory: str | None = None) -> list[str]:
 def free_usage(prefix: str, directory: str | None = None) -> tuple[int, int]:
     """``(segments, bytes)`` of ``prefix``'s free segments right now: recycled ones
     (from their names) and free slots (from their headers)."""
+    return buffer_counts(prefix, directory)[1:]
+
+
+def buffer_counts(prefix: str, directory: str | None = None) -> tuple[int, int, int]:
+    """``(in use, free, free bytes)`` of ``prefix``'s segments, in one pass over the
+    directory (a node's heartbeat): in-use segments and slots; free (recycled)
+    segments and free slots."""
     directory = segment_dir() if directory is None else directory
-    count, total = _free_usage_in(free_dir(prefix, directory))
-    names = [n for n in list_segment_files(prefix, directory) if slots.is_slot(n)]
-    if names:
-        free = slots.usage(names, directory)[slots.FREE]
-        count, total = count + free[0], total + free[1]
-    return count, total
+    free, free_bytes = _free_usage_in(free_dir(prefix, directory))
+    files = list_segment_files(prefix, directory)
+    slot_files = [n for n in files if slots.is_slot(n)]
+    in_use = len(files) - len(slot_files)
+    if slot_files:
+        counts = slots.usage(slot_files, directory)
+        in_use += counts[slots.IN_USE][0]
+        free, free_bytes = free + counts[slots.FREE][0], free_bytes + counts[slots.FREE][1]
+    return in_use, free, free_bytes
 
 
 def segment_usage(prefix: str, directory: str | None = None) -> tuple[int, int]:

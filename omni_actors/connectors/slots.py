@@ -366,11 +366,6 @@ class SlotStore:
                     self._thread = None
                     return
 
-    def usage(self) -> tuple[int, int]:
-        """``(slots, bytes)`` this process keeps (in use or free)."""
-        with self._lock:
-            return sum(len(g) for g in self._slots.values()), self._held
-
 
 _store = SlotStore()
 
