@@ -102,6 +102,17 @@ def segment_dir() -> str:
     return os.environ.get(DIR_ENV) or SHM_DIR
 
 
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """Write all of ``data`` to file ``fd`` at ``offset`` (one ``pwrite`` writes at most
+    ~2 GiB). Raises OSError: the write failed (a full tmpfs: ENOSPC)."""
+    done, total = 0, data.nbytes
+    while done < total:
+        n = os.pwrite(fd, data[done:], offset + done)
+        if n <= 0:
+            raise OSError(f"pwrite to shared memory wrote {n} bytes")
+        done += n
+
+
 def _unlink_in(directory: str, name: str) -> bool:
     try:
         os.unlink(os.path.join(directory, name))

@@ -434,7 +434,8 @@ class DataService:
         now = time.time() if now is None else now
         removed = 0
         directory = segment_dir()
-        for name in list_segment_files(self.prefix, directory):
+        names = list_segment_files(self.prefix, directory)
+        for name in names:
             if slots.is_slot(name):
                 continue  # (below, by their headers: writes through a mapping leave the mtime alone)
             try:
@@ -444,15 +445,18 @@ class DataService:
             if age > self.reap_after_s and _unlink(name):
                 removed += 1
                 log.warning("data_service_reaped", segment=name, age_s=round(age, 1))
-        removed += len(self._slots(self.reap_after_s, now)[0])
+        removed += len(self._slots(names, self.reap_after_s, now)[0])
         if removed:
             self._count(reaped=removed)
         return removed
 
-    def _slots(self, reap_after_s: float | None = None, now: float | None = None) -> tuple[list, int]:
-        """:func:`omni_actors.connectors.slots.reap_slots` over the prefix's slots (logs what it reaped)."""
+    def _slots(self, names: list[str] | None = None, reap_after_s: float | None = None,
+               now: float | None = None) -> tuple[list, int]:
+        """:func:`omni_actors.connectors.slots.reap_slots` over the prefix's slots (among
+        ``names``, default: the directory's listing); logs what it reaped."""
         directory = segment_dir()
-        names = [n for n in list_segment_files(self.prefix, directory) if slots.is_slot(n)]
+        names = [n for n in (list_segment_files(self.prefix, directory) if names is None else names)
+                 if slots.is_slot(n)]
         if not names:
             return [], 0
         reaped, trimmed = slots.reap_slots(names, directory, reap_after_s=reap_after_s, idle_s=self.free_idle_s,

@@ -53,13 +53,14 @@ from typing import Any, Iterable
 import numpy as np
 
 from omni_actors.connectors import slots
-from omni_actors.connectors.base import DIR_ENV, SHM_DIR, ConnectorRef, FieldLayout, _unlink_in, segment_dir  # noqa: F401
+from omni_actors.connectors.base import DIR_ENV, SHM_DIR, ConnectorRef, FieldLayout, _unlink_in, pwrite_all, \
+    segment_dir  # noqa: F401
 from omni_actors.connectors.inline import ConnectorError, InlineConnector, array_bytes, plan, \
     read_outputs
 from omni_actors.connectors.mappings import _OPEN_FLAGS, _maps, _reads, drop_unlinked_mappings
 from omni_actors.connectors.mappings import MAP_CHECK_S, drop_mappings  # noqa: F401 - re-exported for tests
 from omni_actors.connectors.recycling import FREE_SUFFIX, _claim, _free_usage_in, _recycle, free_budget, \
-    free_dir, purge_free_segments, size_class
+    purge_free_segments, size_class
 from omni_actors.connectors.recycling import (  # noqa: F401 - re-exported for tests, benchmarks
     FREE_BYTES_ENV, _free_ino, free_dir)
 
@@ -176,11 +177,11 @@ def create_segment(name: str, size: int, layout: tuple[FieldLayout, ...],
         for field, arr in zip([f for f in layout if f.kind == "array"], arrays):
             if field.nbytes:
                 if reused and field.offset > pos:  # padding: zeros, not the last payload's bytes
-                    _pwrite_all(fd, memoryview(bytes(field.offset - pos)), pos)
-                _pwrite_all(fd, memoryview(array_bytes(arr)), field.offset)
+                    pwrite_all(fd, memoryview(bytes(field.offset - pos)), pos)
+                pwrite_all(fd, memoryview(array_bytes(arr)), field.offset)
                 pos = field.offset + field.nbytes
         if reused and size > pos:
-            _pwrite_all(fd, memoryview(bytes(size - pos)), pos)
+            pwrite_all(fd, memoryview(bytes(size - pos)), pos)
         if reused and _maps.max_bytes:
             _maps.add(directory, fd, size)  # a recycled one: this process may well claim it again
     except BaseException:
@@ -189,15 +190,6 @@ def create_segment(name: str, size: int, layout: tuple[FieldLayout, ...],
         raise
     os.close(fd)
     return reused
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done, total = 0, data.nbytes
-    while done < total:  # one call writes at most ~2 GiB
-        n = os.pwrite(fd, data[done:], offset + done)
-        if n <= 0:
-            raise OSError(f"pwrite to shared memory wrote {n} bytes")
-        done += n
 
 
 def open_segment(name: str) -> tuple[int, int]:

@@ -50,15 +50,14 @@ import re
 import struct
 import threading
 import time
-from typing import Any
 
 import numpy as np
 import structlog
 
-from omni_actors.connectors.base import FieldLayout, _unlink_in
+from omni_actors.connectors.base import FieldLayout, _unlink_in, pwrite_all
 from omni_actors.connectors.inline import ConnectorError, pieces
-from omni_actors.connectors.mappings import _OPEN_FLAGS, PAGE, SegmentNotFound, _Cache, _drop_hooks, \
-    _drop_unlinked_hooks, _Mapped, _not_found, _too_small, write_payload
+from omni_actors.connectors.mappings import _OPEN_FLAGS, DEFAULT_READ_CACHE_BYTES, PAGE, READ_CACHE_ENV, \
+    SegmentNotFound, _Cache, _drop_hooks, _drop_unlinked_hooks, _Mapped, _not_found, _too_small, write_payload
 from omni_actors.connectors.recycling import free_budget, free_idle_s, size_class
 
 log = structlog.get_logger(__name__)
@@ -126,15 +125,6 @@ _budgets: dict[str, int] = {}
 _warned: set[str] = set()
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done, total = 0, data.nbytes
-    while done < total:  # one call writes at most ~2 GiB
-        n = os.pwrite(fd, data[done:], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, f"pwrite to shared memory wrote {n} bytes")
-        done += n
-
-
 def _start_time(pid: int) -> int:
     """Process ``pid``'s start time in clock ticks after boot (0 when unknown)."""
     try:
@@ -174,12 +164,10 @@ class _Slot:
         self.hdr: memoryview | None = _words(mm)  # (None once closed)
 
     def free(self) -> bool:
-        h = self.hdr
-        return h[W_RELEASED] == h[W_GEN] and h[W_RETIRED] != h[W_GEN]
+        return state(self.hdr) == FREE
 
     def retired(self) -> bool:
-        h = self.hdr
-        return h[W_RETIRED] == h[W_GEN] and h[W_GEN] != 0
+        return state(self.hdr) == RETIRED
 
     def close(self, unlink: bool) -> None:
         """Forget the slot; with ``unlink``, mark it retired and unlink its file first."""
@@ -284,11 +272,11 @@ class SlotStore:
             if start is None:
                 start = _own_start[pid] = _start_time(pid)
             words[W_PID], words[W_START] = pid, start
-            _pwrite_all(fd, memoryview(_HEAD.pack(*words)), 0)
+            pwrite_all(fd, memoryview(_HEAD.pack(*words)), 0)
             pos = HEADER
             for piece in pieces(layout, arrays):
                 data = memoryview(piece).cast("B")
-                _pwrite_all(fd, data, pos)
+                pwrite_all(fd, data, pos)
                 pos += data.nbytes
             if HEADER + capacity > pos:  # (the class's tail: pages to allocate, not a hole)
                 os.posix_fallocate(fd, pos, HEADER + capacity - pos)
@@ -390,8 +378,8 @@ class _SlotReads(_Cache):
     at its first generation is mapped for that ``get`` alone (most are never
     written again: unlinked after one request), from the second on it is kept."""
 
-    ENV = "OMNI_ACTORS_SHM_READ_CACHE_BYTES"
-    DEFAULT_BYTES = 1 << 30
+    ENV = READ_CACHE_ENV
+    DEFAULT_BYTES = DEFAULT_READ_CACHE_BYTES
     ENTRIES = SLOT_READ_ENTRIES
     THREAD = "shm-slot-reads"
 
@@ -437,7 +425,7 @@ class _SlotReads(_Cache):
 
 def _payload(mm: mmap.mmap, length: int, directory: str, name: str, gen: int, size: int) -> memoryview:
     h = _HEAD.unpack_from(mm, 0)
-    if h[W_MAGIC] != MAGIC or h[W_GEN] != gen or h[W_RELEASED] == gen or h[W_RETIRED] == gen:
+    if h[W_MAGIC] != MAGIC or h[W_GEN] != gen or state(h) != IN_USE:
         raise SegmentNotFound(f"shared-memory slot {name}@{gen} not found in {directory}: already "
                               "released, or reaped/swept")
     if HEADER + size > length:
@@ -473,8 +461,9 @@ def header(directory: str, name: str) -> tuple[int, ...] | None:
     return h if h[W_MAGIC] == MAGIC else None
 
 
-def state(h: tuple[int, ...]) -> str:
-    """:data:`FREE`, :data:`IN_USE` or :data:`RETIRED`, from a slot's header words."""
+def state(h: tuple[int, ...] | memoryview) -> str:
+    """:data:`FREE`, :data:`IN_USE` or :data:`RETIRED`, from a slot's header words
+    (a generation's release or retirement counts only while it is the slot's last)."""
     gen = h[W_GEN]
     if gen and h[W_RETIRED] == gen:
         return RETIRED
@@ -500,8 +489,8 @@ class _SlotHeaders(_Cache):
     (directory, file name): a request owner releases the same few slots again
     and again, with two stores and no system call."""
 
-    ENV = "OMNI_ACTORS_SHM_READ_CACHE_BYTES"
-    DEFAULT_BYTES = 1 << 30
+    ENV = READ_CACHE_ENV
+    DEFAULT_BYTES = DEFAULT_READ_CACHE_BYTES
     ENTRIES = SLOT_READ_ENTRIES
     THREAD = "shm-slot-headers"
 
@@ -551,7 +540,7 @@ class _SlotHeaders(_Cache):
 
 
 def _release_in(h: memoryview, gen: int, recycle: bool) -> bool:
-    if h[W_GEN] != gen or h[W_RELEASED] == gen or h[W_RETIRED] == gen:
+    if h[W_GEN] != gen or state(h) != IN_USE:
         return False  # released before, or a generation its producer has moved past
     if recycle:
         h[W_RELEASED_NS] = time.time_ns()
@@ -680,5 +669,5 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__: list[Any] = ["HEADER", "SLOT_BYTES_ENV", "SlotStore", "drop_free_slots", "header", "is_slot", "put",
+__all__ = ["HEADER", "SLOT_BYTES_ENV", "SlotStore", "drop_free_slots", "header", "is_slot", "put",
                       "read", "reap_slots", "release", "retire_and_unlink", "split", "state", "usage"]
