@@ -48,6 +48,65 @@ def test_deltas_merge_with_real_unhashable_addresses():
     assert coalesce(items) == [(ra, StageDelta("r1", 0, " a b"))]
 
 
+def test_address_names_kept_across_drains_name_each_object_once_and_stay_bounded():
+    from omni_actors.actors.outbox import AddressNames, bundle
+
+    calls = []
+
+    class Counted(Address):
+        def __str__(self):
+            calls.append(self.name)
+            return super().__str__()
+
+    names = AddressNames(limit=3)
+    ra, bridge = Counted("ra"), Counted("bridge")
+    for _ in range(5):  # five drains of one task's messages
+        items = [(bridge, StageDelta("r1", 0, " a")), (bridge, StageDelta("r1", 0, " b")), (ra, TaskFinished("t/0", "r1", 0, True))]
+        out = bundle(coalesce(items, names), names)
+        assert [type(m).__name__ for _, m in out] == ["OutputDeltas", "TaskFinished"]
+    assert calls == ["bridge"]  # once in five drains (the end message needs no name)
+    others = [Counted(f"x{i}") for i in range(4)]
+    assert [names[a] for a in others] == [f"ActorAddr-x{i}" for i in range(4)]
+    assert len(names) <= 3  # started again when full
+    assert names[others[3]] == "ActorAddr-x3"  # (still named right)
+
+
+def test_an_urgent_message_flushes_the_outbox_and_cancels_the_pending_batch_wakeup():
+    """A text delta waits up to STREAM_FLUSH_S for more; an urgent message behind it
+    wakes the actor at once for both, and no second wake-up follows for nothing."""
+    import asyncio
+    import select
+
+    from omni_actors.actors.engine import STREAM_FLUSH_S, LoopThread
+
+    rt = LoopThread()
+    try:
+        def wakeups(wait_s):
+            woke = select.select([rt.fileno], [], [], wait_s)[0]
+            return rt.drain() if woke else None
+
+        rt.loop.call_soon_threadsafe(lambda: rt.emit("bridge", StageDelta("r1", 0, " a"), urgent=False))
+        got = wakeups(10 * STREAM_FLUSH_S)  # the batch timer wakes the actor
+        assert [m.text for _, m in got] == [" a"]
+        done = TaskFinished("t/0", "r1", 0, True)
+
+        def two():
+            rt.emit("bridge", StageDelta("r1", 0, " b"), urgent=False)
+            rt.emit("pool", done)
+
+        t0 = time.monotonic()
+        rt.loop.call_soon_threadsafe(two)
+        got = wakeups(10 * STREAM_FLUSH_S)
+        assert [m for _, m in got] == [StageDelta("r1", 0, " b"), done]
+        assert time.monotonic() - t0 < STREAM_FLUSH_S * 5
+        assert wakeups(3 * STREAM_FLUSH_S) is None  # the delta's timer was cancelled
+        rt.loop.call_soon_threadsafe(lambda: rt.emit("bridge", StageDelta("r1", 0, " c"), urgent=False))
+        assert [m.text for _, m in wakeups(10 * STREAM_FLUSH_S)] == [" c"]  # and a new batch gets one
+    finally:
+        rt.stop()
+        asyncio.set_event_loop(None)
+
+
 def test_interleaved_deltas_of_concurrent_requests_merge_per_request():
     items = [("ra1", StageDelta("r1", 0, " a")), ("ra2", StageDelta("r2", 0, " x")),
              ("ra1", StageDelta("r1", 0, " b")), ("ra2", StageDelta("r2", 0, " y"))]
