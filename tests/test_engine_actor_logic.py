@@ -1298,3 +1298,60 @@ def test_a_vllm_omni_engine_dead_error_marks_the_replica_failed_for_its_next_hea
         assert _engine_dead(wrapped)
     assert _engine_dead(RuntimeError("OmniEngineDeadError: Stage-0 has no live replica"))
     assert not _engine_dead(ValueError("prompt too long")) and not _engine_dead(RuntimeError("oom"))
+
+
+def test_a_task_that_finds_its_engine_dead_has_the_pool_told_at_once():
+    """Trial V: a SIGKILLed vLLM engine core failed the tasks sent to its replica until the
+    next heartbeat told the pool; under load five failed first and the circuit breaker,
+    not the engine's death, restarted the replica. The first task that finds the engine
+    dead now tells the pool (once), before its own TaskFinished."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from omni_actors.actors.engine import EngineActor
+    from omni_actors.messages import EngineFailed, StageFailed, StageTask, TaskFinished
+
+    actor = EngineActor()
+    actor._started.set()  # (ends its orphan watchdog thread)
+    actor._spec = SimpleNamespace(replica="thinker/0", heartbeat_interval_s=1.0,
+                                  stage=SimpleNamespace(name="thinker", default_sampling_params={}))
+    actor._pool, actor._ready = "pool", True
+    actor._processor = lambda upstream, prompt, params: {"prompt": prompt}
+    emitted = []
+    actor._rt = SimpleNamespace(emit=lambda address, message, **kw: emitted.append((address, message)))
+
+    class DeadEngine:
+        failure = None
+
+        async def generate(self, task):
+            self.failure = "EngineCore died (SIGKILL)"
+            raise RuntimeError(f"vLLM engine thinker/0 died: {self.failure}")
+            yield  # (an async generator)
+
+    actor._backend = DeadEngine()
+
+    async def run(*request_ids):
+        await asyncio.gather(*(actor._run_task(StageTask(rid, 0, "hi", (), {}, {}, None, False, "ra"))
+                               for rid in request_ids))
+
+    asyncio.run(run("r1", "r2", "r3"))  # three tasks in flight when it died
+    to_pool = [type(m) for a, m in emitted if a == "pool"]
+    assert to_pool == [EngineFailed, TaskFinished, TaskFinished, TaskFinished], to_pool
+    assert [m for a, m in emitted if a == "pool"][0] == EngineFailed("thinker/0", "EngineCore died (SIGKILL)")
+    assert [type(m) for a, m in emitted if a == "ra"] == [StageFailed] * 3
+    assert not actor._ready  # takes no more work
+
+
+def test_a_replica_isolated_by_its_breaker_whose_engine_then_dies_is_restarted_not_failed():
+    """Trial V, second run: six tasks failed at once on a killed engine core, the circuit
+    breaker isolated the replica, then its EngineFailed came: the pool took that for a load
+    failure and set it `failed` for 300 s (every request a 503). A replica that loaded and
+    is being isolated is restarted as the isolation says."""
+    from omni_actors.messages import EngineFailed, ReplicaState
+
+    pool = _pool_routing({"talker/0": "m1"})
+    rep = pool._replicas["talker/0"]
+    pool._isolate(rep, "circuit breaker: 5 task failures in a row", hard=False)  # (as the breaker does)
+    assert rep.state == ReplicaState.ISOLATED
+    pool.receiveMsg_EngineFailed(EngineFailed("talker/0", "engine core gone"), rep.address)
+    assert rep.state != ReplicaState.FAILED and "circuit breaker" in rep.reason

@@ -502,3 +502,31 @@ def _settles(cond, timeout: float = 3.0) -> bool:
             return True
         time.sleep(0.02)
     return cond()
+
+
+def test_a_killed_engine_core_is_named_at_once_not_after_the_error_file_wait():
+    """Trial V: a SIGKILLed engine core writes no error file, and the replica waited the
+    whole 5 s for one before failing its tasks and telling the pool, then said only
+    "EngineCore encountered an issue". Now it stops waiting once the core has ended, and
+    says how it ended. (A plain child stands in for the core: no vLLM needed.)"""
+    import signal
+    import subprocess
+
+    from omni_actors.engines.vllm_core import CoreWatch, exit_description
+
+    child = subprocess.Popen(["sleep", "60"])
+    watch = CoreWatch("test")
+    try:
+        watch.cores.add(child.pid)
+        assert exit_description(child.pid) is None  # running
+        os.kill(child.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        cause = asyncio.run(watch.await_root_cause(RuntimeError("EngineDeadError: EngineCore encountered an issue")))
+        assert time.monotonic() - t0 < 2.0, cause
+        assert cause == (f"vLLM's engine core process (pid {child.pid}) was killed by SIGKILL "
+                         "(RuntimeError: EngineDeadError: EngineCore encountered an issue)"), cause
+    finally:
+        child.kill()
+        child.wait()
+        watch.close()
+    assert exit_description(child.pid) == ""  # reaped: gone, how no longer known

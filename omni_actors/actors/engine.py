@@ -246,12 +246,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 return self._watch()  # (a chain replaced after a lost wake-up, see _watch)
             self._last_hb = time.monotonic()
             interval = self._spec.heartbeat_interval_s
-            failure = getattr(self._backend, "failure", None) if self._ready else None
-            if failure:
-                # The engine died under us (a vLLM core crash): no more work, the pool restarts us.
-                self._log.error("engine_dead", reason=failure)
-                self._ready = False
-                self.send(self._pool, EngineFailed(self._spec.replica, failure))
+            self._check_engine()
             orphan_after_s = max(ORPHAN_AFTER_INTERVALS * interval, self._spec.orphan_after_s)
             if not self._orphaned and self._parent.lost(time.monotonic() - self._last_ack > orphan_after_s):
                 # The pool is gone. Its replacement's RequestActors re-sent these tasks, and no
@@ -313,6 +308,16 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
     def receiveMsg_HeartbeatAck(self, msg: HeartbeatAck, sender):
         self._last_ack = time.monotonic()
         return self._watch()
+
+    def _check_engine(self) -> None:
+        """If the backend's engine died under us (a vLLM core crash: its ``failure``), take
+        no more work and tell the pool, which restarts us. Checked at each heartbeat (and
+        on the loop thread when a task finds the engine dead: see ``_run_task``)."""
+        failure = getattr(self._backend, "failure", None) if self._ready else None
+        if failure:
+            self._log.error("engine_dead", reason=failure)
+            self._ready = False
+            self.send(self._pool, EngineFailed(self._spec.replica, failure))
 
     def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):
         self._start_drain()
@@ -475,6 +480,14 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             input_error = kind != ErrorKind.ENGINE_ERROR
             client_error = kind == ErrorKind.BAD_REQUEST
             self._log.warning("stage_failed", request_id=msg.request_id, error=str(exc), kind=kind.value)
+            failure = getattr(self._backend, "failure", None)
+            if failure and self._ready:
+                # Its engine is dead: the pool hears it now, before this task's TaskFinished.
+                # (It heard at the next heartbeat: meanwhile the tasks it sent failed at once,
+                # and five failures in a row tripped the circuit breaker first: trial V.)
+                self._ready = False  # (the actor thread takes no more work)
+                self._log.error("engine_dead", reason=failure)
+                emit(self._pool, EngineFailed(replica, failure))
             emit(msg.reply_to, StageFailed(msg.request_id, msg.stage_id, replica, kind,
                                            f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt,
                                            moved=msg.moved))

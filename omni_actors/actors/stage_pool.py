@@ -231,6 +231,11 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         if rep.state == ReplicaState.READY:
             self._isolate(rep, f"engine died: {msg.reason}", crashed=True)  # it ran before: restart it
             return
+        if rep.state == ReplicaState.ISOLATED:
+            # Its engine died while it was being isolated already (its failed tasks tripped the
+            # circuit breaker first): it is restarted as it is; not failed for good (it loaded).
+            self._log.warning("engine_died_while_isolated", replica=rep.replica, reason=msg.reason)
+            return
         self._set_down(rep, ReplicaState.FAILED, msg.reason)  # it never loaded: not at once (fails the same way)
         self.send(rep.address, ActorExitRequest())
 

@@ -228,6 +228,7 @@ class VllmEngine:
         with self._watch.spawning(v["EngineCoreProc"]), pinned(cpus):
             self._llm = v["AsyncLLM"].from_engine_args(
                 engine_args, stat_loggers=[lambda vllm_config, engine_index=0: _LoadRecorder(self)])
+        self._watch.note_cores()
         keep_off(cpus)  # the replica's own threads (actor, vLLM's output handling) stay off those CPUs
         await self._warm_up()
 

@@ -14,7 +14,9 @@ that vLLM does not give:
 - **The root cause.** A start-up or fatal engine error reaches the parent as
   "Engine core initialization failed. See root cause above" or
   ``EngineDeadError``; the cause is only in the child's log. The child writes
-  its exception, as one line, to a file the parent reads.
+  its exception, as one line, to a file the parent reads. A child that was
+  killed (SIGKILL, the OOM killer) writes nothing: the parent then says how
+  the process ended, as soon as it has ended, instead of waiting for a file.
 
 How: while :meth:`CoreWatch.spawning` is active, ``EngineCoreProc.run_engine_core``
 (the target vLLM passes to ``Process``) is a picklable :class:`_CoreLauncher`
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -164,6 +167,8 @@ class CoreWatch:
             os.close(fd)
             self._fd = None
             self.error_file = path
+        #: engine core pids (:meth:`note_cores`)
+        self.cores: set[int] = set()
 
     @contextlib.contextmanager
     def spawning(self, engine_core_proc: type):
@@ -178,22 +183,51 @@ class CoreWatch:
         finally:
             engine_core_proc.run_engine_core = original
 
+    def note_cores(self) -> None:
+        """Remember the engine core processes started so far (this process's children
+        named ``VLLM::...``), to say how they ended if they die without a word."""
+        from omni_actors.system.processes import descendants
+
+        for pid in descendants():
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::"):
+                    self.cores.add(pid)
+            except OSError:
+                pass
+
+    def _ended(self) -> list[str]:
+        """How the noted engine cores ended (see :func:`exit_description`); empty
+        while any of them still runs, or when none was noted."""
+        ends = [(pid, exit_description(pid)) for pid in sorted(self.cores)]
+        if not ends or any(end is None for _, end in ends):
+            return []
+        return [f"vLLM's engine core process (pid {pid}) "
+                f"{end or 'is gone (killed, or it exited without writing a cause)'}" for pid, end in ends]
+
     def root_cause(self, exc: BaseException) -> str:
-        """What the child wrote, else ``exc`` as one line."""
+        """What the child wrote; else how it ended (killed by a signal, exited with a
+        status) and ``exc`` as one line; else ``exc`` as one line."""
         try:
             text = Path(self.error_file).read_text().strip()
         except OSError:
             text = ""
-        return text or one_line(exc)
+        if text:
+            return text
+        ended = self._ended()
+        return f"{'; '.join(ended)} ({one_line(exc)})" if ended else one_line(exc)
 
     async def await_root_cause(self, exc: BaseException, timeout_s: float = 5.0) -> str:
-        """:meth:`root_cause`, waiting up to ``timeout_s`` for a dying child to write it."""
+        """:meth:`root_cause`, waiting up to ``timeout_s`` for a dying child to write it;
+        no longer once the noted engine cores have all ended (a killed one writes nothing:
+        the wait held the engine's death back 5 s from the pool, and from the clients)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
                 if Path(self.error_file).stat().st_size:
                     break
             except OSError:
+                break
+            if self.cores and all(exit_description(pid) is not None for pid in self.cores):
                 break
             await asyncio.sleep(0.05)
         return self.root_cause(exc)
@@ -205,6 +239,29 @@ class CoreWatch:
             self._fd = None
         else:
             Path(self.error_file).unlink(missing_ok=True)
+
+
+def exit_description(pid: int) -> str | None:
+    """How child process ``pid`` ended: None while it runs; ``"was killed by SIGKILL"``
+    or ``"exited with status 1"`` while it is a zombie (not yet reaped); ``""`` once it is
+    gone (reaped: how is no longer known)."""
+    from omni_actors.system.processes import proc_stat
+
+    fields = proc_stat(Path(f"/proc/{pid}"))
+    if fields is None:
+        return ""
+    if fields[0] != "Z":
+        return None
+    try:
+        status = int(fields[49])  # (field 52 of /proc/PID/stat: the exit status, as waitpid gives it)
+    except (IndexError, ValueError):
+        return ""
+    if status & 0x7F:
+        try:
+            return f"was killed by {signal.Signals(status & 0x7F).name}"
+        except ValueError:
+            return f"was killed by signal {status & 0x7F}"
+    return f"exited with status {status >> 8}"
 
 
 class _CoreLauncher:
