@@ -1355,3 +1355,29 @@ def test_a_replica_isolated_by_its_breaker_whose_engine_then_dies_is_restarted_n
     assert rep.state == ReplicaState.ISOLATED
     pool.receiveMsg_EngineFailed(EngineFailed("talker/0", "engine core gone"), rep.address)
     assert rep.state != ReplicaState.FAILED and "circuit breaker" in rep.reason
+
+
+def test_a_replica_that_loaded_before_and_fails_to_load_once_on_restart_is_restarted_not_failed():
+    """Trial W: an engine core killed while its replica was being restarted left the replica
+    `failed` for 300 s, as if its config could not load. One that was ready before is
+    restarted (as a crash, within the restart budget); a second load failure in a row, or
+    one that never loaded, is `failed` as before."""
+    from omni_actors.messages import EngineFailed, EngineReady, ReplicaState
+
+    pool = _pool_routing({"talker/0": "m1", "talker/1": "m1"})
+    for name in ("talker/0", "talker/1"):
+        rep = pool._replicas[name]
+        rep.state = ReplicaState.STARTING
+        if name == "talker/0":
+            pool.receiveMsg_EngineReady(EngineReady(name, 1234, "m1"), rep.address)
+            assert rep.state == ReplicaState.READY
+            rep.state = ReplicaState.STARTING  # (it died and is loading again)
+        pool.receiveMsg_EngineFailed(EngineFailed(name, "Engine core initialization failed"), rep.address)
+    again, never = pool._replicas["talker/0"], pool._replicas["talker/1"]
+    assert again.state == ReplicaState.ISOLATED and "failed to load on restart" in again.reason
+    assert never.state == ReplicaState.FAILED
+    pool._launch("talker/0", again.restarts)  # restarted (a new Replica record), and fails to load again
+    again = pool._replicas["talker/0"]
+    again.state = ReplicaState.STARTING
+    pool.receiveMsg_EngineFailed(EngineFailed("talker/0", "Engine core initialization failed"), again.address)
+    assert again.state == ReplicaState.FAILED

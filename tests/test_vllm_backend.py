@@ -530,3 +530,28 @@ def test_a_killed_engine_core_is_named_at_once_not_after_the_error_file_wait():
         child.wait()
         watch.close()
     assert exit_description(child.pid) == ""  # reaped: gone, how no longer known
+
+
+def test_an_engine_core_killed_while_idle_shows_as_the_engines_failure(tiny_model, loop_thread):
+    """Trial W: a core killed while no task ran was noticed only by the next request, which
+    failed; the replica's heartbeat reads ``failure``, so it now shows without a task."""
+    import signal
+
+    from omni_actors.engines.vllm import VllmEngine
+    from omni_actors.system.processes import descendants
+
+    eng = VllmEngine(stage(str(tiny_model)), "thinker/9")
+    loop_thread.run(eng.start(), timeout=180)
+    try:
+        assert eng.failure is None
+        cores = [pid for pid in descendants() if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::")
+                 and pid in eng._watch.cores]
+        assert len(cores) == 1, cores  # its own core only (the module's engine runs here too)
+        os.kill(cores[0], signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while eng.failure is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert eng.failure is not None, "a killed core did not show as the engine's failure"
+        assert f"engine core process (pid {cores[0]})" in eng.failure, eng.failure
+    finally:
+        loop_thread.run(eng.shutdown(), timeout=60)

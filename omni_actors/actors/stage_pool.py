@@ -99,6 +99,9 @@ class Replica:
     #: drained because its node's member stops, and pinned there: started again (placed
     #: when the node is back) once it has stopped, rather than stopped for good
     relaunch: bool = False
+    #: it has been READY at least once (its config loads), and load failures since it last was
+    loaded: bool = False
+    load_failures: int = 0
 
 
 class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, ActorTypeDispatcher):
@@ -203,6 +206,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             rep.dispatched, rep.completed, rep.failed = old.dispatched, old.completed, old.failed
             rep.down_cause = old.down_cause
             rep.latency, rep.latency_sum = old.latency, old.latency_sum
+            rep.loaded, rep.load_failures = old.loaded, old.load_failures
             if rep.down_cause:  # (a trial read a restart as a bare "waiting for placement")
                 rep.reason = f"{PLACING}; it was down: {rep.down_cause}"
         self._replicas[replica_id] = rep
@@ -220,6 +224,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             rep.pid, rep.host, rep.backend = msg.pid, msg.host, msg.backend
             rep.devices = msg.devices or rep.devices
             rep.health = ReplicaHealth(last_heartbeat=now, progress_at=now)
+            rep.loaded, rep.load_failures = True, 0
             self._log.info("replica_ready", replica=msg.replica, engine_pid=msg.pid, node=msg.node)
             self._publish()
             self._drain_pending()
@@ -235,6 +240,13 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             # Its engine died while it was being isolated already (its failed tasks tripped the
             # circuit breaker first): it is restarted as it is; not failed for good (it loaded).
             self._log.warning("engine_died_while_isolated", replica=rep.replica, reason=msg.reason)
+            return
+        rep.load_failures += 1
+        if rep.state == ReplicaState.STARTING and rep.loaded and rep.load_failures == 1:
+            # It loaded before, so its config is sound: a restart that fails to load once (its
+            # engine core killed while loading: trial W) is restarted as a crash is, within the
+            # restart budget, not failed for failed_retry_s (300 s on one replica fewer).
+            self._isolate(rep, f"failed to load on restart: {msg.reason}", hard=False)
             return
         self._set_down(rep, ReplicaState.FAILED, msg.reason)  # it never loaded: not at once (fails the same way)
         self.send(rep.address, ActorExitRequest())

@@ -277,7 +277,15 @@ class VllmEngine:
 
     @property
     def failure(self) -> str | None:
-        """Why this engine can no longer serve (its core died), else None."""
+        """Why this engine can no longer serve (its core died), else None. Also found
+        with no task running (vLLM's ``AsyncLLM.errored``: its core monitor saw the core
+        exit): a core killed while idle was noticed only by the next request, which
+        failed (trial W). Safe from any thread."""
+        llm = self._llm
+        if self._dead is None and llm is not None and getattr(llm, "errored", False):
+            cause = RuntimeError("vLLM's engine core died")
+            self._dead = self._watch.root_cause(cause) if self._watch else one_line(cause)
+            self._log.error("vllm_engine_dead", error=self._dead, idle=True)
         return self._dead
 
     def load(self) -> BackendLoad:

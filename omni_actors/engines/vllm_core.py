@@ -142,6 +142,20 @@ def is_client_error(exc: BaseException) -> bool:
     return False
 
 
+def _core_pids() -> set[int]:
+    """Pids of this process's descendants named ``VLLM::...`` (vLLM's engine cores)."""
+    from omni_actors.system.processes import descendants
+
+    pids = set()
+    for pid in descendants():
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::"):
+                pids.add(pid)
+        except OSError:
+            pass
+    return pids
+
+
 class CoreWatch:
     """The error file and the spawn-time patch for one engine.
 
@@ -169,10 +183,13 @@ class CoreWatch:
             self.error_file = path
         #: engine core pids (:meth:`note_cores`)
         self.cores: set[int] = set()
+        #: core processes that ran here before this engine spawned (other engines' cores)
+        self._others: set[int] = set()
 
     @contextlib.contextmanager
     def spawning(self, engine_core_proc: type):
         """Patch ``engine_core_proc.run_engine_core`` while the engine is created."""
+        self._others = _core_pids()
         original = engine_core_proc.__dict__.get("run_engine_core")
         if original is None:
             yield
@@ -184,16 +201,11 @@ class CoreWatch:
             engine_core_proc.run_engine_core = original
 
     def note_cores(self) -> None:
-        """Remember the engine core processes started so far (this process's children
-        named ``VLLM::...``), to say how they ended if they die without a word."""
-        from omni_actors.system.processes import descendants
-
-        for pid in descendants():
-            try:
-                if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::"):
-                    self.cores.add(pid)
-            except OSError:
-                pass
+        """Remember the engine core processes this engine started (this process's
+        descendants named ``VLLM::...`` that were not there before :meth:`spawning`:
+        another engine in the same process keeps its own), to say how they ended if
+        they die without a word."""
+        self.cores |= _core_pids() - self._others
 
     def _ended(self) -> list[str]:
         """How the noted engine cores ended (see :func:`exit_description`); empty
