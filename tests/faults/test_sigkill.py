@@ -23,7 +23,9 @@ def test_sigkilled_replica_is_isolated_at_once_its_tasks_rerun_and_it_is_restart
 
     assert_no_request_lost(r)
     assert r.isolation_ms is not None and r.isolation_ms < 1000, r.events
-    assert r.disturbed and set(r.target_states) - {"ready"}, r.target_states  # it left the routing table
+    # It left the routing table: isolated (above), and seen down or with a new pid (its restart,
+    # 0.5 s after, can come between two polls of the status on a busy machine: seen as ['ready'] only)
+    assert r.disturbed, r.target_states
     assert r.restored_at is not None, r.after
     old, new = replicas(r.before)["talker/0"], replicas(r.after)["talker/0"]
     assert new["state"] == "ready" and new["restarts"] >= old["restarts"] + 1 and new["pid"] != old["pid"]
