@@ -242,10 +242,10 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
     cfg["deployment"]["ready_timeout_s"] = 120
     config = tmp_path / "slow_start.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    admin_port, env = free_port(), {"OMNI_ACTORS_STATE_DIR": str(tmp_path)}
+    admin_port, http_port, env = free_port(), free_port(), {"OMNI_ACTORS_STATE_DIR": str(tmp_path)}
     with open(tmp_path / "leader.err", "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "start", "--convention-leader",
-                                 "--config", str(config), "--port", str(free_port()), "--admin-port", str(admin_port)],
+                                 "--config", str(config), "--port", str(http_port), "--admin-port", str(admin_port)],
                                 stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env={**os.environ, **env})
     state = tmp_path / f"leader-{admin_port}.json"
     try:
@@ -258,6 +258,15 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
         status = _cli("status", "--admin-port", str(admin_port), env=env)
         assert status.returncode == 3 and "starting" in status.stdout, (status.stdout, status.stderr)
         assert "is not up yet: the leader opens it once every replica is ready or has failed" in status.stdout
+        # A second leader on its HTTP port is refused at once (a trial's took the port and served there;
+        # the first one, once ready, could not bind it and exited)
+        other_admin = free_port()
+        second = _cli("start", "--convention-leader", "--config", str(CONFIGS / "cpu_image_demo.yaml"),
+                      "--host", "localhost", "--port", str(http_port), "--admin-port", str(other_admin), env=env)
+        assert second.returncode == 1 and second.stderr.strip() == (
+            f"error: HTTP port {http_port} on localhost is taken by the system on admin port {admin_port} "
+            f"(leader pid {proc.pid}), which serves there once its replicas are ready"), second.stderr
+        assert not (tmp_path / f"leader-{other_admin}.json").exists()
         t0 = time.monotonic()
         stop = _cli("stop", "--admin-port", str(admin_port), env=env)
         took = time.monotonic() - t0

@@ -152,6 +152,40 @@ def _admin_port_taken(admin_port: int) -> str:
     return f"admin port {admin_port} is in use (another system? {stop})"
 
 
+def _same_interface(a: str, b: str, port: int) -> bool:
+    """Whether two ``--host`` values overlap for listening on ``port``: either is a
+    wildcard, or they resolve to a common address (``localhost`` and ``127.0.0.1``)."""
+    if {a, b} & {"", "0.0.0.0", "::"}:
+        return True
+
+    def addresses(host: str) -> set[str]:
+        try:
+            return {ai[4][0] for ai in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)}
+        except (OSError, UnicodeError):
+            return {host}
+    return a == b or bool(addresses(a) & addresses(b))
+
+
+def http_port_claimed(host: str, port: int, admin_port: int) -> str | None:
+    """Why ``host:port`` is taken by another leader recorded in :func:`state_dir` that is
+    still starting (it opens its HTTP port only once every replica is ready, so a
+    connect finds nothing there yet), or None. A trial started a second leader on the
+    port of one still loading: the second served there, and the first, after its whole
+    start-up, could not bind and exited."""
+    for path in sorted(state_dir().glob("leader-*.json")):
+        try:
+            other = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        pid, other_admin = other.get("pid"), other.get("admin_port")
+        if other.get("port") != port or other_admin == admin_port or not isinstance(pid, int) \
+                or start_time(pid) is None or not _same_interface(str(other.get("host", "")), host, port):
+            continue
+        return (f"HTTP port {port} on {host} is taken by the system on admin port {other_admin} (leader pid "
+                f"{pid}), which serves there once its replicas are ready")
+    return None
+
+
 def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                api_key: str | None = None, node: str = "", devices: tuple[str, ...] = ()) -> int:
     """Run the leader in the foreground until SIGINT/SIGTERM. Returns the exit code.
@@ -166,7 +200,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     from omni_actors.logs import get_logger, thespian_log_defs
     from omni_actors.messages import Deploy, NodeInfo, SystemStatus
 
-    problem = serve_args_error(host, port, admin_port)
+    problem = serve_args_error(host, port, admin_port) or http_port_claimed(host, port, admin_port)
     if problem:
         raise StartError(problem)
     if port_in_use(admin_port):
