@@ -521,14 +521,17 @@ def parse_config(data: Any, source: str = "<memory>",
     """
     if not isinstance(data, dict):
         raise ConfigError(source, "", "expected a mapping with `stage_args` and `deployment`")
+
+    def warn(path: str, message: str) -> None:
+        if on_warning is not None:
+            on_warning(f"{source}: {path}: {message}")
+        else:
+            from omni_actors.logs import get_logger
+
+            get_logger().warning("config_unknown_key", config=source, path=path, message=message)
     if not _CONVERTING.get():
         for path, message in unknown_key_warnings(data):
-            if on_warning is not None:
-                on_warning(f"{source}: {path}: {message}")
-            else:
-                from omni_actors.logs import get_logger
-
-                get_logger().warning("config_unknown_key", config=source, path=path, message=message)
+            warn(path, message)
     if "stages" in data or "base_config" in data:
         # vLLM-Omni's deploy format (a `stages:` list; the topology elsewhere).
         from omni_actors.vllm_omni_deploy import parse_deploy_config
@@ -558,7 +561,27 @@ def parse_config(data: Any, source: str = "<memory>",
 
     cfg.omni_connectors = omni_connectors(data, cfg, source)
     _check_cpus(cfg, source)
+    if not _CONVERTING.get():
+        for path, message in _unlisted_model_warnings(cfg, stages if isinstance(stages, dict) else {}):
+            warn(path, message)
     return cfg
+
+
+def _unlisted_model_warnings(cfg: PipelineConfig, listed: dict) -> list[tuple[str, str]]:
+    """``(YAML path, message)`` for each stage that names a real model
+    (``engine_args.model``, not ``synthetic/...``) but has no ``deployment.stages``
+    entry: it runs the default backend, the synthetic engine, and the model is never
+    loaded (a trial left the Thinker out of a vLLM config: `check-config` said ok, and
+    the pipeline would have served made-up text)."""
+    out = []
+    for stage in cfg.stage_args:
+        model = stage.engine_args.get("model")
+        if stage.name in listed or not isinstance(model, str) or model.startswith("synthetic/"):
+            continue
+        out.append((f"deployment.stages.{stage.name}",
+                    f"missing: stage {stage.name} runs the synthetic engine, and its model {model!r} "
+                    "(stage_args engine_args.model) is not loaded; give it `backend: vllm` or `vllm_omni`"))
+    return out
 
 
 def load_config(path: str | Path, on_warning: typing.Callable[[str], None] | None = None) -> PipelineConfig:

@@ -907,3 +907,18 @@ def test_an_unknown_edge_field_lists_the_yaml_names(tmp_path: Path) -> None:
     err = refused(tmp_path, variant(lambda d: d.update(runtime={"edges": [{"from_stage": 0, "to_stage": 1}]})))
     assert err.path == "runtime.edges[0].from_stage"
     assert err.message == "unknown field `from_stage`; expected one of: from, to, window_size, max_inflight"
+
+
+def test_a_stage_with_a_model_but_no_deployment_entry_is_warned_that_it_runs_synthetic() -> None:
+    """Trial Y: the Thinker left out of `deployment.stages` of the vLLM chain ran the synthetic
+    engine (the default backend) and `check-config` said ok; it still loads (a deliberate
+    synthetic stand-in), with one warning naming the model that is not loaded."""
+    data = yaml.safe_load((ROOT / "configs" / "cpu_vllm_chain.yaml").read_text())
+    del data["deployment"]["stages"]["thinker"]
+    lines: list[str] = []
+    cfg = parse_config(data, "chain.yaml", on_warning=lines.append)
+    assert cfg.deployment.stages.get("thinker") is None
+    assert lines == [
+        "chain.yaml: deployment.stages.thinker: missing: stage thinker runs the synthetic engine, and its model "
+        "'~/.cache/omni-actors/tiny-s0-v1000-h256-l2-a4-r1' (stage_args engine_args.model) is not loaded; "
+        "give it `backend: vllm` or `vllm_omni`"]
