@@ -222,6 +222,9 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": "hi"}, 400, "messages"),
     (CHAT, {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400,
      "messages[0].role"),
+    (CHAT, {"model": MODEL, "messages": [{"content": "x"}]}, 400, "messages[0].role"),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "x", "name": 5}]}, 400,
+     "messages[0].name"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": 3}]}, 400,
      "messages[0].content"),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
@@ -312,6 +315,24 @@ def test_bad_input_then_good_request(path, body, status, param):
         assert resp.status == 200, await resp.text()
 
     serve(bridge, body_fn)
+
+
+def test_a_message_without_role_or_with_a_role_of_another_type_says_so_in_json_terms():
+    """Trial X: a missing role read ``Invalid value for 'messages[0].role': None``."""
+    bridge = FakeBridge(output_types=("text",))
+
+    async def body(client):
+        err = await assert_error(await client.post(CHAT, json={"model": MODEL, "messages": [{"content": "x"}]}),
+                                 400, "messages[0].role")
+        assert err["message"] == "Missing required parameter: 'messages[0].role'."
+        err = await assert_error(await client.post(CHAT, json={"model": MODEL, "messages": [
+            {"role": "robot", "content": "x"}]}), 400, "messages[0].role")
+        assert err["message"].startswith("Invalid value for 'messages[0].role': \"robot\". Supported values are: ")
+        err = await assert_error(await client.post(CHAT, json={"model": MODEL, "messages": [
+            {"role": ["user"], "content": "x"}]}), 400, "messages[0].role")
+        assert err["message"].startswith("Invalid value for 'messages[0].role': list. ")
+
+    serve(bridge, body)
 
 
 def test_audio_on_text_only_pipeline_and_wrong_endpoint():
@@ -838,3 +859,52 @@ def test_a_body_that_is_not_json_says_why(body, why):
     with pytest.raises(ApiError) as err:
         decode_json(body)
     assert err.value.status == 400 and why in str(err.value), str(err.value)
+
+
+#: A value of every JSON type (and a few edge cases of each), put in turn into each field.
+ANY_JSON = [None, True, False, 0, -1, 1.5, 1e308, "", "x", [], ["x"], [1], [[]], {}, {"a": 1}, {"type": []}]
+CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
+               "stream", "stream_options", "n", "modalities", "audio", "logprobs", "top_logprobs",
+               "response_format", "tool_choice", "tools", "user", "presence_penalty", "frequency_penalty"]
+MESSAGE_FIELDS = ["role", "content", "name", "tool_call_id", "refusal"]
+IMAGE_FIELDS = ["model", "prompt", "size", "n", "seed", "response_format", "output_format", "background", "stream"]
+
+
+def _with(body: dict, path: tuple, value):
+    out = json.loads(json.dumps(body))
+    target = out
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return out
+
+
+def test_no_value_of_any_json_type_in_any_field_gets_a_500():
+    """Trial X found no 500, but a role or audio format given as a list was one (a membership
+    test on a frozenset: unhashable). Every field, every JSON type: a 200 or a 4xx in
+    OpenAI's shape, never a server error, and the server answers the next good request."""
+    bridge = FakeBridge(output_types=("text", "audio", "image"))
+    cases = ([(CHAT, GOOD_CHAT, (f,)) for f in CHAT_FIELDS]
+             + [(CHAT, GOOD_CHAT, ("messages", 0, f)) for f in MESSAGE_FIELDS]
+             + [(CHAT, chat(modalities=["text", "audio"], audio={"format": "wav"}), ("audio", f))
+                for f in ("format", "voice")]
+             + [(CHAT, chat(stream=True, stream_options={"include_usage": True}), ("stream_options", "include_usage"))]
+             + [(CHAT, chat(content=[{"type": "text", "text": "hi"}]), ("messages", 0, "content", 0, f))
+                for f in ("type", "text")]
+             + [(IMAGES, GOOD_IMAGE, (f,)) for f in IMAGE_FIELDS])
+
+    async def body(client):
+        bad = []
+        for path, good, field in cases:
+            for value in ANY_JSON:
+                resp = await client.post(path, json=_with(good, field, value))
+                text = await resp.text()
+                if resp.status >= 500:
+                    bad.append((path, field, value, resp.status, text[:200]))
+                elif resp.status >= 400:
+                    err = json.loads(text)["error"]
+                    assert err["message"] and err["type"], (field, value, err)
+        assert bad == []
+        await assert_good_chat(client)
+
+    serve(bridge, body)

@@ -8,6 +8,7 @@ every response is a plain dict ready to be JSON-encoded.
 from __future__ import annotations
 
 import base64
+import json
 import re
 import time
 import uuid
@@ -218,9 +219,14 @@ def render_prompt(messages: Any) -> str:
         if not isinstance(msg, dict):
             raise _bad(f"Invalid type for 'messages[{i}]': expected an object.", f"messages[{i}]")
         role = msg.get("role")
-        if role not in ROLES:
-            raise _bad(f"Invalid value for 'messages[{i}].role': {role!r}. Supported values "
+        if role is None:  # (it said "Invalid value ...: None", Python's word: trial X)
+            raise _bad(f"Missing required parameter: 'messages[{i}].role'.", f"messages[{i}].role")
+        if not isinstance(role, str) or role not in ROLES:  # (a list here was a 500: unhashable)
+            shown = json.dumps(role) if isinstance(role, (str, int, float, bool)) else type(role).__name__
+            raise _bad(f"Invalid value for 'messages[{i}].role': {shown}. Supported values "
                        f"are: {', '.join(sorted(ROLES))}.", f"messages[{i}].role")
+        if "name" in msg and not isinstance(msg["name"], str):  # (as OpenAI checks it; it was taken: trial X)
+            raise _bad(f"Invalid type for 'messages[{i}].name': expected a string.", f"messages[{i}].name")
         if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
             raise _bad(f"Missing required parameter: 'messages[{i}].tool_call_id'.", f"messages[{i}].tool_call_id")
         lines.append(f"{role}: {_message_text(msg.get('content'), i, role)}")
@@ -234,7 +240,7 @@ def _modalities(body: dict, bridge: Bridge) -> frozenset[str]:
     if not isinstance(mods, list) or not all(isinstance(m, str) for m in mods):
         raise _bad("Invalid type for 'modalities': expected an array of strings.", "modalities")
     if sorted(mods) not in (["text"], ["audio", "text"]):
-        raise _bad(f"Invalid value for 'modalities': {mods}. Supported values are "
+        raise _bad(f"Invalid value for 'modalities': {json.dumps(mods)}. Supported values are "
                    "[\"text\"] and [\"text\", \"audio\"].", "modalities")
     if "audio" in mods and "audio" not in bridge.output_types:
         raise _bad(f"The model '{bridge.model_name}' does not produce audio; use "
@@ -250,8 +256,8 @@ def _audio(body: dict) -> tuple[str | None, str]:
     if not isinstance(audio, dict):
         raise _bad("Invalid type for 'audio': expected an object.", "audio")
     fmt = audio.get("format", "wav")
-    if fmt not in AUDIO_FORMATS:
-        raise _bad(f"Invalid value for 'audio.format': {fmt!r}. Supported values are: "
+    if not isinstance(fmt, str) or fmt not in AUDIO_FORMATS:  # (a list here was a 500: unhashable)
+        raise _bad(f"Invalid value for 'audio.format': {json.dumps(fmt)}. Supported values are: "
                    f"{', '.join(sorted(AUDIO_FORMATS))}.", "audio.format")
     voice = audio.get("voice")
     if voice is not None and (not isinstance(voice, str) or not voice):
