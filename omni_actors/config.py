@@ -605,6 +605,9 @@ def load_config(path: str | Path, on_warning: typing.Callable[[str], None] | Non
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(source, where, f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    if data is None:  # (it said "expected a mapping ...": trial Y)
+        raise ConfigError(source, "", "the file is empty, or holds only comments (expected a mapping with "
+                                      "`stage_args` and `deployment`)")
     return parse_config(data, source, on_warning)
 
 

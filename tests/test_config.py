@@ -922,3 +922,13 @@ def test_a_stage_with_a_model_but_no_deployment_entry_is_warned_that_it_runs_syn
         "chain.yaml: deployment.stages.thinker: missing: stage thinker runs the synthetic engine, and its model "
         "'~/.cache/omni-actors/tiny-s0-v1000-h256-l2-a4-r1' (stage_args engine_args.model) is not loaded; "
         "give it `backend: vllm` or `vllm_omni`"]
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n"])
+def test_an_empty_config_file_says_it_is_empty(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (f"{path}: <top>: the file is empty, or holds only comments (expected a mapping "
+                              "with `stage_args` and `deployment`)")
