@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -120,6 +121,10 @@ def pinned(cpus: frozenset[int]):
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = omp
+
+
+#: vLLM's pointer to its own log, at the end of EngineDeadError's message.
+SEE_ABOVE = re.compile(r"\s*See stack trace \(above\) for the root cause\.?")
 
 
 def one_line(exc: BaseException) -> str:
@@ -226,7 +231,12 @@ class CoreWatch:
         if text:
             return text
         ended = self._ended()
-        return f"{'; '.join(ended)} ({one_line(exc)})" if ended else one_line(exc)
+        if not ended:
+            return one_line(exc)
+        # (vLLM's "See stack trace (above) ..." points at its log, where a killed core wrote
+        # nothing: trial W read it in `status` as if the cause were there)
+        detail = SEE_ABOVE.sub("", one_line(exc)).rstrip(" .")
+        return f"{'; '.join(ended)} ({detail})"
 
     async def await_root_cause(self, exc: BaseException, timeout_s: float = 5.0) -> str:
         """:meth:`root_cause`, waiting up to ``timeout_s`` for a dying child to write it;
