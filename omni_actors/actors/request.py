@@ -460,13 +460,14 @@ class RequestActor(ActorTypeDispatcher):
                 continue
             self._pools[stage_id] = pool
             task = self._running.get(stage_id)
+            # (it said "the stage's pool": a trial could not tell which, nor why)
+            why = (f"the pool of stage {self._plan[stage_id].stage} was replaced (it, or the coordinator, "
+                   "died and was restarted)" if stage_id in self._plan else "the stage's pool was replaced")
             if task is not None and task.streaming:
                 self.receiveMsg_StageFailed(StageFailed(task.request_id, stage_id, "pool", ErrorKind.UNAVAILABLE,
-                                                        "the stage's pool was replaced", task.attempt,
-                                                        task.crashed, task.moved + 1), sender)
+                                                        why, task.attempt, task.crashed, task.moved + 1), sender)
             elif task is not None:
-                self._log.warning("stage_retry", request_id=task.request_id, stage_id=stage_id,
-                                  error="the stage's pool was replaced")
+                self._log.warning("stage_retry", request_id=task.request_id, stage_id=stage_id, error=why)
                 self._resend(dataclasses.replace(task, attempt=task.attempt + 1, moved=task.moved + 1))
 
     def receiveMsg_StageCancelled(self, msg: StageCancelled, sender):

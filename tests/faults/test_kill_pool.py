@@ -105,6 +105,8 @@ def test_engines_of_a_killed_pool_blocked_mid_stream_exit(leader):
     assert "Traceback" not in leader.log_path.read_text()
     assert "error" not in outcome, outcome
     assert outcome["status"] == 200 or '"error"' in outcome["body"], outcome
+    if '"error"' in outcome["body"]:  # it names the stage and why (it said "the stage's pool was replaced")
+        assert "the pool of stage thinker was replaced (it, or the coordinator, died" in outcome["body"], outcome
 
 
 def test_the_backlog_of_a_recreated_pool_is_shared_by_its_replicas(leader):
