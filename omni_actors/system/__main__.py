@@ -350,6 +350,7 @@ def cmd_stop(args) -> int:
     pid = state["pid"]
     timeout = args.timeout if args.timeout is not None else \
         float(state.get("drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S)) + STOP_GRACE_S
+    hurried_after = None
     if _alive(pid):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
@@ -357,6 +358,7 @@ def cmd_stop(args) -> int:
         while _alive(pid) and time.monotonic() < deadline:
             if hurry_at is not None and time.monotonic() >= hurry_at:
                 os.kill(pid, signal.SIGTERM)  # a second one: no more drain
+                hurried_after = timeout - (deadline - time.monotonic())
                 hurry_at = None
             time.sleep(0.1)
     forced = _alive(pid)
@@ -366,6 +368,8 @@ def cmd_stop(args) -> int:
     sweep_segments(f"oa-{args.admin_port}-", state.get("shm_dir"))
     state_file(args.admin_port).unlink(missing_ok=True)
     print(f"stopped the system on admin port {args.admin_port}"
+          + (f" (its leader was still draining after {hurried_after:.1f} s of --timeout {timeout:g}: told to end "
+             "the requests still running)" if hurried_after is not None else "")
           + (f" (its leader did not exit within {timeout:g} s: killed)" if forced else "")
           + (f" ({killed} leftover processes killed)" if killed else ""))
     return 0

@@ -404,7 +404,8 @@ async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | 
     if in_flight:
         log.info("draining", requests_in_flight=in_flight, timeout_s=timeout_s)
         print(f"draining: {in_flight} request(s) in flight get up to {timeout_s:g} s to finish "
-              f"(Ctrl-C again: end them now)", file=sys.stderr, flush=True)
+              f"(supervision.drain_timeout_s; Ctrl-C again, or a `stop --timeout` running out, ends them "
+              f"sooner)", file=sys.stderr, flush=True)  # (a trial's `stop --timeout 8` read "up to 10 s")
     while bridge.in_flight() and time.monotonic() < deadline and not (hurry and hurry.is_set()):
         await asyncio.sleep(0.05)
     if bridge.in_flight():
@@ -414,7 +415,8 @@ async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | 
             "--timeout is about to run out) while the request ran" if hurried else
             f"the request was still running {timeout_s:g} s after the stop (supervision.drain_timeout_s)"))
         log.warning("drain_ended_requests", requests=ended,
-                    why="second stop signal" if hurried else "drain_timeout_s", timeout_s=timeout_s)
+                    why="second stop signal" if hurried else "drain_timeout_s",
+                    after_s=round(timeout_s - (deadline - time.monotonic()), 1), drain_timeout_s=timeout_s)
         deadline = time.monotonic() + ABORT_GRACE_S
         while bridge.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
