@@ -110,6 +110,14 @@ class Deploy(Message):
 
     config: PipelineConfig
     leader_node: "NodeInfo | None" = None  #: the leader host's own node (it runs replicas too)
+    #: The stages as the coordinator before this one last reported them (the leader's watchdog
+    #: sends them when it redeploys to a recreated coordinator): each stage's pool starts the
+    #: replicas they list, under their names, with their counters and restart history, as a
+    #: pool recreated after a crash does; empty: the config's replica counts.
+    previous: tuple = ()
+    #: Unix seconds the pipeline was first deployed (``created`` in ``/v1/models``, the same from
+    #: every API server, also after a coordinator restart); 0: now
+    deployed_at: int = 0
 
 
 @dataclass(frozen=True)
@@ -403,6 +411,8 @@ class StartPool(Message):
     #: The coordinator's process id and hostname (``supervision.ParentWatch``); 0: judge by acks.
     coordinator_pid: int = 0
     coordinator_host: str = ""
+    #: with ``replicas``: why those that ran have a new process (their ``status`` reason)
+    recreated_why: str = "its stage pool was lost and recreated"
 
 
 @dataclass(frozen=True)

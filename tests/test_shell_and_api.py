@@ -368,3 +368,33 @@ def test_the_shells_inject_says_where_its_value_goes_when_given_a_flag(leader):
     assert out.returncode == 1
     assert out.stderr.strip() == ("error: usage: inject FAULT [REPLICA|STAGE] [VALUE] (the value goes last, "
                                   "without a flag: `inject slow talker/0 2`)"), out.stderr
+
+
+def test_an_api_server_started_after_a_coordinator_restart_gives_the_same_created(leader):
+    """Trial Q: after `inject kill-coordinator`, a new API server's /v1/models said another
+    `created` (the new coordinator's deploy time). It is the pipeline's first deploy time.
+    (Last in this module: it replaces the coordinator of the module's system.)"""
+    import time
+
+    from omni_actors.system.faultlab import inject_cli
+
+    first = _status(leader)["coordinator_pid"]
+    assert inject_cli(leader.admin_port, "kill-coordinator").returncode == 0
+    deadline = time.monotonic() + 30
+    while True:  # (`status` exits 3 while the new coordinator deploys)
+        out = subprocess.run([sys.executable, "-m", "omni_actors.system", "status", "--json", "--admin-port",
+                              str(leader.admin_port)], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                             env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)})
+        status = json.loads(out.stdout) if out.stdout.startswith("{") else {}
+        if out.returncode == 0 and status.get("coordinator_pid") not in (first, None):
+            break
+        assert time.monotonic() < deadline, status
+        time.sleep(0.3)
+    api, port = _start_api(leader)
+    try:
+        created = [json.loads(urllib.request.urlopen(f"http://127.0.0.1:{p}/v1/models", timeout=10).read())
+                   ["data"][0]["created"] for p in (leader.port, port)]
+        assert created[0] == created[1], created
+    finally:
+        api.terminate()
+        api.wait(30)

@@ -53,6 +53,10 @@ _SETTLED = (ReplicaState.READY, ReplicaState.FAILED, ReplicaState.DEAD, ReplicaS
             ReplicaState.PENDING)
 
 
+#: A replica's reason when a recreated coordinator started it again (``StartPool.recreated_why``).
+COORDINATOR_RECREATED = "the coordinator was lost and recreated, and its stage pools with it"
+
+
 class CoordinatorActor(ActorTypeDispatcher):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -83,7 +87,7 @@ class CoordinatorActor(ActorTypeDispatcher):
     def receiveMsg_Deploy(self, msg: Deploy, sender):
         if self._config is None:
             self._config = cfg = msg.config
-            self._deployed_at = int(time.time())
+            self._deployed_at = msg.deployed_at or int(time.time())
             r = cfg.deployment.supervision.restart
             self._restart = RestartPolicy(r.initial_backoff_s, r.max_backoff_s, r.max_restarts, r.window_s)
             leader = msg.leader_node or NodeInfo("local")
@@ -92,10 +96,17 @@ class CoordinatorActor(ActorTypeDispatcher):
             self.notifyOnSystemRegistrationChanges(True)  # member hosts joining the convention
             self._last_node_check = time.monotonic()
             self._node_checks.start(self, cfg.deployment.heartbeat_interval_s)
+            previous = {(st.stage_id, st.stage): st for st in msg.previous}
             for stage in cfg.stage_args:
                 self._states[stage.stage_id] = PoolState(stage.stage_id, stage.name, ())
                 self._pool_restarts[stage.stage_id] = []
-                self._start_pool(stage)
+                last = previous.get((stage.stage_id, stage.name))
+                if last is not None:  # a recreated coordinator: the pools start what ran before
+                    self._reported[stage.stage_id] = last
+                self._start_pool(stage, COORDINATOR_RECREATED if last is not None else None)
+            if msg.previous:
+                self._log.warning("deploying_as_before", stages=[st.stage for st in msg.previous],
+                                  replicas=sum(len(st.replicas) for st in msg.previous))
             self._log.info("deploying", model=cfg.deployment.served_model_name,
                            stages=[s.name for s in cfg.stage_args])
             for note in cfg.omni_connectors.notes:  # vLLM-Omni connector settings: what was applied
@@ -109,9 +120,10 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._deploy_waiters.append(sender)
         self._answer_deploy_waiters()
 
-    def _start_pool(self, stage) -> None:
+    def _start_pool(self, stage, why: str | None = None) -> None:
         """Create the stage's pool: the config's replicas, or after a crash the ones the
-        pool before it ran (:meth:`_layout`)."""
+        pool before it ran (:meth:`_layout`); ``why``: what their ``status`` reason says
+        replaced their processes (default: the pool's crash)."""
         cfg = self._config
         dep = cfg.deployment
         pool = self.createActor(StagePoolActor)
@@ -121,7 +133,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                                   connector_mode=cfg.connector_mode_of(stage),
                                   replicas=self._layout(stage.stage_id),
                                   next_index=getattr(self._reported.get(stage.stage_id), "next_index", 0),
-                                  coordinator_pid=os.getpid(), coordinator_host=socket.gethostname()))
+                                  coordinator_pid=os.getpid(), coordinator_host=socket.gethostname(),
+                                  **({"recreated_why": why} if why else {})))
 
     def _layout(self, stage_id: int) -> tuple[tuple[str, tuple, tuple[float, ...], tuple, str, bool], ...] | None:
         """``(replica id, pin, restart times, counters, failed, ran)`` of each replica the stage's pool last
@@ -166,8 +179,11 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._reported[msg.stage_id] = msg
         shown = {r.replica for r in msg.replicas}
         self._asks = {r: a for r, a in self._asks.items() if a.stage != msg.stage or r in shown}
+        # (with what a recreated coordinator needs to start them as they were: the leader keeps
+        # the last status it got and hands it on)
         self._states[msg.stage_id] = PoolState(msg.stage_id, msg.stage, msg.replicas, msg.pid, msg.pending,
-                                               len(self._pool_restarts.get(msg.stage_id, ())), host=msg.host)
+                                               len(self._pool_restarts.get(msg.stage_id, ())), msg.restart_times,
+                                               msg.failed, msg.next_index, host=msg.host)
         if old is None or _states_of(old) != _states_of(msg):
             for r in msg.replicas:
                 before = next((o for o in (old.replicas if old else ()) if o.replica == r.replica), None)
@@ -245,7 +261,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                 dataclasses.replace(r, reason=why, pid=None, in_flight=0, running=0, waiting=0,
                                     state=(r.state if r.state in (ReplicaState.PENDING, ReplicaState.STOPPED)
                                            and delay is not None else down))
-                for r in old.replicas), None, 0, len(self._pool_restarts[stage_id]))
+                for r in old.replicas), None, 0, len(self._pool_restarts[stage_id]), old.restart_times, old.failed,
+                old.next_index)
             self._pools_down[stage_id] = (f"its pool exited; a new one starts in {delay:g} s, try again then"
                                           if delay is not None else why)
             self._publish_status()

@@ -163,7 +163,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 else:
                     self._launch(rid, list(restarts))
                     if ran:  # (its process was replaced with its pool's: a trial saw nothing in `status` say so)
-                        self._replicas[rid].down_cause = "its stage pool was lost and recreated"
+                        self._replicas[rid].down_cause = msg.recreated_why
                 rep = self._replicas[rid]  # (its counters go on, as after a restart)
                 rep.completed, rep.failed, rep.latency_sum = completed, failed, latency_sum
                 if len(buckets) == len(rep.latency):

@@ -264,7 +264,9 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                                      "port": port, "system_id": system_id, "config": config.source,
                                      "model": config.deployment.served_model_name}))
         coordinator = asys.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
-        status = asys.ask(coordinator, Deploy(config, leader_node), config.deployment.ready_timeout_s + 15)
+        deployed_at = int(time.time())  # (`created` of /v1/models: kept by a recreated coordinator)
+        status = asys.ask(coordinator, Deploy(config, leader_node, deployed_at=deployed_at),
+                          config.deployment.ready_timeout_s + 15)
         if not isinstance(status, SystemStatus):
             raise StartError("the coordinator did not answer the deployment in time")
         print_status_table(status)
@@ -274,7 +276,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         log.info("leader_started", admin_port=admin_port, shm_dir=shm_dir,
                  startup_s=round(time.monotonic() - t0, 2))
         serving.set()
-        threading.Thread(target=_watch_coordinator, args=(asys, config, leader_node, stopping),
+        threading.Thread(target=_watch_coordinator, args=(asys, config, leader_node, stopping, deployed_at),
                          name="coordinator-watchdog",
                          daemon=True).start()
         def mark_stopping() -> None:  # (`status` then says so, not that the HTTP API is not up yet)
@@ -313,7 +315,8 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             print("omni-actors stopped", flush=True)
 
 
-def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: threading.Event) -> None:
+def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: threading.Event,
+                       deployed_at: int = 0) -> None:
     """Keep one deployed coordinator alive (the leader supervises the top of the tree).
 
     Every heartbeat interval: look the coordinator up by ``globalName`` (Thespian
@@ -327,17 +330,20 @@ def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: thre
 
     log = get_logger(actor="leader")
     interval = config.deployment.heartbeat_interval_s
-    misses, last_pid = 0, None
+    misses, last_pid, last = 0, None, None
     with asys.private() as ctx:
         while not stopping.wait(interval):
             try:
                 address = ctx.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
                 status = ctx.ask(address, GetStatus("watchdog"), 2 * interval)
                 if isinstance(status, SystemStatus) and status.model:
-                    misses, last_pid = 0, status.coordinator_pid
+                    misses, last_pid, last = 0, status.coordinator_pid, status
                 elif isinstance(status, SystemStatus):
                     log.warning("coordinator_restarted", pid=status.coordinator_pid)
-                    ctx.tell(address, Deploy(config, leader_node))
+                    # what ran before, as it was (a trial saw launched replicas gone, counters and
+                    # restarts back at 0 and no reason saying why every replica was new)
+                    ctx.tell(address, Deploy(config, leader_node, previous=last.stages if last else (),
+                                                  deployed_at=deployed_at))
                     misses, last_pid = 0, status.coordinator_pid
                 else:
                     misses += 1

@@ -21,6 +21,14 @@ def test_killed_coordinator_is_recreated_and_the_old_tree_winds_down(leader):
     running finish on the old pools. The old pools, no longer acked, drain
     their engines and exit. Users see only 200s.
     """
+    import subprocess
+    import sys
+
+    # A replica launched at runtime: it comes back too (a trial saw it dropped, every counter
+    # and restart count back at 0, and no reason saying why each replica was new)
+    launched = subprocess.run([sys.executable, "-m", "omni_actors.system", "stage", "launch", "--stage", "talker",
+                               "--admin-port", str(leader.admin_port)], capture_output=True, text=True, timeout=60)
+    assert launched.returncode == 0, launched.stderr
     r = run_scenario(leader, "kill-coordinator", clients=CLIENTS, request_timeout_s=REQUEST_TIMEOUT_S)
 
     assert_no_request_lost(r)
@@ -29,6 +37,12 @@ def test_killed_coordinator_is_recreated_and_the_old_tree_winds_down(leader):
     assert r.after["coordinator_pid"] != r.before["coordinator_pid"]
     assert all(rep["state"] == "ready" for rep in replicas(r.after).values())
     assert [st["ready_replicas"] for st in r.after["stages"]] == [st["ready_replicas"] for st in r.before["stages"]]
+    before, after = replicas(r.before), replicas(r.after)
+    assert sorted(after) == sorted(before) and len(before) == 5, (sorted(before), sorted(after))  # talker/2 too
+    for name, rep in after.items():
+        assert rep["completed"] >= before[name]["completed"] and rep["restarts"] >= before[name]["restarts"], \
+            (name, before[name], rep)
+        assert "it was down: the coordinator was lost and recreated" in rep["reason"], rep
     old = {r.before["coordinator_pid"]} | {st["pid"] for st in r.before["stages"]} \
         | {rep["pid"] for rep in replicas(r.before).values()}
     # old pools orphan after 5 missed acks, then drain their engines and exit
