@@ -64,6 +64,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._pools: dict[int, object] = {}
         self._states: dict[int, PoolState] = {}
         self._pool_restarts: dict[int, list[float]] = {}
+        self._pool_restarts_before: dict[int, int] = {}  #: stage id -> pool restarts under earlier coordinators
         #: stage id -> its pool's last own report: what a pool recreated after a crash starts (see _layout)
         self._reported: dict[int, PoolState] = {}
         self._pools_down: dict[int, str] = {}  #: stage id -> why its pool is not there (exited, not yet back)
@@ -103,6 +104,7 @@ class CoordinatorActor(ActorTypeDispatcher):
                 last = previous.get((stage.stage_id, stage.name))
                 if last is not None:  # a recreated coordinator: the pools start what ran before
                     self._reported[stage.stage_id] = last
+                    self._pool_restarts_before[stage.stage_id] = last.restarts
                 self._start_pool(stage, COORDINATOR_RECREATED if last is not None else None)
             if msg.previous:
                 self._log.warning("deploying_as_before", stages=[st.stage for st in msg.previous],
@@ -119,6 +121,11 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._publish_routes()  # subscribers that came before the config (after a coordinator restart)
         self._deploy_waiters.append(sender)
         self._answer_deploy_waiters()
+
+    def _pool_restart_count(self, stage_id: int) -> int:
+        """Times the stage's pool was recreated, under the coordinators before this one too
+        (their times are not kept: only this one's count against the restart budget)."""
+        return self._pool_restarts_before.get(stage_id, 0) + len(self._pool_restarts.get(stage_id, ()))
 
     def _start_pool(self, stage, why: str | None = None) -> None:
         """Create the stage's pool: the config's replicas, or after a crash the ones the
@@ -182,7 +189,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         # (with what a recreated coordinator needs to start them as they were: the leader keeps
         # the last status it got and hands it on)
         self._states[msg.stage_id] = PoolState(msg.stage_id, msg.stage, msg.replicas, msg.pid, msg.pending,
-                                               len(self._pool_restarts.get(msg.stage_id, ())), msg.restart_times,
+                                               self._pool_restart_count(msg.stage_id), msg.restart_times,
                                                msg.failed, msg.next_index, host=msg.host)
         if old is None or _states_of(old) != _states_of(msg):
             for r in msg.replicas:
@@ -261,7 +268,7 @@ class CoordinatorActor(ActorTypeDispatcher):
                 dataclasses.replace(r, reason=why, pid=None, in_flight=0, running=0, waiting=0,
                                     state=(r.state if r.state in (ReplicaState.PENDING, ReplicaState.STOPPED)
                                            and delay is not None else down))
-                for r in old.replicas), None, 0, len(self._pool_restarts[stage_id]), old.restart_times, old.failed,
+                for r in old.replicas), None, 0, self._pool_restart_count(stage_id), old.restart_times, old.failed,
                 old.next_index)
             self._pools_down[stage_id] = (f"its pool exited; a new one starts in {delay:g} s, try again then"
                                           if delay is not None else why)

@@ -37,6 +37,7 @@ def test_killed_coordinator_is_recreated_and_the_old_tree_winds_down(leader):
     assert r.after["coordinator_pid"] != r.before["coordinator_pid"]
     assert all(rep["state"] == "ready" for rep in replicas(r.after).values())
     assert [st["ready_replicas"] for st in r.after["stages"]] == [st["ready_replicas"] for st in r.before["stages"]]
+    assert [st["restarts"] for st in r.after["stages"]] == [st["restarts"] for st in r.before["stages"]]
     before, after = replicas(r.before), replicas(r.after)
     assert sorted(after) == sorted(before) and len(before) == 5, (sorted(before), sorted(after))  # talker/2 too
     for name, rep in after.items():
