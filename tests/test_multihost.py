@@ -856,6 +856,42 @@ def test_member_that_rejoins_gets_work_again(request, tmp_path):
     print(f"talker/2 on {victim}: {talker2['completed']} tasks done; {_table(reps)}")
 
 
+def test_a_member_frozen_past_its_agents_orphan_time_comes_back_when_it_resumes(request, tmp_path):
+    """Trial Z: a member host frozen for a few seconds (SIGSTOP of its process and its actors'
+    session: a paused VM, a long stall) was declared lost, as it should be; on resuming, its
+    node agent found no ack for over 5 intervals and exited at once, so the node never came
+    back and the member said nothing. The agent now counts only the time it ran: it
+    heartbeats, and the coordinator takes the node back (``node_back``)."""
+    cluster = start_cluster(request, tmp_path)
+    member = cluster.members["m2"]
+    frozen = member.pids()
+    t0 = time.time()
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(8 * 0.5)  # 8 heartbeat intervals: lost after 3, past the agent's 5
+        nodes = {n["name"]: n for n in json.loads(cluster.cli("status", "--json").stdout)["nodes"]}
+        assert not nodes["m2"]["alive"], nodes["m2"]
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 20
+    while True:
+        nodes = {n["name"]: n for n in json.loads(cluster.cli("status", "--json").stdout)["nodes"]}
+        if nodes["m2"]["alive"]:
+            break
+        assert time.monotonic() < deadline, f"m2 did not come back: {nodes['m2']}; {member.tail()}"
+        time.sleep(0.3)
+    assert [e["event"] for e in read_events(cluster.leader.log_path, t0)
+            if e.get("node") == "m2" and e["event"] in ("node_lost", "node_back")][:2] == ["node_lost", "node_back"]
+    # and the pipeline is whole again (the replicas it ran were placed again, there or elsewhere)
+    reps = cluster.wait_all_ready(timeout_s=30)
+    assert all(r["state"] in ("ready", "stopped") for r in reps), _table(reps)
+
+
 def test_a_member_says_when_its_leader_stops_and_joins_it_again_when_it_is_back(request, tmp_path):
     """The leader stops (Ctrl-C) with a member attached: the member keeps running and says so
     within LEADER_CHECK_S (it was silent); a leader started again on the same admin port takes it

@@ -29,8 +29,10 @@ from omni_actors.messages import NodeHeartbeat, NodeHeartbeatAck, NodeLeaving, S
 
 #: Placement key in an admin's Thespian capabilities: the node name.
 NODE_CAPABILITY = "omni_node"
-#: An agent without acks for this many intervals exits.
+#: An agent without acks for this many intervals (counted while it ran) exits.
 ORPHAN_AFTER_INTERVALS = 5
+#: A heartbeat turn this many intervals late: the agent did not run meanwhile.
+LATE_TICK_INTERVALS = 2
 
 
 def on_node(capabilities: dict, requirements: dict | None) -> bool:
@@ -49,6 +51,7 @@ class NodeAgentActor(ActorTypeDispatcher):
         self._spec: StartNodeAgent | None = None
         self._coordinator = None
         self._last_ack = time.monotonic()
+        self._last_tick = time.monotonic()  # its last heartbeat turn
         self._orphaned = False  # it stops because its coordinator is gone: nobody to tell
 
     def receiveMsg_StartNodeAgent(self, msg: StartNodeAgent, sender):
@@ -85,7 +88,15 @@ class NodeAgentActor(ActorTypeDispatcher):
             get_logger(actor="node_agent", node=self._spec.node).error(
                 "host_process_gone", reason=gone, clean_up_started=started)
             return
-        if time.monotonic() - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.interval_s:
+        now = time.monotonic()
+        if now - self._last_tick > LATE_TICK_INTERVALS * self._spec.interval_s:
+            # It did not run meanwhile (its host frozen, paused, starved): the acks it missed say
+            # nothing of its coordinator; it heartbeats and waits for one again. (A member frozen
+            # for 7 s exited its agent at once on resuming: its node, declared lost meanwhile,
+            # never came back, and its member said nothing: a trial.)
+            self._last_ack = max(self._last_ack, now - self._spec.interval_s)
+        self._last_tick = now
+        if now - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.interval_s:
             self._orphaned = True
             self.send(self.myAddress, ActorExitRequest())
             return
