@@ -128,6 +128,9 @@ class NodeInfo(Message):
     devices: tuple[str, ...] = ()  #: GPU ids it offers; empty: a CPU node (replicas get no devices)
     stages: tuple[str, ...] = ()  #: stages it accepts; empty: any
     admin: ActorAddress = None
+    #: the host process's own id (its admin's ``omni_member`` capability): actors placed on the
+    #: node go to this admin, not to another (a lost one, still up) of the same node name
+    member: str = ""
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,7 @@ class Placement(Message):
     replica: str
     node: str
     devices: tuple[str, ...]
+    member: str = ""  #: the node's :attr:`NodeInfo.member` ("" : any admin of that node name)
 
 
 @dataclass(frozen=True)
@@ -239,6 +243,9 @@ class NodeLeaving(Message):
 
     node: str
     lost: str | None = None
+    #: the agent's join (``StartNodeAgent.join``): one of an earlier join of the node's name
+    #: (a member lost, then replaced by a new one under that name) is ignored; 0: not known
+    join: int = 0
 
 
 @dataclass(frozen=True)

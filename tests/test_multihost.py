@@ -892,6 +892,49 @@ def test_a_member_frozen_past_its_agents_orphan_time_comes_back_when_it_resumes(
     assert all(r["state"] in ("ready", "stopped") for r in reps), _table(reps)
 
 
+def test_an_old_member_replaced_under_its_name_leaves_without_touching_the_new_one(request, tmp_path):
+    """Trial Z: m1 froze and was declared lost; a new member joined as m1 and ran replicas;
+    then the old m1 process resumed and was stopped with Ctrl-C: its drain (by name) and its
+    agent's leave notice took the new m1 down (LEFT, its replicas pending again). Now the
+    old member sees that the system's m1 has another data service and leaves without a
+    drain, and the coordinator ignores its agent (an earlier join of the name)."""
+    cluster = start_cluster(request, tmp_path)
+    old = cluster.members["m1"]
+    frozen = old.pids()
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        cluster.wait(lambda reps: True, "a table", 5)
+        deadline = time.monotonic() + 10
+        while True:  # lost after 3 missed node heartbeats (0.5 s each)
+            nodes = {n["name"]: n for n in json.loads(cluster.cli("status", "--json").stdout)["nodes"]}
+            if not nodes["m1"]["alive"]:
+                break
+            assert time.monotonic() < deadline, nodes["m1"]
+            time.sleep(0.2)
+        new = Member(tmp_path, f"127.0.0.1:{cluster.leader.admin_port}", "m1", old.devices, env=cluster.member_env)
+        request.addfinalizer(new.stop)
+        new.start()
+        cluster.wait_all_ready(timeout_s=30, talker=2, code2wav=2, thinker=1)
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    time.sleep(1.0)  # (the old agent heartbeats again: ignored, not acked)
+    old.proc.send_signal(signal.SIGINT)
+    assert old.proc.wait(30) == 0, old.tail()
+    assert "leaving without a drain: node m1 in the system is another member's now" in old.out.read_text(), \
+        old.tail()
+    time.sleep(1.0)
+    nodes = {n["name"]: n for n in json.loads(cluster.cli("status", "--json").stdout)["nodes"]}
+    assert nodes["m1"]["alive"] and nodes["m1"]["state"] == "alive", nodes["m1"]
+    assert nodes["m1"]["data_service"] != nodes["m2"]["data_service"]
+    reps = cluster.wait_all_ready(timeout_s=10, talker=2, code2wav=2, thinker=1)
+    assert all(r["state"] in ("ready", "stopped") for r in reps), _table(reps)
+
+
 def test_a_member_says_when_its_leader_stops_and_joins_it_again_when_it_is_back(request, tmp_path):
     """The leader stops (Ctrl-C) with a member attached: the member keeps running and says so
     within LEADER_CHECK_S (it was silent); a leader started again on the same admin port takes it

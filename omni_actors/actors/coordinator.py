@@ -24,7 +24,7 @@ import time
 from thespian.actors import (ActorExitRequest, ActorSystemConventionUpdate, ActorTypeDispatcher, ChildActorExited,
                              WakeupMessage)
 
-from omni_actors.actors.node_agent import NODE_CAPABILITY, NodeAgentActor
+from omni_actors.actors.node_agent import MEMBER_CAPABILITY, NODE_CAPABILITY, NodeAgentActor
 from omni_actors.actors.stage_pool import StagePoolActor
 from omni_actors.actors.supervision import TICK_LOST_AFTER_INTERVALS, RestartPolicy, WakeupChain, host_identity
 from omni_actors.connectors import buffer_counts, data_service, default_prefix
@@ -295,10 +295,12 @@ class CoordinatorActor(ActorTypeDispatcher):
         # The node takes work once its agent's first heartbeat comes: Thespian may report a member
         # that has just stopped as joining again (CI saw one 9 s after it left), with nobody there.
         join = self._joins[name] = self._joins.get(name, 0) + 1
+        member = str(caps.get(MEMBER_CAPABILITY) or "")
         info = NodeInfo(name, _split(caps.get("omni_devices")), _split(caps.get("omni_stages")),
-                        msg.remoteAdminAddress)
+                        msg.remoteAdminAddress, member)
         self._joining[name] = (info, join)
-        agent = self.createActor(NodeAgentActor, targetActorRequirements={NODE_CAPABILITY: name})
+        # (to this member's admin: a lost one of the same name may still be up, and took a trial's)
+        agent = self.createActor(NodeAgentActor, targetActorRequirements=_on(name, member))
         self.send(agent, StartNodeAgent(name, self._config.deployment.heartbeat_interval_s,
                                         reap_after_s=self._config.deployment.request_timeout_s + 30, join=join))
 
@@ -337,10 +339,24 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._publish_status()
         self.send(reply_to, AdminReply(True, f"node {msg.node}: its replicas drain"))
 
+    def _stale_join(self, node: str, join: int) -> bool:
+        """Whether ``join`` is of an earlier member under ``node``'s name than the one
+        that joined last (that one was lost, and a new member joined under its name)."""
+        current = self._joins.get(node, 0)
+        return bool(join and current and join != current)
+
     def receiveMsg_NodeLeaving(self, msg: NodeLeaving, sender):
+        if self._stale_join(msg.node, msg.join):
+            # (a trial's old, stuck member, stopped with Ctrl-C, took down the new one of its name)
+            self._log.warning("node_leaving_of_earlier_member_ignored", node=msg.node, join=msg.join)
+            return
         self._lose_node(msg.node, msg.lost or LEFT_REASON)
 
     def receiveMsg_NodeHeartbeat(self, msg: NodeHeartbeat, sender):
+        if self._stale_join(msg.node, msg.join):
+            # The agent of an earlier member under this name (lost, then replaced): not acked, so
+            # it exits; its heartbeats kept the new member's node "seen" and set its data service.
+            return
         self.send(sender, NodeHeartbeatAck())
         joining = self._joining.get(msg.node)
         if joining is not None and joining[1] == msg.join:
@@ -376,7 +392,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         except PlacementError as exc:
             self.send(sender, PlacementFailed(msg.replica, str(exc)))
             return
-        self.send(sender, Placement(msg.replica, node, devices))
+        known = self._inventory.nodes.get(node)
+        self.send(sender, Placement(msg.replica, node, devices, known.info.member if known else ""))
 
     def _first_in_line(self, ask: PlaceReplica) -> tuple[FirstInLine, ...]:
         """The other stages that have no replica running (placed, or reported starting
@@ -522,6 +539,12 @@ class CoordinatorActor(ActorTypeDispatcher):
                             coordinator_pid=os.getpid(), nodes=self._inventory.status(), notes=notes,
                             coordinator_host=host_identity(),
                             drain_timeout_s=self._config.deployment.supervision.drain_timeout_s if self._config else 0.0)
+
+
+def _on(node: str, member: str = "") -> dict:
+    """``targetActorRequirements`` for an actor on ``node`` (that host process's admin, when
+    ``member`` is known)."""
+    return {NODE_CAPABILITY: node, **({MEMBER_CAPABILITY: member} if member else {})}
 
 
 def _split(value) -> tuple[str, ...]:

@@ -29,6 +29,9 @@ from omni_actors.messages import NodeHeartbeat, NodeHeartbeatAck, NodeLeaving, S
 
 #: Placement key in an admin's Thespian capabilities: the node name.
 NODE_CAPABILITY = "omni_node"
+#: And the host process's own id (unique per start): two admins of one node name (a member
+#: lost while still up, and the new member that replaced it) are told apart by it.
+MEMBER_CAPABILITY = "omni_member"
 #: An agent without acks for this many intervals (counted while it ran) exits.
 ORPHAN_AFTER_INTERVALS = 5
 #: A heartbeat turn this many intervals late: the agent did not run meanwhile.
@@ -38,9 +41,11 @@ LATE_TICK_INTERVALS = 2
 def on_node(capabilities: dict, requirements: dict | None) -> bool:
     """``actorSystemCapabilityCheck`` for actors placed on a named node: an actor
     created with ``targetActorRequirements={"omni_node": N}`` goes to the admin
-    whose capabilities say ``omni_node: N``; without requirements, anywhere."""
-    want = (requirements or {}).get(NODE_CAPABILITY)
-    return want is None or capabilities.get(NODE_CAPABILITY) == want
+    whose capabilities say ``omni_node: N`` (and, with ``omni_member: M`` too, to
+    that host process's admin only); without requirements, anywhere."""
+    requirements = requirements or {}
+    return all(requirements.get(key) is None or capabilities.get(key) == requirements[key]
+               for key in (NODE_CAPABILITY, MEMBER_CAPABILITY))
 
 
 class NodeAgentActor(ActorTypeDispatcher):
@@ -83,7 +88,7 @@ class NodeAgentActor(ActorTypeDispatcher):
         gone = host_process_gone()
         if gone is not None:  # (its watchdog would have stopped this host by now: it is gone too)
             self._orphaned = True  # (said below; nothing more to say on exit)
-            self.send(self._coordinator, NodeLeaving(self._spec.node, lost=gone))
+            self.send(self._coordinator, NodeLeaving(self._spec.node, lost=gone, join=self._spec.join))
             started = clean_up_dead_host()
             get_logger(actor="node_agent", node=self._spec.node).error(
                 "host_process_gone", reason=gone, clean_up_started=started)
@@ -111,4 +116,4 @@ class NodeAgentActor(ActorTypeDispatcher):
             from omni_actors.system.watchdog import host_process_gone
 
             gone = host_process_gone()
-            self.send(self._coordinator, NodeLeaving(self._spec.node, lost=gone))
+            self.send(self._coordinator, NodeLeaving(self._spec.node, lost=gone, join=self._spec.join))

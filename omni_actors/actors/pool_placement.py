@@ -19,7 +19,7 @@ import socket
 from thespian.actors import ActorExitRequest
 
 from omni_actors.actors.engine import EngineActor
-from omni_actors.actors.node_agent import NODE_CAPABILITY
+from omni_actors.actors.node_agent import MEMBER_CAPABILITY, NODE_CAPABILITY
 from omni_actors.placement import LEAVING, LEFT_REASON
 from omni_actors.messages import (LIVE_STATES, DrainNode, NodeLost, NodesChanged, PlaceReplica, Placement,
                                   PlacementFailed, ReleasePlacement, ReplicaState, StartEngine)
@@ -42,7 +42,9 @@ class PoolPlacementMixin:
         spec = self._spec
         rep.placing = False
         try:
-            address = self.createActor(EngineActor, targetActorRequirements={NODE_CAPABILITY: msg.node})
+            # (that host process's admin: a lost one of the node's name may still be up)
+            where = {NODE_CAPABILITY: msg.node, **({MEMBER_CAPABILITY: msg.member} if msg.member else {})}
+            address = self.createActor(EngineActor, targetActorRequirements=where)
         except Exception as exc:  # noqa: BLE001 - e.g. the node's admin vanished
             rep.reason = f"could not start on {msg.node}: {exc}"
             self.send(sender, ReleasePlacement(msg.replica))

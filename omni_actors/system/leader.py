@@ -118,10 +118,10 @@ def _down_label(node) -> str:
 
 def node_capabilities(admin_port: int, node: str, devices: tuple[str, ...], stages: tuple[str, ...]) -> dict:
     """Thespian capabilities of a host: where placement finds it (see actors.node_agent)."""
-    from omni_actors.actors.node_agent import NODE_CAPABILITY
+    from omni_actors.actors.node_agent import MEMBER_CAPABILITY, NODE_CAPABILITY
 
-    return {"Admin Port": admin_port, NODE_CAPABILITY: node, "omni_devices": ",".join(devices),
-            "omni_stages": ",".join(stages)}
+    return {"Admin Port": admin_port, NODE_CAPABILITY: node, MEMBER_CAPABILITY: uuid.uuid4().hex[:16],
+            "omni_devices": ",".join(devices), "omni_stages": ",".join(stages)}
 
 
 def start_data_service(node: str, default_host: str, reap_after_s: float):

@@ -110,7 +110,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         log.info("member_started", admin_port=admin_port, devices=list(devices), stages=list(stages),
                  shm_dir=shm_dir)
         _serve(stopping, host, port, log)
-        drain_node(host, port, node, hurry, log)
+        drain_node(host, port, node, hurry, log, data_service=data.address)
         return 0
     finally:
         if asys is not None:
@@ -134,13 +134,19 @@ DEFAULT_DRAIN_S = 10.0
 DRAIN_GRACE_S = 5.0
 
 
-def drain_node(host: str, port: int, node: str, hurry: threading.Event, log) -> bool:
+def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
+               data_service: str | None = None) -> bool:
     """Before a member leaves cleanly: have the coordinator at ``host:port`` drain the
     replicas on ``node`` (:class:`~omni_actors.messages.DrainNode`: replacements start
     elsewhere, tasks in flight finish here), and wait until none runs here any more, up
     to the leader's ``supervision.drain_timeout_s`` (+ :data:`DRAIN_GRACE_S`) or until
     ``hurry`` is set (a second Ctrl-C). Says what it does on stdout. A leader that does
     not answer is not waited for: what runs here ends with the member, as before.
+
+    ``data_service``: this member's (its ``host:port``). When the system's node of that
+    name has another one, it is another member's now (this one was lost, and a new member
+    joined under its name): nothing is drained. (A trial's stuck member, stopped with
+    Ctrl-C, drained the healthy member that had replaced it.)
 
     Returns:
         Whether every replica here stopped in time (True too when none ran here).
@@ -162,6 +168,12 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log) -> 
     started = False
     try:
         status = admin.status(timeout_s=5.0)
+        known = next((n for n in status.nodes if n.name == node), None)
+        if data_service and known is not None and known.data_service and known.data_service != data_service:
+            print(f"leaving without a drain: node {node} in the system is another member's now (its data "
+                  f"service {known.data_service}; this member's {data_service}): this one was lost", flush=True)
+            log.warning("member_replaced", node=node, data_service=data_service, theirs=known.data_service)
+            return False
         if not running_here(status):
             return True
         admin.drain_node(node)
