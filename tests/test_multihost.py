@@ -856,6 +856,37 @@ def test_member_that_rejoins_gets_work_again(request, tmp_path):
     print(f"talker/2 on {victim}: {talker2['completed']} tasks done; {_table(reps)}")
 
 
+def _nodes(cluster: Cluster) -> dict[str, dict]:
+    """``status --json``'s nodes by name."""
+    return {n["name"]: n for n in json.loads(cluster.cli("status", "--json").stdout)["nodes"]}
+
+
+def _wait_node(cluster: Cluster, name: str, alive: bool, timeout_s: float, why: str = "") -> dict:
+    """Poll ``status`` until node ``name`` is (not) alive; its status then."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        node = _nodes(cluster)[name]
+        if node["alive"] == alive:
+            return node
+        assert time.monotonic() < deadline, f"node {name} not {'alive' if alive else 'down'}: {node}; {why}"
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def _frozen(pids: list[int]):
+    """SIGSTOP ``pids`` (a host frozen: a paused VM) for the block, SIGCONT after."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
 def test_a_member_frozen_past_its_agents_orphan_time_comes_back_when_it_resumes(request, tmp_path):
     """Trial Z: a member host frozen for a few seconds (SIGSTOP of its process and its actors'
     session: a paused VM, a long stall) was declared lost, as it should be; on resuming, its
@@ -866,25 +897,10 @@ def test_a_member_frozen_past_its_agents_orphan_time_comes_back_when_it_resumes(
     member = cluster.members["m2"]
     frozen = member.pids()
     t0 = time.time()
-    for pid in frozen:
-        os.kill(pid, signal.SIGSTOP)
-    try:
+    with _frozen(frozen):
         time.sleep(8 * 0.5)  # 8 heartbeat intervals: lost after 3, past the agent's 5
-        nodes = {n["name"]: n for n in json.loads(cluster.cli("status", "--json").stdout)["nodes"]}
-        assert not nodes["m2"]["alive"], nodes["m2"]
-    finally:
-        for pid in frozen:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + 20
-    while True:
-        nodes = {n["name"]: n for n in json.loads(cluster.cli("status", "--json").stdout)["nodes"]}
-        if nodes["m2"]["alive"]:
-            break
-        assert time.monotonic() < deadline, f"m2 did not come back: {nodes['m2']}; {member.tail()}"
-        time.sleep(0.3)
+        assert not _nodes(cluster)["m2"]["alive"]
+    _wait_node(cluster, "m2", True, 20, member.tail())
     assert [e["event"] for e in read_events(cluster.leader.log_path, t0)
             if e.get("node") == "m2" and e["event"] in ("node_lost", "node_back")][:2] == ["node_lost", "node_back"]
     # and the pipeline is whole again (the replicas it ran were placed again, there or elsewhere)
@@ -901,34 +917,19 @@ def test_an_old_member_replaced_under_its_name_leaves_without_touching_the_new_o
     cluster = start_cluster(request, tmp_path)
     old = cluster.members["m1"]
     frozen = old.pids()
-    for pid in frozen:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        cluster.wait(lambda reps: True, "a table", 5)
-        deadline = time.monotonic() + 10
-        while True:  # lost after 3 missed node heartbeats (0.5 s each)
-            nodes = {n["name"]: n for n in json.loads(cluster.cli("status", "--json").stdout)["nodes"]}
-            if not nodes["m1"]["alive"]:
-                break
-            assert time.monotonic() < deadline, nodes["m1"]
-            time.sleep(0.2)
+    with _frozen(frozen):
+        _wait_node(cluster, "m1", False, 10)  # lost after 3 missed node heartbeats (0.5 s each)
         new = Member(tmp_path, f"127.0.0.1:{cluster.leader.admin_port}", "m1", old.devices, env=cluster.member_env)
         request.addfinalizer(new.stop)
         new.start()
         cluster.wait_all_ready(timeout_s=30, talker=2, code2wav=2, thinker=1)
-    finally:
-        for pid in frozen:
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
     time.sleep(1.0)  # (the old agent heartbeats again: ignored, not acked)
     old.proc.send_signal(signal.SIGINT)
     assert old.proc.wait(30) == 0, old.tail()
     assert "leaving without a drain: node m1 in the system is another member's now" in old.out.read_text(), \
         old.tail()
     time.sleep(1.0)
-    nodes = {n["name"]: n for n in json.loads(cluster.cli("status", "--json").stdout)["nodes"]}
+    nodes = _nodes(cluster)
     assert nodes["m1"]["alive"] and nodes["m1"]["state"] == "alive", nodes["m1"]
     assert nodes["m1"]["data_service"] != nodes["m2"]["data_service"]
     reps = cluster.wait_all_ready(timeout_s=10, talker=2, code2wav=2, thinker=1)
