@@ -24,7 +24,7 @@ import time
 from thespian.actors import (ActorExitRequest, ActorSystemConventionUpdate, ActorTypeDispatcher, ChildActorExited,
                              WakeupMessage)
 
-from omni_actors.actors.node_agent import MEMBER_CAPABILITY, NODE_CAPABILITY, NodeAgentActor
+from omni_actors.actors.node_agent import MEMBER_CAPABILITY, NODE_CAPABILITY, NodeAgentActor, requirements_on
 from omni_actors.actors.stage_pool import StagePoolActor
 from omni_actors.actors.supervision import TICK_LOST_AFTER_INTERVALS, RestartPolicy, WakeupChain, host_identity
 from omni_actors.connectors import buffer_counts, data_service, default_prefix
@@ -300,7 +300,7 @@ class CoordinatorActor(ActorTypeDispatcher):
                         msg.remoteAdminAddress, member)
         self._joining[name] = (info, join)
         # (to this member's admin: a lost one of the same name may still be up, and took a trial's)
-        agent = self.createActor(NodeAgentActor, targetActorRequirements=_on(name, member))
+        agent = self.createActor(NodeAgentActor, targetActorRequirements=requirements_on(name, member))
         self.send(agent, StartNodeAgent(name, self._config.deployment.heartbeat_interval_s,
                                         reap_after_s=self._config.deployment.request_timeout_s + 30, join=join))
 
@@ -539,12 +539,6 @@ class CoordinatorActor(ActorTypeDispatcher):
                             coordinator_pid=os.getpid(), nodes=self._inventory.status(), notes=notes,
                             coordinator_host=host_identity(),
                             drain_timeout_s=self._config.deployment.supervision.drain_timeout_s if self._config else 0.0)
-
-
-def _on(node: str, member: str = "") -> dict:
-    """``targetActorRequirements`` for an actor on ``node`` (that host process's admin, when
-    ``member`` is known)."""
-    return {NODE_CAPABILITY: node, **({MEMBER_CAPABILITY: member} if member else {})}
 
 
 def _split(value) -> tuple[str, ...]:

@@ -48,6 +48,12 @@ def on_node(capabilities: dict, requirements: dict | None) -> bool:
                for key in (NODE_CAPABILITY, MEMBER_CAPABILITY))
 
 
+def requirements_on(node: str, member: str = "") -> dict:
+    """``targetActorRequirements`` for an actor on ``node`` (see :func:`on_node`): that host
+    process's admin only, when its ``member`` id is known."""
+    return {NODE_CAPABILITY: node, **({MEMBER_CAPABILITY: member} if member else {})}
+
+
 class NodeAgentActor(ActorTypeDispatcher):
     actorSystemCapabilityCheck = staticmethod(on_node)
 

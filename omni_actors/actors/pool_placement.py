@@ -19,7 +19,7 @@ import socket
 from thespian.actors import ActorExitRequest
 
 from omni_actors.actors.engine import EngineActor
-from omni_actors.actors.node_agent import MEMBER_CAPABILITY, NODE_CAPABILITY
+from omni_actors.actors.node_agent import requirements_on
 from omni_actors.placement import LEAVING, LEFT_REASON
 from omni_actors.messages import (LIVE_STATES, DrainNode, NodeLost, NodesChanged, PlaceReplica, Placement,
                                   PlacementFailed, ReleasePlacement, ReplicaState, StartEngine)
@@ -43,8 +43,7 @@ class PoolPlacementMixin:
         rep.placing = False
         try:
             # (that host process's admin: a lost one of the node's name may still be up)
-            where = {NODE_CAPABILITY: msg.node, **({MEMBER_CAPABILITY: msg.member} if msg.member else {})}
-            address = self.createActor(EngineActor, targetActorRequirements=where)
+            address = self.createActor(EngineActor, targetActorRequirements=requirements_on(msg.node, msg.member))
         except Exception as exc:  # noqa: BLE001 - e.g. the node's admin vanished
             rep.reason = f"could not start on {msg.node}: {exc}"
             self.send(sender, ReleasePlacement(msg.replica))
