@@ -204,6 +204,28 @@ def test_shell_runs_lines_with_dash_c_and_refuses_a_missing_admin():
     assert out.stderr.startswith("error: no actor system is listening on admin port")
 
 
+def test_status_at_a_port_that_is_no_admin_says_so_in_one_line_within_seconds(tmp_path):
+    """A port held by something else (an HTTP server: the HTTP port given as --admin-port)."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "omni_actors.system", "status", "--admin-port",
+                              str(server.server_address[1])], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                             env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)})
+        took = time.monotonic() - t0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert out.returncode == 1, out
+    assert out.stderr.strip() == (f"error: port {server.server_address[1]} is in use, but not by an omni-actors "
+                                  "admin (the HTTP port? see --admin-port)"), out.stderr
+    assert took < 10, took  # (Thespian alone took about 15 s to give up)
+
+
 # -- several API servers ------------------------------------------------------
 
 @pytest.fixture(scope="module")

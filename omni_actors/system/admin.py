@@ -223,14 +223,17 @@ def attach(admin_port: int) -> Admin:
         raise AdminError(f"no actor system is listening on admin port {admin_port}")
     from thespian.actors import ActorSystemException, InvalidActorAddress
 
-    from omni_actors.system.remote import admin_is_member, attach_remote
+    from omni_actors.system.remote import admin_status, attach_remote, is_member_status
 
+    not_admin = f"port {admin_port} is in use, but not by an omni-actors admin (the HTTP port? see --admin-port)"
+    status = admin_status("127.0.0.1", admin_port)
+    if status is None:  # (checked first: an ActorSystem takes about 15 s to give up on such a port)
+        raise AdminError(not_admin)
     try:
         asys = ActorSystem(ACTOR_BASE, {"Admin Port": admin_port})
     except (InvalidActorAddress, ActorSystemException):
-        raise AdminError(f"port {admin_port} is in use, but not by an omni-actors admin "
-                         "(the HTTP port? see --admin-port)") from None
-    if admin_is_member("127.0.0.1", admin_port):
+        raise AdminError(not_admin) from None
+    if is_member_status(status):
         # A member host's admin: its convention leader runs the system (a coordinator looked up
         # by name here would be a new, empty one, made on the member). (``asys`` is left as it
         # is: its shutdown() would stop the member.)

@@ -129,20 +129,27 @@ def probe_admin(host: str, port: int) -> str | None:
         system.close()
 
 
-def admin_is_member(host: str, port: int) -> bool:
-    """Whether the Thespian admin at ``host:port`` is a convention member's (it has a
-    convention address) rather than a leader's; False when it does not answer."""
+def admin_status(host: str, port: int, timeout_s: float = ADMIN_ANSWER_S):
+    """The Thespian admin at ``host:port``'s own status (``Thespian_SystemStatus``), or
+    None when nothing there answers one within ``timeout_s`` (not a Thespian admin:
+    attaching an ``ActorSystem`` to such a port takes about 15 s to fail)."""
     from thespian.system.messages.status import Thespian_StatusReq, Thespian_SystemStatus
 
     try:
         system = RemoteSystem(host, port)
     except Exception:  # noqa: BLE001 - Thespian raises several kinds here
-        return False
+        return None
     try:
-        status = system.ask(system.admin_address, Thespian_StatusReq(), ADMIN_ANSWER_S)
-        return isinstance(status, Thespian_SystemStatus) and bool(status.capabilities.get("Convention Address.IPv4"))
+        status = system.ask(system.admin_address, Thespian_StatusReq(), timeout_s)
+        return status if isinstance(status, Thespian_SystemStatus) else None
     finally:
         system.close()
+
+
+def is_member_status(status) -> bool:
+    """Whether an admin's ``Thespian_SystemStatus`` is a convention member's (it has a
+    convention address) rather than a leader's."""
+    return bool(status.capabilities.get("Convention Address.IPv4"))
 
 
 def node_name_taken(host: str, port: int, node: str) -> str | None:
