@@ -288,6 +288,10 @@ BAD = [
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"), 400,
      "tool_choice"),
     (CHAT, chat(tool_choice="sometimes"), 400, "tool_choice"),
+    # (a trial: the deprecated form of a forced call got a 200 with text)
+    (CHAT, chat(functions=[{"name": "f"}], function_call={"name": "f"}), 400, "function_call"),
+    (CHAT, chat(function_call="sometimes"), 400, "function_call"),
+    (CHAT, chat(functions="f"), 400, "functions"),
     (CHAT, chat(presence_penalty=5), 400, "presence_penalty"),
     (CHAT, chat(frequency_penalty="x"), 400, "frequency_penalty"),
     (CHAT, chat(user=5), 400, "user"),
@@ -575,8 +579,10 @@ def test_stuck_bridge_times_out_with_504(monkeypatch):
     bridge = FakeBridge(request_timeout_s=0.2)
 
     async def body(client):
-        err = await assert_error(await client.post(CHAT, json=chat("[stuck]")), 504)
+        resp = await client.post(CHAT, json=chat("[stuck]"))
+        err = await assert_error(resp, 504)
         assert (err["type"], err["code"]) == ("server_error", "timeout")
+        assert resp.headers.get("x-should-retry") == "false"  # (openai's client would wait out 2 more deadlines)
         assert bridge.cancelled == [bridge.submitted[0].request_id]
 
     serve(bridge, body)
@@ -865,7 +871,8 @@ def test_a_body_that_is_not_json_says_why(body, why):
 ANY_JSON = [None, True, False, 0, -1, 1.5, 1e308, "", "x", [], ["x"], [1], [[]], {}, {"a": 1}, {"type": []}]
 CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
                "stream", "stream_options", "n", "modalities", "audio", "logprobs", "top_logprobs",
-               "response_format", "tool_choice", "tools", "user", "presence_penalty", "frequency_penalty"]
+               "response_format", "tool_choice", "tools", "function_call", "functions", "user", "presence_penalty",
+               "frequency_penalty"]
 MESSAGE_FIELDS = ["role", "content", "name", "tool_call_id", "refusal"]
 IMAGE_FIELDS = ["model", "prompt", "size", "n", "seed", "response_format", "output_format", "background", "stream"]
 

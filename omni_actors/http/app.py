@@ -391,10 +391,19 @@ def _pipeline_request(request: web.Request, prefix: str, prompt: str,
 
 def _failed(ev: RequestFailed) -> P.ApiError:
     """The error to answer for ``ev``; a refusal for load (the bridge's ``RequestRejected``,
-    429) keeps its ``code`` and gets a ``Retry-After`` header."""
+    429) keeps its ``code`` and gets a ``Retry-After`` header. A 504 (the request's
+    deadline passed) and a 500 of the pipeline (its stage failed on every replica it was
+    tried on, or crashed them: the server retried it already) get ``x-should-retry:
+    false``, the header with which OpenAI's clients skip their own retries (by default
+    two more tries of any 5xx: three deadlines' wait, or a poison request crashing
+    replicas again). A lost output's 500 is left to retry: nothing in the request caused it."""
+    headers = {}
     retry_after = getattr(ev, "retry_after_s", None)
-    return P.ApiError(ev.status, ev.message, ev.type, code=ev.code,
-                      headers=None if retry_after is None else {"Retry-After": str(int(retry_after))})
+    if retry_after is not None:
+        headers["Retry-After"] = str(int(retry_after))
+    if ev.status == 504 or (ev.status == 500 and not ev.lost_output):
+        headers["x-should-retry"] = "false"
+    return P.ApiError(ev.status, ev.message, ev.type, code=ev.code, headers=headers or None)
 
 
 async def _wav(ev: OutputFinal, fmt: str = "wav") -> bytes:

@@ -274,8 +274,9 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 def _check_unserved(body: dict) -> None:
     """OpenAI fields this server does not act on: checked for type and range as OpenAI
     does, and refused (400) where the reply would lack what the client asked for
-    (log-probabilities, JSON output, a required tool call). The rest (``tools`` with
-    ``tool_choice`` auto or none, penalties, ``user``) are accepted and ignored.
+    (log-probabilities, JSON output, a required tool or function call). The rest
+    (``tools``/``functions`` with ``tool_choice``/``function_call`` auto or none,
+    penalties, ``user``) are accepted and ignored.
 
     Raises:
         ApiError: 400 naming the field.
@@ -308,6 +309,15 @@ def _check_unserved(body: dict) -> None:
             raise _bad("Invalid 'tool_choice': expected 'none', 'auto', 'required' or an object.", "tool_choice")
         raise _bad("tool calls are not supported by this server: 'tool_choice' may be 'none' or 'auto' "
                    "(the reply is text).", "tool_choice")
+    functions = body.get("functions")  # (OpenAI's deprecated form of tools and tool_choice)
+    if functions is not None and (not isinstance(functions, list) or not all(isinstance(f, dict) for f in functions)):
+        raise _bad("Invalid type for 'functions': expected an array of objects.", "functions")
+    call = body.get("function_call")
+    if call is not None and call not in ("none", "auto"):
+        if not isinstance(call, dict):
+            raise _bad("Invalid 'function_call': expected 'none', 'auto' or an object.", "function_call")
+        raise _bad("function calls are not supported by this server: 'function_call' may be 'none' or 'auto' "
+                   "(the reply is text).", "function_call")
 
 
 def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
