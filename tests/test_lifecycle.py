@@ -187,6 +187,8 @@ def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_
             time.sleep(0.5)  # (LocalLeader.stop sends the second)
             during = _cli("status", "--admin-port", str(leader.admin_port),
                           env={"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)})
+            during_json = _cli("status", "--admin-port", str(leader.admin_port), "--json",
+                               env={"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)})
         code = leader.stop()
         took = time.monotonic() - t0
     for t in clients:
@@ -206,6 +208,10 @@ def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_
         assert during.returncode == 3 and during.stdout.splitlines()[-1] == (
             "model qwen3-omni-cpu-demo: STOPPING (the leader takes no new requests while those in flight finish, "
             "up to supervision.drain_timeout_s)"), during.stdout + during.stderr
+        # and so does `status --json` (a trial: it said "ready": true and nothing else)
+        doc = json.loads(during_json.stdout)
+        assert during_json.returncode == 3 and doc["serving"] is False, during_json.stdout
+        assert doc["api"] == {"url": leader.base_url, "state": "stopping"}, doc
     status, body = got["whole"]
     assert status == 503 and json.loads(body)["error"]["type"] == "server_error", got
     assert json.loads(body)["error"]["code"] == "service_unavailable", got

@@ -433,8 +433,16 @@ def cmd_status(admin, args) -> int:
         print(f"warning: the leader (pid {state['pid']}) is not running, so the HTTP API is down; "
               f"`{cli('stop')} --admin-port {args.admin_port}` cleans up",
               file=sys.stderr)
+    stopping = api_closed and bool(state.get("stopping"))
+    serving = status.ready and not api_down and not api_closed
     if args.json:
-        print(json.dumps(status_to_dict(status), indent=2))
+        doc = status_to_dict(status)
+        doc["serving"] = serving  # (as the exit status: 0 when true)
+        if state is not None and state.get("port"):
+            doc["api"] = {"url": f"http://{api_host}:{state['port']}/v1",
+                          "state": ("down" if api_down else "stopping" if stopping else "starting" if api_closed
+                                    else "up")}
+        print(json.dumps(doc, indent=2))
     elif api_down and not status.stages:  # (its coordinator is gone too: as while its watchdog is at work)
         from omni_actors.system.watchdog import is_watchdog
 
@@ -443,12 +451,11 @@ def cmd_status(admin, args) -> int:
               + ("its watchdog stops what is left within seconds" if watched else
                  f"`{cli('stop')} --admin-port {args.admin_port}` stops what is left"))
     else:
-        stopping = api_closed and bool(state.get("stopping"))
         print_status_table(status, api_down=api_down, stopping=stopping)
         if api_closed and not stopping:
             print(f"the HTTP API (http://{api_host}:{state['port']}/v1) is not up yet: the leader opens it "
                   f"once every replica is ready or has failed")
-    return 0 if status.ready and not api_down and not api_closed else NOT_READY_EXIT
+    return 0 if serving else NOT_READY_EXIT
 
 
 @_admin_verb
