@@ -72,23 +72,32 @@ def no_replica_reason(stage: str, replicas: Iterable, queue_timeout_s: float) ->
     return f"no ready replica of stage {stage} ({describe_replicas(replicas)})"
 
 
-#: Stopped replicas a description lists when the stage has no other.
-STOPPED_LISTED = 2
+#: Names a description gives per reason of stopped replicas; the rest are counted.
+STOPPED_NAMED = 3
 
 
 def describe_replicas(replicas: Iterable) -> str:
     """``"talker/1 starting; talker/2 pending: ...; 3 stopped"`` (``"no replicas"`` for none).
 
     Stopped replicas (scaled down, drained) are counted, not listed, beside any other
-    (a trial's 503 listed five); with no other, the latest :data:`STOPPED_LISTED` are
-    listed, as they say why the stage has nothing.
+    (a trial's 503 listed five); with no other they say why the stage has nothing, so
+    they are grouped by reason, at most :data:`STOPPED_NAMED` named in each:
+    ``"talker/0, talker/1, talker/2 and 1 more stopped: drained on request; talker/4
+    stopped: scaled down"`` (a trial's 503 named the two scaled down long before and
+    folded the three just drained into "3 more").
     """
     reps = list(replicas)
     others = [r for r in reps if r.state.value != "stopped"]
     stopped = [r for r in reps if r.state.value == "stopped"]
-    listed = others or stopped[-STOPPED_LISTED:]
-    text = "; ".join(f"{r.replica} {r.state.value}" + (f": {r.reason}" if r.reason else "") for r in listed)
-    more = len(stopped) - (0 if others else len(listed))
-    if more:
-        text += f"; {more} {'more ' if not others else ''}stopped"
-    return text or "no replicas"
+    parts = [f"{r.replica} {r.state.value}" + (f": {r.reason}" if r.reason else "") for r in others]
+    if others and stopped:
+        parts.append(f"{len(stopped)} stopped")
+    elif stopped:
+        by_reason: dict[str, list[str]] = {}
+        for r in stopped:
+            by_reason.setdefault(r.reason or "", []).append(r.replica)
+        for reason, names in by_reason.items():
+            more = len(names) - STOPPED_NAMED
+            listed = ", ".join(names[:STOPPED_NAMED]) + (f" and {more} more" if more > 0 else "")
+            parts.append(f"{listed} stopped" + (f": {reason}" if reason else ""))
+    return "; ".join(parts) or "no replicas"

@@ -119,8 +119,14 @@ def test_the_refusal_names_each_replica_and_why() -> None:
     # Stopped ones are counted beside others (a trial's 503 listed five); with nothing else
     # the latest two say why the stage has nothing.
     reason = no_replica_reason("talker", _replicas(*[ReplicaState.STOPPED] * 5), 30.0)
-    assert reason == ("no ready replica of stage talker (talker/3 stopped: scaled down; "
-                      "talker/4 stopped: scaled down; 3 more stopped)")
+    assert reason == "no ready replica of stage talker (talker/0, talker/1, talker/2 and 2 more stopped: scaled down)"
+    # Grouped by reason: a trial's 503 named two scaled down long before and folded the
+    # three it had just drained into "3 more stopped".
+    mixed = [ReplicaStatus(f"talker/{i}", ReplicaState.STOPPED, "drained on request") for i in range(3)] + \
+        _replicas(ReplicaState.READY, ReplicaState.READY, ReplicaState.STOPPED, ReplicaState.STOPPED)[3:]
+    assert no_replica_reason("talker", mixed, 30.0) == (
+        "no ready replica of stage talker (talker/0, talker/1, talker/2 stopped: drained on request; "
+        "talker/3 stopped: scaled down)")
     assert no_replica_reason("dit", [], 30.0) == "no ready replica of stage dit (no replicas)"
 
 
