@@ -525,7 +525,7 @@ def test_a_stream_that_needs_a_stage_scaled_to_zero_gets_a_503_before_it_begins(
         assert status == 503, got
         error = json.loads(body)["error"]
         assert (error["type"], error["code"]) == ("server_error", "service_unavailable"), error
-        assert error["message"].startswith("no ready replica of stage talker (talker/0 stopped"), error
+        assert error["message"] == "no ready replica of stage talker (talker/0, talker/1 stopped: scaled down)", error
         assert took < 5, took
         status, body = got["text"]
         assert status == 200 and body.rstrip().endswith("data: [DONE]") and '"error"' not in body, got
@@ -820,7 +820,8 @@ def test_stage_launch_and_stop_act_on_one_stage(image_leader):
     assert dit_states().count("ready") == 3
     out = _cli("stage", "stop", "--stage", "dit", "--admin-port", port)
     assert out.returncode == 0, out.stderr
-    assert "dit: 3 -> 0 replicas; stage dit has no replica now: its requests get 503" in out.stdout, out.stdout
+    assert ("dit: 3 -> 0 replicas; retiring dit/0 (draining), dit/1 (draining), dit/2 (draining); "
+            "stage dit has no replica now: its requests get 503") in out.stdout, out.stdout
     deadline = time.monotonic() + 15
     while set(dit_states()) != {"stopped"} and time.monotonic() < deadline:
         time.sleep(0.1)

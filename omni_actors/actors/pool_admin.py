@@ -69,24 +69,30 @@ class PoolAdminMixin:
         if not 0 <= msg.replicas <= MAX_REPLICAS:  # (the CLI checks first; this is for any other sender)
             self.send(msg.reply_to or sender, AdminReply(False, f"replicas must be from 0 to {MAX_REPLICAS}"))
             return
+        changed = ""
         if msg.replicas > len(live):
-            for _ in range(msg.replicas - len(live)):
-                self._launch(self._new_replica_id())
-        else:
+            launched = [self._new_replica_id() for _ in range(msg.replicas - len(live))]
+            for rid in launched:
+                self._launch(rid)
+            changed = "; launched " + ", ".join(launched)
+        elif msg.replicas < len(live):
             # retire those furthest from serving first (pending, then restarting, starting, isolated;
             # a ready one last: a trial's scale 2 -> 1 stopped the only ready replica and kept one
             # pending that could never be placed), then the least busy, newest first
-            for rep in sorted(live, key=lambda r: (_RETIRE_ORDER.get(r.state, len(_RETIRE_ORDER)), len(r.in_flight),
-                                                   -replica_index(r.replica)))[:len(live) - msg.replicas]:
+            retired = sorted(live, key=lambda r: (_RETIRE_ORDER.get(r.state, len(_RETIRE_ORDER)), len(r.in_flight),
+                                                  -replica_index(r.replica)))[:len(live) - msg.replicas]
+            for rep in retired:
                 if rep.state in (ReplicaState.DEAD, ReplicaState.PENDING):
                     rep.state, rep.reason = ReplicaState.STOPPED, "scaled down"
                     self._release(rep)
                 else:
                     self._drain(rep, "scaled down")
+            changed = "; retiring " + ", ".join(f"{r.replica} ({'draining' if r.state == ReplicaState.DRAINING else 'stopped'})"
+                                                for r in sorted(retired, key=lambda r: replica_index(r.replica)))
         self._publish()
         note = f"; stage {self._spec.stage.name} has no replica now{self._unserved()}" if live and not msg.replicas else ""
-        self.send(msg.reply_to or sender,
-                  AdminReply(True, f"{self._spec.stage.name}: {len(live)} -> {msg.replicas} replicas{note}"))
+        self.send(msg.reply_to or sender, AdminReply(
+            True, f"{self._spec.stage.name}: {len(live)} -> {msg.replicas} replicas{changed}{note}"))
 
     def receiveMsg_LaunchReplicas(self, msg: LaunchReplicas, sender):
         """Add replicas; each pinned one (``msg.pins``, checked by the coordinator) keeps its
