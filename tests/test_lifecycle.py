@@ -791,7 +791,8 @@ def test_status_shows_a_fault_injected_into_a_replica_until_it_is_cleared(fanin_
             time.sleep(0.1)
 
     try:
-        assert inject_cli(port, "slow", "--replica", "thinker/0", "--factor", "3").returncode == 0
+        out = inject_cli(port, "slow", "--replica", "thinker/0", "--factor", "3")
+        assert out.returncode == 0 and json.loads(out.stdout)["message"] == "slow x3 injected into thinker/0", out
         # `status` at once says so (it did only after the replica's next heartbeat, up to a second)
         table = _cli("status", "--admin-port", str(port), env=env).stdout
         row = next(line for line in table.splitlines() if line.split()[:2] == ["thinker", "thinker/0"])
@@ -800,7 +801,9 @@ def test_status_shows_a_fault_injected_into_a_replica_until_it_is_cleared(fanin_
         assert inject_cli(port, "raise", "--replica", "thinker/0", "--count", "2").returncode == 0
         wait_fault("thinker/0", "raise x2")  # (the last injected replaces the one before)
     finally:
-        assert inject_cli(port, "clear", "--replica", "thinker/0").returncode == 0
+        out = inject_cli(port, "clear", "--replica", "thinker/0")
+    assert out.returncode == 0 and json.loads(out.stdout)["message"] == "faults of thinker/0 cleared", out  # (it said
+    # "clear injected into thinker/0")
     wait_fault("thinker/0", "")
 
 

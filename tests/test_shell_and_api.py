@@ -270,6 +270,14 @@ def _replicas(status: dict) -> dict[str, tuple[str, int]]:
     return {r["replica"]: (r["state"], r["pid"]) for s in status["stages"] for r in s["replicas"]}
 
 
+def test_shell_lines_into_a_pipe_that_closes_early_end_quietly(leader):
+    """`shell -c nodes -c stages | head -3` printed `error: BrokenPipeError: [Errno 32] Broken pipe`."""
+    out = subprocess.run(f"{sys.executable} -m omni_actors.system shell --admin-port {leader.admin_port} "
+                         "-c nodes -c stages -c 'replicas talker' | true", shell=True, capture_output=True, text=True,
+                         cwd=ROOT, timeout=60, env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)})
+    assert out.stderr == "", out.stderr
+
+
 def test_two_api_servers_serve_at_once_and_killing_one_leaves_the_other(leader):
     api, port = _start_api(leader)
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from omni_actors.config import MAX_REPLICAS
 from omni_actors.messages import LIVE_STATES as _ALIVE
-from omni_actors.messages import (AdminReply, DrainReplica, InjectFault, LaunchReplicas, ReplicaState, ScaleStage,
+from omni_actors.messages import (AdminReply, DrainReplica, FaultKind, InjectFault, LaunchReplicas, ReplicaState, ScaleStage,
                                   replica_index)
 
 #: ``scale`` down retires replicas in this order of state (a ready one last).
@@ -31,7 +31,8 @@ class PoolAdminMixin:
         rep.fault = msg.describe()  # (shown at once: its engine's heartbeats said it up to an interval later)
         self._publish()
         self._log.warning("fault_injected", replica=msg.replica, **msg.log_fields())
-        self.send(msg.reply_to or sender, AdminReply(True, f"{msg.kind.value} injected into {msg.replica}"))
+        self.send(msg.reply_to or sender, AdminReply(True, f"faults of {msg.replica} cleared" if msg.kind == FaultKind.CLEAR
+                                                     else f"{msg.describe()} injected into {msg.replica}"))
 
     def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):
         rep = self._replicas.get(msg.replica)

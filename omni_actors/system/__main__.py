@@ -462,7 +462,8 @@ def cmd_status(admin, args) -> int:
 def cmd_inject(admin, args) -> int:
     done = admin.inject(args.fault, replica=args.replica, stage=args.stage, factor=args.factor,
                         count=args.count)
-    print(json.dumps(done) if args.json else f"injected {done['fault']} into {done['target']}{done.get('note', '')}")
+    print(json.dumps(done) if args.json else
+          done.get("message") or f"injected {done['fault']} into {done['target']}{done.get('note', '')}")
     return 0
 
 

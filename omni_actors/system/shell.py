@@ -97,6 +97,8 @@ class AdminShell(cmd.Cmd):
             self._error(str(exc))
         except (ValueError, KeyError) as exc:
             self._error(str(exc).strip("'\""))
+        except BrokenPipeError:
+            raise  # (its reader went away, `shell -c ... | head`: the command line drops the rest quietly)
         except Exception as exc:  # noqa: BLE001 - one line, and the shell goes on
             self._error(f"{type(exc).__name__}: {exc}")
         return False
