@@ -204,6 +204,21 @@ def test_shell_runs_lines_with_dash_c_and_refuses_a_missing_admin():
     assert out.stderr.startswith("error: no actor system is listening on admin port")
 
 
+def test_status_and_stop_at_an_empty_admin_port_name_the_leader_recorded_here(tmp_path):
+    """A trial ran `status` without --admin-port (1900) while its leader ran on 23101."""
+    other = free_port()
+    (tmp_path / f"leader-{other}.json").write_text(json.dumps({"pid": os.getpid(), "admin_port": other}))
+    port = free_port()
+    env = {**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)}
+    for verb in ("status", "stop"):
+        out = subprocess.run([sys.executable, "-m", "omni_actors.system", verb, "--admin-port", str(port)],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
+        assert out.returncode == 1, out
+        assert out.stderr.strip().endswith(f"; the leader recorded in {tmp_path} runs on admin port {other} "
+                                           f"(--admin-port {other})"), out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
 def test_status_at_a_port_that_is_no_admin_says_so_in_one_line_within_seconds(tmp_path):
     """A port held by something else (an HTTP server: the HTTP port given as --admin-port)."""
     import http.server

@@ -334,7 +334,7 @@ def _alive(pid: int) -> bool:
 
 def cmd_stop(args) -> int:
     from omni_actors.connectors import sweep_segments
-    from omni_actors.system.leader import state_dir, state_file
+    from omni_actors.system.leader import other_leaders_hint, state_dir, state_file
     from omni_actors.system.processes import kill_system
 
     if args.timeout is not None and not 0 <= args.timeout <= MAX_STOP_TIMEOUT_S:  # (also refuses nan)
@@ -346,7 +346,7 @@ def cmd_stop(args) -> int:
                         "another OMNI_ACTORS_STATE_DIR or HOME: set the same one here), a member (started "
                         "with --convention-address; stop it with Ctrl-C or SIGTERM to its process) or "
                         "another program" if _listening(args.admin_port) else "")
-                     + "; `stop` stops a leader started on this host")
+                     + "; `stop` stops a leader started on this host" + other_leaders_hint(args.admin_port))
     pid = state["pid"]
     timeout = args.timeout if args.timeout is not None else \
         float(state.get("drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S)) + STOP_GRACE_S
@@ -393,14 +393,21 @@ def _attach(args):
         AdminError: nothing answers there.
         ValueError: a malformed --convention-address.
     """
-    from omni_actors.system.admin import attach
+    from omni_actors.system.admin import AdminError, attach
 
     address = getattr(args, "convention_address", None)
     if address is not None:
         from omni_actors.system.remote import attach_remote
 
         return attach_remote(*_convention(address))
-    return attach(args.admin_port)
+    try:
+        return attach(args.admin_port)
+    except AdminError as exc:
+        if str(exc).startswith("no actor system is listening"):
+            from omni_actors.system.leader import other_leaders_hint
+
+            raise AdminError(str(exc) + other_leaders_hint(args.admin_port)) from None
+        raise
 
 
 def _admin_verb(fn):

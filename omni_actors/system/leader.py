@@ -166,6 +166,32 @@ def _same_interface(a: str, b: str, port: int) -> bool:
     return a == b or bool(addresses(a) & addresses(b))
 
 
+def recorded_admin_ports() -> list[int]:
+    """Admin ports of the leaders recorded in :func:`state_dir` whose process still runs."""
+    ports = []
+    for path in sorted(state_dir().glob("leader-*.json")):
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        pid, port = state.get("pid"), state.get("admin_port")
+        if isinstance(pid, int) and isinstance(port, int) and start_time(pid) is not None:
+            ports.append(port)
+    return sorted(ports)
+
+
+def other_leaders_hint(admin_port: int) -> str:
+    """``"; the leader recorded in DIR runs on admin port 23101 (--admin-port 23101)"``
+    when leaders other than one on ``admin_port`` are recorded running here, else ""
+    (a trial's `status` without --admin-port said only that nothing listened on 1900)."""
+    others = [p for p in recorded_admin_ports() if p != admin_port]
+    if not others:
+        return ""
+    if len(others) == 1:
+        return f"; the leader recorded in {state_dir()} runs on admin port {others[0]} (--admin-port {others[0]})"
+    return f"; leaders recorded in {state_dir()} run on admin ports {', '.join(map(str, others))} (give --admin-port)"
+
+
 def http_port_claimed(host: str, port: int, admin_port: int) -> str | None:
     """Why ``host:port`` is taken by another leader recorded in :func:`state_dir` that is
     still starting (it opens its HTTP port only once every replica is ready, so a
