@@ -351,3 +351,21 @@ def test_a_release_to_a_service_that_just_failed_gives_up_at_once():
         ds.release(dead, ["x"])
     with pytest.raises(ds.DataServiceError, match="unreachable"):
         ds.fetch("not-an-address", "x", 8)
+
+
+def test_the_data_service_binds_the_port_given_in_its_environment(monkeypatch):
+    """For a firewall between hosts: the port was always an ephemeral one (a trial)."""
+    from omni_actors.system.local import free_port
+
+    for name in (ds.NODE_ENV, ds.SERVICE_ENV):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # (restored after: start_node_service sets them)
+    port = free_port()
+    monkeypatch.setenv(ds.PORT_ENV, str(port))
+    service = ds.start_node_service("n1", "127.0.0.1", reap_after_s=60)
+    try:
+        assert service.address == f"127.0.0.1:{port}" and os.environ[ds.SERVICE_ENV] == service.address
+    finally:
+        service.stop()
+    monkeypatch.setenv(ds.PORT_ENV, "80000")
+    with pytest.raises(OSError, match=r"OMNI_ACTORS_DATA_PORT must be a port number from 1 to 65535, got '80000'"):
+        ds.start_node_service("n1", "127.0.0.1", reap_after_s=60)

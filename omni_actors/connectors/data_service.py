@@ -75,6 +75,7 @@ log = structlog.get_logger(__name__)
 NODE_ENV = "OMNI_ACTORS_NODE"  #: this process's node name (set by the host's leader/member)
 SERVICE_ENV = "OMNI_ACTORS_DATA_SERVICE"  #: ``host:port`` of this node's data service
 HOST_ENV = "OMNI_ACTORS_DATA_HOST"  #: interface the host's data service binds (overrides the default)
+PORT_ENV = "OMNI_ACTORS_DATA_PORT"  #: port the host's data service binds (default: any free one)
 CONGESTION_ENV = "OMNI_ACTORS_DATA_TCP_CONGESTION"  #: its connections' TCP congestion control; unset: the host's
 DEFAULT_REAP_AFTER_S = 900.0
 _WILDCARDS = ("", "0.0.0.0", "::")
@@ -109,7 +110,8 @@ def node_service_host(default: str) -> tuple[str, str | None]:
 
 def start_node_service(node: str, default_host: str, *, reap_after_s: float,
                        prefix: str | None = None) -> DataService:
-    """Start this host's data service (see :func:`node_service_host`) and export
+    """Start this host's data service (see :func:`node_service_host`; on port
+    ``$OMNI_ACTORS_DATA_PORT``, default any free one, for a firewall) and export
     ``OMNI_ACTORS_NODE`` and ``OMNI_ACTORS_DATA_SERVICE``, so that every process
     started from here on (the Thespian admin and its actors) stamps its refs.
 
@@ -117,7 +119,10 @@ def start_node_service(node: str, default_host: str, *, reap_after_s: float,
         OSError: the address cannot be bound.
     """
     host, advertise = node_service_host(default_host)
-    service = DataService(host, 0, prefix, reap_after_s=reap_after_s, node=node, advertise=advertise)
+    text = os.environ.get(PORT_ENV, "").strip()
+    if text and not (text.isdigit() and 0 < int(text) < 65536):
+        raise OSError(f"{PORT_ENV} must be a port number from 1 to 65535, got {text!r}")
+    service = DataService(host, int(text or 0), prefix, reap_after_s=reap_after_s, node=node, advertise=advertise)
     service.start()
     os.environ[NODE_ENV] = node
     os.environ[SERVICE_ENV] = service.address
