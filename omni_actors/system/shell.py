@@ -296,10 +296,12 @@ class AdminShell(cmd.Cmd):
             self._out(f"({stopped} stopped replicas not shown; `replicas` lists them)")
 
     def do_stages(self, arg):
-        """stages: every stage with its pool pid, replicas ready/running, tasks in flight and waiting."""
+        """stages: every stage with its pool pid; READY replicas and LIVE ones (with a process: starting,
+        ready, draining or isolated); tasks IN_FLIGHT on replicas and PENDING (waiting for a ready one);
+        how often the stage's pool was recreated."""
         self._args(arg, 0, 0, "stages")
         status = self._status()
-        rows = [("STAGE", "ID", "POOL_PID", "READY", "RUNNING", "IN_FLIGHT", "PENDING", "POOL_RESTARTS")]
+        rows = [("STAGE", "ID", "POOL_PID", "READY", "LIVE", "IN_FLIGHT", "PENDING", "POOL_RESTARTS")]
         for st in status.stages:
             live = [r for r in st.replicas if r.state.value in LIVE_STATES]
             rows.append((st.stage, st.stage_id, st.pid or "-",
