@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import time
 
@@ -46,6 +47,14 @@ LEAVE_NOTICE_GRACE_S = 1.0
 
 #: The coordinator's ``globalName``.
 COORDINATOR_NAME = "omni-actors-coordinator"
+#: A stage pool that has not reported for this many heartbeat intervals is shown as silent
+#: in ``status`` (a pool reports every interval; one frozen for 4, swamped by a burst, must
+#: keep its replicas: ``tests/faults/test_busy_pool.py``) ...
+POOL_SILENT_NOTE_INTERVALS = 3
+#: ... and at this many it is taken for hung: SIGKILLed, and recreated as a pool that exited
+#: is (the leader's watchdog kills a coordinator silent for about as long, 3 x 3 intervals).
+#: Only the time the coordinator itself ran counts.
+POOL_HUNG_INTERVALS = 10
 #: A subscriber that has not renewed its lease for this long is dropped.
 SUBSCRIPTION_LEASE_S = 10.0
 
@@ -68,6 +77,11 @@ class CoordinatorActor(ActorTypeDispatcher):
         #: stage id -> its pool's last own report: what a pool recreated after a crash starts (see _layout)
         self._reported: dict[int, PoolState] = {}
         self._pools_down: dict[int, str] = {}  #: stage id -> why its pool is not there (exited, not yet back)
+        #: stage id -> when its pool last reported (monotonic; its creation before the first report)
+        self._pool_heard: dict[int, float] = {}
+        self._pool_silent: set[int] = set()  #: stage ids whose pool is past POOL_SILENT_NOTE_INTERVALS
+        #: stage id -> why the coordinator killed its pool: the reason its recreated replicas give
+        self._pool_killed_why: dict[int, str] = {}
         self._asks: dict[str, PlaceReplica] = {}  #: replica -> its latest placement request (nodes, devices)
         self._routes_version = 0
         self._deployed_at = 0  # (Unix seconds: when it took its config)
@@ -135,6 +149,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         dep = cfg.deployment
         pool = self.createActor(StagePoolActor)
         self._pools[stage.stage_id] = pool
+        self._pool_heard[stage.stage_id] = time.monotonic()
         self.send(pool, StartPool(stage, cfg.deployment_of(stage), dep.heartbeat_interval_s, dep.ready_timeout_s,
                                   cfg.inline_threshold_of(stage), dep.load_balancing, dep.supervision,
                                   connector_mode=cfg.connector_mode_of(stage),
@@ -182,6 +197,11 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._node_checks_lost()
         if self._pools.get(msg.stage_id) != sender:
             return  # an old pool, draining after it was replaced
+        self._pool_heard[msg.stage_id] = time.monotonic()
+        if msg.stage_id in self._pool_silent:
+            self._pool_silent.discard(msg.stage_id)
+            self._log.info("pool_heard_again", stage=msg.stage)
+            self._publish_status()  # (its note goes)
         old = self._states.get(msg.stage_id)
         self._reported[msg.stage_id] = msg
         shown = {r.replica for r in msg.replicas}
@@ -204,7 +224,10 @@ class CoordinatorActor(ActorTypeDispatcher):
         """Every heartbeat interval: our own node's data-plane figures, and the member
         nodes that went silent are lost."""
         interval = self._config.deployment.heartbeat_interval_s
-        now = self._last_node_check = time.monotonic()
+        now = time.monotonic()
+        late = now - self._last_node_check - interval if self._last_node_check else 0.0
+        self._last_node_check = now
+        self._check_pools(now, late)
         for name, node in list(self._inventory.nodes.items()):
             if name == self._leader_node:
                 node.last_seen = now  # our own host: alive while we are
@@ -213,6 +236,53 @@ class CoordinatorActor(ActorTypeDispatcher):
                 node.buffers, node.free_buffers, node.free_bytes = buffer_counts(default_prefix())
             elif node.alive and now - node.last_seen > NODE_MISSED_HEARTBEATS * interval:
                 self._lose_node(name, f"missed {NODE_MISSED_HEARTBEATS} node heartbeats")
+
+    def _check_pools(self, now: float, late: float) -> None:
+        """A pool that stops reporting (SIGSTOP, a deadlock) holds every request of its
+        stage while ``status`` showed its last report: ready. Past
+        :data:`POOL_SILENT_NOTE_INTERVALS` its silence is noted in the status; past
+        :data:`POOL_HUNG_INTERVALS` it is SIGKILLed, and recreated as any pool that exited
+        (its engines exit, the RequestActors send their tasks again). ``late``: how much
+        later than its interval this check runs; past an interval (the coordinator itself
+        was not running, or its wake-ups were held up) it does not count as the pools'."""
+        if self._stopping:
+            return
+        interval = self._config.deployment.heartbeat_interval_s
+        if late > interval:
+            for stage_id in self._pool_heard:
+                self._pool_heard[stage_id] += late
+        changed = False
+        for stage_id in list(self._pools):
+            if stage_id in self._pools_down or stage_id in self._pool_killed_why:
+                continue
+            silent = now - self._pool_heard.get(stage_id, now)
+            state = self._states[stage_id]
+            if silent > POOL_HUNG_INTERVALS * interval and state.pid:
+                why = f"its stage pool hung (no report for {silent:.1f} s) and was killed and recreated"
+                if state.host and state.host != host_identity():
+                    continue  # (not ours to signal; pools run on the leader's host)
+                self._log.error("pool_hung_killing", stage=state.stage, pid=state.pid, silent_s=round(silent, 1))
+                try:
+                    os.kill(state.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    continue
+                self._pool_killed_why[stage_id] = why
+            elif silent > POOL_SILENT_NOTE_INTERVALS * interval and stage_id not in self._pool_silent:
+                self._pool_silent.add(stage_id)
+                self._log.warning("pool_silent", stage=state.stage, pid=state.pid, silent_s=round(silent, 1))
+                changed = True
+        if changed:
+            self._publish_status()
+
+    def _pool_notes(self) -> tuple[str, ...]:
+        """One line per silent pool, for the status."""
+        if not self._config:
+            return ()
+        interval, now = self._config.deployment.heartbeat_interval_s, time.monotonic()
+        return tuple(f"the pool of stage {self._states[i].stage} has not reported for "
+                     f"{now - self._pool_heard[i]:.1f} s (busy or hung): its replicas are shown as it last "
+                     f"reported them; it is killed and recreated at {POOL_HUNG_INTERVALS * interval:g} s"
+                     for i in sorted(self._pool_silent) if i in self._pool_heard)
 
     def _node_checks_lost(self) -> None:
         """Called on each pool report: restart the node checks when their wake-up was lost
@@ -239,7 +309,7 @@ class CoordinatorActor(ActorTypeDispatcher):
             stage = self._config.stage(msg.payload[1])
             self._pool_restarts[stage.stage_id].append(time.monotonic())
             self._pools_down.pop(stage.stage_id, None)
-            self._start_pool(stage)
+            self._start_pool(stage, self._pool_killed_why.pop(stage.stage_id, None))
             self._routes_version += 1
             self._log.warning("pool_restarted", stage=stage.name, restarts=len(self._pool_restarts[stage.stage_id]))
             self._publish_routes()
@@ -252,7 +322,9 @@ class CoordinatorActor(ActorTypeDispatcher):
             if self._stopping or stage_id in self._pools_down:
                 return  # (a second notice of the same exit: handled, its restart is set)
             delay = self._restart.next_delay(self._pool_restarts[stage_id], time.monotonic())
-            why = "stage pool exited" + ("" if delay is not None else
+            self._pool_silent.discard(stage_id)
+            killed = self._pool_killed_why.get(stage_id)
+            why = ("stage pool hung: killed" if killed else "stage pool exited") + ("" if delay is not None else
                                          f"; gave up after {len(self._pool_restarts[stage_id])} restarts")
             self._log.error("pool_exited", stage=old.stage, restart_in_s=delay)
             # What the new pool will not start (scaled down, drained) gives its devices back now;
@@ -532,9 +604,10 @@ class CoordinatorActor(ActorTypeDispatcher):
 
     def _status(self, query_id: str) -> SystemStatus:
         stages = tuple(self._states[s.stage_id] for s in self._config.stage_args) if self._config else ()
-        ready = bool(stages) and all(any(r.state == ReplicaState.READY for r in st.replicas) for st in stages)
+        ready = bool(stages) and all(any(r.state == ReplicaState.READY for r in st.replicas) for st in stages) \
+            and not self._pool_silent  # (a silent pool routes nothing: see _check_pools)
         model = self._config.deployment.served_model_name if self._config else ""
-        notes = tuple(self._config.omni_connectors.notes) if self._config else ()
+        notes = (tuple(self._config.omni_connectors.notes) if self._config else ()) + self._pool_notes()
         return SystemStatus(query_id=query_id or str(time.time()), model=model, ready=ready, stages=stages,
                             coordinator_pid=os.getpid(), nodes=self._inventory.status(), notes=notes,
                             coordinator_host=host_identity(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -88,3 +89,54 @@ def test_a_pool_frozen_for_four_heartbeat_intervals_keeps_its_replicas(leader):
             ("ready", old[rid]["pid"], old[rid]["restarts"]), (rid, new[rid])
     assert answers and set(answers) == {200}, answers  # those it held up too
     assert _ask(leader) == 200
+
+
+def test_a_pool_frozen_for_good_is_shown_silent_then_killed_and_recreated(leader):
+    """The talker pool is frozen with SIGSTOP and never resumed, under load. A trial saw every
+    request of the stage hang for as long as the pool was stopped (20 s), while `status`,
+    `/v1/stages` and `/metrics` went on showing its last report: ready. Now past 3 silent
+    intervals the status notes it and is not ready, and past 10 the coordinator kills the pool
+    and recreates it, as a pool that crashed: the requests it held are sent again, and
+    every one is answered."""
+    before = wait_ready(leader)
+    pool = _stage(before, "talker")
+    since = time.time()
+    answers: list = []
+    done = threading.Event()
+
+    def client() -> None:
+        while not done.is_set():
+            answers.append(_ask(leader, max_tokens=16))
+
+    clients = [threading.Thread(target=client) for _ in range(4)]
+    for c in clients:
+        c.start()
+    time.sleep(1.0)
+    os.kill(pool["pid"], signal.SIGSTOP)
+    try:
+        noted = None
+        deadline = time.monotonic() + 9 * HEARTBEAT_S
+        while time.monotonic() < deadline and noted is None:
+            table = stages(leader)
+            noted = next((n for n in table["notes"] if "the pool of stage talker has not reported" in n), None)
+            time.sleep(0.2)
+        assert noted is not None and table["ready"] is False, table["notes"]
+        deadline = time.monotonic() + 20 * HEARTBEAT_S
+        while time.monotonic() < deadline and _stage(stages(leader), "talker")["pid"] in (pool["pid"], None):
+            time.sleep(0.2)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pool["pid"], signal.SIGCONT)  # (in case it was not killed: the module's later tests)
+        done.set()
+    for c in clients:
+        c.join(REQUEST_TIMEOUT_S * 2)
+    after = wait_ready(leader)
+    new = _stage(after, "talker")
+    assert new["pid"] != pool["pid"] and new["restarts"] == pool["restarts"] + 1, new
+    killed = [ev for ev in read_events(leader.log_path, since) if ev["event"] == "pool_hung_killing"]
+    assert [(ev["stage"], ev["pid"]) for ev in killed] == [("talker", pool["pid"])], killed
+    assert 10 * HEARTBEAT_S <= killed[0]["silent_s"] < 14 * HEARTBEAT_S, killed
+    assert all("it was down: its stage pool hung (no report for" in rep["reason"] for rep in new["replicas"]), \
+        new["replicas"]
+    assert after["ready"] and after["notes"] == [], after["notes"]
+    assert answers and set(answers) == {200}, answers  # those it held were sent again to the new pool
