@@ -787,6 +787,40 @@ def test_a_killed_request_actor_supervisor_is_replaced_and_watches_the_new_reque
 
 
 @pytest.mark.system
+def test_a_request_actor_supervisor_held_up_past_its_time_is_replaced_and_ends_when_it_resumes(leader, tmp_path):
+    """SIGSTOP on an API server's RequestActorSupervisor (a trial: held up by a frozen
+    coordinator): the API server makes another, and the old one, resumed, exits (it stayed
+    on, with no RequestActors, until its own 120 s without word from the API server ran out)."""
+    from omni_actors.messages import SUPERVISOR_ALIVE_EVERY_S, SUPERVISOR_MISSED
+
+    def supervisors(pids) -> set[int]:
+        return _titled(pids, b"RequestActorSupervisor ActorAddr")
+
+    baseline = _settle(leader.pids)
+    api = ApiServer(leader, tmp_path, min_request_actors=1, queue_limit=4)
+    try:
+        first = supervisors(_settle(lambda: set(leader.pids()) - baseline))
+        assert len(first) == 1, first
+        old = first.pop()
+        os.kill(old, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + SUPERVISOR_ALIVE_EVERY_S * SUPERVISOR_MISSED + 5
+            while time.monotonic() < deadline and not supervisors(set(leader.pids()) - baseline) - {old}:
+                time.sleep(0.1)
+            assert supervisors(set(leader.pids()) - baseline) - {old}, "no new supervisor"
+        finally:
+            os.kill(old, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and old in supervisors(set(leader.pids()) - baseline):
+            time.sleep(0.1)
+        assert old not in supervisors(set(leader.pids()) - baseline), "the old supervisor is still there"
+        assert len(supervisors(set(leader.pids()) - baseline)) == 1
+        assert _chat(api.url, 4)[0] == 200
+    finally:
+        assert api.stop() == 0, api.log.read_text()[-2000:]
+
+
+@pytest.mark.system
 def test_a_cancel_for_a_stopped_request_actor_does_not_hold_up_the_next_request(leader, tmp_path):
     """A client gives up on a request whose RequestActor is stopped (SIGSTOP; a blocked one
     is the same). The API server's cancel goes through the RequestActorSupervisor: sent

@@ -173,17 +173,20 @@ class RequestActorKeeping:
                                             f"{HAND_OVER_STUCK_S:g} s (stopped or hung?)", tell_exit=False)
 
     def _supervisor_lost(self, now: float) -> None:
-        """Our RequestActorSupervisor went silent (its process was killed): a new one is
-        made; the RequestActors of the lost one are ended (unwatched) and replaced up to the
-        minimum: the idle ones at once (told through the new supervisor: a tell from here to
-        one that died with it would hold a sender thread), the busy ones when they finish."""
+        """Our RequestActorSupervisor went silent (its process was killed, or is held up): a
+        new one is made; the RequestActors of the lost one are ended (unwatched) and replaced
+        up to the minimum: the idle ones at once (told through the new supervisor: a tell
+        from here to one that died with it would hold a sender thread), the busy ones when
+        they finish; the lost one is told to exit the same way."""
         self._log.warning("request_supervisor_lost", silent_s=round(now - self._supervisor_heard, 1))
-        self._supervisor = None
+        lost, self._supervisor = self._supervisor, None
         self._orphans += [held.actor for held in self._held.values() if held.actor is not None]
         idle = self._pool.idle_actors()
         for actor in idle:
             self._pool.discard(actor)
-        self._outbox().put(("supervise", tuple(idle)))
+        # (the lost one is told to exit too: one only held up, by a frozen coordinator in a trial,
+        # stayed on with no RequestActors until its own 120 s without word from us ran out)
+        self._outbox().put(("supervise", (*idle, lost)))
         self._refill()
 
     def _supervisor_alive(self, address: Any) -> None:
