@@ -548,6 +548,7 @@ class ScaleStage(Message):
     stage: str
     replicas: int
     reply_to: ActorAddress = None
+    why: str = "scaled down"  #: the reason the replicas it retires give (``stage stop``: "stage stopped")
 
 
 @dataclass(frozen=True)

@@ -810,10 +810,13 @@ def test_status_shows_a_fault_injected_into_a_replica_until_it_is_cleared(fanin_
 def test_stage_launch_and_stop_act_on_one_stage(image_leader):
     port = str(image_leader.admin_port)
 
-    def dit_states():
+    def dit_replicas() -> dict[str, dict]:
         with urllib.request.urlopen(image_leader.base_url + "/stages", timeout=10) as r:
             st = next(s for s in json.loads(r.read())["stages"] if s["stage"] == "dit")
-        return [rep["state"] for rep in st["replicas"]]
+        return {rep["replica"]: rep for rep in st["replicas"]}
+
+    def dit_states():
+        return [rep["state"] for rep in dit_replicas().values()]
 
     out = _cli("stage", "launch", "--stage", "dit", "--replicas", "1", "--admin-port", port)
     assert out.returncode == 0 and "2 -> 3" in out.stdout, out.stdout + out.stderr
@@ -821,9 +824,11 @@ def test_stage_launch_and_stop_act_on_one_stage(image_leader):
     while dit_states().count("ready") < 3 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert dit_states().count("ready") == 3
+    ready = sorted((name for name, rep in dit_replicas().items() if rep["state"] == "ready"),
+                   key=lambda name: int(name.split("/")[1]))
     out = _cli("stage", "stop", "--stage", "dit", "--admin-port", port)
     assert out.returncode == 0, out.stderr
-    assert ("dit: 3 -> 0 replicas; retiring dit/0 (draining), dit/1 (draining), dit/2 (draining); "
+    assert (f"dit: 3 -> 0 replicas; retiring {', '.join(f'{name} (draining)' for name in ready)}; "
             "stage dit has no replica now: its requests get 503") in out.stdout, out.stdout
     deadline = time.monotonic() + 15
     while set(dit_states()) != {"stopped"} and time.monotonic() < deadline:
@@ -836,6 +841,8 @@ def test_stage_launch_and_stop_act_on_one_stage(image_leader):
         urllib.request.urlopen(urllib.request.Request(image_leader.base_url + "/images/generations", data=body,
                                                       headers={"Content-Type": "application/json"}), timeout=30)
     assert err.value.code == 503 and "dit" in json.loads(err.value.read())["error"]["message"]
+    reasons = {name: rep["reason"] for name, rep in dit_replicas().items() if name in ready}
+    assert set(reasons.values()) == {"stage stopped"}, reasons  # (a trial read "scaled down")
     out = _cli("stage", "scale", "--stage", "dit", "--replicas", "1", "--admin-port", port)
     assert out.returncode == 0, out.stderr
     deadline = time.monotonic() + 15  # leave the shared image leader as it was: one ready DiT at least

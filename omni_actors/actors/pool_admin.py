@@ -84,10 +84,10 @@ class PoolAdminMixin:
                                                   -replica_index(r.replica)))[:len(live) - msg.replicas]
             for rep in retired:
                 if rep.state in (ReplicaState.DEAD, ReplicaState.PENDING):
-                    rep.state, rep.reason = ReplicaState.STOPPED, "scaled down"
+                    rep.state, rep.reason = ReplicaState.STOPPED, msg.why
                     self._release(rep)
                 else:
-                    self._drain(rep, "scaled down")
+                    self._drain(rep, msg.why)
             changed = "; retiring " + ", ".join(f"{r.replica} ({'draining' if r.state == ReplicaState.DRAINING else 'stopped'})"
                                                 for r in sorted(retired, key=lambda r: replica_index(r.replica)))
         self._publish()

@@ -485,7 +485,7 @@ def cmd_stage(admin, args) -> int:
     elif args.action == "launch":
         print(admin.launch(args.stage, args.replicas, node=args.node, devices=args.devices))
     else:
-        print(admin.scale(args.stage, 0))
+        print(admin.scale(args.stage, 0, why="stage stopped"))
     return 0
 
 

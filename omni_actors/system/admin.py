@@ -160,8 +160,9 @@ class Admin:
         """
         return self._ask(DrainNode(node))
 
-    def scale(self, stage: str, replicas: int) -> str:
-        """Run ``replicas`` replicas of ``stage`` (0 to ``config.MAX_REPLICAS``, as the config).
+    def scale(self, stage: str, replicas: int, why: str = "scaled down") -> str:
+        """Run ``replicas`` replicas of ``stage`` (0 to ``config.MAX_REPLICAS``, as the config);
+        those retired give ``why`` as their reason.
 
         Raises:
             AdminError: a count out of range, an unknown stage, or no answer.
@@ -169,7 +170,7 @@ class Admin:
         problem = replicas_problem(replicas, 0)
         if problem:
             raise AdminError(problem)
-        return self._ask(ScaleStage(stage, replicas))
+        return self._ask(ScaleStage(stage, replicas, why=why))
 
     def launch(self, stage: str, replicas: int | None = None, *, node: str = "",
                devices: tuple[str, ...] | str = ()) -> str:
