@@ -1174,7 +1174,7 @@ def test_a_second_notice_of_a_pools_exit_starts_no_second_pool():
     co.send = lambda address, message: None
     co.wakeupAfter = lambda delay, payload=None: wakeups.append(payload)
     co._publish_status = co._publish_routes = lambda: None
-    co._start_pool = lambda stage: started.append(stage.stage_id)
+    co._start_pool = lambda stage, why=None: started.append(stage.stage_id)
     co._restart = RestartPolicy()
     co._config = type("Config", (), {"stage": lambda self, stage_id: type("Stage", (), {"stage_id": stage_id,
                                                                                        "name": "talker"})()})()
