@@ -166,9 +166,10 @@ def _same_interface(a: str, b: str, port: int) -> bool:
     return a == b or bool(addresses(a) & addresses(b))
 
 
-def recorded_admin_ports() -> list[int]:
-    """Admin ports of the leaders recorded in :func:`state_dir` whose process still runs."""
-    ports = []
+def recorded_leaders() -> list[dict]:
+    """The state files (see :func:`state_file`) in :func:`state_dir` of leaders whose
+    process still runs, by admin port."""
+    found = []
     for path in sorted(state_dir().glob("leader-*.json")):
         try:
             state = json.loads(path.read_text())
@@ -176,15 +177,15 @@ def recorded_admin_ports() -> list[int]:
             continue
         pid, port = state.get("pid"), state.get("admin_port")
         if isinstance(pid, int) and isinstance(port, int) and start_time(pid) is not None:
-            ports.append(port)
-    return sorted(ports)
+            found.append(state)
+    return sorted(found, key=lambda state: state["admin_port"])
 
 
 def other_leaders_hint(admin_port: int) -> str:
     """``"; the leader recorded in DIR runs on admin port 23101 (--admin-port 23101)"``
     when leaders other than one on ``admin_port`` are recorded running here, else ""
     (a trial's `status` without --admin-port said only that nothing listened on 1900)."""
-    others = [p for p in recorded_admin_ports() if p != admin_port]
+    others = [state["admin_port"] for state in recorded_leaders() if state["admin_port"] != admin_port]
     if not others:
         return ""
     if len(others) == 1:
@@ -198,14 +199,10 @@ def http_port_claimed(host: str, port: int, admin_port: int) -> str | None:
     connect finds nothing there yet), or None. A trial started a second leader on the
     port of one still loading: the second served there, and the first, after its whole
     start-up, could not bind and exited."""
-    for path in sorted(state_dir().glob("leader-*.json")):
-        try:
-            other = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        pid, other_admin = other.get("pid"), other.get("admin_port")
-        if other.get("port") != port or other_admin == admin_port or not isinstance(pid, int) \
-                or start_time(pid) is None or not _same_interface(str(other.get("host", "")), host, port):
+    for other in recorded_leaders():
+        pid, other_admin = other["pid"], other["admin_port"]
+        if other.get("port") != port or other_admin == admin_port \
+                or not _same_interface(str(other.get("host", "")), host, port):
             continue
         return (f"HTTP port {port} on {host} is taken by the system on admin port {other_admin} (leader pid "
                 f"{pid}), which serves there once its replicas are ready")

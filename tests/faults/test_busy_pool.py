@@ -38,6 +38,18 @@ def _stage(table: dict, name: str) -> dict:
     return next(st for st in table["stages"] if st["stage"] == name)
 
 
+def _clients(leader, answers: list, done: threading.Event, max_tokens: int = 64) -> list[threading.Thread]:
+    """4 clients asking back to back, each answer appended to ``answers``, until ``done``."""
+    def client() -> None:
+        while not done.is_set():
+            answers.append(_ask(leader, max_tokens))
+
+    clients = [threading.Thread(target=client) for _ in range(4)]
+    for c in clients:
+        c.start()
+    return clients
+
+
 def test_a_pool_frozen_for_four_heartbeat_intervals_keeps_its_replicas(leader):
     """The talker pool is frozen with SIGSTOP for 4 heartbeat intervals, with 4 clients sending
     requests back to back, then resumed:
@@ -59,14 +71,7 @@ def test_a_pool_frozen_for_four_heartbeat_intervals_keeps_its_replicas(leader):
     # and those wait for it (their results and new tasks go through it).
     answers: list = []
     resumed = threading.Event()
-
-    def client() -> None:
-        while not resumed.is_set():
-            answers.append(_ask(leader))
-
-    clients = [threading.Thread(target=client) for _ in range(4)]
-    for c in clients:
-        c.start()
+    clients = _clients(leader, answers, resumed)
     time.sleep(1.0)
     os.kill(pool["pid"], signal.SIGSTOP)
     try:
@@ -103,14 +108,7 @@ def test_a_pool_frozen_for_good_is_shown_silent_then_killed_and_recreated(leader
     since = time.time()
     answers: list = []
     done = threading.Event()
-
-    def client() -> None:
-        while not done.is_set():
-            answers.append(_ask(leader, max_tokens=16))
-
-    clients = [threading.Thread(target=client) for _ in range(4)]
-    for c in clients:
-        c.start()
+    clients = _clients(leader, answers, done, max_tokens=16)
     time.sleep(1.0)
     os.kill(pool["pid"], signal.SIGSTOP)
     try:
