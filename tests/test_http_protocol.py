@@ -638,6 +638,8 @@ def test_api_key():
         assert err["code"] == "invalid_api_key"
         await assert_error(await client.get("/v1/models"), 401)
         assert (await client.get("/health")).status == 200
+        probe = await client.get("/ready")  # open too (a probe sends no key); this fake is not ready
+        assert probe.status == 503 and (await probe.json())["status"] == "not ready"
         resp = await client.post(CHAT, json=GOOD_CHAT,
                                  headers={"Authorization": "Bearer s3cret"})
         assert resp.status == 200

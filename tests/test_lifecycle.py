@@ -405,6 +405,8 @@ def test_stop_command_and_status_command():
         assert lines[0].split()[:3] == ["STAGE", "REPLICA", "STATE"]
         assert any(line.split()[:3] == ["dit", "dit/1", "ready"] for line in lines)
         assert "glm-image-cpu-demo: ready" in status.stdout
+        with urllib.request.urlopen(leader.base_url.removesuffix("/v1") + "/ready", timeout=10) as probe:
+            assert probe.status == 200 and json.loads(probe.read()) == {"status": "ready"}
         as_json = json.loads(_cli("status", "--admin-port", str(leader.admin_port), "--json", env=env).stdout)
         assert [s["stage"] for s in as_json["stages"]] == ["ar", "dit"]
         # a reader that goes away early (`| head`, here `| true`): no BrokenPipeError traceback

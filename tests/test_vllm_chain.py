@@ -350,6 +350,14 @@ def test_engine_that_cannot_load_is_failed_with_the_reason_and_requests_get_503(
         rows = {r["replica"]: r for st in status["stages"] for r in st["replicas"]}
         assert rows["thinker/0"]["state"] == "failed"
         assert str(missing) in rows["thinker/0"]["reason"]
+        # the readiness probe says so too (a trial: /health answered 200, the only probe there was)
+        import urllib.error
+        import urllib.request
+
+        with pytest.raises(urllib.error.HTTPError) as probe:
+            urllib.request.urlopen(leader.base_url.removesuffix("/v1") + "/ready", timeout=30)
+        assert probe.value.code == 503
+        assert json.loads(probe.value.read()) == {"status": "not ready", "stages": ["thinker"]}
 
         # a chat request: a clear 503 at once, not a hang, and again on a second try
         import openai

@@ -39,11 +39,11 @@ _CREATED: web.AppKey[int] = web.AppKey("created", int)
 _MAX_BODY: web.AppKey[int] = web.AppKey("max_body_bytes", int)
 _STOPPING: web.AppKey[Any] = web.AppKey("stopping", object)
 _RID: web.RequestKey[str] = web.RequestKey("request_id", str)
-# Only /health is open. /metrics needs the key when one is set: it shows pids, nodes,
+# Only /health and /ready (which names stages, nothing more) are open. /metrics needs the key when one is set: it shows pids, nodes,
 # devices, failure reasons and traffic volume, and Prometheus sends a bearer token
 # per scrape job (``authorization: {credentials: ...}``), so keeping it closed costs
-# nothing; liveness probes, which cannot, have /health.
-OPEN_PATHS = frozenset({"/health"})
+# nothing; liveness and readiness probes, which cannot, have /health and /ready.
+OPEN_PATHS = frozenset({"/health", "/ready"})
 CHAT_PATH, IMAGES_PATH = "/v1/chat/completions", "/v1/images/generations"
 DEADLINE_GRACE_S = 5.0
 _RID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -599,6 +599,24 @@ async def health(request: web.Request) -> web.Response:
     return _json({"status": "ok"})
 
 
+async def ready(request: web.Request) -> web.Response:
+    """``GET /ready``: a readiness probe (open, as ``/health``, which only says the HTTP
+    layer is up: a trial's leader served ``/health`` 200 with a Thinker that could not
+    load). 200 ``{"status": "ready"}`` when every stage has a ready replica (``status``'s
+    ready); else 503 ``{"status": "not ready", "stages": [names without one]}`` (`status`
+    says why: this route is open, so it tells nothing more),
+    or ``{"status": "unknown", "error": ...}`` when the coordinator does not answer
+    within 5 s. While the server stops, 503 as every route."""
+    try:
+        table = await request.app[BRIDGE_KEY].stages()
+    except Exception as exc:  # noqa: BLE001 - a probe answers, whatever the bridge raised
+        return _json({"status": "unknown", "error": str(exc) or type(exc).__name__}, status=503)
+    if table.get("ready"):
+        return _json({"status": "ready"})
+    missing = [st["stage"] for st in table.get("stages", ()) if not st.get("ready_replicas")]
+    return _json({"status": "not ready", "stages": missing}, status=503)
+
+
 async def stages(request: web.Request) -> web.Response:
     """``GET /v1/stages``: the bridge's view of stages and replicas."""
     return _json(await request.app[BRIDGE_KEY].stages())
@@ -623,6 +641,7 @@ ROUTES = [
     web.get("/v1/models/{model}", get_model),
     web.get("/v1/stages", stages),
     web.get("/health", health),
+    web.get("/ready", ready),
     web.get("/metrics", metrics),
 ]
 
@@ -632,7 +651,7 @@ def create_app(bridge: Bridge, *, max_body_bytes: int = 1 << 20,
     """Build the OpenAI-compatible app over ``bridge``.
 
     ``max_body_bytes`` bounds request bodies (413 beyond); ``api_key``, when
-    set, is required as ``Authorization: Bearer <key>`` except on /health
+    set, is required as ``Authorization: Bearer <key>`` except on /health and /ready
     (``/metrics`` included). Each app has its own metrics registry.
     """
     app = web.Application(client_max_size=max_body_bytes, middlewares=[
