@@ -258,7 +258,6 @@ class CoordinatorActor(ActorTypeDispatcher):
             silent = now - self._pool_heard.get(stage_id, now)
             state = self._states[stage_id]
             if silent > POOL_HUNG_INTERVALS * interval and state.pid:
-                why = f"its stage pool hung (no report for {silent:.1f} s) and was killed and recreated"
                 if state.host and state.host != host_identity():
                     continue  # (not ours to signal; pools run on the leader's host)
                 self._log.error("pool_hung_killing", stage=state.stage, pid=state.pid, silent_s=round(silent, 1))
@@ -266,7 +265,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                     os.kill(state.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     continue
-                self._pool_killed_why[stage_id] = why
+                self._pool_killed_why[stage_id] = (f"its stage pool hung (no report for {silent:.1f} s) and was "
+                                                   "killed and recreated")
             elif silent > POOL_SILENT_NOTE_INTERVALS * interval and stage_id not in self._pool_silent:
                 self._pool_silent.add(stage_id)
                 self._log.warning("pool_silent", stage=state.stage, pid=state.pid, silent_s=round(silent, 1))

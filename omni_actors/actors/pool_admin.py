@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from omni_actors.config import MAX_REPLICAS
 from omni_actors.messages import LIVE_STATES as _ALIVE
-from omni_actors.messages import (AdminReply, DrainReplica, FaultKind, InjectFault, LaunchReplicas, ReplicaState, ScaleStage,
-                                  replica_index)
+from omni_actors.messages import (AdminReply, DrainReplica, FaultKind, InjectFault, LaunchReplicas, ReplicaState,
+                                  ScaleStage, replica_index)
 
 #: ``scale`` down retires replicas in this order of state (a ready one last).
 _RETIRE_ORDER = {ReplicaState.PENDING: 0, ReplicaState.DEAD: 1, ReplicaState.ISOLATED: 2, ReplicaState.STARTING: 3,
@@ -31,8 +31,9 @@ class PoolAdminMixin:
         rep.fault = msg.describe()  # (shown at once: its engine's heartbeats said it up to an interval later)
         self._publish()
         self._log.warning("fault_injected", replica=msg.replica, **msg.log_fields())
-        self.send(msg.reply_to or sender, AdminReply(True, f"faults of {msg.replica} cleared" if msg.kind == FaultKind.CLEAR
-                                                     else f"{msg.describe()} injected into {msg.replica}"))
+        done = (f"faults of {msg.replica} cleared" if msg.kind == FaultKind.CLEAR
+                else f"{msg.describe()} injected into {msg.replica}")
+        self.send(msg.reply_to or sender, AdminReply(True, done))
 
     def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):
         rep = self._replicas.get(msg.replica)
@@ -88,7 +89,7 @@ class PoolAdminMixin:
                     self._release(rep)
                 else:
                     self._drain(rep, msg.why)
-            changed = "; retiring " + ", ".join(f"{r.replica} ({'draining' if r.state == ReplicaState.DRAINING else 'stopped'})"
+            changed = "; retiring " + ", ".join(f"{r.replica} ({r.state.value})"  # (draining, or stopped)
                                                 for r in sorted(retired, key=lambda r: replica_index(r.replica)))
         self._publish()
         note = f"; stage {self._spec.stage.name} has no replica now{self._unserved()}" if live and not msg.replicas else ""

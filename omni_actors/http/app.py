@@ -39,10 +39,11 @@ _CREATED: web.AppKey[int] = web.AppKey("created", int)
 _MAX_BODY: web.AppKey[int] = web.AppKey("max_body_bytes", int)
 _STOPPING: web.AppKey[Any] = web.AppKey("stopping", object)
 _RID: web.RequestKey[str] = web.RequestKey("request_id", str)
-# Only /health and /ready (which names stages, nothing more) are open. /metrics needs the key when one is set: it shows pids, nodes,
-# devices, failure reasons and traffic volume, and Prometheus sends a bearer token
-# per scrape job (``authorization: {credentials: ...}``), so keeping it closed costs
-# nothing; liveness and readiness probes, which cannot, have /health and /ready.
+# Only /health and /ready (which names stages, nothing more) are open. /metrics needs the
+# key when one is set: it shows pids, nodes, devices, failure reasons and traffic volume,
+# and Prometheus sends a bearer token per scrape job (``authorization: {credentials: ...}``),
+# so keeping it closed costs nothing; liveness and readiness probes, which cannot, have
+# /health and /ready.
 OPEN_PATHS = frozenset({"/health", "/ready"})
 CHAT_PATH, IMAGES_PATH = "/v1/chat/completions", "/v1/images/generations"
 DEADLINE_GRACE_S = 5.0

@@ -112,33 +112,28 @@ NO_LEADER = "no convention leader answers"
 
 def probe_admin(host: str, port: int) -> str | None:
     """None when a Thespian admin answers at ``host:port``, else why not (one line)."""
-    from thespian.system.messages.status import Thespian_StatusReq, Thespian_SystemStatus
-
     if not port_in_use(port, host):
         return f"{NO_LEADER} at {host}:{port}"
     try:
-        system = RemoteSystem(host, port)
+        status = admin_status(host, port)
     except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
         return f"cannot reach {host}:{port}: {exc}"
-    try:
-        status = system.ask(system.admin_address, Thespian_StatusReq(), ADMIN_ANSWER_S)
-        if not isinstance(status, Thespian_SystemStatus):
-            return f"{host}:{port} is not a Thespian admin (no answer within {ADMIN_ANSWER_S:g} s)"
-        return None
-    finally:
-        system.close()
+    if status is None:
+        return f"{host}:{port} is not a Thespian admin (no answer within {ADMIN_ANSWER_S:g} s)"
+    return None
 
 
 def admin_status(host: str, port: int, timeout_s: float = ADMIN_ANSWER_S):
     """The Thespian admin at ``host:port``'s own status (``Thespian_SystemStatus``), or
     None when nothing there answers one within ``timeout_s`` (not a Thespian admin:
-    attaching an ``ActorSystem`` to such a port takes about 15 s to fail)."""
+    attaching an ``ActorSystem`` to such a port takes about 15 s to fail).
+
+    Raises:
+        Exception: whatever Thespian raises making the transport to ask it with.
+    """
     from thespian.system.messages.status import Thespian_StatusReq, Thespian_SystemStatus
 
-    try:
-        system = RemoteSystem(host, port)
-    except Exception:  # noqa: BLE001 - Thespian raises several kinds here
-        return None
+    system = RemoteSystem(host, port)
     try:
         status = system.ask(system.admin_address, Thespian_StatusReq(), timeout_s)
         return status if isinstance(status, Thespian_SystemStatus) else None
