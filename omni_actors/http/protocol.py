@@ -300,24 +300,26 @@ def _check_unserved(body: dict) -> None:
         if kind != "text":
             raise _bad(f"response_format '{kind}' is not supported by this server: its stages do not "
                        "constrain their output; use 'text'.", "response_format.type")
-    tools = body.get("tools")
-    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
-        raise _bad("Invalid type for 'tools': expected an array of objects.", "tools")
-    choice = body.get("tool_choice")
-    if choice is not None and choice not in ("none", "auto"):
-        if not isinstance(choice, (str, dict)) or (isinstance(choice, str) and choice != "required"):
-            raise _bad("Invalid 'tool_choice': expected 'none', 'auto', 'required' or an object.", "tool_choice")
-        raise _bad("tool calls are not supported by this server: 'tool_choice' may be 'none' or 'auto' "
-                   "(the reply is text).", "tool_choice")
-    functions = body.get("functions")  # (OpenAI's deprecated form of tools and tool_choice)
-    if functions is not None and (not isinstance(functions, list) or not all(isinstance(f, dict) for f in functions)):
-        raise _bad("Invalid type for 'functions': expected an array of objects.", "functions")
-    call = body.get("function_call")
-    if call is not None and call not in ("none", "auto"):
-        if not isinstance(call, dict):
-            raise _bad("Invalid 'function_call': expected 'none', 'auto' or an object.", "function_call")
-        raise _bad("function calls are not supported by this server: 'function_call' may be 'none' or 'auto' "
-                   "(the reply is text).", "function_call")
+    # (``functions`` / ``function_call``: OpenAI's deprecated form of ``tools`` / ``tool_choice``)
+    _check_calls(body, "tools", "tool_choice", "tool", ("required",))
+    _check_calls(body, "functions", "function_call", "function", ())
+
+
+def _check_calls(body: dict, listed: str, choice_key: str, what: str, forcing: tuple[str, ...]) -> None:
+    """``listed`` must be an array of objects; ``choice_key`` may be "none" or "auto": an
+    object (a named call) or one of ``forcing`` asks for a call this server cannot make
+    (400), anything else is invalid (400)."""
+    items = body.get(listed)
+    if items is not None and (not isinstance(items, list) or not all(isinstance(i, dict) for i in items)):
+        raise _bad(f"Invalid type for '{listed}': expected an array of objects.", listed)
+    choice = body.get(choice_key)
+    if choice is None or choice in ("none", "auto"):
+        return
+    if not isinstance(choice, dict) and not (isinstance(choice, str) and choice in forcing):
+        allowed = "', '".join(("none", "auto", *forcing))
+        raise _bad(f"Invalid '{choice_key}': expected '{allowed}' or an object.", choice_key)
+    raise _bad(f"{what} calls are not supported by this server: '{choice_key}' may be 'none' or 'auto' "
+               "(the reply is text).", choice_key)
 
 
 def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
