@@ -1383,3 +1383,67 @@ def test_a_replica_that_loaded_before_and_fails_to_load_once_on_restart_is_resta
     again.state = ReplicaState.STARTING
     pool.receiveMsg_EngineFailed(EngineFailed("talker/0", "Engine core initialization failed"), again.address)
     assert again.state == ReplicaState.FAILED
+
+
+def test_a_request_actor_keeps_one_deadline_wake_up_pending_not_one_per_request(monkeypatch):
+    """Thespian cannot cancel a wake-up and sorts its pending ones on every wakeupAfter:
+    a RequestActor that asked for one deadline and one alive-beat chain per request made
+    each request cost CPU in proportion to the requests of the last two minutes. Now
+    1,000 requests in a row leave at most two wake-ups pending, and a deadline still
+    ends its request (504) when it comes, whichever earlier request's wake-up it rides on."""
+    from types import SimpleNamespace
+
+    from thespian.actors import WakeupMessage
+
+    from omni_actors.actors import request as request_module
+    from omni_actors.actors.request import ALIVE_BEAT, DEADLINE, RequestActor
+    from omni_actors.messages import ErrorKind, RequestFinished, RunRequest, StageDone
+    from omni_actors.planning import PlannedStage, RequestPlan
+
+    clock = [1000.0]
+    monkeypatch.setattr(request_module.time, "monotonic", lambda: clock[0])
+    ra = RequestActor()
+    sent, pending = [], []
+    ra.send = lambda address, message: sent.append((address, message))
+    ra.wakeupAfter = lambda delay, payload=None: pending.append((clock[0] + delay, payload))
+    ra._myRef = SimpleNamespace(address="ra-address")
+    plan = RequestPlan((PlannedStage(0, "thinker", (), "pool0", "text", True),))
+
+    def fire_due() -> None:
+        for wake in sorted(w for w in pending if w[0] <= clock[0]):
+            pending.remove(wake)
+            ra.receiveMsg_WakeupMessage(WakeupMessage(0, wake[1]), None)
+
+    for i in range(1000):  # 20 requests a second, each done in 10 ms
+        ra.receiveMsg_RunRequest(RunRequest(f"r{i}", "hi", plan, {}, {}, 120.0, "bridge"), "bridge")
+        clock[0] += 0.01
+        ra.receiveMsg_StageDone(StageDone(f"r{i}", 0, "thinker/0", None, None), "engine")
+        clock[0] += 0.04
+        fire_due()
+    assert [m.error for _, m in sent if isinstance(m, RequestFinished)] == [None] * 1000
+    assert len(pending) <= 3, sorted({str(w[1])[:20] for w in pending})  # deadline, alive beat, bridge check
+    assert len([w for w in pending if w[1] == DEADLINE]) == 1
+    assert len([w for w in pending if isinstance(w[1], tuple) and w[1][0] == ALIVE_BEAT]) == 1
+
+    # A request whose deadline is later than the pending wake-up's: that wake-up comes
+    # (it was an earlier request's), arms the next, and the request ends at its deadline.
+    sent.clear()
+    start = clock[0]
+    ra.receiveMsg_RunRequest(RunRequest("slow", "hi", plan, {}, {}, 120.0, "bridge"), "bridge")
+    while clock[0] < start + 119.9:
+        clock[0] += 1.0 if clock[0] < start + 119.0 else 0.05
+        fire_due()
+    assert not [m for _, m in sent if isinstance(m, RequestFinished)]
+    clock[0] = start + 120.0
+    fire_due()
+    finished = [m for _, m in sent if isinstance(m, RequestFinished)]
+    assert [(m.request_id, m.error) for m in finished] == [("slow", ErrorKind.TIMEOUT)]
+
+    # A shorter deadline than the pending wake-up's gets a wake-up of its own.
+    sent.clear()
+    start = clock[0]
+    ra.receiveMsg_RunRequest(RunRequest("short", "hi", plan, {}, {}, 2.0, "bridge"), "bridge")
+    clock[0] = start + 2.0
+    fire_due()
+    assert [(m.request_id, m.error) for _, m in sent if isinstance(m, RequestFinished)] == [
+        ("short", ErrorKind.TIMEOUT)]

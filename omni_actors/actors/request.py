@@ -72,6 +72,12 @@ CANCEL_CONFIRM_S = 5.0
 CANCEL_CONFIRM_ENV = "OMNI_ACTORS_CANCEL_CONFIRM_S"
 #: Wake-up payload ``(CANCEL_CONFIRM, request_id)``: stop waiting for those confirmations.
 CANCEL_CONFIRM = "cancel_confirm"
+#: Wake-up payload: a request's deadline may have passed. One such wake-up is pending at a
+#: time (see :meth:`RequestActor._arm_deadline`), not one per request.
+DEADLINE = "request_deadline"
+#: A DEADLINE wake-up this close (seconds) before the deadline counts as at it (timers
+#: may fire a little early).
+DEADLINE_EARLY_S = 0.001
 
 
 def cancel_confirm_s() -> float:
@@ -100,6 +106,8 @@ class RequestActor(ActorTypeDispatcher):
         self._closing_since = 0.0  # (monotonic) when it began to wait for those confirmations
         self._last_plan = ()  # the stages of the last request (names for the log)
         self._confirm_s = cancel_confirm_s()
+        #: (monotonic s) when the pending DEADLINE wake-up falls due; None: none pending
+        self._deadline_wake: float | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -146,9 +154,9 @@ class RequestActor(ActorTypeDispatcher):
         self._stream_consumers = {sid: [s.stage_id for s in msg.plan.stages if s.stream_source == sid]
                                   for sid in self._plan}
         self._started = time.monotonic()
-        self.wakeupAfter(msg.timeout_s, payload=msg.request_id)
+        self._arm_deadline()
         self._alive_every_s = msg.alive_every_s
-        self._alive_beats.start(self, msg.alive_every_s)
+        self._alive_beats.ensure(self, msg.alive_every_s)
         self._dispatch_ready()
 
     def _dispatch_ready(self) -> None:
@@ -516,6 +524,8 @@ class RequestActor(ActorTypeDispatcher):
         elif self._closing is not None:
             self.send(self._closing[2], RequestActorAlive(self._closing[0]))
             self._alive_beats.again(self, self._alive_every_s)
+        else:
+            self._alive_beats.stopped()
 
     def _run_lost_wakeups(self, now: float) -> None:
         """The request's deadline and the end of the wait for cancel confirmations, when
@@ -562,8 +572,31 @@ class RequestActor(ActorTypeDispatcher):
         elif self._alive_beats.owns(msg.payload):
             if self._alive_beats.current(msg.payload):
                 self._beat()
-        elif self._current(msg.payload):
-            self._deadline_passed()
+        elif msg.payload == DEADLINE:
+            self._deadline_wake = None
+            req = self._req
+            if req is not None:
+                if time.monotonic() >= self._started + req.timeout_s - DEADLINE_EARLY_S:
+                    self._deadline_passed()
+                else:
+                    self._arm_deadline()
+
+    def _arm_deadline(self) -> None:
+        """Make sure a DEADLINE wake-up comes by the current request's deadline.
+
+        Thespian cannot cancel a wake-up and keeps the pending ones in a list that it
+        sorts on every ``wakeupAfter``; with one per request (120 s each by default), one
+        RequestActor serving about 80 one-token requests a second used 3.0 ms of CPU per
+        request, 1.7 ms without (measured here, tiny vLLM model). So a wake-up that is already pending and comes no later is kept (when it
+        comes, it arms the next one); a lost one (over :data:`WAKEUP_LOST_AFTER_S` late)
+        is not counted on."""
+        now = time.monotonic()
+        due = self._started + self._req.timeout_s
+        pending = self._deadline_wake
+        if pending is not None and pending <= due and now <= pending + WAKEUP_LOST_AFTER_S:
+            return
+        self._deadline_wake = due
+        self.wakeupAfter(max(due - now, 0.0), payload=DEADLINE)
 
     def _finish(self, error: ErrorKind | None, message: str, lost_on: str | None = None,
                 output_sent: bool = False) -> None:

@@ -31,6 +31,7 @@ import functools
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass, field
 
 
@@ -93,6 +94,8 @@ class WakeupChain:
 
     def __init__(self, name: str) -> None:
         self.name, self.gen = name, 0
+        #: (monotonic s) when the current chain's wake-up falls due; None: none is pending
+        self.due: float | None = None
 
     def start(self, actor, delay_s: float) -> None:
         """A new chain (the old one, if any, is ignored from now on)."""
@@ -101,7 +104,21 @@ class WakeupChain:
 
     def again(self, actor, delay_s: float) -> None:
         """The next wake-up of the current chain."""
+        self.due = time.monotonic() + delay_s
         actor.wakeupAfter(delay_s, payload=(self.name, self.gen))
+
+    def ensure(self, actor, delay_s: float) -> None:
+        """Keep the chain going: start it unless its wake-up is pending (and not lost:
+        due less than :data:`WAKEUP_LOST_AFTER_S` ago). Thespian cannot cancel a
+        wake-up and keeps the pending ones in a list it sorts on every ``wakeupAfter``:
+        an actor that started a chain per request (a RequestActor, thousands of requests
+        a minute) made each request cost time in proportion to the requests before it."""
+        if self.due is None or time.monotonic() > self.due + WAKEUP_LOST_AFTER_S:
+            self.start(actor, delay_s)
+
+    def stopped(self) -> None:
+        """The current chain's wake-up came and was not followed by :meth:`again`."""
+        self.due = None
 
     def owns(self, payload) -> bool:
         """Whether ``payload`` is one of this chain's, current or not."""
