@@ -798,6 +798,7 @@ def test_a_member_leaving_with_ctrl_c_drains_its_replicas_first(request, tmp_pat
         assert not errors, errors
     out = member.out.read_text()
     assert f"leaving: the replicas on node {victim} drain" in out, out
+    assert "warning: stage" not in out, out  # (the other member took its stages' replacements)
     _, reps = cluster.wait(lambda rs: sum(r["state"] == "ready" for r in rs if r["stage"] in MEMBER_STAGES) == 4,
                            "two talkers and two code2wavs ready again", 20)
     assert all(r["node"] != victim for r in reps if r["state"] in LIVE), _table(reps)
@@ -806,6 +807,27 @@ def test_a_member_leaving_with_ctrl_c_drains_its_replicas_first(request, tmp_pat
                            in r["reason"] for r in drained), _table(reps)
     events = [e["event"] for e in read_events(cluster.leader.log_path, 0) if e.get("node") == victim]
     assert "node_leaving" in events and "node_left" in events and "node_lost" not in events, events
+
+
+def test_the_last_member_of_a_stage_says_that_leaving_leaves_the_stage_without_replicas(request, tmp_path):
+    """Ctrl-C on the only member that can run the Talker and Code2Wav: it still leaves (exit
+    0), and says on its way out that those stages have no replica running any more, with
+    their replacements' state, and what requests meet. (A trial's member left in silence:
+    each request then waited the queue timeout three times over, the client's retries.)"""
+    cluster = start_cluster(request, tmp_path, members=(("m1", "0,1,2,3"),))
+    member = cluster.members["m1"]
+    member.proc.send_signal(signal.SIGINT)
+    assert member.proc.wait(30) == 0
+    out = member.out.read_text()
+    for stage in MEMBER_STAGES:
+        line = next((x for x in out.splitlines() if x.startswith(f"warning: stage {stage} ")), None)
+        assert line is not None, out
+        assert "has no replica running once node m1 has left" in line and "pending" in line, line
+        assert "queue_timeout_s, then get a 503" in line, line
+    assert "warning: stage thinker" not in out, out  # (on the leader: untouched)
+    _, reps = cluster.wait(lambda rs: all(r["state"] in ("pending", "stopped") for r in rs
+                                          if r["stage"] in MEMBER_STAGES), "the member stages without replicas", 20)
+    assert any(r["state"] == "pending" for r in reps if r["stage"] == "talker"), _table(reps)
 
 
 def test_member_that_rejoins_gets_work_again(request, tmp_path):

@@ -192,6 +192,13 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
             why = "second Ctrl-C" if hurry.is_set() else f"still running after {wait_s:g} s"
             print(f"leaving with {len(left)} replica(s) not drained ({why}): {', '.join(left)}", flush=True)
             log.warning("member_drain_incomplete", node=node, replicas=left, why=why)
+        try:
+            after = admin.status(timeout_s=5.0)
+        except AdminError:
+            after = None
+        for stage, line in stages_left_without_replicas(after, node, status):
+            print(f"warning: {line}", flush=True)
+            log.warning("member_leaves_stage_without_replicas", node=node, stage=stage, detail=line)
         return not left
     except AdminError as exc:  # (the leader stopped or was killed meanwhile)
         print(f"stopped waiting for the drain, the leader no longer answers: {exc}" if started
@@ -199,6 +206,42 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
         return False
     finally:
         admin.asys.close()
+
+
+def stages_left_without_replicas(status, node: str, before=None) -> list[tuple[str, str]]:
+    """The stages that node ``node`` leaves with no replica on its way anywhere else:
+    ``[(stage, "stage talker has no replica running once node m1 has left (talker/3
+    pending: no node has room ...); requests that need it wait up to queue_timeout_s,
+    then get a 503, until a node that can run it joins")]``.
+
+    ``status`` is a :class:`~omni_actors.messages.SystemStatus` (None: nothing to say);
+    a stage counts when it had a live replica on ``node`` in ``before`` (default ``status``).
+    A replica of another node counts as on its way when it is ready, starting, or dead or
+    isolated (its pool restarts it), or still being placed; pending ones (no node with
+    room) do not. A trial's member, stopped with Ctrl-C, took every replica of two stages
+    with it without a word: each request then waited the queue timeout three times over
+    (the ``openai`` client's retries).
+    """
+    from omni_actors.balancing import describe_replicas
+    from omni_actors.messages import LIVE_STATES, PLACING, ReplicaState
+
+    if status is None:
+        return []
+    on_its_way = (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.DEAD, ReplicaState.ISOLATED)
+    had = {s.stage for s in (before or status).stages
+           if any(r.node == node and r.state in LIVE_STATES for r in s.replicas)}
+    out = []
+    for stage in status.stages:
+        if stage.stage not in had or any(
+                (r.node != node and r.node and r.state in on_its_way)
+                or (r.state == ReplicaState.PENDING and r.reason.startswith(PLACING))  # (not known yet)
+                for r in stage.replicas):
+            continue
+        others = [r for r in stage.replicas if r.node != node]
+        out.append((stage.stage, f"stage {stage.stage} has no replica running once node {node} has left"
+                                 f" ({describe_replicas(others)}); requests that need it wait up to its"
+                                 " queue_timeout_s, then get a 503, until a node that can run it joins"))
+    return out
 
 
 def _wait_for_leader(host: str, port: int, wait_s: float, stopping: threading.Event) -> str | None:
