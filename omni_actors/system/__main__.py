@@ -94,7 +94,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="seconds to wait before killing what is left (default: the system's "
                          f"supervision.drain_timeout_s + {STOP_GRACE_S:g}, for its processes to exit)")
     sp = sub.add_parser("status", help="print the stage table of a running system; exit status 0 when its "
-                        f"model is ready, {NOT_READY_EXIT} when not (or its leader is not running)")
+                        f"model is ready, {NOT_READY_EXIT} when not (or its leader is not running)",
+                        description="Print the stage table of a running system. Exit status: 0 ready and "
+                        f"serving; {NOT_READY_EXIT} the system answers but is not ready (replicas starting, a "
+                        "stage without a ready replica), not serving (its leader process is gone) or "
+                        "stopping; 1 nothing answers at the admin port (no system there, or not an "
+                        "omni-actors admin).")
     admin_port(sp, remote=True)
     sp.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
