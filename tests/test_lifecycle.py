@@ -250,10 +250,10 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
     config = tmp_path / "slow_start.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     admin_port, http_port, env = free_port(), free_port(), {"OMNI_ACTORS_STATE_DIR": str(tmp_path)}
-    with open(tmp_path / "leader.err", "wb") as err:
+    with open(tmp_path / "leader.err", "wb") as err, open(tmp_path / "leader.out", "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "start", "--convention-leader",
                                  "--config", str(config), "--port", str(http_port), "--admin-port", str(admin_port)],
-                                stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT, env={**os.environ, **env})
+                                stdout=out, stderr=err, cwd=ROOT, env={**os.environ, **env})
     state = tmp_path / f"leader-{admin_port}.json"
     try:
         deadline = time.monotonic() + 30
@@ -274,6 +274,16 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
             f"error: HTTP port {http_port} on localhost is taken by the system on admin port {admin_port} "
             f"(leader pid {proc.pid}), which serves there once its replicas are ready"), second.stderr
         assert not (tmp_path / f"leader-{other_admin}.json").exists()
+        # Every 10 s while replicas start, the leader says which it waits for (it printed
+        # nothing of its own for the minute real engines take)
+        deadline = time.monotonic() + 20
+        while "starting (" not in (tmp_path / "leader.out").read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        progress = re.search(r"^starting \((\d+) s\): (\d+) of (\d+) replicas ready; waiting for (.*)$",
+                             (tmp_path / "leader.out").read_text(), re.M)
+        assert progress, (tmp_path / "leader.out").read_text()
+        assert 9 <= int(progress[1]) <= 15 and int(progress[2]) < int(progress[3]), progress[0]
+        assert "talker/0 starting" in progress[4] and "thinker/0" not in progress[4], progress[0]
         t0 = time.monotonic()
         stop = _cli("stop", "--admin-port", str(admin_port), env=env)
         took = time.monotonic() - t0

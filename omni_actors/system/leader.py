@@ -288,8 +288,14 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                                      "model": config.deployment.served_model_name}))
         coordinator = asys.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
         deployed_at = int(time.time())  # (`created` of /v1/models: kept by a recreated coordinator)
-        status = asys.ask(coordinator, Deploy(config, leader_node, deployed_at=deployed_at),
-                          config.deployment.ready_timeout_s + 15)
+        deployed = threading.Event()
+        threading.Thread(target=_report_start_progress, args=(asys, coordinator, deployed, t0),
+                         name="start-progress", daemon=True).start()
+        try:
+            status = asys.ask(coordinator, Deploy(config, leader_node, deployed_at=deployed_at),
+                              config.deployment.ready_timeout_s + 15)
+        finally:
+            deployed.set()
         if not isinstance(status, SystemStatus):
             raise StartError("the coordinator did not answer the deployment in time")
         print_status_table(status)
@@ -336,6 +342,34 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             log.info("leader_stopped", shutdown_s=round(time.monotonic() - t1, 2),
                      processes_killed=left, killed=killed[:20], shm_segments_removed=removed)
             print("omni-actors stopped", flush=True)
+
+
+#: Seconds between the start-up progress lines while the replicas start (vLLM: a minute).
+START_PROGRESS_EVERY_S = 10.0
+
+
+def _report_start_progress(asys, coordinator, deployed: threading.Event, t0: float,
+                           every_s: float = START_PROGRESS_EVERY_S) -> None:
+    """(A thread) Until ``deployed`` is set, every ``every_s`` print which replicas are
+    not ready yet: ``starting (20 s): 2 of 4 replicas ready; waiting for thinker/0
+    starting, talker/1 pending: no node has ...``. A leader starting real engines
+    printed nothing of its own for a minute (only the engines' log)."""
+    from omni_actors.balancing import describe_replicas
+    from omni_actors.messages import GetStatus, ReplicaState, SystemStatus
+
+    with asys.private() as ctx:
+        while not deployed.wait(every_s):
+            try:
+                status = ctx.ask(coordinator, GetStatus("start-progress"), 5.0)
+            except Exception:  # noqa: BLE001 - progress is best effort
+                continue
+            if deployed.is_set() or not isinstance(status, SystemStatus):
+                continue
+            reps = [r for s in status.stages for r in s.replicas if r.state != ReplicaState.STOPPED]
+            waiting = [r for r in reps if r.state != ReplicaState.READY]
+            if waiting:
+                print(f"starting ({time.monotonic() - t0:.0f} s): {len(reps) - len(waiting)} of {len(reps)} "
+                      f"replicas ready; waiting for {describe_replicas(waiting)}", flush=True)
 
 
 def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: threading.Event,
