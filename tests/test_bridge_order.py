@@ -191,3 +191,27 @@ def test_a_final_output_without_what_its_type_needs_fails_the_request_with_a_rea
     assert len(failed) == 1 and failed[0].status == 500, stream
     assert failed[0].message == ("stage 0's text output has no `text` (it has: prior_token_ids): its engine "
                                  "makes no text; see its final_output_type in the config")
+
+
+@pytest.mark.parametrize("message, code", [
+    # vLLM 0.32's, for a prompt plus max_tokens over max_model_len
+    ("stage thinker (thinker/0): This model's maximum context length is 512 tokens. However, you requested "
+     "300 output tokens and your prompt contains at least 301 input tokens, for a total of at least 601 tokens.",
+     "context_length_exceeded"),
+    # vLLM's, for a prompt alone over it
+    ("stage thinker (thinker/0): The decoder prompt (length 900) is longer than the maximum model length of 512.",
+     "context_length_exceeded"),
+    # the synthetic engine's
+    ("stage thinker (thinker/0): the prompt has 9 tokens: over the model's context length of 8 tokens",
+     "context_length_exceeded"),
+    ("stage talker (talker/0): temperature must be >= 0", None),
+])
+def test_a_prompt_over_the_context_length_gets_openais_code_for_it(bridge, message, code):
+    """A 400 of a prompt over the model's context length carries ``context_length_exceeded``
+    (a trial's client found ``code`` null, so it could not tell it from other 400s)."""
+    from omni_actors.messages import ErrorKind
+
+    stream = _open(bridge, "r9")
+    bridge._on_message(RequestFinished("r9", ErrorKind.BAD_REQUEST, message, request_actor="ra"))
+    (failed,) = [ev for ev in stream if isinstance(ev, RequestFailed)]
+    assert (failed.status, failed.type, failed.code) == (400, "invalid_request_error", code)

@@ -250,5 +250,9 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(omni_leader, opena
     if name == "prompt over the context length":  # (the stage named once: it said "...: thinker: the prompt...")
         assert re.match(r"stage thinker \(thinker/\d+\): the prompt has \d+ tokens: over the model's context "
                         r"length of 32768 tokens", error["message"]), error["message"]
+        # (as OpenAI's: a client can tell it from other 400s)
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "messages"), error
+    elif status == 400:
+        assert error["code"] != "context_length_exceeded", error
     ok = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
     assert ok.choices[0].message.content

@@ -21,7 +21,7 @@ from aiohttp import web
 from omni_actors.http import metrics as M
 from omni_actors.http import protocol as P
 from omni_actors.http.types import (
-    Bridge, BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone, RequestFailed, within,
+    CONTEXT_LENGTH_CODE, Bridge, BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone, RequestFailed, within,
 )
 
 __all__ = ["create_app", "start_http", "refuse_new_requests", "BRIDGE_KEY"]
@@ -390,21 +390,24 @@ def _pipeline_request(request: web.Request, prefix: str, prompt: str,
                            request.app[BRIDGE_KEY].request_timeout_s, stream)
 
 
-def _failed(ev: RequestFailed) -> P.ApiError:
+def _failed(ev: RequestFailed, prompt_param: str = "messages") -> P.ApiError:
     """The error to answer for ``ev``; a refusal for load (the bridge's ``RequestRejected``,
     429) keeps its ``code`` and gets a ``Retry-After`` header. A 504 (the request's
     deadline passed) and a 500 of the pipeline (its stage failed on every replica it was
     tried on, or crashed them: the server retried it already) get ``x-should-retry:
     false``, the header with which OpenAI's clients skip their own retries (by default
     two more tries of any 5xx: three deadlines' wait, or a poison request crashing
-    replicas again). A lost output's 500 is left to retry: nothing in the request caused it."""
+    replicas again). A lost output's 500 is left to retry: nothing in the request caused it.
+    A prompt over the context length (code ``context_length_exceeded``) names the request's
+    ``prompt_param`` (``messages``; ``prompt`` for images) as its ``param``, as OpenAI's does."""
     headers = {}
     retry_after = getattr(ev, "retry_after_s", None)
     if retry_after is not None:
         headers["Retry-After"] = str(int(retry_after))
     if ev.status == 504 or (ev.status == 500 and not ev.lost_output):
         headers["x-should-retry"] = "false"
-    return P.ApiError(ev.status, ev.message, ev.type, code=ev.code, headers=headers or None)
+    param = prompt_param if ev.code == CONTEXT_LENGTH_CODE else None
+    return P.ApiError(ev.status, ev.message, ev.type, param=param, code=ev.code, headers=headers or None)
 
 
 async def _wav(ev: OutputFinal, fmt: str = "wav") -> bytes:
@@ -572,7 +575,7 @@ async def images_generations(request: web.Request) -> web.Response:
             elif isinstance(ev, OutputFinal) and ev.output_type == "image":
                 image = ev.data["image"]
             elif isinstance(ev, RequestFailed):
-                raise _failed(ev)
+                raise _failed(ev, "prompt")
     if image is None:
         raise P.ApiError(500, "The pipeline produced no image.", "server_error")
     from omni_actors.media import encode_png

@@ -50,6 +50,7 @@ import asyncio
 import dataclasses
 import itertools
 import queue
+import re
 import threading
 import time
 from typing import Any, AsyncIterator
@@ -60,8 +61,8 @@ from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
 from omni_actors.balancing import no_replica_reason
 from omni_actors.connectors import make_connector
 from omni_actors.connectors.data_client import DataServiceError
-from omni_actors.http.types import (BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone,
-                                    RequestFailed, within)
+from omni_actors.http.types import (CONTEXT_LENGTH_CODE, BridgeEvent, OutputFinal, OutputPart, OutputText,
+                                    PipelineRequest, RequestDone, RequestFailed, within)
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelRequest, CancelStage, ErrorKind, GetRoutes, GetStatus, OutputChunk,
                                   OutputDelta, OutputDeltas, OutputReady, Relay, RequestActorAlive, RequestActorExited,
@@ -87,6 +88,12 @@ RETRY_AFTER_S = 1
 HTTP_STATUS = {ErrorKind.UNAVAILABLE: 503, ErrorKind.TIMEOUT: 504, ErrorKind.ENGINE_ERROR: 500,
                ErrorKind.CRASHED: 500, ErrorKind.STAGE_INPUT: 500, ErrorKind.INPUT_LOST: 500,
                ErrorKind.BAD_REQUEST: 400, ErrorKind.CANCELLED: 499}
+
+#: What the engines say when a prompt, with the tokens it must get, is over the model's
+#: context length (vLLM's two messages, the synthetic engine's): that 400 gets OpenAI's
+#: ``code`` for it (a trial's client found ``code`` and ``param`` null).
+CONTEXT_LENGTH = re.compile(r"maximum context length|longer than the maximum model length"
+                            r"|over the model's context length")
 
 
 class BridgeError(RuntimeError):
@@ -602,6 +609,8 @@ class ActorBridge(RequestActorKeeping):
             status = HTTP_STATUS.get(msg.error, 500)
             kind = "invalid_request_error" if status == 400 else "server_error"
             code = {503: "service_unavailable", 504: "timeout"}.get(status)
+            if status == 400 and CONTEXT_LENGTH.search(msg.message):
+                code = CONTEXT_LENGTH_CODE
             lost = msg.error == ErrorKind.INPUT_LOST  # (the API server may run it again, as a lost final output)
             event = RequestFailed(status, msg.message, kind, lost_output=lost, lost_on=msg.lost_on if lost else None,
                                   output_sent=msg.output_sent, code=code)

@@ -108,8 +108,13 @@ class RequestFailed:
     #: server: the request may run again as long as none of it reached the client (a trial's
     #: stream got this 503 before any event: its text never arrived, the replica died with it)
     output_sent: bool = False
-    #: the error's ``code``: ``service_unavailable`` (503), ``timeout`` (504), or None
+    #: the error's ``code``: ``service_unavailable`` (503), ``timeout`` (504),
+    #: :data:`CONTEXT_LENGTH_CODE` (400), or None
     code: str | None = None
+
+
+#: OpenAI's error ``code`` for a prompt over the model's context length.
+CONTEXT_LENGTH_CODE = "context_length_exceeded"
 
 
 BridgeEvent = Union[OutputText, OutputPart, OutputFinal, RequestDone, RequestFailed]
