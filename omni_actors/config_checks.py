@@ -7,6 +7,7 @@ lists, and that each stage's processor imports. Each raises a
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 
 from omni_actors.config import ConfigError, PipelineConfig, StageSpec
@@ -89,8 +90,8 @@ def _check_graph(cfg: PipelineConfig, source: str) -> None:
                               "this stage's input from upstream stages' outputs: name the stage_id(s) it "
                               "takes them from")
         if s.custom_process_input_func:
-            _check_importable(s.custom_process_input_func, source,
-                              f"stage_args[{i}].custom_process_input_func")
+            _check_processor(s.custom_process_input_func, cfg.deployment_of(s).backend, s.name, source,
+                             f"stage_args[{i}].custom_process_input_func")
     if not any(s.final_output for s in cfg.stage_args):
         raise ConfigError(source, "stage_args", "no stage has final_output: true")
     for i, s in enumerate(cfg.stage_args):
@@ -237,7 +238,38 @@ def _check_acyclic(cfg: PipelineConfig, source: str) -> None:
 ENGINE_PACKAGES = ("vllm_omni", "vllm")
 
 
-def _check_importable(dotted: str, source: str, path: str) -> None:
+def _check_processor(dotted: str, backend: str, stage: str, source: str, path: str) -> None:
+    """A stage's ``custom_process_input_func``: importable (see :func:`_check_importable`)
+    and, unless the vLLM-Omni backend runs it (vLLM-Omni's own signature), callable as
+    ``fn(upstream, prompt, params)``; a vLLM-Omni processor needs that backend.
+
+    Raises:
+        ConfigError: at ``path``. (A trial's ``os.getcwd`` and a ``vllm_omni`` processor on a
+            synthetic stage passed ``check-config``; every request then got a 500 or a 503.)
+    """
+    top = dotted.split(".")[0]
+    if top == "vllm_omni" and backend != "vllm_omni":
+        raise ConfigError(source, path, f"`{dotted}` is a vLLM-Omni processor (vLLM-Omni's signature): it runs "
+                                        f"only on `backend: vllm_omni`, and stage {stage} has backend {backend} "
+                                        "(deployment.stages.<stage>.backend); name a processor of this project's "
+                                        "form, such as omni_actors.processors.thinker2talker")
+    func = _check_importable(dotted, source, path)
+    if func is None or backend == "vllm_omni":
+        return
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # (some builtins have none: called as they are)
+        return
+    try:
+        signature.bind(None, None, None)
+    except TypeError as exc:
+        raise ConfigError(source, path, f"`{dotted}{signature}` cannot be called as a stage processor "
+                                        f"`fn(upstream, prompt, params)`: {exc}") from None
+
+
+def _check_importable(dotted: str, source: str, path: str):
+    """The function ``dotted`` names; None for one of an engine package not installed here
+    (:data:`ENGINE_PACKAGES`). Raises ConfigError at ``path`` when it cannot be had."""
     module, _, attr = dotted.rpartition(".")
     if not module:
         raise ConfigError(source, path, f"expected a dotted path `package.module.function`, got `{dotted}`")
@@ -248,7 +280,7 @@ def _check_importable(dotted: str, source: str, path: str) -> None:
         # CPU-only host) are checked by that engine when it loads.
         top = (exc.name or "").split(".")[0]
         if top in ENGINE_PACKAGES and dotted.startswith(top + "."):
-            return
+            return None
         raise ConfigError(source, path, f"cannot import `{module}`: {_one_line(exc)}") from None
     except (Exception, SystemExit) as exc:  # the module's own code failed: a SyntaxError, its imports...
         raise ConfigError(source, path,
@@ -261,6 +293,7 @@ def _check_importable(dotted: str, source: str, path: str) -> None:
         raise ConfigError(source, path, f"`{module}` has no function `{attr}`")
     if not callable(func):
         raise ConfigError(source, path, f"`{module}.{attr}` is a {type(func).__name__}, not a function")
+    return func
 
 
 def _one_line(exc: BaseException) -> str:

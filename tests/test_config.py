@@ -155,8 +155,50 @@ def test_processor_of_an_engine_package_not_installed_here_is_accepted(tmp_path:
         pass
     else:
         pytest.skip("vllm_omni is installed here")
-    cfg = load_config(write(tmp_path, variant(stage(1, custom_process_input_func=dotted))))
+
+    def mutate(d):
+        d["stage_args"][1]["custom_process_input_func"] = dotted
+        d["deployment"]["stages"]["talker"]["backend"] = "vllm_omni"
+
+    cfg = load_config(write(tmp_path, variant(mutate)))
     assert cfg.stage(1).custom_process_input_func == dotted
+
+
+@pytest.mark.parametrize("backend", ["synthetic", "vllm"])
+def test_a_vllm_omni_processor_needs_the_vllm_omni_backend(tmp_path: Path, backend: str) -> None:
+    """vLLM-Omni's processors have vLLM-Omni's signature; only that backend runs them. A
+    trial's synthetic stage with one passed check-config, then every request got a 503."""
+    dotted = "vllm_omni.model_executor.stage_input_processors.qwen3_omni.thinker2talker"
+
+    def mutate(d):
+        d["stage_args"][1]["custom_process_input_func"] = dotted
+        d["deployment"]["stages"]["talker"]["backend"] = backend
+        if backend == "vllm":
+            d["stage_args"][1]["engine_args"]["model"] = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
+
+    err = refused(tmp_path, variant(mutate))
+    assert err.path == "stage_args[1].custom_process_input_func"
+    assert err.message.startswith(f"`{dotted}` is a vLLM-Omni processor (vLLM-Omni's signature): it runs only "
+                                  f"on `backend: vllm_omni`, and stage talker has backend {backend}"), err.message
+
+
+@pytest.mark.parametrize(("dotted", "expect"), [
+    ("os.getcwd", "too many positional arguments"),
+    ("omni_actors.config_checks.resolve_processor", "too many positional arguments"),
+    ("json.dumps", "too many positional arguments"),  # (obj, *, ...)
+    ("omni_actors.processors.default_input", None),
+])
+def test_a_processor_must_take_upstream_prompt_and_params(tmp_path: Path, dotted: str, expect) -> None:
+    """A trial's ``os.getcwd`` passed check-config; every text+audio request got a 500
+    ("takes no arguments (3 given)")."""
+    if expect is None:
+        cfg = load_config(write(tmp_path, variant(stage(1, custom_process_input_func=dotted))))
+        assert cfg.stage(1).custom_process_input_func == dotted
+        return
+    err = refused(tmp_path, variant(stage(1, custom_process_input_func=dotted)))
+    assert err.path == "stage_args[1].custom_process_input_func"
+    assert "cannot be called as a stage processor `fn(upstream, prompt, params)`" in err.message, err.message
+    assert expect in err.message, err.message
 
 
 # -- the file itself -------------------------------------------------------
