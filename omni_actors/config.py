@@ -532,7 +532,8 @@ def parse_config(data: Any, source: str = "<memory>",
     if not _CONVERTING.get():
         for path, message in unknown_key_warnings(data):
             warn(path, message)
-    if "stages" in data or "base_config" in data:
+    if "stages" in data or "base_config" in data or (
+            "stage_args" not in data and ("topology" in data or "pipeline" in data)):
         # vLLM-Omni's deploy format (a `stages:` list; the topology elsewhere).
         from omni_actors.vllm_omni_deploy import parse_deploy_config
 
@@ -541,9 +542,12 @@ def parse_config(data: Any, source: str = "<memory>",
             return parse_deploy_config(data, source)
         finally:
             _CONVERTING.reset(token)
-    for key in ("stage_args", "deployment"):
-        if key not in data:
-            raise ConfigError(source, key, "required field is missing")
+    if "stage_args" not in data:
+        raise ConfigError(source, "stage_args", "required field is missing: the stage graph, as a `stage_args` "
+                                                "list (vLLM-Omni's stage configs) or in vLLM-Omni's deploy format "
+                                                "(a `stages:` list with a `topology:` block or a `pipeline:` key)")
+    if "deployment" not in data:
+        raise ConfigError(source, "deployment", "required field is missing")
     # vLLM-Omni deploy YAMLs carry more top-level keys (runtime, async_chunk...): keep quiet.
     deployment = data["deployment"]
     stages = deployment.get("stages") if isinstance(deployment, dict) else None

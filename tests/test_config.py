@@ -974,3 +974,22 @@ def test_an_empty_config_file_says_it_is_empty(tmp_path: Path, text: str) -> Non
         load_config(path)
     assert str(err.value) == (f"{path}: <top>: the file is empty, or holds only comments (expected a mapping "
                               "with `stage_args` and `deployment`)")
+
+
+@pytest.mark.parametrize(("text", "path", "expect"), [
+    # (a trial's deploy-format file without a `stages:` list was told that `stage_args` was missing)
+    ("topology:\n  stages: []\ndeployment: {served_model_name: x}\n", "topology.stages", "expected at least one stage"),
+    ("pipeline: qwen3_omni\ndeployment: {served_model_name: x}\n", "pipeline", "a deploy file has no stage graph"),
+    ("deployment: {served_model_name: x}\n", "stage_args",
+     "required field is missing: the stage graph, as a `stage_args` list (vLLM-Omni's stage configs) or in "
+     "vLLM-Omni's deploy format (a `stages:` list with a `topology:` block or a `pipeline:` key)"),
+], ids=["topology-only", "pipeline-only", "neither"])
+def test_a_config_without_a_stage_graph_says_which_forms_it_may_take(tmp_path: Path, text, path, expect) -> None:
+    try:
+        import vllm_omni  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("vllm_omni is installed here (its registry would give the pipeline a stage graph)")
+    err = refused(tmp_path, text)
+    assert err.path == path and expect in err.message, (err.path, err.message)
