@@ -247,6 +247,7 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
     cfg = yaml.safe_load((CONFIGS / "cpu_omni_demo.yaml").read_text())
     cfg["deployment"]["stages"]["talker"]["synthetic"].update(startup_s=60, startup_blocks=True)
     cfg["deployment"]["ready_timeout_s"] = 120
+    cfg["stage_args"][1]["final_ouput"] = False  # (a misspelt key: a warning, also as a plain line)
     config = tmp_path / "slow_start.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     admin_port, http_port, env = free_port(), free_port(), {"OMNI_ACTORS_STATE_DIR": str(tmp_path)}
@@ -292,6 +293,8 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
         assert proc.wait(10) == 130 and took < 8, took
         log = (tmp_path / "leader.err").read_text()
         assert "interrupted during start-up" in log
+        assert any(line.startswith(f"warning: {config}: stage_args[1].final_ouput: unknown key")
+                   for line in log.splitlines()), log[:3000]
         stopped = [json.loads(line) for line in log.splitlines() if '"leader_stopped"' in line]
         assert stopped and stopped[0]["killed"] == [], stopped
         assert system_pids(system_id) == [] and not state.exists()

@@ -189,11 +189,19 @@ def cmd_start(args) -> int:
     if args.port == args.admin_port:  # (an argument error, as the ranges are: exit 2)
         return _fail(f"--port and --admin-port must differ (both {args.port})", 2)
     # The config loads once, after the re-exec and with logging set up, so that its
-    # warnings (a misspelt stage key) are logged once, as JSON lines like every event.
+    # warnings (a misspelt stage key) are logged once, as JSON lines like every event,
+    # and printed as plain lines too (a trial missed them among the JSON lines).
     _ensure_system_id()
     configure_logging(args.log_level)
+
+    def warn(text: str) -> None:
+        from omni_actors.logs import get_logger
+
+        print(f"warning: {text}", file=sys.stderr, flush=True)
+        get_logger().warning("config_unknown_key", message=text)
+
     try:
-        config = load_config(args.config or DEFAULT_CONFIG)
+        config = load_config(args.config or DEFAULT_CONFIG, on_warning=warn)
     except ConfigError as exc:
         return _fail(str(exc), 2)
     try:
