@@ -469,9 +469,12 @@ def _bounds_message(typ: Any, value: Any) -> str | None:
 def _expected(typ: Any, path: str, message: str, obj: Any = _MISSING) -> tuple[str, str]:
     """Add to msgspec's message what was expected (unknown field, enum value, bounds)."""
     if _OUT_OF_BOUNDS.match(message):
-        better = _bounds_message(_type_at(typ, path), _value_at(obj, path) if obj is not _MISSING else obj)
+        value = _value_at(obj, path) if obj is not _MISSING else obj
+        better = _bounds_message(_type_at(typ, path), value)
         if better is not None:
             return path, better
+        if value is not _MISSING:  # (a field without a unit: msgspec's bound, and what was given)
+            return path, f"{message}, got {_show(value)}"
     m = re.match(r"Object contains unknown field `(.*)`", message)
     if m:
         t = _type_at(typ, path)

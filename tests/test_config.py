@@ -993,3 +993,9 @@ def test_a_config_without_a_stage_graph_says_which_forms_it_may_take(tmp_path: P
         pytest.skip("vllm_omni is installed here (its registry would give the pipeline a stage graph)")
     err = refused(tmp_path, text)
     assert err.path == path and expect in err.message, (err.path, err.message)
+
+
+def test_a_bound_without_a_unit_says_what_was_given(tmp_path: Path) -> None:
+    """(A trial's ``chunk_tokens: 0`` said only "Expected `int` >= 1"; other bounds say "got".)"""
+    err = refused(tmp_path, variant(lambda d: d["deployment"].update(streaming={"chunk_tokens": 0})))
+    assert (err.path, err.message) == ("deployment.streaming.chunk_tokens", "Expected `int` >= 1, got 0")
