@@ -1100,3 +1100,34 @@ def _with_cli(text: str) -> str:
         return "`PYTHON -m omni_actors.system"
     return re.sub(r"`(\S+) -m omni_actors\.system", check, text)
 
+
+
+def test_orphan_multiprocessing_semaphores_are_removed_and_used_or_older_ones_kept():
+    """A system stopped while its vLLM engines loaded left a ``/dev/shm/sem.mp-*`` for good
+    (the spawning parent unlinks it only once done, and it was killed first). The leader,
+    a member and the watchdog remove those made since they started that no process maps."""
+    import multiprocessing
+    import uuid
+
+    from omni_actors.system.processes import SEM_DIR, SEM_PREFIX, remove_orphan_semaphores
+
+    if not os.path.isdir(SEM_DIR):
+        pytest.skip(f"no {SEM_DIR} here")
+    started = time.time()
+    orphan = f"{SEM_PREFIX}test-{uuid.uuid4().hex[:8]}"
+    with open(os.path.join(SEM_DIR, orphan), "wb") as f:
+        f.write(b"\0" * 32)  # (what a semaphore's file holds; nobody maps this one)
+    in_use = multiprocessing.get_context("spawn").Lock()  # a real one, named and mapped by this process
+    name = in_use._semlock.name.lstrip("/")
+    assert os.path.exists(os.path.join(SEM_DIR, "sem." + name))
+    try:
+        # made before the system started: not its own, kept
+        assert orphan not in remove_orphan_semaphores(time.time() + 60)
+        assert os.path.exists(os.path.join(SEM_DIR, orphan))
+        removed = remove_orphan_semaphores(started)
+        assert orphan in removed and "sem." + name not in removed, removed
+        assert not os.path.exists(os.path.join(SEM_DIR, orphan))
+        assert os.path.exists(os.path.join(SEM_DIR, "sem." + name))
+    finally:
+        if os.path.exists(os.path.join(SEM_DIR, orphan)):
+            os.unlink(os.path.join(SEM_DIR, orphan))

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from omni_actors.config import PipelineConfig
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, cli, kill_system, port_in_use,
-                                          remove_ipc_dir, resume_stopped, serve_args_error)
+                                          remove_ipc_dir, remove_orphan_semaphores, resume_stopped,
+                                          serve_args_error)
 from omni_actors.system.watchdog import (exit_if_host_gone, is_watchdog, mark_host_process, start_time,
                                          start_watchdog, stop_watchdog)
 
@@ -263,7 +264,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (SIGHUP: its terminal was closed)
         signal.signal(sig, interrupt)
 
-    t0 = time.monotonic()
+    t0, started_at = time.monotonic(), time.time()
     leader_node = NodeInfo(node or socket.gethostname(), tuple(devices))
     sfile = state_file(admin_port)
     asys = data = watchdog = None
@@ -332,6 +333,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             left = kill_system(system_id, sessions=sessions, titles=killed, settle_s=1.0 if asys is not None else 0.0)
             remove_ipc_dir(system_id)
             removed = sweep_segments(shm_prefix)
+            semaphores = remove_orphan_semaphores(started_at)
             if data is not None:
                 data.stop()
             try:
@@ -340,7 +342,8 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                 pass  # (an unusable state directory: nothing was recorded there)
             stop_watchdog(watchdog)
             log.info("leader_stopped", shutdown_s=round(time.monotonic() - t1, 2),
-                     processes_killed=left, killed=killed[:20], shm_segments_removed=removed)
+                     processes_killed=left, killed=killed[:20], shm_segments_removed=removed,
+                     semaphores_removed=len(semaphores))
             print("omni-actors stopped", flush=True)
 
 

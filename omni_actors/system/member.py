@@ -19,6 +19,7 @@ import time
 from omni_actors.system.leader import (ACTOR_BASE, StartError, _become_subreaper, admin_start_error,
                                        node_capabilities, start_data_service)
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
+                                          remove_orphan_semaphores,
                                           resume_stopped)
 from omni_actors.system.watchdog import exit_if_host_gone, mark_host_process, start_watchdog, stop_watchdog
 
@@ -58,7 +59,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     from omni_actors.system.remote import node_name_taken
 
     stopping, hurry = threading.Event(), threading.Event()
-    me = os.getpid()
+    me, started_at = os.getpid(), time.time()
     def interrupt(signum, frame):
         if os.getpid() == me:
             if stopping.is_set():  # a second Ctrl-C or SIGTERM: leave without waiting for the drain
@@ -120,6 +121,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
                              settle_s=1.0 if asys is not None else 0.0)
         remove_ipc_dir(os.environ.get(ENV_SYSTEM_ID, ""))
         sweep_segments(shm_prefix)
+        remove_orphan_semaphores(started_at)
         if data is not None:
             data.stop()
         stop_watchdog(watchdog)

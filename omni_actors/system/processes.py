@@ -93,6 +93,67 @@ def remove_ipc_dir(system_id: str) -> int:
     return left
 
 
+#: Where POSIX named semaphores live on Linux, and the names Python's ``multiprocessing``
+#: gives its own (``sem.mp-<random>``).
+SEM_DIR = "/dev/shm"
+SEM_PREFIX = "sem.mp-"
+
+
+def boot_ticks_to_unix(ticks: int) -> float:
+    """A time in clock ticks since boot (``/proc/<pid>/stat`` field 22) as Unix time."""
+    with open("/proc/stat") as f:
+        btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def remove_orphan_semaphores(since: float, directory: str = SEM_DIR) -> list[str]:
+    """Unlink the ``multiprocessing`` semaphores (``sem.mp-*`` in ``directory``) made at or
+    after ``since`` (Unix time, seconds) that no process has mapped; their names.
+
+    A spawned child (vLLM's engine core) is handed its semaphores by name, so its parent
+    unlinks them only when it is done with them; a system stopped while its engines load
+    kills them first (a `stop` 3 s into the vLLM chain's start found three, and one of them
+    stayed in ``/dev/shm`` for good). One that any process still maps (its inode in a
+    ``/proc/<pid>/maps``) is in use and is kept; so is one older than ``since``: it cannot
+    be this system's.
+    """
+    candidates: dict[int, str] = {}  # inode -> name
+    try:
+        for entry in os.scandir(directory):
+            if entry.name.startswith(SEM_PREFIX):
+                try:
+                    st = entry.stat()
+                except OSError:
+                    continue
+                if st.st_ctime >= since - 1.0:
+                    candidates[st.st_ino] = entry.name
+    except OSError:
+        return []
+    # (glibc maps a semaphore under a temporary name that it then links to the real one and
+    # unlinks: a mapping names the inode, not the name)
+    for proc in Path("/proc").iterdir():
+        if not candidates:
+            return []
+        if not proc.name.isdigit():
+            continue
+        try:
+            maps = (proc / "maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            fields = line.split(None, 5)
+            if len(fields) == 6 and fields[5].startswith(directory + "/") and fields[4].isdigit():
+                candidates.pop(int(fields[4]), None)
+    removed = []
+    for name in candidates.values():
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
 def proc_stat(entry: Path) -> list[str] | None:
     """Fields of /proc/PID/stat after the command name: state, ppid, pgrp, session, ..."""
     try:

@@ -32,7 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-from omni_actors.system.processes import ENV_SYSTEM_ID, cli, kill_system, proc_stat, remove_ipc_dir
+from omni_actors.system.processes import (ENV_SYSTEM_ID, boot_ticks_to_unix, cli, kill_system, proc_stat,
+                                          remove_ipc_dir, remove_orphan_semaphores)
 
 #: Seconds between two looks at the main process (the SIGTERM grace comes after).
 POLL_S = 0.2
@@ -185,6 +186,7 @@ def _clean_up(args) -> None:
     killed = kill_system(args.system_id, sessions=args.session, titles=titles)
     remove_ipc_dir(args.system_id)
     removed = sweep_segments(args.shm_prefix) if args.shm_prefix else 0
+    remove_orphan_semaphores(boot_ticks_to_unix(args.start_time))
     if args.state_file:
         _remove_state_file(Path(args.state_file), args.pid)
     try:  # (stderr may be a closed terminal by now)
