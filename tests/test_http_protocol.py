@@ -917,3 +917,34 @@ def test_no_value_of_any_json_type_in_any_field_gets_a_500():
         await assert_good_chat(client)
 
     serve(bridge, body)
+
+
+def test_every_api_request_gets_one_access_log_line_with_its_status():
+    """One ``http_request`` event per request: a 200, a 400, a 404 (unknown model and unknown
+    route), a stream that failed after its 200 header (its outcome, 500) and a 503, each with
+    its status, path, duration and request ids; GETs only when they fail. (A trial found the
+    400s, 404s, 429s and 503s in no log.)"""
+    from structlog.testing import capture_logs
+
+    bridge = FakeBridge()
+
+    async def body(client):
+        await assert_good_chat(client)
+        await client.post(CHAT, json={**GOOD_CHAT, "messages": []})
+        await client.post(CHAT, json=chat("hi", model="nope"), headers={"X-Request-Id": "my-trace-124"})
+        await client.get("/v1/no-such-route")
+        await client.get("/health")
+        resp = await client.post(CHAT, json=chat("[failmid]", stream=True))
+        await resp.text()
+        await client.post(CHAT, json=chat("[fail503]"))
+
+    with capture_logs() as logs:
+        serve(bridge, body)
+    lines = [e for e in logs if e["event"] == "http_request"]
+    assert [(e["method"], e["path"], e["status"]) for e in lines] == [
+        ("POST", CHAT, 200), ("POST", CHAT, 400), ("POST", CHAT, 404), ("GET", "/v1/no-such-route", 404),
+        ("POST", CHAT, 500), ("POST", CHAT, 503)], lines
+    assert [e["log_level"] for e in lines] == ["info"] * 4 + ["warning"] * 2
+    assert all(e["duration_ms"] >= 0 and e["request_id"] for e in lines)
+    assert lines[0]["request_id"] == bridge.submitted[0].request_id  # (as in request_finished)
+    assert lines[2]["client_request_id"] == "my-trace-124" and lines[0]["client_request_id"] is None

@@ -616,6 +616,8 @@ class RequestActor(ActorTypeDispatcher):
         self._log.info("request_finished", request_id=req.request_id,
                        error=error.value if error else None, message=message or None,
                        duration_ms=round((time.monotonic() - self._started) * 1000, 2),
+                       # (before it: the wait in the API server for a free RequestActor)
+                       queued_ms=round(req.queued_s * 1000, 2),
                        replicas={names[sid]: d.replica for sid, d in self._done.items()},
                        # (stages cut short: cancelled with the request; their replicas are not known here)
                        stages_cancelled=[names[sid] for sid in self._running] or None)

@@ -80,6 +80,8 @@ _RL = ("stage", "replica")
 METRICS_KEY: web.AppKey["Metrics"] = web.AppKey("metrics", object)
 _T0: web.RequestKey[float] = web.RequestKey("metrics_t0", float)
 _STATUS: web.RequestKey[int] = web.RequestKey("metrics_status", int)
+#: The outcome status :func:`set_outcome` recorded (a stream that failed after its 200 header).
+OUTCOME_KEY = _STATUS
 _TTFT_SEEN: web.RequestKey[bool] = web.RequestKey("metrics_ttft_seen", bool)
 
 
