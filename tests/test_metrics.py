@@ -57,7 +57,10 @@ def status() -> SystemStatus:
                           completed=3, failed=2, restarts=2),  # no histogram reported yet
         ), pid=101, restarts=1),
         PoolState(2, "code2wav", (
-            ReplicaStatus("code2wav/0", ReplicaState.FAILED, reason="restarted too often"),
+            ReplicaStatus("code2wav/0", ReplicaState.FAILED, reason="restarted too often",
+                          last_heartbeat_age_s=95.0),
+            ReplicaStatus("code2wav/1", ReplicaState.STOPPED, reason="drained on request",
+                          last_heartbeat_age_s=99.0),
         ), pid=102),
     ), coordinator_pid=99)
 
@@ -188,6 +191,9 @@ def test_replica_state_info_gauges_and_counters():
     assert value(f, "omni_replica_rate", **r) == 250
     assert value(f, "omni_replica_kv_cache_usage", **r) == 0.25
     assert value(f, "omni_replica_last_heartbeat_age_seconds", **r) == 0.3
+    # (not for replicas without a process: a trial's "heartbeat too old" alert fired for drained ones)
+    assert not samples(f, "omni_replica_last_heartbeat_age_seconds", replica="code2wav/0")
+    assert not samples(f, "omni_replica_last_heartbeat_age_seconds", replica="code2wav/1")
     assert f["omni_replica_tasks_completed"].type == "counter"
     assert value(f, "omni_replica_tasks_completed", "omni_replica_tasks_completed_total", **r) == 10
     assert value(f, "omni_replica_tasks_failed", "omni_replica_tasks_failed_total", **r) == 1

@@ -27,7 +27,8 @@ Metric names:
 ``omni_replica_running``                gauge
 ``omni_replica_rate``                   gauge      tokens / frames / items per second
 ``omni_replica_kv_cache_usage``         gauge      only for replicas that report it
-``omni_replica_last_heartbeat_age_seconds`` gauge  only when known
+``omni_replica_last_heartbeat_age_seconds`` gauge  only when known, and not for replicas that
+                                                   have no process (stopped, failed, pending)
 ``omni_replica_tasks_completed_total``  counter
 ``omni_replica_tasks_failed_total``     counter
 ``omni_replica_restarts_total``         counter
@@ -75,6 +76,9 @@ MAX_REASON_CHARS = 200
 CLIENT_CLOSED = 499
 
 _STATES = tuple(s.value for s in ReplicaState)
+#: States of a replica without a process: a heartbeat age would only grow (a trial's alert on
+#: it fired for drained replicas).
+_NO_PROCESS = (ReplicaState.STOPPED.value, ReplicaState.FAILED.value, ReplicaState.PENDING.value)
 _RL = ("stage", "replica")
 
 METRICS_KEY: web.AppKey["Metrics"] = web.AppKey("metrics", object)
@@ -140,7 +144,8 @@ def stage_families(table: dict[str, Any]) -> list[Metric]:
     kv = GaugeMetricFamily("omni_replica_kv_cache_usage",
                            "KV-cache usage, 0..1 (backends that report it)", labels=_RL)
     hb_age = GaugeMetricFamily("omni_replica_last_heartbeat_age_seconds",
-                               "Seconds since the replica's last heartbeat", labels=_RL)
+                               "Seconds since the replica's last heartbeat (not for replicas stopped, "
+                               "failed or pending: they have no process)", labels=_RL)
     completed = CounterMetricFamily("omni_replica_tasks_completed",
                                     "Stage tasks the replica completed", labels=_RL)
     failed = CounterMetricFamily("omni_replica_tasks_failed",
@@ -177,7 +182,7 @@ def stage_families(table: dict[str, Any]) -> list[Metric]:
             rate.add_metric(labels, float(r.get("rate") or 0))
             if r.get("kv_cache_usage") is not None:
                 kv.add_metric(labels, float(r["kv_cache_usage"]))
-            if r.get("last_heartbeat_age_s") is not None:
+            if r.get("last_heartbeat_age_s") is not None and current not in _NO_PROCESS:
                 hb_age.add_metric(labels, float(r["last_heartbeat_age_s"]))
             completed.add_metric(labels, float(r.get("completed") or 0))
             failed.add_metric(labels, float(r.get("failed") or 0))
