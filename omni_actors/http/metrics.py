@@ -208,8 +208,9 @@ class Metrics:
             "omni_request_latency_seconds", "End-to-end request latency in the API server",
             ("endpoint", "status"), buckets=REQUEST_BUCKETS_S, registry=self.registry)
         self.ttft = Histogram(
-            "omni_request_ttft_seconds", "Time from request arrival to the first text "
-            "(first delta sent when streaming, first delta received otherwise)",
+            "omni_request_ttft_seconds", "Time from request arrival to the first text: with "
+            "stream=\"true\" the first content delta sent (TTFT); with stream=\"false\" the whole "
+            "text received (the engines send no deltas for a request that does not stream)",
             ("endpoint", "stream"), buckets=REQUEST_BUCKETS_S, registry=self.registry)
         self.requests = Counter("omni_requests_total", "Requests answered, by endpoint and status",
                                 ("endpoint", "status"), registry=self.registry)
