@@ -405,7 +405,8 @@ class StartPool(Message):
     connector_mode: str | None = None
     #: The replicas to start, ``(replica id, pin, restart times, counters, failed, ran)`` each (pin:
     #: ``(node, devices)`` or ``()``; monotonic seconds, this host's clock; counters: ``(completed,
-    #: failed, latency buckets, latency sum in s)``, the last report's; failed: why it went down
+    #: failed, latency buckets, latency sum in s, restarts)``, the last report's (restarts: its
+    #: ``restarts`` count less its restart times); failed: why it went down
     #: if it is FAILED, then kept so, else ""; ran: it had a process under the last pool, so
     #: its new one is a restart), instead of ``deployment.replicas`` new ones: a
     #: pool recreated after a crash gets the replicas its predecessor ran (launched and scaled

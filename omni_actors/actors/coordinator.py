@@ -118,7 +118,9 @@ class CoordinatorActor(ActorTypeDispatcher):
                 last = previous.get((stage.stage_id, stage.name))
                 if last is not None:  # a recreated coordinator: the pools start what ran before
                     self._reported[stage.stage_id] = last
-                    self._pool_restarts_before[stage.stage_id] = last.restarts
+                    # (+1: its pool went with the coordinator, and this one is new: a trial's alert on
+                    # omni_stage_restarts_total missed a coordinator crash that restarted everything)
+                    self._pool_restarts_before[stage.stage_id] = last.restarts + 1
                 self._start_pool(stage, COORDINATOR_RECREATED if last is not None else None)
             if msg.previous:
                 self._log.warning("deploying_as_before", stages=[st.stage for st in msg.previous],
@@ -167,7 +169,8 @@ class CoordinatorActor(ActorTypeDispatcher):
             return None
         restarts, failed = dict(report.restart_times), dict(report.failed)
         return tuple((r.replica, r.pin, restarts.get(r.replica, ()),
-                      (r.completed, r.failed, r.latency_buckets, r.latency_sum_s),
+                      (r.completed, r.failed, r.latency_buckets, r.latency_sum_s,
+                       r.restarts - len(restarts.get(r.replica, ()))),
                       failed.get(r.replica, "") if r.state == ReplicaState.FAILED else "",
                       r.pid is not None or r.state in LIVE_STATES)
                      for r in report.replicas if r.state not in (ReplicaState.STOPPED, ReplicaState.DRAINING))

@@ -89,6 +89,9 @@ class Replica:
     backend: str = ""
     placing: bool = False  # a PlaceReplica is out
     restarts: list[float] = field(default_factory=list)
+    #: restarts not in ``restarts`` (not counted against the restart budget): its process was
+    #: replaced with a pool (or coordinator) that was lost and recreated
+    restarts_recreated: int = 0
     failed_at: float = 0.0  # when it went FAILED (its retry's wake-up carries it)
     failed_why: str = ""  # why it went FAILED, without when it is tried next (a recreated pool says it)
     #: why it last went down (died, isolated, failed); its next incarnation's reason says it once READY
@@ -152,7 +155,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             for _ in range(msg.deployment.replicas):
                 self._launch(self._new_replica_id())
         else:  # recreated after a crash: the replicas the last pool ran, under their names
-            for rid, pin, restarts, (completed, failed, buckets, latency_sum), down, ran in msg.replicas:
+            for rid, pin, restarts, (completed, failed, buckets, latency_sum, recreated), down, ran in msg.replicas:
                 self._next_index = max(self._next_index, replica_index(rid) + 1)
                 if pin:
                     self._pins[rid] = (pin[0], tuple(pin[1]))
@@ -166,6 +169,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                         self._replicas[rid].down_cause = msg.recreated_why
                 rep = self._replicas[rid]  # (its counters go on, as after a restart)
                 rep.completed, rep.failed, rep.latency_sum = completed, failed, latency_sum
+                # (RESTARTS and omni_replica_restarts_total count its new process: a trial's alert on
+                # them missed a coordinator crash that had restarted every replica)
+                rep.restarts_recreated = recreated + (1 if ran and not down else 0)
                 if len(buckets) == len(rep.latency):
                     rep.latency = list(buckets)
         self._start_ticks()
@@ -509,7 +515,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 waiting=r.waiting if r.state not in _NO_PROCESS else 0, completed=r.completed, failed=r.failed,
                 last_heartbeat_age_s=None if r.health is None else round(now - r.health.last_heartbeat, 3),
                 pid=r.pid if r.state not in _NO_PROCESS else None,
-                node=r.node, devices=r.devices, backend=r.backend, restarts=len(r.restarts),
+                node=r.node, devices=r.devices, backend=r.backend, restarts=len(r.restarts) + r.restarts_recreated,
                 rate=round(r.health.rate(), 2) if r.health and r.state not in _NO_PROCESS else 0.0,
                 kv_cache_usage=r.kv_cache_usage if r.state not in _NO_PROCESS else None,
                 latency_buckets=tuple(r.latency), latency_sum_s=round(r.latency_sum, 6),

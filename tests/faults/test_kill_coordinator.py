@@ -37,11 +37,13 @@ def test_killed_coordinator_is_recreated_and_the_old_tree_winds_down(leader):
     assert r.after["coordinator_pid"] != r.before["coordinator_pid"]
     assert all(rep["state"] == "ready" for rep in replicas(r.after).values())
     assert [st["ready_replicas"] for st in r.after["stages"]] == [st["ready_replicas"] for st in r.before["stages"]]
-    assert [st["restarts"] for st in r.after["stages"]] == [st["restarts"] for st in r.before["stages"]]
+    # Each pool went with the coordinator, and each replica's process with its pool: both counted
+    # (a trial's alert on the restart counters missed a coordinator crash that restarted everything)
+    assert [st["restarts"] for st in r.after["stages"]] == [st["restarts"] + 1 for st in r.before["stages"]]
     before, after = replicas(r.before), replicas(r.after)
     assert sorted(after) == sorted(before) and len(before) == 5, (sorted(before), sorted(after))  # talker/2 too
     for name, rep in after.items():
-        assert rep["completed"] >= before[name]["completed"] and rep["restarts"] >= before[name]["restarts"], \
+        assert rep["completed"] >= before[name]["completed"] and rep["restarts"] == before[name]["restarts"] + 1, \
             (name, before[name], rep)
         assert "it was down: the coordinator was lost and recreated" in rep["reason"], rep
     old = {r.before["coordinator_pid"]} | {st["pid"] for st in r.before["stages"]} \

@@ -35,6 +35,10 @@ def test_killed_pool_is_recreated_and_its_orphaned_engines_exit(leader):
     old, new = _stage(r.before, "talker"), _stage(r.after, "talker")
     assert new["pid"] != old["pid"] and new["restarts"] >= old["restarts"] + 1
     assert new["ready_replicas"] == 2 and all(rep["state"] == "ready" for rep in replicas(r.after).values())
+    # each replica's new process counts as a restart (not against its restart budget)
+    restarts_before = {rep["replica"]: rep["restarts"] for rep in old["replicas"]}
+    assert {rep["replica"]: rep["restarts"] for rep in new["replicas"]} == {
+        rid: n + 1 for rid, n in restarts_before.items()}, new["replicas"]
     # the new pool's replicas go on counting from their predecessors' counts (they went back to 0)
     done_before = {rep["replica"]: rep["completed"] for rep in old["replicas"]}
     assert sum(done_before.values()) > 0, old
