@@ -50,7 +50,7 @@ def status() -> SystemStatus:
                           latency_sum_s=42.5, last_heartbeat_age_s=0.3),
         ), pid=100, pending=2),
         PoolState(1, "talker", (
-            ReplicaStatus("talker/0", ReplicaState.READY, completed=7, backend="synthetic",
+            ReplicaStatus("talker/0", ReplicaState.READY, completed=7, backend="synthetic", fault="slow x5",
                           latency_buckets=_buckets({0.05: 7}), latency_sum_s=0.2),
             ReplicaStatus("talker/1", ReplicaState.ISOLATED,
                           reason='missed 3 heartbeats "x"\nagain',
@@ -183,6 +183,8 @@ def test_replica_state_info_gauges_and_counters():
     assert value(f, "omni_replica_info", replica="code2wav/0") == 1
     (c0,) = samples(f, "omni_replica_info", replica="code2wav/0")
     assert c0.labels["reason"] == "restarted too often"
+    (t0,) = samples(f, "omni_replica_info", replica="talker/0")
+    assert t0.labels["reason"] == "fault injected: slow x5"  # (as the status table's REASON says)
 
     r = {"stage": "thinker", "replica": "thinker/0"}
     assert value(f, "omni_replica_in_flight", **r) == 3

@@ -173,7 +173,9 @@ def stage_families(table: dict[str, Any]) -> list[Metric]:
             n_ready += current == ReplicaState.READY.value
             for s in _STATES if current in _STATES else (*_STATES, current):
                 state.add_metric([*labels, s], 1.0 if s == current else 0.0)
-            reason = _s(r.get("reason"))[:MAX_REASON_CHARS]
+            fault = _s(r.get("fault"))  # (as the status table's REASON: a trial's info said "" meanwhile)
+            reason = "; ".join(filter(None, (_s(r.get("reason")), fault and f"fault injected: {fault}")))
+            reason = reason[:MAX_REASON_CHARS]
             info.add_metric([*labels, current, reason, _s(r.get("pid")), _s(r.get("node")),
                              _s(r.get("devices")), _s(r.get("backend"))], {})
             in_flight.add_metric(labels, float(r.get("in_flight") or 0))
