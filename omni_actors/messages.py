@@ -495,6 +495,18 @@ class PoolStateAck(Message):
 
 
 @dataclass(frozen=True)
+class SignalFault(Message):
+    """Admin -> Coordinator, just before an admin signals a process (``inject sigkill``,
+    ``sigstop``, ``sigcont``, ``kill-pool``, ``kill-coordinator``): the coordinator logs
+    ``fault_injected`` and answers :class:`AdminReply`, so that a crash an operator caused is
+    not read in the log as a real one (a trial's was not)."""
+
+    fault: str
+    target: str  #: ``thinker/0``, ``pool talker``, ``coordinator``
+    pid: int
+
+
+@dataclass(frozen=True)
 class InjectFault(Message):
     """Anyone -> Coordinator -> pool -> engine ``replica``: inject a fault."""
 

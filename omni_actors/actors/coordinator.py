@@ -34,8 +34,8 @@ from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, Deploy, Drai
                                   GetStatus, InjectFault, LaunchReplicas, NodeHeartbeat, NodeLeaving,
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, NOT_DEPLOYED, PlaceReplica,
                                   Placement, PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
-                                  ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, StartNodeAgent,
-                                  StartPool, Subscribe, SUBSCRIPTION, SystemStatus, WhoAmI, YouAre)
+                                  ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, SignalFault,
+                                  StartNodeAgent, StartPool, Subscribe, SUBSCRIPTION, SystemStatus, WhoAmI, YouAre)
 from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, PlacementError
 
 #: A member node whose agent has been silent this many heartbeat intervals is lost.
@@ -567,6 +567,11 @@ class CoordinatorActor(ActorTypeDispatcher):
             self.send(msg.reply_to or sender, AdminReply(False, down or f"no {what} (see `status`)"))
         else:
             self.send(pool, dataclasses.replace(msg, reply_to=msg.reply_to or sender))
+
+    def receiveMsg_SignalFault(self, msg: SignalFault, sender):
+        self._log.warning("fault_injected", kind=msg.fault, target=msg.target, pid=msg.pid,
+                          **({"replica": msg.target} if "/" in msg.target else {}))
+        self.send(sender, AdminReply(True, "noted"))
 
     def receiveMsg_InjectFault(self, msg: InjectFault, sender):
         self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, f"replica named {msg.replica!r}")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omni_actors.messages import (AdminReply, DrainNode, DrainReplica, FaultKind, GetStatus, InjectFault,
-                                  LaunchReplicas, NOT_DEPLOYED, ScaleStage, SystemStatus)
+                                  LaunchReplicas, NOT_DEPLOYED, ScaleStage, SignalFault, SystemStatus)
 from omni_actors.actors.supervision import host_identity
 from omni_actors.config import MAX_REPLICAS
 from omni_actors.placement import parse_devices
@@ -113,6 +113,10 @@ class Admin:
             if host != here:
                 raise AdminError(f"{fault} signals a process, and {target} runs on another machine "
                                  f"({_hostname(host)}) than this one ({_hostname(here)}): run it there")
+            try:  # (the leader's log says so first; best effort: the signal is what was asked for)
+                self._ask(SignalFault(fault, target, pid), timeout_s=2.0)
+            except AdminError:
+                pass
             at = time.time()
             # (a trial's `sigcont` after a `sigstop` went to the process that had replaced the
             # stopped one, isolated and killed meanwhile, and said only "injected")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_actors.system.faultlab import (assert_no_request_lost, replicas, run_scenario, wait_gone,
+from omni_actors.system.faultlab import (assert_no_request_lost, read_events, replicas, run_scenario, wait_gone,
                                          wait_no_segments)
 
 from .conftest import CLIENTS, REQUEST_TIMEOUT_S
@@ -33,5 +33,9 @@ def test_sigkilled_replica_is_isolated_at_once_its_tasks_rerun_and_it_is_restart
     # READY again, it says when it came back and why it was down (RESTARTS alone does not)
     assert new["reason"].startswith("restarted at ") and "it was down: process exited" in new["reason"], new
     assert all(rep["state"] == "ready" for rep in replicas(r.after).values())
+    # The leader's log says the crash was injected, before it came (a trial read it as a real one)
+    noted = [e for e in read_events(leader.log_path, r.injected_at - 10) if e["event"] == "fault_injected"]
+    assert [(e["kind"], e["target"], e["pid"]) for e in noted][-1:] == [("sigkill", "talker/0", old["pid"])], noted
+    assert noted[-1]["t"] <= r.injected_at + 0.5
     assert wait_gone(leader, [old["pid"]], timeout_s=2) == []
     assert wait_no_segments(leader) == []
