@@ -210,6 +210,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         old = self._replicas.get(replica_id)
         if old is not None:  # a restart: its counters go on (a Prometheus counter must not go back)
             rep.dispatched, rep.completed, rep.failed = old.dispatched, old.completed, old.failed
+            rep.restarts_recreated = old.restarts_recreated
             rep.down_cause = old.down_cause
             rep.latency, rep.latency_sum = old.latency, old.latency_sum
             rep.loaded, rep.load_failures = old.loaded, old.load_failures
