@@ -1131,3 +1131,30 @@ def test_orphan_multiprocessing_semaphores_are_removed_and_used_or_older_ones_ke
     finally:
         if os.path.exists(os.path.join(SEM_DIR, orphan)):
             os.unlink(os.path.join(SEM_DIR, orphan))
+
+
+def test_a_replica_gets_an_ipc_directory_of_its_own_and_gives_it_back(monkeypatch, tmp_path):
+    """vLLM's IPC sockets of one replica go in ``<system's ipc dir>/p<pid>``, removed when its
+    engine stops: a scaled-down Talker's stayed until the whole system stopped (trial AE)."""
+    import tempfile
+
+    from omni_actors.system import processes as P
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv(P.ENV_SYSTEM_ID, "0123456789abcdef0123")
+    monkeypatch.delenv(P.ENV_VLLM_IPC, raising=False)
+    path = P.use_ipc_dir()
+    assert path == os.path.join(P.ipc_dir("0123456789abcdef0123"), f"p{os.getpid()}")
+    assert os.environ[P.ENV_VLLM_IPC] == path and os.path.isdir(path)
+    assert P.use_ipc_dir() is None  # (set already: left as it is)
+    open(os.path.join(path, "socket-stand-in"), "w").close()
+    other = os.path.join(P.ipc_dir("0123456789abcdef0123"), "p1")  # another replica's
+    os.makedirs(other)
+    open(os.path.join(other, "x"), "w").close()
+    P.release_ipc_dir(path)
+    assert not os.path.exists(path) and P.ENV_VLLM_IPC not in os.environ
+    assert os.path.exists(os.path.join(other, "x"))
+    P.release_ipc_dir("/tmp")  # (not one of ours: nothing happens)
+    assert os.path.isdir("/tmp")
+    assert P.remove_ipc_dir("0123456789abcdef0123") == 1  # (the files left, counted in subdirectories too)
+    assert not os.path.exists(P.ipc_dir("0123456789abcdef0123"))

@@ -391,11 +391,19 @@ def test_the_engines_ipc_sockets_and_temp_files_are_in_the_systems_own_directory
     directory, which the leader removes when it stops (checked at the module's end)."""
     from omni_actors.system.processes import ipc_dir
 
-    names = os.listdir(ipc_dir(chain.system_id))
-    sockets = [n for n in names if stat.S_ISSOCK(os.stat(os.path.join(ipc_dir(chain.system_id), n)).st_mode)]
-    assert len(sockets) >= 3 * 3, names  # three vLLM engines (the Thinker, two Talkers)
+    top = ipc_dir(chain.system_id)
+    names = os.listdir(top)
+    # each replica's sockets in a directory of its own (p<pid>), removed when its engine stops
+    own = {n for n in names if os.path.isdir(os.path.join(top, n))}
+    pids = {r["pid"] for st in _get_json(chain.base_url + "/stages")["stages"] for r in st["replicas"]
+            if st["stage"] in ("thinker", "talker") and r["state"] == "ready"}
+    assert own == {f"p{pid}" for pid in pids} and len(own) == 3, (own, pids)  # the Thinker, two Talkers
+    for d in own:
+        sockets = [n for n in os.listdir(os.path.join(top, d))
+                   if stat.S_ISSOCK(os.stat(os.path.join(top, d, n)).st_mode)]
+        assert len(sockets) >= 3, (d, os.listdir(os.path.join(top, d)))
     # the FileStores: here while their engines run, none in the temp directory (checked at the stop)
-    assert not [n for n in names if not n.startswith("vllm_dist_") and n not in sockets], names
+    assert [n for n in names if n not in own and not n.startswith("vllm_dist_")] == [], names
     assert _stores_in_temp_dir() - chain.stores_before == set()
 
 @pytest.mark.parametrize("question, max_tokens", [(SEA, 24), (STORY, 64)],

@@ -58,7 +58,7 @@ from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, Out
 from omni_actors.engines.vllm_core import CoreWatch, is_client_error, keep_off, one_line, parse_cpus, pinned
 from omni_actors.engines.vllm_requests import VllmRequests
 from omni_actors.logs import get_logger
-from omni_actors.system.processes import use_ipc_dir
+from omni_actors.system.processes import release_ipc_dir, use_ipc_dir
 
 __all__ = ["VllmEngine", "OMNI_ONLY_KEYS", "split_engine_args"]
 
@@ -158,6 +158,7 @@ class VllmEngine:
         self._stats: tuple[int, int, float] | None = None
         self.active_at = 0.0  #: monotonic time of the last engine step with running requests
         self._watch: CoreWatch | None = None
+        self._ipc: str | None = None  # (this replica's directory for vLLM's IPC sockets)
         self._dead: str | None = None
         self._log = get_logger(backend="vllm", replica=replica)
         #: Seconds ``start`` took (import + engine + warm-up), for logs and benchmarks.
@@ -204,7 +205,9 @@ class VllmEngine:
         if str(model).startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
             raise FileNotFoundError(f"model directory {model} does not exist")
         cpu = _is_cpu_build()
-        use_ipc_dir()  # vLLM's IPC sockets in the system's directory, removed when it stops
+        # vLLM's IPC sockets in a directory of this replica's in the system's, removed when
+        # its engine stops (and with the system's)
+        self._ipc = use_ipc_dir()
         if cpu:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -274,6 +277,8 @@ class VllmEngine:
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+        release_ipc_dir(self._ipc)
+        self._ipc = None
 
     @property
     def failure(self) -> str | None:

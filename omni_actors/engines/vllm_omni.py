@@ -75,7 +75,7 @@ from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, Sta
 from omni_actors.engines.vllm_core import is_client_error, one_line
 from omni_actors.engines.vllm_requests import VllmRequests
 from omni_actors.logs import get_logger
-from omni_actors.system.processes import use_ipc_dir, use_ipc_dir_for_temp_files
+from omni_actors.system.processes import release_ipc_dir, use_ipc_dir, use_ipc_dir_for_temp_files
 
 __all__ = ["VllmOmniEngine", "stage_inputs", "multimodal_inputs", "client_audio", "PIPELINE_KEYS",
            "TOKEN_FIELDS", "DEFAULT_SAMPLE_RATE"]
@@ -131,6 +131,7 @@ class VllmOmniEngine:
         self._processor = None
         self._requests = VllmRequests(stage.stage_id)  # our tasks' requests in the engine
         self._deploy_file: str | None = None
+        self._ipc: str | None = None  # (this replica's directory for vLLM's IPC sockets)
         self._diffusion = is_diffusion_stage(stage)
         self._dead: str | None = None
         self._log = get_logger(backend="vllm_omni", replica=replica)
@@ -167,7 +168,9 @@ class VllmOmniEngine:
         if model.startswith(("/", ".")) and not Path(model).is_dir():
             raise FileNotFoundError(f"model directory {model} does not exist")
         cpu = _is_cpu_build()
-        use_ipc_dir()  # vLLM's IPC sockets in the system's directory, removed when it stops
+        # vLLM's IPC sockets in a directory of this replica's in the system's, removed when
+        # its engine stops (and with the system's)
+        self._ipc = use_ipc_dir()
         # and its engine cores' temporary files (vLLM's FileStore, vllm_dist_<uuid>: a killed
         # replica's stayed in the temp directory), through the $TMPDIR they inherit
         use_ipc_dir_for_temp_files()
@@ -296,6 +299,8 @@ class VllmOmniEngine:
         if self._deploy_file:
             Path(self._deploy_file).unlink(missing_ok=True)
             self._deploy_file = None
+        release_ipc_dir(self._ipc)
+        self._ipc = None
 
     @property
     def failure(self) -> str | None:

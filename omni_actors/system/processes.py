@@ -46,14 +46,27 @@ def _own_ipc_dir() -> str | None:
 
 def use_ipc_dir() -> str | None:
     """In a replica's process, before its vLLM engine starts: point ``$VLLM_RPC_BASE_PATH``
-    at this system's :func:`ipc_dir` (made, mode 0700), unless it is set already or this
-    process belongs to no system; the directory, or None."""
+    at a directory of this process's own in this system's :func:`ipc_dir`
+    (``<ipc dir>/p<pid>``, made, mode 0700), unless it is set already or this process
+    belongs to no system; the directory, or None. :func:`release_ipc_dir` removes it
+    when the engine has stopped: the sockets of a replica scaled down stayed until the
+    system stopped."""
     if os.environ.get(ENV_VLLM_IPC):
         return None
     path = _own_ipc_dir()
     if path:
+        path = os.path.join(path, f"p{os.getpid()}")
+        os.makedirs(path, mode=0o700, exist_ok=True)
         os.environ[ENV_VLLM_IPC] = path
     return path
+
+
+def release_ipc_dir(path: str | None) -> None:
+    """Remove a directory :func:`use_ipc_dir` made (its engine has stopped); None: nothing."""
+    if path and os.path.basename(os.path.dirname(path)).startswith("omni-actors-ipc-"):
+        shutil.rmtree(path, ignore_errors=True)
+        if os.environ.get(ENV_VLLM_IPC) == path:
+            del os.environ[ENV_VLLM_IPC]
 
 
 def use_ipc_dir_for_temp_files() -> str | None:
@@ -86,7 +99,7 @@ def remove_ipc_dir(system_id: str) -> int:
     sockets (files) were left in it."""
     path = ipc_dir(system_id) if system_id else ""
     try:
-        left = len(os.listdir(path)) if path else 0
+        left = sum(len(files) for _, _, files in os.walk(path)) if path else 0
     except OSError:
         return 0
     shutil.rmtree(path, ignore_errors=True)
