@@ -149,15 +149,17 @@ class NodeStatus(Message):
     #: why it is not alive: ``placement.LEFT_REASON`` (its member stopped cleanly), or what was missed
     down_reason: str = ""
     leaving: bool = False  #: alive, but its member is stopping: its replicas drain, nothing new goes there
+    #: alive, but an operator drained it (``node drain``): nothing new goes there until ``node undrain``
+    drained: bool = False
 
     @property
     def state(self) -> str:
-        """``alive``, ``leaving`` (its member stops: draining), ``left`` (stopped cleanly)
-        or ``lost`` (gone without a word)."""
+        """``alive``, ``drained`` (an operator drained it; its member runs on), ``leaving``
+        (its member stops: draining), ``left`` (stopped cleanly) or ``lost`` (gone without a word)."""
         from omni_actors.placement import LEFT_REASON
 
         if self.alive:
-            return "leaving" if self.leaving else "alive"
+            return "leaving" if self.leaving else "drained" if self.drained else "alive"
         return "left" if self.down_reason == LEFT_REASON else "lost"
 
 
@@ -540,6 +542,18 @@ class DrainNode(Message):
     is placed on ``node`` any more; each replica there stops taking tasks, a replacement
     starts elsewhere (a replica pinned to the node waits for it instead), and the replica
     stops once its tasks in flight finish. The member then leaves (:class:`NodeLeaving`)."""
+
+    node: str = ""
+    reply_to: ActorAddress = None
+    #: an operator's ``node drain``: the member runs on, and the node takes work again after
+    #: ``node undrain`` (:class:`UndrainNode`); the replicas' reason says "drained", not "leaving"
+    operator: bool = False
+
+
+@dataclass(frozen=True)
+class UndrainNode(Message):
+    """Admin -> Coordinator (``node undrain``): node ``node``, drained by an operator, takes
+    new replicas again; pinned replicas waiting for it, and pending ones, are placed."""
 
     node: str = ""
     reply_to: ActorAddress = None

@@ -97,19 +97,21 @@ class Node:
     free_buffers: int | None = None  # its free (recycled) segments, and their bytes
     free_bytes: int | None = None
     leaving: bool = False  # its member stops (it drains): nothing new is placed here
+    drained: bool = False  # an operator drained it (`node drain`): nothing new is placed here
 
     @property
     def gone(self) -> str:
         """How a node that is not alive went: ``"left"`` (its member stopped cleanly) or
-        ``"lost"``; ``"leaving"`` for one that is alive but whose member stops."""
+        ``"lost"``; ``"leaving"`` for one that is alive but whose member stops, ``"drained"``
+        for one an operator drained."""
         if self.alive:
-            return "leaving"
+            return "leaving" if self.leaving else "drained"
         return "left" if self.down_reason == LEFT_REASON else "lost"
 
     @property
     def open(self) -> bool:
-        """Whether new replicas may be placed here: alive, and its member not leaving."""
-        return self.alive and not self.leaving
+        """Whether new replicas may be placed here: alive, its member not leaving, not drained."""
+        return self.alive and not self.leaving and not self.drained
 
     @property
     def free(self) -> list[str]:
@@ -146,13 +148,26 @@ class Inventory:
         node.leaving = False  # (it has left, or was lost while it drained)
         return lost
 
-    def drain(self, name: str) -> bool:
-        """Node ``name``'s member stops cleanly: nothing new is placed there from now on
-        (what it holds stays held until its replicas stop). False if it is not alive."""
+    def drain(self, name: str, operator: bool = False) -> bool:
+        """Node ``name``'s member stops cleanly (``operator``: an operator drains it, and
+        it may be undrained): nothing new is placed there from now on (what it holds stays
+        held until its replicas stop). False if it is not alive."""
         node = self.nodes.get(name)
         if node is None or not node.alive:
             return False
-        node.leaving = True
+        if operator:
+            node.drained = True
+        else:
+            node.leaving = True
+        return True
+
+    def undrain(self, name: str) -> bool:
+        """Node ``name``, drained by an operator, takes new replicas again. False if it is
+        not alive or was not drained so."""
+        node = self.nodes.get(name)
+        if node is None or not node.alive or not node.drained:
+            return False
+        node.drained = False
         return True
 
     def place(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...] = (),
@@ -325,8 +340,10 @@ class Inventory:
             # (a replica pinned to its node, or a stage's `nodes` rule: it waits for them, which
             # "no node has N free devices" hid)
             if len(allowed) == 1:
-                return (f"{replica} may run only on node {allowed[0]}, which {_is(self.nodes[allowed[0]].gone)}: "
-                        f"it waits for the node to come back")
+                gone = self.nodes[allowed[0]].gone
+                return (f"{replica} may run only on node {allowed[0]}, which {_is(gone)}: "
+                        + ("it waits for `node undrain`" if gone == "drained" else
+                           "it waits for the node to come back"))
             gone = ", ".join(f"{n} ({self.nodes[n].gone})" for n in allowed)
             return f"{replica} may run only on nodes {gone}: it waits for one of them to come back"
         seen = []
@@ -347,7 +364,7 @@ class Inventory:
         return tuple(
             NodeStatus(n.info.name, n.alive, n.info.devices, dict(n.used), n.info.stages,
                        tuple(sorted(n.replicas)), round(now - n.last_seen, 3), n.data_service, n.buffers,
-                       n.free_buffers, n.free_bytes, n.down_reason, n.leaving)
+                       n.free_buffers, n.free_bytes, n.down_reason, n.leaving, n.drained)
             for n in sorted(self.nodes.values(), key=lambda n: n.info.name))
 
 

@@ -830,6 +830,45 @@ def test_the_last_member_of_a_stage_says_that_leaving_leaves_the_stage_without_r
     assert any(r["state"] == "pending" for r in reps if r["stage"] == "talker"), _table(reps)
 
 
+def test_an_operator_drains_a_node_and_undrains_it_its_member_running_on(request, tmp_path):
+    """`node drain --node N`: N's replicas finish their work and stop, replacements start on
+    the other member, nothing new is placed on N (status: DRAINED) while its member runs on;
+    `node undrain` lets it take replicas again: one waiting for room is placed there. (A
+    trial found no way to empty a node for maintenance but to stop its member.)"""
+    cluster = start_cluster(request, tmp_path, members=(("m1", "0,1,2,3"), ("m2", "4,5,6,7")))
+    victim = next(r["node"] for r in cluster.replicas() if r["stage"] == "talker" and r["state"] == "ready")
+    other = "m2" if victim == "m1" else "m1"
+    on_victim = sorted(r["replica"] for r in cluster.replicas() if r["node"] == victim and r["state"] == "ready")
+    out = cluster.cli("node", "drain", "--node", victim)
+    assert out.returncode == 0 and out.stdout.startswith(f"node {victim}: its replicas drain"), (out.stdout, out.stderr)
+    _, reps = cluster.wait(lambda rs: sum(r["state"] == "ready" for r in rs if r["stage"] in MEMBER_STAGES) == 4
+                           and all(r["state"] == "stopped" for r in rs if r["replica"] in on_victim),
+                           f"{victim}'s replicas replaced on {other}", 30)
+    assert all(r["node"] == other for r in reps if r["stage"] in MEMBER_STAGES and r["state"] == "ready"), \
+        _table(reps)
+    assert all(f"node {victim} drained (`node drain`) (replaced by" in r["reason"]
+               for r in reps if r["replica"] in on_victim), _table(reps)
+    node = next(n for n in cluster.stages()["nodes"] if n["name"] == victim)
+    assert node["state"] == "drained" and node["alive"], node
+    assert cluster.members[victim].proc.poll() is None  # (its member runs on)
+    assert f"{victim} (DRAINED" in cluster.cli("status").stdout
+    # nothing new goes there while it is drained: the other member is full, so a launch waits
+    out = cluster.cli("stage", "launch", "--stage", "talker")
+    assert out.returncode == 0, out.stderr
+    cluster.wait(lambda rs: any(r["state"] == "pending" and f"{victim}: drained" in r["reason"] for r in rs),
+                 f"a talker waiting, {victim} drained", 15)
+    # undrained: it is placed there
+    out = cluster.cli("node", "undrain", "--node", victim)
+    assert out.returncode == 0 and out.stdout.startswith(f"node {victim} takes new replicas again"), out
+    cluster.wait(lambda rs: any(r["stage"] == "talker" and r["node"] == victim and r["state"] == "ready"
+                                for r in rs), f"a talker ready on {victim}", 20)
+    again = cluster.cli("node", "undrain", "--node", victim)
+    assert again.returncode == 1 and again.stderr.strip() == f"error: node {victim} is not drained (it is alive)", \
+        again
+    missing = cluster.cli("node", "drain", "--node", "m9")
+    assert missing.returncode == 1 and "no alive node named 'm9'" in missing.stderr, missing
+
+
 def test_member_that_rejoins_gets_work_again(request, tmp_path):
     """Kill the busiest member, start it again (same node name, new admin port), scale talker to 3:
     the new replica goes to the rejoined node (the survivor's devices are all in use), becomes ready,

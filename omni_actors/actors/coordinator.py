@@ -35,7 +35,8 @@ from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, Deploy, Drai
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, NOT_DEPLOYED, PlaceReplica,
                                   Placement, PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
                                   ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, SignalFault,
-                                  StartNodeAgent, StartPool, Subscribe, SUBSCRIPTION, SystemStatus, WhoAmI, YouAre)
+                                  StartNodeAgent, StartPool, Subscribe, SUBSCRIPTION, SystemStatus, UndrainNode,
+                                  WhoAmI, YouAre)
 from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, PlacementError
 
 #: A member node whose agent has been silent this many heartbeat intervals is lost.
@@ -405,14 +406,32 @@ class CoordinatorActor(ActorTypeDispatcher):
         pool drains its replicas there (see :class:`DrainNode`); answered at once, the
         member then watches ``status`` until they have stopped."""
         reply_to = msg.reply_to or sender
-        if not self._inventory.drain(msg.node):
+        if not self._inventory.drain(msg.node, operator=msg.operator):
             self.send(reply_to, AdminReply(False, f"no alive node named {msg.node!r}"))
             return
-        self._log.info("node_leaving", node=msg.node)
+        self._log.info("node_drained" if msg.operator else "node_leaving", node=msg.node)
         for pool in self._pools.values():
-            self.send(pool, DrainNode(msg.node))
+            self.send(pool, DrainNode(msg.node, operator=msg.operator))
         self._publish_status()
-        self.send(reply_to, AdminReply(True, f"node {msg.node}: its replicas drain"))
+        self.send(reply_to, AdminReply(True, f"node {msg.node}: its replicas drain" + (
+            " (each replaced on another node where one has room); nothing new is placed there until "
+            "`node undrain`" if msg.operator else "")))
+
+    def receiveMsg_UndrainNode(self, msg: UndrainNode, sender):
+        """``node undrain``: the node takes new replicas again; pools retry their pending ones."""
+        reply_to = msg.reply_to or sender
+        if not self._inventory.undrain(msg.node):
+            node = self._inventory.nodes.get(msg.node)
+            why = (f"no alive node named {msg.node!r}" if node is None or not node.alive else
+                   f"node {msg.node} is not drained (it is {'leaving' if node.leaving else 'alive'})")
+            self.send(reply_to, AdminReply(False, why))
+            return
+        self._log.info("node_undrained", node=msg.node)
+        for pool in self._pools.values():
+            self.send(pool, NodesChanged())
+        self._publish_status()
+        self.send(reply_to, AdminReply(True, f"node {msg.node} takes new replicas again (those waiting for it "
+                                             "are placed there; the replacements elsewhere stay where they are)"))
 
     def _stale_join(self, node: str, join: int) -> bool:
         """Whether ``join`` is of an earlier member under ``node``'s name than the one

@@ -86,16 +86,18 @@ class PoolPlacementMixin:
         node starts again instead once it has stopped, and waits (``pending``) for the
         node to be back. (The coordinator answers the member that asked.)"""
         drained = []
+        what = "drained (`node drain`)" if msg.operator else LEAVING
+        back = "undrained" if msg.operator else "back"
         for rep in list(self._replicas.values()):
             if rep.node != msg.node or rep.state not in (ReplicaState.READY, ReplicaState.STARTING):
                 continue
             if rep.replica in self._pins:
                 rep.relaunch = True
-                why = f"node {msg.node} {LEAVING}; it starts again when the node is back"
+                why = f"node {msg.node} {what}; it starts again when the node is {back}"
             else:
                 new = self._new_replica_id()
                 self._launch(new)
-                why = f"node {msg.node} {LEAVING} (replaced by {new})"
+                why = f"node {msg.node} {what} (replaced by {new})"
             self._drain(rep, why)
             drained.append(rep.replica)
         if drained:

@@ -155,6 +155,15 @@ def _parser() -> argparse.ArgumentParser:
     sp = stage.add_parser("stop", help="drain and stop every replica of a stage")
     admin_port(sp, remote=True)
     sp.add_argument("--stage", required=True)
+    node = sub.add_parser("node", help="act on one node (host) at runtime").add_subparsers(dest="action",
+                                                                                          required=True)
+    sp = node.add_parser("drain", help="move every replica off a node (each finishes its work; a replacement "
+                         "starts where there is room) and place nothing new there, its member running on")
+    admin_port(sp, remote=True)
+    sp.add_argument("--node", required=True, help="the node's name (status: nodes)")
+    sp = node.add_parser("undrain", help="let a drained node take new replicas again")
+    admin_port(sp, remote=True)
+    sp.add_argument("--node", required=True, help="the node's name (status: nodes)")
 
     sp = sub.add_parser("check-config", help="load and validate a config (processor imports included) and "
                         "say what it serves; starts nothing")
@@ -502,6 +511,12 @@ def cmd_stage(admin, args) -> int:
     return 0
 
 
+@_admin_verb
+def cmd_node(admin, args) -> int:
+    print(admin.drain_node(args.node, operator=True) if args.action == "drain" else admin.undrain_node(args.node))
+    return 0
+
+
 def cmd_api(args) -> int:
     from omni_actors.logs import configure_logging
     from omni_actors.system.api_server import ApiServerError, run_api
@@ -714,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             return _fail(f"--devices: {exc}", 2)
     verbs = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "inject": cmd_inject, "stage": cmd_stage,
-             "api": cmd_api, "shell": cmd_shell, "check-config": cmd_check_config}
+             "node": cmd_node, "api": cmd_api, "shell": cmd_shell, "check-config": cmd_check_config}
     return verbs[args.verb](args)
 
 

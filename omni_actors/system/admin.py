@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from omni_actors.messages import (AdminReply, DrainNode, DrainReplica, FaultKind, GetStatus, InjectFault,
-                                  LaunchReplicas, NOT_DEPLOYED, ScaleStage, SignalFault, SystemStatus)
+                                  LaunchReplicas, NOT_DEPLOYED, ScaleStage, SignalFault, SystemStatus, UndrainNode)
 from omni_actors.actors.supervision import host_identity
 from omni_actors.config import MAX_REPLICAS
 from omni_actors.placement import parse_devices
@@ -156,13 +156,22 @@ class Admin:
     def drain(self, replica: str) -> str:
         return self._ask(DrainReplica(replica))
 
-    def drain_node(self, node: str) -> str:
-        """Drain every replica on ``node`` (its member stops): see :class:`DrainNode`.
+    def drain_node(self, node: str, operator: bool = False) -> str:
+        """Drain every replica on ``node`` (its member stops; ``operator``: ``node drain``,
+        the member runs on and :meth:`undrain_node` undoes it): see :class:`DrainNode`.
 
         Raises:
             AdminError: no alive node by that name, or no answer.
         """
-        return self._ask(DrainNode(node))
+        return self._ask(DrainNode(node, operator=operator))
+
+    def undrain_node(self, node: str) -> str:
+        """Let ``node``, drained with ``node drain``, take new replicas again.
+
+        Raises:
+            AdminError: no alive node by that name, it is not drained, or no answer.
+        """
+        return self._ask(UndrainNode(node))
 
     def scale(self, stage: str, replicas: int, why: str = "scaled down") -> str:
         """Run ``replicas`` replicas of ``stage`` (0 to ``config.MAX_REPLICAS``, as the config);
