@@ -867,6 +867,9 @@ def test_an_operator_drains_a_node_and_undrains_it_its_member_running_on(request
         again
     missing = cluster.cli("node", "drain", "--node", "m9")
     assert missing.returncode == 1 and "no alive node named 'm9'" in missing.stderr, missing
+    shell = cluster.cli("shell", "-c", f"undrain {victim}", "-c", "drain --node m9")  # (the shell's verbs)
+    assert f"node {victim} is not drained (it is alive)" in shell.stdout + shell.stderr, shell
+    assert "no alive node named 'm9'" in shell.stdout + shell.stderr, shell
 
 
 def test_member_that_rejoins_gets_work_again(request, tmp_path):

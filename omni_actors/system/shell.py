@@ -344,9 +344,24 @@ class AdminShell(cmd.Cmd):
                                     devices=options.get("--devices", "")))
 
     def do_drain(self, arg):
-        """drain REPLICA: stop routing to REPLICA (STAGE/N), let its work finish, then stop it."""
-        (replica,) = self._args(arg, 1, 1, "drain REPLICA")
-        self._out(self.admin.drain(replica))
+        """drain REPLICA | drain --node NODE: stop routing to REPLICA (STAGE/N), let its work
+        finish, then stop it; --node: so for every replica on NODE, each replaced where there
+        is room, and place nothing new on NODE until `undrain NODE` (its member runs on)."""
+        usage = "drain REPLICA | drain --node NODE"
+        words = self._args(arg, 1, 2, usage)
+        if words[0] == "--node":
+            if len(words) != 2:
+                raise AdminError(f"usage: {usage}")
+            self._out(self.admin.drain_node(words[1], operator=True))
+            return
+        if len(words) != 1:
+            raise AdminError(f"usage: {usage}")
+        self._out(self.admin.drain(words[0]))
+
+    def do_undrain(self, arg):
+        """undrain NODE: let NODE, drained with `drain --node`, take new replicas again."""
+        (node,) = self._args(arg, 1, 1, "undrain NODE")
+        self._out(self.admin.undrain_node(node))
 
     def do_inject(self, arg):
         """inject FAULT [TARGET] [VALUE]: inject a fault (for fault-injection tests).
