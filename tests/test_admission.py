@@ -578,6 +578,11 @@ def test_past_the_cap_requests_queue_then_get_429_and_idle_request_actors_exit(l
 
         text = asyncio.run(scenario())
         assert _gauge(text, "omni_request_queue_depth") == 0
+        # How long they waited: the two long streams at once, the two queued ones until the streams
+        # ended (the one whose client left, and the 429s, got no RequestActor: not in it)
+        assert _gauge(text, "omni_request_queue_wait_seconds_count") == 4, text
+        assert re.search(r'^omni_request_queue_wait_seconds_bucket\{le="\+Inf"\} 4\.0$', text, re.M), text
+        assert _gauge(text, "omni_request_queue_wait_seconds_sum") > 0, text
         assert sampler.extra() <= 2
         # Idle past idle_exit_s: back down to the minimum (one RequestActor), processes included.
         deadline = time.monotonic() + 15

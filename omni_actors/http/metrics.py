@@ -39,6 +39,7 @@ Metric names:
 ``omni_request_actors``                 gauge      RequestActors of this API server (busy and idle)
 ``omni_request_actors_busy``            gauge      those running a request (or being made)
 ``omni_request_actors_max``             gauge      the most it keeps (``request_actors``)
+``omni_request_queue_wait_seconds``     histogram  time requests waited for a free RequestActor
 ``omni_request_queue_depth``            gauge      requests waiting for a free RequestActor
 ``omni_requests_rejected_total``        counter    requests refused with 429 (queue full)
 ======================================  =========  ==========================================
@@ -333,3 +334,15 @@ class RequestActorCollector:
                                 value=s["queued"])
         yield CounterMetricFamily("omni_requests_rejected", "Requests refused with 429: every RequestActor "
                                   "busy and the queue full", value=s["rejected"])
+        waits = getattr(self.bridge, "queue_waits", None)
+        if callable(waits):
+            bounds, counts, total = waits()
+            h = HistogramMetricFamily("omni_request_queue_wait_seconds", "How long requests waited in the API "
+                                      "server for a free RequestActor (those refused with 429, or whose "
+                                      "deadline passed while waiting, not included)")
+            cumulative, n = [], 0
+            for bound, c in zip(bounds, counts):
+                n += c
+                cumulative.append((floatToGoString(bound), n))
+            h.add_metric([], cumulative, total)
+            yield h
