@@ -22,7 +22,8 @@ from aiohttp import web
 from omni_actors.http import metrics as M
 from omni_actors.http import protocol as P
 from omni_actors.http.types import (
-    CONTEXT_LENGTH_CODE, Bridge, BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone, RequestFailed, within,
+    CONTEXT_LENGTH_CODE, Bridge, BridgeEvent, OutputFinal, OutputPart, OutputText, PipelineRequest, RequestDone,
+    RequestFailed, within,
 )
 
 __all__ = ["create_app", "start_http", "refuse_new_requests", "BRIDGE_KEY"]
