@@ -345,7 +345,8 @@ class Inventory:
                         + ("it waits for `node undrain`" if gone == "drained" else
                            "it waits for the node to come back"))
             gone = ", ".join(f"{n} ({self.nodes[n].gone})" for n in allowed)
-            return f"{replica} may run only on nodes {gone}: it waits for one of them to come back"
+            undrain = " (or `node undrain`)" if any(self.nodes[n].gone == "drained" for n in allowed) else ""
+            return f"{replica} may run only on nodes {gone}: it waits for one of them to come back{undrain}"
         seen = []
         for node in self.nodes.values():
             if allowed and node.info.name not in allowed:

@@ -841,6 +841,7 @@ def test_an_operator_drains_a_node_and_undrains_it_its_member_running_on(request
     on_victim = sorted(r["replica"] for r in cluster.replicas() if r["node"] == victim and r["state"] == "ready")
     out = cluster.cli("node", "drain", "--node", victim)
     assert out.returncode == 0 and out.stdout.startswith(f"node {victim}: its replicas drain"), (out.stdout, out.stderr)
+    assert "warning" not in out.stderr, out.stderr  # (the other member takes the replacements)
     _, reps = cluster.wait(lambda rs: sum(r["state"] == "ready" for r in rs if r["stage"] in MEMBER_STAGES) == 4
                            and all(r["state"] == "stopped" for r in rs if r["replica"] in on_victim),
                            f"{victim}'s replicas replaced on {other}", 30)
@@ -870,6 +871,15 @@ def test_an_operator_drains_a_node_and_undrains_it_its_member_running_on(request
     shell = cluster.cli("shell", "-c", f"undrain {victim}", "-c", "drain --node m9")  # (the shell's verbs)
     assert f"node {victim} is not drained (it is alive)" in shell.stdout + shell.stderr, shell
     assert "no alive node named 'm9'" in shell.stdout + shell.stderr, shell
+    # Draining both members leaves the Talker and Code2Wav without a replica: said (a trial's
+    # drain took the last Code2Wav in silence)
+    assert cluster.cli("node", "drain", "--node", victim).returncode == 0
+    out = cluster.cli("node", "drain", "--node", other)
+    assert out.returncode == 0, out.stderr
+    for stage in MEMBER_STAGES:
+        assert f"warning: stage {stage} has no replica running while node {other} is drained (" in out.stderr, \
+            out.stderr
+    assert "until `node undrain` or a node that can run it joins" in out.stderr, out.stderr
 
 
 def test_member_that_rejoins_gets_work_again(request, tmp_path):

@@ -588,7 +588,7 @@ class CoordinatorActor(ActorTypeDispatcher):
             self.send(pool, dataclasses.replace(msg, reply_to=msg.reply_to or sender))
 
     def receiveMsg_SignalFault(self, msg: SignalFault, sender):
-        self._log.warning("fault_injected", kind=msg.fault, target=msg.target, pid=msg.pid,
+        self._log.warning("fault_injected", kind=msg.fault, target=msg.target, target_pid=msg.pid,
                           **({"replica": msg.target} if "/" in msg.target else {}))
         self.send(sender, AdminReply(True, "noted"))
 

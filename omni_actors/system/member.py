@@ -210,7 +210,7 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
         admin.asys.close()
 
 
-def stages_left_without_replicas(status, node: str, before=None) -> list[tuple[str, str]]:
+def stages_left_without_replicas(status, node: str, before=None, drained: bool = False) -> list[tuple[str, str]]:
     """The stages that node ``node`` leaves with no replica on its way anywhere else:
     ``[(stage, "stage talker has no replica running once node m1 has left (talker/3
     pending: no node has room ...); requests that need it wait up to queue_timeout_s,
@@ -218,6 +218,7 @@ def stages_left_without_replicas(status, node: str, before=None) -> list[tuple[s
 
     ``status`` is a :class:`~omni_actors.messages.SystemStatus` (None: nothing to say);
     a stage counts when it had a live replica on ``node`` in ``before`` (default ``status``).
+    ``drained``: the node was drained by an operator (``node drain``), not left.
     A replica of another node counts as on its way when it is ready, starting, or dead or
     isolated (its pool restarts it), or still being placed; pending ones (no node with
     room) do not. A trial's member, stopped with Ctrl-C, took every replica of two stages
@@ -240,9 +241,11 @@ def stages_left_without_replicas(status, node: str, before=None) -> list[tuple[s
                 for r in stage.replicas):
             continue
         others = [r for r in stage.replicas if r.node != node]
-        out.append((stage.stage, f"stage {stage.stage} has no replica running once node {node} has left"
+        when, until = ((f"while node {node} is drained", "`node undrain` or a node that can run it joins")
+                       if drained else (f"once node {node} has left", "a node that can run it joins"))
+        out.append((stage.stage, f"stage {stage.stage} has no replica running {when}"
                                  f" ({describe_replicas(others)}); requests that need it wait up to its"
-                                 " queue_timeout_s, then get a 503, until a node that can run it joins"))
+                                 f" queue_timeout_s, then get a 503, until {until}"))
     return out
 
 

@@ -35,7 +35,8 @@ def test_sigkilled_replica_is_isolated_at_once_its_tasks_rerun_and_it_is_restart
     assert all(rep["state"] == "ready" for rep in replicas(r.after).values())
     # The leader's log says the crash was injected, before it came (a trial read it as a real one)
     noted = [e for e in read_events(leader.log_path, r.injected_at - 10) if e["event"] == "fault_injected"]
-    assert [(e["kind"], e["target"], e["pid"]) for e in noted][-1:] == [("sigkill", "talker/0", old["pid"])], noted
+    assert [(e["kind"], e["target"], e["target_pid"]) for e in noted][-1:] == [("sigkill", "talker/0", old["pid"])], \
+        noted
     assert noted[-1]["t"] <= r.injected_at + 0.5
     assert wait_gone(leader, [old["pid"]], timeout_s=2) == []
     assert wait_no_segments(leader) == []
