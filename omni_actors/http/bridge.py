@@ -96,21 +96,6 @@ CONTEXT_LENGTH = re.compile(r"maximum context length|longer than the maximum mod
                             r"|over the model's context length")
 
 
-class WaitTimes:
-    """A histogram without a registry: count per bucket (the API's request buckets) and sum."""
-
-    def __init__(self) -> None:
-        from omni_actors.http.metrics import REQUEST_BUCKETS_S
-
-        self.bounds = REQUEST_BUCKETS_S
-        self.counts = [0] * len(self.bounds)
-        self.total = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[next(i for i, b in enumerate(self.bounds) if seconds <= b)] += 1
-        self.total += seconds
-
-
 class BridgeError(RuntimeError):
     """The bridge could not reach the coordinator."""
 
@@ -208,8 +193,11 @@ class ActorBridge(RequestActorKeeping):
         self._routes: Routes | None = None
         #: the stages' replicas as the coordinator last published them (on every state change)
         self._published: SystemStatus | None = None
-        #: how long requests waited for a free RequestActor (the 429/504 ones are not in it)
-        self._waited = WaitTimes()
+        #: how long requests waited for a free RequestActor (the 429/504 ones are not in it),
+        #: exported by the app's /metrics (``queue_waits``)
+        from omni_actors.http.metrics import queue_wait_histogram
+
+        self._waited = queue_wait_histogram()
 
     # -- lifecycle --------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -343,10 +331,10 @@ class ActorBridge(RequestActorKeeping):
                 "queued": p.queued,
                 "max": p.maximum, "min": p.minimum, "queue_limit": p.queue_limit, "rejected": p.rejected}
 
-    def queue_waits(self) -> tuple[tuple[float, ...], list[int], float]:
-        """``(bucket bounds in s, count per bucket, sum in s)`` of how long the requests that
-        got a RequestActor waited for it (event loop only)."""
-        return self._waited.bounds, list(self._waited.counts), self._waited.total
+    def queue_waits(self) -> list:
+        """The ``omni_request_queue_wait_seconds`` histogram's metric families: how long the
+        requests that got a RequestActor waited for it."""
+        return list(self._waited.collect())
 
     def in_flight(self) -> int:
         """Requests submitted and not yet finished."""

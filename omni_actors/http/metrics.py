@@ -307,6 +307,14 @@ def first_text(request: web.Request, endpoint: str, stream: bool) -> None:
             time.perf_counter() - request[_T0])
 
 
+def queue_wait_histogram() -> Histogram:
+    """``omni_request_queue_wait_seconds`` in a registry of its own: the bridge observes it,
+    :class:`RequestActorCollector` exports it."""
+    return Histogram("omni_request_queue_wait_seconds", "How long requests waited in the API server for a "
+                     "free RequestActor (those refused with 429, or whose deadline passed while waiting, "
+                     "not included)", buckets=REQUEST_BUCKETS_S, registry=CollectorRegistry())
+
+
 class RequestActorCollector:
     """``omni_request_actors*`` and ``omni_request_queue_depth`` from
     ``bridge.request_actors()`` (a bridge without it adds nothing)."""
@@ -336,13 +344,4 @@ class RequestActorCollector:
                                   "busy and the queue full", value=s["rejected"])
         waits = getattr(self.bridge, "queue_waits", None)
         if callable(waits):
-            bounds, counts, total = waits()
-            h = HistogramMetricFamily("omni_request_queue_wait_seconds", "How long requests waited in the API "
-                                      "server for a free RequestActor (those refused with 429, or whose "
-                                      "deadline passed while waiting, not included)")
-            cumulative, n = [], 0
-            for bound, c in zip(bounds, counts):
-                n += c
-                cumulative.append((floatToGoString(bound), n))
-            h.add_metric([], cumulative, total)
-            yield h
+            yield from waits()
