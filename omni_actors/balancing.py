@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from omni_actors.messages import ReplicaState
+from omni_actors.messages import LIVE_STATES, PLACING, ReplicaState
 
 #: Replica states a stage's pool routes tasks to.
 ROUTABLE = (ReplicaState.READY,)
@@ -101,3 +101,39 @@ def describe_replicas(replicas: Iterable) -> str:
             listed = ", ".join(names[:STOPPED_NAMED]) + (f" and {more} more" if more > 0 else "")
             parts.append(f"{listed} stopped" + (f": {reason}" if reason else ""))
     return "; ".join(parts) or "no replicas"
+
+
+def stages_left_without_replicas(status, node: str, before=None, drained: bool = False) -> list[tuple[str, str]]:
+    """The stages that node ``node`` leaves with no replica on its way anywhere else:
+    ``[(stage, "stage talker has no replica running once node m1 has left (talker/3
+    pending: no node has room ...); requests that need it wait up to queue_timeout_s,
+    then get a 503, until a node that can run it joins")]``.
+
+    ``status`` is a :class:`~omni_actors.messages.SystemStatus` (None: nothing to say);
+    a stage counts when it had a live replica on ``node`` in ``before`` (default ``status``).
+    ``drained``: the node was drained by an operator (``node drain``), not left.
+    A replica of another node counts as on its way when it is ready, starting, or dead or
+    isolated (its pool restarts it), or still being placed; pending ones (no node with
+    room) do not. A trial's member, stopped with Ctrl-C, took every replica of two stages
+    with it without a word: each request then waited the queue timeout three times over
+    (the ``openai`` client's retries).
+    """
+    if status is None:
+        return []
+    on_its_way = (ReplicaState.READY, ReplicaState.STARTING, ReplicaState.DEAD, ReplicaState.ISOLATED)
+    had = {s.stage for s in (before or status).stages
+           if any(r.node == node and r.state in LIVE_STATES for r in s.replicas)}
+    out = []
+    for stage in status.stages:
+        if stage.stage not in had or any(
+                (r.node != node and r.node and r.state in on_its_way)
+                or (r.state == ReplicaState.PENDING and r.reason.startswith(PLACING))  # (not known yet)
+                for r in stage.replicas):
+            continue
+        others = [r for r in stage.replicas if r.node != node]
+        when, until = ((f"while node {node} is drained", "`node undrain` or a node that can run it joins")
+                       if drained else (f"once node {node} has left", "a node that can run it joins"))
+        out.append((stage.stage, f"stage {stage.stage} has no replica running {when}"
+                                 f" ({describe_replicas(others)}); requests that need it wait up to its"
+                                 f" queue_timeout_s, then get a 503, until {until}"))
+    return out

@@ -517,7 +517,7 @@ def cmd_node(admin, args) -> int:
         print(admin.undrain_node(args.node))
         return 0
     from omni_actors.messages import PLACING
-    from omni_actors.system.member import stages_left_without_replicas
+    from omni_actors.balancing import stages_left_without_replicas
 
     before = admin.status()
     print(admin.drain_node(args.node, operator=True))
