@@ -448,6 +448,9 @@ class StartEngine(Message):
     #: that pid (``supervision.ParentWatch``) instead of the acks' delay. 0: judge by acks.
     pool_pid: int = 0
     pool_host: str = ""
+    #: Longest its engine's start waits for an old engine still holding its devices to exit
+    #: (``actors.device_leases``), in seconds: half the pool's ``ready_timeout_s``.
+    device_wait_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -482,6 +485,8 @@ class Heartbeat(Message):
     idle_s: float | None = None  #: seconds since the last progress, as the engine measured it
     #: the fault injected into it that is in force (``"slow x20"``, ``"stall"``, ``"raise x2"``); "" none
     fault: str = ""
+    #: while it starts: the devices its engine waits for (held by an old engine), ``device_leases.describe``
+    waiting_for: str = ""
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from typing import Any
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ThespianWatch, WakeupMessage, WatchMessage
 
+from omni_actors.actors import device_leases
 from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.engine_stream import StreamingMixin
 from omni_actors.actors.outbox import AddressNames, PendingChunk, Sequencer, bundle, coalesce
@@ -166,6 +167,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._parent = ParentWatch(0, "")
         self._fault: InjectFault | None = None
         self._stalled: asyncio.Event | None = None
+        #: what its engine's start waits for: devices still held by an old engine (see device_leases)
+        self._waiting_for = ""
+        self._leases: str | None = None  # the lease directory where it took its devices' leases
         self._log = get_logger(actor="engine")
 
     def _watch(self):
@@ -221,6 +225,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         spec = self._spec
         t0 = time.monotonic()
         try:
+            if spec.devices:
+                await asyncio.to_thread(self._wait_for_devices, spec)
             prepare = getattr(self._connector, "prepare", None)
             if prepare is not None:  # a vLLM-Omni connector (omni: modes) is built now, not by a task
                 await asyncio.to_thread(prepare)
@@ -229,10 +235,31 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             self._rt.emit(self._pool, EngineFailed(spec.replica, f"{type(exc).__name__}: {exc}"))
             return
         self._ready = True
+        if self._leases:  # (its engine's own processes hold the devices too: a vLLM core)
+            from omni_actors.system.processes import descendants
+
+            device_leases.take(self._leases, tuple(spec.devices), spec.replica, [os.getpid(), *descendants()])
         self._log.info("engine_ready", load_s=round(time.monotonic() - t0, 3), pid=os.getpid())
         self._rt.emit(self._pool, EngineReady(spec.replica, os.getpid(), spec.node,
                                               os.environ.get("CUDA_VISIBLE_DEVICES", ""),
                                               spec.deployment.backend, host_identity()))
+
+    def _wait_for_devices(self, spec: StartEngine) -> None:
+        """On a worker thread, before the engine loads: wait for the processes that still
+        hold this replica's devices (an old engine, orphaned when its pool or the coordinator
+        was lost and recreated) to exit, at most ``spec.device_wait_s``; then lease them."""
+        def waiting(what: str) -> None:
+            self._waiting_for = what
+            if what:
+                self._log.warning("engine_waits_for_devices", held=what, limit_s=spec.device_wait_s)
+
+        waited, still = device_leases.wait_and_take(tuple(spec.devices), spec.replica, spec.device_wait_s,
+                                                    on_wait=waiting)
+        self._leases = device_leases.lease_dir()
+        if still:
+            self._log.error("engine_loads_beside_device_holders", held=still, waited_s=round(waited, 2))
+        elif waited >= device_leases.POLL_S:
+            self._log.info("engine_devices_freed", waited_s=round(waited, 2))
 
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
         if msg.payload == "exit" and self._draining and not self._tasks:
@@ -266,7 +293,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 waiting=load.waiting if load else 0,
                 completed=self._completed, failed=self._failed,
                 kv_cache_usage=load.kv_cache_usage if load else None, progress=self._progress,
-                idle_s=self._idle_s(), fault=self._fault.describe() if self._fault else ""))
+                idle_s=self._idle_s(), fault=self._fault.describe() if self._fault else "",
+                waiting_for=self._waiting_for))
             self._heartbeats.again(self, self._spec.heartbeat_interval_s)
         return self._watch()
 
@@ -364,6 +392,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                     done.result(timeout=SHUTDOWN_TIMEOUT_S)
                 except Exception as exc:  # noqa: BLE001 - exiting anyway
                     self._log.warning("backend_shutdown_incomplete", error=str(exc) or type(exc).__name__)
+                else:
+                    device_leases.release(self._leases, tuple(self._spec.devices or ()))
             self._rt.stop()  # daemon thread: in-flight tasks end with the process
             # Kept, not dropped: Thespian still watches its socket's fd number until the process
             # ends (it asks no handler for a watch after an exit request). Closed now, the number

@@ -25,6 +25,15 @@ from omni_actors.messages import (LIVE_STATES, DrainNode, NodeLost, NodesChanged
                                   PlacementFailed, ReleasePlacement, ReplicaState, StartEngine)
 
 
+def starting_reason(rep) -> str:
+    """The reason a STARTING replica shows: why it was down (a restart, which can take a minute
+    with vLLM), and which devices its engine still waits for."""
+    parts = [f"starting again; it was down: {rep.down_cause}"] if rep.down_cause else []
+    if rep.device_wait:
+        parts.append(f"waiting for {rep.device_wait} to be freed: an engine from before, still exiting")
+    return "; ".join(parts)
+
+
 class PoolPlacementMixin:
     def _place(self, rep) -> None:
         dep = self._spec.deployment
@@ -50,14 +59,14 @@ class PoolPlacementMixin:
             self._publish()
             return
         rep.address, rep.node, rep.devices = address, msg.node, ",".join(msg.devices)
-        # (a restart says why it was down while it starts, which can take a minute with vLLM)
-        rep.state, rep.reason = ReplicaState.STARTING, (
-            f"starting again; it was down: {rep.down_cause}" if rep.down_cause else "")
+        rep.state, rep.device_wait = ReplicaState.STARTING, ""
+        rep.reason = starting_reason(rep)
         self.send(address, StartEngine(rep.replica, spec.stage, spec.deployment, spec.heartbeat_interval_s,
                                        spec.inline_threshold_bytes, msg.node, msg.devices or None,
                                        connector_mode=spec.connector_mode,
                                        orphan_after_s=spec.supervision.missed_heartbeats * spec.heartbeat_interval_s,
-                                       pool_pid=os.getpid(), pool_host=socket.gethostname()))
+                                       pool_pid=os.getpid(), pool_host=socket.gethostname(),
+                                       device_wait_s=spec.ready_timeout_s / 2))
         self.wakeupAfter(spec.ready_timeout_s, payload=("ready_deadline", rep.replica, address))
         self._log.info("replica_launched", replica=rep.replica, node=msg.node, devices=rep.devices)
         self._publish()

@@ -35,7 +35,7 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExi
 
 from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.pool_admin import PoolAdminMixin
-from omni_actors.actors.pool_placement import PoolPlacementMixin
+from omni_actors.actors.pool_placement import PoolPlacementMixin, starting_reason
 from omni_actors.actors.pool_routing import TASK_OVERDUE_GRACE_S, PoolRoutingMixin  # noqa: F401 (re-exported)
 from omni_actors.actors.supervision import (TICK_LOST_AFTER_INTERVALS, WAKEUP_LOST_AFTER_S, HealthPolicy, host_identity,
                                             ParentWatch, ReplicaHealth, RestartPolicy, WakeupChain,
@@ -105,6 +105,8 @@ class Replica:
     #: it has been READY at least once (its config loads), and load failures since it last was
     loaded: bool = False
     load_failures: int = 0
+    #: while it starts, the devices its engine waits for (an old engine holds them; its heartbeats say)
+    device_wait: str = ""
 
 
 class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, ActorTypeDispatcher):
@@ -266,6 +268,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             self.send(sender, ActorExitRequest())
             return
         self.send(sender, HeartbeatAck())
+        if rep.state == ReplicaState.STARTING:
+            self._show_device_wait(rep, msg.waiting_for)
         now = time.monotonic()
         if self._last_tick and now - self._last_tick > TICK_LOST_AFTER_INTERVALS * self._spec.heartbeat_interval_s:
             # The tick's wake-up was lost (see _after): supervision would stop for good.
@@ -278,6 +282,13 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 rep.fault = msg.fault
                 self._publish()  # (status shows an injected fault within a heartbeat)
             rep.health.on_heartbeat(time.monotonic(), msg.progress, msg.idle_s)
+
+    def _show_device_wait(self, rep: Replica, waiting_for: str) -> None:
+        """A starting replica's reason says which old engine holds its devices while it waits."""
+        if waiting_for != rep.device_wait:
+            rep.device_wait = waiting_for
+            rep.reason = starting_reason(rep)
+            self._publish()
 
     def receiveMsg_PoolStateAck(self, msg, sender):
         self._last_ack = time.monotonic()

@@ -34,7 +34,7 @@ def ipc_dir(system_id: str) -> str:
     return base if os.path.basename(base) == name else os.path.join(base, name)  # (it may be $TMPDIR now)
 
 
-def _own_ipc_dir() -> str | None:
+def own_ipc_dir() -> str | None:
     """This process's system's :func:`ipc_dir`, made (mode 0700); None outside any system."""
     system_id = os.environ.get(ENV_SYSTEM_ID)
     if not system_id:
@@ -53,7 +53,7 @@ def use_ipc_dir() -> str | None:
     system stopped."""
     if os.environ.get(ENV_VLLM_IPC):
         return None
-    path = _own_ipc_dir()
+    path = own_ipc_dir()
     if path:
         path = os.path.join(path, f"p{os.getpid()}")
         os.makedirs(path, mode=0o700, exist_ok=True)
@@ -79,7 +79,7 @@ def use_ipc_dir_for_temp_files() -> str | None:
     (13 after one session's test runs). torch's compile cache keeps its usual place
     (``$TORCHINDUCTOR_CACHE_DIR``, set to ``<temp dir>/torchinductor_<user>`` unless set),
     so it outlives the system as before."""
-    path = _own_ipc_dir()
+    path = own_ipc_dir()
     if not path:
         return None
     import getpass

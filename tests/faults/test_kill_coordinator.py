@@ -2,14 +2,70 @@
 
 from __future__ import annotations
 
+import datetime
+import json
+import threading
+import time
+from pathlib import Path
+
 import pytest
 
-from omni_actors.system.faultlab import (assert_no_request_lost, replicas, run_scenario, wait_gone,
-                                         wait_no_segments)
+from omni_actors.system.faultlab import (assert_clean_exit, assert_no_request_lost, replicas, run_scenario, stages,
+                                         wait_gone, wait_no_segments)
+from omni_actors.system.local import LocalLeader
+from omni_actors.system.processes import proc_stat
 
-from .conftest import CLIENTS, HEARTBEAT_S, REQUEST_TIMEOUT_S
+from .conftest import CLIENTS, CONFIG, HEARTBEAT_S, REQUEST_TIMEOUT_S
 
 pytestmark = [pytest.mark.system, pytest.mark.serial]
+
+#: The devices the leader's node offers (simulated GPUs): one per replica, and one to spare.
+DEVICES = "0,1,2,3,4,5"
+
+
+@pytest.fixture(scope="module")
+def leader(request) -> LocalLeader:
+    """The demo config's leader, its node offering :data:`DEVICES`: each replica is given one."""
+    leader = LocalLeader(CONFIG, extra_args=["--devices", DEVICES])
+    request.addfinalizer(lambda: assert_clean_exit(leader))
+    leader.start()
+    return leader
+
+
+class ExitWatch:
+    """Notes when each of ``pids`` exits (Unix time; a zombie counts as exited), polling /proc."""
+
+    def __init__(self, pids) -> None:
+        self.exited: dict[int, float] = {}
+        self._pids, self._stop = set(pids), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and len(self.exited) < len(self._pids):
+            for pid in self._pids - set(self.exited):
+                fields = proc_stat(Path(f"/proc/{pid}"))
+                if not fields or fields[0] in ("Z", "X"):
+                    self.exited[pid] = time.time()
+            time.sleep(0.02)
+
+    def stop(self) -> dict[int, float]:
+        self._stop.set()
+        self._thread.join()
+        return self.exited
+
+
+def _events(leader, name: str) -> list[dict]:
+    out = []
+    for line in leader.log_path.read_text(errors="replace").splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict) and ev.get("event") == name:
+            ev["t"] = datetime.datetime.fromisoformat(ev["timestamp"].replace("Z", "+00:00")).timestamp()
+            out.append(ev)
+    return out
 
 
 def test_killed_coordinator_is_recreated_and_the_old_tree_winds_down(leader):
@@ -29,7 +85,13 @@ def test_killed_coordinator_is_recreated_and_the_old_tree_winds_down(leader):
     launched = subprocess.run([sys.executable, "-m", "omni_actors.system", "stage", "launch", "--stage", "talker",
                                "--admin-port", str(leader.admin_port)], capture_output=True, text=True, timeout=60)
     assert launched.returncode == 0, launched.stderr
-    r = run_scenario(leader, "kill-coordinator", clients=CLIENTS, request_timeout_s=REQUEST_TIMEOUT_S)
+    old_engines = {rep["pid"]: rep for rep in replicas(stages(leader)).values()}
+    watch = ExitWatch(old_engines)
+    try:
+        r = run_scenario(leader, "kill-coordinator", clients=CLIENTS, request_timeout_s=REQUEST_TIMEOUT_S)
+    except BaseException:
+        watch.stop()
+        raise
 
     assert_no_request_lost(r)
     assert r.isolation_ms is not None and r.isolation_ms < 3 * HEARTBEAT_S * 1000, r.events
@@ -49,5 +111,23 @@ def test_killed_coordinator_is_recreated_and_the_old_tree_winds_down(leader):
     old = {r.before["coordinator_pid"]} | {st["pid"] for st in r.before["stages"]} \
         | {rep["pid"] for rep in replicas(r.before).values()}
     # old pools orphan after 5 missed acks, then drain their engines and exit
-    assert wait_gone(leader, old, timeout_s=12 * HEARTBEAT_S) == []
+    try:
+        assert wait_gone(leader, old, timeout_s=12 * HEARTBEAT_S) == []
+    finally:
+        exited = watch.stop()
     assert wait_no_segments(leader) == []
+    # No device is held by two engines at once: each new engine loaded only once the old engine
+    # on its device had exited (a trial saw a new talker/1 start on a device 2.3 s before the old
+    # code2wav/0 there exited: on a GPU, a load without memory)
+    ready = {ev["replica"]: ev for ev in _events(leader, "engine_ready") if ev["t"] >= r.injected_at}
+    holder_of = {rep["devices"]: pid for pid, rep in old_engines.items()}
+    assert sorted(holder_of) == sorted(rep["devices"] for rep in before.values()) and "" not in holder_of, before
+    for name, rep in after.items():
+        old_pid = holder_of.get(rep["devices"])
+        if old_pid is None:
+            continue  # (the spare device: nobody held it before)
+        assert old_pid in exited, (name, rep["devices"], old_pid)
+        assert ready[name]["t"] >= exited[old_pid] - 0.1, \
+            (f"{name} loaded on device {rep['devices']} {exited[old_pid] - ready[name]['t']:.2f} s before "
+             f"the old engine there (pid {old_pid}, {old_engines[old_pid]['replica']}) exited")
+    assert _events(leader, "engine_waits_for_devices"), "no new engine had to wait: the test saw no overlap"

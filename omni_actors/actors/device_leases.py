@@ -1,0 +1,163 @@
+"""Device leases: which live replica process holds each device of a host.
+
+The coordinator's inventory says which replica a device is given to, not
+which process still holds it. When the coordinator or a stage pool is lost
+and recreated, the old engines, orphaned, run on until they have finished
+their in-flight work and seen that their pool is gone (seconds), while the
+new pool places its replicas on the same devices. On a GPU the new engine
+would then load beside the old one, and fail for lack of memory (trial AJ:
+a new talker/1 started on device 2 about 2.3 s before the old code2wav/0
+there exited).
+
+So a replica given devices takes a lease on each: a file
+``<ipc dir>/devices/<device>`` (the system's per-host directory,
+:func:`omni_actors.system.processes.ipc_dir`, removed when the leader or
+member stops) holding the processes that use the device (the replica's own,
+and the engine's children once started, such as a vLLM engine core) with
+their start times, so that a reused pid is not taken for a holder. Before its
+engine loads, a replica waits for every process of the previous lease of
+each of its devices to exit (:func:`wait_and_take`), up to a bound, then
+loads anyway (logged: on a GPU that load may then fail for lack of memory,
+and the replica is retried as any failed load is).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from omni_actors.system.processes import own_ipc_dir, proc_stat
+
+#: Seconds between two looks at the holders of a replica's devices while it waits.
+POLL_S = 0.1
+
+
+def lease_dir() -> str | None:
+    """This host's lease directory for this process's system (made); None outside any system."""
+    base = own_ipc_dir()
+    if base is None:
+        return None
+    path = os.path.join(base, "devices")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def _start_time(pid: int) -> int | None:
+    """Process ``pid``'s start time (clock ticks since boot), or None if it is gone (zombies too)."""
+    fields = proc_stat(Path(f"/proc/{pid}"))
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _lease_file(directory: str, device: str) -> str:
+    return os.path.join(directory, device.replace("/", "_"))
+
+
+def read_lease(directory: str, device: str) -> dict | None:
+    """The lease of ``device``: ``{"replica", "pids": [[pid, start time], ...]}``, or None."""
+    try:
+        with open(_lease_file(directory, device)) as f:
+            lease = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return lease if isinstance(lease, dict) and isinstance(lease.get("pids"), list) else None
+
+
+def live_holders(lease: dict | None, me: int | None = None) -> list[int]:
+    """The processes of ``lease`` still running (the same processes: start times match), but ``me``."""
+    alive = []
+    for entry in (lease or {}).get("pids", ()):
+        try:
+            pid, start = int(entry[0]), int(entry[1])
+        except (TypeError, ValueError, IndexError):
+            continue
+        if pid != me and _start_time(pid) == start:
+            alive.append(pid)
+    return alive
+
+
+def holders(directory: str, devices: tuple[str, ...], me: int | None = None) -> dict[str, tuple[str, list[int]]]:
+    """Device -> (the replica that leased it, its processes still running), for the
+    devices of ``devices`` whose last lease is held by a running process other than ``me``."""
+    held = {}
+    for device in devices:
+        lease = read_lease(directory, device)
+        alive = live_holders(lease, me)
+        if alive:
+            held[device] = (str(lease.get("replica") or "?"), alive)
+    return held
+
+
+def describe(held: dict[str, tuple[str, list[int]]]) -> str:
+    """``"device 2 (held by code2wav/0, pid 4711)"``, joined by ``"; "``."""
+    return "; ".join(f"device {device} (held by {replica}, pid {', '.join(map(str, pids))})"
+                     for device, (replica, pids) in sorted(held.items()))
+
+
+def take(directory: str, devices: tuple[str, ...], replica: str, pids: list[int] | None = None) -> None:
+    """Write the lease of each of ``devices`` for ``replica``: ``pids`` (default: this
+    process) with their start times; each file is replaced at once (rename), so a
+    reader sees the old lease or the new one. Processes already gone are left out."""
+    entries = []
+    for pid in pids or [os.getpid()]:
+        start = _start_time(pid)
+        if start is not None:
+            entries.append([pid, start])
+    body = json.dumps({"replica": replica, "pids": entries})
+    for device in devices:
+        path = _lease_file(directory, device)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(body)
+        os.replace(tmp, path)
+
+
+def release(directory: str | None, devices: tuple[str, ...], me: int | None = None) -> None:
+    """Remove the leases of ``devices`` that are still this process's (``me``, default
+    this process): the replica stopped its engine. A lease another replica took since is kept."""
+    if not directory:
+        return
+    me = me or os.getpid()
+    for device in devices:
+        lease = read_lease(directory, device)
+        if lease and any(int(e[0]) == me for e in lease.get("pids", ()) if e):
+            try:
+                os.unlink(_lease_file(directory, device))
+            except OSError:
+                pass
+
+
+def wait_and_take(devices: tuple[str, ...], replica: str, limit_s: float,
+                  on_wait: Callable[[str], None] | None = None,
+                  sleep: Callable[[float], None] = time.sleep) -> tuple[float, str]:
+    """Wait until no other running process holds a lease on any of ``devices`` (at
+    most ``limit_s`` seconds), then take their leases for this process.
+
+    ``on_wait(what)`` is called when what is waited for changes (``describe``'s text;
+    ``""`` when the wait is over). Returns ``(seconds waited, what still held the
+    devices when the wait gave up, or "")``. Outside any system (no
+    ``$OMNI_ACTORS_SYSTEM_ID``) or with no devices it returns at once.
+    """
+    directory = lease_dir() if devices else None
+    if directory is None:
+        return 0.0, ""
+    t0, shown = time.monotonic(), ""
+    held = holders(directory, devices, os.getpid())
+    while held and time.monotonic() - t0 < limit_s:
+        what = describe(held)
+        if what != shown and on_wait is not None:
+            on_wait(what)
+        shown = what
+        sleep(POLL_S)
+        held = holders(directory, devices, os.getpid())
+    if shown and on_wait is not None:
+        on_wait("")
+    take(directory, devices, replica)
+    return time.monotonic() - t0, describe(held)
