@@ -502,10 +502,13 @@ def cmd_stage(admin, args) -> int:
     if args.action == "drain":
         for replica in dict.fromkeys(args.replica):
             print(admin.drain(replica))
-    elif args.action == "scale":
-        print(admin.scale(args.stage, args.replicas))
-    elif args.action == "launch":
-        print(admin.launch(args.stage, args.replicas, node=args.node, devices=args.devices))
+    elif args.action in ("scale", "launch"):
+        before = admin.status()
+        reply = (admin.scale(args.stage, args.replicas) if args.action == "scale" else
+                 admin.launch(args.stage, args.replicas, node=args.node, devices=args.devices))
+        print(reply)
+        for line in admin.unplaced(args.stage, before, reply, settle_s=NODE_DRAIN_SETTLE_S):
+            print(f"warning: {line}", file=sys.stderr)
     else:
         print(admin.scale(args.stage, 0, why="stage stopped"))
     return 0

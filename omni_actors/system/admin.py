@@ -185,6 +185,28 @@ class Admin:
             raise AdminError(problem)
         return self._ask(ScaleStage(stage, replicas, why=why))
 
+    def unplaced(self, stage: str, before, reply: str, settle_s: float = 3.0) -> list[str]:
+        """After a ``scale`` or ``launch`` of ``stage`` that answered ``reply``: one line per
+        new replica (not in the status ``before``) that no node could take, ``"talker/3 is
+        pending, not started: <why>"`` (a trial read "launched code2wav/4" for a replica that
+        found no room). Waits up to ``settle_s`` seconds for the new replicas to show and for
+        the coordinator to answer their placement; nothing when ``reply`` launched none."""
+        from omni_actors.messages import PLACING, ReplicaState
+
+        if "; launched " not in reply:
+            return []
+        known = {r.replica for st in before.stages for r in st.replicas}
+        deadline = time.monotonic() + settle_s
+        while True:
+            new = [r for st in self.status().stages if st.stage == stage for r in st.replicas
+                   if r.replica not in known]
+            placing = [r for r in new if r.state == ReplicaState.PENDING and r.reason.startswith(PLACING)]
+            if (new and not placing) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+        return [f"{r.replica} is pending, not started: {r.reason}" for r in new
+                if r.state == ReplicaState.PENDING and not r.reason.startswith(PLACING)]
+
     def launch(self, stage: str, replicas: int | None = None, *, node: str = "",
                devices: tuple[str, ...] | str = ()) -> str:
         """Add replicas to ``stage``: ``replicas`` of them (default 1, or one per

@@ -326,7 +326,11 @@ class AdminShell(cmd.Cmd):
     def do_scale(self, arg):
         """scale STAGE N: run N replicas of STAGE (launches new ones or drains the least busy)."""
         stage, n = self._args(arg, 2, 2, "scale STAGE N")
-        self._out(self.admin.scale(stage, self._int(n, "N")))
+        before = self.admin.status()
+        reply = self.admin.scale(stage, self._int(n, "N"))
+        self._out(reply)
+        for line in self.admin.unplaced(stage, before, reply):
+            self._out(f"warning: {line}")
 
     def do_launch(self, arg):
         """launch STAGE [N] [--node NODE] [--devices IDS]: add N replicas to STAGE (default 1; with
@@ -339,9 +343,12 @@ class AdminShell(cmd.Cmd):
         n = self._int(words[1], "N") if len(words) > 1 else None
         if n is not None and n < 1:
             raise AdminError("N must be >= 1")
-        self._stage(self._status(), words[0])
-        self._out(self.admin.launch(words[0], n, node=options.get("--node", ""),
-                                    devices=options.get("--devices", "")))
+        before = self._status()
+        self._stage(before, words[0])
+        reply = self.admin.launch(words[0], n, node=options.get("--node", ""), devices=options.get("--devices", ""))
+        self._out(reply)
+        for line in self.admin.unplaced(words[0], before, reply):
+            self._out(f"warning: {line}")
 
     def do_drain(self, arg):
         """drain REPLICA | drain --node NODE: stop routing to REPLICA (STAGE/N), let its work

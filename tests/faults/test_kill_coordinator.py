@@ -1,4 +1,5 @@
-"""Kill the coordinator under load."""
+"""Kill the coordinator under load, the leader's node offering simulated devices (one per
+replica); then scale a stage beyond the devices left."""
 
 from __future__ import annotations
 
@@ -131,3 +132,31 @@ def test_killed_coordinator_is_recreated_and_the_old_tree_winds_down(leader):
             (f"{name} loaded on device {rep['devices']} {exited[old_pid] - ready[name]['t']:.2f} s before "
              f"the old engine there (pid {old_pid}, {old_engines[old_pid]['replica']}) exited")
     assert _events(leader, "engine_waits_for_devices"), "no new engine had to wait: the test saw no overlap"
+
+
+def test_a_scale_beyond_the_free_devices_says_which_new_replica_is_only_pending(leader):
+    """``stage scale`` past the devices left: the reply names the new replicas, and a warning
+    says which of them no node had room for (a trial read "launched code2wav/4" for a replica
+    that stayed pending, with nothing saying so)."""
+    import subprocess
+    import sys
+
+    def scale(n: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "omni_actors.system", "stage", "scale", "--stage", "code2wav",
+                               "--replicas", str(n), "--admin-port", str(leader.admin_port)],
+                              capture_output=True, text=True, timeout=60)
+
+    live = [rep for rep in replicas(stages(leader)).values() if rep["state"] != "stopped"]
+    free = len(DEVICES.split(",")) - len(live)
+    code2wav = sum(rep["replica"].startswith("code2wav/") for rep in live)
+    assert free >= 0, live
+    out = scale(code2wav + free + 1)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"code2wav: {code2wav} -> {code2wav + free + 1} replicas; launched "), out.stdout
+    last = out.stdout.strip().rsplit(", ", 1)[-1].rsplit(" ", 1)[-1]  # (the newest name)
+    warnings = out.stderr.splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith(f"warning: {last} is pending, not started: "), \
+        (out.stderr, replicas(stages(leader))[last])
+    assert replicas(stages(leader))[last]["state"] == "pending"
+    out = scale(code2wav)  # (back: the pending one goes first; nothing new, no warning)
+    assert (out.returncode, out.stderr) == (0, ""), out.stderr
