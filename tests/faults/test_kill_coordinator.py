@@ -3,16 +3,14 @@ replica); then scale a stage beyond the devices left."""
 
 from __future__ import annotations
 
-import datetime
-import json
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from omni_actors.system.faultlab import (assert_clean_exit, assert_no_request_lost, replicas, run_scenario, stages,
-                                         wait_gone, wait_no_segments)
+from omni_actors.system.faultlab import (assert_clean_exit, assert_no_request_lost, read_events, replicas, run_scenario,
+                                         stages, wait_gone, wait_no_segments)
 from omni_actors.system.local import LocalLeader
 from omni_actors.system.processes import proc_stat
 
@@ -57,16 +55,7 @@ class ExitWatch:
 
 
 def _events(leader, name: str) -> list[dict]:
-    out = []
-    for line in leader.log_path.read_text(errors="replace").splitlines():
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(ev, dict) and ev.get("event") == name:
-            ev["t"] = datetime.datetime.fromisoformat(ev["timestamp"].replace("Z", "+00:00")).timestamp()
-            out.append(ev)
-    return out
+    return [ev for ev in read_events(leader.log_path) if ev.get("event") == name]
 
 
 def test_killed_coordinator_is_recreated_and_the_old_tree_winds_down(leader):
