@@ -721,11 +721,17 @@ def test_request_actors_killed_mid_request_or_idle_are_replaced_at_once(leader, 
         # the idle one now: killed, then replaced (the minimum is 1); the next request is served
         idle = _settle(lambda: _request_actors(set(leader.pids()) - baseline))
         assert len(idle) == 1, idle
-        os.kill(idle.pop(), signal.SIGKILL)
+        killed = idle.pop()
+        os.kill(killed, signal.SIGKILL)
+
+        def replaced() -> bool:  # (the killed one may show for a moment, until it is reaped)
+            text = _get(api.url.removesuffix("/v1") + "/metrics")
+            return len(_request_actors(set(leader.pids()) - baseline - {killed})) == 1 and \
+                _gauge(text, "omni_request_actors") == 1
         deadline = time.monotonic() + 10  # (its replacement is made as soon as it is known dead)
-        while len(_request_actors(set(leader.pids()) - baseline)) != 1 and time.monotonic() < deadline:
+        while not replaced() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert len(_request_actors(set(leader.pids()) - baseline)) == 1
+        assert replaced(), (_request_actors(set(leader.pids()) - baseline), api.log.read_text()[-2000:])
         status, body = chat(4)
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4, body
         text = _get(api.url.removesuffix("/v1") + "/metrics")
