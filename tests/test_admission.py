@@ -470,6 +470,24 @@ def _request_actors(pids) -> set[int]:
     return _titled(pids, b"RequestActor ActorAddr")
 
 
+def _kill_idle_and_wait_for_its_replacement(leader, api, baseline: set[int], killed: int) -> None:
+    """SIGKILL the idle RequestActor ``killed``; within 10 s another RequestActor process runs
+    and the API server counts one (``omni_request_actors``) again: it is replaced as soon as it
+    is known dead. (The killed process shows for a moment, until it is reaped: a check that
+    counted it passed at once, then saw none; and a request sent before the replacement was
+    registered had another made.)"""
+    os.kill(killed, signal.SIGKILL)
+
+    def replaced() -> bool:
+        text = _get(api.url.removesuffix("/v1") + "/metrics")
+        return len(_request_actors(set(leader.pids()) - baseline - {killed})) == 1 and \
+            _gauge(text, "omni_request_actors") == 1
+    deadline = time.monotonic() + 10
+    while not replaced() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert replaced(), (_request_actors(set(leader.pids()) - baseline), api.log.read_text()[-2000:])
+
+
 def _chat(url: str, max_tokens: int) -> tuple[int, str]:
     """A chat completion at ``url`` (urllib): (HTTP status, body)."""
     import urllib.error
@@ -721,17 +739,7 @@ def test_request_actors_killed_mid_request_or_idle_are_replaced_at_once(leader, 
         # the idle one now: killed, then replaced (the minimum is 1); the next request is served
         idle = _settle(lambda: _request_actors(set(leader.pids()) - baseline))
         assert len(idle) == 1, idle
-        killed = idle.pop()
-        os.kill(killed, signal.SIGKILL)
-
-        def replaced() -> bool:  # (the killed one may show for a moment, until it is reaped)
-            text = _get(api.url.removesuffix("/v1") + "/metrics")
-            return len(_request_actors(set(leader.pids()) - baseline - {killed})) == 1 and \
-                _gauge(text, "omni_request_actors") == 1
-        deadline = time.monotonic() + 10  # (its replacement is made as soon as it is known dead)
-        while not replaced() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert replaced(), (_request_actors(set(leader.pids()) - baseline), api.log.read_text()[-2000:])
+        _kill_idle_and_wait_for_its_replacement(leader, api, baseline, idle.pop())
         status, body = chat(4)
         assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4, body
         text = _get(api.url.removesuffix("/v1") + "/metrics")
@@ -783,11 +791,7 @@ def test_a_killed_request_actor_supervisor_is_replaced_and_watches_the_new_reque
         # the new supervisor watches its RequestActors: an idle one killed is replaced at once
         idle = _settle(lambda: _request_actors(set(leader.pids()) - baseline))
         assert len(idle) == 1, idle
-        os.kill(idle.pop(), signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while len(_request_actors(set(leader.pids()) - baseline)) != 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(_request_actors(set(leader.pids()) - baseline)) == 1
+        _kill_idle_and_wait_for_its_replacement(leader, api, baseline, idle.pop())
         assert '"request_actor_exited"' in api.log.read_text()
         t1 = time.monotonic()
         status, body = _chat(api.url, 4)
