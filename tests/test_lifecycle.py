@@ -1133,6 +1133,34 @@ def test_orphan_multiprocessing_semaphores_are_removed_and_used_or_older_ones_ke
             os.unlink(os.path.join(SEM_DIR, orphan))
 
 
+def test_the_ipc_directories_of_systems_killed_outright_are_swept_at_start(monkeypatch, tmp_path):
+    """A leader or member killed with its watchdog leaves its IPC directory (vLLM's sockets,
+    device leases): the next start on the host removes those of systems with no process left,
+    and keeps those of running ones."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from omni_actors.system import processes as P
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    live_id, dead_id = "a11ce0000000000000000001", "dead00000000000000000002"
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, P.ENV_SYSTEM_ID: live_id})
+    try:
+        for sid in (live_id, dead_id):
+            os.makedirs(os.path.join(P.ipc_dir(sid), "devices"))
+            open(os.path.join(P.ipc_dir(sid), "devices", "0"), "w").close()
+        os.makedirs(tmp_path / "unrelated")
+        assert P.sweep_stale_ipc_dirs() == [P.ipc_dir(dead_id)]
+        assert os.path.isdir(P.ipc_dir(live_id)) and not os.path.exists(P.ipc_dir(dead_id))
+        assert os.path.isdir(tmp_path / "unrelated")
+    finally:
+        proc.kill()
+        proc.wait()
+    assert P.sweep_stale_ipc_dirs() == [P.ipc_dir(live_id)]
+
+
 def test_a_replica_gets_an_ipc_directory_of_its_own_and_gives_it_back(monkeypatch, tmp_path):
     """vLLM's IPC sockets of one replica go in ``<system's ipc dir>/p<pid>``, removed when its
     engine stops: a scaled-down Talker's stayed until the whole system stopped (trial AE)."""

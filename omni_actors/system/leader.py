@@ -22,7 +22,7 @@ from pathlib import Path
 
 from omni_actors.config import PipelineConfig
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, cli, kill_system, port_in_use,
-                                          remove_ipc_dir, remove_orphan_semaphores, resume_stopped,
+                                          remove_ipc_dir, remove_orphan_semaphores, resume_stopped, sweep_stale_ipc_dirs,
                                           serve_args_error)
 from omni_actors.system.watchdog import (exit_if_host_gone, is_watchdog, mark_host_process, start_time,
                                          start_watchdog, stop_watchdog)
@@ -241,6 +241,9 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     sweep_segments(shm_prefix)  # what a killed predecessor on this port left
     log = get_logger(actor="leader")
     _become_subreaper()
+    stale = sweep_stale_ipc_dirs()
+    if stale:  # (systems killed outright on this host, watchdog and all, left them)
+        log.info("stale_ipc_dirs_removed", dirs=len(stale))
 
     stopping = threading.Event()
     leader_pid = os.getpid()

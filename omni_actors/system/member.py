@@ -20,7 +20,7 @@ from omni_actors.system.leader import (ACTOR_BASE, StartError, _become_subreaper
                                        node_capabilities, start_data_service)
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
                                           remove_orphan_semaphores,
-                                          resume_stopped)
+                                          resume_stopped, sweep_stale_ipc_dirs)
 from omni_actors.system.watchdog import exit_if_host_gone, mark_host_process, start_watchdog, stop_watchdog
 
 #: seconds between the member's checks that its convention leader's admin still answers
@@ -99,6 +99,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         # (as the leader: the process that forks the admin and exits was left a zombie for the
         # member's whole life, a trial saw; orphaned actors here are reaped too)
         _become_subreaper()
+        sweep_stale_ipc_dirs()  # (of systems killed outright on this host)
         try:
             asys = ActorSystem(ACTOR_BASE, caps, logDefs=thespian_log_defs())
         except Exception as exc:  # noqa: BLE001

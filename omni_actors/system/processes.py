@@ -106,6 +106,38 @@ def remove_ipc_dir(system_id: str) -> int:
     return left
 
 
+def sweep_stale_ipc_dirs() -> list[str]:
+    """Remove the :func:`ipc_dir` s of systems none of whose processes runs any more (a member
+    or leader killed outright, with its watchdog, leaves its own: vLLM's sockets, the device
+    leases of ``actors.device_leases``); the paths removed. Run at a leader's or member's start."""
+    base = tempfile.gettempdir()
+    try:
+        dirs = [d for d in os.listdir(base) if d.startswith("omni-actors-ipc-")]
+    except OSError:
+        return []
+    if not dirs:
+        return []
+    live, needle = set(), f"{ENV_SYSTEM_ID}=".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        for var in env.split(b"\0"):
+            if var.startswith(needle):
+                live.add(var[len(needle):len(needle) + 16].decode(errors="replace"))
+    removed = []
+    for d in dirs:
+        if d.removeprefix("omni-actors-ipc-") not in live:
+            path = os.path.join(base, d)
+            shutil.rmtree(path, ignore_errors=True)
+            if not os.path.exists(path):
+                removed.append(path)
+    return removed
+
+
 #: Where POSIX named semaphores live on Linux, and the names Python's ``multiprocessing``
 #: gives its own (``sem.mp-<random>``).
 SEM_DIR = "/dev/shm"
