@@ -127,7 +127,7 @@ def release(directory: str | None, devices: tuple[str, ...], me: int | None = No
     me = me or os.getpid()
     for device in devices:
         lease = read_lease(directory, device)
-        if lease and any(int(e[0]) == me for e in lease.get("pids", ()) if e):
+        if lease and any(isinstance(e, list) and e and e[0] == me for e in lease["pids"]):
             try:
                 os.unlink(_lease_file(directory, device))
             except OSError:
