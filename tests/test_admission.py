@@ -472,16 +472,18 @@ def _request_actors(pids) -> set[int]:
 
 def _kill_idle_and_wait_for_its_replacement(leader, api, baseline: set[int], killed: int) -> None:
     """SIGKILL the idle RequestActor ``killed``; within 10 s another RequestActor process runs
-    and the API server counts one (``omni_request_actors``) again: it is replaced as soon as it
-    is known dead. (The killed process shows for a moment, until it is reaped: a check that
-    counted it passed at once, then saw none; and a request sent before the replacement was
-    registered had another made.)"""
+    and the API server has it back idle (``omni_request_actors`` 1, ``omni_request_actors_busy``
+    0): it is replaced as soon as it is known dead. (The killed process shows for a moment,
+    until it is reaped: a check that counted it passed at once, then saw none. And the gauge
+    counts a RequestActor from the moment it is asked for, its process runs before the API
+    server has it idle, and a request sent in between finds none idle and has another made:
+    only busy 0 says the replacement is ready.)"""
     os.kill(killed, signal.SIGKILL)
 
     def replaced() -> bool:
         text = _get(api.url.removesuffix("/v1") + "/metrics")
         return len(_request_actors(set(leader.pids()) - baseline - {killed})) == 1 and \
-            _gauge(text, "omni_request_actors") == 1
+            _gauge(text, "omni_request_actors") == 1 and _gauge(text, "omni_request_actors_busy") == 0
     deadline = time.monotonic() + 10
     while not replaced() and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -5,6 +5,7 @@ was recreated, a new talker/1 started on device 2 while the old code2wav/0 still
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,8 +40,8 @@ def test_a_device_held_by_a_live_process_is_waited_for_until_it_exits(system, ho
     assert L.holders(system, ("1", "2")) == {"2": ("code2wav/0", [holder.pid])}
     seen: list[str] = []
     threading.Timer(0.5, holder.kill).start()
-    waited, still = L.wait_and_take(("1", "2"), "talker/1", limit_s=20, on_wait=seen.append)
-    assert still == "" and 0.4 <= waited < 10, waited
+    waited, killed, still = L.wait_and_take(("1", "2"), "talker/1", limit_s=20, on_wait=seen.append)
+    assert (killed, still) == ("", "") and 0.4 <= waited < 10, waited
     assert seen == [f"device 2 (held by code2wav/0, pid {holder.pid})", ""]
     # the devices are this process's now: the next replica would wait for it
     assert L.holders(system, ("1", "2"), me=-1) == {d: ("talker/1", [os.getpid()]) for d in ("1", "2")}
@@ -48,14 +49,39 @@ def test_a_device_held_by_a_live_process_is_waited_for_until_it_exits(system, ho
     assert L.holders(system, ("1", "2"), me=-1) == {}
 
 
-def test_the_wait_gives_up_after_its_limit_and_says_who_held_the_device(system, holder):
+def test_a_holder_still_running_after_the_wait_is_killed_and_its_devices_taken(system, holder):
     L.take(system, ("0",), "thinker/0", [holder.pid])
     t0 = time.monotonic()
-    waited, still = L.wait_and_take(("0",), "thinker/0", limit_s=0.3)
+    waited, killed, still = L.wait_and_take(("0",), "thinker/0", limit_s=0.3)
     assert 0.3 <= waited and time.monotonic() - t0 < 5
-    assert still == f"device 0 (held by thinker/0, pid {holder.pid})"
-    # taken all the same: the lease is this process's now (the old holder is no longer in it)
+    assert (killed, still) == (f"device 0 (held by thinker/0, pid {holder.pid})", "")
+    assert holder.wait(timeout=5) == -signal.SIGKILL
+    # the lease is this process's now (the old holder is no longer in it)
     assert L.holders(system, ("0",), me=-1) == {"0": ("thinker/0", [os.getpid()])}
+
+
+def test_a_frozen_holder_is_resumed_and_killed_not_left_holding_the_device(system, holder):
+    """Trial AK: an engine frozen by SIGSTOP when its pool was killed held its device
+    until the system stopped, beside the new engine."""
+    os.kill(holder.pid, signal.SIGSTOP)
+    L.take(system, ("1", "2"), "talker/0", [holder.pid])
+    waited, killed, still = L.wait_and_take(("1", "2"), "talker/0", limit_s=0.2)
+    assert killed == f"device 1 (held by talker/0, pid {holder.pid}); device 2 (held by talker/0, pid {holder.pid})"
+    assert still == ""
+    assert holder.wait(timeout=5) == -signal.SIGKILL
+
+
+def test_a_holder_that_cannot_be_killed_is_reported_and_the_engine_loads_beside_it(system, holder, monkeypatch):
+    """(Another user's process, say: the signals are refused.) The wait does not hang on it."""
+    def refused(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+    L.take(system, ("5",), "old/0", [holder.pid])
+    t0 = time.monotonic()
+    with monkeypatch.context() as patch:
+        patch.setattr(L.os, "kill", refused)
+        waited, killed, still = L.wait_and_take(("5",), "new/0", limit_s=0.2)
+    assert killed == still == f"device 5 (held by old/0, pid {holder.pid})"
+    assert time.monotonic() - t0 < L.EVICT_WAIT_S + 3 and holder.poll() is None
 
 
 def test_a_dead_holder_or_a_reused_pid_is_no_holder(system, holder):
@@ -66,8 +92,8 @@ def test_a_dead_holder_or_a_reused_pid_is_no_holder(system, holder):
     holder.kill()
     holder.wait()
     assert L.holders(system, ("3",)) == {}
-    waited, still = L.wait_and_take(("3",), "talker/0", limit_s=10)
-    assert (still, waited < L.POLL_S) == ("", True)
+    waited, killed, still = L.wait_and_take(("3",), "talker/0", limit_s=10)
+    assert (killed, still, waited < L.POLL_S) == ("", "", True)
 
 
 def test_release_keeps_a_lease_another_replica_took_since(system, holder):
@@ -80,6 +106,6 @@ def test_release_keeps_a_lease_another_replica_took_since(system, holder):
 def test_outside_a_system_or_without_devices_nothing_is_waited_for(monkeypatch):
     monkeypatch.delenv(P.ENV_SYSTEM_ID, raising=False)
     assert L.lease_dir() is None
-    assert L.wait_and_take(("0",), "thinker/0", limit_s=10) == (0.0, "")
+    assert L.wait_and_take(("0",), "thinker/0", limit_s=10) == (0.0, "", "")
     monkeypatch.setenv(P.ENV_SYSTEM_ID, "feedfacefeedface0002")
-    assert L.wait_and_take((), "thinker/0", limit_s=10) == (0.0, "")
+    assert L.wait_and_take((), "thinker/0", limit_s=10) == (0.0, "", "")

@@ -16,15 +16,20 @@ member stops) holding the processes that use the device (the replica's own,
 and the engine's children once started, such as a vLLM engine core) with
 their start times, so that a reused pid is not taken for a holder. Before its
 engine loads, a replica waits for every process of the previous lease of
-each of its devices to exit (:func:`wait_and_take`), up to a bound, then
-loads anyway (logged: on a GPU that load may then fail for lack of memory,
-and the replica is retried as any failed load is).
+each of its devices to exit (:func:`wait_and_take`), up to a bound. A holder
+still running then is killed (resumed first, if stopped): the coordinator gave
+its devices to the new replica, so its own pool is gone or has replaced it,
+and nothing would ever stop it (trial AK: an engine frozen by SIGSTOP when its
+pool was killed held its device until the system stopped). Only if it cannot
+be killed does the engine load beside it (logged: on a GPU that load may then
+fail for lack of memory, and the replica is retried as any failed load is).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Callable
@@ -33,6 +38,9 @@ from omni_actors.system.processes import own_ipc_dir, proc_stat
 
 #: Seconds between two looks at the holders of a replica's devices while it waits.
 POLL_S = 0.1
+#: Seconds to wait for the holders killed by :func:`evict` to be gone (a killed process
+#: frees its memory, a GPU's too, as it exits; a zombie holds none and counts as gone).
+EVICT_WAIT_S = 5.0
 
 
 def lease_dir() -> str | None:
@@ -134,20 +142,43 @@ def release(directory: str | None, devices: tuple[str, ...], me: int | None = No
                 pass
 
 
+def evict(held: dict[str, tuple[str, list[int]]], wait_s: float = EVICT_WAIT_S,
+          sleep: Callable[[float], None] = time.sleep) -> list[int]:
+    """Kill the holding processes of ``held`` (:func:`holders`' answer): SIGCONT first
+    (a stopped process that is killed is gone only once it runs), then SIGKILL; wait
+    at most ``wait_s`` seconds for them to be gone. Returns the pids still running."""
+    pids = {pid for _, alive in held.values() for pid in alive}
+    starts = {pid: _start_time(pid) for pid in pids}
+    for pid in pids:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.kill(pid, sig)
+            except OSError:  # gone already, or not ours to signal
+                pass
+    deadline = time.monotonic() + wait_s
+    while True:
+        running = sorted(pid for pid in pids if starts[pid] is not None and _start_time(pid) == starts[pid])
+        if not running or time.monotonic() >= deadline:
+            return running
+        sleep(POLL_S)
+
+
 def wait_and_take(devices: tuple[str, ...], replica: str, limit_s: float,
                   on_wait: Callable[[str], None] | None = None,
-                  sleep: Callable[[float], None] = time.sleep) -> tuple[float, str]:
+                  sleep: Callable[[float], None] = time.sleep) -> tuple[float, str, str]:
     """Wait until no other running process holds a lease on any of ``devices`` (at
-    most ``limit_s`` seconds), then take their leases for this process.
+    most ``limit_s`` seconds), kill the holders still running then (:func:`evict`),
+    and take the leases for this process.
 
     ``on_wait(what)`` is called when what is waited for changes (``describe``'s text;
-    ``""`` when the wait is over). Returns ``(seconds waited, what still held the
-    devices when the wait gave up, or "")``. Outside any system (no
-    ``$OMNI_ACTORS_SYSTEM_ID``) or with no devices it returns at once.
+    ``""`` when the wait is over). Returns ``(seconds waited, what was killed, what
+    still holds the devices: it could not be killed)``, the last two ``describe``'s
+    text or ``""``. Outside any system (no ``$OMNI_ACTORS_SYSTEM_ID``) or with no
+    devices it returns at once.
     """
     directory = lease_dir() if devices else None
     if directory is None:
-        return 0.0, ""
+        return 0.0, "", ""
     t0, shown = time.monotonic(), ""
     held = holders(directory, devices, os.getpid())
     while held and time.monotonic() - t0 < limit_s:
@@ -157,7 +188,11 @@ def wait_and_take(devices: tuple[str, ...], replica: str, limit_s: float,
         shown = what
         sleep(POLL_S)
         held = holders(directory, devices, os.getpid())
+    evicted = describe(held)
+    if held:
+        evict(held, sleep=sleep)
+        held = holders(directory, devices, os.getpid())
     if shown and on_wait is not None:
         on_wait("")
     take(directory, devices, replica)
-    return time.monotonic() - t0, describe(held)
+    return time.monotonic() - t0, evicted, describe(held)

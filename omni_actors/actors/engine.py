@@ -247,18 +247,23 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
     def _wait_for_devices(self, spec: StartEngine) -> None:
         """On a worker thread, before the engine loads: wait for the processes that still
         hold this replica's devices (an old engine, orphaned when its pool or the coordinator
-        was lost and recreated) to exit, at most ``spec.device_wait_s``; then lease them."""
+        was lost and recreated) to exit, at most ``spec.device_wait_s``; kill those still
+        running then (frozen or hung: their pool is gone); then lease the devices."""
         def waiting(what: str) -> None:
-            self._waiting_for = what
+            self._waiting_for = what and (f"{what} to be freed: an engine from before, still exiting;"
+                                          f" killed if still running after {spec.device_wait_s:g} s")
             if what:
                 self._log.warning("engine_waits_for_devices", held=what, limit_s=spec.device_wait_s)
 
-        waited, still = device_leases.wait_and_take(tuple(spec.devices), spec.replica, spec.device_wait_s,
-                                                    on_wait=waiting)
+        waited, evicted, still = device_leases.wait_and_take(tuple(spec.devices), spec.replica,
+                                                             spec.device_wait_s, on_wait=waiting)
         self._leases = device_leases.lease_dir()
+        if evicted:  # (its pool is gone or replaced it: nothing else would ever stop it)
+            self._log.error("engine_killed_device_holders", held=evicted, waited_s=round(waited, 2),
+                            why="still running after the wait; frozen or hung")
         if still:
             self._log.error("engine_loads_beside_device_holders", held=still, waited_s=round(waited, 2))
-        elif waited >= device_leases.POLL_S:
+        elif waited >= device_leases.POLL_S and not evicted:
             self._log.info("engine_devices_freed", waited_s=round(waited, 2))
 
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):

@@ -27,10 +27,10 @@ from omni_actors.messages import (LIVE_STATES, DrainNode, NodeLost, NodesChanged
 
 def starting_reason(rep) -> str:
     """The reason a STARTING replica shows: why it was down (a restart, which can take a minute
-    with vLLM), and which devices its engine still waits for."""
+    with vLLM), and which devices its engine still waits for (its heartbeats' ``waiting_for``)."""
     parts = [f"starting again; it was down: {rep.down_cause}"] if rep.down_cause else []
     if rep.device_wait:
-        parts.append(f"waiting for {rep.device_wait} to be freed: an engine from before, still exiting")
+        parts.append(f"waiting for {rep.device_wait}")
     return "; ".join(parts)
 
 

@@ -149,3 +149,39 @@ def test_a_scale_beyond_the_free_devices_says_which_new_replica_is_only_pending(
     assert replicas(stages(leader))[last]["state"] == "pending"
     out = scale(code2wav)  # (back: the pending one goes first; nothing new, no warning)
     assert (out.returncode, out.stderr) == (0, ""), out.stderr
+
+
+def test_an_engine_frozen_when_its_pool_is_killed_is_killed_for_its_replacement(leader):
+    """``inject sigstop`` on talker/0, then ``inject kill-pool`` on its stage: the frozen
+    engine can never exit by itself. The new talker/0 waits half of ``ready_timeout_s`` for it,
+    then kills it and takes its device (trial AK: the frozen engine held the device until the
+    system stopped, beside the new engine, and ``status`` said nothing)."""
+    import subprocess
+    import sys
+
+    def inject(*args: str) -> None:
+        out = subprocess.run([sys.executable, "-m", "omni_actors.system", "inject", *args,
+                              "--admin-port", str(leader.admin_port)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+
+    before = replicas(stages(leader))
+    frozen = before["talker/0"]["pid"]
+    t0 = time.time()
+    inject("sigstop", "--replica", "talker/0")
+    inject("kill-pool", "--stage", "talker")
+    deadline = time.monotonic() + 30 / 2 + 20  # (the config's ready_timeout_s is 30)
+    reasons = set()
+    while time.monotonic() < deadline:
+        now = replicas(stages(leader)).get("talker/0", {})
+        reasons.add(now.get("reason", ""))
+        if now.get("pid") not in (None, frozen) and now.get("state") == "ready":
+            break
+        time.sleep(0.2)
+    assert now.get("state") == "ready" and now["pid"] != frozen, now
+    assert wait_gone(leader, {frozen}, timeout_s=5) == []
+    assert any(f"waiting for device {before['talker/0']['devices']} (held by talker/0, pid {frozen}) to be freed"
+               in reason and "killed if still running after 15 s" in reason for reason in reasons), reasons
+    killed = [ev for ev in _events(leader, "engine_killed_device_holders") if ev["t"] >= t0]
+    assert [(ev["replica"], ev["held"]) for ev in killed] == \
+        [("talker/0", f"device {before['talker/0']['devices']} (held by talker/0, pid {frozen})")], killed
+    assert not [ev for ev in _events(leader, "engine_loads_beside_device_holders") if ev["t"] >= t0]
