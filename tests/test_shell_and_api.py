@@ -453,3 +453,51 @@ def test_an_api_server_started_after_a_coordinator_restart_gives_the_same_create
     finally:
         api.terminate()
         api.wait(30)
+
+
+def test_an_attached_api_server_whose_system_stops_ends_its_requests_at_once_and_exits_1():
+    """The leader stops while a request runs on an attached API server: the request gets a 503
+    saying the system is gone within seconds, and the server exits with status 1 (a trial's
+    request waited 12-14 s, then read a 503 blaming ``drain_timeout_s``, which it never ran into)."""
+    import threading
+
+    own = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
+    api = None
+    try:
+        api, port = _start_api(own)
+        slow = subprocess.run([sys.executable, "-m", "omni_actors.system", "inject", "slow", "--replica", "thinker/0",
+                               "--factor", "100", "--admin-port", str(own.admin_port)],
+                              capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert slow.returncode == 0, slow.stderr
+        answer: dict = {}
+
+        def request() -> None:
+            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32})
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body.encode(),
+                                         {"Content-Type": "application/json"})
+            try:
+                urllib.request.urlopen(req, timeout=60)
+            except urllib.error.HTTPError as exc:
+                answer.update(code=exc.code, body=json.loads(exc.read()))
+            answer["at"] = time.monotonic()
+
+        thread = threading.Thread(target=request)
+        thread.start()
+        deadline = time.monotonic() + 10  # (until the API server has it in flight)
+        while "omni_request_actors_busy 1.0" not in urllib.request.urlopen(
+                f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert own.stop() == 0
+        stopped = time.monotonic()
+        thread.join(30)
+        assert answer.get("code") == 503, answer
+        assert "is gone (its admin stopped listening): the request cannot finish" in answer["body"]["error"]["message"]
+        assert answer["at"] - stopped < 5, answer["at"] - stopped  # (the server looks every second)
+        _, err = api.communicate(timeout=30)
+        assert api.returncode == 1 and "is gone; stopping this API server" in err, err
+    finally:
+        if api is not None and api.poll() is None:
+            api.kill()
+            api.wait(10)
+        if own.proc is not None and own.proc.poll() is None:
+            own.stop()

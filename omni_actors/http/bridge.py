@@ -340,15 +340,17 @@ class ActorBridge(RequestActorKeeping):
         """Requests submitted and not yet finished."""
         return len(self._streams)
 
-    def abort_all(self, reason: str) -> int:
+    def abort_all(self, reason: str, cancel: bool = True) -> int:
         """The server is stopping (event loop only): end every request in flight
         with a 503 saying ``reason`` (an SSE error event where the stream has
-        begun) and cancel its work in the pipeline; requests waiting for a
+        begun) and, if ``cancel``, cancel its work in the pipeline (not when the
+        system is gone: nothing would answer); requests waiting for a
         RequestActor get the same 503. Returns how many requests it ended."""
         ended = self._pool.fail_waiters(ShuttingDown(reason))
         for rid in list(self._streams):
             if rid in self._held:  # started on a RequestActor: stop its stages too
-                self._outbox(rid).put(("cancel", rid, reason))
+                if cancel:
+                    self._outbox(rid).put(("cancel", rid, reason))
                 self._put(rid, RequestFailed(503, reason, code="service_unavailable"))
                 ended += 1
         return ended

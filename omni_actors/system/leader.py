@@ -477,11 +477,15 @@ async def _serve(asys, coordinator, config, host, port, api_key, stopping: threa
 ABORT_GRACE_S = 2.0
 
 
-async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | None = None) -> None:
+async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | None = None,
+                     gone: str = "") -> None:
     """Stop accepting connections and requests, then let requests in flight finish (up to ``timeout_s``,
     ``supervision.drain_timeout_s``, or until ``hurry`` is set: a second Ctrl-C or SIGTERM). Those
     still running then end with a 503 that says the server stopped, and their stages are
-    cancelled, so that neither the HTTP server nor the engines wait on them any longer."""
+    cancelled, so that neither the HTTP server nor the engines wait on them any longer.
+
+    ``gone`` (an attached API server whose system went away): why none of them can finish;
+    they end at once with a 503 saying it, and nothing is sent to the gone system."""
     from omni_actors.http.app import refuse_new_requests
     from omni_actors.logs import get_logger
 
@@ -492,21 +496,24 @@ async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | 
     in_flight = bridge.in_flight()
     log = get_logger(actor="api")
     log.info("stopping", requests_in_flight=in_flight)
-    if in_flight:
+    if in_flight and not gone:
         log.info("draining", requests_in_flight=in_flight, timeout_s=timeout_s)
         print(f"draining: {in_flight} request(s) in flight get up to {timeout_s:g} s to finish "
               f"(supervision.drain_timeout_s; Ctrl-C again, or a `stop --timeout` running out, ends them "
               f"sooner)", file=sys.stderr, flush=True)  # (a trial's `stop --timeout 8` read "up to 10 s")
-    while bridge.in_flight() and time.monotonic() < deadline and not (hurry and hurry.is_set()):
+    while bridge.in_flight() and time.monotonic() < deadline and not (hurry and hurry.is_set()) and not gone:
         await asyncio.sleep(0.05)
     if bridge.in_flight():
         hurried = hurry is not None and hurry.is_set()
-        ended = bridge.abort_all("the server is shutting down: " + (
-            "stopped at once (a second Ctrl-C or SIGTERM, which `stop` also sends when its "
-            "--timeout is about to run out) while the request ran" if hurried else
-            f"the request was still running {timeout_s:g} s after the stop (supervision.drain_timeout_s)"))
+        if gone:
+            ended = bridge.abort_all(gone, cancel=False)
+        else:
+            ended = bridge.abort_all("the server is shutting down: " + (
+                "stopped at once (a second Ctrl-C or SIGTERM, which `stop` also sends when its "
+                "--timeout is about to run out) while the request ran" if hurried else
+                f"the request was still running {timeout_s:g} s after the stop (supervision.drain_timeout_s)"))
         log.warning("drain_ended_requests", requests=ended,
-                    why="second stop signal" if hurried else "drain_timeout_s",
+                    why="system gone" if gone else "second stop signal" if hurried else "drain_timeout_s",
                     after_s=round(timeout_s - (deadline - time.monotonic()), 1), drain_timeout_s=timeout_s)
         deadline = time.monotonic() + ABORT_GRACE_S
         while bridge.in_flight() and time.monotonic() < deadline:
