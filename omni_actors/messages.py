@@ -173,6 +173,10 @@ class PlaceReplica(Message):
     devices: int
     nodes: tuple[str, ...] = ()  #: allowed nodes (the stage's placement rule); empty: any
     pin_devices: tuple[str, ...] = ()  #: a pinned replica: exactly these devices of ``nodes[0]``
+    #: where it ran last, ``(node, devices)`` or ``()``: taken again if they are free and
+    #: allowed (a restarted replica, or one of a recreated pool or coordinator, goes back to
+    #: its devices rather than to another replica's, whose old engine may still be exiting)
+    prefer: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -405,7 +409,8 @@ class StartPool(Message):
     #: how its engines store outputs (``omni_actors.connectors.MODES``, or ``omni:...``:
     #: through a vLLM-Omni connector, ``omni_actors.connectors.omni``); None: each engine's default
     connector_mode: str | None = None
-    #: The replicas to start, ``(replica id, pin, restart times, counters, failed, ran)`` each (pin:
+    #: The replicas to start, ``(replica id, pin, restart times, counters, failed, ran, was on)``
+    #: each (was on: ``(node, devices)`` it last ran on, or ``()``, see ``PlaceReplica.prefer``; pin:
     #: ``(node, devices)`` or ``()``; monotonic seconds, this host's clock; counters: ``(completed,
     #: failed, latency buckets, latency sum in s, restarts)``, the last report's (restarts: its
     #: ``restarts`` count less its restart times); failed: why it went down
@@ -414,7 +419,7 @@ class StartPool(Message):
     #: pool recreated after a crash gets the replicas its predecessor ran (launched and scaled
     #: ones included, those scaled down or drained left out) with their restart history and
     #: counters (Prometheus counters must not go back).
-    replicas: tuple[tuple[str, tuple, tuple[float, ...], tuple, str, bool], ...] | None = None
+    replicas: tuple[tuple[str, tuple, tuple[float, ...], tuple, str, bool, tuple], ...] | None = None
     #: the index of the next new replica's name (``<stage>/<index>``): a recreated pool goes on
     #: from its predecessor's, so no name is used twice
     next_index: int = 0

@@ -171,12 +171,16 @@ class Inventory:
         return True
 
     def place(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...] = (),
-              pin: tuple[str, ...] = (), first: tuple[FirstInLine, ...] = ()) -> tuple[str, tuple[str, ...]]:
+              pin: tuple[str, ...] = (), first: tuple[FirstInLine, ...] = (),
+              prefer: tuple = ()) -> tuple[str, tuple[str, ...]]:
         """Choose ``(node, devices)`` for ``replica``; releases what it held before.
 
         With ``pin`` (device ids), the replica takes exactly those devices of
         the one node in ``allowed``, or nothing. ``first``: stages with no replica
         running, whose devices this one may not take (a pinned replica ignores it).
+        ``prefer``: ``(node, devices)`` where the replica ran before; chosen when that
+        node would be a candidate anyway and those devices (``devices`` of them) are
+        all free, over the usual order.
 
         Raises:
             PlacementError: no alive node that accepts the stage has enough free devices
@@ -200,10 +204,30 @@ class Inventory:
             fits = self._leave_room(fits, devices, first)
         node = min(fits, key=lambda f: f[:3])[3]
         chosen = tuple(node.free[:devices]) if node.info.devices else ()
+        again = self._again(fits, devices, prefer)
+        if again is not None:
+            node, chosen = again
         for d in chosen:
             node.used[d] = replica
         node.replicas[replica] = stage
         return node.info.name, chosen
+
+    @staticmethod
+    def _again(fits: list, devices: int, prefer: tuple):
+        """``(node, devices)`` of ``prefer`` if its node is among ``fits`` (candidate rows)
+        and, on a node with devices, exactly ``devices`` of them, all free; else None."""
+        if len(prefer) != 2:
+            return None
+        name, wanted = prefer[0], tuple(prefer[1])
+        node = next((f[3] for f in fits if f[3].info.name == name), None)
+        if node is None:
+            return None
+        if not node.info.devices:
+            return node, ()
+        free = set(node.free)
+        if len(wanted) != devices or len(set(wanted)) != devices or not free.issuperset(wanted):
+            return None
+        return node, wanted
 
     def _leave_room(self, fits: list, devices: int, first: tuple[FirstInLine, ...]) -> list:
         """The candidate nodes (``fits`` rows) whose taking ``devices`` still lets every

@@ -848,7 +848,7 @@ def test_a_pool_that_exits_keeps_its_replicas_counts_and_only_those_that_ran_res
     assert (rows["code2wav/0"].state, rows["code2wav/0"].completed, rows["code2wav/0"].restarts,
             rows["code2wav/0"].pid) == (ReplicaState.DEAD, 60, 2, None)
     assert rows["code2wav/1"].state == ReplicaState.PENDING and rows["code2wav/1"].reason == "stage pool exited"
-    assert [(rid, ran) for rid, *_, ran in co._layout(1)] == [("code2wav/0", True), ("code2wav/1", False)]
+    assert [(rid, ran) for rid, *_, ran, _was_on in co._layout(1)] == [("code2wav/0", True), ("code2wav/1", False)]
 
 
 def test_a_busy_request_actor_tells_its_bridge_it_is_alive_until_it_is_free():

@@ -445,3 +445,30 @@ def test_a_stage_with_no_replica_running_goes_first_for_the_last_devices():
     # A CPU node takes any number: nothing to keep.
     inv = inventory(NodeInfo("cpu"))
     assert inv.place("talker", "talker/1", 1, first=need)[0] == "cpu"
+
+
+def test_a_replica_goes_back_to_the_devices_it_ran_on_when_they_are_free():
+    """A recreated coordinator's inventory starts empty: without ``prefer`` the replicas land
+    in a new order, each new engine then waiting for another replica's old engine (trial AK)."""
+    def fresh() -> Inventory:
+        return inventory(NodeInfo("a", ("0", "1", "2", "3")), NodeInfo("b", ("4", "5")))
+
+    assert fresh().place("talker", "talker/0", 1) == ("a", ("0",))  # (the usual order)
+    assert fresh().place("talker", "talker/0", 1, prefer=("a", ("2",))) == ("a", ("2",))
+    assert fresh().place("talker", "talker/0", 1, prefer=("b", ("5",))) == ("b", ("5",))
+    assert fresh().place("thinker", "thinker/0", 2, prefer=("a", ("3", "1"))) == ("a", ("3", "1"))
+    # the wrong count, a device the node does not offer, a node it may not use or that is gone:
+    # placed as usual
+    assert fresh().place("talker", "talker/0", 1, prefer=("b", ("4", "5"))) == ("a", ("0",))
+    assert fresh().place("talker", "talker/0", 1, prefer=("a", ("7",))) == ("a", ("0",))
+    assert fresh().place("talker", "talker/0", 1, ("b",), prefer=("a", ("2",))) == ("b", ("4",))
+    inv = fresh()
+    inv.lose("b", "lost")
+    assert inv.place("talker", "talker/0", 1, prefer=("b", ("5",))) == ("a", ("0",))
+    # taken by another replica since: placed as usual
+    inv = fresh()
+    assert inv.place("talker", "talker/0", 1, prefer=("a", ("2",))) == ("a", ("2",))
+    assert inv.place("talker", "talker/1", 1, prefer=("a", ("2",))) == ("b", ("4",))
+    # a CPU node: the node alone
+    cpu = inventory(NodeInfo("x"), NodeInfo("y"))
+    assert cpu.place("talker", "talker/0", 1, prefer=("y", ("0",))) == ("y", ())

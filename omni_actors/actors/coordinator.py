@@ -161,8 +161,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                                   coordinator_pid=os.getpid(), coordinator_host=socket.gethostname(),
                                   **({"recreated_why": why} if why else {})))
 
-    def _layout(self, stage_id: int) -> tuple[tuple[str, tuple, tuple[float, ...], tuple, str, bool], ...] | None:
-        """``(replica id, pin, restart times, counters, failed, ran)`` of each replica the stage's pool last
+    def _layout(self, stage_id: int) -> tuple[tuple[str, tuple, tuple[float, ...], tuple, str, bool, tuple], ...] | None:
+        """``(replica id, pin, restart times, counters, failed, ran, was on)`` of each replica the stage's pool last
         reported running or failed (launched and scaled ones included; scaled down or draining: left
         out); None before any report (the config's count then). See ``StartPool.replicas``."""
         report = self._reported.get(stage_id)
@@ -173,7 +173,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                       (r.completed, r.failed, r.latency_buckets, r.latency_sum_s,
                        r.restarts - len(restarts.get(r.replica, ()))),
                       failed.get(r.replica, "") if r.state == ReplicaState.FAILED else "",
-                      r.pid is not None or r.state in LIVE_STATES)
+                      r.pid is not None or r.state in LIVE_STATES,
+                      (r.node, tuple(r.devices.split(",")) if r.devices else ()) if r.node else ())
                      for r in report.replicas if r.state not in (ReplicaState.STOPPED, ReplicaState.DRAINING))
 
     def _settled(self) -> bool:
@@ -481,7 +482,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._asks[msg.replica] = msg
         try:
             node, devices = self._inventory.place(msg.stage, msg.replica, msg.devices, msg.nodes,
-                                                  pin=msg.pin_devices,
+                                                  pin=msg.pin_devices, prefer=msg.prefer,
                                                   first=() if msg.pin_devices else self._first_in_line(msg))
         except PlacementError as exc:
             self.send(sender, PlacementFailed(msg.replica, str(exc)))

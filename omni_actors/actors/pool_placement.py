@@ -41,7 +41,7 @@ class PoolPlacementMixin:
         pin = self._pins.get(rep.replica)
         nodes, devices = ((pin[0],), tuple(pin[1])) if pin else (tuple(dep.nodes), ())
         self.send(self._coordinator, PlaceReplica(self._spec.stage.name, rep.replica, dep.devices_per_replica,
-                                                  nodes, pin_devices=devices))
+                                                  nodes, pin_devices=devices, prefer=rep.was_on))
 
     def receiveMsg_Placement(self, msg: Placement, sender):
         rep = self._replicas.get(msg.replica)
@@ -59,6 +59,7 @@ class PoolPlacementMixin:
             self._publish()
             return
         rep.address, rep.node, rep.devices = address, msg.node, ",".join(msg.devices)
+        rep.placed = (msg.node, tuple(msg.devices))
         rep.state, rep.device_wait = ReplicaState.STARTING, ""
         rep.reason = starting_reason(rep)
         self.send(address, StartEngine(rep.replica, spec.stage, spec.deployment, spec.heartbeat_interval_s,

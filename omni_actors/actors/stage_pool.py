@@ -107,6 +107,10 @@ class Replica:
     load_failures: int = 0
     #: while it starts, the devices its engine waits for (an old engine holds them; its heartbeats say)
     device_wait: str = ""
+    #: ``(node, devices)`` the coordinator placed it on; and where it (its name) ran before
+    #: (a restart, or a recreated pool's layout): its placement asks for that again first
+    placed: tuple = ()
+    was_on: tuple = ()
 
 
 class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, ActorTypeDispatcher):
@@ -157,7 +161,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             for _ in range(msg.deployment.replicas):
                 self._launch(self._new_replica_id())
         else:  # recreated after a crash: the replicas the last pool ran, under their names
-            for rid, pin, restarts, (completed, failed, buckets, latency_sum, recreated), down, ran in msg.replicas:
+            for rid, pin, restarts, (completed, failed, buckets, latency_sum, recreated), down, ran, was_on \
+                    in msg.replicas:
                 self._next_index = max(self._next_index, replica_index(rid) + 1)
                 if pin:
                     self._pins[rid] = (pin[0], tuple(pin[1]))
@@ -166,7 +171,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                     rep.state, rep.down_cause, rep.failed_why = ReplicaState.FAILED, down, down
                     rep.reason = down + self._retry_later(rep)
                 else:
-                    self._launch(rid, list(restarts))
+                    self._launch(rid, list(restarts), was_on)
                     if ran:  # (its process was replaced with its pool's: a trial saw nothing in `status` say so)
                         self._replicas[rid].down_cause = msg.recreated_why
                 rep = self._replicas[rid]  # (its counters go on, as after a restart)
@@ -206,11 +211,14 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         self._next_index += 1
         return rid
 
-    def _launch(self, replica_id: str, restarts: list[float] | None = None) -> None:
-        """Ask the coordinator where the replica goes; it starts on :class:`Placement`."""
-        rep = Replica(replica_id, None, restarts=restarts or [], reason=PLACING)
+    def _launch(self, replica_id: str, restarts: list[float] | None = None, was_on: tuple = ()) -> None:
+        """Ask the coordinator where the replica goes (where it ran before, ``was_on``
+        ``(node, devices)`` or its own last placement, if those are free); it starts on
+        :class:`Placement`."""
+        rep = Replica(replica_id, None, restarts=restarts or [], reason=PLACING, was_on=was_on)
         old = self._replicas.get(replica_id)
         if old is not None:  # a restart: its counters go on (a Prometheus counter must not go back)
+            rep.was_on = old.placed or old.was_on
             rep.dispatched, rep.completed, rep.failed = old.dispatched, old.completed, old.failed
             rep.restarts_recreated = old.restarts_recreated
             rep.down_cause = old.down_cause

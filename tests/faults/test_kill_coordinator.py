@@ -98,6 +98,10 @@ def test_killed_coordinator_is_recreated_and_the_old_tree_winds_down(leader):
         assert rep["completed"] >= before[name]["completed"] and rep["restarts"] == before[name]["restarts"] + 1, \
             (name, before[name], rep)
         assert "it was down: the coordinator was lost and recreated" in rep["reason"], rep
+    # each went back to its own devices (a trial saw them dealt out anew: each new engine then
+    # waited for another replica's old one)
+    assert {name: rep["devices"] for name, rep in after.items()} == \
+        {name: rep["devices"] for name, rep in before.items()}
     old = {r.before["coordinator_pid"]} | {st["pid"] for st in r.before["stages"]} \
         | {rep["pid"] for rep in replicas(r.before).values()}
     # old pools orphan after 5 missed acks, then drain their engines and exit
