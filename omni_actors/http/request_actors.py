@@ -208,12 +208,14 @@ class RequestActorKeeping:
 
     def _write_off(self, request_id: str, why: str, tell_exit: bool = True) -> None:
         """The RequestActor of ``request_id`` is dead or hangs: its stages cancelled, its
-        place given to another (it is told to exit if ``tell_exit``); the request (if its
-        client still waits) fails with a 500 that says ``why``."""
+        place given to another (it is told to exit if ``tell_exit``; one is made in its place
+        while fewer than the minimum are left); the request (if its client still waits)
+        fails with a 500 that says ``why``."""
         self._unhold(request_id)
         self._log.warning("request_actor_lost", request_id=request_id, error=why)
         self._outbox(request_id).put(("abandon", request_id, tell_exit))
         self._pool.lost()
+        self._refill()  # (it was made up only at the next request: a helper saw the pool below its minimum)
         self._put(request_id, RequestFailed(500, f"the request was lost: {why}", "server_error"))
 
     def _bind(self, request_id: str, actor: Any) -> None:
@@ -258,4 +260,5 @@ class RequestActorKeeping:
         """The request could not be started on a RequestActor (making or telling it failed)."""
         if self._unhold(request_id):
             self._pool.lost()
+            self._refill()
         self._put(request_id, RequestFailed(500, f"could not start the request on a RequestActor: {error}"))
