@@ -336,8 +336,11 @@ class ReplicaStatus(Message):
 
     def devices_label(self) -> str:
         """The DEVICES cell of a status table: ``"2"``, ``"2 (pinned)"`` (to those devices),
-        ``"2 (node pinned)"`` (to its node only), ``"-"`` (none, or no longer held: stopped, failed)."""
+        ``"- (pinned to 2)"`` (not held now: pending, stopped, failed), ``"2 (node pinned)"``
+        (to its node only), ``"-"`` (none, or no longer held)."""
         held = self.devices if self.state not in (ReplicaState.STOPPED, ReplicaState.FAILED) else ""
+        if self.pin and self.pin[1] and not held:  # (a trial read a pending pinned replica's "- (pinned)")
+            return f"- (pinned to {','.join(self.pin[1])})"
         return (held or "-") + ((" (pinned)" if self.pin[1] else " (node pinned)") if self.pin else "")
 
 

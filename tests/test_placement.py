@@ -472,3 +472,18 @@ def test_a_replica_goes_back_to_the_devices_it_ran_on_when_they_are_free():
     # a CPU node: the node alone
     cpu = inventory(NodeInfo("x"), NodeInfo("y"))
     assert cpu.place("talker", "talker/0", 1, prefer=("y", ("0",))) == ("y", ())
+
+
+def test_the_devices_cell_says_which_devices_a_pinned_replica_waits_for():
+    from omni_actors.messages import ReplicaState, ReplicaStatus
+
+    def cell(state, devices="", pin=()):
+        return ReplicaStatus("talker/3", state, devices=devices, pin=pin).devices_label()
+
+    assert cell(ReplicaState.READY, "2") == "2"
+    assert cell(ReplicaState.READY, "2", ("m1", ("2",))) == "2 (pinned)"
+    # pending on a lost node (a trial read "- (pinned)", with nothing saying which devices)
+    assert cell(ReplicaState.PENDING, "", ("m1", ("6", "7"))) == "- (pinned to 6,7)"
+    assert cell(ReplicaState.FAILED, "6", ("m1", ("6",))) == "- (pinned to 6)"
+    assert cell(ReplicaState.PENDING, "", ("m1", ())) == "- (node pinned)"
+    assert cell(ReplicaState.STOPPED, "2") == "-"
