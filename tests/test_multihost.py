@@ -108,7 +108,8 @@ class Member:
         #: held until the member's admin listens on it (see reserve_port)
         self._reserved = None if admin_port else reserve_port()
         self.admin_port = admin_port or self._reserved.getsockname()[1]
-        self.env, self.prefix = env or {}, prefix or []
+        # (its own state directory, where it records itself for `stop`: not the user's ~/.omni-actors)
+        self.env, self.prefix = {"OMNI_ACTORS_STATE_DIR": str(workdir / "member-state"), **(env or {})}, prefix or []
         self.workdir = workdir
         self.proc: subprocess.Popen | None = None
         self.session: int | None = None
@@ -391,21 +392,43 @@ def test_1nm_across_hosts_serves_and_every_replica_gets_work(cluster):
                                 for st in ("thinker", "talker", "code2wav")), "every request through every stage", 5)
 
 
-def test_stop_on_a_members_admin_port_says_it_is_no_leader_and_stops_nothing(cluster):
+def test_stop_on_a_members_admin_port_recorded_elsewhere_says_so_and_stops_nothing(cluster, tmp_path):
     member = cluster.members["m1"]
     out = subprocess.run([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port", str(member.admin_port)],
-                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)})
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out
     assert f"no omni-actors system recorded on admin port {member.admin_port}" in out.stderr
-    assert "a member (started with --convention-address" in out.stderr
     # (a trial's leader recorded in another OMNI_ACTORS_STATE_DIR got only "a member or another program")
-    assert "a leader that records itself elsewhere (started with another OMNI_ACTORS_STATE_DIR" in out.stderr
+    assert "a leader or member that records itself elsewhere (started with another OMNI_ACTORS_STATE_DIR" \
+        in out.stderr
     assert member.proc.poll() is None
     # (and a member keeps no zombie: the process that forked its admin was one for its whole life)
     zombies = [e.name for e in Path("/proc").iterdir() if e.name.isdigit()
                and (_proc_stat(int(e.name)) or ["", ""])[:2] == ["Z", str(member.proc.pid)]]
     assert zombies == [], zombies
     assert any(r["node"] == "m1" and r["state"] == "ready" for r in cluster.replicas())
+
+
+def test_stop_on_a_members_admin_port_stops_that_member_as_its_ctrl_c_does(cluster):
+    """``stop --admin-port`` of a member host: it drains and leaves (node ``left``), its
+    processes end, the others serve on (before, it said "no system recorded" and a user had to
+    find the member's pid)."""
+    member = cluster.add_member("m3", "")
+    pids = member.pids()
+    assert pids and (cluster.workdir / "member-state" / f"member-{member.admin_port}.json").exists()
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port", str(member.admin_port)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, **member.env})
+    assert (out.returncode, out.stderr) == (0, ""), out
+    assert out.stdout == (f"stopped member 'm3' on admin port {member.admin_port} (it left the convention at "
+                          f"{member.convention}; its replicas drained first)\n"), out.stdout
+    assert member.proc.wait(10) == 0 and "omni-actors member stopped" in member.out.read_text()
+    assert [pid for pid in pids if _proc_stat(pid) and _proc_stat(pid)[0] != "Z"] == []
+    assert not (cluster.workdir / "member-state" / f"member-{member.admin_port}.json").exists()
+    assert _nodes(cluster)["m3"]["state"] == "left"
+    assert cluster.members["m1"].proc.poll() is None
+    assert_audio_reply(*chat(cluster.base_url))
 
 
 def test_signal_faults_and_logs_work_through_a_members_admin_port_on_the_leaders_host(cluster):

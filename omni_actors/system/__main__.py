@@ -88,7 +88,13 @@ def _parser() -> argparse.ArgumentParser:
                             help="reach the system through its convention leader's admin at HOST:PORT, "
                                  "from any host, instead of a local --admin-port")
 
-    sp = sub.add_parser("stop", help="stop the system started on an admin port")
+    sp = sub.add_parser("stop", help="stop the system (leader) or member host started on an admin port",
+                        description="Stop the leader or member host started on this host with that admin "
+                        "port (found in $OMNI_ACTORS_STATE_DIR or ~/.omni-actors), as Ctrl-C does: a leader "
+                        "drains its requests in flight, then stops every process of the system on this host; "
+                        "a member drains its replicas (replaced on other nodes) and leaves the convention. A "
+                        "second SIGTERM goes when --timeout is about to run out, SIGKILL at the end. Exit "
+                        "status 0 once stopped; 1 when nothing is recorded on that port.")
     admin_port(sp)
     sp.add_argument("--timeout", type=float, default=None,
                     help="seconds to wait before killing what is left (default: the system's "
@@ -328,11 +334,13 @@ def _ensure_system_id() -> None:
     os.execve(sys.executable, list(sys.orig_argv), env)
 
 
-def _read_state(admin_port: int) -> dict | None:
-    from omni_actors.system.leader import state_file
+def _read_state(admin_port: int, member: bool = False) -> dict | None:
+    """What the leader (or with ``member``, the member host) on ``admin_port`` recorded
+    about itself (see ``leader.state_file``, ``leader.member_state_file``); None if nothing."""
+    from omni_actors.system.leader import member_state_file, state_file
 
     try:
-        return json.loads(state_file(admin_port).read_text())
+        return json.loads((member_state_file if member else state_file)(admin_port).read_text())
     except (OSError, ValueError):
         return None
 
@@ -356,22 +364,47 @@ def _alive(pid: int) -> bool:
 
 def cmd_stop(args) -> int:
     from omni_actors.connectors import sweep_segments
-    from omni_actors.system.leader import other_leaders_hint, state_dir, state_file
+    from omni_actors.system.leader import member_state_file, other_leaders_hint, state_dir, state_file
     from omni_actors.system.processes import kill_system
 
     if args.timeout is not None and not 0 <= args.timeout <= MAX_STOP_TIMEOUT_S:  # (also refuses nan)
         return _fail(f"--timeout must be from 0 to {MAX_STOP_TIMEOUT_S:g} s, got {args.timeout:g}", 2)
-    state = _read_state(args.admin_port)
+    state, sfile, what = _read_state(args.admin_port), state_file(args.admin_port), "its leader"
+    if state is None:
+        state, sfile = _read_state(args.admin_port, member=True), member_state_file(args.admin_port)
+        what = "the member"
     if state is None:
         return _fail(f"no omni-actors system recorded on admin port {args.admin_port} in {state_dir()}"
-                     + ("; something listens there: a leader that records itself elsewhere (started with "
-                        "another OMNI_ACTORS_STATE_DIR or HOME: set the same one here), a member (started "
-                        "with --convention-address; stop it with Ctrl-C or SIGTERM to its process) or "
+                     + ("; something listens there: a leader or member that records itself elsewhere (started "
+                        "with another OMNI_ACTORS_STATE_DIR or HOME: set the same one here; a member started "
+                        "before members were recorded: stop it with Ctrl-C or SIGTERM to its process) or "
                         "another program" if _listening(args.admin_port) else "")
-                     + "; `stop` stops a leader started on this host" + other_leaders_hint(args.admin_port))
+                     + "; `stop` stops a leader or member started on this host" + other_leaders_hint(args.admin_port))
     pid = state["pid"]
+    # (a member drains its replicas for as long as the leader's drain_timeout_s, which it learns
+    # only then: the default's)
     timeout = args.timeout if args.timeout is not None else \
         float(state.get("drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S)) + STOP_GRACE_S
+    forced, hurried_after = _terminate(pid, timeout)
+    killed = kill_system(state["system_id"], sessions=state.get("sessions", ()))
+    sweep_segments(f"oa-{args.admin_port}-", state.get("shm_dir"))
+    sfile.unlink(missing_ok=True)
+    if state.get("role") == "member":
+        print(f"stopped member {state.get('node')!r} on admin port {args.admin_port} (it left the convention "
+              f"at {state.get('convention')}; its replicas drained first)", end="")
+    else:
+        print(f"stopped the system on admin port {args.admin_port}", end="")
+    print((f" ({what} was still draining after {hurried_after:.1f} s of --timeout {timeout:g}: told to end "
+           "the requests still running)" if hurried_after is not None else "")
+          + (f" ({what} did not exit within {timeout:g} s: killed)" if forced else "")
+          + (f" ({killed} leftover processes killed)" if killed else ""))
+    return 0
+
+
+def _terminate(pid: int, timeout: float) -> tuple[bool, float | None]:
+    """SIGTERM ``pid`` (a leader or member: it drains, then exits) and wait for it, at most
+    ``timeout`` seconds; a second SIGTERM (no more drain) when the wait is about to run out;
+    SIGKILL at the end. Returns ``(killed, seconds after which the second SIGTERM went, or None)``."""
     hurried_after = None
     if _alive(pid):
         os.kill(pid, signal.SIGTERM)
@@ -386,15 +419,7 @@ def cmd_stop(args) -> int:
     forced = _alive(pid)
     if forced:
         os.kill(pid, signal.SIGKILL)
-    killed = kill_system(state["system_id"], sessions=state.get("sessions", ()))
-    sweep_segments(f"oa-{args.admin_port}-", state.get("shm_dir"))
-    state_file(args.admin_port).unlink(missing_ok=True)
-    print(f"stopped the system on admin port {args.admin_port}"
-          + (f" (its leader was still draining after {hurried_after:.1f} s of --timeout {timeout:g}: told to end "
-             "the requests still running)" if hurried_after is not None else "")
-          + (f" (its leader did not exit within {timeout:g} s: killed)" if forced else "")
-          + (f" ({killed} leftover processes killed)" if killed else ""))
-    return 0
+    return forced, hurried_after
 
 
 def _listening(port: int, host: str = "127.0.0.1") -> bool:

@@ -44,6 +44,12 @@ def state_file(admin_port: int) -> Path:
     return state_dir() / f"leader-{admin_port}.json"
 
 
+def member_state_file(admin_port: int) -> Path:
+    """Where a member host records itself (``member-<admin port>.json`` in :func:`state_dir`),
+    so that ``stop --admin-port`` finds and stops it as it does a leader."""
+    return state_dir() / f"member-{admin_port}.json"
+
+
 def _become_subreaper() -> None:
     """Adopt orphaned actor processes so their exits are reaped (no zombies)."""
     try:

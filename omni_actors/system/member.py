@@ -10,6 +10,7 @@ the wait), then every process this host started ends.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -17,7 +18,7 @@ import threading
 import time
 
 from omni_actors.system.leader import (ACTOR_BASE, StartError, _become_subreaper, admin_start_error,
-                                       node_capabilities, start_data_service)
+                                       member_state_file, node_capabilities, start_data_service)
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
                                           remove_orphan_semaphores,
                                           resume_stopped, sweep_stale_ipc_dirs)
@@ -105,7 +106,15 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         except Exception as exc:  # noqa: BLE001
             raise StartError(admin_start_error(admin_port, exc)) from None
         sessions = child_sessions()  # the admin's session: every actor placed here lives in it
-        watchdog = start_watchdog("member", os.environ.get(ENV_SYSTEM_ID, ""), sessions, shm_prefix=shm_prefix)
+        sfile = member_state_file(admin_port)
+        watchdog = start_watchdog("member", os.environ.get(ENV_SYSTEM_ID, ""), sessions, shm_prefix=shm_prefix,
+                                  state_file=sfile)
+        # (`stop --admin-port` finds it there: a trial had to find the member's pid to stop it)
+        sfile.parent.mkdir(parents=True, exist_ok=True)
+        sfile.write_text(json.dumps({"pid": me, "role": "member", "node": node, "admin_port": admin_port,
+                                     "convention": f"{host}:{port}", "system_id": os.environ.get(ENV_SYSTEM_ID, ""),
+                                     "sessions": sessions, "shm_dir": shm_dir,
+                                     "watchdog_pid": watchdog.pid if watchdog else None}))
         print(f"omni-actors member {node!r} joined the convention at {host}:{port} "
               f"(admin port {admin_port}, devices {','.join(devices) or 'none (CPU)'}, "
               f"stages {','.join(stages) or 'any'}); Ctrl-C to leave", flush=True)
@@ -126,6 +135,11 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         if data is not None:
             data.stop()
         stop_watchdog(watchdog)
+        try:
+            if json.loads(member_state_file(admin_port).read_text()).get("pid") == me:  # (not a newer member's)
+                member_state_file(admin_port).unlink()
+        except (OSError, ValueError):
+            pass
         log.info("member_stopped", processes_killed=killed)
         print("omni-actors member stopped", flush=True)
 
