@@ -807,7 +807,7 @@ def test_status_shows_a_fault_injected_into_a_replica_until_it_is_cleared(fanin_
 
     try:
         out = inject_cli(port, "slow", "--replica", "thinker/0", "--factor", "3")
-        assert out.returncode == 0 and json.loads(out.stdout)["message"] == "slow x3 injected into thinker/0", out
+        assert out.returncode == 0 and json.loads(out.stdout)["message"] == "injected slow x3 into thinker/0", out
         # `status` at once says so (it did only after the replica's next heartbeat, up to a second)
         table = _cli("status", "--admin-port", str(port), env=env).stdout
         row = next(line for line in table.splitlines() if line.split()[:2] == ["thinker", "thinker/0"])
@@ -817,7 +817,7 @@ def test_status_shows_a_fault_injected_into_a_replica_until_it_is_cleared(fanin_
         wait_fault("thinker/0", "raise x2")  # (the last injected replaces the one before)
     finally:
         out = inject_cli(port, "clear", "--replica", "thinker/0")
-    assert out.returncode == 0 and json.loads(out.stdout)["message"] == "faults of thinker/0 cleared", out  # (it said
+    assert out.returncode == 0 and json.loads(out.stdout)["message"] == "cleared faults of thinker/0", out  # (it said
     # "clear injected into thinker/0")
     wait_fault("thinker/0", "")
 
@@ -1027,6 +1027,25 @@ def test_a_client_hanging_up_mid_request_logs_one_json_line_not_a_traceback():
     assert len(lost) == 3 and all(e["level"] == "info" and "exception" not in e for e in lost), lost
     bad = [json.loads(line) for line in lines if '"bad_http_request"' in line]
     assert len(bad) == 1 and bad[0]["level"] == "info" and "Content-Length" in bad[0]["error"], bad
+
+
+def test_a_host_that_is_not_this_hosts_is_not_reported_as_a_port_in_use():
+    """A trial's `--host 10.255.255.1` (another machine's address) read "HTTP port 8000 on
+    10.255.255.1 is in use": the check connected instead of binding. It binds now (nothing
+    is ever sent to a non-loopback address: 192.0.2.7 is TEST-NET, no address of this host)
+    and keeps "in use" for a port something listens on."""
+    from omni_actors.system.processes import serve_args_error
+
+    assert serve_args_error("192.0.2.7", 8000, 8001) == (
+        "--host 192.0.2.7 is not an address of this host (cannot bind HTTP port 8000 there: "
+        "[Errno 99] Cannot assign requested address)")
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        assert serve_args_error("127.0.0.1", taken, None) == f"HTTP port {taken} on 127.0.0.1 is in use"
+        assert serve_args_error("0.0.0.0", taken, None) == f"HTTP port {taken} on 0.0.0.0 is in use"
+    assert serve_args_error("127.0.0.1", taken, None) is None  # (free again: the check holds nothing)
 
 
 @pytest.mark.parametrize("args", [("status", "--admin-port", "99999"), ("stop", "--admin-port", "0"),

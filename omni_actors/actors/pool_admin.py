@@ -31,8 +31,8 @@ class PoolAdminMixin:
         rep.fault = msg.describe()  # (shown at once: its engine's heartbeats said it up to an interval later)
         self._publish()
         self._log.warning("fault_injected", replica=msg.replica, **msg.log_fields())
-        done = (f"faults of {msg.replica} cleared" if msg.kind == FaultKind.CLEAR
-                else f"{msg.describe()} injected into {msg.replica}")
+        done = (f"cleared faults of {msg.replica}" if msg.kind == FaultKind.CLEAR
+                else f"injected {msg.describe()} into {msg.replica}")
         self.send(msg.reply_to or sender, AdminReply(True, done))
 
     def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):

@@ -100,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="seconds to wait before killing what is left (default: the system's "
                          f"supervision.drain_timeout_s + {STOP_GRACE_S:g}, for its processes to exit)")
     sp = sub.add_parser("status", help="print the stage table of a running system; exit status 0 when its "
-                        f"model is ready, {NOT_READY_EXIT} when not (or its leader is not running)",
+                        f"model is ready, {NOT_READY_EXIT} when not (or its leader is not running), 1 when "
+                        "nothing answers at its admin port",
                         description="Print the stage table of a running system. Exit status: 0 ready and "
                         f"serving; {NOT_READY_EXIT} the system answers but is not ready (replicas starting, a "
                         "stage without a ready replica), not serving (its leader process is gone) or "
@@ -514,10 +515,11 @@ def cmd_status(admin, args) -> int:
 
 @_admin_verb
 def cmd_inject(admin, args) -> int:
+    from omni_actors.system.admin import inject_reply
+
     done = admin.inject(args.fault, replica=args.replica, stage=args.stage, factor=args.factor,
                         count=args.count)
-    print(json.dumps(done) if args.json else
-          done.get("message") or f"injected {done['fault']} into {done['target']}{done.get('note', '')}")
+    print(json.dumps(done) if args.json else inject_reply(done))
     return 0
 
 

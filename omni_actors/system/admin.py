@@ -129,7 +129,10 @@ class Admin:
                 raise AdminError(f"{target} (pid {pid}) is not running any more") from None
             return {"fault": fault, "target": target, "pid": pid, "at": at, "note": note}
         at = time.time()
-        message = self._ask(InjectFault(replica, ENGINE_FAULTS[fault], factor, count))
+        inject = InjectFault(replica, ENGINE_FAULTS[fault], factor, count)
+        self._ask(inject)  # (its pool's reply, worded its own way, says only that it was done)
+        message = (f"cleared faults of {replica}" if fault == "clear"
+                   else f"injected {inject.describe()} into {replica}")
         return {"fault": fault, "target": replica, "at": at, "message": message}
 
     def _pid_of(self, fault: str, replica: str, stage: str) -> tuple[int, str, str]:
@@ -241,6 +244,17 @@ def _stopped(pid: int) -> bool:
 def _hostname(host: str) -> str:
     """The hostname part of a ``supervision.host_identity()``; "unknown" for ""."""
     return host.rsplit("/", 1)[0] or "unknown"
+
+
+def inject_reply(done: dict) -> str:
+    """What :meth:`Admin.inject` did (its dict), as the one line the CLI and the shell print,
+    in one form for every fault (a trial met three): ``injected sigstop into talker/0 (pid
+    4711)``, ``injected kill-pool into pool talker (pid 812)``, ``injected slow x5 into
+    talker/0``, ``cleared faults of talker/0``."""
+    if done.get("message"):
+        return done["message"]
+    pid = f" (pid {done['pid']})" if "pid" in done else ""
+    return f"injected {done['fault']} into {done['target']}{pid}{done.get('note', '')}"
 
 
 def attach(admin_port: int) -> Admin:

@@ -11,6 +11,7 @@ itself over its environment block (seen here for actors of member hosts).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -412,9 +413,10 @@ def process_title(pid: int) -> str:
 def serve_args_error(host: str, port: int, admin_port: int | None) -> str | None:
     """Why ``--host``/``--port``/``--admin-port`` cannot be served, as one line, or None.
 
-    Checks ranges, that the two ports differ, that the host resolves, and that
-    nothing listens on the HTTP port already. ``admin_port`` None: no admin
-    on this host (an API server attached to another host's convention).
+    Checks ranges, that the two ports differ, that the host resolves to an address
+    of this host, and that nothing listens on the HTTP port already (see
+    ``http_bind_error``). ``admin_port`` None: no admin on this host (an API server
+    attached to another host's convention).
     """
     for name, value in (("--port", port), ("--admin-port", admin_port)):
         if value is not None and not 1 <= value <= 65535:
@@ -425,8 +427,44 @@ def serve_args_error(host: str, port: int, admin_port: int | None) -> str | None
         socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as exc:
         return f"--host {host!r} is not a usable address: {exc}"
-    if port_in_use(port, host if host not in ("0.0.0.0", "") else "127.0.0.1"):
-        return f"HTTP port {port} on {host} is in use"
+    return http_bind_error(host, port)
+
+
+def http_bind_error(host: str, port: int) -> str | None:
+    """Why the HTTP server could not listen on ``host:port``, as one line, or None.
+
+    Binds (with SO_REUSEADDR, as the server does, then closes) to each address ``host``
+    resolves to, rather than connecting: connecting to an address that is not this
+    host's reached whatever answers there (a trial's ``--host`` of another machine
+    read "is in use"). Like asyncio's ``create_server``, an address that cannot be
+    assigned (EADDRNOTAVAIL: a family not enabled) is skipped while another binds;
+    when none can be, ``host`` is not an address of this host.
+    """
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        return f"--host {host!r} is not a usable address: {exc}"
+    not_here, bound = None, False
+    for family, kind, proto, _, address in infos:  # (every one: the server binds each of them)
+        try:
+            s = socket.socket(family, kind, proto)
+        except OSError:
+            continue  # a family this host lacks
+        with s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(address)
+                bound = True
+            except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    not_here = not_here or exc
+                    continue
+                if exc.errno == errno.EADDRINUSE:
+                    return f"HTTP port {port} on {host} is in use"
+                return f"cannot bind HTTP port {port} on {host}: {exc}"
+    if not_here is not None and not bound:
+        return (f"--host {host} is not an address of this host "
+                f"(cannot bind HTTP port {port} there: {not_here})")
     return None
 
 

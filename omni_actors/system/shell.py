@@ -43,7 +43,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from omni_actors.system.admin import FAULTS, Admin, AdminError
+from omni_actors.system.admin import FAULTS, Admin, AdminError, inject_reply
 
 #: Replica states that count as running (as the pool counts them when it scales).
 LIVE_STATES = ("starting", "ready", "dead", "isolated")
@@ -405,8 +405,7 @@ class AdminShell(cmd.Cmd):
             if "/" not in target:
                 raise AdminError(f"{fault} targets a replica (STAGE/N), not {target!r}")
             done = self.admin.inject(fault, replica=target, **kwargs)
-        where = f" (pid {done['pid']})" if "pid" in done else ""
-        self._out(done.get("message") or f"injected {done['fault']} into {done['target']}{where}{done.get('note', '')}")
+        self._out(inject_reply(done))
 
     def do_requests(self, arg):
         """requests: stage tasks in flight (on replicas) and pending (waiting for a ready replica), by stage."""
