@@ -40,6 +40,7 @@ from omni_actors.actors.pool_routing import TASK_OVERDUE_GRACE_S, PoolRoutingMix
 from omni_actors.actors.supervision import (TICK_LOST_AFTER_INTERVALS, WAKEUP_LOST_AFTER_S, HealthPolicy, host_identity,
                                             ParentWatch, ReplicaHealth, RestartPolicy, WakeupChain,
                                             exit_hard_after, exit_if_orphaned_before_start)
+from omni_actors.actors.thespian_fixes import describe_exit, exit_code
 from omni_actors.balancing import POLICIES
 from omni_actors.logs import get_logger
 from omni_actors.placement import LEAVING, LEFT_REASON
@@ -457,7 +458,11 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
     def receiveMsg_ChildActorExited(self, msg: ChildActorExited, sender):
         rep = next((r for r in self._replicas.values() if r.address == msg.childAddress), None)
         if rep is not None:
-            self._gone(rep, rep.reason if rep.state == ReplicaState.ISOLATED else "process exited")
+            # (how it ended, when Thespian has reaped it: "killed by SIGKILL" says the OOM killer
+            # or an operator, an exit status an error; a trial's log said only "process exited")
+            how = describe_exit(exit_code(msg.childAddress))
+            self._gone(rep, rep.reason if rep.state == ReplicaState.ISOLATED else
+                       "process exited" + (f" ({how})" if how else ""))
 
     def _gone(self, rep: Replica, cause: str, crashed: bool = True, counted: bool = True) -> None:
         """The replica's process is gone (exited, killed, or lost with its node):

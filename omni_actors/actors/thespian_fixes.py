@@ -19,6 +19,11 @@ none in 42 stops of the same ``make test`` part and 47 of those tests.
 as the ``SIGCHLD`` check does. A second notice for one child is harmless: Thespian and
 our actors already get one from each source.
 
+A third change keeps how each child's process ended (:func:`exit_code`): Thespian
+reaps it and tells the parent only ``ChildActorExited``; a stage pool's
+``replica_exited`` could then not say whether its engine was killed by a signal (the
+OOM killer's SIGKILL) or exited with an error status.
+
 A second change makes every actor message cheaper. Thespian's TCP transport makes a
 new selector for each turn of its loop (its own comment: "creates selector on each
 loop, perhaps this could be optimized"): with the default epoll selector that is an
@@ -90,6 +95,45 @@ class PollSelector:
         self._events.clear()
 
 
+#: Child actor address (its ``str``) -> its process's exit code as Thespian reaped it in
+#: this process (``multiprocessing.Process.exitcode``: minus the signal that killed it);
+#: the latest :data:`EXIT_CODES_KEPT`.
+_EXIT_CODES: dict[str, int] = {}
+EXIT_CODES_KEPT = 256
+
+
+def exit_code(address) -> int | None:
+    """How the process of this process's child actor ``address`` ended, once Thespian
+    has reaped it: its exit status, or minus the signal that killed it; None when not
+    known (not reaped yet: a child's own goodbye can arrive before it has exited)."""
+    return _EXIT_CODES.get(str(address))
+
+
+def describe_exit(code: int | None) -> str:
+    """``"killed by SIGKILL"``, ``"exit status 1"``, ``"exit status 0"``, or ``""`` for None."""
+    if code is None:
+        return ""
+    if code < 0:
+        try:
+            import signal
+
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def _note_exit(child) -> None:
+    code = getattr(child.childProc, "exitcode", None)
+    if code is None:
+        return
+    for addr in (child.childAddr, getattr(child, "childRealAddr", None)):
+        if addr is not None:
+            _EXIT_CODES[str(addr)] = code
+    while len(_EXIT_CODES) > EXIT_CODES_KEPT:
+        _EXIT_CODES.pop(next(iter(_EXIT_CODES)))
+
+
 def apply() -> None:
     """Patch ``thespian.system.multiprocCommon.MultiProcReplicator._childExited`` (a
     no-op where Thespian has no such method) and make the TCP transport poll
@@ -109,6 +153,15 @@ def apply() -> None:
         return
     if not hasattr(MultiProcReplicator, "_childExited"):
         return
+    check_liveness = MultiProcReplicator._checkChildLiveness
+
+    def _check_child_liveness(child) -> bool:
+        alive = check_liveness(child)
+        if not alive:  # (joined: its exit code is known)
+            _note_exit(child)
+        return alive
+
+    MultiProcReplicator._checkChildLiveness = staticmethod(_check_child_liveness)
 
     def _child_exited(self, childAddr):
         alive, dead = [], []
