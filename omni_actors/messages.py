@@ -457,7 +457,7 @@ class StartEngine(Message):
     pool_pid: int = 0
     pool_host: str = ""
     #: Longest its engine's start waits for an old engine still holding its devices to exit
-    #: (``actors.device_leases``), in seconds: half the pool's ``ready_timeout_s``.
+    #: (``actors.device_leases``), in seconds, before it kills it (``pool_placement.device_wait_s``).
     device_wait_s: float = 30.0
 
 

@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,25 @@ def test_outside_a_system_or_without_devices_nothing_is_waited_for(monkeypatch):
     assert L.wait_and_take(("0",), "thinker/0", limit_s=10) == (0.0, "", "")
     monkeypatch.setenv(P.ENV_SYSTEM_ID, "feedfacefeedface0002")
     assert L.wait_and_take((), "thinker/0", limit_s=10) == (0.0, "", "")
+
+
+def test_the_wait_is_how_long_an_orphaned_engine_takes_to_end_and_at_most_half_the_ready_timeout():
+    """With the GPU configs' ready timeouts (1200-1800 s) half of it alone let a frozen old
+    engine hold a GPU for 10-15 minutes."""
+    from omni_actors.actors.pool_placement import ENGINE_EXIT_S, device_wait_s
+    from omni_actors.config import load_config
+    from omni_actors.messages import StartPool
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    for name, expected in (("cpu_omni_demo.yaml", 15.0), ("gpu_qwen3_omni.yaml", None)):
+        cfg = load_config(root / name)
+        stage = cfg.stage_args[0]
+        dep = cfg.deployment
+        spec = StartPool(stage, cfg.deployment_of(stage), dep.heartbeat_interval_s, dep.ready_timeout_s,
+                         65536, dep.load_balancing, dep.supervision)
+        wait = device_wait_s(spec)
+        assert wait <= dep.ready_timeout_s / 2
+        if expected is not None:
+            assert wait == expected  # (half of its 30 s)
+        else:  # 1200 s ready timeout: about a minute, not 600 s
+            assert ENGINE_EXIT_S < wait <= ENGINE_EXIT_S + 2 * 10 * dep.heartbeat_interval_s, wait

@@ -18,11 +18,30 @@ import socket
 
 from thespian.actors import ActorExitRequest
 
-from omni_actors.actors.engine import EngineActor
+from omni_actors.actors.engine import ORPHAN_AFTER_INTERVALS, EngineActor
 from omni_actors.actors.node_agent import requirements_on
 from omni_actors.placement import LEAVING, LEFT_REASON
 from omni_actors.messages import (LIVE_STATES, DrainNode, NodeLost, NodesChanged, PlaceReplica, Placement,
                                   PlacementFailed, ReleasePlacement, ReplicaState, StartEngine)
+
+
+#: Seconds an orphaned engine may take, once its tasks are cancelled, to stop its backend and
+#: exit (a tiny vLLM engine's shutdown took 4-5 s here; a large model on GPUs takes longer):
+#: part of how long a new replica waits for an old engine on its devices (:func:`device_wait_s`).
+ENGINE_EXIT_S = 60.0
+
+
+def device_wait_s(spec) -> float:
+    """How long a new replica's engine waits for an old engine still holding its devices
+    before it kills it (``StartEngine.device_wait_s``; ``spec``: the pool's ``StartPool``):
+    how long an orphaned engine takes to wind down (it notices its pool is gone after
+    ``orphan`` seconds, gives its tasks as long again, then stops: 2 x ``orphan`` +
+    :data:`ENGINE_EXIT_S`), and at most half of ``ready_timeout_s``. (Half of it alone was
+    600-900 s with the GPU configs' ready timeouts: a frozen old engine would have held a
+    GPU that long.)"""
+    interval = spec.heartbeat_interval_s
+    orphan = max(ORPHAN_AFTER_INTERVALS * interval, spec.supervision.missed_heartbeats * interval)
+    return min(spec.ready_timeout_s / 2, 2 * orphan + ENGINE_EXIT_S)
 
 
 def starting_reason(rep) -> str:
@@ -67,7 +86,7 @@ class PoolPlacementMixin:
                                        connector_mode=spec.connector_mode,
                                        orphan_after_s=spec.supervision.missed_heartbeats * spec.heartbeat_interval_s,
                                        pool_pid=os.getpid(), pool_host=socket.gethostname(),
-                                       device_wait_s=spec.ready_timeout_s / 2))
+                                       device_wait_s=device_wait_s(spec)))
         self.wakeupAfter(spec.ready_timeout_s, payload=("ready_deadline", rep.replica, address))
         self._log.info("replica_launched", replica=rep.replica, node=msg.node, devices=rep.devices)
         self._publish()
