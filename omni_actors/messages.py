@@ -471,6 +471,9 @@ class EngineReady(Message):
     devices: str = ""
     backend: str = ""
     host: str = ""  #: the machine it runs on (``supervision.host_identity()``: where ``pid`` means something)
+    #: what its start had to do about an old engine on its devices, for its ``status`` reason
+    #: (``"killed the old engine that still held device 1 (held by talker/0, pid 4711) after 15 s"``)
+    note: str = ""
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._stalled: asyncio.Event | None = None
         #: what its engine's start waits for: devices still held by an old engine (see device_leases)
         self._waiting_for = ""
+        self._device_note = ""  # what its start did about an old engine on its devices (EngineReady.note)
         self._leases: str | None = None  # the lease directory where it took its devices' leases
         self._log = get_logger(actor="engine")
 
@@ -242,7 +243,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._log.info("engine_ready", load_s=round(time.monotonic() - t0, 3), pid=os.getpid())
         self._rt.emit(self._pool, EngineReady(spec.replica, os.getpid(), spec.node,
                                               os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-                                              spec.deployment.backend, host_identity()))
+                                              spec.deployment.backend, host_identity(), note=self._device_note))
 
     def _wait_for_devices(self, spec: StartEngine) -> None:
         """On a worker thread, before the engine loads: wait for the processes that still
@@ -261,8 +262,10 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         if evicted:  # (its pool is gone or replaced it: nothing else would ever stop it)
             self._log.error("engine_killed_device_holders", held=evicted, waited_s=round(waited, 2),
                             why="still running after the wait; frozen or hung")
+            self._device_note = f"killed the old engine that still held {evicted} after {spec.device_wait_s:g} s"
         if still:
             self._log.error("engine_loads_beside_device_holders", held=still, waited_s=round(waited, 2))
+            self._device_note = f"loaded beside an old engine that could not be killed: {still}"
         elif waited >= device_leases.POLL_S and not evicted:
             self._log.info("engine_devices_freed", waited_s=round(waited, 2))
 

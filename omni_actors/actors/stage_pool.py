@@ -236,9 +236,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         if rep and rep.state == ReplicaState.STARTING:
             now = time.monotonic()
             # After a restart, READY says when and why it was down (RESTARTS alone does not).
-            rep.state, rep.reason = ReplicaState.READY, (
+            rep.state, rep.reason = ReplicaState.READY, "; ".join(filter(None, (
                 f"{'placed again' if LEFT_REASON in rep.down_cause or LEAVING in rep.down_cause else 'restarted'} at "
-                f"{time.strftime('%H:%M:%S')}; it was down: {rep.down_cause}" if rep.down_cause else "")
+                f"{time.strftime('%H:%M:%S')}; it was down: {rep.down_cause}" if rep.down_cause else "", msg.note)))
             rep.pid, rep.host, rep.backend = msg.pid, msg.host, msg.backend
             rep.devices = msg.devices or rep.devices
             rep.health = ReplicaHealth(last_heartbeat=now, progress_at=now)

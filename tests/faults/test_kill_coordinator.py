@@ -182,6 +182,9 @@ def test_an_engine_frozen_when_its_pool_is_killed_is_killed_for_its_replacement(
             break
         time.sleep(0.2)
     assert now.get("state") == "ready" and now["pid"] != frozen, now
+    # (status says so: the trial read a plain `ready`)
+    assert f"killed the old engine that still held device {before['talker/0']['devices']} (held by talker/0, " \
+        f"pid {frozen}) after 15 s" in now["reason"], now
     assert wait_gone(leader, {frozen}, timeout_s=5) == []
     assert any(f"waiting for device {before['talker/0']['devices']} (held by talker/0, pid {frozen}) to be freed"
                in reason and "killed if still running after 15 s" in reason for reason in reasons), reasons
