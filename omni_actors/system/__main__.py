@@ -370,10 +370,9 @@ def cmd_stop(args) -> int:
 
     if args.timeout is not None and not 0 <= args.timeout <= MAX_STOP_TIMEOUT_S:  # (also refuses nan)
         return _fail(f"--timeout must be from 0 to {MAX_STOP_TIMEOUT_S:g} s, got {args.timeout:g}", 2)
-    state, sfile, what = _read_state(args.admin_port), state_file(args.admin_port), "its leader"
+    state, sfile = _read_state(args.admin_port), state_file(args.admin_port)
     if state is None:
         state, sfile = _read_state(args.admin_port, member=True), member_state_file(args.admin_port)
-        what = "the member"
     if state is None:
         return _fail(f"no omni-actors system recorded on admin port {args.admin_port} in {state_dir()}"
                      + ("; something listens there: a leader or member that records itself elsewhere (started "
@@ -390,6 +389,7 @@ def cmd_stop(args) -> int:
     killed = kill_system(state["system_id"], sessions=state.get("sessions", ()))
     sweep_segments(f"oa-{args.admin_port}-", state.get("shm_dir"))
     sfile.unlink(missing_ok=True)
+    what = "the member" if state.get("role") == "member" else "its leader"
     if state.get("role") == "member":
         print(f"stopped member {state.get('node')!r} on admin port {args.admin_port} (it left the convention "
               f"at {state.get('convention')}; its replicas drained first)", end="")

@@ -22,7 +22,8 @@ from omni_actors.system.leader import (ACTOR_BASE, StartError, _become_subreaper
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
                                           remove_orphan_semaphores,
                                           resume_stopped, sweep_stale_ipc_dirs)
-from omni_actors.system.watchdog import exit_if_host_gone, mark_host_process, start_watchdog, stop_watchdog
+from omni_actors.system.watchdog import (exit_if_host_gone, mark_host_process, remove_state_file, start_watchdog,
+                                        stop_watchdog)
 
 #: seconds between the member's checks that its convention leader's admin still answers
 LEADER_CHECK_S = 5.0
@@ -135,11 +136,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         if data is not None:
             data.stop()
         stop_watchdog(watchdog)
-        try:
-            if json.loads(member_state_file(admin_port).read_text()).get("pid") == me:  # (not a newer member's)
-                member_state_file(admin_port).unlink()
-        except (OSError, ValueError):
-            pass
+        remove_state_file(member_state_file(admin_port), me)
         log.info("member_stopped", processes_killed=killed)
         print("omni-actors member stopped", flush=True)
 

@@ -188,7 +188,7 @@ def _clean_up(args) -> None:
     removed = sweep_segments(args.shm_prefix) if args.shm_prefix else 0
     remove_orphan_semaphores(boot_ticks_to_unix(args.start_time))
     if args.state_file:
-        _remove_state_file(Path(args.state_file), args.pid)
+        remove_state_file(Path(args.state_file), args.pid)
     try:  # (stderr may be a closed terminal by now)
         if not killed and not removed:  # (`stop` killed it and cleaned up, or it died with nothing left)
             get_logger(actor="watchdog").info("host_process_gone_nothing_left", role=args.role, main_pid=args.pid)
@@ -202,7 +202,8 @@ def _clean_up(args) -> None:
         pass
 
 
-def _remove_state_file(path: Path, pid: int) -> None:
+def remove_state_file(path: Path, pid: int) -> None:
+    """Remove a leader's or member's state file if it still names process ``pid`` (not a newer one's)."""
     import json
 
     try:
