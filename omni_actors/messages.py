@@ -632,6 +632,50 @@ class ShutdownDone(Message):
     pass
 
 
+@dataclass(frozen=True)
+class DrainApiServers(Message):
+    """Leader (``ask``) -> Coordinator, at a stop, while the leader's own API server drains:
+    tell every API server subscribed to it except ``exclude`` (the leader's own bridge) that
+    the system stops (:class:`SystemStopping`), and answer :class:`ApiServersDrained` once
+    each one has said its requests are over (:class:`ApiServerDrained`), or after
+    ``timeout_s`` seconds (``supervision.drain_timeout_s`` plus the time their 503s take).
+    The leader's drain counted only its own requests: streams on an attached ``api`` server
+    were cut off about 1 s after a ``stop`` (a trial)."""
+
+    timeout_s: float
+    drain_timeout_s: float
+    exclude: ActorAddress = None
+
+
+@dataclass(frozen=True)
+class SystemStopping(Message):
+    """Coordinator -> a subscribed API server's bridge: the system stops. The server takes no
+    new requests, lets those in flight finish (up to ``drain_timeout_s`` seconds), answers
+    :class:`ApiServerDrained` and exits."""
+
+    drain_timeout_s: float
+
+
+@dataclass(frozen=True)
+class ApiServerDrained(Message):
+    """An attached API server -> Coordinator: its requests are over; ``ended`` of them were
+    still running at its drain timeout and ended with a 503."""
+
+    address: ActorAddress
+    ended: int = 0
+
+
+@dataclass(frozen=True)
+class ApiServersDrained(Message):
+    """Coordinator -> leader: the answer to :class:`DrainApiServers`. ``told`` API servers
+    were told; ``late`` of them had not answered by its timeout; ``ended`` requests in all
+    were ended with a 503 at their drain timeout."""
+
+    told: int
+    late: int = 0
+    ended: int = 0
+
+
 # -- request plane --------------------------------------------------------
 
 

@@ -455,20 +455,85 @@ def test_an_api_server_started_after_a_coordinator_restart_gives_the_same_create
         api.wait(30)
 
 
-def test_an_attached_api_server_whose_system_stops_ends_its_requests_at_once_and_exits_1():
-    """The leader stops while a request runs on an attached API server: the request gets a 503
-    saying the system is gone within seconds, and the server exits with status 1 (a trial's
-    request waited 12-14 s, then read a 503 blaming ``drain_timeout_s``, which it never ran into)."""
+def _in_flight_on(port: int, n: int = 1, within_s: float = 10.0) -> None:
+    """Wait until the API server on ``port`` has ``n`` requests on its RequestActors."""
+    deadline = time.monotonic() + within_s
+    while f"omni_request_actors_busy {n:.1f}" not in urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode():
+        assert time.monotonic() < deadline, f"no request in flight on port {port}"
+        time.sleep(0.1)
+
+
+def _slow_thinker(leader: LocalLeader, factor: int) -> None:
+    slow = subprocess.run([sys.executable, "-m", "omni_actors.system", "inject", "slow", "--replica", "thinker/0",
+                           "--factor", str(factor), "--admin-port", str(leader.admin_port)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert slow.returncode == 0, slow.stderr
+
+
+def test_stopping_the_leader_lets_a_stream_on_an_attached_api_server_finish():
+    """Trial AN: the leader's drain counted only its own requests; with none of its own in
+    flight, `stop` took the system down in about 1 s and a stream on an attached API server
+    ended in a 503. Now the leader waits for the attached servers' requests (within
+    ``drain_timeout_s``): the stream ends with its finish reason, `stop` returns after it, and
+    the attached server says the system stops, takes no new request and exits 0."""
+    import threading
+
+    import openai
+
+    own = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
+    api = None
+    try:
+        api, port = _start_api(own)
+        _slow_thinker(own, 20)  # (4 ms -> 80 ms a token: 24 tokens take about 2 s)
+        seen: dict = {"text": "", "finish": None}
+
+        def stream() -> None:
+            try:
+                with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                                   timeout=60) as client:
+                    for chunk in client.chat.completions.create(
+                            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=24,
+                            modalities=["text"], stream=True):
+                        if chunk.choices:
+                            seen["text"] += chunk.choices[0].delta.content or ""
+                            seen["finish"] = chunk.choices[0].finish_reason or seen["finish"]
+            except Exception as exc:  # noqa: BLE001 - asserted below
+                seen["error"] = repr(exc)
+            seen["at"] = time.monotonic()
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        _in_flight_on(port)
+        assert own.stop() == 0
+        stopped = time.monotonic()
+        thread.join(30)
+        assert "error" not in seen and seen["finish"] == "length" and seen["text"], seen
+        assert seen["at"] <= stopped, "the stream ended after the leader had stopped"
+        _, err = api.communicate(timeout=30)
+        assert api.returncode == 0, err
+        assert "is stopping: this API server takes no new requests, gives its 1 request(s) in flight" in err, err
+    finally:
+        if api is not None and api.poll() is None:
+            api.kill()
+            api.wait(10)
+        if own.proc is not None and own.proc.poll() is None:
+            own.stop()
+
+
+def test_an_attached_api_server_whose_system_is_killed_ends_its_requests_at_once_and_exits_1():
+    """The leader is killed (its watchdog takes the system down) while a request runs on an
+    attached API server: the request gets a 503 saying the system is gone within seconds,
+    and the server exits with status 1 (a trial's request waited 12-14 s, then read a 503
+    blaming ``drain_timeout_s``, which it never ran into)."""
+    import signal
     import threading
 
     own = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
     api = None
     try:
         api, port = _start_api(own)
-        slow = subprocess.run([sys.executable, "-m", "omni_actors.system", "inject", "slow", "--replica", "thinker/0",
-                               "--factor", "100", "--admin-port", str(own.admin_port)],
-                              capture_output=True, text=True, cwd=ROOT, timeout=60)
-        assert slow.returncode == 0, slow.stderr
+        _slow_thinker(own, 100)
         answer: dict = {}
 
         def request() -> None:
@@ -483,16 +548,14 @@ def test_an_attached_api_server_whose_system_stops_ends_its_requests_at_once_and
 
         thread = threading.Thread(target=request)
         thread.start()
-        deadline = time.monotonic() + 10  # (until the API server has it in flight)
-        while "omni_request_actors_busy 1.0" not in urllib.request.urlopen(
-                f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert own.stop() == 0
-        stopped = time.monotonic()
+        _in_flight_on(port)
+        os.kill(own.proc.pid, signal.SIGKILL)
+        own.proc.wait(10)
+        killed = time.monotonic()
         thread.join(30)
         assert answer.get("code") == 503, answer
         assert "is gone (its admin stopped listening): the request cannot finish" in answer["body"]["error"]["message"]
-        assert answer["at"] - stopped < 5, answer["at"] - stopped  # (the server looks every second)
+        assert answer["at"] - killed < 5, answer["at"] - killed  # (the server looks every second)
         _, err = api.communicate(timeout=30)
         assert api.returncode == 1 and "is gone; stopping this API server" in err, err
     finally:

@@ -30,13 +30,14 @@ from omni_actors.actors.stage_pool import StagePoolActor
 from omni_actors.actors.supervision import TICK_LOST_AFTER_INTERVALS, RestartPolicy, WakeupChain, host_identity
 from omni_actors.connectors import buffer_counts, data_service, default_prefix
 from omni_actors.logs import get_logger
-from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, Deploy, DrainNode, DrainReplica, GetRoutes,
+from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, ApiServerDrained, ApiServersDrained,
+                                  Deploy, DrainApiServers, DrainNode, DrainReplica, GetRoutes,
                                   GetStatus, InjectFault, LaunchReplicas, NodeHeartbeat, NodeLeaving,
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, NOT_DEPLOYED, PlaceReplica,
                                   Placement, PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
                                   ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, SignalFault,
-                                  StartNodeAgent, StartPool, Subscribe, SUBSCRIPTION, SystemStatus, UndrainNode,
-                                  WhoAmI, YouAre)
+                                  StartNodeAgent, StartPool, Subscribe, SUBSCRIPTION, SystemStatus, SystemStopping,
+                                  UndrainNode, WhoAmI, YouAre)
 from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, PlacementError
 
 #: A member node whose agent has been silent this many heartbeat intervals is lost.
@@ -88,6 +89,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._deployed_at = 0  # (Unix seconds: when it took its config)
         self._deploy_waiters: list[object] = []
         self._subscribers: list[tuple[object, float]] = []
+        #: a stop's drain of the attached API servers: [asker, servers not yet drained, told, ended]
+        self._api_drain: list | None = None
         self._stopping = False
         self._inventory = Inventory()
         #: the node check's wake-ups (restarted by a pool's report when one was lost)
@@ -303,6 +306,8 @@ class CoordinatorActor(ActorTypeDispatcher):
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
         if msg.payload == "deploy_deadline":
             self._answer_deploy_waiters(force=True)
+        elif msg.payload == "api_drain_deadline":
+            self._answer_api_drain()
         elif self._node_checks.owns(msg.payload):
             if self._node_checks.current(msg.payload):
                 self._check_nodes()
@@ -629,6 +634,32 @@ class CoordinatorActor(ActorTypeDispatcher):
         for pool in self._pools.values():
             self.send(pool, ActorExitRequest())
         self.send(sender, ShutdownDone())
+
+    def receiveMsg_DrainApiServers(self, msg: DrainApiServers, sender):
+        now = time.monotonic()
+        servers = [a for a, t in self._subscribers if a != msg.exclude and now - t < SUBSCRIPTION_LEASE_S]
+        self._api_drain = [sender, servers, len(servers), 0]
+        self._log.info("api_servers_told_to_drain", api_servers=len(servers), drain_timeout_s=msg.drain_timeout_s)
+        for address in servers:
+            self.send(address, SystemStopping(msg.drain_timeout_s))
+        if servers:
+            self.wakeupAfter(msg.timeout_s, payload="api_drain_deadline")
+        else:
+            self._answer_api_drain()
+
+    def receiveMsg_ApiServerDrained(self, msg: ApiServerDrained, sender):
+        if self._api_drain is not None and msg.address in self._api_drain[1]:
+            self._api_drain[1].remove(msg.address)
+            self._api_drain[3] += msg.ended
+            if not self._api_drain[1]:
+                self._answer_api_drain()
+
+    def _answer_api_drain(self) -> None:
+        if self._api_drain is None:
+            return
+        asker, left, told, ended = self._api_drain
+        self._api_drain = None
+        self.send(asker, ApiServersDrained(told=told, late=len(left), ended=ended))
 
     def _status(self, query_id: str) -> SystemStatus:
         stages = tuple(self._states[s.stage_id] for s in self._config.stage_args) if self._config else ()

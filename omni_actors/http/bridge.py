@@ -67,7 +67,7 @@ from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelRequest, CancelStage, ErrorKind, GetRoutes, GetStatus, OutputChunk,
                                   OutputDelta, OutputDeltas, OutputReady, Relay, RequestActorAlive, RequestActorExited,
                                   RequestActorFree, RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe, SUBSCRIPTION,
-                                  SupervisorAlive, SystemStatus, WhoAmI, YouAre)
+                                  SupervisorAlive, SystemStatus, SystemStopping, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
 from omni_actors.http.request_actors import (LOST_AFTER_S, REQUEST_ACTOR_SILENT_S,  # noqa: F401 - (tests)
                                              RequestActorKeeping, _Held)
@@ -191,6 +191,10 @@ class ActorBridge(RequestActorKeeping):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._address = None
         self._routes: Routes | None = None
+        #: set when the coordinator says the system stops (:class:`SystemStopping`): an attached
+        #: API server then drains and exits; ``system_drain_timeout_s`` is the drain it was given
+        self.system_stopping = threading.Event()
+        self.system_drain_timeout_s: float | None = None
         #: the stages' replicas as the coordinator last published them (on every state change)
         self._published: SystemStatus | None = None
         #: how long requests waited for a free RequestActor (the 429/504 ones are not in it),
@@ -335,6 +339,11 @@ class ActorBridge(RequestActorKeeping):
         """The ``omni_request_queue_wait_seconds`` histogram's metric families: how long the
         requests that got a RequestActor waited for it."""
         return list(self._waited.collect())
+
+    @property
+    def address(self) -> Any:
+        """The address the coordinator and RequestActors answer this bridge at (None before ``start``)."""
+        return self._address
 
     def in_flight(self) -> int:
         """Requests submitted and not yet finished."""
@@ -514,6 +523,9 @@ class ActorBridge(RequestActorKeeping):
                 self._pump(box)
                 return
             self._end(msg)
+        elif isinstance(msg, SystemStopping):
+            self.system_drain_timeout_s = msg.drain_timeout_s
+            self.system_stopping.set()
         elif isinstance(msg, SystemStatus):
             if msg.query_id == SUBSCRIPTION:
                 self._published = msg

@@ -229,7 +229,7 @@ async def _serve(asys, coordinator, *, host: str, port: int, where: str, alive, 
                   "is served; a key the leader was given is not taken over", file=sys.stderr, flush=True)
         try:
             next_check = time.monotonic() + ADMIN_CHECK_EVERY_S
-            while not stopping.is_set():
+            while not stopping.is_set() and not bridge.system_stopping.is_set():
                 await asyncio.sleep(0.2)
                 if time.monotonic() >= next_check:
                     if not await loop.run_in_executor(None, alive):
@@ -240,8 +240,41 @@ async def _serve(asys, coordinator, *, host: str, port: int, where: str, alive, 
                     next_check = time.monotonic() + ADMIN_CHECK_EVERY_S
             gone = (f"the omni-actors system on {where} is gone (its admin stopped listening): the request "
                     f"cannot finish; this API server stops too") if lost.is_set() else ""
-            await drain_http(runner, bridge, drain_timeout_s, hurry, gone=gone)
+            system_stops = bridge.system_stopping.is_set() and not stopping.is_set() and not gone
+            if system_stops:  # the leader was stopped: drain as it does, then stop too
+                drain_timeout_s = bridge.system_drain_timeout_s or drain_timeout_s
+                print(f"the system on {where} is stopping: this API server takes no new requests, gives its "
+                      f"{bridge.in_flight()} request(s) in flight up to {drain_timeout_s:g} s to finish "
+                      f"(supervision.drain_timeout_s), then stops too", file=sys.stderr, flush=True)
+            watch = asyncio.ensure_future(_watch_admin(loop, alive, lost)) if not gone else None
+            try:
+                ended = await drain_http(
+                    runner, bridge, drain_timeout_s, hurry, gone=gone,
+                    stopping=f"the omni-actors system on {where} is stopping" if system_stops else "",
+                    went=lambda: (f"the omni-actors system on {where} went away while this API server drained: "
+                                  f"the request cannot finish") if lost.is_set() else "")
+            finally:
+                if watch is not None:
+                    watch.cancel()
+            if bridge.system_stopping.is_set() and not lost.is_set():  # (the leader waits for this answer)
+                from omni_actors.messages import ApiServerDrained
+
+                try:
+                    await loop.run_in_executor(None, asys.tell, coordinator, ApiServerDrained(bridge.address, ended))
+                except Exception as exc:  # noqa: BLE001 - the system is stopping anyway
+                    from omni_actors.logs import get_logger
+
+                    get_logger(actor="api").warning("drained_unannounced", error=str(exc))
         finally:
             await runner.cleanup()
     finally:
         bridge.close()
+
+
+async def _watch_admin(loop, alive, lost: threading.Event) -> None:
+    """(During a drain) Set ``lost`` once the system's admin stops listening (checked every
+    :data:`ADMIN_CHECK_EVERY_S`): requests still in flight then cannot finish."""
+    while not lost.is_set():
+        await asyncio.sleep(ADMIN_CHECK_EVERY_S)
+        if not await loop.run_in_executor(None, alive):
+            lost.set()

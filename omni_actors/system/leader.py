@@ -473,7 +473,15 @@ async def _serve(asys, coordinator, config, host, port, api_key, stopping: threa
             await asyncio.sleep(0.2)
         if on_stop is not None:
             on_stop()
-        await drain_http(runner, bridge, config.deployment.supervision.drain_timeout_s, hurry)
+        drain_s = config.deployment.supervision.drain_timeout_s
+        others = asyncio.get_running_loop().run_in_executor(
+            None, _drain_api_servers, asys, coordinator, drain_s, bridge.address)
+        await drain_http(runner, bridge, drain_s, hurry)
+        if not others.done() and not (hurry and hurry.is_set()):
+            print("draining: waiting for the requests of the attached API servers to finish (up to "
+                  f"{drain_s:g} s from the stop, supervision.drain_timeout_s)", file=sys.stderr, flush=True)
+        while not others.done() and not (hurry and hurry.is_set()):
+            await asyncio.sleep(0.05)
     finally:
         await runner.cleanup()
         bridge.close()
@@ -483,15 +491,43 @@ async def _serve(asys, coordinator, config, host, port, api_key, stopping: threa
 ABORT_GRACE_S = 2.0
 
 
+def _drain_api_servers(asys, coordinator, drain_timeout_s: float, exclude) -> None:
+    """(A thread, at a stop, beside the leader's own drain) Have the coordinator tell the
+    attached API servers (``api``) that the system stops, and wait until their requests
+    are over: up to ``drain_timeout_s`` (``supervision.drain_timeout_s``) plus the time their
+    503s take. The leader's drain counted only its own requests, and a stop cut off the
+    attached servers' streams about 1 s after it began (a trial)."""
+    from omni_actors.logs import get_logger
+    from omni_actors.messages import ApiServersDrained, DrainApiServers
+
+    log = get_logger(actor="leader")
+    wait_s = drain_timeout_s + ABORT_GRACE_S + 1.0
+    try:
+        with asys.private() as ctx:
+            answer = ctx.ask(coordinator, DrainApiServers(wait_s, drain_timeout_s, exclude), wait_s + 2.0)
+    except Exception as exc:  # noqa: BLE001 - stopping anyway
+        answer = exc
+    if isinstance(answer, ApiServersDrained):
+        if answer.told:
+            (log.warning if answer.late or answer.ended else log.info)(
+                "api_servers_drained", api_servers=answer.told, late=answer.late, requests_ended=answer.ended)
+    else:
+        log.warning("api_servers_drain_unanswered", answer=repr(answer)[:200])
+
+
 async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | None = None,
-                     gone: str = "") -> None:
+                     gone: str = "", stopping: str = "", went=None) -> int:
     """Stop accepting connections and requests, then let requests in flight finish (up to ``timeout_s``,
     ``supervision.drain_timeout_s``, or until ``hurry`` is set: a second Ctrl-C or SIGTERM). Those
     still running then end with a 503 that says the server stopped, and their stages are
     cancelled, so that neither the HTTP server nor the engines wait on them any longer.
 
     ``gone`` (an attached API server whose system went away): why none of them can finish;
-    they end at once with a 503 saying it, and nothing is sent to the gone system."""
+    they end at once with a 503 saying it, and nothing is sent to the gone system.
+
+    ``stopping`` (an attached API server whose system stops): said in the 503 of the requests
+    still running at the timeout; ``went`` (a callable) returns a ``gone`` text once the
+    system went away during the drain. Returns how many requests were ended with a 503."""
     from omni_actors.http.app import refuse_new_requests
     from omni_actors.logs import get_logger
 
@@ -509,12 +545,13 @@ async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | 
               f"sooner)", file=sys.stderr, flush=True)  # (a trial's `stop --timeout 8` read "up to 10 s")
     while bridge.in_flight() and time.monotonic() < deadline and not (hurry and hurry.is_set()) and not gone:
         await asyncio.sleep(0.05)
+        gone = went() if went is not None else ""
     if bridge.in_flight():
         hurried = hurry is not None and hurry.is_set()
         if gone:
             ended = bridge.abort_all(gone, cancel=False)
         else:
-            ended = bridge.abort_all("the server is shutting down: " + (
+            ended = bridge.abort_all((stopping or "the server is shutting down") + ": " + (
                 "stopped at once (a second Ctrl-C or SIGTERM, which `stop` also sends when its "
                 "--timeout is about to run out) while the request ran" if hurried else
                 f"the request was still running {timeout_s:g} s after the stop (supervision.drain_timeout_s)"))
@@ -524,3 +561,5 @@ async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | 
         deadline = time.monotonic() + ABORT_GRACE_S
         while bridge.in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        return ended
+    return 0
