@@ -459,6 +459,18 @@ def test_signal_faults_and_logs_work_through_a_members_admin_port_on_the_leaders
     cluster.wait_all_ready(30)
 
 
+def test_a_member_replica_killed_by_sigkill_says_so_in_its_reason(cluster):
+    """A replica on a member host is a child of that host's admin, which reaps it: its reason
+    read only "process exited" there (trial AN), where a leader-host replica's says how."""
+    rep = next(r for r in cluster.replicas() if r["node"] == "m1" and r["state"] == "ready")
+    os.kill(rep["pid"], signal.SIGKILL)
+    _, reps = cluster.wait(lambda rs: any(r["replica"] == rep["replica"] and r["state"] == "ready"
+                                          and r["pid"] != rep["pid"] for r in rs), "the replica restarted", 30)
+    new = next(r for r in reps if r["replica"] == rep["replica"])
+    assert "it was down: process exited (killed by SIGKILL)" in new["reason"], new
+    cluster.wait_all_ready(30)
+
+
 def test_stage_scale_up_and_down_under_load_loses_nothing(cluster):
     """talker and code2wav 2 -> 3 (every device in use), -> 1, -> 2 (on freed devices), all under load."""
     async def scenario():

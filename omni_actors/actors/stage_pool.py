@@ -460,7 +460,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         if rep is not None:
             # (how it ended, when Thespian has reaped it: "killed by SIGKILL" says the OOM killer
             # or an operator, an exit status an error; a trial's log said only "process exited")
-            how = describe_exit(exit_code(msg.childAddress))
+            how = describe_exit(exit_code(msg.childAddress, msg))
             self._gone(rep, rep.reason if rep.state == ReplicaState.ISOLATED else
                        "process exited" + (f" ({how})" if how else ""))
 

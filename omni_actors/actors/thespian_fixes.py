@@ -102,11 +102,18 @@ _EXIT_CODES: dict[str, int] = {}
 EXIT_CODES_KEPT = 256
 
 
-def exit_code(address) -> int | None:
-    """How the process of this process's child actor ``address`` ended, once Thespian
-    has reaped it: its exit status, or minus the signal that killed it; None when not
-    known (not reaped yet: a child's own goodbye can arrive before it has exited)."""
-    return _EXIT_CODES.get(str(address))
+#: The attribute of a ``ChildActorExited`` that carries the exit code from the admin that
+#: reaped the child (a member host's) to the actor that created it (see :func:`apply`).
+EXIT_CODE_ATTR = "omni_exit_code"
+
+
+def exit_code(address, notice=None) -> int | None:
+    """How the process of the child actor ``address`` ended, once Thespian has reaped it:
+    its exit status, or minus the signal that killed it; None when not known (not reaped
+    yet: a child's own goodbye can arrive before it has exited). Taken from ``notice`` (the
+    ``ChildActorExited``) when the admin of another host reaped it, else from this process."""
+    code = getattr(notice, EXIT_CODE_ATTR, None)
+    return code if code is not None else _EXIT_CODES.get(str(address))
 
 
 def describe_exit(code: int | None) -> str:
@@ -179,6 +186,42 @@ def apply() -> None:
                 logging.getLogger(__name__).error("child %s exited; its address cannot be resolved", addr)
 
     MultiProcReplicator._childExited = _child_exited
+    _stamp_admin_notices()
+
+
+def _stamp_admin_notices() -> None:
+    """An actor created on a member host (a replica placed there) is a child process of
+    that host's admin, which reaps it and passes ``ChildActorExited`` on to the actor that
+    asked for it (``AdminCore._handleChildExited``): the exit code stayed in the member's
+    admin and the replica's reason read only "process exited" (trial AN). Stamp that
+    notice with the code (:data:`EXIT_CODE_ATTR`), which travels with it."""
+    try:
+        from thespian.actors import ChildActorExited
+        from thespian.system.admin.adminCore import AdminCore
+    except ImportError:
+        return
+    handle = getattr(AdminCore, "_handleChildExited", None)
+    if handle is None or not hasattr(AdminCore, "_send_intent"):
+        return
+
+    def _handle_child_exited(self, childAddress):
+        code = _EXIT_CODES.get(str(childAddress))
+        if code is None:
+            return handle(self, childAddress)
+        send = self._send_intent
+
+        def stamped(intent, *args, **kwargs):
+            if isinstance(intent.message, ChildActorExited) and intent.message.childAddress == childAddress:
+                setattr(intent.message, EXIT_CODE_ATTR, code)
+            return send(intent, *args, **kwargs)
+
+        self._send_intent = stamped
+        try:
+            return handle(self, childAddress)
+        finally:
+            del self._send_intent
+
+    AdminCore._handleChildExited = _handle_child_exited
 
 
 def use_poll_selector(enabled: bool) -> None:
