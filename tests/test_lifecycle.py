@@ -27,7 +27,7 @@ from omni_actors.connectors import list_segments
 from omni_actors.system import local
 from omni_actors.system.local import LocalLeader
 from omni_actors.system.faultlab import read_events
-from omni_actors.system.processes import port_in_use, process_title
+from omni_actors.system.processes import cli, port_in_use, process_title
 from omni_actors.system.watchdog import is_watchdog
 
 from conftest import CONFIGS, ROOT, TEST_CONFIGS
@@ -1082,6 +1082,12 @@ def test_a_port_out_of_range_is_a_one_line_usage_error(args):
     # (a trial's member without --admin-port took 1900, the leader's default, and waited 60 s)
     (("start", "--convention-address", "127.0.0.1:59991"),
      "error: a member needs its own --admin-port (its Thespian admin on this host; not the leader's)"),
+    # (trial AN's member took --host 192.0.2.7 and said nothing: a member serves no HTTP)
+    (("start", "--convention-address", "127.0.0.1:59991", "--admin-port", "59992", "--host", "192.0.2.7"),
+     "error: --host: a member host takes no --host (the leader serves the HTTP API and holds the config); "
+     f"for an API server on this host run `{cli('api')} --convention-address 127.0.0.1:59991 --port P [--host H]`"),
+    (("start", "--convention-leader", "--stages", "talker"),
+     "error: --stages: only a member host (--convention-address HOST:PORT) takes --stages"),
 ])
 def test_a_bad_argument_is_a_usage_error_before_any_system_is_asked(args, error):
     """Counts and targets that no system would take are refused in one line with exit 2,

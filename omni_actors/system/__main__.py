@@ -67,8 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                             "(default 60 s; 0: fail at once)")
     start.add_argument("--config", default=None,
                        help="pipeline + deployment YAML (default: configs/cpu_omni_demo.yaml)")
-    start.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
-    start.add_argument("--port", type=port_number, default=DEFAULT_HTTP_PORT, help="HTTP port (default 8000)")
+    start.add_argument("--host", default=None, help="leader: HTTP bind address (default 127.0.0.1)")
+    start.add_argument("--port", type=port_number, default=None, help="leader: HTTP port (default 8000)")
     start.add_argument("--admin-port", type=port_number, default=None,
                        help="Thespian admin port (leader: default 1900; a member must give its own)")
     start.add_argument("--api-key", default=os.environ.get("OMNI_ACTORS_API_KEY"),
@@ -758,6 +758,30 @@ def _usage_problem(args) -> str | None:
     if args.verb == "stage" and args.action in ("scale", "launch") and args.replicas is not None:
         problem = replicas_problem(args.replicas, 0 if args.action == "scale" else 1)
         return problem and f"--replicas: {problem}"
+    if args.verb == "start":
+        return _start_flags_problem(args)
+    return None
+
+
+def _start_flags_problem(args) -> str | None:
+    """``start``: flags given to the other kind of host (a trial's member took ``--host
+    192.0.2.7`` and said nothing: a member serves no HTTP); fills in the leader's HTTP defaults."""
+    from omni_actors.system.processes import cli
+
+    if args.convention_address:
+        given = [flag for flag, value in (("--host", args.host), ("--port", args.port), ("--config", args.config))
+                 if value is not None]
+        if given:
+            return (f"{', '.join(given)}: a member host takes no {' or '.join(given)} (the leader serves the HTTP "
+                    f"API and holds the config); for an API server on this host run `{cli('api')} "
+                    f"--convention-address {args.convention_address} --port P [--host H]`")
+        return None
+    given = [flag for flag, value in (("--stages", args.stages or None), ("--leader-wait", args.leader_wait))
+             if value is not None]
+    if args.convention_leader and given:
+        return f"{', '.join(given)}: only a member host (--convention-address HOST:PORT) takes {' or '.join(given)}"
+    args.host = "127.0.0.1" if args.host is None else args.host
+    args.port = DEFAULT_HTTP_PORT if args.port is None else args.port
     return None
 
 
