@@ -837,9 +837,12 @@ def test_a_member_leaving_with_ctrl_c_drains_its_replicas_first(request, tmp_pat
     _, reps = cluster.wait(lambda rs: sum(r["state"] == "ready" for r in rs if r["stage"] in MEMBER_STAGES) == 4,
                            "two talkers and two code2wavs ready again", 20)
     assert all(r["node"] != victim for r in reps if r["state"] in LIVE), _table(reps)
+    # (once the node has left, its drained replicas say so: trial AN read "is leaving" after it)
+    _, reps = cluster.wait(lambda rs: all(f"node {victim} left the convention (replaced by" in r["reason"]
+                                          for r in rs if r["node"] == victim and r["stage"] in MEMBER_STAGES),
+                           "the drained replicas say the node left", 10)
     drained = [r for r in reps if r["node"] == victim and r["stage"] in MEMBER_STAGES]
-    assert drained and all(r["state"] == "stopped" and f"node {victim} is leaving (replaced by"
-                           in r["reason"] for r in drained), _table(reps)
+    assert drained and all(r["state"] == "stopped" for r in drained), _table(reps)
     events = [e["event"] for e in read_events(cluster.leader.log_path, 0) if e.get("node") == victim]
     assert "node_leaving" in events and "node_left" in events and "node_lost" not in events, events
 

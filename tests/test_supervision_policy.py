@@ -238,6 +238,10 @@ def test_a_signal_fault_is_refused_when_its_target_runs_on_another_machine(monke
     assert adm.inject("sigstop", replica="talker/1")["pid"] == 4343
     assert adm.inject("kill-pool", stage="talker")["pid"] == 99
     assert sent == [(4343, sig.SIGSTOP), (99, sig.SIGKILL)]
+    with pytest.raises(admin_mod.AdminError) as err:  # (trial AN's typo read "no running pool")
+        adm.inject("kill-pool", stage="talkr")
+    assert str(err.value).startswith("no stage named 'talkr' (stages: "), str(err.value)
+    assert "talker" in str(err.value)
 
 
 def test_an_orphaned_pool_whose_exit_thespian_holds_exits_hard_after_the_grace():

@@ -135,6 +135,13 @@ class PoolPlacementMixin:
 
     def receiveMsg_NodeLost(self, msg: NodeLost, sender):
         for rep in list(self._replicas.values()):
+            leaving = f"node {msg.node} {LEAVING}"
+            if msg.reason == LEFT_REASON and rep.node == msg.node and rep.state == ReplicaState.STOPPED \
+                    and rep.reason and rep.reason.startswith(leaving):
+                # (trial AN: once the node had left, its drained replicas still said it "is leaving")
+                rep.reason = f"node {msg.node} {LEFT_REASON}" + rep.reason[len(leaving):]
+                self._publish()
+                continue
             if (msg.reason == LEFT_REASON and rep.node == msg.node and rep.state == ReplicaState.DEAD
                     and rep.address is None and not self._orphaned and not self._exiting):
                 # Its process exit came in before its node's clean leave (the member stops its

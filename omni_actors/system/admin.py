@@ -144,7 +144,9 @@ class Admin:
             raise AdminError(NOT_DEPLOYED)
         if fault == "kill-pool":
             pool = next((s for s in status.stages if s.stage == stage), None)
-            if pool is None or not pool.pid:
+            if pool is None:  # (trial AN's `--stage talkr` read "no running pool")
+                raise AdminError(f"no stage named {stage!r} (stages: {', '.join(s.stage for s in status.stages)})")
+            if not pool.pid:
                 raise AdminError(f"no running pool for stage {stage!r}")
             return pool.pid, f"pool {stage}", pool.host
         rep = next((r for s in status.stages for r in s.replicas if r.replica == replica), None)
