@@ -498,6 +498,10 @@ class Heartbeat(Message):
     fault: str = ""
     #: while it starts: the devices its engine waits for (held by an old engine), ``device_leases.describe``
     waiting_for: str = ""
+    #: while it starts: its process and machine (``status`` showed no PID until it was ready,
+    #: which with a device wait or a vLLM load is a minute or more)
+    pid: int = 0
+    host: str = ""
 
 
 @dataclass(frozen=True)

@@ -302,7 +302,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 completed=self._completed, failed=self._failed,
                 kv_cache_usage=load.kv_cache_usage if load else None, progress=self._progress,
                 idle_s=self._idle_s(), fault=self._fault.describe() if self._fault else "",
-                waiting_for=self._waiting_for))
+                waiting_for=self._waiting_for, pid=0 if self._ready else os.getpid(),
+                host="" if self._ready else host_identity()))
             self._heartbeats.again(self, self._spec.heartbeat_interval_s)
         return self._watch()
 

@@ -278,6 +278,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             return
         self.send(sender, HeartbeatAck())
         if rep.state == ReplicaState.STARTING:
+            if msg.pid and rep.pid != msg.pid:
+                rep.pid, rep.host = msg.pid, msg.host
+                self._publish()
             self._show_device_wait(rep, msg.waiting_for)
         now = time.monotonic()
         if self._last_tick and now - self._last_tick > TICK_LOST_AFTER_INTERVALS * self._spec.heartbeat_interval_s:

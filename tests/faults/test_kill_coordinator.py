@@ -174,10 +174,12 @@ def test_an_engine_frozen_when_its_pool_is_killed_is_killed_for_its_replacement(
     inject("sigstop", "--replica", "talker/0")
     inject("kill-pool", "--stage", "talker")
     deadline = time.monotonic() + 30 / 2 + 20  # (the config's ready_timeout_s is 30)
-    reasons = set()
+    reasons, waiting_pids = set(), set()
     while time.monotonic() < deadline:
         now = replicas(stages(leader)).get("talker/0", {})
         reasons.add(now.get("reason", ""))
+        if "to be freed" in now.get("reason", ""):
+            waiting_pids.add(now.get("pid"))
         if now.get("pid") not in (None, frozen) and now.get("state") == "ready":
             break
         time.sleep(0.2)
@@ -186,6 +188,8 @@ def test_an_engine_frozen_when_its_pool_is_killed_is_killed_for_its_replacement(
     assert f"killed the old engine that still held device {before['talker/0']['devices']} (held by talker/0, " \
         f"pid {frozen}) after 15 s" in now["reason"], now
     assert wait_gone(leader, {frozen}, timeout_s=5) == []
+    # (the waiting engine's own pid, not `-`: trial AN; at most the first sample before its heartbeat lacks it)
+    assert now["pid"] in waiting_pids and waiting_pids <= {None, now["pid"]}, (waiting_pids, now["pid"])
     assert any(f"waiting for device {before['talker/0']['devices']} (held by talker/0, pid {frozen}) to be freed"
                in reason and "killed if still running after 15 s" in reason for reason in reasons), reasons
     killed = [ev for ev in _events(leader, "engine_killed_device_holders") if ev["t"] >= t0]
