@@ -1211,3 +1211,23 @@ def test_a_replica_gets_an_ipc_directory_of_its_own_and_gives_it_back(monkeypatc
     assert os.path.isdir("/tmp")
     assert P.remove_ipc_dir("0123456789abcdef0123") == 1  # (the files left, counted in subdirectories too)
     assert not os.path.exists(P.ipc_dir("0123456789abcdef0123"))
+
+
+def test_kill_system_waits_for_a_process_it_signalled_even_once_it_cannot_be_identified(monkeypatch):
+    """A process tearing down its memory (a vLLM engine after its SIGTERM) no longer shows its
+    environment, which is how a system's processes are found: `stop` returned while such an
+    engine was still exiting (trial AM). The processes signalled are waited for by pid."""
+    from omni_actors.system import processes
+
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, sys, time\n"
+                             "signal.signal(signal.SIGTERM, lambda *a: (time.sleep(1.5), sys.exit(0)))\n"
+                             "print('up', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "up\n"
+        found = iter([[proc.pid], [proc.pid]])  # (found until signalled; not any more after)
+        monkeypatch.setattr(processes, "system_pids", lambda *a, **k: next(found, []))
+        assert processes.kill_system("test", grace_s=5.0) == 1
+        assert proc.poll() is not None, "kill_system returned while the process it signalled still ran"
+    finally:
+        proc.kill()
+        proc.wait(10)

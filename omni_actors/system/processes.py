@@ -296,6 +296,17 @@ def resume_stopped(system_id: str, sessions: tuple[int, ...] | list[int] = ()) -
     return resumed
 
 
+#: After a SIGKILL, how long :func:`kill_system` waits for the processes to be gone: a
+#: process with gigabytes mapped (a vLLM engine's KV cache) takes seconds to tear down.
+KILLED_EXIT_WAIT_S = 10.0
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (a zombie holds nothing any more)."""
+    fields = proc_stat(Path(f"/proc/{pid}"))
+    return fields is not None and fields[0] != "Z"
+
+
 def kill_system(system_id: str, grace_s: float = 3.0, sessions: tuple[int, ...] | list[int] = (),
                 titles: list[str] | None = None, settle_s: float = 0.0) -> int:
     """SIGTERM (and SIGCONT, for stopped ones), then SIGKILL after ``grace_s``, every
@@ -323,16 +334,20 @@ def kill_system(system_id: str, grace_s: float = 3.0, sessions: tuple[int, ...] 
     initial = len(pids)
     if titles is not None:
         titles.extend(process_title(pid) for pid in pids)
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
+    signalled: set[int] = set()
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, KILLED_EXIT_WAIT_S)):
         for pid in pids:
             try:
                 os.kill(pid, sig)
+                signalled.add(pid)
                 if sig == signal.SIGTERM:
                     os.kill(pid, signal.SIGCONT)  # a stopped process takes its SIGTERM only once resumed
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and alive():
+        # (by pid too: a process tearing down its memory no longer shows its environment, so
+        # `alive()` missed it, and a trial's `stop` returned before a vLLM engine had exited)
+        while time.monotonic() < deadline and (alive() or any(_running(pid) for pid in signalled)):
             time.sleep(0.05)
         pids = alive()
         if not pids:
