@@ -72,6 +72,21 @@ def test_a_frozen_holder_is_resumed_and_killed_not_left_holding_the_device(syste
     assert holder.wait(timeout=5) == -signal.SIGKILL
 
 
+def test_a_holder_stopped_for_a_few_seconds_is_killed_without_waiting_out_the_bound(system, holder, monkeypatch):
+    """Trial AM: a frozen vLLM Thinker was killed only after the whole wait (66 s on the GPU
+    configs), and the only Thinker was down for 80 s. A stopped process cannot exit: it is
+    killed once stopped for ``STOPPED_KILL_AFTER_S`` in a row."""
+    monkeypatch.setattr(L, "STOPPED_KILL_AFTER_S", 0.5)
+    os.kill(holder.pid, signal.SIGSTOP)
+    L.take(system, ("4",), "thinker/0", [holder.pid])
+    waited, killed, still = L.wait_and_take(("4",), "thinker/0", limit_s=30)
+    assert 0.5 <= waited < 10, waited
+    assert (killed, still) == (f"device 4 (held by thinker/0, pid {holder.pid}) (stopped for 0.5 s: it could not "
+                               "exit)", "")
+    assert holder.wait(timeout=5) == -signal.SIGKILL
+    assert L.holders(system, ("4",), me=-1) == {"4": ("thinker/0", [os.getpid()])}
+
+
 def test_a_holder_that_cannot_be_killed_is_reported_and_the_engine_loads_beside_it(system, holder, monkeypatch):
     """(Another user's process, say: the signals are refused.) The wait does not hang on it."""
     def refused(pid, sig):

@@ -38,6 +38,11 @@ from omni_actors.system.processes import own_ipc_dir, proc_stat
 
 #: Seconds between two looks at the holders of a replica's devices while it waits.
 POLL_S = 0.1
+#: A holder stopped (SIGSTOP, state ``T``) this many seconds in a row is killed without
+#: waiting out the rest of the bound: it cannot exit while stopped, and its pool is gone
+#: (trial AM: a frozen vLLM Thinker kept the only Thinker down for 80 s, the full 66 s wait).
+#: A few seconds, not at once: an operator may have stopped it a moment to look at it.
+STOPPED_KILL_AFTER_S = 3.0
 #: Seconds to wait for the holders killed by :func:`evict` to be gone (a killed process
 #: frees its memory, a GPU's too, as it exits; a zombie holds none and counts as gone).
 EVICT_WAIT_S = 5.0
@@ -167,8 +172,8 @@ def wait_and_take(devices: tuple[str, ...], replica: str, limit_s: float,
                   on_wait: Callable[[str], None] | None = None,
                   sleep: Callable[[float], None] = time.sleep) -> tuple[float, str, str]:
     """Wait until no other running process holds a lease on any of ``devices`` (at
-    most ``limit_s`` seconds), kill the holders still running then (:func:`evict`),
-    and take the leases for this process.
+    most ``limit_s`` seconds), kill the holders still running then (:func:`evict`), or
+    sooner those stopped for :data:`STOPPED_KILL_AFTER_S`, and take the leases for this process.
 
     ``on_wait(what)`` is called when what is waited for changes (``describe``'s text;
     ``""`` when the wait is over). Returns ``(seconds waited, what was killed, what
@@ -180,19 +185,44 @@ def wait_and_take(devices: tuple[str, ...], replica: str, limit_s: float,
     if directory is None:
         return 0.0, "", ""
     t0, shown = time.monotonic(), ""
+    evicted: list[str] = []
+    stopped_since: dict[int, float] = {}
     held = holders(directory, devices, os.getpid())
     while held and time.monotonic() - t0 < limit_s:
         what = describe(held)
         if what != shown and on_wait is not None:
             on_wait(what)
         shown = what
-        sleep(POLL_S)
+        frozen = _stopped_too_long(held, stopped_since)
+        if frozen:  # (it cannot exit while stopped: no use waiting out the bound)
+            evict(frozen, sleep=sleep)
+            evicted.append(describe(frozen) + f" (stopped for {STOPPED_KILL_AFTER_S:g} s: it could not exit)")
+        else:
+            sleep(POLL_S)
         held = holders(directory, devices, os.getpid())
-    evicted = describe(held)
     if held:
+        evicted.append(describe(held))
         evict(held, sleep=sleep)
         held = holders(directory, devices, os.getpid())
     if shown and on_wait is not None:
         on_wait("")
     take(directory, devices, replica)
-    return time.monotonic() - t0, evicted, describe(held)
+    return time.monotonic() - t0, "; ".join(evicted), describe(held)
+
+
+def _stopped_too_long(held: dict[str, tuple[str, list[int]]],
+                      stopped_since: dict[int, float]) -> dict[str, tuple[str, list[int]]]:
+    """The devices of ``held`` one of whose holding processes has been stopped (state ``T``
+    or ``t``) for :data:`STOPPED_KILL_AFTER_S` in a row, with all their processes (a vLLM
+    engine core waits for its stopped engine). ``stopped_since`` (pid -> since when, monotonic)
+    is kept across calls."""
+    now = time.monotonic()
+    pids = {pid for _, alive in held.values() for pid in alive}
+    for pid in pids:
+        fields = proc_stat(Path(f"/proc/{pid}"))
+        if fields and fields[0] in ("T", "t"):
+            stopped_since.setdefault(pid, now)
+        else:
+            stopped_since.pop(pid, None)
+    frozen = {pid for pid, since in stopped_since.items() if pid in pids and now - since >= STOPPED_KILL_AFTER_S}
+    return {device: (rep, alive) for device, (rep, alive) in held.items() if frozen & set(alive)}

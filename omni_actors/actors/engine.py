@@ -252,7 +252,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         running then (frozen or hung: their pool is gone); then lease the devices."""
         def waiting(what: str) -> None:
             self._waiting_for = what and (f"{what} to be freed: an engine from before, still exiting;"
-                                          f" killed if still running after {spec.device_wait_s:g} s")
+                                          f" killed if still running after {spec.device_wait_s:g} s, or once"
+                                          f" stopped (SIGSTOP) for {device_leases.STOPPED_KILL_AFTER_S:g} s")
             if what:
                 self._log.warning("engine_waits_for_devices", held=what, limit_s=spec.device_wait_s)
 
@@ -262,7 +263,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         if evicted:  # (its pool is gone or replaced it: nothing else would ever stop it)
             self._log.error("engine_killed_device_holders", held=evicted, waited_s=round(waited, 2),
                             why="still running after the wait; frozen or hung")
-            self._device_note = f"killed the old engine that still held {evicted} after {spec.device_wait_s:g} s"
+            self._device_note = f"killed the old engine that still held {evicted} after {waited:.0f} s"
         if still:
             self._log.error("engine_loads_beside_device_holders", held=still, waited_s=round(waited, 2))
             self._device_note = f"loaded beside an old engine that could not be killed: {still}"
