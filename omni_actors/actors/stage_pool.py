@@ -44,6 +44,7 @@ from omni_actors.actors.thespian_fixes import describe_exit, exit_code
 from omni_actors.balancing import POLICIES
 from omni_actors.logs import get_logger
 from omni_actors.placement import LEAVING, LEFT_REASON
+from omni_actors.system.processes import process_ipc_dir, release_ipc_dir
 from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, DrainReplica, EngineFailed, EngineReady,
                                   Heartbeat, HeartbeatAck, PoolState, ReleasePlacement, ReplicaState, ReplicaStatus,
                                   StageTask, StartPool, replica_index)
@@ -464,6 +465,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             # (how it ended, when Thespian has reaped it: "killed by SIGKILL" says the OOM killer
             # or an operator, an exit status an error; a trial's log said only "process exited")
             how = describe_exit(exit_code(msg.childAddress, msg))
+            if rep.pid and rep.host == host_identity():  # (killed: it could not remove its vLLM sockets)
+                release_ipc_dir(process_ipc_dir(rep.pid))
             self._gone(rep, rep.reason if rep.state == ReplicaState.ISOLATED else
                        "process exited" + (f" ({how})" if how else ""))
 

@@ -54,12 +54,18 @@ def use_ipc_dir() -> str | None:
     system stopped."""
     if os.environ.get(ENV_VLLM_IPC):
         return None
-    path = own_ipc_dir()
+    path = process_ipc_dir(os.getpid()) if own_ipc_dir() else None
     if path:
-        path = os.path.join(path, f"p{os.getpid()}")
         os.makedirs(path, mode=0o700, exist_ok=True)
         os.environ[ENV_VLLM_IPC] = path
     return path
+
+
+def process_ipc_dir(pid: int) -> str | None:
+    """The directory :func:`use_ipc_dir` made (or would make) for process ``pid`` of this
+    process's system, or None outside any system."""
+    system_id = os.environ.get(ENV_SYSTEM_ID)
+    return os.path.join(ipc_dir(system_id), f"p{pid}") if system_id else None
 
 
 def release_ipc_dir(path: str | None) -> None:

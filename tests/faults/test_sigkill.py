@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from omni_actors.system.faultlab import (assert_no_request_lost, read_events, replicas, run_scenario, wait_gone,
-                                         wait_no_segments)
+from omni_actors.system.faultlab import (assert_no_request_lost, read_events, replicas, run_scenario, stages,
+                                         wait_gone, wait_no_segments)
+from omni_actors.system.processes import ipc_dir
 
 from .conftest import CLIENTS, REQUEST_TIMEOUT_S
 
@@ -19,6 +22,10 @@ def test_sigkilled_replica_is_isolated_at_once_its_tasks_rerun_and_it_is_restart
     in-flight tasks to talker/1 and restarts it after the backoff (0.5 s). Users
     see only 200s.
     """
+    # (a killed vLLM engine left its IPC directory, sockets and all, until the system stopped: trial AM)
+    sockets = Path(ipc_dir(leader.system_id)) / f"p{replicas(stages(leader))['talker/0']['pid']}"
+    sockets.mkdir(parents=True)
+    (sockets / "engine.sock").touch()
     r = run_scenario(leader, "sigkill", target="talker/0", clients=CLIENTS, request_timeout_s=REQUEST_TIMEOUT_S)
 
     assert_no_request_lost(r)
@@ -41,4 +48,5 @@ def test_sigkilled_replica_is_isolated_at_once_its_tasks_rerun_and_it_is_restart
         noted
     assert noted[-1]["t"] <= r.injected_at + 0.5
     assert wait_gone(leader, [old["pid"]], timeout_s=2) == []
+    assert not sockets.exists()
     assert wait_no_segments(leader) == []
