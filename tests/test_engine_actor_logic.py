@@ -1378,8 +1378,11 @@ def test_a_replica_that_loaded_before_and_fails_to_load_once_on_restart_is_resta
     again, never = pool._replicas["talker/0"], pool._replicas["talker/1"]
     assert again.state == ReplicaState.ISOLATED and "failed to load on restart" in again.reason
     assert never.state == ReplicaState.FAILED
+    again.placed = ("m1", ("3",))
     pool._launch("talker/0", again.restarts)  # restarted (a new Replica record), and fails to load again
     again = pool._replicas["talker/0"]
+    # (not sent back to the device it failed to load on: a bad GPU would fail it again)
+    assert again.was_on == ()
     again.state = ReplicaState.STARTING
     pool.receiveMsg_EngineFailed(EngineFailed("talker/0", "Engine core initialization failed"), again.address)
     assert again.state == ReplicaState.FAILED

@@ -220,7 +220,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         rep = Replica(replica_id, None, restarts=restarts or [], reason=PLACING, was_on=was_on)
         old = self._replicas.get(replica_id)
         if old is not None:  # a restart: its counters go on (a Prometheus counter must not go back)
-            rep.was_on = old.placed or old.was_on
+            # (where it ran, unless it failed to load there: a bad device would fail it again)
+            rep.was_on = () if old.load_failures else (old.placed or old.was_on)
             rep.dispatched, rep.completed, rep.failed = old.dispatched, old.completed, old.failed
             rep.restarts_recreated = old.restarts_recreated
             rep.down_cause = old.down_cause
