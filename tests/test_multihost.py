@@ -416,7 +416,11 @@ def test_stop_on_a_members_admin_port_stops_that_member_as_its_ctrl_c_does(clust
     find the member's pid)."""
     member = cluster.add_member("m3", "")
     pids = member.pids()
-    assert pids and (cluster.workdir / "member-state" / f"member-{member.admin_port}.json").exists()
+    record = json.loads((cluster.workdir / "member-state" / f"member-{member.admin_port}.json").read_text())
+    # (`stop` waits as long as the member drains: the leader's drain_timeout_s, read when it joined)
+    from omni_actors.config import load_config
+
+    assert pids and record["drain_timeout_s"] == load_config(CONFIG).deployment.supervision.drain_timeout_s
     out = subprocess.run([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port", str(member.admin_port)],
                          capture_output=True, text=True, timeout=60, cwd=ROOT,
                          env={**os.environ, **member.env})

@@ -381,8 +381,8 @@ def cmd_stop(args) -> int:
                         "another program" if _listening(args.admin_port) else "")
                      + "; `stop` stops a leader or member started on this host" + other_leaders_hint(args.admin_port))
     pid = state["pid"]
-    # (a member drains its replicas for as long as the leader's drain_timeout_s, which it learns
-    # only then: the default's)
+    # (a member drains its replicas for as long as the leader's drain_timeout_s: it records the
+    # one it read when it joined; the default's if the leader did not answer then)
     timeout = args.timeout if args.timeout is not None else \
         float(state.get("drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S)) + STOP_GRACE_S
     forced, hurried_after = _terminate(pid, timeout)

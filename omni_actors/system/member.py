@@ -58,7 +58,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     host, port = convention
     if port_in_use(admin_port):
         raise StartError(f"admin port {admin_port} is in use")
-    from omni_actors.system.remote import node_name_taken
+    from omni_actors.system.remote import leader_status, node_name_taken
 
     stopping, hurry = threading.Event(), threading.Event()
     me, started_at = os.getpid(), time.time()
@@ -78,7 +78,8 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         return 130
     if problem:
         raise StartError(problem)
-    problem = node_name_taken(host, port, node)
+    leader = leader_status(host, port)
+    problem = node_name_taken(host, port, node, leader)
     if problem:
         raise StartError(problem)
     try:
@@ -115,7 +116,11 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         sfile.write_text(json.dumps({"pid": me, "role": "member", "node": node, "admin_port": admin_port,
                                      "convention": f"{host}:{port}", "system_id": os.environ.get(ENV_SYSTEM_ID, ""),
                                      "sessions": sessions, "shm_dir": shm_dir,
-                                     "watchdog_pid": watchdog.pid if watchdog else None}))
+                                     "watchdog_pid": watchdog.pid if watchdog else None,
+                                     # (`stop` waits for the drain, as long as the leader's: it
+                                     # gave a member 30 s whatever the leader's drain_timeout_s)
+                                     **({"drain_timeout_s": leader.drain_timeout_s}
+                                        if leader is not None and leader.drain_timeout_s else {})}))
         print(f"omni-actors member {node!r} joined the convention at {host}:{port} "
               f"(admin port {admin_port}, devices {','.join(devices) or 'none (CPU)'}, "
               f"stages {','.join(stages) or 'any'}); Ctrl-C to leave", flush=True)

@@ -147,22 +147,31 @@ def is_member_status(status) -> bool:
     return bool(status.capabilities.get("Convention Address.IPv4"))
 
 
-def node_name_taken(host: str, port: int, node: str) -> str | None:
-    """Why a member host may not join the convention at ``host:port`` as ``node``
-    (one line), or None: another member that is alive already goes by that name.
-    Two admins with one node name would share its placements (Thespian sends an
-    actor for node ``m1`` to either) and corrupt its device inventory. None too
-    when the coordinator cannot be asked (the join itself then says what is wrong)."""
+def leader_status(host: str, port: int):
+    """The :class:`~omni_actors.messages.SystemStatus` of the system whose convention
+    leader's admin is at ``host:port``, or None when it cannot be asked."""
     try:
         admin = attach_remote(host, port)
     except AdminError:
         return None
     try:
-        status = admin.status(timeout_s=ADMIN_ANSWER_S)
+        return admin.status(timeout_s=ADMIN_ANSWER_S)
     except AdminError:
         return None
     finally:
         admin.asys.close()
+
+
+def node_name_taken(host: str, port: int, node: str, status=None) -> str | None:
+    """Why a member host may not join the convention at ``host:port`` as ``node``
+    (one line), or None: another member that is alive already goes by that name.
+    Two admins with one node name would share its placements (Thespian sends an
+    actor for node ``m1`` to either) and corrupt its device inventory. None too
+    when the coordinator cannot be asked (the join itself then says what is wrong).
+    ``status``: the system's status already asked (:func:`leader_status`), or None to ask."""
+    status = status if status is not None else leader_status(host, port)
+    if status is None:
+        return None
     if any(n.name == node and n.alive for n in status.nodes):
         return (f"a member host named {node!r} is already in the convention at {host}:{port}: give this one "
                 f"another --node-name (if that host was just stopped or killed, start again once `status` "
