@@ -7,6 +7,7 @@ and the API-server tests count the system's processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pty
@@ -464,6 +465,22 @@ def _in_flight_on(port: int, n: int = 1, within_s: float = 10.0) -> None:
         time.sleep(0.1)
 
 
+@contextlib.contextmanager
+def _leader_and_api():
+    """A leader of its own (the CPU demo) and one API server attached to it; both stopped after."""
+    own = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
+    api = None
+    try:
+        api, port = _start_api(own)
+        yield own, api, port
+    finally:
+        if api is not None and api.poll() is None:
+            api.kill()
+            api.wait(10)
+        if own.proc is not None and own.proc.poll() is None:
+            own.stop()
+
+
 def _slow_thinker(leader: LocalLeader, factor: int) -> None:
     slow = subprocess.run([sys.executable, "-m", "omni_actors.system", "inject", "slow", "--replica", "thinker/0",
                            "--factor", str(factor), "--admin-port", str(leader.admin_port)],
@@ -481,10 +498,7 @@ def test_stopping_the_leader_lets_a_stream_on_an_attached_api_server_finish():
 
     import openai
 
-    own = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
-    api = None
-    try:
-        api, port = _start_api(own)
+    with _leader_and_api() as (own, api, port):
         _slow_thinker(own, 20)  # (4 ms -> 80 ms a token: 24 tokens take about 2 s)
         seen: dict = {"text": "", "finish": None}
 
@@ -513,12 +527,6 @@ def test_stopping_the_leader_lets_a_stream_on_an_attached_api_server_finish():
         _, err = api.communicate(timeout=30)
         assert api.returncode == 0, err
         assert "is stopping: this API server takes no new requests, gives its 1 request(s) in flight" in err, err
-    finally:
-        if api is not None and api.poll() is None:
-            api.kill()
-            api.wait(10)
-        if own.proc is not None and own.proc.poll() is None:
-            own.stop()
 
 
 def test_an_attached_api_server_whose_system_is_killed_ends_its_requests_at_once_and_exits_1():
@@ -529,10 +537,7 @@ def test_an_attached_api_server_whose_system_is_killed_ends_its_requests_at_once
     import signal
     import threading
 
-    own = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
-    api = None
-    try:
-        api, port = _start_api(own)
+    with _leader_and_api() as (own, api, port):
         _slow_thinker(own, 100)
         answer: dict = {}
 
@@ -558,9 +563,3 @@ def test_an_attached_api_server_whose_system_is_killed_ends_its_requests_at_once
         assert answer["at"] - killed < 5, answer["at"] - killed  # (the server looks every second)
         _, err = api.communicate(timeout=30)
         assert api.returncode == 1 and "is gone; stopping this API server" in err, err
-    finally:
-        if api is not None and api.poll() is None:
-            api.kill()
-            api.wait(10)
-        if own.proc is not None and own.proc.poll() is None:
-            own.stop()
