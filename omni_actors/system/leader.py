@@ -538,7 +538,7 @@ async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | 
     in_flight = bridge.in_flight()
     log = get_logger(actor="api")
     log.info("stopping", requests_in_flight=in_flight)
-    if in_flight and not gone:
+    if in_flight and not gone and not stopping:  # (an attached server whose system stops has said it)
         log.info("draining", requests_in_flight=in_flight, timeout_s=timeout_s)
         print(f"draining: {in_flight} request(s) in flight get up to {timeout_s:g} s to finish "
               f"(supervision.drain_timeout_s; Ctrl-C again, or a `stop --timeout` running out, ends them "
