@@ -311,3 +311,19 @@ def test_a_second_member_with_a_node_name_in_use_is_refused(system, tmp_path):
         duplicate.stop()
     m1 = next(n for n in _status(leader)["nodes"] if n["name"] == "m1")
     assert m1["alive"] and m1["devices"] == ["0", "1", "2", "3"], m1
+
+
+def test_a_member_given_a_stage_the_system_has_not_is_refused(system, tmp_path):
+    """Trial AP's member joined with `--stages talkr` (a typo) and could never be given a
+    replica. It now exits at once with one line naming the system's stages."""
+    leader = system
+    typo = Member(tmp_path, f"127.0.0.1:{leader.admin_port}", "m9", "", extra_args=["--stages", "talker,talkr"])
+    try:
+        with pytest.raises(RuntimeError) as err:
+            typo.start(timeout_s=30)
+        assert "error: --stages: no stage named 'talkr' in the system this member joins (its stages: " \
+            in str(err.value), str(err.value)
+        assert typo.proc.returncode == 1
+    finally:
+        typo.stop()
+    assert all(n["name"] != "m9" for n in _status(leader)["nodes"])

@@ -79,7 +79,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     if problem:
         raise StartError(problem)
     leader = leader_status(host, port)
-    problem = node_name_taken(host, port, node, leader)
+    problem = node_name_taken(host, port, node, leader) or _unknown_stages(stages, leader)
     if problem:
         raise StartError(problem)
     try:
@@ -266,6 +266,18 @@ def _serve(stopping: threading.Event, host: str, port: int, log) -> None:
             print(f"the convention leader at {host}:{port} does not answer: this member keeps running and "
                   "joins it when it starts again (Ctrl-C to leave)", flush=True)
             log.warning("leader_not_answering", convention=f"{host}:{port}")
+
+
+def _unknown_stages(stages: tuple[str, ...], status) -> str | None:
+    """Why ``--stages`` cannot be right for the system whose ``status`` the leader gave (a
+    name none of its stages has: trial AP's member joined with ``talkr`` and could never be
+    given a replica), or None (also when the leader did not answer: it is not known then)."""
+    known = [s.stage for s in (status.stages if status is not None else ())]
+    unknown = [s for s in stages if known and s not in known]
+    if unknown:
+        return (f"--stages: no stage named {', '.join(map(repr, unknown))} in the system this member joins "
+                f"(its stages: {', '.join(known)})")
+    return None
 
 
 def default_node_name(admin_port: int) -> str:
