@@ -1052,6 +1052,19 @@ def test_an_old_member_replaced_under_its_name_leaves_without_touching_the_new_o
     assert all(r["state"] in ("ready", "stopped") for r in reps), _table(reps)
 
 
+def test_stop_on_a_member_whose_leader_is_down_says_its_replicas_did_not_drain(request, tmp_path):
+    """Trial AP: with the leader down, the member left "without a drain", and `stop` said
+    "its replicas drained first"."""
+    cluster = start_cluster(request, tmp_path, members=(("m1", "0,1,2,3"),))
+    member = cluster.members["m1"]
+    assert cluster.leader.stop() == 0
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port", str(member.admin_port)],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT, env={**os.environ, **member.env})
+    assert out.returncode == 0, out
+    assert out.stdout.endswith("; its replicas did not all drain first: see its output)\n"), out.stdout
+    assert "leaving without a drain" in member.out.read_text(), member.tail()
+
+
 def test_a_member_says_when_its_leader_stops_and_joins_it_again_when_it_is_back(request, tmp_path):
     """The leader stops (Ctrl-C) with a member attached: the member keeps running and says so
     within LEADER_CHECK_S (it was silent); a leader started again on the same admin port takes it

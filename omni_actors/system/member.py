@@ -127,7 +127,11 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         log.info("member_started", admin_port=admin_port, devices=list(devices), stages=list(stages),
                  shm_dir=shm_dir)
         _serve(stopping, host, port, log)
-        drain_node(host, port, node, hurry, log, data_service=data.address)
+        drained = drain_node(host, port, node, hurry, log, data_service=data.address)
+        try:  # (`stop` reads it while it waits: it said "drained first" of a member that could not)
+            sfile.write_text(json.dumps({**json.loads(sfile.read_text()), "drained": drained}))
+        except (OSError, ValueError):
+            pass
         return 0
     finally:
         if asys is not None:
