@@ -385,22 +385,22 @@ def cmd_stop(args) -> int:
     # one it read when it joined; the default's if the leader did not answer then)
     timeout = args.timeout if args.timeout is not None else \
         float(state.get("drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S)) + STOP_GRACE_S
-    drained: list = []  # (what the member says of its drain as it leaves: its state file goes at its exit)
-
-    def read_drained() -> None:
-        try:
-            drained.append(json.loads(sfile.read_text())["drained"])
-        except (OSError, ValueError, KeyError):
-            pass
-
-    forced, hurried_after = _terminate(pid, timeout, read_drained if state.get("role") == "member" else None)
+    forced, hurried_after = _terminate(pid, timeout)
     killed = kill_system(state["system_id"], sessions=state.get("sessions", ()))
     sweep_segments(f"oa-{args.admin_port}-", state.get("shm_dir"))
     sfile.unlink(missing_ok=True)
     what = "the member" if state.get("role") == "member" else "its leader"
     if state.get("role") == "member":
+        from omni_actors.system.member import drain_record
+
+        record = drain_record(args.admin_port)
+        try:
+            drained = record.read_text() == "drained"
+            record.unlink()
+        except OSError:
+            drained = False
         print(f"stopped member {state.get('node')!r} on admin port {args.admin_port} (it left the convention "
-              f"at {state.get('convention')}; " + ("its replicas drained first" if drained and drained[-1] else
+              f"at {state.get('convention')}; " + ("its replicas drained first" if drained else
                                                    "its replicas did not all drain first: see its output") + ")",
               end="")
     else:
@@ -412,11 +412,10 @@ def cmd_stop(args) -> int:
     return 0
 
 
-def _terminate(pid: int, timeout: float, watch=None) -> tuple[bool, float | None]:
+def _terminate(pid: int, timeout: float) -> tuple[bool, float | None]:
     """SIGTERM ``pid`` (a leader or member: it drains, then exits) and wait for it, at most
     ``timeout`` seconds; a second SIGTERM (no more drain) when the wait is about to run out;
-    SIGKILL at the end; ``watch()`` is called every 0.1 s meanwhile. Returns ``(killed, seconds after
-    which the second SIGTERM went, or None)``."""
+    SIGKILL at the end. Returns ``(killed, seconds after which the second SIGTERM went, or None)``."""
     hurried_after = None
     if _alive(pid):
         os.kill(pid, signal.SIGTERM)
@@ -427,8 +426,6 @@ def _terminate(pid: int, timeout: float, watch=None) -> tuple[bool, float | None
                 os.kill(pid, signal.SIGTERM)  # a second one: no more drain
                 hurried_after = timeout - (deadline - time.monotonic())
                 hurry_at = None
-            if watch is not None:
-                watch()
             time.sleep(0.1)
     forced = _alive(pid)
     if forced:

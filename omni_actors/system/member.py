@@ -109,6 +109,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
             raise StartError(admin_start_error(admin_port, exc)) from None
         sessions = child_sessions()  # the admin's session: every actor placed here lives in it
         sfile = member_state_file(admin_port)
+        drain_record(admin_port).unlink(missing_ok=True)  # (an earlier member's on this port)
         watchdog = start_watchdog("member", os.environ.get(ENV_SYSTEM_ID, ""), sessions, shm_prefix=shm_prefix,
                                   state_file=sfile)
         # (`stop --admin-port` finds it there: a trial had to find the member's pid to stop it)
@@ -128,9 +129,9 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
                  shm_dir=shm_dir)
         _serve(stopping, host, port, log)
         drained = drain_node(host, port, node, hurry, log, data_service=data.address)
-        try:  # (`stop` reads it while it waits: it said "drained first" of a member that could not)
-            sfile.write_text(json.dumps({**json.loads(sfile.read_text()), "drained": drained}))
-        except (OSError, ValueError):
+        try:  # (`stop` reads it after: it said "drained first" of a member that could not drain)
+            drain_record(admin_port).write_text("drained" if drained else "not drained")
+        except OSError:
             pass
         return 0
     finally:
@@ -270,6 +271,13 @@ def _serve(stopping: threading.Event, host: str, port: int, log) -> None:
             print(f"the convention leader at {host}:{port} does not answer: this member keeps running and "
                   "joins it when it starts again (Ctrl-C to leave)", flush=True)
             log.warning("leader_not_answering", convention=f"{host}:{port}")
+
+
+def drain_record(admin_port: int):
+    """The file where the member on ``admin_port`` says, as it leaves, whether its replicas
+    drained (``drained`` or ``not drained``); `stop` reads and removes it."""
+    sfile = member_state_file(admin_port)
+    return sfile.with_name(sfile.stem + ".drain")
 
 
 def _unknown_stages(stages: tuple[str, ...], status) -> str | None:
