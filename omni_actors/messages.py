@@ -649,6 +649,9 @@ class DrainApiServers(Message):
     timeout_s: float
     drain_timeout_s: float
     exclude: ActorAddress = None
+    #: the leader was told a second time to stop (Ctrl-C, SIGTERM): the servers still draining
+    #: end their requests now (sent again, while the first one's answer is awaited)
+    hurry: bool = False
 
 
 @dataclass(frozen=True)
@@ -658,6 +661,7 @@ class SystemStopping(Message):
     :class:`ApiServerDrained` and exits."""
 
     drain_timeout_s: float
+    hurry: bool = False  #: end the requests still running now (the leader was stopped a second time)
 
 
 @dataclass(frozen=True)

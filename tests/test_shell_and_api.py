@@ -529,6 +529,41 @@ def test_stopping_the_leader_lets_a_stream_on_an_attached_api_server_finish():
         assert "is stopping: this API server takes no new requests, gives its 1 request(s) in flight" in err, err
 
 
+def test_a_second_sigterm_to_the_leader_ends_the_attached_servers_requests_at_once_too():
+    """Trial AO: at a second SIGTERM the leader ended its own requests at once, but the
+    attached servers drained on for the whole ``drain_timeout_s`` (10 s) and the leader waited."""
+    import threading
+
+    with _leader_and_api() as (own, api, port):
+        _slow_thinker(own, 200)
+        answer: dict = {}
+
+        def request() -> None:
+            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64})
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body.encode(),
+                                         {"Content-Type": "application/json"})
+            try:
+                urllib.request.urlopen(req, timeout=60)
+            except urllib.error.HTTPError as exc:
+                answer.update(code=exc.code, body=json.loads(exc.read()))
+            answer["at"] = time.monotonic()
+
+        thread = threading.Thread(target=request)
+        thread.start()
+        _in_flight_on(port)
+        own.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.5)  # (the attached server is draining)
+        own.proc.send_signal(signal.SIGTERM)
+        second = time.monotonic()
+        thread.join(30)
+        assert answer.get("code") == 503, answer
+        assert "is stopping: stopped at once (a second Ctrl-C or SIGTERM" in answer["body"]["error"]["message"], answer
+        assert answer["at"] - second < 4, answer["at"] - second
+        assert own.proc.wait(30) == 0 and time.monotonic() - second < 10
+        api.communicate(timeout=30)
+        assert api.returncode == 0
+
+
 def test_an_attached_api_server_whose_system_is_killed_ends_its_requests_at_once_and_exits_1():
     """The leader is killed (its watchdog takes the system down) while a request runs on an
     attached API server: the request gets a 503 saying the system is gone within seconds,

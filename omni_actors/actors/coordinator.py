@@ -636,6 +636,10 @@ class CoordinatorActor(ActorTypeDispatcher):
         self.send(sender, ShutdownDone())
 
     def receiveMsg_DrainApiServers(self, msg: DrainApiServers, sender):
+        if msg.hurry:
+            for address in (self._api_drain[1] if self._api_drain is not None else ()):
+                self.send(address, SystemStopping(msg.drain_timeout_s, hurry=True))
+            return
         now = time.monotonic()
         servers = [a for a, t in self._subscribers if a != msg.exclude and now - t < SUBSCRIPTION_LEASE_S]
         self._api_drain = [sender, servers, len(servers), 0]

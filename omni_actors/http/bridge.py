@@ -194,6 +194,8 @@ class ActorBridge(RequestActorKeeping):
         #: set when the coordinator says the system stops (:class:`SystemStopping`): an attached
         #: API server then drains and exits; ``system_drain_timeout_s`` is the drain it was given
         self.system_stopping = threading.Event()
+        #: set when the leader was told a second time to stop: end the requests still running now
+        self.system_hurry = threading.Event()
         self.system_drain_timeout_s: float | None = None
         #: the stages' replicas as the coordinator last published them (on every state change)
         self._published: SystemStatus | None = None
@@ -525,6 +527,8 @@ class ActorBridge(RequestActorKeeping):
             self._end(msg)
         elif isinstance(msg, SystemStopping):
             self.system_drain_timeout_s = msg.drain_timeout_s
+            if msg.hurry:
+                self.system_hurry.set()
             self.system_stopping.set()
         elif isinstance(msg, SystemStatus):
             if msg.query_id == SUBSCRIPTION:

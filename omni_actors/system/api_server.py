@@ -249,7 +249,7 @@ async def _serve(asys, coordinator, *, host: str, port: int, where: str, alive, 
             watch = asyncio.ensure_future(_watch_admin(loop, alive, lost)) if not gone else None
             try:
                 ended = await drain_http(
-                    runner, bridge, drain_timeout_s, hurry, gone=gone,
+                    runner, bridge, drain_timeout_s, _Either(hurry, bridge.system_hurry), gone=gone,
                     stopping=f"the omni-actors system on {where} is stopping" if system_stops else "",
                     went=lambda: (f"the omni-actors system on {where} went away while this API server drained: "
                                   f"the request cannot finish") if lost.is_set() else "")
@@ -278,3 +278,14 @@ async def _watch_admin(loop, alive, lost: threading.Event) -> None:
         await asyncio.sleep(ADMIN_CHECK_EVERY_S)
         if not await loop.run_in_executor(None, alive):
             lost.set()
+
+
+class _Either:
+    """``is_set()`` of either of two events: the server's own second Ctrl-C, or its system's
+    leader stopped a second time (``ActorBridge.system_hurry``)."""
+
+    def __init__(self, *events) -> None:
+        self._events = [e for e in events if e is not None]
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self._events)

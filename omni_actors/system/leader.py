@@ -482,6 +482,11 @@ async def _serve(asys, coordinator, config, host, port, api_key, stopping: threa
                   f"{drain_s:g} s from the stop, supervision.drain_timeout_s)", file=sys.stderr, flush=True)
         while not others.done() and not (hurry and hurry.is_set()):
             await asyncio.sleep(0.05)
+        if not others.done():  # a second stop signal: the attached servers end their requests too
+            await asyncio.get_running_loop().run_in_executor(None, _hurry_api_servers, asys, coordinator, drain_s)
+            deadline = time.monotonic() + ABORT_GRACE_S + 1.0
+            while not others.done() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
     finally:
         await runner.cleanup()
         bridge.close()
@@ -513,6 +518,19 @@ def _drain_api_servers(asys, coordinator, drain_timeout_s: float, exclude) -> No
                 "api_servers_drained", api_servers=answer.told, late=answer.late, requests_ended=answer.ended)
     else:
         log.warning("api_servers_drain_unanswered", answer=repr(answer)[:200])
+
+
+def _hurry_api_servers(asys, coordinator, drain_timeout_s: float) -> None:
+    """(At a second stop signal) Have the coordinator tell the attached API servers still
+    draining to end their requests now, as the leader's own server does (a trial's attached
+    servers drained on for the whole ``drain_timeout_s``)."""
+    from omni_actors.messages import DrainApiServers
+
+    try:
+        with asys.private() as ctx:
+            ctx.tell(coordinator, DrainApiServers(0.0, drain_timeout_s, hurry=True))
+    except Exception:  # noqa: BLE001 - stopping anyway
+        pass
 
 
 async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | None = None,
