@@ -481,6 +481,28 @@ def _leader_and_api():
             own.stop()
 
 
+def _request_in_thread(port: int, max_tokens: int):
+    """A chat completion to the API server on ``port`` on a thread of its own; returns the
+    thread and the dict where it puts the HTTP error's ``code`` and ``body``, and ``at`` (its end)."""
+    import threading
+
+    answer: dict = {}
+
+    def request() -> None:
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens})
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body.encode(),
+                                     {"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(req, timeout=60)
+        except urllib.error.HTTPError as exc:
+            answer.update(code=exc.code, body=json.loads(exc.read()))
+        answer["at"] = time.monotonic()
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    return thread, answer
+
+
 def _slow_thinker(leader: LocalLeader, factor: int) -> None:
     slow = subprocess.run([sys.executable, "-m", "omni_actors.system", "inject", "slow", "--replica", "thinker/0",
                            "--factor", str(factor), "--admin-port", str(leader.admin_port)],
@@ -532,24 +554,9 @@ def test_stopping_the_leader_lets_a_stream_on_an_attached_api_server_finish():
 def test_a_second_sigterm_to_the_leader_ends_the_attached_servers_requests_at_once_too():
     """Trial AO: at a second SIGTERM the leader ended its own requests at once, but the
     attached servers drained on for the whole ``drain_timeout_s`` (10 s) and the leader waited."""
-    import threading
-
     with _leader_and_api() as (own, api, port):
         _slow_thinker(own, 200)
-        answer: dict = {}
-
-        def request() -> None:
-            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64})
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body.encode(),
-                                         {"Content-Type": "application/json"})
-            try:
-                urllib.request.urlopen(req, timeout=60)
-            except urllib.error.HTTPError as exc:
-                answer.update(code=exc.code, body=json.loads(exc.read()))
-            answer["at"] = time.monotonic()
-
-        thread = threading.Thread(target=request)
-        thread.start()
+        thread, answer = _request_in_thread(port, max_tokens=64)
         _in_flight_on(port)
         own.proc.send_signal(signal.SIGTERM)
         time.sleep(1.5)  # (the attached server is draining)
@@ -570,24 +577,10 @@ def test_an_attached_api_server_whose_system_is_killed_ends_its_requests_at_once
     and the server exits with status 1 (a trial's request waited 12-14 s, then read a 503
     blaming ``drain_timeout_s``, which it never ran into)."""
     import signal
-    import threading
 
     with _leader_and_api() as (own, api, port):
         _slow_thinker(own, 100)
-        answer: dict = {}
-
-        def request() -> None:
-            body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32})
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body.encode(),
-                                         {"Content-Type": "application/json"})
-            try:
-                urllib.request.urlopen(req, timeout=60)
-            except urllib.error.HTTPError as exc:
-                answer.update(code=exc.code, body=json.loads(exc.read()))
-            answer["at"] = time.monotonic()
-
-        thread = threading.Thread(target=request)
-        thread.start()
+        thread, answer = _request_in_thread(port, max_tokens=32)
         _in_flight_on(port)
         os.kill(own.proc.pid, signal.SIGKILL)
         own.proc.wait(10)
