@@ -89,8 +89,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._deployed_at = 0  # (Unix seconds: when it took its config)
         self._deploy_waiters: list[object] = []
         self._subscribers: list[tuple[object, float]] = []
-        #: a stop's drain of the attached API servers: [asker, servers not yet drained, told, ended]
-        self._api_drain: list | None = None
+        #: a stop's drain of the attached API servers (:class:`DrainApiServers`), while it runs
+        self._api_drain: _ApiDrain | None = None
         self._stopping = False
         self._inventory = Inventory()
         #: the node check's wake-ups (restarted by a pool's report when one was lost)
@@ -637,12 +637,12 @@ class CoordinatorActor(ActorTypeDispatcher):
 
     def receiveMsg_DrainApiServers(self, msg: DrainApiServers, sender):
         if msg.hurry:
-            for address in (self._api_drain[1] if self._api_drain is not None else ()):
+            for address in (self._api_drain.left if self._api_drain is not None else ()):
                 self.send(address, SystemStopping(msg.drain_timeout_s, hurry=True))
             return
         now = time.monotonic()
         servers = [a for a, t in self._subscribers if a != msg.exclude and now - t < SUBSCRIPTION_LEASE_S]
-        self._api_drain = [sender, servers, len(servers), 0]
+        self._api_drain = _ApiDrain(sender, servers, len(servers))
         self._log.info("api_servers_told_to_drain", api_servers=len(servers), drain_timeout_s=msg.drain_timeout_s)
         for address in servers:
             self.send(address, SystemStopping(msg.drain_timeout_s))
@@ -652,18 +652,17 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._answer_api_drain()
 
     def receiveMsg_ApiServerDrained(self, msg: ApiServerDrained, sender):
-        if self._api_drain is not None and msg.address in self._api_drain[1]:
-            self._api_drain[1].remove(msg.address)
-            self._api_drain[3] += msg.ended
-            if not self._api_drain[1]:
+        drain = self._api_drain
+        if drain is not None and msg.address in drain.left:
+            drain.left.remove(msg.address)
+            drain.ended += msg.ended
+            if not drain.left:
                 self._answer_api_drain()
 
     def _answer_api_drain(self) -> None:
-        if self._api_drain is None:
-            return
-        asker, left, told, ended = self._api_drain
-        self._api_drain = None
-        self.send(asker, ApiServersDrained(told=told, late=len(left), ended=ended))
+        drain, self._api_drain = self._api_drain, None
+        if drain is not None:
+            self.send(drain.asker, ApiServersDrained(told=drain.told, late=len(drain.left), ended=drain.ended))
 
     def _status(self, query_id: str) -> SystemStatus:
         stages = tuple(self._states[s.stage_id] for s in self._config.stage_args) if self._config else ()
@@ -675,6 +674,17 @@ class CoordinatorActor(ActorTypeDispatcher):
                             coordinator_pid=os.getpid(), nodes=self._inventory.status(), notes=notes,
                             coordinator_host=host_identity(),
                             drain_timeout_s=self._config.deployment.supervision.drain_timeout_s if self._config else 0.0)
+
+
+@dataclasses.dataclass
+class _ApiDrain:
+    """A stop's drain of the attached API servers: who asked, the servers that have not
+    answered yet, how many were told, and the requests they ended at their timeout."""
+
+    asker: object
+    left: list
+    told: int
+    ended: int = 0
 
 
 def _split(value) -> tuple[str, ...]:

@@ -134,8 +134,8 @@ class PoolPlacementMixin:
         self._publish()
 
     def receiveMsg_NodeLost(self, msg: NodeLost, sender):
+        leaving = f"node {msg.node} {LEAVING}"
         for rep in list(self._replicas.values()):
-            leaving = f"node {msg.node} {LEAVING}"
             if msg.reason == LEFT_REASON and rep.node == msg.node and rep.state == ReplicaState.STOPPED \
                     and rep.reason and rep.reason.startswith(leaving):
                 # (trial AN: once the node had left, its drained replicas still said it "is leaving")

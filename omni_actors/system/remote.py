@@ -162,14 +162,13 @@ def leader_status(host: str, port: int):
         admin.asys.close()
 
 
-def node_name_taken(host: str, port: int, node: str, status=None) -> str | None:
+def node_name_taken(host: str, port: int, node: str, status) -> str | None:
     """Why a member host may not join the convention at ``host:port`` as ``node``
     (one line), or None: another member that is alive already goes by that name.
     Two admins with one node name would share its placements (Thespian sends an
     actor for node ``m1`` to either) and corrupt its device inventory. None too
-    when the coordinator cannot be asked (the join itself then says what is wrong).
-    ``status``: the system's status already asked (:func:`leader_status`), or None to ask."""
-    status = status if status is not None else leader_status(host, port)
+    when the coordinator could not be asked (``status``, :func:`leader_status`'s answer, is
+    None: the join itself then says what is wrong)."""
     if status is None:
         return None
     if any(n.name == node and n.alive for n in status.nodes):
