@@ -29,7 +29,7 @@ import asyncio
 import dataclasses
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from omni_actors.actors.request import RequestActor
 from omni_actors.actors.request_supervisor import RequestActorSupervisor
@@ -74,6 +74,9 @@ class RequestActorKeeping:
     ``_address``, ``_handing`` and ``_start_sender``)."""
 
     def _init_request_actors(self, silent_s: float, idle_exit_s: float) -> None:
+        #: an attached API server's check that its system still runs (blocking; None: the
+        #: leader's own server, which goes with its system)
+        self.system_alive: Callable[[], bool] | None = None
         #: the requests on a RequestActor (event loop only)
         self._held: dict[str, _Held] = {}
         #: requests over whose RequestActor still waits for its stages' cancels (event loop only)
@@ -229,11 +232,24 @@ class RequestActorKeeping:
         fails at once; an idle one leaves the pool (replaced up to the minimum)."""
         for rid, held in list(self._held.items()):
             if held.actor == actor:
-                self._write_off(rid, "its RequestActor exited (its process was killed?)", tell_exit=False)
+                if self.system_alive is not None:  # (an attached API server: see _exited_unless_gone)
+                    asyncio.ensure_future(self._exited_unless_gone(rid, actor))
+                else:
+                    self._write_off(rid, "its RequestActor exited (its process was killed?)", tell_exit=False)
                 return
         if self._pool.discard(actor):
             self._log.warning("request_actor_exited", state="idle", left=self._pool.total)
             self._refill()
+
+    async def _exited_unless_gone(self, request_id: str, actor: Any) -> None:
+        """A RequestActor of an attached API server exited: unless the whole system went
+        (killed: its RequestActors go first, and the request read "lost: its RequestActor
+        exited" rather than the server's "system is gone" 503, trial AO), write it off."""
+        if not await asyncio.get_running_loop().run_in_executor(None, self.system_alive):
+            return  # (the API server ends it, saying the system is gone, within a second)
+        held = self._held.get(request_id)
+        if held is not None and held.actor == actor:
+            self._write_off(request_id, "its RequestActor exited (its process was killed?)", tell_exit=False)
 
     def _alive(self, request_id: str) -> None:
         """The RequestActor of ``request_id`` said it still runs it."""

@@ -214,6 +214,7 @@ async def _serve(asys, coordinator, *, host: str, port: int, where: str, alive, 
     loop = asyncio.get_running_loop()
     bridge = ActorBridge(asys, coordinator, request_actors=request_actors,
                          connect_timeout_s=connect_timeout_s)
+    bridge.system_alive = alive
     await loop.run_in_executor(None, bridge.start, loop)  # blocks on the coordinator's answers
     try:
         try:
