@@ -68,6 +68,11 @@ class _Held:
     actor: Any = None  #: the RequestActor's address, once known
 
 
+#: Seconds an attached API server waits, after one of its RequestActors exited, before it
+#: looks whether its whole system went (the watchdog of a killed leader takes a second).
+EXITED_RECHECK_S = 1.5
+
+
 class RequestActorKeeping:
     """The bridge's RequestActor keeping (a mixin of :class:`~omni_actors.http.bridge.ActorBridge`,
     which provides ``_pool``, ``_outbox``, ``_put``, ``_loop``, ``_stop``, ``_log``,
@@ -244,7 +249,9 @@ class RequestActorKeeping:
     async def _exited_unless_gone(self, request_id: str, actor: Any) -> None:
         """A RequestActor of an attached API server exited: unless the whole system went
         (killed: its RequestActors go first, and the request read "lost: its RequestActor
-        exited" rather than the server's "system is gone" 503, trial AO), write it off."""
+        exited" rather than the server's "system is gone" 503, trial AO), write it off. Looked
+        at after :data:`EXITED_RECHECK_S`: its admin may outlive it by a moment."""
+        await asyncio.sleep(EXITED_RECHECK_S)
         if not await asyncio.get_running_loop().run_in_executor(None, self.system_alive):
             return  # (the API server ends it, saying the system is gone, within a second)
         held = self._held.get(request_id)
