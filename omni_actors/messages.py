@@ -16,7 +16,8 @@ Who sends what:
   :class:`CancelStage`); engine -> RequestActor (:class:`TextStarted`,
   :class:`StageDone`, :class:`StageFailed`, :class:`StageCancelled`); engine
   -> pool (:class:`TaskFinished`); engine -> bridge (:class:`OutputDeltas`:
-  streamed text goes straight to the client's API server); RequestActor ->
+  streamed text goes straight to the client's API server; the bridge answers
+  some with :class:`DeltasAck`); RequestActor ->
   bridge (:class:`OutputChunk`, :class:`OutputReady`, :class:`RequestFinished`,
   :class:`RequestActorFree`).
 """
@@ -1068,9 +1069,27 @@ class OutputDelta(Message):
 class OutputDeltas(Message):
     """Engine -> bridge: the text deltas that piled up for one bridge since the
     engine last sent, every request's in one message (an actor message costs
-    about 1 ms of CPU here; one per request per flush would cost as many)."""
+    about 1 ms of CPU here; one per request per flush would cost as many).
+
+    Flow control: an engine keeps at most a few of these in flight per bridge
+    (:class:`~omni_actors.actors.outbox.DeltaWindow`). ``ack`` > 0 asks the
+    bridge to answer :class:`DeltasAck` (``peer``, ``ack``) to ``ack_to``: it has
+    the engine's first ``ack`` messages to it."""
 
     deltas: tuple[OutputDelta, ...]
+    ack: int = 0  #: 0: no answer wanted; else this message's number (1, 2, ...) among the engine's to this bridge
+    ack_to: ActorAddress = None  #: the engine (set with ``ack``)
+    peer: str = ""  #: the engine's name for this bridge, to be given back in the DeltasAck
+
+
+@dataclass(frozen=True)
+class DeltasAck(Message):
+    """Bridge -> engine (relayed by the bridge's RequestActorSupervisor): the
+    bridge has received the engine's first ``upto`` :class:`OutputDeltas` to it,
+    so the engine may send more (see :class:`~omni_actors.actors.outbox.DeltaWindow`)."""
+
+    peer: str
+    upto: int
 
 
 @dataclass(frozen=True)

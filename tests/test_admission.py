@@ -949,3 +949,16 @@ if __name__ == "__main__":
     _admin_port, _port, _kw = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
     _bridge_module.ActorBridge = functools.partial(_bridge_module.ActorBridge, **_kw)
     sys.exit(run_api(host="127.0.0.1", port=_port, admin_port=_admin_port, request_actors=2))
+
+
+def test_the_bridge_answers_the_delta_messages_that_ask_through_its_sender_threads():
+    """The engine keeps only a few text-delta messages in flight to a bridge (DeltaWindow):
+    the bridge answers those that ask, whether or not their requests are still open."""
+    from omni_actors.messages import DeltasAck
+
+    bridge = _bridge()
+    bridge._loop = _SyncLoop()
+    bridge._on_message(OutputDeltas((OutputDelta("gone", "x", 0),)))  # asks nothing
+    bridge._on_message(OutputDeltas((OutputDelta("gone", "y", 1),), ack=3, ack_to="engine-1", peer="b"))
+    told = [item for box in bridge._outboxes for item in iter(lambda b=box: None if b.empty() else b.get(), None)]
+    assert told == [("tell", "engine-1", DeltasAck("b", 3))]

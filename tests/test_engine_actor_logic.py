@@ -176,6 +176,57 @@ def test_text_deltas_for_one_bridge_travel_in_one_message_in_order():
     assert out[1][1] is done and isinstance(out[2][1], OutputDeltas) and len(out[2][1].deltas) == 1
 
 
+def _deltas(*texts: str, start: int = 0):
+    from omni_actors.messages import OutputDeltas
+
+    return OutputDeltas(tuple(OutputDelta("r", t, start + i) for i, t in enumerate(texts)))
+
+
+def test_a_bridge_that_does_not_answer_gets_at_most_a_window_of_delta_messages():
+    """Trial AO: an engine sent a message per token to a frozen API server until
+    Thespian's 20 transmits in flight were all to it, and its heartbeats stopped."""
+    from omni_actors.actors.outbox import DeltaWindow
+
+    now = [0.0]
+    window = DeltaWindow("engine", window=4, ack_every=2, probe_after_s=2.0, probes=1, clock=lambda: now[0])
+    sent = [window.admit("bridge", "b", _deltas(str(i), start=i)) for i in range(7)]
+    assert [m is not None for m in sent] == [True] * 4 + [False] * 3
+    assert [m.ack for m in sent[:4]] == [0, 2, 0, 4] and sent[1].ack_to == "engine" and sent[1].peer == "b"
+    assert window.held() == 3
+    # the answer for the first two opens the window: the three held leave as one message, in order
+    (address, released), = window.acked("b", 2)
+    assert address == "bridge" and [d.text for d in released.deltas] == ["4", "5", "6"] and released.ack == 0
+    assert window.held() == 0 and window.acked("b", 2) == []  # (a late or repeated answer is nothing new)
+    assert window.admit("bridge", "b", _deltas("7", start=7)).ack == 6  # fills the window again: asks
+    assert window.admit("bridge", "b", _deltas("8", start=8)) is None
+    # no answer: after probe_after_s one more message asks again (an answer lost), once
+    now[0] = 1.0
+    assert window.due() == []
+    now[0] = 2.5
+    (_, probe), = window.due()
+    assert probe.ack == 7 and [d.text for d in probe.deltas] == ["8"]
+    assert window.admit("bridge", "b", _deltas("9", start=9)) is None
+    now[0] = 10.0
+    assert window.due() == [] and window.held() == 1  # at most `probes` beyond the window
+    # another bridge is not held up by this one
+    assert window.admit("other", "o", _deltas("x")) is not None
+
+
+def test_deltas_held_for_a_bridge_silent_for_long_are_dropped_and_it_is_forgotten():
+    from omni_actors.actors.outbox import DeltaWindow
+
+    now = [0.0]
+    window = DeltaWindow("engine", window=1, ack_every=1, probes=0, held_limit=3, forget_after_s=60,
+                         clock=lambda: now[0])
+    assert window.admit("bridge", "b", _deltas("a")) is not None
+    assert window.admit("bridge", "b", _deltas("b", "c", start=1)) is None
+    assert window.admit("bridge", "b", _deltas("d", "e", start=3)) is None and window.held() == 0  # over the limit
+    assert window.admit("bridge", "b", _deltas("f", start=5)) is None and window.held() == 1
+    now[0] = 61.0
+    assert window.due() == [] and window.held() == 0
+    assert window.admit("bridge", "b", _deltas("g", start=6)).ack == 1  # known afresh
+
+
 def test_a_retry_on_the_same_replica_keeps_its_inputs_when_the_earlier_attempt_ends():
     """Two attempts of one streaming task on one replica (a retry routed back to it):
     the first ending must not drop the second's input queue, credits or task handle,

@@ -591,3 +591,64 @@ def test_an_attached_api_server_whose_system_is_killed_ends_its_requests_at_once
         assert answer["at"] - killed < 5, answer["at"] - killed  # (the server looks every second)
         _, err = api.communicate(timeout=30)
         assert api.returncode == 1 and "is gone; stopping this API server" in err, err
+
+
+def _stream_in_thread(port: int, max_tokens: int, seen: dict):
+    """A streamed chat completion to ``port`` on a thread of its own; ``seen`` gets its
+    ``text``, ``finish`` reason, ``chunks`` count, and ``error`` if it raised."""
+    import threading
+
+    import openai
+
+    seen.update(text="", finish=None, chunks=0)
+
+    def stream() -> None:
+        try:
+            with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0,
+                               timeout=90) as client:
+                for chunk in client.chat.completions.create(
+                        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=max_tokens,
+                        modalities=["text"], stream=True):
+                    if chunk.choices:
+                        seen["chunks"] += 1
+                        seen["text"] += chunk.choices[0].delta.content or ""
+                        seen["finish"] = chunk.choices[0].finish_reason or seen["finish"]
+        except Exception as exc:  # noqa: BLE001 - asserted by the caller
+            seen["error"] = repr(exc)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    return thread
+
+
+def test_a_frozen_api_server_does_not_silence_the_replica_that_streams_to_it():
+    """Trial AO: one attached API server frozen (SIGSTOP) with a stream in flight made the
+    shared Thinker go silent: it sent its text deltas straight to that server, Thespian
+    holds at most 20 transmits in flight per sender, and those to a peer that never
+    acknowledges stay in flight, so after 20 deltas the Thinker's heartbeats queued behind
+    them; it was isolated after about 3 s and every stream on the healthy servers failed.
+    Now a replica keeps a few delta messages in flight per API server and holds the rest
+    until that server acknowledges: the stream on the leader's own server finishes, the
+    Thinker is not restarted, and the frozen server's stream finishes once it is resumed."""
+    with _leader_and_api() as (own, api, port):
+        _slow_thinker(own, 10)  # (4 ms -> 40 ms a token)
+        before = _replicas(_status(own))["thinker/0"]
+        frozen: dict = {}
+        frozen_thread = _stream_in_thread(port, 160, frozen)
+        deadline = time.monotonic() + 20
+        while not frozen["chunks"]:
+            assert time.monotonic() < deadline and frozen_thread.is_alive(), frozen
+            time.sleep(0.02)
+        api.send_signal(signal.SIGSTOP)
+        try:
+            healthy: dict = {}
+            _stream_in_thread(own.port, 100, healthy).join(60)  # 4 s of tokens, with 2 s heartbeats
+            assert "error" not in healthy and healthy["finish"] == "length" and healthy["text"], healthy
+            assert _replicas(_status(own))["thinker/0"] == before  # still ready, same process
+        finally:
+            api.send_signal(signal.SIGCONT)
+        frozen_thread.join(60)
+        assert "error" not in frozen and frozen["finish"] == "length", frozen
+        reference: dict = {}
+        _stream_in_thread(own.port, 160, reference).join(60)
+        assert frozen["text"] == reference["text"]  # nothing lost or doubled while it was held

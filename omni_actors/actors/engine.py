@@ -26,7 +26,7 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ThespianWatch
 from omni_actors.actors import device_leases
 from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.engine_stream import StreamingMixin
-from omni_actors.actors.outbox import AddressNames, PendingChunk, Sequencer, bundle, coalesce
+from omni_actors.actors.outbox import AddressNames, DeltaWindow, PendingChunk, Sequencer, bundle, coalesce
 from omni_actors.actors.supervision import ParentWatch, WakeupChain, exit_if_orphaned_before_start, host_identity
 from omni_actors.actors.node_agent import on_node
 from omni_actors.config_checks import resolve_processor
@@ -34,8 +34,9 @@ from omni_actors.connectors import ConnectorError, make_connector, release_all
 from omni_actors.engines import create_backend
 from omni_actors.engines.base import BackendTask, InputLost, OutputChunk, StageFinal, TextDelta, UpstreamTimeout
 from omni_actors.logs import get_logger
-from omni_actors.messages import (CancelStage, DrainReplica, EngineFailed, EngineReady, ErrorKind, FaultKind,
-                                  Heartbeat, HeartbeatAck, InjectFault, OutputDelta, StageAccepted,
+from omni_actors.messages import (CancelStage, DeltasAck, DrainReplica, EngineFailed, EngineReady, ErrorKind,
+                                  FaultKind, Heartbeat, HeartbeatAck, InjectFault, OutputDelta, OutputDeltas,
+                                  StageAccepted,
                                   StageCancelled, StageDone, StageFailed, StageTask, StartEngine, TaskFinished,
                                   TextStarted)
 from omni_actors.processors import default_input
@@ -151,6 +152,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._cancelled_early = CancelledStages()
         self._sequencer: Sequencer | None = None
         self._names = AddressNames()  # str() of the addresses its outbox sends to, kept across drains
+        self._deltas: DeltaWindow | None = None  # text deltas in flight per bridge (see DeltaWindow)
         # Streaming between stages, per (request, stage), on the loop thread:
         self._inputs: dict[tuple[str, int], tuple[int, asyncio.Queue]] = {}  # attempt, input chunks
         self._credits: dict[tuple[str, int], list] = {}  # [attempt, chunks acknowledged, wake-up event]
@@ -196,6 +198,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._log = self._log.bind(stage=msg.stage.name, replica=msg.replica)
         self._connector = connector = make_connector(msg.inline_threshold_bytes, mode=msg.connector_mode)
         self._sequencer = Sequencer(connector.put)
+        self._deltas = DeltaWindow(self.myAddress, log=self._log)
         func = msg.stage.custom_process_input_func
         # Pinning: set before the backend (and CUDA) is imported in this process. The
         # coordinator's placement decides; without one (a CPU node), vLLM-Omni's own
@@ -306,6 +309,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 waiting_for=self._waiting_for, pid=0 if self._ready else os.getpid(),
                 host="" if self._ready else host_identity()))
             self._heartbeats.again(self, self._spec.heartbeat_interval_s)
+            for address, message in self._deltas.due():
+                self.send(address, message)
         return self._watch()
 
     def _idle_s(self) -> float:
@@ -331,6 +336,16 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 except Exception as exc:  # noqa: BLE001 - a chunk could not be stored (shm full)
                     self._chunk_lost(address, message, exc)
             for address, message in bundle(stamped, self._names):
+                if isinstance(message, OutputDeltas):
+                    message = self._deltas.admit(address, self._names[address], message)
+                    if message is None:
+                        continue  # held: that API server has not answered for the last ones yet
+                self.send(address, message)
+        return self._watch()
+
+    def receiveMsg_DeltasAck(self, msg: DeltasAck, sender):
+        if self._deltas is not None:
+            for address, message in self._deltas.acked(msg.peer, msg.upto):
                 self.send(address, message)
         return self._watch()
 

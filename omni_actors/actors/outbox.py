@@ -10,18 +10,34 @@ and chunks (Thespian keeps up to 20 transmits in flight per sender, so two
 messages can overtake each other: the receiver reorders by number), puts
 each chunk's outputs into the connector, and tells the task's ``StageDone``
 how many of each went before it. Last, :func:`bundle` puts every text delta
-for one bridge into one message, whatever request it belongs to.
+for one bridge into one message, whatever request it belongs to, and
+:class:`DeltaWindow` keeps only a few such messages in flight per bridge.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
 from omni_actors.messages import OutputDelta, OutputDeltas, StageChunk, StageDone, TaskFinished
+
+#: :class:`OutputDeltas` messages an engine keeps in flight to one bridge (see DeltaWindow).
+DELTA_WINDOW = 6
+#: ... of which every this many asks the bridge for a :class:`~omni_actors.messages.DeltasAck`.
+DELTA_ACK_EVERY = 3
+#: With the window full and no answer for this long, one more message goes, asking again
+#: (an answer lost with a replaced RequestActorSupervisor), at most ``DELTA_PROBES`` times.
+DELTA_PROBE_AFTER_S = 2.0
+DELTA_PROBES = 2
+#: Text deltas held for one bridge beyond which they are dropped (a bridge frozen for long).
+DELTA_HELD_LIMIT = 50_000
+#: A bridge that answered nothing for this long is forgotten, with what was held for it
+#: (Thespian gives up on a transmit after 5 minutes: its messages in flight failed by then).
+DELTA_FORGET_AFTER_S = 300.0
 
 
 @dataclass
@@ -189,3 +205,113 @@ def bundle(items: list[tuple[Any, Any]], names: AddressNames | None = None) -> l
         else:
             out.append((address, message))
     return [(a, OutputDeltas(tuple(m)) if isinstance(m, list) else m) for a, m in out]
+
+
+@dataclass
+class _Peer:
+    """One bridge, as a :class:`DeltaWindow` sees it."""
+
+    address: Any
+    sent: int = 0  #: OutputDeltas sent to it
+    acked: int = 0  #: ... of which it said it has the first ``acked``
+    heard_at: float = 0.0  #: its last answer, or our last probe
+    probes: int = 0  #: messages sent beyond the window since its last answer
+    held: list[OutputDelta] = field(default_factory=list)
+
+
+class DeltaWindow:
+    """Flow control of an engine's text deltas, per bridge (API server).
+
+    Thespian's TCP transport keeps at most 20 transmits in flight per sending
+    actor, and one to a peer that never acknowledges (an API server stopped
+    with SIGSTOP, or a host gone silent) stays in flight up to 5 minutes. With
+    a message per token, 20 of them to one frozen API server left the
+    engine's heartbeats queued behind them: the pool took the replica for
+    silent and restarted it, breaking every stream it served (trial AO).
+
+    So at most ``window`` :class:`OutputDeltas` go to one bridge unanswered;
+    every ``ack_every``-th asks the bridge for a
+    :class:`~omni_actors.messages.DeltasAck` saying how many it has. While the
+    window is full, that bridge's deltas are held (already numbered: the
+    requests' ``StageDone`` counts them) and leave together, as one message,
+    when an answer opens the window. A frozen bridge then holds at most
+    ``window`` + ``probes`` of the engine's transmits, and the engine serves on.
+
+    Not thread-safe: the engine's actor thread calls every method.
+    """
+
+    def __init__(self, me: Any, *, window: int = DELTA_WINDOW, ack_every: int = DELTA_ACK_EVERY,
+                 probe_after_s: float = DELTA_PROBE_AFTER_S, probes: int = DELTA_PROBES,
+                 held_limit: int = DELTA_HELD_LIMIT, forget_after_s: float = DELTA_FORGET_AFTER_S,
+                 clock: Callable[[], float] = time.monotonic, log: Any = None) -> None:
+        if not 1 <= ack_every <= window:
+            raise ValueError(f"ack_every ({ack_every}) must be between 1 and window ({window})")
+        self._me, self._window, self._ack_every = me, window, ack_every
+        self._probe_after_s, self._probes, self._held_limit = probe_after_s, probes, held_limit
+        self._forget_after_s, self._clock, self._log = forget_after_s, clock, log
+        self._peers: dict[str, _Peer] = {}
+
+    def admit(self, address: Any, name: str, message: OutputDeltas) -> OutputDeltas | None:
+        """``message`` for the bridge at ``address`` (``name``: its ``str()``), with
+        what was held for it before, if the window has room (then stamped for an
+        answer where due); else None: it is held."""
+        peer = self._peers.get(name)
+        if peer is None:
+            peer = self._peers[name] = _Peer(address, heard_at=self._clock())
+        deltas = peer.held + list(message.deltas) if peer.held else list(message.deltas)
+        peer.held = []
+        if peer.sent - peer.acked < self._window:
+            return self._stamp(peer, name, deltas, probe=False)
+        peer.held = deltas
+        if len(deltas) > self._held_limit:
+            self._drop(name, peer, f"more than {self._held_limit} text deltas held for it")
+        return None
+
+    def acked(self, name: str, upto: int) -> list[tuple[Any, OutputDeltas]]:
+        """The bridge ``name`` has our first ``upto`` messages: what was held for it,
+        as one message, if the window now has room."""
+        peer = self._peers.get(name)
+        if peer is None or upto <= peer.acked:
+            return []
+        peer.acked, peer.heard_at, peer.probes = min(upto, peer.sent), self._clock(), 0
+        if peer.held and peer.sent - peer.acked < self._window:
+            deltas, peer.held = peer.held, []
+            return [(peer.address, self._stamp(peer, name, deltas, probe=False))]
+        return []
+
+    def due(self) -> list[tuple[Any, OutputDeltas]]:
+        """Called now and then (each heartbeat): a probe for each bridge whose full
+        window went unanswered for ``probe_after_s``; bridges silent for
+        ``forget_after_s`` are forgotten."""
+        now, out = self._clock(), []
+        for name, peer in list(self._peers.items()):
+            silent = now - peer.heard_at
+            if silent >= self._forget_after_s and peer.sent > peer.acked:
+                self._drop(name, peer, f"no answer for {silent:.0f} s")
+                del self._peers[name]
+            elif peer.held and silent >= self._probe_after_s and peer.probes < self._probes:
+                deltas, peer.held = peer.held, []
+                peer.probes += 1
+                peer.heard_at = now
+                if self._log is not None:
+                    self._log.warning("api_server_not_answering", peer=name, unanswered=peer.sent - peer.acked,
+                                      held=len(deltas), silent_s=round(silent, 1))
+                out.append((peer.address, self._stamp(peer, name, deltas, probe=True)))
+        return out
+
+    def held(self) -> int:
+        """Text deltas held, over all bridges."""
+        return sum(len(p.held) for p in self._peers.values())
+
+    def _stamp(self, peer: _Peer, name: str, deltas: list[OutputDelta], probe: bool) -> OutputDeltas:
+        peer.sent += 1
+        n = peer.sent
+        if probe or n % self._ack_every == 0 or n - peer.acked >= self._window:
+            return OutputDeltas(tuple(deltas), ack=n, ack_to=self._me, peer=name)
+        return OutputDeltas(tuple(deltas))
+
+    def _drop(self, name: str, peer: _Peer, why: str) -> None:
+        if peer.held and self._log is not None:
+            self._log.error("api_server_deltas_dropped", peer=name, dropped=len(peer.held), why=why,
+                            requests=len({d.request_id for d in peer.held}))
+        peer.held = []

@@ -19,7 +19,9 @@ threads, each owning its own ``private()`` context:
 A request's messages come from two senders: its RequestActor (audio parts,
 final outputs, the end) and the replica of its final text stage (text
 deltas, straight from the engine, several requests' in one
-:class:`~omni_actors.messages.OutputDeltas`). Each sender numbers its own;
+:class:`~omni_actors.messages.OutputDeltas`, some of which the bridge answers
+with a :class:`~omni_actors.messages.DeltasAck`, through its supervisor, for the
+engine's flow control). Each sender numbers its own;
 the receiver puts each series back in order, holds a final output or the end
 until the text deltas it says came before it are in, and fails a request
 whose text stage was retried after part of its text went out.
@@ -64,7 +66,7 @@ from omni_actors.connectors.data_client import DataServiceError
 from omni_actors.http.types import (CONTEXT_LENGTH_CODE, BridgeEvent, OutputFinal, OutputPart, OutputText,
                                     PipelineRequest, RequestDone, RequestFailed, within)
 from omni_actors.logs import get_logger
-from omni_actors.messages import (CancelRequest, CancelStage, ErrorKind, GetRoutes, GetStatus, OutputChunk,
+from omni_actors.messages import (CancelRequest, CancelStage, DeltasAck, ErrorKind, GetRoutes, GetStatus, OutputChunk,
                                   OutputDelta, OutputDeltas, OutputReady, Relay, RequestActorAlive, RequestActorExited,
                                   RequestActorFree, RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe, SUBSCRIPTION,
                                   SupervisorAlive, SystemStatus, SystemStopping, WhoAmI, YouAre)
@@ -496,6 +498,8 @@ class ActorBridge(RequestActorKeeping):
         if isinstance(msg, OutputDeltas):
             for delta in msg.deltas:
                 self._text(delta)
+            if msg.ack:  # the engine keeps only a few in flight to us (see DeltaWindow): tell it we have them
+                self._outboxes[msg.ack % len(self._outboxes)].put(("tell", msg.ack_to, DeltasAck(msg.peer, msg.ack)))
         elif isinstance(msg, (OutputChunk, OutputReady)):
             box = self._box(msg.request_id)
             if box is None:
