@@ -328,6 +328,9 @@ class ReplicaStatus(Message):
     #: ``(node, devices)`` the replica was launched pinned to (``stage launch --node/--devices``;
     #: devices may be empty: that node only); ``()``: placed wherever it fits
     pin: tuple = ()
+    #: READY on a node that is leaving, as the last ready replica of its stage: it takes tasks
+    #: until another is ready or no request is in flight, then drains (see :class:`NoRequestsInFlight`)
+    lingering: bool = False
     #: the machine its process runs on (``supervision.host_identity()``); "" unknown or none
     host: str = ""
 
@@ -509,6 +512,13 @@ class Heartbeat(Message):
 class HeartbeatAck(Message):
     """Pool -> engine, answering each heartbeat: an engine that stops getting
     acks has lost its pool and drains itself."""
+
+
+@dataclass(frozen=True)
+class NoRequestsInFlight(Message):
+    """Coordinator -> pool with lingering replicas (``ReplicaStatus.lingering``): no
+    pool has had a task in flight or queued for ``LINGER_QUIET_S``, so no request in
+    flight can still need them: they drain now."""
 
 
 @dataclass(frozen=True)

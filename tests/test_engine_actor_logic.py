@@ -1,5 +1,6 @@
 """Pure logic of the actors (EngineActor outbox and tasks, StagePoolActor, RequestActor), no actor system."""
 
+import collections
 import dataclasses
 import time
 
@@ -1501,3 +1502,73 @@ def test_a_request_actor_keeps_one_deadline_wake_up_pending_not_one_per_request(
     fire_due()
     assert [(m.request_id, m.error) for _, m in sent if isinstance(m, RequestFinished)] == [
         ("short", ErrorKind.TIMEOUT)]
+
+
+def test_a_subscriber_that_does_not_renew_is_sent_at_most_a_backlog_and_the_latest_when_it_renews():
+    """A frozen API server's bridge never renews: the coordinator's publications to it stay
+    in flight (Thespian: 20 per sender, up to 5 minutes each), and a burst of them would
+    silence the coordinator. At most SUBSCRIBER_BACKLOG go between two renewals."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors import coordinator
+    from omni_actors.messages import Routes, Subscribe, SystemStatus
+
+    co = coordinator.CoordinatorActor()
+    co.sent = []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co._routes = lambda: Routes(None, {})
+    co._status = lambda query_id: SystemStatus(query_id, "m", True, ())
+    co._config = SimpleNamespace()
+    co.receiveMsg_Subscribe(Subscribe("frozen"), "frozen")
+    co.receiveMsg_Subscribe(Subscribe("healthy"), "healthy")
+    co.sent.clear()
+    for _ in range(coordinator.SUBSCRIBER_BACKLOG + 5):
+        co._publish_status()
+    counts = collections.Counter(address for address, _ in co.sent)
+    assert counts == {"frozen": coordinator.SUBSCRIBER_BACKLOG, "healthy": coordinator.SUBSCRIBER_BACKLOG}
+    co.sent.clear()
+    co.receiveMsg_Subscribe(Subscribe("healthy"), "healthy")  # it renews: the latest, then on as before
+    assert [(a, type(m).__name__) for a, m in co.sent] == [("healthy", "Routes"), ("healthy", "SystemStatus")]
+    co.sent.clear()
+    co._publish_status()
+    assert [a for a, _ in co.sent] == ["healthy"]
+
+
+def test_lingering_replicas_are_released_once_no_pool_has_had_work_for_a_while(monkeypatch):
+    """The last ready replicas of a stage on a leaving node take tasks until no request is in
+    flight: the coordinator tells their pools after LINGER_QUIET_S of quiet pool reports."""
+    from omni_actors.actors import coordinator
+    from omni_actors.messages import NoRequestsInFlight, PoolState, ReplicaState, ReplicaStatus
+
+    now = [100.0]
+    monkeypatch.setattr(coordinator.time, "monotonic", lambda: now[0])
+    co = coordinator.CoordinatorActor()
+    co.sent = []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co._pools = {0: "thinker-pool", 1: "code2wav-pool"}
+    ready = ReplicaState.READY
+
+    def report(thinker_in_flight: int, lingering: bool = True) -> None:
+        co._states[0] = PoolState(0, "thinker", (ReplicaStatus("thinker/0", ready, in_flight=thinker_in_flight),))
+        co._states[1] = PoolState(1, "code2wav", (ReplicaStatus("code2wav/0", ready, lingering=lingering),))
+        co._end_lingering()
+
+    report(1)  # a request in the thinker will need code2wav
+    now[0] += 5
+    report(1)
+    assert co.sent == []
+    report(0)  # quiet from now...
+    now[0] += coordinator.LINGER_QUIET_S / 2
+    report(1)  # (...not for long: a request between two stages, say)
+    report(0)
+    now[0] += coordinator.LINGER_QUIET_S / 2
+    report(0)
+    assert co.sent == []
+    now[0] += coordinator.LINGER_QUIET_S / 2
+    report(0)
+    assert co.sent == [("code2wav-pool", NoRequestsInFlight())]
+    co.sent.clear()
+    report(0, lingering=False)
+    now[0] += 10
+    report(0, lingering=False)
+    assert co.sent == []

@@ -872,6 +872,39 @@ def test_the_last_member_of_a_stage_says_that_leaving_leaves_the_stage_without_r
     assert any(r["state"] == "pending" for r in reps if r["stage"] == "talker"), _table(reps)
 
 
+def test_the_last_member_of_a_stage_serves_the_requests_in_flight_before_it_leaves(request, tmp_path):
+    """Trial AP: Ctrl-C on the only member that runs the Talker and Code2Wav while streams
+    were still in the Thinker (on the leader): its idle replicas stopped at once, their
+    replacements could not be placed, and each stream waited queue_timeout_s, then ended
+    with an error event and no audio. Now the last ready replicas of a stage linger: they
+    take the tasks of the requests in flight, and drain once no request is in flight."""
+    import yaml
+
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["deployment"]["stages"]["thinker"]["synthetic"] = {"decode_ms_per_token": 40}
+    config = tmp_path / "slow-thinker.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    cluster = start_cluster(request, tmp_path, config=config, members=(("m1", "0,1,2,3"),))
+    member = cluster.members["m1"]
+    with ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(_stream, cluster.base_url, 40) for _ in range(4)]
+        _, reps = cluster.wait(lambda rs: any(r["stage"] == "thinker" and r["in_flight"] >= 4 for r in rs),
+                               "the streams in the thinker", 20, poll_s=0.02)
+        assert not any(r["in_flight"] for r in reps if r["stage"] in MEMBER_STAGES), _table(reps)
+        member.proc.send_signal(signal.SIGINT)
+        _, reps = cluster.wait(lambda rs: any("the last ready replica of stage talker" in r["reason"] for r in rs),
+                               "a lingering talker", 10, poll_s=0.05)
+        results = [f.result(90) for f in streams]
+    for status, events in results:
+        assert status == 200 and events[-1] == "[DONE]", (status, events[-3:])
+        assert not [e for e in events if e.startswith('{"error"')], events[-3:]
+        assert any('"audio"' in e for e in events), "no audio part"
+    assert member.proc.wait(30) == 0
+    events = read_events(cluster.leader.log_path, 0)
+    ends = [e for e in events if e["event"] == "replica_linger_ends"]
+    assert ends and all(e["cause"] == "no request in flight" for e in ends), ends
+
+
 def test_an_operator_drains_a_node_and_undrains_it_its_member_running_on(request, tmp_path):
     """`node drain --node N`: N's replicas finish their work and stop, replacements start on
     the other member, nothing new is placed on N (status: DRAINED) while its member runs on;

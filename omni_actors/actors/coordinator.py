@@ -31,7 +31,7 @@ from omni_actors.actors.supervision import TICK_LOST_AFTER_INTERVALS, RestartPol
 from omni_actors.connectors import buffer_counts, data_service, default_prefix
 from omni_actors.logs import get_logger
 from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, ApiServerDrained, ApiServersDrained,
-                                  Deploy, DrainApiServers, DrainNode, DrainReplica, GetRoutes,
+                                  Deploy, DrainApiServers, DrainNode, DrainReplica, GetRoutes, NoRequestsInFlight,
                                   GetStatus, InjectFault, LaunchReplicas, NodeHeartbeat, NodeLeaving,
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, NOT_DEPLOYED, PlaceReplica,
                                   Placement, PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
@@ -57,6 +57,12 @@ POOL_SILENT_NOTE_INTERVALS = 3
 #: is (the leader's watchdog kills a coordinator silent for about as long, 3 x 3 intervals).
 #: Only the time the coordinator itself ran counts.
 POOL_HUNG_INTERVALS = 10
+#: Seconds with no task in flight or queued in any pool before lingering replicas drain
+#: (see CoordinatorActor._end_lingering).
+LINGER_QUIET_S = 1.0
+#: Publications a subscriber is sent between two of its renewals (every 2 s:
+#: ``bridge.SUBSCRIBE_EVERY_S``) at most; see CoordinatorActor._publish.
+SUBSCRIBER_BACKLOG = 8
 #: A subscriber that has not renewed its lease for this long is dropped.
 SUBSCRIPTION_LEASE_S = 10.0
 
@@ -88,10 +94,13 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._routes_version = 0
         self._deployed_at = 0  # (Unix seconds: when it took its config)
         self._deploy_waiters: list[object] = []
-        self._subscribers: list[tuple[object, float]] = []
+        self._subscribers: list[_Subscriber] = []
         #: a stop's drain of the attached API servers (:class:`DrainApiServers`), while it runs
         self._api_drain: _ApiDrain | None = None
         self._stopping = False
+        #: since when no pool has had a task in flight or queued, while some replica lingers
+        #: (see :meth:`_end_lingering`); None: not quiet, or nothing lingers
+        self._quiet_since: float | None = None
         self._inventory = Inventory()
         #: the node check's wake-ups (restarted by a pool's report when one was lost)
         self._node_checks = WakeupChain("node_check")
@@ -227,6 +236,27 @@ class CoordinatorActor(ActorTypeDispatcher):
                                    reason=r.reason or None)
             self._publish_status()
         self._answer_deploy_waiters()
+        self._end_lingering()
+
+    def _end_lingering(self) -> None:
+        """Lingering replicas (the last ready ones of their stage, on a node that is
+        leaving: ``ReplicaStatus.lingering``) stay only for requests in flight. Once
+        no pool has reported a task in flight or queued for :data:`LINGER_QUIET_S`
+        (pools report every heartbeat interval; one quiet report could fall between two
+        stages of a request), their pools are told to drain them. Called on each
+        pool report and node check."""
+        lingering = [sid for sid, st in self._states.items() if any(r.lingering for r in st.replicas)]
+        busy = any(st.pending or any(r.in_flight for r in st.replicas) for st in self._states.values())
+        if not lingering or busy:
+            self._quiet_since = None
+            return
+        now = time.monotonic()
+        if self._quiet_since is None:
+            self._quiet_since = now
+        elif now - self._quiet_since >= LINGER_QUIET_S:
+            for sid in lingering:
+                if sid in self._pools:
+                    self.send(self._pools[sid], NoRequestsInFlight())
 
     def _check_nodes(self) -> None:
         """Every heartbeat interval: our own node's data-plane figures, and the member
@@ -311,6 +341,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         elif self._node_checks.owns(msg.payload):
             if self._node_checks.current(msg.payload):
                 self._check_nodes()
+                self._end_lingering()
                 self._node_checks.again(self, self._config.deployment.heartbeat_interval_s)
         elif isinstance(msg.payload, tuple) and msg.payload[0] == "node_dropped":
             if self._joins.get(msg.payload[1], 0) == msg.payload[2]:  # (not if it rejoined since)
@@ -548,11 +579,11 @@ class CoordinatorActor(ActorTypeDispatcher):
 
     def receiveMsg_Subscribe(self, msg: Subscribe, sender):
         now = time.monotonic()
-        known = any(a == msg.reply_to for a, _ in self._subscribers)
-        self._subscribers = [(a, t) for a, t in self._subscribers
-                             if a != msg.reply_to and now - t < SUBSCRIPTION_LEASE_S]
-        self._subscribers.append((msg.reply_to, now))
-        if not known and self._config is not None:
+        known = next((s for s in self._subscribers if s.address == msg.reply_to), None)
+        self._subscribers = [s for s in self._subscribers
+                             if s.address != msg.reply_to and now - s.renewed_at < SUBSCRIPTION_LEASE_S]
+        self._subscribers.append(_Subscriber(msg.reply_to, now))
+        if (known is None or known.behind) and self._config is not None:
             self.send(msg.reply_to, self._routes())
             self.send(msg.reply_to, self._status(SUBSCRIPTION))
 
@@ -560,16 +591,27 @@ class CoordinatorActor(ActorTypeDispatcher):
         return Routes(self._config, dict(self._pools), self._routes_version, self._deployed_at)
 
     def _publish_routes(self) -> None:
-        routes = self._routes()
-        for address, _ in self._subscribers:
-            self.send(address, routes)
+        self._publish(self._routes())
 
     def _publish_status(self) -> None:
         if self._config is None:
             return
-        status = self._status(SUBSCRIPTION)
-        for address, _ in self._subscribers:
-            self.send(address, status)
+        self._publish(self._status(SUBSCRIPTION))
+
+    def _publish(self, message) -> None:
+        """``message`` to each subscriber that has not been sent :data:`SUBSCRIBER_BACKLOG`
+        since it last renewed; those that have get the latest routes and status when they
+        renew. Thespian keeps at most 20 transmits in flight per sender, and those to a
+        frozen API server stay in flight up to 5 minutes: a burst of changes published to
+        one would otherwise silence the coordinator (see DeltaWindow for the engines)."""
+        for sub in self._subscribers:
+            if sub.sent < SUBSCRIBER_BACKLOG:
+                sub.sent += 1
+                self.send(sub.address, message)
+            elif not sub.behind:
+                sub.behind = True
+                self._log.warning("subscriber_behind", subscriber=str(sub.address), sent=sub.sent,
+                                  renewed_s_ago=round(time.monotonic() - sub.renewed_at, 1))
 
     # -- admin ------------------------------------------------------------
     def _pool_of_replica(self, replica: str):
@@ -641,7 +683,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                 self.send(address, SystemStopping(msg.drain_timeout_s, hurry=True))
             return
         now = time.monotonic()
-        servers = [a for a, t in self._subscribers if a != msg.exclude and now - t < SUBSCRIPTION_LEASE_S]
+        servers = [s.address for s in self._subscribers
+                   if s.address != msg.exclude and now - s.renewed_at < SUBSCRIPTION_LEASE_S]
         self._api_drain = _ApiDrain(sender, servers, len(servers))
         self._log.info("api_servers_told_to_drain", api_servers=len(servers), drain_timeout_s=msg.drain_timeout_s)
         for address in servers:
@@ -674,6 +717,16 @@ class CoordinatorActor(ActorTypeDispatcher):
                             coordinator_pid=os.getpid(), nodes=self._inventory.status(), notes=notes,
                             coordinator_host=host_identity(),
                             drain_timeout_s=self._config.deployment.supervision.drain_timeout_s if self._config else 0.0)
+
+
+@dataclasses.dataclass
+class _Subscriber:
+    """An API server's bridge that gets the routes and status as they change."""
+
+    address: object
+    renewed_at: float  #: (monotonic) its last Subscribe
+    sent: int = 0  #: publications sent to it since then
+    behind: bool = False  #: some were not sent (SUBSCRIBER_BACKLOG): it gets the latest when it renews
 
 
 @dataclasses.dataclass

@@ -21,8 +21,8 @@ from thespian.actors import ActorExitRequest
 from omni_actors.actors.engine import ORPHAN_AFTER_INTERVALS, EngineActor
 from omni_actors.actors.node_agent import requirements_on
 from omni_actors.placement import LEAVING, LEFT_REASON
-from omni_actors.messages import (LIVE_STATES, DrainNode, NodeLost, NodesChanged, PlaceReplica, Placement,
-                                  PlacementFailed, ReleasePlacement, ReplicaState, StartEngine)
+from omni_actors.messages import (LIVE_STATES, DrainNode, NodeLost, NodesChanged, NoRequestsInFlight, PlaceReplica,
+                                  Placement, PlacementFailed, ReleasePlacement, ReplicaState, StartEngine)
 
 
 #: Seconds an orphaned engine may take, once its tasks are cancelled, to stop its backend and
@@ -113,10 +113,20 @@ class PoolPlacementMixin:
         that runs or starts is drained (no new tasks; it stops once those in flight are
         done) and a replacement starts on another node at once. A replica pinned to the
         node starts again instead once it has stopped, and waits (``pending``) for the
-        node to be back. (The coordinator answers the member that asked.)"""
+        node to be back. (The coordinator answers the member that asked.)
+
+        When no replica of the stage is READY elsewhere, those READY here are the
+        stage's last: drained now, a request in flight that still needs this stage
+        (in an upstream stage, or between two) would wait for a replacement that
+        may never be placed, then fail (trial AP: a stream in its Talker lost its
+        Code2Wav). They *linger* instead: READY, taking tasks, until another
+        replica of the stage is ready or the coordinator says no request is in
+        flight (:class:`~omni_actors.messages.NoRequestsInFlight`); then they drain.
+        The member waits for them within its drain timeout, as for any replica."""
         drained = []
         what = "drained (`node drain`)" if msg.operator else LEAVING
         back = "undrained" if msg.operator else "back"
+        last = not any(r.state == ReplicaState.READY and r.node != msg.node for r in self._replicas.values())
         for rep in list(self._replicas.values()):
             if rep.node != msg.node or rep.state not in (ReplicaState.READY, ReplicaState.STARTING):
                 continue
@@ -127,11 +137,31 @@ class PoolPlacementMixin:
                 new = self._new_replica_id()
                 self._launch(new)
                 why = f"node {msg.node} {what} (replaced by {new})"
+            if last and rep.state == ReplicaState.READY:
+                rep.linger = why
+                rep.reason = (f"{why}; the last ready replica of stage {self._spec.stage.name}: it takes tasks "
+                              "until another is ready or no request is in flight")
+                self._log.info("replica_lingers", replica=rep.replica, node=msg.node, in_flight=len(rep.in_flight))
+                continue
             self._drain(rep, why)
             drained.append(rep.replica)
         if drained:
             self._log.info("node_draining", node=msg.node, replicas=drained)
         self._publish()
+
+    def receiveMsg_NoRequestsInFlight(self, msg: NoRequestsInFlight, sender):
+        for rep in list(self._replicas.values()):
+            if not rep.in_flight:
+                self._end_linger(rep, "no request in flight")
+
+    def _end_linger(self, rep, cause: str) -> None:
+        """A lingering replica (see receiveMsg_DrainNode) drains now, because of ``cause``."""
+        if not rep.linger:
+            return
+        why, rep.linger = rep.linger, ""
+        if rep.state == ReplicaState.READY:
+            self._log.info("replica_linger_ends", replica=rep.replica, cause=cause, in_flight=len(rep.in_flight))
+            self._drain(rep, why)
 
     def receiveMsg_NodeLost(self, msg: NodeLost, sender):
         leaving = f"node {msg.node} {LEAVING}"

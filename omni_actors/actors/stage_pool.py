@@ -104,6 +104,9 @@ class Replica:
     #: drained because its node's member stops, and pinned there: started again (placed
     #: when the node is back) once it has stopped, rather than stopped for good
     relaunch: bool = False
+    #: READY on a node that is leaving, the last ready replica of its stage: the drain reason it
+    #: gets once another is ready or no request is in flight (see PoolPlacementMixin.receiveMsg_DrainNode)
+    linger: str = ""
     #: it has been READY at least once (its config loads), and load failures since it last was
     loaded: bool = False
     load_failures: int = 0
@@ -246,6 +249,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             rep.health = ReplicaHealth(last_heartbeat=now, progress_at=now)
             rep.loaded, rep.load_failures = True, 0
             self._log.info("replica_ready", replica=msg.replica, engine_pid=msg.pid, node=msg.node)
+            for other in self._replicas.values():  # the last ones on a leaving node can go now
+                if other is not rep:
+                    self._end_linger(other, f"{msg.replica} is ready")
             self._publish()
             self._drain_pending()
 
@@ -552,7 +558,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 kv_cache_usage=r.kv_cache_usage if r.state not in _NO_PROCESS else None,
                 latency_buckets=tuple(r.latency), latency_sum_s=round(r.latency_sum, 6),
                 pin=self._pins.get(r.replica, ()), fault=r.fault if r.state not in _NO_PROCESS else "",
-                host=r.host if r.state not in _NO_PROCESS else "")
+                host=r.host if r.state not in _NO_PROCESS else "",
+                lingering=bool(r.linger) and r.state == ReplicaState.READY)
             for r in self._replicas.values())
         self.send(self._coordinator, PoolState(self._spec.stage.stage_id, self._spec.stage.name, replicas,
                                                pid=os.getpid(), pending=len(self._pending),
