@@ -486,9 +486,15 @@ def test_a_leader_whose_port_is_taken_before_it_binds_starts_again_on_fresh_port
 def test_status_of_nothing_is_a_clear_error():
     from omni_actors.system.local import free_port
 
-    out = _cli("status", "--admin-port", str(free_port()))
+    port = str(free_port())
+    out = _cli("status", "--admin-port", port)
     assert out.returncode == 1
     assert out.stderr.startswith("error: no actor system is listening on admin port")
+    # --json: a script gets a JSON answer too (trial AP got none from a member whose leader was down)
+    out = _cli("status", "--admin-port", port, "--json")
+    doc = json.loads(out.stdout)
+    assert out.returncode == 1 and doc["serving"] is False and doc["reachable"] is False
+    assert out.stderr == f"error: {doc['error']}\n" and "no actor system is listening" in doc["error"]
 
 
 def test_engine_that_cannot_load_shows_failed_and_requests_get_503():

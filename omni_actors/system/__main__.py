@@ -478,6 +478,8 @@ def _admin_verb(fn):
         except ValueError as exc:
             return _fail(str(exc), 2)
         except AdminError as exc:
+            if fn.__name__ == "cmd_status" and args.json:  # (a script reading it gets JSON either way)
+                print(json.dumps({"serving": False, "reachable": False, "error": str(exc)}, indent=2))
             return _fail(str(exc))
     return run
 
