@@ -205,6 +205,10 @@ class ReleasePlacement(Message):
 class NodesChanged(Message):
     """Coordinator -> pools: a node joined or came back; retry pending placements."""
 
+    #: the node an operator undrained (``node undrain``), if that is the change: its lingering
+    #: replicas (``ReplicaStatus.lingering``) stay, as ready ones
+    undrained: str = ""
+
 
 @dataclass(frozen=True)
 class NodeLost(Message):

@@ -1572,3 +1572,72 @@ def test_lingering_replicas_are_released_once_no_pool_has_had_work_for_a_while(m
     now[0] += 10
     report(0, lingering=False)
     assert co.sent == []
+
+
+def test_the_last_ready_replicas_on_a_leaving_node_linger_until_released_or_undrained():
+    """Trial AP: draining the only node with a ready Code2Wav stopped its idle replicas at
+    once, and a request still upstream then found none. They linger now: ready, routed to,
+    not told to drain, until the coordinator says no request is in flight, a replacement
+    is ready, or the operator undrains the node."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+    from omni_actors.actors.supervision import ReplicaHealth
+    from omni_actors.balancing import least_loaded
+    from omni_actors.messages import (DrainNode, DrainReplica, EngineReady, NodesChanged, NoRequestsInFlight,
+                                      ReplicaState, StageTask)
+
+    def pool_with(*replicas: Replica) -> tuple[StagePoolActor, list]:
+        pool = StagePoolActor()
+        pool._started.set()
+        sent = []
+        pool.send = lambda address, message: sent.append((address, message))
+        pool._coordinator, pool._policy = "coordinator", least_loaded
+        pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=2, name="code2wav"),
+                                     supervision=SimpleNamespace(max_task_attempts=3, queue_timeout_s=20))
+        pool._replicas = {r.replica: r for r in replicas}
+        for r in replicas:
+            r.health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
+        launched = []
+        pool._launch = lambda rid, *a: (launched.append(rid),
+                                        pool._replicas.__setitem__(rid, Replica(rid, None)))
+        pool._new_replica_id = lambda: f"code2wav/{len(pool._replicas)}"
+        return pool, sent
+
+    ready = ReplicaState.READY
+    pool, sent = pool_with(Replica("code2wav/0", "e0", state=ready, node="m1"),
+                           Replica("code2wav/1", "e1", state=ready, node="m1"))
+    pool.receiveMsg_DrainNode(DrainNode("m1"), "coordinator")
+    reps = pool._replicas
+    assert [reps[r].state for r in ("code2wav/0", "code2wav/1")] == [ready, ready]
+    assert "the last ready replica of stage code2wav" in reps["code2wav/0"].reason
+    assert not [m for _, m in sent if isinstance(m, DrainReplica)]
+    assert [r.lingering for r in sent[-1][1].replicas if r.replica.endswith(("/0", "/1"))] == [True, True]
+    pool.receiveMsg_StageTask(StageTask("r1", 2, "", (), {}, {}, "audio", False, "ra"), "ra")
+    assert [a for a, m in sent if isinstance(m, StageTask)] in (["e0"], ["e1"])  # it takes the task
+    busy = next(r for r in reps.values() if r.in_flight)
+    sent.clear()
+    pool.receiveMsg_NoRequestsInFlight(NoRequestsInFlight(), "coordinator")  # the idle one drains
+    assert [m.replica for _, m in sent if isinstance(m, DrainReplica)] == [
+        r for r in ("code2wav/0", "code2wav/1") if r != busy.replica]
+    assert busy.state == ready and busy.linger
+    # the replacement gets ready: the busy one drains too (once its task is done)
+    replacement = reps["code2wav/2"]
+    replacement.state = ReplicaState.STARTING
+    pool.receiveMsg_EngineReady(EngineReady("code2wav/2", 7, "m2", "synthetic"), "e2")
+    assert busy.state == ReplicaState.DRAINING and not busy.linger
+
+    # With a ready replica elsewhere, a node's replicas drain at once, as before.
+    pool, sent = pool_with(Replica("code2wav/0", "e0", state=ready, node="m1"),
+                           Replica("code2wav/1", "e1", state=ready, node="m2"))
+    pool.receiveMsg_DrainNode(DrainNode("m1"), "coordinator")
+    assert [m.replica for _, m in sent if isinstance(m, DrainReplica)] == ["code2wav/0"]
+
+    # An operator's undrain keeps a lingering replica, as a ready one.
+    pool, sent = pool_with(Replica("code2wav/0", "e0", state=ready, node="m1"))
+    pool.receiveMsg_DrainNode(DrainNode("m1", operator=True), "coordinator")
+    pool._retry_placements = lambda: None
+    pool.receiveMsg_NodesChanged(NodesChanged(undrained="m1"), "coordinator")
+    pool.receiveMsg_NoRequestsInFlight(NoRequestsInFlight(), "coordinator")
+    assert pool._replicas["code2wav/0"].state == ready and not pool._replicas["code2wav/0"].linger
+    assert not [m for _, m in sent if isinstance(m, DrainReplica)]

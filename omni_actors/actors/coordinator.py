@@ -465,7 +465,7 @@ class CoordinatorActor(ActorTypeDispatcher):
             return
         self._log.info("node_undrained", node=msg.node)
         for pool in self._pools.values():
-            self.send(pool, NodesChanged())
+            self.send(pool, NodesChanged(undrained=msg.node))
         self._publish_status()
         self.send(reply_to, AdminReply(True, f"node {msg.node} takes new replicas again (those waiting for it "
                                              "are placed there; the replacements elsewhere stay where they are)"))
