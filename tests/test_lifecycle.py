@@ -25,7 +25,7 @@ import pytest
 
 from omni_actors.connectors import list_segments
 from omni_actors.system import local
-from omni_actors.system.local import LocalLeader
+from omni_actors.system.local import LocalLeader, free_port
 from omni_actors.system.faultlab import read_events
 from omni_actors.system.processes import cli, port_in_use, process_title
 from omni_actors.system.watchdog import is_watchdog
@@ -1237,3 +1237,23 @@ def test_kill_system_waits_for_a_process_it_signalled_even_once_it_cannot_be_ide
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_member_given_the_leaders_admin_port_says_so(tmp_path):
+    """Trial AP: a member started on the leader's host with the leader's own admin port said
+    only "admin port 1900 is in use"."""
+    with socket.socket() as leader:  # (what the member checks first: the port is taken)
+        leader.bind(("127.0.0.1", 0))
+        leader.listen()
+        port = leader.getsockname()[1]
+        env = {"OMNI_ACTORS_STATE_DIR": str(tmp_path)}
+        out = _cli("start", "--convention-address", f"127.0.0.1:{port}", "--admin-port", str(port),
+                   "--node-name", "m1", env=env)
+        assert out.returncode == 1, out
+        assert out.stderr.strip().splitlines()[-1] == (
+            f"error: admin port {port} is the leader's (the convention address 127.0.0.1:{port}): a member on "
+            "the leader's host needs an --admin-port of its own"), out.stderr
+        out = _cli("start", "--convention-address", f"127.0.0.1:{free_port()}", "--admin-port", str(port),
+                   "--node-name", "m1", env=env)
+        assert out.returncode == 1 and "admin port {} is in use (another system, or a member".format(port) \
+            in out.stderr, out.stderr

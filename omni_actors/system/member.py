@@ -57,7 +57,11 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
 
     host, port = convention
     if port_in_use(admin_port):
-        raise StartError(f"admin port {admin_port} is in use")
+        if port == admin_port and _on_this_host(host):
+            raise StartError(f"admin port {admin_port} is the leader's (the convention address {host}:{port}): "
+                             "a member on the leader's host needs an --admin-port of its own")
+        raise StartError(f"admin port {admin_port} is in use (another system, or a member already running "
+                         "on this host: give this one an --admin-port of its own)")
     from omni_actors.system.remote import leader_status, node_name_taken
 
     stopping, hurry = threading.Event(), threading.Event()
@@ -271,6 +275,24 @@ def _serve(stopping: threading.Event, host: str, port: int, log) -> None:
             print(f"the convention leader at {host}:{port} does not answer: this member keeps running and "
                   "joins it when it starts again (Ctrl-C to leave)", flush=True)
             log.warning("leader_not_answering", convention=f"{host}:{port}")
+
+
+def _on_this_host(host: str) -> bool:
+    """Whether ``host`` (a convention address's host) names this machine: loopback, its
+    name, or one of its addresses."""
+    import socket
+
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    if any(a.startswith("127.") or a == "::1" for a in addresses):
+        return True
+    try:
+        mine = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        mine = set()
+    return bool(addresses & mine)
 
 
 def drain_record(admin_port: int):
