@@ -211,6 +211,14 @@ def test_a_bridge_that_does_not_answer_gets_at_most_a_window_of_delta_messages()
     assert window.due() == [] and window.held() == 1  # at most `probes` beyond the window
     # another bridge is not held up by this one
     assert window.admit("other", "o", _deltas("x")) is not None
+    # a bridge quiet for long, then a burst: the probe clock starts when deltas are first held
+    quiet = DeltaWindow("engine", window=2, ack_every=2, probe_after_s=2.0, clock=lambda: now[0])
+    assert quiet.admit("bridge", "q", _deltas("a")) is not None
+    now[0] += 100
+    assert quiet.admit("bridge", "q", _deltas("b", start=1)).ack == 2
+    assert quiet.admit("bridge", "q", _deltas("c", start=2)) is None
+    now[0] += 1
+    assert quiet.due() == []
 
 
 def test_deltas_held_for_a_bridge_silent_for_long_are_dropped_and_it_is_forgotten():

@@ -214,7 +214,8 @@ class _Peer:
     address: Any
     sent: int = 0  #: OutputDeltas sent to it
     acked: int = 0  #: ... of which it said it has the first ``acked``
-    heard_at: float = 0.0  #: its last answer, or our last probe
+    heard_at: float = 0.0  #: its last answer (or when we first sent to it)
+    held_since: float | None = None  #: since when deltas are held for it (reset by an answer or a probe)
     probes: int = 0  #: messages sent beyond the window since its last answer
     held: list[OutputDelta] = field(default_factory=list)
 
@@ -262,6 +263,8 @@ class DeltaWindow:
         peer.held = []
         if peer.sent - peer.acked < self._window:
             return self._stamp(peer, name, deltas, probe=False)
+        if peer.held_since is None:
+            peer.held_since = self._clock()
         peer.held = deltas
         if len(deltas) > self._held_limit:
             self._drop(name, peer, f"more than {self._held_limit} text deltas held for it")
@@ -274,8 +277,9 @@ class DeltaWindow:
         if peer is None or upto <= peer.acked:
             return []
         peer.acked, peer.heard_at, peer.probes = min(upto, peer.sent), self._clock(), 0
+        peer.held_since = peer.heard_at if peer.held else None
         if peer.held and peer.sent - peer.acked < self._window:
-            deltas, peer.held = peer.held, []
+            deltas, peer.held, peer.held_since = peer.held, [], None
             return [(peer.address, self._stamp(peer, name, deltas, probe=False))]
         return []
 
@@ -286,13 +290,14 @@ class DeltaWindow:
         now, out = self._clock(), []
         for name, peer in list(self._peers.items()):
             silent = now - peer.heard_at
-            if silent >= self._forget_after_s and peer.sent > peer.acked:
+            held_s = 0.0 if peer.held_since is None else now - peer.held_since
+            if silent >= self._forget_after_s and (not peer.held or held_s >= self._forget_after_s):
                 self._drop(name, peer, f"no answer for {silent:.0f} s")
                 del self._peers[name]
-            elif peer.held and silent >= self._probe_after_s and peer.probes < self._probes:
+            elif peer.held and held_s >= self._probe_after_s and peer.probes < self._probes:
                 deltas, peer.held = peer.held, []
                 peer.probes += 1
-                peer.heard_at = now
+                peer.held_since = None
                 if self._log is not None:
                     self._log.warning("api_server_not_answering", peer=name, unanswered=peer.sent - peer.acked,
                                       held=len(deltas), silent_s=round(silent, 1))
