@@ -962,3 +962,37 @@ def test_the_bridge_answers_the_delta_messages_that_ask_through_its_sender_threa
     bridge._on_message(OutputDeltas((OutputDelta("gone", "y", 1),), ack=3, ack_to="engine-1", peer="b"))
     told = [item for box in bridge._outboxes for item in iter(lambda b=box: None if b.empty() else b.get(), None)]
     assert told == [("tell", "engine-1", DeltasAck("b", 3))]
+
+
+def test_a_server_that_did_not_run_for_a_while_does_not_blame_its_supervisor_or_request_actors():
+    """A trial's API server, frozen (SIGSTOP) for 8 s with a stream in flight, then resumed:
+    its first tick found no SupervisorAlive for 8 s, took the supervisor for lost and ended
+    it, and with it the stream's RequestActor. A late tick is the server's own silence."""
+    from omni_actors.http.bridge import REQUEST_ACTOR_SILENT_S
+
+    async def main():
+        bridge = _bridge(request_actors=1, queue_limit=0)
+        bridge._loop = asyncio.get_running_loop()
+        bridge._pool.reserve(1)
+        bridge._pool.release("ra-1")
+        stream = asyncio.ensure_future(_first(bridge, "r1"))
+        await asyncio.sleep(0.01)
+        _outbox_items(bridge)
+        bridge._supervisor = "supervisor"
+        now = time.monotonic()
+        frozen_s = REQUEST_ACTOR_SILENT_S + 5  # (longer than either is given)
+        bridge._ticked_at = now - bridge._tick_s - frozen_s
+        bridge._supervisor_heard = now - frozen_s - 0.5
+        bridge._held["r1"].heard = now - frozen_s - 0.5
+        bridge._tick()
+        assert bridge._supervisor == "supervisor" and not stream.done()
+        assert not [item for item in _outbox_items(bridge) if item[0] in ("supervise", "abandon")]
+        # a server that ran on, on time, still finds a silent supervisor lost
+        bridge._ticked_at = time.monotonic() - bridge._tick_s
+        bridge._supervisor_heard = time.monotonic() - 10
+        bridge._tick()
+        assert bridge._supervisor is None
+        stream.cancel()
+        bridge._stop.set()
+
+    asyncio.run(main())

@@ -629,7 +629,9 @@ def test_a_frozen_api_server_does_not_silence_the_replica_that_streams_to_it():
     them; it was isolated after about 3 s and every stream on the healthy servers failed.
     Now a replica keeps a few delta messages in flight per API server and holds the rest
     until that server acknowledges: the stream on the leader's own server finishes, the
-    Thinker is not restarted, and the frozen server's stream finishes once it is resumed."""
+    Thinker is not restarted, and the frozen server's stream finishes once it is resumed
+    (after 8 s: the resumed server then took its own silence for its RequestActorSupervisor's,
+    and ended it with the stream's RequestActor)."""
     with _leader_and_api() as (own, api, port):
         _slow_thinker(own, 10)  # (4 ms -> 40 ms a token)
         before = _replicas(_status(own))["thinker/0"]
@@ -640,11 +642,15 @@ def test_a_frozen_api_server_does_not_silence_the_replica_that_streams_to_it():
             assert time.monotonic() < deadline and frozen_thread.is_alive(), frozen
             time.sleep(0.02)
         api.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
         try:
             healthy: dict = {}
             _stream_in_thread(own.port, 100, healthy).join(60)  # 4 s of tokens, with 2 s heartbeats
             assert "error" not in healthy and healthy["finish"] == "length" and healthy["text"], healthy
             assert _replicas(_status(own))["thinker/0"] == before  # still ready, same process
+            # frozen longer than the server gives its RequestActorSupervisor (5 x 1 s): once resumed,
+            # it must not take that silence, its own, for the supervisor's (which ended the stream)
+            time.sleep(max(0.0, 8 - (time.monotonic() - stopped)))
         finally:
             api.send_signal(signal.SIGCONT)
         frozen_thread.join(60)

@@ -68,6 +68,10 @@ class _Held:
     actor: Any = None  #: the RequestActor's address, once known
 
 
+#: A tick of the bridge's RequestActor keeping this late (seconds) means the server did not
+#: run meanwhile: the silences it measures are moved on by as much (see _tick).
+TICK_LATE_S = 1.0
+
 #: Seconds an attached API server waits, after one of its RequestActors exited, before it
 #: looks whether its whole system went (the watchdog of a killed leader takes a second).
 EXITED_RECHECK_S = 1.5
@@ -96,6 +100,7 @@ class RequestActorKeeping:
         self._alive_every_s = min(REQUEST_ACTOR_ALIVE_EVERY_S, silent_s / 4)
         #: how often the event loop ends idle RequestActors and writes off lost ones
         self._tick_s = min(1.0, max(0.05, idle_exit_s / 4), self._alive_every_s)
+        self._ticked_at = 0.0  # (monotonic) the last _tick
         #: an idle RequestActor of ours that hears nothing for this long exits (BridgeAlive);
         #: ``$OMNI_ACTORS_BRIDGE_LOST_AFTER_S`` changes it (tests), default BRIDGE_LOST_AFTER_S
         self._lost_after_s = float(os.environ.get(LOST_AFTER_ENV) or BRIDGE_LOST_AFTER_S)
@@ -145,6 +150,17 @@ class RequestActorKeeping:
             return
         try:
             now = time.monotonic()
+            late = now - self._ticked_at - self._tick_s if self._ticked_at else 0.0
+            self._ticked_at = now
+            if late > TICK_LATE_S:
+                # This server did not run for a while (frozen with SIGSTOP, a paused VM, starved
+                # of CPU): what it did not hear meanwhile is its own silence, not its supervisor's
+                # or its RequestActors' (a trial's server, resumed after 8 s, took its supervisor
+                # for lost and ended it, and with it the RequestActor of a stream in flight).
+                self._log.warning("api_server_tick_late", late_s=round(late, 2))
+                self._supervisor_heard = min(now, self._supervisor_heard + late)
+                for held in self._held.values():
+                    held.heard = min(now, held.heard + late)
             for rid in [rid for rid, held in self._held.items() if now >= held.due]:
                 self._write_off(rid, f"no end of the request {LOST_AFTER_S:g} s after its deadline")
             for rid in [rid for rid, held in self._held.items() if now - held.heard > self._silent_s]:
