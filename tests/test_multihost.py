@@ -905,6 +905,40 @@ def test_the_last_member_of_a_stage_serves_the_requests_in_flight_before_it_leav
     assert ends and all(e["cause"] == "no request in flight" for e in ends), ends
 
 
+def test_the_last_member_of_a_stage_under_steady_load_leaves_at_its_drain_timeout_and_says_why(request, tmp_path):
+    """With requests coming all the time, the lingering replicas are never released: the member
+    leaves at its drain timeout (+ DRAIN_GRACE_S), as for any replica still busy then, and says
+    that they were the last of their stages, taking the requests in flight."""
+    import yaml
+
+    from omni_actors.system.member import DRAIN_GRACE_S
+
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["deployment"]["stages"]["thinker"]["synthetic"] = {"decode_ms_per_token": 20}
+    cfg["deployment"]["supervision"]["drain_timeout_s"] = 1
+    config = tmp_path / "short-drain.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    cluster = start_cluster(request, tmp_path, config=config, members=(("m1", "0,1,2,3"),))
+    member = cluster.members["m1"]
+    with ThreadPoolExecutor(8) as pool:
+        streams = [pool.submit(_stream, cluster.base_url, 20)]
+        time.sleep(0.3)
+        member.proc.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        while member.proc.poll() is None and time.monotonic() - signalled < 30:
+            streams.append(pool.submit(_stream, cluster.base_url, 20))
+            time.sleep(0.3)
+        left_s = time.monotonic() - signalled
+        for f in streams:
+            f.result(90)
+    assert member.proc.wait(5) == 0 and left_s < 1 + DRAIN_GRACE_S + 3, left_s
+    out = member.out.read_text()
+    line = next((x for x in out.splitlines() if x.startswith("leaving with ")), None)
+    assert line is not None and "were the last ready replicas of their stages and took the tasks of requests " \
+        "in flight until then" in line, out
+    assert streams[0].result()[1][-1] == "[DONE]"
+
+
 def test_an_operator_drains_a_node_and_undrains_it_its_member_running_on(request, tmp_path):
     """`node drain --node N`: N's replicas finish their work and stop, replacements start on
     the other member, nothing new is placed on N (status: DRAINED) while its member runs on;

@@ -211,14 +211,20 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
         print(f"leaving: the replicas on node {node} drain (their requests in flight finish, up to "
               f"{wait_s:g} s; new ones go to other nodes; Ctrl-C again: leave now)", flush=True)
         log.info("member_draining", node=node, timeout_s=wait_s)
-        deadline, left = time.monotonic() + wait_s, ()
+        deadline, left, last = time.monotonic() + wait_s, (), None
         while not hurry.is_set():
-            left = running_here(admin.status(timeout_s=5.0))
+            last = admin.status(timeout_s=5.0)
+            left = running_here(last)
             if not left or time.monotonic() >= deadline:
                 break
             hurry.wait(0.2)
         if left:
             why = "second Ctrl-C" if hurry.is_set() else f"still running after {wait_s:g} s"
+            lingering = [r.replica for s in (last.stages if last else ()) for r in s.replicas
+                         if r.node == node and r.lingering]
+            if lingering:
+                why += (f"; {', '.join(lingering)} were the last ready replicas of their stages and took "
+                        "the tasks of requests in flight until then")
             print(f"leaving with {len(left)} replica(s) not drained ({why}): {', '.join(left)}", flush=True)
             log.warning("member_drain_incomplete", node=node, replicas=left, why=why)
         try:
