@@ -937,6 +937,17 @@ def test_the_last_member_of_a_stage_under_steady_load_leaves_at_its_drain_timeou
     assert line is not None and "were the last ready replicas of their stages and took the tasks of requests " \
         "in flight until then" in line, out
     assert streams[0].result()[1][-1] == "[DONE]"
+    # They were drained, not crashed: stopped, with only their replacements waiting for a node
+    # (trial AR: they were placed again beside their replacements, twice the replicas wanted)
+    _, reps = cluster.wait(lambda rs: all(r["state"] == "stopped" for r in rs if r["node"] == "m1"
+                                          and r["stage"] in MEMBER_STAGES), "m1's replicas stopped", 10)
+    for stage in MEMBER_STAGES:
+        assert sum(r["state"] != "stopped" for r in reps if r["stage"] == stage) == 2, _table(reps)
+    assert all("node m1 left the convention (replaced by" in r["reason"]
+               for r in reps if r["node"] == "m1" and r["stage"] in MEMBER_STAGES), _table(reps)
+    crashes = [e for e in read_events(cluster.leader.log_path, 0)
+               if e.get("event") == "replica_exited" and e.get("level") == "error"]
+    assert not crashes, crashes
 
 
 def test_an_operator_drains_a_node_and_undrains_it_its_member_running_on(request, tmp_path):

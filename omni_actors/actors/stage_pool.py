@@ -483,6 +483,14 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         ``counted=False`` (its node left cleanly): placed again at once, and not
         a restart (no back-off, not in RESTARTS, not towards ``max_restarts``)."""
         rep.address = None  # a late ChildActorExited for it changes nothing
+        if rep.linger and rep.state == ReplicaState.READY:
+            # A lingering replica (see PoolPlacementMixin.receiveMsg_DrainNode) whose node left
+            # before it was released (steady load until the member's drain timeout): it was being
+            # drained, and its replacement is on its way. Not a crash, nor restarted (trial AR: it
+            # was placed again beside its replacement, and the stage wanted twice its replicas).
+            rep.state = ReplicaState.DRAINING
+            rep.reason = rep.linger.replace(LEAVING, LEFT_REASON) if LEFT_REASON in cause else rep.linger
+            rep.linger = ""
         if rep.state in (ReplicaState.FAILED, ReplicaState.STOPPED):
             self._release(rep)
             self._redispatch(rep)
