@@ -246,8 +246,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         stages of a request), their pools are told to drain them. Called on each
         pool report and node check."""
         lingering = [sid for sid, st in self._states.items() if any(r.lingering for r in st.replicas)]
-        busy = any(st.pending or any(r.in_flight for r in st.replicas) for st in self._states.values())
-        if not lingering or busy:
+        if not lingering or any(st.pending or any(r.in_flight for r in st.replicas) for st in self._states.values()):
             self._quiet_since = None
             return
         now = time.monotonic()

@@ -101,12 +101,14 @@ class PoolPlacementMixin:
                 self._publish()
 
     def receiveMsg_NodesChanged(self, msg: NodesChanged, sender):
-        for rep in self._replicas.values():
-            if msg.undrained and rep.node == msg.undrained and rep.linger and rep.state == ReplicaState.READY:
-                rep.linger, rep.reason = "", f"node {msg.undrained} undrained"  # (it stays)
-                self._log.info("replica_linger_ends", replica=rep.replica, cause="node undrained",
-                              in_flight=len(rep.in_flight))
-                self._publish()
+        kept = [rep for rep in self._replicas.values() if msg.undrained and rep.node == msg.undrained
+                and rep.linger and rep.state == ReplicaState.READY]
+        for rep in kept:
+            rep.linger, rep.reason = "", f"node {msg.undrained} undrained"  # (it stays)
+            self._log.info("replica_linger_ends", replica=rep.replica, cause="node undrained",
+                           in_flight=len(rep.in_flight))
+        if kept:
+            self._publish()
         self._retry_placements()
 
     def _retry_placements(self) -> None:
