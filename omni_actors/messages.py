@@ -652,6 +652,21 @@ class ShutdownDone(Message):
 
 
 @dataclass(frozen=True)
+class PlannedStop(Message):
+    """Coordinator -> StagePool, at a system stop, before any exit request: from now on the
+    pool's replicas exiting is planned (logged at info, not restarted, their work not
+    re-dispatched as after a crash). Answered with ``PlannedStopNoted``. The leader's admin
+    reports each member-side replica exited as soon as the system shuts down, which could
+    reach a pool before its own exit request did (CI saw those exits logged as crashes)."""
+
+
+@dataclass(frozen=True)
+class PlannedStopNoted(Message):
+    """StagePool -> Coordinator: answer to ``PlannedStop``."""
+    stage_id: int
+
+
+@dataclass(frozen=True)
 class DrainApiServers(Message):
     """Leader (``ask``) -> Coordinator, at a stop, while the leader's own API server drains:
     tell every API server subscribed to it except ``exclude`` (the leader's own bridge) that

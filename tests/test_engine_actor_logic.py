@@ -1649,3 +1649,62 @@ def test_the_last_ready_replicas_on_a_leaving_node_linger_until_released_or_undr
     pool.receiveMsg_NoRequestsInFlight(NoRequestsInFlight(), "coordinator")
     assert pool._replicas["code2wav/0"].state == ready and not pool._replicas["code2wav/0"].linger
     assert not [m for _, m in sent if isinstance(m, DrainReplica)]
+
+
+def test_a_stop_tells_every_pool_its_replicas_exits_are_planned_before_anything_exits():
+    """CI: at a leader stop, member-side replicas' exits were logged as crashes. Thespian's
+    admin reports every remote child exited as soon as the system shuts down, and that could
+    reach a pool before its own exit request. The coordinator now answers ShutdownSystem
+    (and tells the pools to exit) only once each pool has noted the stop, or after
+    PLANNED_STOP_WAIT_S; a pool that has noted it logs a replica's exit at info, and neither
+    restarts it nor re-runs its work as after a crash."""
+    from types import SimpleNamespace
+
+    from thespian.actors import ActorExitRequest, WakeupMessage
+
+    from omni_actors.actors import coordinator
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+    from omni_actors.messages import PlannedStop, PlannedStopNoted, ReplicaState, ShutdownSystem
+
+    co = coordinator.CoordinatorActor()
+    co.sent, wakeups = [], []
+    co.send = lambda address, message: co.sent.append((address, type(message).__name__))
+    co.wakeupAfter = lambda delay, payload=None: wakeups.append((delay, payload))
+    co._pools = {0: "thinker-pool", 1: "talker-pool"}
+    co.receiveMsg_ShutdownSystem(ShutdownSystem(), "leader")
+    assert co.sent == [("thinker-pool", "PlannedStop"), ("talker-pool", "PlannedStop")]
+    co.receiveMsg_PlannedStopNoted(PlannedStopNoted(0), "thinker-pool")
+    assert len(co.sent) == 2  # the talker pool has not noted it yet: nothing exits
+    co.receiveMsg_PlannedStopNoted(PlannedStopNoted(1), "talker-pool")
+    assert co.sent[2:] == [("thinker-pool", "ActorExitRequest"), ("talker-pool", "ActorExitRequest"),
+                           ("leader", "ShutdownDone")]
+    # a pool that never answers: the stop goes on at the deadline, once
+    co = coordinator.CoordinatorActor()
+    co.sent = []
+    co.send = lambda address, message: co.sent.append((address, type(message).__name__))
+    co.wakeupAfter = lambda delay, payload=None: wakeups.append((delay, payload))
+    co._pools = {0: "thinker-pool"}
+    co.receiveMsg_ShutdownSystem(ShutdownSystem(), "leader")
+    assert wakeups[-1] == (coordinator.PLANNED_STOP_WAIT_S, "planned_stop_deadline")
+    co.receiveMsg_WakeupMessage(WakeupMessage(coordinator.PLANNED_STOP_WAIT_S, "planned_stop_deadline"), None)
+    co.receiveMsg_PlannedStopNoted(PlannedStopNoted(0), "thinker-pool")  # (late: nothing more)
+    assert co.sent == [("thinker-pool", "PlannedStop"), ("thinker-pool", "ActorExitRequest"),
+                       ("leader", "ShutdownDone")]
+
+    pool = StagePoolActor()
+    sent = []
+    pool.send = lambda address, message: sent.append((address, message))
+    pool._coordinator = "coordinator"
+    pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=1, name="talker"))
+    pool._replicas = {"talker/1": Replica("talker/1", "e1", state=ReplicaState.READY, node="m1")}
+    pool._finished_window_s = 5.0
+    launched, logged = [], []
+    pool._launch = lambda rid, *a: launched.append(rid)
+    pool._log = SimpleNamespace(info=lambda event, **kw: logged.append(("info", event, kw)),
+                                error=lambda event, **kw: logged.append(("error", event, kw)))
+    pool.receiveMsg_PlannedStop(PlannedStop(), "co")
+    assert ("co", PlannedStopNoted(1)) in sent
+    pool._gone(pool._replicas["talker/1"], "process exited")  # (Thespian: its node's system went)
+    assert [(level, event, kw["pool_exiting"]) for level, event, kw in logged] == [("info", "replica_exited", True)]
+    assert pool._replicas["talker/1"].state == ReplicaState.FAILED and launched == []
+    assert not any(isinstance(m, ActorExitRequest) for _, m in sent)

@@ -35,7 +35,8 @@ from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, ApiServerDra
                                   GetStatus, InjectFault, LaunchReplicas, NodeHeartbeat, NodeLeaving,
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, NOT_DEPLOYED, PlaceReplica,
                                   Placement, PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
-                                  ReplicaStatus, Routes, ScaleStage, ShutdownDone, ShutdownSystem, SignalFault,
+                                  PlannedStop, PlannedStopNoted, ReplicaStatus, Routes, ScaleStage, ShutdownDone,
+                                  ShutdownSystem, SignalFault,
                                   StartNodeAgent, StartPool, Subscribe, SUBSCRIPTION, SystemStatus, SystemStopping,
                                   UndrainNode, WhoAmI, YouAre)
 from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, PlacementError
@@ -65,6 +66,9 @@ LINGER_QUIET_S = 1.0
 SUBSCRIBER_BACKLOG = 8
 #: A subscriber that has not renewed its lease for this long is dropped.
 SUBSCRIPTION_LEASE_S = 10.0
+#: Seconds a stop waits for the pools to note it (``PlannedStopNoted``) before it tells them to
+#: exit anyway; under the leader's STOP_POOLS_TIMEOUT_S (3 s) for the whole exchange.
+PLANNED_STOP_WAIT_S = 2.0
 
 _SETTLED = (ReplicaState.READY, ReplicaState.FAILED, ReplicaState.DEAD, ReplicaState.STOPPED,
             ReplicaState.PENDING)
@@ -98,6 +102,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         #: a stop's drain of the attached API servers (:class:`DrainApiServers`), while it runs
         self._api_drain: _ApiDrain | None = None
         self._stopping = False
+        self._stop_unnoted: set[int] | None = None  # at a stop: pools yet to note it (PlannedStop)
+        self._shutdown_waiters: list = []  # who asked ShutdownSystem, answered once the pools noted it
         #: since when no pool has had a task in flight or queued, while some replica lingers
         #: (see :meth:`_end_lingering`); None: not quiet, or nothing lingers
         self._quiet_since: float | None = None
@@ -337,6 +343,8 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._answer_deploy_waiters(force=True)
         elif msg.payload == "api_drain_deadline":
             self._answer_api_drain()
+        elif msg.payload == "planned_stop_deadline":
+            self._end_planned_stop(force=True)
         elif self._node_checks.owns(msg.payload):
             if self._node_checks.current(msg.payload):
                 self._check_nodes()
@@ -671,10 +679,36 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._stopping = True  # the system is shutting down: pools exiting is expected
 
     def receiveMsg_ShutdownSystem(self, msg: ShutdownSystem, sender):
+        """Tell every pool its replicas' exits are now planned, then (once each has said it
+        noted that, or after :data:`PLANNED_STOP_WAIT_S`) tell the pools to exit and answer
+        ``ShutdownDone``: the system's shutdown that follows may report replicas exited
+        before a pool's exit request reaches it."""
         self._stopping = True
+        self._shutdown_waiters.append(sender)
+        if self._stop_unnoted is None:
+            self._stop_unnoted = set(self._pools)
+            for pool in self._pools.values():
+                self.send(pool, PlannedStop())
+            self.wakeupAfter(PLANNED_STOP_WAIT_S, payload="planned_stop_deadline")
+        self._end_planned_stop()
+
+    def receiveMsg_PlannedStopNoted(self, msg: PlannedStopNoted, sender):
+        if self._stop_unnoted is not None:
+            self._stop_unnoted.discard(msg.stage_id)
+            self._end_planned_stop()
+
+    def _end_planned_stop(self, force: bool = False) -> None:
+        if self._stop_unnoted is None or (self._stop_unnoted and not force) or not self._shutdown_waiters:
+            return
+        if self._stop_unnoted:
+            self._log.warning("planned_stop_unanswered", stages=sorted(self._stop_unnoted),
+                              waited_s=PLANNED_STOP_WAIT_S)
+        self._stop_unnoted = set()
         for pool in self._pools.values():
             self.send(pool, ActorExitRequest())
-        self.send(sender, ShutdownDone())
+        for waiter in self._shutdown_waiters:
+            self.send(waiter, ShutdownDone())
+        self._shutdown_waiters.clear()
 
     def receiveMsg_DrainApiServers(self, msg: DrainApiServers, sender):
         if msg.hurry:

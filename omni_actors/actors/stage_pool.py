@@ -46,8 +46,8 @@ from omni_actors.logs import get_logger
 from omni_actors.placement import LEAVING, LEFT_REASON
 from omni_actors.system.processes import process_ipc_dir, release_ipc_dir
 from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, DrainReplica, EngineFailed, EngineReady,
-                                  Heartbeat, HeartbeatAck, PoolState, ReleasePlacement, ReplicaState, ReplicaStatus,
-                                  StageTask, StartPool, replica_index)
+                                  Heartbeat, HeartbeatAck, PlannedStop, PlannedStopNoted, PoolState, ReleasePlacement,
+                                  ReplicaState, ReplicaStatus, StageTask, StartPool, replica_index)
 
 #: Ticks per heartbeat interval: how often health is judged.
 TICKS_PER_INTERVAL = 4
@@ -534,6 +534,11 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             rep.reason = f"{cause}; restarting in {delay:g} s"
             self._after(delay, ("restart", rep.replica))
         self._publish()
+
+    def receiveMsg_PlannedStop(self, msg: PlannedStop, sender):
+        """The system stops: replicas exiting from now on is planned (see ``PlannedStop``)."""
+        self._orphaned = self._exiting = True
+        self.send(sender, PlannedStopNoted(self._spec.stage.stage_id if self._spec is not None else -1))
 
     def receiveMsg_ActorExitRequest(self, msg, sender):
         self._orphaned = True  # shutting down: replicas that exit now are not restarted
