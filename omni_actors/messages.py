@@ -791,6 +791,9 @@ class RequestActorAlive(Message):
     actor blocks its thread for up to 60 s.)"""
 
     request_id: str
+    #: the RequestActor, when it holds outputs the bridge has not made room for and asks
+    #: how many arrived (answered with an :class:`OutputsAck`); None: no answer wanted
+    ack_to: Any = None
 
 
 #: Seconds between a RequestActorSupervisor's :class:`SupervisorAlive` messages; its bridge
@@ -1134,6 +1137,9 @@ class OutputChunk(Message):
     #: OutputReady) is numbered 0, 1, ...; the bridge delivers them in that order and
     #: ends the request after ``RequestFinished.sent`` of them
     seq: int = 0
+    #: the RequestActor to answer with an :class:`OutputsAck` (through the bridge's
+    #: RequestActorSupervisor), or None: no answer wanted (see ``request.OUTPUT_WINDOW``)
+    ack_to: Any = None
 
 
 @dataclass(frozen=True)
@@ -1149,6 +1155,18 @@ class OutputReady(Message):
     #: (attempt, n): deliver this only after the first n :class:`OutputDelta` s of that
     #: attempt of the text stage (a final text must not overtake the deltas it completes)
     after_text: tuple[int, int] | None = None
+    ack_to: Any = None  #: see :class:`OutputChunk`
+
+
+@dataclass(frozen=True)
+class OutputsAck(Message):
+    """Bridge -> RequestActor (relayed by the bridge's RequestActorSupervisor): the bridge
+    has received ``received`` of the request's numbered outputs (:class:`OutputChunk`,
+    :class:`OutputReady`), so the RequestActor may send more, and credit the producer of
+    streamed audio for them (see ``request.OUTPUT_WINDOW``)."""
+
+    request_id: str
+    received: int
 
 
 @dataclass(frozen=True)

@@ -1708,3 +1708,74 @@ def test_a_stop_tells_every_pool_its_replicas_exits_are_planned_before_anything_
     assert [(level, event, kw["pool_exiting"]) for level, event, kw in logged] == [("info", "replica_exited", True)]
     assert pool._replicas["talker/1"].state == ReplicaState.FAILED and launched == []
     assert not any(isinstance(m, ActorExitRequest) for _, m in sent)
+
+
+def test_a_request_actor_keeps_a_window_of_outputs_to_its_bridge_and_credits_audio_it_has(monkeypatch):
+    """Trial AQ: streamed audio went straight to a frozen API server; after Thespian's 20
+    transmits in flight, the Thinker chunks the RequestActor relays queued behind them. Now
+    at most OUTPUT_WINDOW outputs go unanswered (every third asks the bridge), the rest are
+    held in order, Code2Wav is credited only for what the bridge has, a beat asks a silent
+    bridge (twice at most, then beats pause), and held outputs are sent at a success and
+    released at a failure."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors import request
+    from omni_actors.messages import (ChunkAck, ErrorKind, OutputChunk, OutputReady, OutputsAck, PlannedStage,
+                                      RequestActorAlive, RequestFinished, RequestPlan, RunRequest, StageChunk,
+                                      StageDone, StageFailed)
+
+    released = []
+    monkeypatch.setattr(request, "release_all", lambda refs, recycle=False: released.extend(refs))
+
+    def started(window: int = 16) -> tuple[request.RequestActor, list]:
+        ra = request.RequestActor()
+        sent = []
+        ra.send = lambda address, message: sent.append((address, message))
+        ra.wakeupAfter = lambda delay, payload=None: None
+        ra._myRef = SimpleNamespace(address="ra")
+        plan = RequestPlan((PlannedStage(2, "code2wav", (), "pool", "audio", False, emits_chunks=True),))
+        ra.receiveMsg_RunRequest(RunRequest("r1", "hi", plan, {}, {}, 60.0, "bridge", stream_outputs=True,
+                                            chunk_window=window), "bridge")
+        return ra, sent
+
+    def outputs(sent) -> list:
+        return [m for a, m in sent if a == "bridge" and isinstance(m, (OutputChunk, OutputReady))]
+
+    ra, sent = started()
+    for seq in range(10):
+        ra.receiveMsg_StageChunk(StageChunk("r1", 2, seq, f"ref{seq}", 0, last=seq), "engine")
+    out = outputs(sent)
+    assert [m.seq for m in out] == list(range(request.OUTPUT_WINDOW))
+    assert [m.ack_to for m in out] == [None, None, "ra", None, None, "ra"]
+    assert not [m for _, m in sent if isinstance(m, ChunkAck)]  # the bridge has none of it yet
+    sent.clear()
+    ra.receiveMsg_OutputsAck(OutputsAck("r1", 3), "supervisor")  # room for three more, in order
+    assert [m.ref for m in outputs(sent)] == ["ref6", "ref7", "ref8"]
+    ra.receiveMsg_OutputsAck(OutputsAck("r1", 9), "supervisor")  # 9 of the producer's chunks: credited
+    assert [(a, m.upto) for a, m in sent if isinstance(m, ChunkAck)] == [("engine", 9)]
+    assert [m.ref for m in outputs(sent)][3:] == ["ref9"]
+
+    # a bridge that does not answer: outputs held, beats ask twice, then pause
+    for seq in range(10, 20):
+        ra.receiveMsg_StageChunk(StageChunk("r1", 2, seq, f"ref{seq}", 0, last=seq), "engine")
+    sent.clear()
+    ra._out_heard -= ra._req.alive_every_s
+    for _ in range(4):
+        ra._beat()
+    assert [m.ack_to for _, m in sent if isinstance(m, RequestActorAlive)] == ["ra", "ra"]
+    held = [ref for _, ref, _ in ra._out_held]
+    assert held and set(held) < {f"ref{i}" for i in range(10, 20)}
+    # the stage fails: what was held is released, not sent
+    sent.clear()
+    ra.receiveMsg_StageFailed(StageFailed("r1", 2, "code2wav/0", ErrorKind.ENGINE_ERROR, "boom", 0), "engine")
+    assert not outputs(sent) and set(held) <= set(released)
+    assert [m.error for _, m in sent if isinstance(m, RequestFinished)] == [ErrorKind.ENGINE_ERROR]
+
+    # a success with outputs held: they all go before the end, which counts them
+    ra, sent = started(window=2)  # (a window of 2: every output asks, so the producer is credited)
+    for seq in range(8):
+        ra.receiveMsg_StageChunk(StageChunk("r1", 2, seq, f"ref{seq}", 0, last=seq), "engine")
+    assert all(m.ack_to == "ra" for m in outputs(sent))
+    ra.receiveMsg_StageDone(StageDone("r1", 2, "code2wav/0", None, None, chunks=8), "engine")
+    assert [m.seq for m in outputs(sent)] == list(range(8))
+    assert [m.sent for _, m in sent if isinstance(m, RequestFinished)] == [8]

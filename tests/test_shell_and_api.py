@@ -466,9 +466,9 @@ def _in_flight_on(port: int, n: int = 1, within_s: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def _leader_and_api():
+def _leader_and_api(config=CONFIGS / "cpu_omni_demo.yaml"):
     """A leader of its own (the CPU demo) and one API server attached to it; both stopped after."""
-    own = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
+    own = LocalLeader(config).start()
     api = None
     try:
         api, port = _start_api(own)
@@ -658,3 +658,80 @@ def test_a_frozen_api_server_does_not_silence_the_replica_that_streams_to_it():
         reference: dict = {}
         _stream_in_thread(own.port, 160, reference).join(60)
         assert frozen["text"] == reference["text"]  # nothing lost or doubled while it was held
+
+
+def _audio_stream_in_thread(port: int, max_tokens: int, seen: dict):
+    """A streamed text+audio chat completion to ``port`` (read as raw SSE) on a thread of
+    its own; ``seen`` gets ``text``, ``pcm`` (the audio parts joined), ``parts``, ``done``
+    ([DONE] came) and ``error`` (an SSE error event, or what raised)."""
+    import base64
+    import threading
+
+    import httpx
+
+    seen.update(text="", pcm=b"", parts=0, done=False)
+
+    def stream() -> None:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens,
+                "modalities": ["text", "audio"], "stream": True}
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=90) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        seen["done"] = True
+                    elif line.startswith("data: "):
+                        obj = json.loads(line[6:])
+                        if "error" in obj:
+                            seen["error"] = obj["error"]
+                        delta = obj["choices"][0]["delta"] if obj.get("choices") else {}
+                        seen["text"] += delta.get("content") or ""
+                        if (delta.get("audio") or {}).get("data"):
+                            seen["pcm"] += base64.b64decode(delta["audio"]["data"])
+                            seen["parts"] += 1
+        except Exception as exc:  # noqa: BLE001 - asserted by the caller
+            seen["error"] = repr(exc)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    return thread
+
+
+def test_a_text_and_audio_stream_on_an_api_server_frozen_past_the_chunk_timeout_finishes(tmp_path):
+    """Trial AQ: a text+audio stream on an API server frozen for over ``chunk_timeout_s``
+    failed once it resumed (`stage talker: no chunk from upstream stage 0 within 10 s`). Its
+    RequestActor sent each audio part straight to the frozen server; after 20 (Thespian's
+    transmits in flight per sender) the Thinker chunks it relays to the Talker queued behind
+    them. Now it keeps a few outputs in flight to the server and credits Code2Wav only for
+    those the server has, so the chain waits for the server: the stream finishes, with the
+    same text and audio as a reference run, and a stream on the leader's own server
+    finishes while the other server is frozen."""
+    import yaml
+
+    config = yaml.safe_load((CONFIGS / "cpu_omni_demo.yaml").read_text())
+    config["deployment"]["streaming"]["chunk_timeout_s"] = 2  # (frozen below for 3 times that)
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with _leader_and_api(path) as (own, api, port):
+        _slow_thinker(own, 10)  # (4 ms -> 40 ms a token: 200 tokens, 8 s; about 6 audio parts a second)
+        frozen: dict = {}
+        frozen_thread = _audio_stream_in_thread(port, 200, frozen)
+        deadline = time.monotonic() + 20
+        while not frozen["parts"]:
+            assert time.monotonic() < deadline and frozen_thread.is_alive(), frozen
+            time.sleep(0.02)
+        api.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            healthy: dict = {}
+            _audio_stream_in_thread(own.port, 40, healthy).join(60)
+            assert "error" not in healthy and healthy["done"] and healthy["parts"], healthy
+            time.sleep(max(0.0, 6 - (time.monotonic() - stopped)))
+        finally:
+            api.send_signal(signal.SIGCONT)
+        frozen_thread.join(90)
+        assert "error" not in frozen and frozen["done"], {k: v for k, v in frozen.items() if k != "pcm"}
+        reference: dict = {}
+        _audio_stream_in_thread(own.port, 200, reference).join(60)
+        assert reference["done"] and frozen["parts"] == reference["parts"]
+        assert (frozen["text"], frozen["pcm"]) == (reference["text"], reference["pcm"])

@@ -52,8 +52,8 @@ from omni_actors.connectors import make_connector, release_all
 from omni_actors.logs import get_logger
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, MAX_TASK_MOVES, BridgeAlive, CancelRequest, CancelStage,
                                   ChunkAck, ChunkConsumed, ErrorKind, InputChunk, MakeRequestActor, OutputChunk,
-                                  OutputReady, RequestActorAlive, RequestActorFree, RequestActorMade, RequestFinished,
-                                  RoutesChanged, RunRequest, StageAccepted, StageCancelled, StageChunk, StageDone,
+                                  OutputReady, OutputsAck, RequestActorAlive, RequestActorFree, RequestActorMade,
+                                  RequestFinished, RoutesChanged, RunRequest, StageAccepted, StageCancelled, StageChunk, StageDone,
                                   StageFailed, StageTask, TextStarted)
 
 #: Stage failures worth another replica: the engine raised, or was going away.
@@ -78,6 +78,19 @@ DEADLINE = "request_deadline"
 #: A DEADLINE wake-up this close (seconds) before the deadline counts as at it (timers
 #: may fire a little early).
 DEADLINE_EARLY_S = 0.001
+#: Numbered outputs (OutputChunk, OutputReady) a RequestActor keeps sent to its bridge and
+#: not answered (OutputsAck); beyond, it holds them. Thespian keeps at most 20 transmits in
+#: flight per sending actor, each to a frozen API server for up to 5 minutes: streamed audio
+#: to one filled them, and the Thinker's chunks this actor relays to the Talker waited
+#: behind them until the Talker timed out (trial AQ). The producer of the audio is credited
+#: only for the chunks its bridge has, so a frozen client side holds the whole chain back.
+OUTPUT_WINDOW = 6
+#: Every this many outputs (fewer with a ``chunk_window`` under 6) asks the bridge to answer.
+OUTPUT_ACK_EVERY = 3
+#: Beats while outputs are held and the bridge has not answered for ``alive_every_s`` ask
+#: it how many it has (RequestActorAlive.ack_to); at most this many in a row, then the
+#: beats stop until it answers (each one to a frozen server would hold a transmit).
+OUTPUT_PROBES = 2
 
 
 def cancel_confirm_s() -> float:
@@ -133,6 +146,11 @@ class RequestActor(ActorTypeDispatcher):
         self._early: dict[int, dict[int, object]] = {}  # producer -> chunks that came before their turn
         self._done_waiting: dict[int, StageDone] = {}  # a stage done before all its chunks came
         self._out_seq = 0  # messages sent to the bridge for this request (they are numbered)
+        self._out_acked = 0  # of them, how many the bridge said it has (OutputsAck)
+        self._out_heard = time.monotonic()  # when it last said so (or the request began)
+        self._out_probes = 0  # beats that asked since (OUTPUT_PROBES)
+        self._out_held: list[tuple] = []  # (make, ref, credit): not sent yet, the window is full
+        self._out_credit: list[tuple[int, int, int]] = []  # (seq, producer, its chunks) sent, not credited
 
     def _current(self, request_id: str) -> bool:
         return self._req is not None and self._req.request_id == request_id
@@ -216,10 +234,41 @@ class RequestActor(ActorTypeDispatcher):
         task = self._running.get(stage_id)
         return task if task is not None and task.attempt == attempt else None
 
-    def _to_bridge(self, make) -> None:
-        """Send ``make(seq)`` to the bridge; the bridge delivers them in seq order."""
-        self.send(self._req.reply_to, make(self._out_seq))
+    def _to_bridge(self, make, ref=None, credit: tuple[int, int] | None = None) -> None:
+        """Send ``make(seq, ack_to)`` to the bridge (it delivers them in seq order), or hold
+        it while :data:`OUTPUT_WINDOW` are unanswered. ``ref``: its buffer (released if the
+        request fails while it is held); ``credit``: (producer, its chunks so far) to credit
+        once the bridge has it."""
+        if self._out_held or self._out_seq - self._out_acked >= OUTPUT_WINDOW:
+            self._out_held.append((make, ref, credit))
+        else:
+            self._send_output(make, credit)
+
+    def _send_output(self, make, credit: tuple[int, int] | None) -> None:
+        seq = self._out_seq
+        window = self._req.chunk_window
+        every = max(1, min(OUTPUT_ACK_EVERY, window // 2))
+        self.send(self._req.reply_to, make(seq, self.myAddress if (seq + 1) % every == 0 else None))
+        if credit is not None:
+            self._out_credit.append((seq, *credit))
         self._out_seq += 1
+
+    def receiveMsg_OutputsAck(self, msg: OutputsAck, sender):
+        """The bridge has ``msg.received`` of our outputs: credit their producers, and send
+        what was held while the window has room."""
+        if not self._current(msg.request_id) or msg.received <= self._out_acked:
+            return
+        self._out_acked = min(msg.received, self._out_seq)
+        self._out_heard, self._out_probes = time.monotonic(), 0
+        credits: dict[int, int] = {}
+        while self._out_credit and self._out_credit[0][0] < self._out_acked:
+            _, producer, chunks = self._out_credit.pop(0)
+            credits[producer] = chunks
+        for producer, chunks in credits.items():
+            self._ack(producer, chunks)
+        while self._out_held and self._out_seq - self._out_acked < OUTPUT_WINDOW:
+            make, _, credit = self._out_held.pop(0)
+            self._send_output(make, credit)
 
     def receiveMsg_TextStarted(self, msg: TextStarted, sender):
         if self._task_of(msg.request_id, msg.stage_id, msg.attempt) is not None:
@@ -271,10 +320,11 @@ class RequestActor(ActorTypeDispatcher):
             lasts.append(got.last)
             if not consumers:  # final audio to a streaming client: the bridge fetches and releases it
                 self._to_client.add(msg.stage_id)
-                self._to_bridge(lambda seq: OutputChunk(msg.request_id, msg.stage_id,
-                                                        self._plan[msg.stage_id].final_output_type, ref, seq))
-                chunks[-1] = None  # the bridge owns it now
-                self._ack(msg.stage_id, len(chunks))
+                output_type = self._plan[msg.stage_id].final_output_type
+                self._to_bridge(lambda seq, ack_to, ref=ref: OutputChunk(msg.request_id, msg.stage_id, output_type,
+                                                                         ref, seq, ack_to),
+                                ref=ref, credit=(msg.stage_id, len(chunks)))
+                chunks[-1] = None  # the bridge owns it now (or _out_held, until it is sent)
         for dst in consumers:
             self._feed(dst)
         if msg.stage_id in self._done_waiting:
@@ -371,8 +421,10 @@ class RequestActor(ActorTypeDispatcher):
             release_all([msg.final], recycle=True)  # its audio went out in chunks; nobody else got this ref
         elif planned.final_output_type and msg.final is not None:
             final = msg.final
-            self._to_bridge(lambda seq: OutputReady(msg.request_id, msg.stage_id, planned.final_output_type,
-                                                    final, seq, after_text=self._after_text()))
+            after_text = self._after_text()
+            self._to_bridge(lambda seq, ack_to: OutputReady(msg.request_id, msg.stage_id, planned.final_output_type,
+                                                            final, seq, after_text=after_text, ack_to=ack_to),
+                            ref=final)
         elif msg.final is not None:
             self._owned.append(msg.final)
         if planned.final_output_type == "text" or not self._tokens[0]:
@@ -516,10 +568,17 @@ class RequestActor(ActorTypeDispatcher):
             self.send(msg.reply_to, RequestActorMade(self.myAddress))
 
     def _beat(self) -> None:
-        """Tell the bridge this actor still runs (or closes) its request; again later while it does."""
-        self._run_lost_wakeups(time.monotonic())
+        """Tell the bridge this actor still runs (or closes) its request; again later while it does.
+        While outputs are held for a bridge that has not answered for a beat, the beat asks it
+        how many it has instead, :data:`OUTPUT_PROBES` times at most (it may be frozen)."""
+        now = time.monotonic()
+        self._run_lost_wakeups(now)
         if self._req is not None:
-            self.send(self._req.reply_to, RequestActorAlive(self._req.request_id))
+            if not self._out_held:
+                self.send(self._req.reply_to, RequestActorAlive(self._req.request_id))
+            elif now - self._out_heard >= self._req.alive_every_s and self._out_probes < OUTPUT_PROBES:
+                self._out_probes += 1
+                self.send(self._req.reply_to, RequestActorAlive(self._req.request_id, ack_to=self.myAddress))
             self._alive_beats.again(self, self._req.alive_every_s)
         elif self._closing is not None:
             self.send(self._closing[2], RequestActorAlive(self._closing[0]))
@@ -612,6 +671,12 @@ class RequestActor(ActorTypeDispatcher):
             and all(d.attempt == 0 for d in self._done.values())
         release_all(self._owned, recycle=recycle)
         self._forget_stream(set(self._chunks) | set(self._done_waiting), recycle=recycle)
+        held, self._out_held = self._out_held, []
+        if error is None:  # (all of it is due: the bridge ends the request after the last)
+            for make, _, _ in held:
+                self._send_output(make, None)
+        else:  # (the bridge drops outputs of a request that failed)
+            release_all([ref for _, ref, _ in held if ref is not None], recycle=recycle)
         names = {s.stage_id: s.stage for s in req.plan.stages}
         self._log.info("request_finished", request_id=req.request_id,
                        error=error.value if error else None, message=message or None,

@@ -67,8 +67,8 @@ from omni_actors.http.types import (CONTEXT_LENGTH_CODE, BridgeEvent, OutputFina
                                     PipelineRequest, RequestDone, RequestFailed, within)
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelRequest, CancelStage, DeltasAck, ErrorKind, GetRoutes, GetStatus, OutputChunk,
-                                  OutputDelta, OutputDeltas, OutputReady, Relay, RequestActorAlive, RequestActorExited,
-                                  RequestActorFree, RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe, SUBSCRIPTION,
+                                  OutputDelta, OutputDeltas, OutputReady, OutputsAck, Relay, RequestActorAlive,
+                                  RequestActorExited, RequestActorFree, RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe, SUBSCRIPTION,
                                   SupervisorAlive, SystemStatus, SystemStopping, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
 from omni_actors.http.request_actors import (LOST_AFTER_S, REQUEST_ACTOR_SILENT_S,  # noqa: F401 - (tests)
@@ -508,10 +508,16 @@ class ActorBridge(RequestActorKeeping):
                 return
             box.early[msg.seq] = msg
             self._pump(box)
+            if msg.ack_to is not None:  # its RequestActor keeps only a few in flight to us (request.OUTPUT_WINDOW)
+                self._outputs_ack(msg.request_id, msg.ack_to, box)
+                self._loop.call_soon_threadsafe(self._alive, msg.request_id)  # (its beats pause while it holds some)
         elif isinstance(msg, RequestActorFree):
             self._actor_free(msg.request_id, msg.request_actor)
         elif isinstance(msg, RequestActorAlive):
             self._loop.call_soon_threadsafe(self._alive, msg.request_id)
+            box = self._inbox.get(msg.request_id)
+            if msg.ack_to is not None and box is not None and msg.request_id not in self._ended:
+                self._outputs_ack(msg.request_id, msg.ack_to, box)  # (it asks: it holds outputs for us)
         elif isinstance(msg, SupervisorAlive):
             self._loop.call_soon_threadsafe(self._supervisor_alive, msg.address)
         elif isinstance(msg, RequestActorExited):
@@ -544,6 +550,11 @@ class ActorBridge(RequestActorKeeping):
                 self._log.info("routes_changed", version=msg.version)
                 for outbox in self._outboxes:  # every sender tells its requests
                     outbox.put(("routes", msg))
+
+    def _outputs_ack(self, request_id: str, request_actor: Any, box: _Inbox) -> None:
+        """Tell ``request_actor`` how many of its numbered outputs for ``request_id`` came."""
+        received = box.seq + len(box.early)
+        self._outbox(request_id).put(("tell", request_actor, OutputsAck(request_id, received)))
 
     def _box(self, request_id: str) -> _Inbox | None:
         """The request's inbox; None when it is over (the client went away)."""
