@@ -735,3 +735,42 @@ def test_a_text_and_audio_stream_on_an_api_server_frozen_past_the_chunk_timeout_
         _audio_stream_in_thread(own.port, 200, reference).join(60)
         assert reference["done"] and frozen["parts"] == reference["parts"]
         assert (frozen["text"], frozen["pcm"]) == (reference["text"], reference["pcm"])
+
+
+def test_three_frozen_api_servers_do_not_silence_the_replica_that_streams_to_them():
+    """Each replica keeps at most 8 transmits in flight to a frozen API server (its delta
+    window and two probes), but Thespian let an actor have 20 in flight in all: with three
+    such servers, the Thinker's heartbeats queued behind 24 and it was isolated. Thespian's
+    limit is raised to ``thespian_fixes.PENDING_TRANSMITS``: a stream on the leader's own
+    server finishes with three frozen servers streaming from the same Thinker, which keeps
+    its process, and their streams finish once resumed."""
+    with _leader_and_api() as (own, api, port):
+        extra = [_start_api(own) for _ in range(2)]
+        try:
+            servers = [(api, port)] + extra
+            _slow_thinker(own, 10)
+            before = _replicas(_status(own))["thinker/0"]
+            streams = [({}, p) for _, p in servers]
+            threads = [_stream_in_thread(p, 400, seen) for seen, p in streams]
+            deadline = time.monotonic() + 20
+            while not all(seen["chunks"] for seen, _ in streams):
+                assert time.monotonic() < deadline, streams
+                time.sleep(0.02)
+            for proc, _ in servers:
+                proc.send_signal(signal.SIGSTOP)
+            try:
+                time.sleep(6)  # (the probes: 2 s apart, from the window's filling)
+                healthy: dict = {}
+                _stream_in_thread(own.port, 60, healthy).join(60)
+                assert "error" not in healthy and healthy["finish"] == "length", healthy
+                assert _replicas(_status(own))["thinker/0"] == before  # still ready, same process
+            finally:
+                for proc, _ in servers:
+                    proc.send_signal(signal.SIGCONT)
+            for thread in threads:
+                thread.join(90)
+            assert all("error" not in seen and seen["finish"] == "length" for seen, _ in streams), streams
+        finally:
+            for proc, _ in extra:
+                proc.kill()
+                proc.wait(10)

@@ -151,6 +151,7 @@ def apply() -> None:
         return
     _applied = True
     use_poll_selector(True)
+    raise_pending_transmits()
     try:
         from thespian.actors import ChildActorExited
         from thespian.system.addressManager import CannotPickleAddress
@@ -187,6 +188,28 @@ def apply() -> None:
 
     MultiProcReplicator._childExited = _child_exited
     _stamp_admin_notices()
+
+
+#: Transmits one actor keeps in flight at once (Thespian's MAX_PENDING_TRANSMITS, 20 by
+#: default; the rest wait in its queue), unless THESPIAN_MAX_PENDING_TRANSMITS is set.
+PENDING_TRANSMITS = 64
+
+
+def raise_pending_transmits(limit: int = PENDING_TRANSMITS) -> int:
+    """Let each actor keep ``limit`` transmits in flight where Thespian keeps 20; returns the
+    limit in force. One to a frozen peer (an API server stopped with SIGSTOP, a host gone
+    silent) stays in flight up to 5 minutes, and each actor holds a few for each such peer
+    at most (``outbox.DeltaWindow``: 8; a coordinator subscriber: 8; a RequestActor: 8):
+    at 20, three frozen API servers silenced the Thinker that streamed to them. Transmits
+    to one peer still go one after the other. An operator's own
+    ``THESPIAN_MAX_PENDING_TRANSMITS`` is left as it is."""
+    try:
+        from thespian.system.transport import asyncTransportBase
+    except ImportError:  # another Thespian layout
+        return 0
+    if "THESPIAN_MAX_PENDING_TRANSMITS" not in os.environ and asyncTransportBase.MAX_PENDING_TRANSMITS < limit:
+        asyncTransportBase.MAX_PENDING_TRANSMITS = limit
+    return asyncTransportBase.MAX_PENDING_TRANSMITS
 
 
 def _stamp_admin_notices() -> None:
