@@ -380,6 +380,8 @@ class PoolState(Message):
     #: the index the pool's next new replica gets (its names are never used twice)
     next_index: int = 0
     host: str = ""  #: the machine the pool's process runs on (``supervision.host_identity()``)
+    #: tasks in flight or queued whose request goes on to another stage (``StageTask.feeds``)
+    feeding: int = 0
 
 
 #: ``SystemStatus.query_id`` of the statuses the coordinator publishes to its subscribers.
@@ -706,12 +708,15 @@ class ApiServerDrained(Message):
 @dataclass(frozen=True)
 class ApiServersDrained(Message):
     """Coordinator -> leader: the answer to :class:`DrainApiServers`. ``told`` API servers
-    were told; ``late`` of them had not answered by its timeout; ``ended`` requests in all
-    were ended with a 503 at their drain timeout."""
+    were told; ``late`` of them had not answered by its timeout; ``silent`` of them were not
+    waited for, as they had stopped renewing their subscription (frozen, or gone; see
+    ``coordinator.API_DRAIN_SILENT_S``); ``ended`` requests in all were ended with a 503 at
+    their drain timeout."""
 
     told: int
     late: int = 0
     ended: int = 0
+    silent: int = 0
 
 
 # -- request plane --------------------------------------------------------
@@ -914,6 +919,10 @@ class StageTask(Message):
     #: Seconds the request had left when this was sent (0: no deadline). A task still in
     #: flight well past it was orphaned (its cancel lost or overtaken): its pool cancels it.
     timeout_s: float = 0.0
+    #: Another stage of the request's plan takes this one's outputs (whole or in chunks):
+    #: the request goes on past it. A lingering replica waits only for such requests
+    #: (``PoolState.feeding``); a text-only request's Thinker task does not feed.
+    feeds: bool = True
 
     @property
     def counted_attempts(self) -> int:

@@ -1556,9 +1556,12 @@ def test_lingering_replicas_are_released_once_no_pool_has_had_work_for_a_while(m
     co._pools = {0: "thinker-pool", 1: "code2wav-pool"}
     ready = ReplicaState.READY
 
-    def report(thinker_in_flight: int, lingering: bool = True) -> None:
-        co._states[0] = PoolState(0, "thinker", (ReplicaStatus("thinker/0", ready, in_flight=thinker_in_flight),))
-        co._states[1] = PoolState(1, "code2wav", (ReplicaStatus("code2wav/0", ready, lingering=lingering),))
+    def report(thinker_in_flight: int, lingering: bool = True, feeding: bool = True,
+               code2wav_in_flight: int = 0) -> None:
+        co._states[0] = PoolState(0, "thinker", (ReplicaStatus("thinker/0", ready, in_flight=thinker_in_flight),),
+                                  feeding=thinker_in_flight if feeding else 0)
+        co._states[1] = PoolState(1, "code2wav", (ReplicaStatus("code2wav/0", ready, lingering=lingering,
+                                                                in_flight=code2wav_in_flight),))
         co._end_lingering()
 
     report(1)  # a request in the thinker will need code2wav
@@ -1580,6 +1583,19 @@ def test_lingering_replicas_are_released_once_no_pool_has_had_work_for_a_while(m
     now[0] += 10
     report(0, lingering=False)
     assert co.sent == []
+
+    # Text-only requests in the thinker (their tasks feed no other stage) do not hold a
+    # lingering code2wav (trial AR: it lingered until the member's drain timeout); its own
+    # task in flight does.
+    co._quiet_since = None
+    report(3, feeding=False, code2wav_in_flight=1)
+    now[0] += 5
+    report(3, feeding=False, code2wav_in_flight=1)
+    assert co.sent == []
+    report(3, feeding=False)
+    now[0] += coordinator.LINGER_QUIET_S
+    report(3, feeding=False)
+    assert co.sent == [("code2wav-pool", NoRequestsInFlight())]
 
 
 def test_the_last_ready_replicas_on_a_leaving_node_linger_until_released_or_undrained():
@@ -1779,3 +1795,52 @@ def test_a_request_actor_keeps_a_window_of_outputs_to_its_bridge_and_credits_aud
     ra.receiveMsg_StageDone(StageDone("r1", 2, "code2wav/0", None, None, chunks=8), "engine")
     assert [m.seq for m in outputs(sent)] == list(range(8))
     assert [m.sent for _, m in sent if isinstance(m, RequestFinished)] == [8]
+
+
+def test_a_stop_does_not_wait_for_the_drain_of_an_api_server_that_stopped_renewing(monkeypatch):
+    """Trial AQ: an attached API server frozen during a stop held the stop for its whole
+    drain timeout (16.9 s). A server that has not renewed its subscription (every 2 s) for
+    API_DRAIN_SILENT_S is no longer waited for; the answer counts it as silent."""
+    from omni_actors.actors import coordinator
+    from omni_actors.messages import ApiServerDrained, ApiServersDrained, DrainApiServers, Subscribe
+
+    now = [100.0]
+    monkeypatch.setattr(coordinator.time, "monotonic", lambda: now[0])
+    co = coordinator.CoordinatorActor()
+    co.sent = []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co.wakeupAfter = lambda delay, payload=None: None
+    co._publish_routes = lambda: None
+    for server in ("frozen", "healthy"):
+        co.receiveMsg_Subscribe(Subscribe(server), server)
+    co.receiveMsg_DrainApiServers(DrainApiServers(30.0, 25.0, "leader-bridge"), "leader")
+    now[0] += coordinator.API_DRAIN_SILENT_S / 2
+    co.receiveMsg_Subscribe(Subscribe("healthy"), "healthy")  # (draining, it still renews)
+    now[0] += coordinator.API_DRAIN_SILENT_S / 2 + 0.5
+    co._check_api_drain()
+    assert co._api_drain is not None and co._api_drain.left == ["healthy"]
+    co.receiveMsg_ApiServerDrained(ApiServerDrained("healthy", 0), "healthy")
+    answers = [m for a, m in co.sent if a == "leader"]
+    assert answers == [ApiServersDrained(told=2, late=0, ended=0, silent=1)]
+
+
+def test_a_stage_task_says_whether_another_stage_of_its_request_takes_its_outputs():
+    """``StageTask.feeds``: what lets a lingering replica go while text-only requests run."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.request import RequestActor
+    from omni_actors.messages import PlannedStage, RequestPlan, RunRequest, StageTask
+
+    def first_task(*stages: PlannedStage) -> StageTask:
+        ra = RequestActor()
+        sent = []
+        ra.send = lambda address, message: sent.append(message)
+        ra.wakeupAfter = lambda delay, payload=None: None
+        ra._myRef = SimpleNamespace(address="ra")
+        ra.receiveMsg_RunRequest(RunRequest("r1", "hi", RequestPlan(stages), {}, {}, 60.0, "bridge"), "bridge")
+        return next(m for m in sent if isinstance(m, StageTask))
+
+    thinker = PlannedStage(0, "thinker", (), "p0", "text", False, emits_chunks=True)
+    assert not first_task(thinker).feeds  # text only
+    assert first_task(thinker, PlannedStage(1, "talker", (0,), "p1", None, False)).feeds  # whole outputs
+    assert first_task(thinker, PlannedStage(1, "talker", (0,), "p1", None, False, stream_source=0)).feeds

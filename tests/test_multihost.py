@@ -860,6 +860,8 @@ def test_the_last_member_of_a_stage_says_that_leaving_leaves_the_stage_without_r
     member = cluster.members["m1"]
     member.proc.send_signal(signal.SIGINT)
     assert member.proc.wait(30) == 0
+    # (trial AR: its drain record, for `stop` to read, was left behind; nobody reads it after Ctrl-C)
+    assert list(Path(member.env["OMNI_ACTORS_STATE_DIR"]).glob("*.drain")) == []
     out = member.out.read_text()
     for stage in MEMBER_STAGES:
         line = next((x for x in out.splitlines() if x.startswith(f"warning: stage {stage} ")), None)
@@ -948,6 +950,44 @@ def test_the_last_member_of_a_stage_under_steady_load_leaves_at_its_drain_timeou
     crashes = [e for e in read_events(cluster.leader.log_path, 0)
                if e.get("event") == "replica_exited" and e.get("level") == "error"]
     assert not crashes, crashes
+
+
+def test_the_last_member_of_a_stage_leaves_under_text_only_load_without_waiting_its_drain_timeout(
+        request, tmp_path):
+    """Trial AR: text-only requests kept the Thinker busy, and with it the lingering Talker and
+    Code2Wav of the last member, until its drain timeout, though none of those requests would
+    ever need them. A task now says whether another stage takes its outputs (StageTask.feeds):
+    text-only traffic does not hold them, and the member leaves at once."""
+    import yaml
+
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["deployment"]["stages"]["thinker"]["synthetic"] = {"decode_ms_per_token": 20}
+    cfg["deployment"]["supervision"]["drain_timeout_s"] = 30
+    config = tmp_path / "long-drain.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    cluster = start_cluster(request, tmp_path, config=config, members=(("m1", "0,1,2,3"),))
+    member = cluster.members["m1"]
+
+    def text(max_tokens: int) -> int:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+        req = urllib.request.Request(cluster.base_url + "/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status
+
+    with ThreadPoolExecutor(4) as pool:
+        asked = [pool.submit(text, 20)]
+        time.sleep(0.3)
+        member.proc.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        while member.proc.poll() is None and time.monotonic() - signalled < 40:
+            asked.append(pool.submit(text, 20))
+            time.sleep(0.2)
+        left_s = time.monotonic() - signalled
+        assert all(f.result(60) == 200 for f in asked)
+    assert member.proc.wait(5) == 0 and left_s < 15, left_s  # (not its drain timeout of 30 s)
+    out = member.out.read_text()
+    assert not any(x.startswith("leaving with ") for x in out.splitlines()), out
 
 
 def test_an_operator_drains_a_node_and_undrains_it_its_member_running_on(request, tmp_path):

@@ -774,3 +774,39 @@ def test_three_frozen_api_servers_do_not_silence_the_replica_that_streams_to_the
             for proc, _ in extra:
                 proc.kill()
                 proc.wait(10)
+
+
+def test_a_stop_does_not_wait_the_drain_timeout_for_a_frozen_api_server(tmp_path):
+    """Trial AQ: an attached API server frozen (SIGSTOP) with a stream in flight held the
+    leader's stop for its whole drain timeout. The coordinator stops waiting for a server
+    that no longer renews its subscription (every 2 s) after API_DRAIN_SILENT_S: with a
+    drain timeout of 40 s, the stop ends well before it, says why, and the resumed server
+    finds the system gone and exits."""
+    import yaml
+
+    from omni_actors.actors.coordinator import API_DRAIN_SILENT_S
+    from omni_actors.system.faultlab import read_events
+
+    config = yaml.safe_load((CONFIGS / "cpu_omni_demo.yaml").read_text())
+    config["deployment"]["supervision"]["drain_timeout_s"] = 40
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with _leader_and_api(path) as (own, api, port):
+        _slow_thinker(own, 200)
+        thread, answer = _request_in_thread(port, max_tokens=400)
+        _in_flight_on(port)
+        api.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert own.stop(timeout_s=60) == 0
+            took = time.monotonic() - t0
+        finally:
+            api.send_signal(signal.SIGCONT)
+        assert took < 20, took  # (the silence, a few node checks and the shutdown: not the 40 s)
+        silent = [ev for ev in read_events(own.log_path) if ev.get("event") == "api_server_silent_at_stop"]
+        assert len(silent) == 1 and silent[0]["silent_s"] > API_DRAIN_SILENT_S, silent
+        assert "attached API server(s) stopped renewing their subscription" in own.log_path.read_text()
+        thread.join(30)
+        assert answer.get("code") == 503, answer
+        api.communicate(timeout=30)
+        assert api.returncode is not None

@@ -66,6 +66,10 @@ LINGER_QUIET_S = 1.0
 SUBSCRIBER_BACKLOG = 8
 #: A subscriber that has not renewed its lease for this long is dropped.
 SUBSCRIPTION_LEASE_S = 10.0
+#: Seconds without a renewal of its subscription (every 2 s) after which a stop no longer
+#: waits for an API server's drain: it is frozen (SIGSTOP, a paused VM) or gone, and would
+#: hold the stop for the whole drain timeout (a trial: 16.9 s).
+API_DRAIN_SILENT_S = 6.0
 #: Seconds a stop waits for the pools to note it (``PlannedStopNoted``) before it tells them to
 #: exit anyway; under the leader's STOP_POOLS_TIMEOUT_S (3 s) for the whole exchange.
 PLANNED_STOP_WAIT_S = 2.0
@@ -233,7 +237,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         # the last status it got and hands it on)
         self._states[msg.stage_id] = PoolState(msg.stage_id, msg.stage, msg.replicas, msg.pid, msg.pending,
                                                self._pool_restart_count(msg.stage_id), msg.restart_times,
-                                               msg.failed, msg.next_index, host=msg.host)
+                                               msg.failed, msg.next_index, host=msg.host, feeding=msg.feeding)
         if old is None or _states_of(old) != _states_of(msg):
             for r in msg.replicas:
                 before = next((o for o in (old.replicas if old else ()) if o.replica == r.replica), None)
@@ -246,13 +250,17 @@ class CoordinatorActor(ActorTypeDispatcher):
 
     def _end_lingering(self) -> None:
         """Lingering replicas (the last ready ones of their stage, on a node that is
-        leaving: ``ReplicaStatus.lingering``) stay only for requests in flight. Once
-        no pool has reported a task in flight or queued for :data:`LINGER_QUIET_S`
+        leaving: ``ReplicaStatus.lingering``) stay only for requests in flight that may
+        still need them. Once, for :data:`LINGER_QUIET_S`, no pool has reported a task in
+        flight or queued that feeds another stage (``PoolState.feeding``: a text-only
+        request's Thinker task does not), and the lingering stages' own pools none at all
         (pools report every heartbeat interval; one quiet report could fall between two
-        stages of a request), their pools are told to drain them. Called on each
-        pool report and node check."""
+        stages of a request), their pools are told to drain them. Called on each pool
+        report and node check."""
         lingering = [sid for sid, st in self._states.items() if any(r.lingering for r in st.replicas)]
-        if not lingering or any(st.pending or any(r.in_flight for r in st.replicas) for st in self._states.values()):
+        if not lingering or any(st.feeding for st in self._states.values()) or any(
+                st.pending or any(r.in_flight for r in st.replicas)
+                for sid, st in self._states.items() if sid in lingering):
             self._quiet_since = None
             return
         now = time.monotonic()
@@ -349,6 +357,7 @@ class CoordinatorActor(ActorTypeDispatcher):
             if self._node_checks.current(msg.payload):
                 self._check_nodes()
                 self._end_lingering()
+                self._check_api_drain()
                 self._node_checks.again(self, self._config.deployment.heartbeat_interval_s)
         elif isinstance(msg.payload, tuple) and msg.payload[0] == "node_dropped":
             if self._joins.get(msg.payload[1], 0) == msg.payload[2]:  # (not if it rejoined since)
@@ -718,7 +727,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         now = time.monotonic()
         servers = [s.address for s in self._subscribers
                    if s.address != msg.exclude and now - s.renewed_at < SUBSCRIPTION_LEASE_S]
-        self._api_drain = _ApiDrain(sender, servers, len(servers))
+        self._api_drain = _ApiDrain(sender, servers, len(servers), since=now)
         self._log.info("api_servers_told_to_drain", api_servers=len(servers), drain_timeout_s=msg.drain_timeout_s)
         for address in servers:
             self.send(address, SystemStopping(msg.drain_timeout_s))
@@ -735,10 +744,29 @@ class CoordinatorActor(ActorTypeDispatcher):
             if not drain.left:
                 self._answer_api_drain()
 
+    def _check_api_drain(self) -> None:
+        """(Every node check) Stop waiting for the drain of an API server that has not renewed
+        its subscription for :data:`API_DRAIN_SILENT_S`; answer once none is left."""
+        drain = self._api_drain
+        if drain is None:
+            return
+        now = time.monotonic()
+        renewed = {str(s.address): s.renewed_at for s in self._subscribers}
+        for address in list(drain.left):
+            silent_s = now - renewed.get(str(address), drain.since)
+            if silent_s > API_DRAIN_SILENT_S:
+                drain.left.remove(address)
+                drain.silent += 1
+                self._log.warning("api_server_silent_at_stop", api_server=str(address), silent_s=round(silent_s, 1),
+                                  note="not waited for: it stopped renewing its subscription (frozen, or gone)")
+        if not drain.left:
+            self._answer_api_drain()
+
     def _answer_api_drain(self) -> None:
         drain, self._api_drain = self._api_drain, None
         if drain is not None:
-            self.send(drain.asker, ApiServersDrained(told=drain.told, late=len(drain.left), ended=drain.ended))
+            self.send(drain.asker, ApiServersDrained(told=drain.told, late=len(drain.left), ended=drain.ended,
+                                                     silent=drain.silent))
 
     def _status(self, query_id: str) -> SystemStatus:
         stages = tuple(self._states[s.stage_id] for s in self._config.stage_args) if self._config else ()
@@ -765,12 +793,15 @@ class _Subscriber:
 @dataclasses.dataclass
 class _ApiDrain:
     """A stop's drain of the attached API servers: who asked, the servers that have not
-    answered yet, how many were told, and the requests they ended at their timeout."""
+    answered yet, how many were told, the requests they ended at their timeout, and how
+    many were given up as silent."""
 
     asker: object
     left: list
     told: int
     ended: int = 0
+    silent: int = 0  #: servers no longer waited for (see API_DRAIN_SILENT_S)
+    since: float = 0.0  #: (monotonic) when the drain began
 
 
 def _split(value) -> tuple[str, ...]:

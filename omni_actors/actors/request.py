@@ -201,7 +201,8 @@ class RequestActor(ActorTypeDispatcher):
                 chunk_window=req.chunk_window, chunk_timeout_s=req.chunk_timeout_s,
                 chunk_tokens=req.chunk_tokens,
                 text_to=req.reply_to if st.final_output_type == "text" and req.stream_outputs else None,
-                timeout_s=self._left())
+                timeout_s=self._left(),
+                feeds=any(st.stage_id in s.sources or s.stream_source == st.stage_id for s in req.plan.stages))
             self._running[st.stage_id] = task
             self.send(self._pools[st.stage_id], task)
 

@@ -581,4 +581,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                                                failed=tuple((r.replica, r.failed_why)
                                                             for r in self._replicas.values()
                                                             if r.state == ReplicaState.FAILED and r.failed_why),
-                                               next_index=self._next_index, host=host_identity()))
+                                               next_index=self._next_index, host=host_identity(),
+                                               feeding=sum(1 for t, _ in self._pending if t.feeds) + sum(
+                                                   1 for r in self._replicas.values()
+                                                   for t, _ in r.in_flight.values() if t.feeds)))

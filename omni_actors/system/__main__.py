@@ -385,6 +385,13 @@ def cmd_stop(args) -> int:
     # one it read when it joined; the default's if the leader did not answer then)
     timeout = args.timeout if args.timeout is not None else \
         float(state.get("drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S)) + STOP_GRACE_S
+    if state.get("role") == "member":  # (it says how its drain went, for us: see member.drain_record)
+        from omni_actors.system.member import STOP_WAITS
+
+        try:
+            sfile.write_text(json.dumps({**state, STOP_WAITS: True}))
+        except OSError:
+            pass
     forced, hurried_after = _terminate(pid, timeout)
     killed = kill_system(state["system_id"], sessions=state.get("sessions", ()))
     sweep_segments(f"oa-{args.admin_port}-", state.get("shm_dir"))

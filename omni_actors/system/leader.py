@@ -514,8 +514,12 @@ def _drain_api_servers(asys, coordinator, drain_timeout_s: float, exclude) -> No
         answer = exc
     if isinstance(answer, ApiServersDrained):
         if answer.told:
-            (log.warning if answer.late or answer.ended else log.info)(
-                "api_servers_drained", api_servers=answer.told, late=answer.late, requests_ended=answer.ended)
+            (log.warning if answer.late or answer.ended or answer.silent else log.info)(
+                "api_servers_drained", api_servers=answer.told, late=answer.late, requests_ended=answer.ended,
+                silent=answer.silent)
+        if answer.silent:
+            print(f"draining: {answer.silent} attached API server(s) stopped renewing their subscription "
+                  "(frozen, or gone): not waited for", file=sys.stderr, flush=True)
     else:
         log.warning("api_servers_drain_unanswered", answer=repr(answer)[:200])
 

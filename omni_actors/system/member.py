@@ -134,8 +134,9 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         _serve(stopping, host, port, log)
         drained = drain_node(host, port, node, hurry, log, data_service=data.address)
         try:  # (`stop` reads it after: it said "drained first" of a member that could not drain)
-            drain_record(admin_port).write_text("drained" if drained else "not drained")
-        except OSError:
+            if json.loads(sfile.read_text()).get(STOP_WAITS):  # (Ctrl-C: nobody would read or remove it)
+                drain_record(admin_port).write_text("drained" if drained else "not drained")
+        except (OSError, ValueError):
             pass
         return 0
     finally:
@@ -301,9 +302,16 @@ def _on_this_host(host: str) -> bool:
     return bool(addresses & mine)
 
 
+#: Key that `stop` sets in a member's state file before it signals it: the member then says,
+#: in its :func:`drain_record`, whether its replicas drained (otherwise it writes none: a
+#: member stopped with Ctrl-C left one that nobody removed, trial AR).
+STOP_WAITS = "stop_waits"
+
+
 def drain_record(admin_port: int):
     """The file where the member on ``admin_port`` says, as it leaves, whether its replicas
-    drained (``drained`` or ``not drained``); `stop` reads and removes it."""
+    drained (``drained`` or ``not drained``), when `stop` asked (:data:`STOP_WAITS`); `stop`
+    reads and removes it."""
     sfile = member_state_file(admin_port)
     return sfile.with_name(sfile.stem + ".drain")
 
