@@ -1844,3 +1844,29 @@ def test_a_stage_task_says_whether_another_stage_of_its_request_takes_its_output
     assert not first_task(thinker).feeds  # text only
     assert first_task(thinker, PlannedStage(1, "talker", (0,), "p1", None, False)).feeds  # whole outputs
     assert first_task(thinker, PlannedStage(1, "talker", (0,), "p1", None, False, stream_source=0)).feeds
+
+
+def test_an_admin_says_whether_the_coordinator_was_silent_or_its_system_is_going_away():
+    """Trial AR: a member leaving as its leader stopped printed "the coordinator did not
+    answer within 5 s" 1.6 s after it asked. The admin now tells a silent coordinator (the
+    whole timeout) from one Thespian gave up on early, and from an admin that is gone."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from omni_actors.system.admin import Admin, AdminError
+
+    def error(ask, alive=None) -> str:
+        asys = SimpleNamespace(ask=ask, **({"admin_alive": alive} if alive else {}))
+        try:
+            Admin(asys, "coordinator").status(timeout_s=0.6)
+        except AdminError as exc:
+            return str(exc)
+        raise AssertionError("no error")
+
+    def silent(*args):
+        _time.sleep(0.6)
+
+    assert error(silent) == "the coordinator did not answer within 0.6 s"
+    assert error(lambda *a: None).startswith("the coordinator could not be reached (0.0 s, no answer")
+    assert error(lambda *a: None, alive=lambda: False) == \
+        "the convention leader's admin no longer listens: its system stopped or was killed"

@@ -62,6 +62,11 @@ def inject_problem(fault: str, *, replica: str = "", stage: str = "", factor: fl
         return f"the slow-down factor must be a number from 1 to {MAX_SLOW_FACTOR:g}, got {factor:g}"
     return None
 
+#: An ``ask`` that ends this much (seconds) before its timeout without an answer was not
+#: timed out: Thespian gave up on the coordinator (see Admin._unanswered).
+NO_ANSWER_SLACK_S = 0.5
+
+
 class AdminError(RuntimeError):
     """A one-line reason the admin operation could not be done."""
 
@@ -77,18 +82,34 @@ class Admin:
     leader_port: int | None = None
 
     def status(self, timeout_s: float = 5.0) -> SystemStatus:
+        t0 = time.monotonic()
         status = self.asys.ask(self.coordinator, GetStatus("admin"), timeout_s)
         if not isinstance(status, SystemStatus):
-            raise AdminError(f"the coordinator did not answer within {timeout_s:g} s")
+            raise self._unanswered(timeout_s, t0)
         return status
 
     def _ask(self, msg, timeout_s: float = 5.0) -> str:
+        t0 = time.monotonic()
         reply = self.asys.ask(self.coordinator, msg, timeout_s)
         if not isinstance(reply, AdminReply):
-            raise AdminError(f"no answer within {timeout_s:g} s")
+            raise self._unanswered(timeout_s, t0)
         if not reply.ok:
             raise AdminError(reply.message)
         return reply.message
+
+    def _unanswered(self, timeout_s: float, t0: float) -> AdminError:
+        """Why the coordinator gave no answer to an ``ask`` begun at ``t0``: its system's admin
+        is gone (stopped, killed), or Thespian gave up before ``timeout_s`` (its system is going
+        away), or it was silent for all of ``timeout_s``. (A trial's member said "did not answer
+        within 5 s" as its leader stopped, 1.6 s after it asked.)"""
+        waited = time.monotonic() - t0
+        alive = getattr(self.asys, "admin_alive", None)
+        if alive is not None and not alive():
+            return AdminError("the convention leader's admin no longer listens: its system stopped or was killed")
+        if waited < timeout_s - NO_ANSWER_SLACK_S:
+            return AdminError(f"the coordinator could not be reached ({waited:.1f} s, no answer: its system may be "
+                              "stopping)")
+        return AdminError(f"the coordinator did not answer within {timeout_s:g} s")
 
     def inject(self, fault: str, *, replica: str = "", stage: str = "", factor: float = 1.0,
                count: int = 1) -> dict:
