@@ -795,6 +795,23 @@ def test_a_member_killed_while_the_leader_reads_its_outputs_loses_no_request(req
     assert c2w["state"] == "ready" and not c2w.get("restarts"), c2w
 
 
+def _demo_variant(tmp_path, *, thinker_ms: float | None = None, code2wav_ms: float | None = None,
+                  drain_timeout_s: float | None = None) -> Path:
+    """The CPU demo config with a Thinker / Code2Wav of ``*_ms`` a token (their other synthetic
+    costs left at 0) and ``supervision.drain_timeout_s``, written under ``tmp_path``."""
+    import yaml
+
+    cfg = yaml.safe_load(CONFIG.read_text())
+    for stage, ms in (("thinker", thinker_ms), ("code2wav", code2wav_ms)):
+        if ms is not None:
+            cfg["deployment"]["stages"][stage]["synthetic"] = {"decode_ms_per_token": ms}
+    if drain_timeout_s is not None:
+        cfg["deployment"]["supervision"]["drain_timeout_s"] = drain_timeout_s
+    config = tmp_path / "demo-variant.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    return config
+
+
 def _stream(base_url: str, max_tokens: int) -> tuple[int, list[str]]:
     """One streamed text + audio chat: (HTTP status, its SSE data payloads)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me about the sea."}],
@@ -813,13 +830,7 @@ def test_a_member_leaving_with_ctrl_c_drains_its_replicas_first(request, tmp_pat
     drain its replicas (replacements start on the other member, nothing new is sent to it), waits
     until the work in flight there is done, then leaves. Every stream ends with [DONE] and no
     error event (a trial's stream was cut: "replica code2wav/4 dead: process exited mid-stream")."""
-    import yaml
-
-    cfg = yaml.safe_load(CONFIG.read_text())
-    cfg["deployment"]["stages"]["thinker"]["synthetic"] = {"decode_ms_per_token": 5}
-    cfg["deployment"]["stages"]["code2wav"]["synthetic"] = {"decode_ms_per_token": 20}
-    config = tmp_path / "slow-talker.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = _demo_variant(tmp_path, thinker_ms=5, code2wav_ms=20)
     cluster = start_cluster(request, tmp_path, config=config, members=(("m1", "0,1,2,3"), ("m2", "4,5,6,7")))
     with ThreadPoolExecutor(6) as pool:
         streams = [pool.submit(_stream, cluster.base_url, 40) for _ in range(6)]
@@ -880,12 +891,7 @@ def test_the_last_member_of_a_stage_serves_the_requests_in_flight_before_it_leav
     replacements could not be placed, and each stream waited queue_timeout_s, then ended
     with an error event and no audio. Now the last ready replicas of a stage linger: they
     take the tasks of the requests in flight, and drain once no request is in flight."""
-    import yaml
-
-    cfg = yaml.safe_load(CONFIG.read_text())
-    cfg["deployment"]["stages"]["thinker"]["synthetic"] = {"decode_ms_per_token": 40}
-    config = tmp_path / "slow-thinker.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = _demo_variant(tmp_path, thinker_ms=40)
     cluster = start_cluster(request, tmp_path, config=config, members=(("m1", "0,1,2,3"),))
     member = cluster.members["m1"]
     with ThreadPoolExecutor(4) as pool:
@@ -911,15 +917,9 @@ def test_the_last_member_of_a_stage_under_steady_load_leaves_at_its_drain_timeou
     """With requests coming all the time, the lingering replicas are never released: the member
     leaves at its drain timeout (+ DRAIN_GRACE_S), as for any replica still busy then, and says
     that they were the last of their stages, taking the requests in flight."""
-    import yaml
-
     from omni_actors.system.member import DRAIN_GRACE_S
 
-    cfg = yaml.safe_load(CONFIG.read_text())
-    cfg["deployment"]["stages"]["thinker"]["synthetic"] = {"decode_ms_per_token": 20}
-    cfg["deployment"]["supervision"]["drain_timeout_s"] = 1
-    config = tmp_path / "short-drain.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = _demo_variant(tmp_path, thinker_ms=20, drain_timeout_s=1)
     cluster = start_cluster(request, tmp_path, config=config, members=(("m1", "0,1,2,3"),))
     member = cluster.members["m1"]
     with ThreadPoolExecutor(8) as pool:
@@ -958,13 +958,7 @@ def test_the_last_member_of_a_stage_leaves_under_text_only_load_without_waiting_
     Code2Wav of the last member, until its drain timeout, though none of those requests would
     ever need them. A task now says whether another stage takes its outputs (StageTask.feeds):
     text-only traffic does not hold them, and the member leaves at once."""
-    import yaml
-
-    cfg = yaml.safe_load(CONFIG.read_text())
-    cfg["deployment"]["stages"]["thinker"]["synthetic"] = {"decode_ms_per_token": 20}
-    cfg["deployment"]["supervision"]["drain_timeout_s"] = 30
-    config = tmp_path / "long-drain.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = _demo_variant(tmp_path, thinker_ms=20, drain_timeout_s=30)
     cluster = start_cluster(request, tmp_path, config=config, members=(("m1", "0,1,2,3"),))
     member = cluster.members["m1"]
 

@@ -621,6 +621,16 @@ def _stream_in_thread(port: int, max_tokens: int, seen: dict):
     return thread
 
 
+def _until(seen: dict, key: str, thread, within_s: float = 20.0):
+    """Wait until the stream read by ``thread`` into ``seen`` has some ``key`` (its first
+    chunks, audio parts); returns ``thread``."""
+    deadline = time.monotonic() + within_s
+    while not seen[key]:
+        assert time.monotonic() < deadline and thread.is_alive(), seen
+        time.sleep(0.02)
+    return thread
+
+
 def test_a_frozen_api_server_does_not_silence_the_replica_that_streams_to_it():
     """Trial AO: one attached API server frozen (SIGSTOP) with a stream in flight made the
     shared Thinker go silent: it sent its text deltas straight to that server, Thespian
@@ -636,11 +646,7 @@ def test_a_frozen_api_server_does_not_silence_the_replica_that_streams_to_it():
         _slow_thinker(own, 10)  # (4 ms -> 40 ms a token)
         before = _replicas(_status(own))["thinker/0"]
         frozen: dict = {}
-        frozen_thread = _stream_in_thread(port, 160, frozen)
-        deadline = time.monotonic() + 20
-        while not frozen["chunks"]:
-            assert time.monotonic() < deadline and frozen_thread.is_alive(), frozen
-            time.sleep(0.02)
+        frozen_thread = _until(frozen, "chunks", _stream_in_thread(port, 160, frozen))
         api.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
         try:
@@ -715,11 +721,7 @@ def test_a_text_and_audio_stream_on_an_api_server_frozen_past_the_chunk_timeout_
     with _leader_and_api(path) as (own, api, port):
         _slow_thinker(own, 10)  # (4 ms -> 40 ms a token: 200 tokens, 8 s; about 6 audio parts a second)
         frozen: dict = {}
-        frozen_thread = _audio_stream_in_thread(port, 200, frozen)
-        deadline = time.monotonic() + 20
-        while not frozen["parts"]:
-            assert time.monotonic() < deadline and frozen_thread.is_alive(), frozen
-            time.sleep(0.02)
+        frozen_thread = _until(frozen, "parts", _audio_stream_in_thread(port, 200, frozen))
         api.send_signal(signal.SIGSTOP)
         stopped = time.monotonic()
         try:
