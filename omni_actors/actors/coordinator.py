@@ -64,6 +64,9 @@ LINGER_QUIET_S = 1.0
 #: Publications a subscriber is sent between two of its renewals (every 2 s:
 #: ``bridge.SUBSCRIBE_EVERY_S``) at most; see CoordinatorActor._publish.
 SUBSCRIBER_BACKLOG = 8
+#: Seconds since its last renewal (every 2 s) after which a subscriber that falls behind is
+#: logged at warning (it may be frozen), not info.
+SUBSCRIBER_LATE_S = 4.0
 #: A subscriber that has not renewed its lease for this long is dropped.
 SUBSCRIPTION_LEASE_S = 10.0
 #: Seconds without a renewal of its subscription (every 2 s) after which a stop no longer
@@ -626,8 +629,11 @@ class CoordinatorActor(ActorTypeDispatcher):
                 self.send(sub.address, message)
             elif not sub.behind:
                 sub.behind = True
-                self._log.warning("subscriber_behind", subscriber=str(sub.address), sent=sub.sent,
-                                  renewed_s_ago=round(time.monotonic() - sub.renewed_at, 1))
+                # (a burst of changes, a deployment's, holds back a healthy one until its renewal,
+                # at most 2 s: info; one that has missed its renewal may be frozen: warning)
+                ago = time.monotonic() - sub.renewed_at
+                (self._log.warning if ago > SUBSCRIBER_LATE_S else self._log.info)(
+                    "subscriber_behind", subscriber=str(sub.address), sent=sub.sent, renewed_s_ago=round(ago, 1))
 
     # -- admin ------------------------------------------------------------
     def _pool_of_replica(self, replica: str):
