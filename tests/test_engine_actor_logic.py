@@ -1731,8 +1731,8 @@ def test_a_request_actor_keeps_a_window_of_outputs_to_its_bridge_and_credits_aud
     transmits in flight, the Thinker chunks the RequestActor relays queued behind them. Now
     at most OUTPUT_WINDOW outputs go unanswered (every third asks the bridge), the rest are
     held in order, Code2Wav is credited only for what the bridge has, a beat asks a silent
-    bridge (twice at most, then beats pause), and held outputs are sent at a success and
-    released at a failure."""
+    bridge (twice, then every OUTPUT_PROBE_SLOW_S; the other beats pause), and held outputs
+    are sent at a success and released at a failure."""
     from types import SimpleNamespace
 
     from omni_actors.actors import request
@@ -1779,6 +1779,10 @@ def test_a_request_actor_keeps_a_window_of_outputs_to_its_bridge_and_credits_aud
     for _ in range(4):
         ra._beat()
     assert [m.ack_to for _, m in sent if isinstance(m, RequestActorAlive)] == ["ra", "ra"]
+    ra._out_probed_at -= request.OUTPUT_PROBE_SLOW_S  # (then one every OUTPUT_PROBE_SLOW_S)
+    ra._beat()
+    ra._beat()
+    assert [m.ack_to for _, m in sent if isinstance(m, RequestActorAlive)] == ["ra", "ra", "ra"]
     held = [ref for _, ref, _ in ra._out_held]
     assert held and set(held) < {f"ref{i}" for i in range(10, 20)}
     # the stage fails: what was held is released, not sent

@@ -88,9 +88,13 @@ OUTPUT_WINDOW = 6
 #: Every this many outputs (fewer with a ``chunk_window`` under 6) asks the bridge to answer.
 OUTPUT_ACK_EVERY = 3
 #: Beats while outputs are held and the bridge has not answered for ``alive_every_s`` ask
-#: it how many it has (RequestActorAlive.ack_to); at most this many in a row, then the
-#: beats stop until it answers (each one to a frozen server would hold a transmit).
+#: it how many it has (RequestActorAlive.ack_to); this many in a row, then one every
+#: :data:`OUTPUT_PROBE_SLOW_S` until it answers (the other beats are left out: each one to
+#: a frozen server holds a transmit, up to 5 minutes).
 OUTPUT_PROBES = 2
+#: Seconds between the probes after the first :data:`OUTPUT_PROBES` (an answer that was lost
+#: with a RequestActorSupervisor, say, is asked for again).
+OUTPUT_PROBE_SLOW_S = 30.0
 
 
 def cancel_confirm_s() -> float:
@@ -149,6 +153,7 @@ class RequestActor(ActorTypeDispatcher):
         self._out_acked = 0  # of them, how many the bridge said it has (OutputsAck)
         self._out_heard = time.monotonic()  # when it last said so (or the request began)
         self._out_probes = 0  # beats that asked since (OUTPUT_PROBES)
+        self._out_probed_at = 0.0  # (monotonic) when the last of them did
         self._out_held: list[tuple] = []  # (make, ref, credit): not sent yet, the window is full
         self._out_credit: list[tuple[int, int, int]] = []  # (seq, producer, its chunks) sent, not credited
 
@@ -571,14 +576,17 @@ class RequestActor(ActorTypeDispatcher):
     def _beat(self) -> None:
         """Tell the bridge this actor still runs (or closes) its request; again later while it does.
         While outputs are held for a bridge that has not answered for a beat, the beat asks it
-        how many it has instead, :data:`OUTPUT_PROBES` times at most (it may be frozen)."""
+        how many it has instead: :data:`OUTPUT_PROBES` beats, then one every
+        :data:`OUTPUT_PROBE_SLOW_S` (it may be frozen)."""
         now = time.monotonic()
         self._run_lost_wakeups(now)
         if self._req is not None:
             if not self._out_held:
                 self.send(self._req.reply_to, RequestActorAlive(self._req.request_id))
-            elif now - self._out_heard >= self._req.alive_every_s and self._out_probes < OUTPUT_PROBES:
+            elif now - self._out_heard >= self._req.alive_every_s and (
+                    self._out_probes < OUTPUT_PROBES or now - self._out_probed_at >= OUTPUT_PROBE_SLOW_S):
                 self._out_probes += 1
+                self._out_probed_at = now
                 self.send(self._req.reply_to, RequestActorAlive(self._req.request_id, ack_to=self.myAddress))
             self._alive_beats.again(self, self._req.alive_every_s)
         elif self._closing is not None:
