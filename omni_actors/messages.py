@@ -283,6 +283,16 @@ class Subscribe(Message):
 
     reply_to: ActorAddress
 
+
+@dataclass(frozen=True)
+class Unsubscribe(Message):
+    """Subscriber (API server bridge) -> Coordinator, as its server exits: forget me (a
+    stop would otherwise wait for it to drain, until its silence showed: a trial's next
+    ``stop`` took 5-6 s after an attached server had exited)."""
+
+    reply_to: ActorAddress
+
+
 @dataclass(frozen=True)
 class WhoAmI(Message):
     """External endpoint -> Coordinator: answered with :class:`YouAre`, which

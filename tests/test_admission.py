@@ -984,9 +984,15 @@ def test_a_server_that_did_not_run_for_a_while_does_not_blame_its_supervisor_or_
         bridge._ticked_at = now - bridge._tick_s - frozen_s
         bridge._supervisor_heard = now - frozen_s - 0.5
         bridge._held["r1"].heard = now - frozen_s - 0.5
+        # (and a sender that was handing r1 over when it froze: trial AS's request was written off)
+        bridge._handing[0] = (bridge._running_clock() - frozen_s - 0.5, "r1")
+        started = list(bridge._sender_gen)
+        bridge._start_sender = lambda i: bridge._sender_gen.__setitem__(i, bridge._sender_gen[i] + 1)
         bridge._tick()
         assert bridge._supervisor == "supervisor" and not stream.done()
         assert not [item for item in _outbox_items(bridge) if item[0] in ("supervise", "abandon")]
+        assert bridge._sender_gen == started and bridge._handing[0] is not None
+        bridge._handing[0] = None
         # a server that ran on, on time, still finds a silent supervisor lost
         bridge._ticked_at = time.monotonic() - bridge._tick_s
         bridge._supervisor_heard = time.monotonic() - 10

@@ -1874,3 +1874,29 @@ def test_an_admin_says_whether_the_coordinator_was_silent_or_its_system_is_going
     assert error(lambda *a: None).startswith("the coordinator could not be reached (0.0 s, no answer")
     assert error(lambda *a: None, alive=lambda: False) == \
         "the convention leader's admin no longer listens: its system stopped or was killed"
+
+
+def test_tasks_queued_behind_tasks_held_by_neighbours_are_no_stall_of_the_replica():
+    """Trial AS: a Thinker at its max_concurrency (4), every stream held back by a frozen
+    API server (waiting for credits), took one more request: that task waited for a slot,
+    the heartbeats counted idle time, and the pool isolated the Thinker as stalled, breaking
+    the 4 streams. Tasks queued in the backend behind held tasks are held too; a replica
+    whose running tasks are not held still shows its idle time."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from omni_actors.actors.engine import EngineActor
+    from omni_actors.engines.base import BackendLoad
+
+    actor = EngineActor()
+    actor._started.set()  # (ends its orphan watchdog thread)
+    actor._ready, actor._progress_at = True, _time.monotonic() - 5
+    actor._tasks = {(f"r{i}", 0): None for i in range(5)}
+    actor._backend = SimpleNamespace(load=lambda: BackendLoad(running=4, waiting=1))
+    actor._parked = 4  # the 4 running ones wait for credits; the fifth for a slot
+    assert actor._idle_s() == 0.0
+    actor._parked = 3  # one running task is not held: the replica should be making progress
+    assert actor._idle_s() >= 5
+    actor._parked = 0  # stalled with a queue: as before
+    actor._backend = SimpleNamespace(load=lambda: BackendLoad(running=1, waiting=4))
+    assert actor._idle_s() >= 5

@@ -812,3 +812,20 @@ def test_a_stop_does_not_wait_the_drain_timeout_for_a_frozen_api_server(tmp_path
         assert answer.get("code") == 503, answer
         api.communicate(timeout=30)
         assert api.returncode is not None
+
+
+def test_an_api_server_that_exited_is_not_waited_for_at_the_next_stop():
+    """Trial AS: after an attached API server was stopped with Ctrl-C, the leader's next
+    `stop` still told it to drain and waited 5-6 s for its silence to show ("stopped
+    renewing their subscription (frozen, or gone)"). A server now unsubscribes as it exits."""
+    from omni_actors.system.faultlab import read_events
+
+    with _leader_and_api() as (own, api, port):
+        assert _chat(port, "hello")
+        api.send_signal(signal.SIGINT)
+        api.communicate(timeout=30)
+        assert api.returncode == 0
+        assert own.stop() == 0
+        told = [ev for ev in read_events(own.log_path) if ev.get("event") == "api_servers_told_to_drain"]
+        assert [ev["api_servers"] for ev in told] == [0], told
+        assert "stopped renewing their subscription" not in own.log_path.read_text()

@@ -38,7 +38,7 @@ from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, ApiServerDra
                                   PlannedStop, PlannedStopNoted, ReplicaStatus, Routes, ScaleStage, ShutdownDone,
                                   ShutdownSystem, SignalFault,
                                   StartNodeAgent, StartPool, Subscribe, SUBSCRIPTION, SystemStatus, SystemStopping,
-                                  UndrainNode, WhoAmI, YouAre)
+                                  UndrainNode, Unsubscribe, WhoAmI, YouAre)
 from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, PlacementError
 
 #: A member node whose agent has been silent this many heartbeat intervals is lost.
@@ -605,6 +605,14 @@ class CoordinatorActor(ActorTypeDispatcher):
         if (known is None or known.behind) and self._config is not None:
             self.send(msg.reply_to, self._routes())
             self.send(msg.reply_to, self._status(SUBSCRIPTION))
+
+    def receiveMsg_Unsubscribe(self, msg: Unsubscribe, sender):
+        self._subscribers = [s for s in self._subscribers if s.address != msg.reply_to]
+        drain = self._api_drain
+        if drain is not None and msg.reply_to in drain.left:  # (it exited: nothing of it to wait for)
+            drain.left.remove(msg.reply_to)
+            if not drain.left:
+                self._answer_api_drain()
 
     def _routes(self) -> Routes:
         return Routes(self._config, dict(self._pools), self._routes_version, self._deployed_at)

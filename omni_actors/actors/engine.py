@@ -313,6 +313,21 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 self.send(address, message)
         return self._watch()
 
+    def _all_held(self, parked: int) -> bool:
+        """Whether, with ``parked`` tasks waiting on a neighbour stage, every task here is
+        held up by others: those, and the tasks queued in the backend for a slot that they
+        occupy (a trial: a Thinker at its ``max_concurrency`` with every stream held back by
+        a frozen API server took one more request, and was isolated as stalled)."""
+        if parked >= len(self._tasks):
+            return True
+        if not parked or self._backend is None or not self._ready:
+            return False
+        try:
+            waiting = self._backend.load().waiting
+        except Exception:  # noqa: BLE001 - a backend that cannot say: as before
+            return False
+        return parked + waiting >= len(self._tasks)
+
     def _idle_s(self) -> float:
         """Seconds without progress, as the stall watchdog should see them: 0
         with no task here (the pool may still count tasks whose end is in
@@ -320,7 +335,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         on a neighbour stage (see StreamingMixin). The backend's own activity
         (``active_at``: a prefill step) counts as progress, except under an
         injected stall, which holds the backend's events while it works on."""
-        if self._parked >= len(self._tasks):
+        if self._all_held(self._parked):
             return 0.0
         last = self._progress_at
         if self._stalled is None:

@@ -28,7 +28,7 @@ FETCH_ON_THREAD_BYTES = 1 << 20
 class StreamingMixin:
     """Needs ``self._rt`` (the loop thread), ``self._connector``,
     ``self._process_input``, ``self._inputs``, ``self._credits``, ``self._parked``,
-    ``self._tasks`` and ``self._progress_at`` (see EngineActor)."""
+    ``self._all_held``, ``self._tasks`` and ``self._progress_at`` (see EngineActor)."""
 
     def receiveMsg_InputChunk(self, msg: InputChunk, sender):
         if self._rt is not None:
@@ -140,5 +140,5 @@ class StreamingMixin:
             yield
         finally:
             self._parked -= 1
-            if self._parked + 1 >= len(self._tasks):  # every task was waiting: now one can work
+            if self._all_held(self._parked + 1):  # every task was held up: now one can work
                 self._progress_at = time.monotonic()

@@ -69,7 +69,7 @@ from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelRequest, CancelStage, DeltasAck, ErrorKind, GetRoutes, GetStatus, OutputChunk,
                                   OutputDelta, OutputDeltas, OutputReady, OutputsAck, Relay, RequestActorAlive,
                                   RequestActorExited, RequestActorFree, RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe, SUBSCRIPTION,
-                                  SupervisorAlive, SystemStatus, SystemStopping, WhoAmI, YouAre)
+                                  SupervisorAlive, SystemStatus, SystemStopping, Unsubscribe, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
 from omni_actors.http.request_actors import (LOST_AFTER_S, REQUEST_ACTOR_SILENT_S,  # noqa: F401 - (tests)
                                              RequestActorKeeping, _Held)
@@ -177,6 +177,7 @@ class ActorBridge(RequestActorKeeping):
         #: per outbox: the generation of its current sender thread (a stuck one is replaced)
         self._sender_gen = [0] * n
         #: per outbox: (since, request id) while its sender hands a request to a RequestActor
+        #: per outbox: (since, by _running_clock(), request id) while its sender hands a request over
         self._handing: list[tuple[float, str] | None] = [None] * n
         #: per outbox: request -> its RequestActor, and -> (pool, stage id) of its stages
         self._running: list[dict[str, Any]] = [{} for _ in range(n)]
@@ -241,6 +242,8 @@ class ActorBridge(RequestActorKeeping):
         sent to it would wait in their transmit queues, and an actor exits only after
         draining those (up to 7 s), which held up the actor system's shutdown."""
         self._stop.set()
+        if self._senders and getattr(self, "_address", None) is not None:  # (so that a stop does not wait for us)
+            self._outboxes[0].put(("coordinator", Unsubscribe(self._address)))
         if self._supervisor is not None and self._senders:
             self._outboxes[0].put(("exit", self._supervisor))
         for outbox in self._outboxes:
@@ -418,7 +421,7 @@ class ActorBridge(RequestActorKeeping):
                             # Straight to it (through the supervisor would add a hop to every request);
                             # a RequestActor that is stopped or hung holds this thread, so the event
                             # loop replaces a sender stuck here (see _unstick_senders).
-                            self._handing[i] = (time.monotonic(), run.request_id)
+                            self._handing[i] = (self._running_clock(), run.request_id)
                             try:
                                 ctx.tell(actor, run)
                             finally:
@@ -459,6 +462,8 @@ class ActorBridge(RequestActorKeeping):
                         self._tell_request_actor(ctx, item[1], ActorExitRequest())
                     elif kind == "tell":
                         self._tell_request_actor(ctx, item[1], item[2])
+                    elif kind == "coordinator":
+                        ctx.tell(self._coordinator, item[1])
                     elif kind == "routes":
                         # a pool was replaced: requests in flight re-send what waited on it
                         for actor in running.values():

@@ -101,6 +101,7 @@ class RequestActorKeeping:
         #: how often the event loop ends idle RequestActors and writes off lost ones
         self._tick_s = min(1.0, max(0.05, idle_exit_s / 4), self._alive_every_s)
         self._ticked_at = 0.0  # (monotonic) the last _tick
+        self._paused_s = 0.0  # seconds this server did not run, in all (see _tick, _running_clock)
         #: an idle RequestActor of ours that hears nothing for this long exits (BridgeAlive);
         #: ``$OMNI_ACTORS_BRIDGE_LOST_AFTER_S`` changes it (tests), default BRIDGE_LOST_AFTER_S
         self._lost_after_s = float(os.environ.get(LOST_AFTER_ENV) or BRIDGE_LOST_AFTER_S)
@@ -158,6 +159,7 @@ class RequestActorKeeping:
                 # or its RequestActors' (a trial's server, resumed after 8 s, took its supervisor
                 # for lost and ended it, and with it the RequestActor of a stream in flight).
                 self._log.warning("api_server_tick_late", late_s=round(late, 2))
+                self._paused_s += late
                 self._supervisor_heard = min(now, self._supervisor_heard + late)
                 for held in self._held.values():
                     held.heard = min(now, held.heard + late)
@@ -184,11 +186,18 @@ class RequestActorKeeping:
         finally:
             self._tick_handle = self._loop.call_later(self._tick_s, self._tick)
 
+    def _running_clock(self) -> float:
+        """Monotonic seconds less the time this server did not run (see :meth:`_tick`)."""
+        return time.monotonic() - self._paused_s
+
     def _unstick_senders(self, now: float) -> None:
         """A sender thread that has been handing a request to its RequestActor for
         :data:`HAND_OVER_STUCK_S` is stuck (the RequestActor is stopped or hangs): the
         request is written off and the outbox gets a new sender, so the requests behind
-        it in that outbox are not held up as long as Thespian tries (up to 60 s)."""
+        it in that outbox are not held up as long as Thespian tries (up to 60 s). Time
+        this server did not run does not count (a server frozen with a hand-over under
+        way wrote its request off as it resumed)."""
+        now = now - self._paused_s
         for i, handing in enumerate(self._handing):
             if handing is not None and now - handing[0] > HAND_OVER_STUCK_S:
                 self._handing[i] = None
