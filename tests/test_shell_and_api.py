@@ -829,3 +829,37 @@ def test_an_api_server_that_exited_is_not_waited_for_at_the_next_stop():
         told = [ev for ev in read_events(own.log_path) if ev.get("event") == "api_servers_told_to_drain"]
         assert [ev["api_servers"] for ev in told] == [0], told
         assert "stopped renewing their subscription" not in own.log_path.read_text()
+
+
+def test_a_full_thinker_whose_streams_a_frozen_server_holds_back_takes_more_without_being_isolated(tmp_path):
+    """Trial AS: a Thinker at its max_concurrency, every one of its streams held back by a
+    frozen API server (waiting for credits), took one more request on the leader's own
+    server: that task waited for a slot, the pool saw no progress for stall_timeout_s and
+    isolated the Thinker, breaking the held streams. Tasks queued behind held tasks are held
+    too: nothing is restarted, the new request is served once a slot is free, every stream ends."""
+    import yaml
+
+    config = yaml.safe_load((CONFIGS / "cpu_omni_demo.yaml").read_text())
+    config["deployment"]["stages"]["thinker"]["synthetic"]["max_concurrency"] = 2  # (the server's 2 RequestActors)
+    config["deployment"]["streaming"]["max_buffered_chunks"] = 4  # (the chain fills sooner)
+    path = tmp_path / "demo.yaml"
+    path.write_text(yaml.safe_dump(config))
+    with _leader_and_api(path) as (own, api, port):
+        _slow_thinker(own, 10)
+        before = _replicas(_status(own))["thinker/0"]
+        streams = [{} for _ in range(2)]
+        threads = [_until(seen, "parts", _audio_stream_in_thread(port, 300, seen)) for seen in streams]
+        api.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(6)  # (the chain of each stream fills: the Thinker's 2 tasks wait for credits)
+            thread, answer = _request_in_thread(own.port, max_tokens=8)
+            time.sleep(5)  # (over twice the stall timeout)
+            assert _replicas(_status(own))["thinker/0"] == before  # not isolated, not restarted
+        finally:
+            api.send_signal(signal.SIGCONT)
+        thread.join(60)
+        assert "code" not in answer, answer
+        for t in threads:
+            t.join(90)
+        assert all("error" not in seen and seen["done"] for seen in streams), \
+            [{k: v for k, v in seen.items() if k != "pcm"} for seen in streams]
