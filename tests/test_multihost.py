@@ -903,6 +903,9 @@ def test_the_last_member_of_a_stage_serves_the_requests_in_flight_before_it_leav
         _, reps = cluster.wait(lambda rs: any("the last ready replica of stage talker" in r["reason"] for r in rs),
                                "a lingering talker", 10, poll_s=0.05)
         results = [f.result(90) for f in streams]
+    # (trial AS: it said "new ones go to other nodes", and there was none)
+    assert "new ones go to other nodes, but those of code2wav, talker (no ready replica elsewhere) go on coming " \
+        "here until no request in flight needs them" in member.out.read_text(), member.tail()
     for status, events in results:
         assert status == 200 and events[-1] == "[DONE]", (status, events[-3:])
         assert not [e for e in events if e.startswith('{"error"')], events[-3:]

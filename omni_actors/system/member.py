@@ -209,8 +209,17 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
         admin.drain_node(node)
         started = True
         wait_s = (status.drain_timeout_s or DEFAULT_DRAIN_S) + DRAIN_GRACE_S
+        # (trial AS: "new ones go to other nodes" where no other node had a ready replica of a stage:
+        # those linger here, see PoolPlacementMixin.receiveMsg_DrainNode)
+        ready = ReplicaState.READY
+        last_ones = sorted(s.stage for s in status.stages
+                           if any(r.node == node and r.state == ready for r in s.replicas)
+                           and not any(r.node != node and r.state == ready for r in s.replicas))
+        where = "new ones go to other nodes" + (
+            f", but those of {', '.join(last_ones)} (no ready replica elsewhere) go on coming here until no request "
+            "in flight needs them" if last_ones else "")
         print(f"leaving: the replicas on node {node} drain (their requests in flight finish, up to "
-              f"{wait_s:g} s; new ones go to other nodes; Ctrl-C again: leave now)", flush=True)
+              f"{wait_s:g} s; {where}; Ctrl-C again: leave now)", flush=True)
         log.info("member_draining", node=node, timeout_s=wait_s)
         deadline, left, last = time.monotonic() + wait_s, (), None
         while not hurry.is_set():
