@@ -53,8 +53,8 @@ from omni_actors.logs import get_logger
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, MAX_TASK_MOVES, BridgeAlive, CancelRequest, CancelStage,
                                   ChunkAck, ChunkConsumed, ErrorKind, InputChunk, MakeRequestActor, OutputChunk,
                                   OutputReady, OutputsAck, RequestActorAlive, RequestActorFree, RequestActorMade,
-                                  RequestFinished, RoutesChanged, RunRequest, StageAccepted, StageCancelled, StageChunk, StageDone,
-                                  StageFailed, StageTask, TextStarted)
+                                  RequestFinished, RoutesChanged, RunRequest, StageAccepted, StageCancelled,
+                                  StageChunk, StageDone, StageFailed, StageTask, TextStarted)
 
 #: Stage failures worth another replica: the engine raised, or was going away.
 RETRYABLE = (ErrorKind.ENGINE_ERROR, ErrorKind.UNAVAILABLE)
@@ -252,8 +252,7 @@ class RequestActor(ActorTypeDispatcher):
 
     def _send_output(self, make, credit: tuple[int, int] | None) -> None:
         seq = self._out_seq
-        window = self._req.chunk_window
-        every = max(1, min(OUTPUT_ACK_EVERY, window // 2))
+        every = max(1, min(OUTPUT_ACK_EVERY, self._req.chunk_window // 2))
         self.send(self._req.reply_to, make(seq, self.myAddress if (seq + 1) % every == 0 else None))
         if credit is not None:
             self._out_credit.append((seq, *credit))

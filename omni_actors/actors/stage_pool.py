@@ -582,6 +582,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                                                             for r in self._replicas.values()
                                                             if r.state == ReplicaState.FAILED and r.failed_why),
                                                next_index=self._next_index, host=host_identity(),
-                                               feeding=sum(1 for t, _ in self._pending if t.feeds) + sum(
-                                                   1 for r in self._replicas.values()
-                                                   for t, _ in r.in_flight.values() if t.feeds)))
+                                               feeding=self._feeding()))
+
+    def _feeding(self) -> int:
+        """Tasks queued or in flight whose request goes on to another stage (StageTask.feeds)."""
+        queued = sum(1 for task, _ in self._pending if task.feeds)
+        return queued + sum(1 for r in self._replicas.values() for task, _ in r.in_flight.values() if task.feeds)

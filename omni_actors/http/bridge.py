@@ -68,8 +68,8 @@ from omni_actors.http.types import (CONTEXT_LENGTH_CODE, BridgeEvent, OutputFina
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelRequest, CancelStage, DeltasAck, ErrorKind, GetRoutes, GetStatus, OutputChunk,
                                   OutputDelta, OutputDeltas, OutputReady, OutputsAck, Relay, RequestActorAlive,
-                                  RequestActorExited, RequestActorFree, RequestFinished, Routes, RoutesChanged, RunRequest, Subscribe, SUBSCRIPTION,
-                                  SupervisorAlive, SystemStatus, SystemStopping, Unsubscribe, WhoAmI, YouAre)
+                                  RequestActorExited, RequestActorFree, RequestFinished, Routes, RoutesChanged,
+                                  RunRequest, Subscribe, SUBSCRIPTION, SupervisorAlive, SystemStatus, SystemStopping, Unsubscribe, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
 from omni_actors.http.request_actors import (LOST_AFTER_S, REQUEST_ACTOR_SILENT_S,  # noqa: F401 - (tests)
                                              RequestActorKeeping, _Held)
@@ -176,7 +176,6 @@ class ActorBridge(RequestActorKeeping):
         n = len(self._outboxes)
         #: per outbox: the generation of its current sender thread (a stuck one is replaced)
         self._sender_gen = [0] * n
-        #: per outbox: (since, request id) while its sender hands a request to a RequestActor
         #: per outbox: (since, by _running_clock(), request id) while its sender hands a request over
         self._handing: list[tuple[float, str] | None] = [None] * n
         #: per outbox: request -> its RequestActor, and -> (pool, stage id) of its stages
