@@ -561,6 +561,15 @@ class RequestActor(ActorTypeDispatcher):
         if self._current(msg.request_id):
             self._finish(ErrorKind.CANCELLED, msg.reason)
 
+    def receiveMsg_ActorExitRequest(self, msg: ActorExitRequest, sender):
+        """Told to exit with a request still on (the system stops while the API server that
+        owns it is frozen or slow, so its drain could not end the request): end it here, so it
+        still gets its ``request_finished`` line, its stages are cancelled and its buffers are
+        released; the API server reads a 503 if it ever hears from us again (trial AS: this
+        actor was killed at the shutdown, and the request had no ``request_finished``)."""
+        if self._req is not None:
+            self._finish(ErrorKind.UNAVAILABLE, "the omni-actors system stopped before this request finished")
+
     # -- the API server that owns this actor ------------------------------------
     def receiveMsg_BridgeAlive(self, msg: BridgeAlive, sender):
         changed = msg.lost_after_s != self._lost_after_s

@@ -78,6 +78,8 @@ from omni_actors.planning import PlanError, plan_request
 #: How often the bridge renews its subscription with the coordinator (a lease:
 #: a coordinator restarted after a crash learns of us within this time).
 SUBSCRIBE_EVERY_S = 2.0
+#: Seconds the receiver thread waits for one message before it looks at its other duties.
+RECEIVE_LISTEN_S = 0.5
 #: RequestActors made at start and kept however long they idle (at most ``request_actors``).
 DEFAULT_MIN_REQUEST_ACTORS = 4
 #: Requests that may wait for a free RequestActor, per RequestActor allowed (``queue_limit`` default).
@@ -199,6 +201,9 @@ class ActorBridge(RequestActorKeeping):
         #: set when the leader was told a second time to stop: end the requests still running now
         self.system_hurry = threading.Event()
         self.system_drain_timeout_s: float | None = None
+        #: when the receiver last found nothing to read for a whole listen (monotonic; see
+        #: :meth:`inbound_settled`)
+        self._quiet_at = 0.0
         #: the stages' replicas as the coordinator last published them (on every state change)
         self._published: SystemStatus | None = None
         #: how long requests waited for a free RequestActor (the 429/504 ones are not in it),
@@ -491,9 +496,26 @@ class ActorBridge(RequestActorKeeping):
                         self._log.warning("coordinator_lookup_failed", error=str(exc))
                     ctx.tell(self._coordinator, Subscribe(self._address))
                     next_subscribe = time.monotonic() + SUBSCRIBE_EVERY_S
-                msg = ctx.listen(0.5)
+                msg = ctx.listen(RECEIVE_LISTEN_S)
                 if msg is not None:
                     self._on_message(msg)
+                else:
+                    self._quiet_at = time.monotonic()
+
+    async def inbound_settled(self, timeout_s: float = 2 * RECEIVE_LISTEN_S + 0.2) -> bool:
+        """Wait until the receiver has read everything that had come (a whole listen of
+        :data:`RECEIVE_LISTEN_S` found nothing more), at most ``timeout_s``; whether it did.
+
+        For an API server resumed after a freeze that finds its system gone: what the system
+        sent before it went (:class:`SystemStopping`, requests' ends) is still to be read, and
+        says whether the system stopped in order or was killed."""
+        since = time.monotonic()
+        while self._quiet_at <= since:
+            receiver = getattr(self, "_receiver", None)
+            if time.monotonic() - since > timeout_s or receiver is None or not receiver.is_alive():
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     def _on_message(self, msg: Any) -> None:
         """Receiver thread: turn an actor message into a loop-side event."""

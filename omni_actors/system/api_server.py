@@ -235,12 +235,19 @@ async def _serve(asys, coordinator, *, host: str, port: int, where: str, alive, 
                 if time.monotonic() >= next_check:
                     if not await loop.run_in_executor(None, alive):
                         lost.set()
-                        print(f"error: the system on {where} is gone; stopping this API server",
+                        # (resumed after a freeze: what the system sent before it went is read first)
+                        await bridge.inbound_settled()
+                        how = "has stopped" if bridge.system_stopping.is_set() else "is gone"
+                        print(f"error: the system on {where} {how}; stopping this API server",
                               file=sys.stderr, flush=True)
                         break
                     next_check = time.monotonic() + ADMIN_CHECK_EVERY_S
-            gone = (f"the omni-actors system on {where} is gone (its admin stopped listening): the request "
-                    f"cannot finish; this API server stops too") if lost.is_set() else ""
+            gone = ""
+            if lost.is_set():  # (trial AS: one frozen through a whole stop read "gone", not "stopped")
+                gone = (f"the omni-actors system on {where} has stopped (while this API server did not "
+                        f"answer, so it could not drain)" if bridge.system_stopping.is_set() else
+                        f"the omni-actors system on {where} is gone (its admin stopped listening)")
+                gone += ": the request cannot finish; this API server stops too"
             system_stops = bridge.system_stopping.is_set() and not stopping.is_set() and not gone
             if system_stops:  # the leader was stopped: drain as it does, then stop too
                 drain_timeout_s = bridge.system_drain_timeout_s or drain_timeout_s
