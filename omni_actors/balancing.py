@@ -54,21 +54,34 @@ def least_loaded(candidates: Sequence[ReplicaLoad]) -> str | None:
 POLICIES = {"least_loaded": least_loaded}
 
 
-def no_replica_reason(stage: str, replicas: Iterable, queue_timeout_s: float) -> str | None:
+def lingers(replica) -> bool:
+    """Whether ``replica`` (a pool's record, or a ``ReplicaStatus``) is READY and lingering: the
+    last ready one of its stage on a leaving node, taking only the tasks of requests begun
+    before it lingered."""
+    return replica.state in ROUTABLE and bool(getattr(replica, "lingering", False) or getattr(replica, "linger", ""))
+
+
+def no_replica_reason(stage: str, replicas: Iterable, queue_timeout_s: float,
+                      new_request: bool = False) -> str | None:
     """Why a task of ``stage`` gets a 503 at once; None if it is routed now or may wait.
 
     ``replicas`` are objects with ``replica``, ``state`` (:class:`ReplicaState`)
     and ``reason`` (a pool's own records, or the ``ReplicaStatus`` es of a
-    published ``PoolState``). A task is taken when one is :data:`ROUTABLE`;
-    else it waits when one is :data:`ON_ITS_WAY` and ``queue_timeout_s`` > 0.
-    Otherwise (none, or all stopped, draining or failed) the answer names each
-    replica's state and reason, e.g. ``"no ready replica of stage talker
-    (talker/0 stopped: scaled down)"``.
+    published ``PoolState``). A task is taken when one is :data:`ROUTABLE`
+    (with ``new_request``, of a request begun after the lingering ones lingered:
+    one that does not linger, see :func:`lingers`); else it waits when one is
+    :data:`ON_ITS_WAY` and ``queue_timeout_s`` > 0. Otherwise (none, or all
+    stopped, draining or failed) the answer names each replica's state and
+    reason, e.g. ``"no ready replica of stage talker (talker/0 stopped: scaled
+    down)"``, or ``"no replica of stage talker takes new requests (...)"`` where
+    only lingering ones are ready.
     """
     replicas = list(replicas)
-    if any(r.state in ROUTABLE for r in replicas) or (
+    if any(r.state in ROUTABLE and not (new_request and lingers(r)) for r in replicas) or (
             queue_timeout_s > 0 and any(r.state in ON_ITS_WAY for r in replicas)):
         return None
+    if new_request and any(lingers(r) for r in replicas):
+        return f"no replica of stage {stage} takes new requests ({describe_replicas(replicas)})"
     return f"no ready replica of stage {stage} ({describe_replicas(replicas)})"
 
 

@@ -342,9 +342,12 @@ class ReplicaStatus(Message):
     #: ``(node, devices)`` the replica was launched pinned to (``stage launch --node/--devices``;
     #: devices may be empty: that node only); ``()``: placed wherever it fits
     pin: tuple = ()
-    #: READY on a node that is leaving, as the last ready replica of its stage: it takes tasks
-    #: until another is ready or no request is in flight, then drains (see :class:`NoRequestsInFlight`)
+    #: READY on a node that is leaving, as the last ready replica of its stage: it takes the
+    #: tasks of the requests begun before it lingered, until another is ready or none of those is
+    #: in flight, then drains (see :class:`NoRequestsInFlight`)
     lingering: bool = False
+    #: since when it lingers (``time.time()``, seconds; 0.0 when it does not)
+    lingering_since: float = 0.0
     #: the machine its process runs on (``supervision.host_identity()``); "" unknown or none
     host: str = ""
 
@@ -390,8 +393,11 @@ class PoolState(Message):
     #: the index the pool's next new replica gets (its names are never used twice)
     next_index: int = 0
     host: str = ""  #: the machine the pool's process runs on (``supervision.host_identity()``)
-    #: tasks in flight or queued whose request goes on to another stage (``StageTask.feeds``)
-    feeding: int = 0
+    #: the earliest ``StageTask.began_at`` of the tasks in flight or queued whose request goes
+    #: on to another stage (``StageTask.feeds``); None: no such task
+    feeding_began: float | None = None
+    #: the earliest ``StageTask.began_at`` of all its tasks in flight or queued; None: none
+    oldest_began: float | None = None
 
 
 #: ``SystemStatus.query_id`` of the statuses the coordinator publishes to its subscribers.
@@ -532,9 +538,9 @@ class HeartbeatAck(Message):
 
 @dataclass(frozen=True)
 class NoRequestsInFlight(Message):
-    """Coordinator -> pool with lingering replicas (``ReplicaStatus.lingering``): no
-    pool has had a task in flight or queued for ``LINGER_QUIET_S``, so no request in
-    flight can still need them: they drain now."""
+    """Coordinator -> pool with lingering replicas (``ReplicaStatus.lingering``): for
+    ``LINGER_QUIET_S``, no pool has had a task in flight or queued of a request begun
+    before they lingered that may still need them: they drain now."""
 
 
 @dataclass(frozen=True)
@@ -931,8 +937,13 @@ class StageTask(Message):
     timeout_s: float = 0.0
     #: Another stage of the request's plan takes this one's outputs (whole or in chunks):
     #: the request goes on past it. A lingering replica waits only for such requests
-    #: (``PoolState.feeding``); a text-only request's Thinker task does not feed.
+    #: (``PoolState.feeding_began``); a text-only request's Thinker task does not feed.
     feeds: bool = True
+    #: When the request began in its RequestActor (``time.time()``, seconds; pools and
+    #: RequestActors run on the leader's host). A lingering replica takes only the tasks of
+    #: requests begun before it lingered (``ReplicaStatus.lingering_since``); 0.0: unknown,
+    #: taken as long ago.
+    began_at: float = 0.0
 
     @property
     def counted_attempts(self) -> int:

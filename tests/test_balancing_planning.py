@@ -130,6 +130,21 @@ def test_the_refusal_names_each_replica_and_why() -> None:
     assert no_replica_reason("dit", [], 30.0) == "no ready replica of stage dit (no replicas)"
 
 
+def test_a_new_request_is_not_taken_by_replicas_that_linger_on_a_leaving_node() -> None:
+    """The API server's check (``new_request``): a lingering replica takes only the requests
+    begun before it lingered (trial AS), so a new one waits for a replacement on its way, and
+    with none gets a 503 that says so at once."""
+    why = "node m1 is leaving; the last ready replica of stage talker: it finishes the requests begun before"
+    lingering = ReplicaStatus("talker/0", ReplicaState.READY, why, lingering=True, lingering_since=1.0)
+    assert no_replica_reason("talker", [lingering], 30.0) is None  # (a task of an earlier request)
+    assert no_replica_reason("talker", [lingering], 30.0, new_request=True) == (
+        f"no replica of stage talker takes new requests (talker/0 ready: {why})")
+    starting = ReplicaStatus("talker/1", ReplicaState.STARTING, "replacing talker/0")
+    assert no_replica_reason("talker", [lingering, starting], 30.0, new_request=True) is None
+    ready = ReplicaStatus("talker/2", ReplicaState.READY)
+    assert no_replica_reason("talker", [lingering, ready], 30.0, new_request=True) is None
+
+
 def test_text_only_runs_the_thinker_alone(omni, omni_pools) -> None:
     plan = plan_request(omni, omni_pools, {"text"})
     assert isinstance(plan, RequestPlan)

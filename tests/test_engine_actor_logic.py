@@ -1556,12 +1556,17 @@ def test_lingering_replicas_are_released_once_no_pool_has_had_work_for_a_while(m
     co._pools = {0: "thinker-pool", 1: "code2wav-pool"}
     ready = ReplicaState.READY
 
+    lingered_at = 1000.0  # (wall clock: StageTask.began_at, ReplicaStatus.lingering_since)
+
     def report(thinker_in_flight: int, lingering: bool = True, feeding: bool = True,
-               code2wav_in_flight: int = 0) -> None:
+               code2wav_in_flight: int = 0, began: float = lingered_at - 1) -> None:
+        busy = began if thinker_in_flight else None
         co._states[0] = PoolState(0, "thinker", (ReplicaStatus("thinker/0", ready, in_flight=thinker_in_flight),),
-                                  feeding=thinker_in_flight if feeding else 0)
+                                  feeding_began=busy if feeding else None, oldest_began=busy)
         co._states[1] = PoolState(1, "code2wav", (ReplicaStatus("code2wav/0", ready, lingering=lingering,
-                                                                in_flight=code2wav_in_flight),))
+                                                                lingering_since=lingered_at if lingering else 0.0,
+                                                                in_flight=code2wav_in_flight),),
+                                  oldest_began=began if code2wav_in_flight else None)
         co._end_lingering()
 
     report(1)  # a request in the thinker will need code2wav
@@ -1597,6 +1602,19 @@ def test_lingering_replicas_are_released_once_no_pool_has_had_work_for_a_while(m
     report(3, feeding=False)
     assert co.sent == [("code2wav-pool", NoRequestsInFlight())]
 
+    # Requests begun after the replicas lingered (trial AS: steady text+audio load held them
+    # until the member's drain timeout) do not hold them: the lingering ones never take theirs.
+    co.sent.clear()
+    co._quiet_since = None
+    report(3, began=lingered_at - 0.5)
+    now[0] += 5
+    report(3, began=lingered_at - 0.5)
+    assert co.sent == []  # (one began before)
+    report(3, began=lingered_at + 0.5)
+    now[0] += coordinator.LINGER_QUIET_S
+    report(3, began=lingered_at + 0.5)
+    assert co.sent == [("code2wav-pool", NoRequestsInFlight())]
+
 
 def test_the_last_ready_replicas_on_a_leaving_node_linger_until_released_or_undrained():
     """Trial AP: draining the only node with a ready Code2Wav stopped its idle replicas at
@@ -1609,7 +1627,7 @@ def test_the_last_ready_replicas_on_a_leaving_node_linger_until_released_or_undr
     from omni_actors.actors.supervision import ReplicaHealth
     from omni_actors.balancing import least_loaded
     from omni_actors.messages import (DrainNode, DrainReplica, EngineReady, NodesChanged, NoRequestsInFlight,
-                                      ReplicaState, StageTask)
+                                      ReplicaState, StageFailed, StageTask)
 
     def pool_with(*replicas: Replica) -> tuple[StagePoolActor, list]:
         pool = StagePoolActor()
@@ -1637,9 +1655,27 @@ def test_the_last_ready_replicas_on_a_leaving_node_linger_until_released_or_undr
     assert "the last ready replica of stage code2wav" in reps["code2wav/0"].reason
     assert not [m for _, m in sent if isinstance(m, DrainReplica)]
     assert [r.lingering for r in sent[-1][1].replicas if r.replica.endswith(("/0", "/1"))] == [True, True]
-    pool.receiveMsg_StageTask(StageTask("r1", 2, "", (), {}, {}, "audio", False, "ra"), "ra")
+    assert "it finishes the requests begun before, and takes no new ones" in reps["code2wav/0"].reason
+    pool.receiveMsg_StageTask(StageTask("r1", 2, "", (), {}, {}, "audio", False, "ra",
+                                        began_at=reps["code2wav/0"].linger_since - 1), "ra")
     assert [a for a, m in sent if isinstance(m, StageTask)] in (["e0"], ["e1"])  # it takes the task
     busy = next(r for r in reps.values() if r.in_flight)
+    # A request begun after they lingered (trial AS: cut off when the member left) waits for the
+    # replacement, which is starting; with none on its way, it gets a 503 at once.
+    sent.clear()
+    late = StageTask("r2", 2, "", (), {}, {}, "audio", False, "ra", began_at=reps["code2wav/0"].linger_since + 1)
+    pool.receiveMsg_StageTask(late, "ra")
+    assert not [m for _, m in sent if isinstance(m, (StageTask, StageFailed))] and len(pool._pending) == 1
+    pool._pending.clear()
+    replacements = {r.replica: r.state for r in reps.values() if r.node != "m1"}
+    for name in replacements:
+        reps[name].state = ReplicaState.STOPPED
+    pool.receiveMsg_StageTask(late, "ra")
+    failed = [m for _, m in sent if isinstance(m, StageFailed)]
+    assert len(failed) == 1 and failed[0].message.startswith("no replica of stage code2wav takes new requests ("), \
+        failed
+    for name, state in replacements.items():
+        reps[name].state = state
     sent.clear()
     pool.receiveMsg_NoRequestsInFlight(NoRequestsInFlight(), "coordinator")  # the idle one drains
     assert [m.replica for _, m in sent if isinstance(m, DrainReplica)] == [

@@ -796,9 +796,10 @@ def test_a_member_killed_while_the_leader_reads_its_outputs_loses_no_request(req
 
 
 def _demo_variant(tmp_path, *, thinker_ms: float | None = None, code2wav_ms: float | None = None,
-                  drain_timeout_s: float | None = None) -> Path:
+                  drain_timeout_s: float | None = None, queue_timeout_s: float | None = None) -> Path:
     """The CPU demo config with a Thinker / Code2Wav of ``*_ms`` a token (their other synthetic
-    costs left at 0) and ``supervision.drain_timeout_s``, written under ``tmp_path``."""
+    costs left at 0) and ``supervision.drain_timeout_s`` / ``queue_timeout_s``, written under
+    ``tmp_path``."""
     import yaml
 
     cfg = yaml.safe_load(CONFIG.read_text())
@@ -807,6 +808,8 @@ def _demo_variant(tmp_path, *, thinker_ms: float | None = None, code2wav_ms: flo
             cfg["deployment"]["stages"][stage]["synthetic"] = {"decode_ms_per_token": ms}
     if drain_timeout_s is not None:
         cfg["deployment"]["supervision"]["drain_timeout_s"] = drain_timeout_s
+    if queue_timeout_s is not None:
+        cfg["deployment"]["supervision"]["queue_timeout_s"] = queue_timeout_s
     config = tmp_path / "demo-variant.yaml"
     config.write_text(yaml.safe_dump(cfg))
     return config
@@ -904,8 +907,8 @@ def test_the_last_member_of_a_stage_serves_the_requests_in_flight_before_it_leav
                                "a lingering talker", 10, poll_s=0.05)
         results = [f.result(90) for f in streams]
     # (trial AS: it said "new ones go to other nodes", and there was none)
-    assert "new ones go to other nodes, but those of code2wav, talker (no ready replica elsewhere) go on coming " \
-        "here until no request in flight needs them" in member.out.read_text(), member.tail()
+    assert "new ones go to other nodes; code2wav, talker (no ready replica elsewhere) finish here the requests " \
+        "begun before now, and newer requests wait for a replacement" in member.out.read_text(), member.tail()
     for status, events in results:
         assert status == 200 and events[-1] == "[DONE]", (status, events[-3:])
         assert not [e for e in events if e.startswith('{"error"')], events[-3:]
@@ -916,33 +919,31 @@ def test_the_last_member_of_a_stage_serves_the_requests_in_flight_before_it_leav
     assert ends and all(e["cause"] == "no request in flight" for e in ends), ends
 
 
-def test_the_last_member_of_a_stage_under_steady_load_leaves_at_its_drain_timeout_and_says_why(request, tmp_path):
-    """With requests coming all the time, the lingering replicas are never released: the member
-    leaves at its drain timeout (+ DRAIN_GRACE_S), as for any replica still busy then, and says
-    that they were the last of their stages, taking the requests in flight."""
+def test_the_last_member_of_a_stage_leaves_at_its_drain_timeout_when_an_earlier_request_outlasts_it(
+        request, tmp_path):
+    """A stream begun before the leave that outlasts the drain timeout holds the lingering
+    replicas: the member leaves at its drain timeout (+ DRAIN_GRACE_S), as for any replica
+    still busy then, and says that they were the last of their stages, with requests begun
+    before the leave. They are drained, not crashed."""
     from omni_actors.system.member import DRAIN_GRACE_S
 
     config = _demo_variant(tmp_path, thinker_ms=20, drain_timeout_s=1)
     cluster = start_cluster(request, tmp_path, config=config, members=(("m1", "0,1,2,3"),))
     member = cluster.members["m1"]
-    with ThreadPoolExecutor(8) as pool:
-        streams = [pool.submit(_stream, cluster.base_url, 20)]
-        time.sleep(0.3)
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(_stream, cluster.base_url, 400)  # (8 s of Thinker, then its audio)
+        cluster.wait(lambda rs: any(r["stage"] == "thinker" and r["in_flight"] for r in rs),
+                     "the stream in the thinker", 20, poll_s=0.02)
         member.proc.send_signal(signal.SIGINT)
         signalled = time.monotonic()
-        while member.proc.poll() is None and time.monotonic() - signalled < 30:
-            streams.append(pool.submit(_stream, cluster.base_url, 20))
-            time.sleep(0.3)
+        assert member.proc.wait(30) == 0
         left_s = time.monotonic() - signalled
-        for f in streams:
-            f.result(90)
-    assert member.proc.wait(5) == 0 and left_s < 1 + DRAIN_GRACE_S + 3, left_s
+        long.result(90)
+    assert left_s < 1 + DRAIN_GRACE_S + 3, left_s
     out = member.out.read_text()
     line = next((x for x in out.splitlines() if x.startswith("leaving with ")), None)
-    assert line is not None and "were the last ready replicas of their stages and took the tasks of requests " \
-        "in flight until then" in line, out
-    assert streams[0].result()[1][-1] == "[DONE]"
-    # They were drained, not crashed: stopped, with only their replacements waiting for a node
+    assert line is not None and "were the last ready replicas of their stages, still with requests begun " \
+        "before the leave" in line, out
     # (trial AR: they were placed again beside their replacements, twice the replicas wanted)
     _, reps = cluster.wait(lambda rs: all(r["state"] == "stopped" for r in rs if r["node"] == "m1"
                                           and r["stage"] in MEMBER_STAGES), "m1's replicas stopped", 10)
@@ -953,6 +954,42 @@ def test_the_last_member_of_a_stage_under_steady_load_leaves_at_its_drain_timeou
     crashes = [e for e in read_events(cluster.leader.log_path, 0)
                if e.get("event") == "replica_exited" and e.get("level") == "error"]
     assert not crashes, crashes
+
+
+def test_the_last_member_of_a_stage_under_steady_load_finishes_the_earlier_requests_and_leaves(request, tmp_path):
+    """Trial AS: under steady text+audio load the lingering Talker and Code2Wav of the last
+    member took the tasks of every new request until the drain timeout; the streams begun
+    late were cut off at the leave (`talker/4 went down mid-stream (stopped: node m1 left
+    ...)`). A lingering replica now takes only the requests begun before it lingered: the
+    member leaves once those are done, well before its drain timeout of 30 s, and a request
+    begun after the leave waits for a replacement, as once the node has left (here none can
+    be placed: a clear error after queue_timeout_s), and none is cut off mid-stream."""
+    config = _demo_variant(tmp_path, thinker_ms=20, drain_timeout_s=30, queue_timeout_s=2)
+    cluster = start_cluster(request, tmp_path, config=config, members=(("m1", "0,1,2,3"),))
+    member = cluster.members["m1"]
+    with ThreadPoolExecutor(8) as pool:
+        before = [pool.submit(_stream, cluster.base_url, 40) for _ in range(2)]
+        cluster.wait(lambda rs: any(r["stage"] == "thinker" and r["in_flight"] >= 2 for r in rs),
+                     "the streams in the thinker", 20, poll_s=0.02)
+        member.proc.send_signal(signal.SIGINT)
+        signalled, after = time.monotonic(), []
+        while member.proc.poll() is None and time.monotonic() - signalled < 40:
+            time.sleep(0.3)
+            after.append(pool.submit(_stream, cluster.base_url, 20))
+        left_s = time.monotonic() - signalled
+        results = [f.result(90) for f in before], [f.result(90) for f in after]
+    assert member.proc.wait(5) == 0 and left_s < 15, left_s  # (not its drain timeout of 30 s)
+    assert not any(x.startswith("leaving with ") for x in member.out.read_text().splitlines()), member.tail()
+    for status, events in results[0]:
+        assert status == 200 and events[-1] == "[DONE]", (status, events[-3:])
+        assert not [e for e in events if e.startswith('{"error"')] and any('"audio"' in e for e in events)
+    assert len(results[1]) >= 2
+    for status, events in results[1]:
+        errors = [e for e in events if e.startswith('{"error"')]
+        assert status == 503 or errors, (status, events[-3:])
+        text = "".join(errors) if status == 200 else events[0]
+        assert "no ready replica of stage" in text or "takes new requests" in text, text
+        assert "mid-stream" not in text and not any('"audio"' in e for e in events), text
 
 
 def test_the_last_member_of_a_stage_leaves_under_text_only_load_without_waiting_its_drain_timeout(

@@ -238,9 +238,9 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._asks = {r: a for r, a in self._asks.items() if a.stage != msg.stage or r in shown}
         # (with what a recreated coordinator needs to start them as they were: the leader keeps
         # the last status it got and hands it on)
-        self._states[msg.stage_id] = PoolState(msg.stage_id, msg.stage, msg.replicas, msg.pid, msg.pending,
-                                               self._pool_restart_count(msg.stage_id), msg.restart_times,
-                                               msg.failed, msg.next_index, host=msg.host, feeding=msg.feeding)
+        # (every field as reported but the restart count, which is ours: a field copied one by one was
+        # once left out, and the lingering replicas then waited for nothing)
+        self._states[msg.stage_id] = dataclasses.replace(msg, restarts=self._pool_restart_count(msg.stage_id))
         if old is None or _states_of(old) != _states_of(msg):
             for r in msg.replicas:
                 before = next((o for o in (old.replicas if old else ()) if o.replica == r.replica), None)
@@ -253,16 +253,23 @@ class CoordinatorActor(ActorTypeDispatcher):
 
     def _end_lingering(self) -> None:
         """Lingering replicas (the last ready ones of their stage, on a node that is
-        leaving: ``ReplicaStatus.lingering``) stay only for requests in flight that may
-        still need them. Once, for :data:`LINGER_QUIET_S`, no pool has reported a task in
-        flight or queued that feeds another stage (``PoolState.feeding``: a text-only
-        request's Thinker task does not), and the lingering stages' own pools none at all
-        (pools report every heartbeat interval; one quiet report could fall between two
-        stages of a request), their pools are told to drain them. Called on each pool
-        report and node check."""
+        leaving: ``ReplicaStatus.lingering``) take only the tasks of requests begun before
+        they lingered (``lingering_since``), and stay only while such a request may still
+        need them. Once, for :data:`LINGER_QUIET_S`, no pool has reported such a task in
+        flight or queued that feeds another stage (``PoolState.feeding_began``: a
+        text-only request's Thinker task does not), and the lingering stages' own pools
+        none at all (``oldest_began``; pools report every heartbeat interval, and one
+        quiet report could fall between two stages of a request), their pools are told
+        to drain them. Called on each pool report and node check."""
+        since = [r.lingering_since for st in self._states.values() for r in st.replicas if r.lingering]
         lingering = [sid for sid, st in self._states.items() if any(r.lingering for r in st.replicas)]
-        if not lingering or any(st.feeding for st in self._states.values()) or any(
-                st.pending or any(r.in_flight for r in st.replicas)
+        latest = max(since, default=0.0)
+
+        def before(began: float | None) -> bool:  # (a task of a request that may need them)
+            return began is not None and began <= latest
+
+        if not lingering or any(before(st.feeding_began) for st in self._states.values()) or any(
+                before(st.oldest_began) or any(r.in_flight for r in st.replicas if r.lingering)
                 for sid, st in self._states.items() if sid in lingering):
             self._quiet_since = None
             return

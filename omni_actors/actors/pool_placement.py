@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 from thespian.actors import ActorExitRequest
 
@@ -127,10 +128,14 @@ class PoolPlacementMixin:
         stage's last: drained now, a request in flight that still needs this stage
         (in an upstream stage, or between two) would wait for a replacement that
         may never be placed, then fail (trial AP: a stream in its Talker lost its
-        Code2Wav). They *linger* instead: READY, taking tasks, until another
-        replica of the stage is ready or the coordinator says no request is in
-        flight (:class:`~omni_actors.messages.NoRequestsInFlight`); then they drain.
-        The member waits for them within its drain timeout, as for any replica."""
+        Code2Wav). They *linger* instead: READY, taking the tasks of the requests
+        begun before (``StageTask.began_at``), until another replica of the stage
+        is ready or the coordinator says none of those is in flight
+        (:class:`~omni_actors.messages.NoRequestsInFlight`); then they drain. A
+        request begun later is served as if the node had left already (it waits
+        for a replacement, up to ``queue_timeout_s``): taken here, it would break
+        when the member's drain timeout runs out (trial AS). The member waits for
+        them within its drain timeout, as for any replica."""
         drained = []
         what = "drained (`node drain`)" if msg.operator else LEAVING
         back = "undrained" if msg.operator else "back"
@@ -146,9 +151,9 @@ class PoolPlacementMixin:
                 self._launch(new)
                 why = f"node {msg.node} {what} (replaced by {new})"
             if last and rep.state == ReplicaState.READY:
-                rep.linger = why
-                rep.reason = (f"{why}; the last ready replica of stage {self._spec.stage.name}: it takes tasks "
-                              "until another is ready or no request is in flight")
+                rep.linger, rep.linger_since = why, time.time()
+                rep.reason = (f"{why}; the last ready replica of stage {self._spec.stage.name}: it finishes the "
+                              "requests begun before, and takes no new ones")
                 self._log.info("replica_lingers", replica=rep.replica, node=msg.node, in_flight=len(rep.in_flight))
                 continue
             self._drain(rep, why)

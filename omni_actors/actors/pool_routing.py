@@ -103,13 +103,15 @@ class PoolRoutingMixin:
             self._reject(task, f"stage {self._spec.stage.name}: gave up after {task.counted_attempts} attempts"
                                + (f" and {task.moved} moves" if task.moved else "") + f" ({why})")
             return
-        ready = [r for r in self._replicas.values() if r.state in ROUTABLE and r.replica not in task.exclude]
-        if not ready:
-            ready = [r for r in self._replicas.values() if r.state in ROUTABLE]
+        # (a lingering replica takes only the tasks of requests begun before it lingered)
+        takers = [r for r in self._replicas.values() if r.state in ROUTABLE
+                  and not (r.linger and task.began_at > r.linger_since)]
+        ready = [r for r in takers if r.replica not in task.exclude] or takers
         chosen = self._policy([ReplicaLoad(r.replica, len(r.in_flight), r.dispatched) for r in ready])
         if chosen is None:
             wait_s = self._spec.supervision.queue_timeout_s
-            refused = no_replica_reason(self._spec.stage.name, self._replicas.values(), wait_s)
+            refused = no_replica_reason(self._spec.stage.name, self._replicas.values(), wait_s,
+                                        new_request=any(r.linger for r in self._replicas.values()))
             if refused is None:
                 self._pending.append((task, time.monotonic() + wait_s))
             else:

@@ -125,6 +125,7 @@ class RequestActor(ActorTypeDispatcher):
         self._confirm_s = cancel_confirm_s()
         #: (monotonic s) when the pending DEADLINE wake-up falls due; None: none pending
         self._deadline_wake: float | None = None
+        self._began_at = 0.0  # (time.time()) when the current request began here
         self._reset()
 
     def _reset(self) -> None:
@@ -177,6 +178,7 @@ class RequestActor(ActorTypeDispatcher):
         self._stream_consumers = {sid: [s.stage_id for s in msg.plan.stages if s.stream_source == sid]
                                   for sid in self._plan}
         self._started = time.monotonic()
+        self._began_at = time.time()  # (StageTask.began_at: lingering replicas take older requests only)
         self._arm_deadline()
         self._alive_every_s = msg.alive_every_s
         self._alive_beats.ensure(self, msg.alive_every_s)
@@ -206,7 +208,7 @@ class RequestActor(ActorTypeDispatcher):
                 chunk_window=req.chunk_window, chunk_timeout_s=req.chunk_timeout_s,
                 chunk_tokens=req.chunk_tokens,
                 text_to=req.reply_to if st.final_output_type == "text" and req.stream_outputs else None,
-                timeout_s=self._left(),
+                timeout_s=self._left(), began_at=self._began_at,
                 feeds=any(st.stage_id in s.sources or s.stream_source == st.stage_id for s in req.plan.stages))
             self._running[st.stage_id] = task
             self.send(self._pools[st.stage_id], task)

@@ -107,6 +107,8 @@ class Replica:
     #: READY on a node that is leaving, the last ready replica of its stage: the drain reason it
     #: gets once another is ready or no request is in flight (see PoolPlacementMixin.receiveMsg_DrainNode)
     linger: str = ""
+    #: since when it lingers (``time.time()``): it takes only the tasks of requests begun before
+    linger_since: float = 0.0
     #: it has been READY at least once (its config loads), and load failures since it last was
     loaded: bool = False
     load_failures: int = 0
@@ -572,7 +574,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 latency_buckets=tuple(r.latency), latency_sum_s=round(r.latency_sum, 6),
                 pin=self._pins.get(r.replica, ()), fault=r.fault if r.state not in _NO_PROCESS else "",
                 host=r.host if r.state not in _NO_PROCESS else "",
-                lingering=bool(r.linger) and r.state == ReplicaState.READY)
+                lingering=bool(r.linger) and r.state == ReplicaState.READY,
+                lingering_since=r.linger_since if r.linger and r.state == ReplicaState.READY else 0.0)
             for r in self._replicas.values())
         self.send(self._coordinator, PoolState(self._spec.stage.stage_id, self._spec.stage.name, replicas,
                                                pid=os.getpid(), pending=len(self._pending),
@@ -582,9 +585,13 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                                                             for r in self._replicas.values()
                                                             if r.state == ReplicaState.FAILED and r.failed_why),
                                                next_index=self._next_index, host=host_identity(),
-                                               feeding=self._feeding()))
+                                               feeding_began=self._began(feeding=True),
+                                               oldest_began=self._began()))
 
-    def _feeding(self) -> int:
-        """Tasks queued or in flight whose request goes on to another stage (StageTask.feeds)."""
-        queued = sum(1 for task, _ in self._pending if task.feeds)
-        return queued + sum(1 for r in self._replicas.values() for task, _ in r.in_flight.values() if task.feeds)
+    def _began(self, feeding: bool = False) -> float | None:
+        """The earliest ``StageTask.began_at`` of the tasks queued or in flight (with
+        ``feeding``: of those whose request goes on to another stage, ``StageTask.feeds``);
+        None when there is none."""
+        tasks = [task for task, _ in self._pending]
+        tasks += [task for r in self._replicas.values() for task, _ in r.in_flight.values()]
+        return min((t.began_at for t in tasks if t.feeds or not feeding), default=None)

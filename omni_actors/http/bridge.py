@@ -726,7 +726,7 @@ class ActorBridge(RequestActorKeeping):
             st = states.get(planned.stage_id)
             if st is None or (st.pid is None and not st.replicas):
                 continue  # its pool has not reported yet (a coordinator just restarted): it decides
-            refused = no_replica_reason(planned.stage, st.replicas, wait_s)
+            refused = no_replica_reason(planned.stage, st.replicas, wait_s, new_request=True)
             if refused:
                 return refused
         return None

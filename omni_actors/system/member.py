@@ -216,8 +216,8 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
                            if any(r.node == node and r.state == ready for r in s.replicas)
                            and not any(r.node != node and r.state == ready for r in s.replicas))
         where = "new ones go to other nodes" + (
-            f", but those of {', '.join(last_ones)} (no ready replica elsewhere) go on coming here until no request "
-            "in flight needs them" if last_ones else "")
+            f"; {', '.join(last_ones)} (no ready replica elsewhere) finish here the requests begun before now, and "
+            "newer requests wait for a replacement (up to queue_timeout_s)" if last_ones else "")
         print(f"leaving: the replicas on node {node} drain (their requests in flight finish, up to "
               f"{wait_s:g} s; {where}; Ctrl-C again: leave now)", flush=True)
         log.info("member_draining", node=node, timeout_s=wait_s)
@@ -233,8 +233,8 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
             lingering = [r.replica for s in (last.stages if last else ()) for r in s.replicas
                          if r.node == node and r.lingering]
             if lingering:
-                why += (f"; {', '.join(lingering)} were the last ready replicas of their stages and took "
-                        "the tasks of requests in flight until then")
+                why += (f"; {', '.join(lingering)} were the last ready replicas of their stages, still with "
+                        "requests begun before the leave")
             print(f"leaving with {len(left)} replica(s) not drained ({why}): {', '.join(left)}", flush=True)
             log.warning("member_drain_incomplete", node=node, replicas=left, why=why)
         try:
