@@ -285,6 +285,18 @@ class Subscribe(Message):
 
 
 @dataclass(frozen=True)
+class PublicationsReceived(Message):
+    """Subscriber (API server bridge) -> Coordinator: ``count`` more of the publications
+    (routes, status) sent to it since its last renewal came. The coordinator keeps at most
+    ``SUBSCRIBER_BACKLOG`` unanswered; one that fell behind in a burst of changes gets the
+    latest at once, not at its next renewal (up to 2 s of a stale status, in which its
+    admission could refuse a stage that was ready again)."""
+
+    reply_to: ActorAddress
+    count: int
+
+
+@dataclass(frozen=True)
 class Unsubscribe(Message):
     """Subscriber (API server bridge) -> Coordinator, as its server exits: forget me (a
     stop would otherwise wait for it to drain, until its silence showed: a trial's next

@@ -1519,7 +1519,7 @@ def test_a_subscriber_that_does_not_renew_is_sent_at_most_a_backlog_and_the_late
     from types import SimpleNamespace
 
     from omni_actors.actors import coordinator
-    from omni_actors.messages import Routes, Subscribe, SystemStatus
+    from omni_actors.messages import PublicationsReceived, Routes, Subscribe, SystemStatus
 
     co = coordinator.CoordinatorActor()
     co.sent = []
@@ -1540,6 +1540,44 @@ def test_a_subscriber_that_does_not_renew_is_sent_at_most_a_backlog_and_the_late
     co.sent.clear()
     co._publish_status()
     assert [a for a, _ in co.sent] == ["healthy"]
+
+    # A healthy one says every few that they came (PublicationsReceived): one that fell behind
+    # in a burst gets the latest at once, not at its next renewal (up to 2 s of a stale status).
+    co.sent.clear()
+    for _ in range(coordinator.SUBSCRIBER_BACKLOG + 5):
+        co._publish_status()
+    assert [a for a, _ in co.sent].count("healthy") == coordinator.SUBSCRIBER_BACKLOG - 1
+    co.sent.clear()
+    co.receiveMsg_PublicationsReceived(PublicationsReceived("healthy", 4), "healthy")
+    assert [(a, type(m).__name__) for a, m in co.sent] == [("healthy", "Routes"), ("healthy", "SystemStatus")]
+    co.sent.clear()
+    co.receiveMsg_PublicationsReceived(PublicationsReceived("healthy", 4), "healthy")
+    co.receiveMsg_PublicationsReceived(PublicationsReceived("unknown", 4), "unknown")  # (not subscribed)
+    assert co.sent == []
+    co._publish_status()
+    assert [a for a, _ in co.sent] == ["healthy"]
+
+
+def test_a_bridge_says_every_few_publications_that_they_came():
+    """The bridge's side of PublicationsReceived: one message per PUBLICATIONS_ACK_EVERY
+    publications (routes or subscription status), through its first sender's outbox."""
+    import queue
+    from types import SimpleNamespace
+
+    from omni_actors.http import bridge as bridge_module
+    from omni_actors.messages import SUBSCRIPTION, PublicationsReceived, Routes, SystemStatus
+
+    b = bridge_module.ActorBridge.__new__(bridge_module.ActorBridge)
+    b._publications, b._address, b._outboxes = 0, "me", [queue.SimpleQueue()]
+    b._routes = Routes(None, {})
+    b._loop = SimpleNamespace(call_soon_threadsafe=lambda *a: None)
+    for _ in range(3):
+        b._on_message(SystemStatus(SUBSCRIPTION, "m", True, ()))
+    b._on_message(SystemStatus("an admin's query", "m", True, ()))  # (an answer, not a publication)
+    assert b._outboxes[0].empty()
+    b._on_message(Routes(None, {}))
+    assert b._outboxes[0].get_nowait() == ("coordinator", PublicationsReceived("me", 4))
+    assert b._outboxes[0].empty() and b._publications == 0
 
 
 def test_lingering_replicas_are_released_once_no_pool_has_had_work_for_a_while(monkeypatch):

@@ -35,8 +35,8 @@ from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, ApiServerDra
                                   GetStatus, InjectFault, LaunchReplicas, NodeHeartbeat, NodeLeaving,
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, NOT_DEPLOYED, PlaceReplica,
                                   Placement, PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
-                                  PlannedStop, PlannedStopNoted, ReplicaStatus, Routes, ScaleStage, ShutdownDone,
-                                  ShutdownSystem, SignalFault,
+                                  PlannedStop, PlannedStopNoted, PublicationsReceived, ReplicaStatus, Routes,
+                                  ScaleStage, ShutdownDone, ShutdownSystem, SignalFault,
                                   StartNodeAgent, StartPool, Subscribe, SUBSCRIPTION, SystemStatus, SystemStopping,
                                   UndrainNode, Unsubscribe, WhoAmI, YouAre)
 from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, PlacementError
@@ -613,6 +613,17 @@ class CoordinatorActor(ActorTypeDispatcher):
             self.send(msg.reply_to, self._routes())
             self.send(msg.reply_to, self._status(SUBSCRIPTION))
 
+    def receiveMsg_PublicationsReceived(self, msg: PublicationsReceived, sender):
+        sub = next((s for s in self._subscribers if s.address == msg.reply_to), None)
+        if sub is None:  # (renewed meanwhile, and counted afresh; or not ours: a restarted coordinator)
+            return
+        sub.sent = max(0, sub.sent - msg.count)
+        if sub.behind and self._config is not None:  # it missed some: the latest, now
+            sub.behind = False
+            sub.sent += 2
+            self.send(sub.address, self._routes())
+            self.send(sub.address, self._status(SUBSCRIPTION))
+
     def receiveMsg_Unsubscribe(self, msg: Unsubscribe, sender):
         self._subscribers = [s for s in self._subscribers if s.address != msg.reply_to]
         drain = self._api_drain
@@ -633,19 +644,21 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._publish(self._status(SUBSCRIPTION))
 
     def _publish(self, message) -> None:
-        """``message`` to each subscriber that has not been sent :data:`SUBSCRIBER_BACKLOG`
-        since it last renewed; those that have get the latest routes and status when they
-        renew. Thespian keeps at most 20 transmits in flight per sender, and those to a
-        frozen API server stay in flight up to 5 minutes: a burst of changes published to
-        one would otherwise silence the coordinator (see DeltaWindow for the engines)."""
+        """``message`` to each subscriber that has fewer than :data:`SUBSCRIBER_BACKLOG`
+        unanswered (sent since it last renewed, less those it said came:
+        :class:`PublicationsReceived`, every few); those that have get the latest routes
+        and status once they answer, or renew. Thespian keeps a fixed number of transmits
+        in flight per sender, and those to a frozen API server stay in flight up to 5
+        minutes: a burst of changes published to one would otherwise silence the
+        coordinator (see DeltaWindow for the engines)."""
         for sub in self._subscribers:
             if sub.sent < SUBSCRIBER_BACKLOG:
                 sub.sent += 1
                 self.send(sub.address, message)
             elif not sub.behind:
                 sub.behind = True
-                # (a burst of changes, a deployment's, holds back a healthy one until its renewal,
-                # at most 2 s: info; one that has missed its renewal may be frozen: warning)
+                # (a burst of changes, a deployment's, holds back a healthy one until it answers:
+                # info; one that has missed its renewal may be frozen: warning)
                 ago = time.monotonic() - sub.renewed_at
                 (self._log.warning if ago > SUBSCRIBER_LATE_S else self._log.info)(
                     "subscriber_behind", subscriber=str(sub.address), sent=sub.sent, renewed_s_ago=round(ago, 1))
@@ -807,8 +820,10 @@ class _Subscriber:
 
     address: object
     renewed_at: float  #: (monotonic) its last Subscribe
-    sent: int = 0  #: publications sent to it since then
-    behind: bool = False  #: some were not sent (SUBSCRIBER_BACKLOG): it gets the latest when it renews
+    sent: int = 0  #: publications sent to it since then, less those it said came (PublicationsReceived)
+    #: some were not sent (SUBSCRIBER_BACKLOG): it gets the latest when it says it has the others,
+    #: or renews
+    behind: bool = False
 
 
 @dataclasses.dataclass

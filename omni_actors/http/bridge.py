@@ -69,7 +69,8 @@ from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelRequest, CancelStage, DeltasAck, ErrorKind, GetRoutes, GetStatus, OutputChunk,
                                   OutputDelta, OutputDeltas, OutputReady, OutputsAck, Relay, RequestActorAlive,
                                   RequestActorExited, RequestActorFree, RequestFinished, Routes, RoutesChanged,
-                                  RunRequest, Subscribe, SUBSCRIPTION, SupervisorAlive, SystemStatus, SystemStopping, Unsubscribe, WhoAmI, YouAre)
+                                  PublicationsReceived, RunRequest, Subscribe, SUBSCRIPTION, SupervisorAlive,
+                                  SystemStatus, SystemStopping, Unsubscribe, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
 from omni_actors.http.request_actors import (LOST_AFTER_S, REQUEST_ACTOR_SILENT_S,  # noqa: F401 - (tests)
                                              RequestActorKeeping, _Held)
@@ -80,6 +81,9 @@ from omni_actors.planning import PlanError, plan_request
 SUBSCRIBE_EVERY_S = 2.0
 #: Seconds the receiver thread waits for one message before it looks at its other duties.
 RECEIVE_LISTEN_S = 0.5
+#: The coordinator's publications (routes, status) the bridge says it has, every this many
+#: (:class:`PublicationsReceived`: half the coordinator's ``SUBSCRIBER_BACKLOG``).
+PUBLICATIONS_ACK_EVERY = 4
 #: RequestActors made at start and kept however long they idle (at most ``request_actors``).
 DEFAULT_MIN_REQUEST_ACTORS = 4
 #: Requests that may wait for a free RequestActor, per RequestActor allowed (``queue_limit`` default).
@@ -204,6 +208,7 @@ class ActorBridge(RequestActorKeeping):
         #: when the receiver last found nothing to read for a whole listen (monotonic; see
         #: :meth:`inbound_settled`)
         self._quiet_at = 0.0
+        self._publications = 0  #: the coordinator's publications that came since we last said so
         #: the stages' replicas as the coordinator last published them (on every state change)
         self._published: SystemStatus | None = None
         #: how long requests waited for a free RequestActor (the 429/504 ones are not in it),
@@ -569,13 +574,23 @@ class ActorBridge(RequestActorKeeping):
         elif isinstance(msg, SystemStatus):
             if msg.query_id == SUBSCRIPTION:
                 self._published = msg
+                self._publication_came()
             self._loop.call_soon_threadsafe(self._resolve_query, msg)
         elif isinstance(msg, Routes):
+            self._publication_came()
             if msg.config is not None and (msg.version != self._routes.version or msg.pools != self._routes.pools):
                 self._routes = msg
                 self._log.info("routes_changed", version=msg.version)
                 for outbox in self._outboxes:  # every sender tells its requests
                     outbox.put(("routes", msg))
+
+    def _publication_came(self) -> None:
+        """Receiver thread: count one of the coordinator's publications; tell it every
+        :data:`PUBLICATIONS_ACK_EVERY` (it sends only a few unanswered)."""
+        self._publications += 1
+        if self._publications >= PUBLICATIONS_ACK_EVERY and self._address is not None:
+            self._outboxes[0].put(("coordinator", PublicationsReceived(self._address, self._publications)))
+            self._publications = 0
 
     def _outputs_ack(self, request_id: str, request_actor: Any, box: _Inbox) -> None:
         """Tell ``request_actor`` how many of its numbered outputs for ``request_id`` came."""
