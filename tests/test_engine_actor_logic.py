@@ -1754,7 +1754,8 @@ def test_a_stop_tells_every_pool_its_replicas_exits_are_planned_before_anything_
 
     from omni_actors.actors import coordinator
     from omni_actors.actors.stage_pool import Replica, StagePoolActor
-    from omni_actors.messages import PlannedStop, PlannedStopNoted, ReplicaState, ShutdownSystem
+    from omni_actors.messages import (ErrorKind, PlannedStop, PlannedStopNoted, ReplicaState, ShutdownSystem,
+                                      StageFailed, StageTask)
 
     co = coordinator.CoordinatorActor()
     co.sent, wakeups = [], []
@@ -1792,12 +1793,20 @@ def test_a_stop_tells_every_pool_its_replicas_exits_are_planned_before_anything_
     pool._launch = lambda rid, *a: launched.append(rid)
     pool._log = SimpleNamespace(info=lambda event, **kw: logged.append(("info", event, kw)),
                                 error=lambda event, **kw: logged.append(("error", event, kw)))
+    task = StageTask("r1", 1, "", (), {}, {}, None, False, "ra", emit_chunks=True)
+    pool._replicas["talker/1"].in_flight[("r1", 1)] = (task, 0.0)
     pool.receiveMsg_PlannedStop(PlannedStop(), "co")
     assert ("co", PlannedStopNoted(1)) in sent
     pool._gone(pool._replicas["talker/1"], "process exited")  # (Thespian: its node's system went)
     assert [(level, event, kw["pool_exiting"]) for level, event, kw in logged] == [("info", "replica_exited", True)]
     assert pool._replicas["talker/1"].state == ReplicaState.FAILED and launched == []
     assert not any(isinstance(m, ActorExitRequest) for _, m in sent)
+    # Its task fails with the stop, not as a crash (trial AT: the request of a frozen API server
+    # read "replica thinker/0 went down mid-stream (dead: process exited)"); no replica named,
+    # so its RequestActor does not retry it.
+    failed = [m for a, m in sent if a == "ra"]
+    assert failed == [StageFailed("r1", 1, "", ErrorKind.UNAVAILABLE,
+                                  "the omni-actors system is stopping: replica talker/1 stopped with it")], failed
 
 
 def test_a_request_actor_keeps_a_window_of_outputs_to_its_bridge_and_credits_audio_it_has(monkeypatch):

@@ -888,6 +888,21 @@ def test_the_last_member_of_a_stage_says_that_leaving_leaves_the_stage_without_r
     assert any(r["state"] == "pending" for r in reps if r["stage"] == "talker"), _table(reps)
 
 
+def test_stop_on_the_last_member_of_a_stage_says_that_the_stage_has_no_replica_left(request, tmp_path):
+    """Trial AT: `stop --admin-port` of the only member that can run the Talker and Code2Wav
+    said only that it stopped: the warning that those stages have no replica running any
+    more went to the member's own terminal. `stop` prints it too (stderr), and exits 0."""
+    cluster = start_cluster(request, tmp_path, members=(("m1", "0,1,2,3"),))
+    member = cluster.members["m1"]
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port", str(member.admin_port)],
+                         capture_output=True, text=True, timeout=90, cwd=ROOT, env={**os.environ, **member.env})
+    assert out.returncode == 0 and "its replicas drained first" in out.stdout, out
+    for stage in MEMBER_STAGES:
+        line = next((x for x in out.stderr.splitlines() if x.startswith(f"warning: stage {stage} ")), None)
+        assert line is not None and "has no replica running once node m1 has left" in line, out.stderr
+    assert "warning: stage thinker" not in out.stderr, out.stderr
+
+
 def test_the_last_member_of_a_stage_serves_the_requests_in_flight_before_it_leaves(request, tmp_path):
     """Trial AP: Ctrl-C on the only member that runs the Talker and Code2Wav while streams
     were still in the Thinker (on the leader): its idle replicas stopped at once, their

@@ -27,13 +27,23 @@ from omni_actors.messages import (LATENCY_BUCKETS_S, MAX_TASK_MOVES, CancelStage
 #: from its dispatch) was orphaned: its RequestActor ended it at the deadline, so its
 #: cancel was lost or overtaken. It is cancelled and no longer counted.
 TASK_OVERDUE_GRACE_S = 10.0
-#: States in which a replica takes new tasks.
+#: Why the tasks of a pool's replicas fail once the pool is exiting (see PoolRoutingMixin._redispatch).
+SYSTEM_STOPPING = "the omni-actors system is stopping"
+
 class PoolRoutingMixin:
     def _redispatch(self, rep, crashed: bool = False) -> None:
         """Send the replica's tasks elsewhere; ``crashed``: it died running them
         (not drained or stopped on purpose), which counts against each task."""
         tasks, rep.in_flight = [t for t, _ in rep.in_flight.values()], {}
         for task in tasks:
+            if self._exiting:  # the system stops: nowhere to send it, and no crash (no replica: not retried)
+                # (trial AT: a request held by a frozen API server read "replica thinker/0 went down
+                # mid-stream (dead: process exited)" at an orderly stop)
+                self.send(task.reply_to, StageFailed(
+                    task.request_id, task.stage_id, "", ErrorKind.UNAVAILABLE,
+                    f"{SYSTEM_STOPPING}: replica {rep.replica} stopped with it", task.attempt, task.crashed,
+                    task.moved))
+                continue
             self._elsewhere(task, rep.replica, f"{rep.state.value}: {rep.reason}", crashed=crashed)
 
     def _hand_back_finished(self, rep, cause: str) -> None:

@@ -512,7 +512,10 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         (self._log.info if self._exiting or not counted else self._log.error)(
             "replica_exited", replica=rep.replica, reason=cause, pool_exiting=self._exiting)
         self._redispatch(rep, crashed=crashed and not self._exiting)
-        self._hand_back_finished(rep, cause)
+        if self._exiting:  # (its finished tasks' requests end with the system)
+            rep.finished.clear()
+        else:
+            self._hand_back_finished(rep, cause)
         if not counted and not self._orphaned and not self._exiting:
             if not self._pins.get(rep.replica, ("", ()))[1]:
                 self._release(rep)  # (pinned: it waits for its node to come back)

@@ -397,15 +397,17 @@ def cmd_stop(args) -> int:
     sweep_segments(f"oa-{args.admin_port}-", state.get("shm_dir"))
     sfile.unlink(missing_ok=True)
     what = "the member" if state.get("role") == "member" else "its leader"
+    warnings: list[str] = []  # (a member's: the stages it left with no replica running)
     if state.get("role") == "member":
         from omni_actors.system.member import drain_record
 
         record = drain_record(args.admin_port)
         try:
-            drained = record.read_text() == "drained"
+            said = json.loads(record.read_text())
             record.unlink()
-        except OSError:
-            drained = False
+            drained, warnings = said["drained"] is True, [str(w) for w in said.get("warnings", ())]
+        except (OSError, ValueError, TypeError, KeyError):
+            drained, warnings = False, []
         print(f"stopped member {state.get('node')!r} on admin port {args.admin_port} (it left the convention "
               f"at {state.get('convention')}; " + ("its replicas drained first" if drained else
                                                    "its replicas did not all drain first: see its output") + ")",
@@ -416,6 +418,8 @@ def cmd_stop(args) -> int:
            "the requests still running)" if hurried_after is not None else "")
           + (f" ({what} did not exit within {timeout:g} s: killed)" if forced else "")
           + (f" ({killed} leftover processes killed)" if killed else ""))
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
     return 0
 
 

@@ -578,7 +578,7 @@ async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | 
                 "--timeout is about to run out) while the request ran" if hurried else
                 f"the request was still running {timeout_s:g} s after the stop (supervision.drain_timeout_s)"))
         log.warning("drain_ended_requests", requests=ended,
-                    why="system gone" if gone else "second stop signal" if hurried else "drain_timeout_s",
+                    why="system stopped or gone" if gone else "second stop signal" if hurried else "drain_timeout_s",
                     after_s=round(timeout_s - (deadline - time.monotonic()), 1), drain_timeout_s=timeout_s)
         deadline = time.monotonic() + ABORT_GRACE_S
         while bridge.in_flight() and time.monotonic() < deadline:

@@ -132,10 +132,12 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         log.info("member_started", admin_port=admin_port, devices=list(devices), stages=list(stages),
                  shm_dir=shm_dir)
         _serve(stopping, host, port, log)
-        drained = drain_node(host, port, node, hurry, log, data_service=data.address)
+        warnings: list[str] = []
+        drained = drain_node(host, port, node, hurry, log, data_service=data.address, warnings=warnings)
         try:  # (`stop` reads it after: it said "drained first" of a member that could not drain)
             if json.loads(sfile.read_text()).get(STOP_WAITS):  # (Ctrl-C: nobody would read or remove it)
-                drain_record(admin_port).write_text("drained" if drained else "not drained")
+                # (trial AT: `stop` did not say that the stages it left had no replica any more)
+                drain_record(admin_port).write_text(json.dumps({"drained": drained, "warnings": warnings}))
         except (OSError, ValueError):
             pass
         return 0
@@ -164,7 +166,7 @@ DRAIN_GRACE_S = 5.0
 
 
 def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
-               data_service: str | None = None) -> bool:
+               data_service: str | None = None, warnings: list[str] | None = None) -> bool:
     """Before a member leaves cleanly: have the coordinator at ``host:port`` drain the
     replicas on ``node`` (:class:`~omni_actors.messages.DrainNode`: replacements start
     elsewhere, tasks in flight finish here), and wait until none runs here any more, up
@@ -232,9 +234,9 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
             why = "second Ctrl-C" if hurry.is_set() else f"still running after {wait_s:g} s"
             lingering = [r.replica for s in (last.stages if last else ()) for r in s.replicas
                          if r.node == node and r.lingering]
-            if lingering:
-                why += (f"; {', '.join(lingering)} were the last ready replicas of their stages, still with "
-                        "requests begun before the leave")
+            if lingering:  # (trial AT: the names, twice over, when they were all lingering ones)
+                who = "they" if set(lingering) == set(left) else ", ".join(lingering)
+                why += f"; {who} were the last ready replicas of their stages, still with requests begun before the leave"
             print(f"leaving with {len(left)} replica(s) not drained ({why}): {', '.join(left)}", flush=True)
             log.warning("member_drain_incomplete", node=node, replicas=left, why=why)
         try:
@@ -243,6 +245,8 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
             after = None
         for stage, line in stages_left_without_replicas(after, node, status):
             print(f"warning: {line}", flush=True)
+            if warnings is not None:
+                warnings.append(line)
             log.warning("member_leaves_stage_without_replicas", node=node, stage=stage, detail=line)
         return not left
     except AdminError as exc:  # (the leader stopped or was killed meanwhile)
