@@ -360,17 +360,20 @@ class Inventory:
                 node.used = {d: r for d, r in node.used.items() if r != replica}
 
     def _why_not(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...]) -> str:
-        if allowed and all(n in self.nodes and not self.nodes[n].open for n in allowed):
+        if allowed and any(n in self.nodes for n in allowed) and \
+                all(n not in self.nodes or not self.nodes[n].open for n in allowed):
             # (a replica pinned to its node, or a stage's `nodes` rule: it waits for them, which
-            # "no node has N free devices" hid)
+            # "no node has N free devices" hid; trial AT: also where one of them never joined)
+            state = {n: self.nodes[n].gone if n in self.nodes else NOT_JOINED for n in allowed}
             if len(allowed) == 1:
-                gone = self.nodes[allowed[0]].gone
+                gone = state[allowed[0]]
                 return (f"{replica} may run only on node {allowed[0]}, which {_is(gone)}: "
                         + ("it waits for `node undrain`" if gone == "drained" else
                            "it waits for the node to come back"))
-            gone = ", ".join(f"{n} ({self.nodes[n].gone})" for n in allowed)
-            undrain = " (or `node undrain`)" if any(self.nodes[n].gone == "drained" for n in allowed) else ""
-            return f"{replica} may run only on nodes {gone}: it waits for one of them to come back{undrain}"
+            gone = ", ".join(f"{n} ({state[n]})" for n in allowed)
+            undrain = " (or `node undrain`)" if "drained" in state.values() else ""
+            join = " or join" if NOT_JOINED in state.values() else ""
+            return f"{replica} may run only on nodes {gone}: it waits for one of them to come back{join}{undrain}"
         seen = []
         for node in self.nodes.values():
             if allowed and node.info.name not in allowed:
@@ -391,6 +394,10 @@ class Inventory:
                        tuple(sorted(n.replicas)), round(now - n.last_seen, 3), n.data_service, n.buffers,
                        n.free_buffers, n.free_bytes, n.down_reason, n.leaving, n.drained)
             for n in sorted(self.nodes.values(), key=lambda n: n.info.name))
+
+
+#: How :meth:`Inventory._why_not` names an allowed node that has never joined.
+NOT_JOINED = "not joined"
 
 
 def _is(gone: str) -> str:

@@ -374,6 +374,11 @@ def test_a_replica_allowed_only_on_nodes_that_are_gone_or_leaving_says_it_waits_
     with pytest.raises(PlacementError, match="node m3 is leaving"):
         inv.plan_launch("talker", 1, 1, node="m3")
     assert {n.name: n.state for n in inv.status()} == {"m1": "alive", "m2": "lost", "m3": "leaving"}
+    # (trial AT: with one of its nodes never joined, it read "no node has 1 free device(s) ... (m2: lost)")
+    with pytest.raises(PlacementError) as err:
+        inv.place("code2wav", "code2wav/1", 1, ("m2", "m9"))
+    assert str(err.value) == ("code2wav/1 may run only on nodes m2 (lost), m9 (not joined): it waits for one of them "
+                              "to come back or join")
 
 
 def test_status_and_the_shell_name_a_leaving_node():
