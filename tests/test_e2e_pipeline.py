@@ -234,6 +234,8 @@ BAD_REQUESTS = [
     ("body over the limit", {"model": MODEL, "messages": [{"role": "user", "content": "x" * (2 << 20)}]}, 413),
     ("prompt over the context length",  # (the Thinker's max_model_len: 32768 words)
      {"model": MODEL, "messages": [{"role": "user", "content": "x " * 40_000}]}, 400),
+    ("max_tokens past what the context leaves",  # (trial AU: it was cut at the context, "length")
+     {"model": MODEL, "messages": [{"role": "user", "content": "x " * 32_700}], "max_tokens": 200}, 400),
 ]
 
 
@@ -251,6 +253,11 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(omni_leader, opena
         assert re.match(r"stage thinker \(thinker/\d+\): the prompt has \d+ tokens: over the model's context "
                         r"length of 32768 tokens", error["message"]), error["message"]
         # (as OpenAI's: a client can tell it from other 400s)
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "messages"), error
+    elif name == "max_tokens past what the context leaves":
+        assert re.match(r"stage thinker \(thinker/\d+\): this model's maximum context length is 32768 tokens, and "
+                        r"the request asks for \d+: \d+ in the prompt and 200 in the completion", error["message"]), \
+            error["message"]
         assert (error["code"], error["param"]) == ("context_length_exceeded", "messages"), error
     elif status == 400:
         assert error["code"] != "context_length_exceeded", error

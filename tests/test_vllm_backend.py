@@ -165,6 +165,23 @@ def test_a_reply_cut_at_max_model_len_finishes_with_length(engine, loop_thread):
     assert short.num_output_tokens < 100 and short.finish_reason == "stop", short.num_output_tokens
 
 
+def test_a_client_max_tokens_over_what_the_context_leaves_fails_before_any_text(engine, loop_thread):
+    """Trial AU: a 462-token prompt with the client's max_tokens=100 (model context 512) got 50
+    tokens and finish_reason "length". The client's own max_tokens (``max_tokens_asked``) now
+    fails such a task with a ValueError (a 400, ``context_length_exceeded``), as OpenAI's and
+    vLLM's servers do, before any text; the stage's default is still cut at the context."""
+    prompt = [5 + i % 50 for i in range(MAX_MODEL_LEN - 6)]
+    task = BackendTask("over", {"prompt_token_ids": prompt}, {"max_tokens": 100, "ignore_eos": True},
+                       max_tokens_asked=100)
+    with pytest.raises(ValueError, match=f"maximum context length is {MAX_MODEL_LEN} tokens, and the request asks "
+                                         f"for {MAX_MODEL_LEN + 94}: {MAX_MODEL_LEN - 6} in the prompt and 100"):
+        loop_thread.run(collect(engine, task))
+    assert _settles(lambda: engine.load().running == 0 and not engine._requests.requests())
+    fits = BackendTask("fits", {"prompt_token_ids": prompt}, {"max_tokens": 6, "ignore_eos": True},
+                       max_tokens_asked=6)
+    assert loop_thread.run(collect(engine, fits))[1].num_output_tokens == 6
+
+
 def test_chunks_for_the_next_stage_cover_the_final_outputs_in_order(engine, loop_thread):
     """Streaming to the next stage: every ``chunk_tokens`` new tokens an OutputChunk
     (right after the text delta that completes it), the rest in one before the end."""

@@ -624,7 +624,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         engine_input = self._process_input(upstream, msg) if stream is None else {}
         sampling = {**self._spec.stage.default_sampling_params, **msg.sampling_params}
         task = BackendTask(msg.request_id, engine_input, sampling, dict(msg.params), input_stream=stream,
-                           emit_chunks=msg.emit_chunks, chunk_tokens=msg.chunk_tokens)
+                           emit_chunks=msg.emit_chunks, chunk_tokens=msg.chunk_tokens,
+                           # (the client's, where this stage takes its overrides: RequestActor._sampling_for)
+                           max_tokens_asked=msg.sampling_params.get("max_tokens"))
         final: StageFinal | None = None
         first_text = True
         chunks = 0  # made by the backend (several may leave in one message: see actors/outbox.py)

@@ -39,6 +39,11 @@ class BackendTask:
         emit_chunks: send outputs as :class:`OutputChunk` events as they are
             made (a backend that cannot simply never does).
         chunk_tokens: Thinker tokens per output chunk.
+        max_tokens_asked: the client's own ``max_tokens`` (None: not given,
+            or not this stage's to take). A prompt that leaves fewer tokens
+            of the model's context than that fails (see
+            :func:`context_exceeded`), as in OpenAI's and vLLM's servers; the
+            stage's default ``max_tokens`` is cut at the context instead.
     """
 
     request_id: str
@@ -48,6 +53,20 @@ class BackendTask:
     input_stream: AsyncIterator[dict[str, Any]] | None = None
     emit_chunks: bool = False
     chunk_tokens: int = 8
+    max_tokens_asked: int | None = None
+
+
+def context_exceeded(max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> str | None:
+    """Why a request with a prompt of ``prompt_tokens`` tokens that asked for ``max_tokens``
+    (:attr:`BackendTask.max_tokens_asked`) does not fit the model's context of
+    ``max_model_len`` tokens, or None when it does. (The HTTP API answers it with a 400, code
+    ``context_length_exceeded``; vLLM's engine alone would stop at the context, with
+    ``finish_reason`` "length": a trial read 50 tokens where it asked for 100.)"""
+    if max_tokens is None or prompt_tokens + max_tokens <= max_model_len:
+        return None
+    return (f"this model's maximum context length is {max_model_len} tokens, and the request asks for "
+            f"{prompt_tokens + max_tokens}: {prompt_tokens} in the prompt and {max_tokens} in the completion "
+            f"(max_tokens); shorten the messages or lower max_tokens")
 
 
 class UpstreamTimeout(TimeoutError):

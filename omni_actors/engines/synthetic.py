@@ -54,7 +54,8 @@ import numpy as np
 
 from omni_actors.config import StageSpec, SyntheticCost
 from omni_actors.logs import get_logger
-from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, OutputChunk, StageFinal, TextDelta
+from omni_actors.engines.base import (BackendEvent, BackendLoad, BackendTask, OutputChunk, StageFinal, TextDelta,
+                                      context_exceeded)
 
 __all__ = ["SyntheticEngine", "SUPPORTED_STAGES", "SAMPLE_RATE", "token_id", "CHUNK_INPUT_STAGES",
            "CHUNK_OUTPUT_STAGES"]
@@ -217,6 +218,10 @@ class SyntheticEngine:
         if streamed and self.stage_name not in CHUNK_INPUT_STAGES:
             raise ValueError(f"{self.stage_name}: cannot take its input in chunks")
         args = None if streamed else parse(task)  # validate before queueing
+        if self.stage_name == "thinker" and args is not None:  # (its prompt's tokens are its words)
+            too_long = context_exceeded(self.cost.max_model_len, len(args[0].split()), task.max_tokens_asked)
+            if too_long:
+                raise ValueError(too_long)
         rid = task.request_id
         self._inflight[rid] = self._inflight.get(rid, 0) + 1
         try:

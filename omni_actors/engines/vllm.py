@@ -54,7 +54,8 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from omni_actors.config import StageSpec
-from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, OutputChunk, StageFinal, TextDelta
+from omni_actors.engines.base import (BackendEvent, BackendLoad, BackendTask, OutputChunk, StageFinal, TextDelta,
+                                      context_exceeded)
 from omni_actors.engines.vllm_core import CoreWatch, is_client_error, keep_off, one_line, parse_cpus, pinned
 from omni_actors.engines.vllm_requests import VllmRequests
 from omni_actors.logs import get_logger
@@ -345,10 +346,16 @@ class VllmEngine:
         last = None
         chunked = [0, 0]  # texts, token ids already sent in OutputChunks (task.emit_chunks)
         stream = self._llm.generate(prompt, params, request_id=vid)
+        too_long = None
         try:
             async for out in stream:
                 if prompt_ids is None and out.prompt_token_ids is not None:
                     prompt_ids = list(out.prompt_token_ids)
+                    # (known once vLLM has tokenized it: the first output, before any text goes out)
+                    too_long = context_exceeded(self._llm.model_config.max_model_len, len(prompt_ids),
+                                                task.max_tokens_asked)
+                    if too_long:
+                        break  # (closing the stream below aborts it in vLLM)
                 last = out
                 comp = out.outputs[0] if out.outputs else None
                 if comp is None or self._requests.aborted(vid):
@@ -373,6 +380,8 @@ class VllmEngine:
             # the request there now rather than when the generator is collected.
             await stream.aclose()
             aborted = self._requests.end(task.request_id, vid)
+        if too_long:
+            raise ValueError(too_long)
         comp = last.outputs[0] if (last is not None and last.outputs) else None
         if aborted or last is None or not last.finished or comp is None \
                 or comp.finish_reason == "abort":
