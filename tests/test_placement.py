@@ -492,3 +492,21 @@ def test_the_devices_cell_says_which_devices_a_pinned_replica_waits_for():
     assert cell(ReplicaState.FAILED, "6", ("m1", ("6",))) == "- (pinned to 6)"
     assert cell(ReplicaState.PENDING, "", ("m1", ())) == "- (node pinned)"
     assert cell(ReplicaState.STOPPED, "2") == "-"
+
+
+def test_the_status_table_shows_each_engines_running_and_waiting_requests():
+    """Trial AU: `status` had only IN_FLIGHT (the pool's tasks); to see an abort reach the engine
+    a user read /v1/stages. RUN/WAIT is the engine's own count, from its last heartbeat."""
+    import io
+
+    from omni_actors.messages import PoolState, ReplicaState, ReplicaStatus, SystemStatus
+    from omni_actors.system.leader import print_status_table
+
+    status = SystemStatus("q", "m", True, (PoolState(0, "thinker", (
+        ReplicaStatus("thinker/0", ReplicaState.READY, in_flight=3, running=2, waiting=1, pid=41),
+        ReplicaStatus("thinker/1", ReplicaState.PENDING, reason="no node has room"))),))
+    out = io.StringIO()
+    print_status_table(status, out)
+    header, busy, pending = (line.split() for line in out.getvalue().splitlines()[:3])
+    assert header[6:8] == ["IN_FLIGHT", "RUN/WAIT"] and busy[6:8] == ["3", "2/1"], out.getvalue()
+    assert pending[1:3] == ["thinker/1", "pending"] and pending[7] == "-", out.getvalue()

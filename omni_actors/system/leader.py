@@ -71,18 +71,22 @@ def print_status_table(status, out=sys.stdout, api_down: bool = False, stopping:
     """Print a ``SystemStatus`` as a table: stage, replica, state, load, reason; with
     ``api_down`` (its leader process is gone) the last line says it does not serve, with
     ``stopping`` (its leader drains) that it is stopping."""
-    rows = [("STAGE", "REPLICA", "STATE", "NODE", "DEVICES", "PID", "IN_FLIGHT", "DONE", "FAILED", "RESTARTS",
-             "REASON")]
+    # (IN_FLIGHT: the pool's tasks on it; RUN/WAIT: its engine's own requests running and waiting, as
+    # its last heartbeat said: a trial had to read /v1/stages to see an abort reach the engine)
+    rows = [("STAGE", "REPLICA", "STATE", "NODE", "DEVICES", "PID", "IN_FLIGHT", "RUN/WAIT", "DONE", "FAILED",
+             "RESTARTS", "REASON")]
     for st in status.stages:
         for r in st.replicas:
+            engine = f"{r.running}/{r.waiting}" if r.pid else "-"
             rows.append((st.stage, r.replica, r.state.value, r.node or "-", r.devices_label(), str(r.pid or "-"),
-                         str(r.in_flight), str(r.completed), str(r.failed), str(r.restarts), r.reason_label()))
+                         str(r.in_flight), engine, str(r.completed), str(r.failed), str(r.restarts),
+                         r.reason_label()))
         if not st.replicas:
             # (a pool that has not reported yet, as just after a redeploy, is no stage without replicas)
-            rows.append((st.stage, "-", "no replicas" if st.pid else "pool starting", "", "", "", "", "", "", "", ""))
-    widths = [max(len(row[i]) for row in rows) for i in range(10)]
+            rows.append((st.stage, "-", "no replicas" if st.pid else "pool starting", *[""] * 9))
+    widths = [max(len(row[i]) for row in rows) for i in range(11)]
     for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[10], file=out)
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[11], file=out)
     down = [n.name for n in status.nodes if n.state != "alive"]
     if len(status.nodes) > 1 or down:
         print("nodes: " + ", ".join(f"{n.name}{'' if n.state == 'alive' else f' ({_down_label(n)})'}"
