@@ -687,7 +687,11 @@ class PlannedStop(Message):
     pool's replicas exiting is planned (logged at info, not restarted, their work not
     re-dispatched as after a crash). Answered with ``PlannedStopNoted``. The leader's admin
     reports each member-side replica exited as soon as the system shuts down, which could
-    reach a pool before its own exit request did (CI saw those exits logged as crashes)."""
+    reach a pool before its own exit request did (CI saw those exits logged as crashes).
+
+    Coordinator -> each member's NodeAgent too (not answered): as it exits with the system, it
+    unlinks what the system's requests left in its host's shared memory (the member lives on,
+    and its data service would count those buffers until its reaper took them)."""
 
 
 @dataclass(frozen=True)

@@ -121,6 +121,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._joins: dict[str, int] = {}  #: node -> times it joined the convention (see LEAVE_NOTICE_GRACE_S)
         #: node -> (its info, join number): in the convention, its node agent not heard from yet
         self._joining: dict[str, tuple[NodeInfo, int]] = {}
+        #: node -> the address of its agent (of the node's current join), from its heartbeats
+        self._agents: dict[str, object] = {}
         self._leader_node = ""
         self._log = get_logger(actor="coordinator")
 
@@ -515,6 +517,7 @@ class CoordinatorActor(ActorTypeDispatcher):
             # it exits; its heartbeats kept the new member's node "seen" and set its data service.
             return
         self.send(sender, NodeHeartbeatAck())
+        self._agents[msg.node] = sender
         joining = self._joining.get(msg.node)
         if joining is not None and joining[1] == msg.join:
             del self._joining[msg.node]
@@ -732,6 +735,8 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._stop_unnoted = set(self._pools)
             for pool in self._pools.values():
                 self.send(pool, PlannedStop())
+            for agent in self._agents.values():  # (not waited for: see PlannedStop)
+                self.send(agent, PlannedStop())
             self.wakeupAfter(PLANNED_STOP_WAIT_S, payload="planned_stop_deadline")
         self._end_planned_stop()
 

@@ -23,9 +23,9 @@ import time
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
 
-from omni_actors.connectors import SERVICE_ENV, buffer_counts, data_client, default_prefix
+from omni_actors.connectors import SERVICE_ENV, buffer_counts, data_client, default_prefix, sweep_segments
 from omni_actors.logs import get_logger
-from omni_actors.messages import NodeHeartbeat, NodeHeartbeatAck, NodeLeaving, StartNodeAgent
+from omni_actors.messages import NodeHeartbeat, NodeHeartbeatAck, NodeLeaving, PlannedStop, StartNodeAgent
 
 #: Placement key in an admin's Thespian capabilities: the node name.
 NODE_CAPABILITY = "omni_node"
@@ -64,6 +64,7 @@ class NodeAgentActor(ActorTypeDispatcher):
         self._last_ack = time.monotonic()
         self._last_tick = time.monotonic()  # its last heartbeat turn
         self._orphaned = False  # it stops because its coordinator is gone: nobody to tell
+        self._system_stops = False  # its coordinator said the whole system stops (PlannedStop)
 
     def receiveMsg_StartNodeAgent(self, msg: StartNodeAgent, sender):
         self._spec, self._coordinator = msg, sender
@@ -82,6 +83,9 @@ class NodeAgentActor(ActorTypeDispatcher):
     def _heartbeat(self) -> NodeHeartbeat:
         return NodeHeartbeat(self._spec.node, os.environ.get(SERVICE_ENV), *buffer_counts(default_prefix()),
                              join=self._spec.join)
+
+    def receiveMsg_PlannedStop(self, msg: PlannedStop, sender):
+        self._system_stops = True
 
     def receiveMsg_NodeHeartbeatAck(self, msg: NodeHeartbeatAck, sender):
         self._last_ack = time.monotonic()
@@ -118,6 +122,19 @@ class NodeAgentActor(ActorTypeDispatcher):
         """Its member stops cleanly (its actor system shuts down), or its coordinator
         exits: say so, and the node shows as left rather than lost. Stopped because the
         member process died (by its watchdog): the node is lost, and why."""
+        if self._system_stops and self._spec is not None:
+            # The system stops in order: its requests are over, and what they left in this host's
+            # shared memory is nobody's (trial AT: a request held by a frozen API server left 5
+            # buffers on a member, counted until its reaper took them, request_timeout_s + 30 s).
+            log = get_logger(actor="node_agent", node=self._spec.node)
+            try:
+                left = buffer_counts(default_prefix())[0]  # (in use; the free ones are no leftovers)
+                removed = sweep_segments(default_prefix())
+            except OSError as exc:
+                log.warning("system_stop_buffers_not_removed", error=str(exc))
+            else:
+                (log.warning if left else log.info)("system_stop_buffers_removed", in_use=left, segments=removed,
+                                                    prefix=default_prefix())
         if self._spec is not None and not self._orphaned:
             from omni_actors.system.watchdog import host_process_gone
 
