@@ -25,6 +25,7 @@ from __future__ import annotations
 import codecs
 import contextvars
 import difflib
+import os
 import re
 import types
 import typing
@@ -571,7 +572,32 @@ def parse_config(data: Any, source: str = "<memory>",
     if not _CONVERTING.get():
         for path, message in _unlisted_model_warnings(cfg, stages if isinstance(stages, dict) else {}):
             warn(path, message)
+        for path, message in _replica_count_warnings(cfg):
+            warn(path, message)
     return cfg
+
+
+#: Replicas in all per CPU of this host above which a config is warned about (each replica
+#: is a process of its own; 16 per CPU is far past anything that serves well).
+REPLICAS_PER_CPU_WARNING = 16
+
+
+def _replica_count_warnings(cfg: PipelineConfig, cpus: int | None = None) -> list[tuple[str, str]]:
+    """``(YAML path, message)`` when the config asks for more replicas in all than
+    :data:`REPLICAS_PER_CPU_WARNING` per CPU of this host (``cpus``, default
+    ``os.cpu_count()``). Not an error: members add hosts, and devices bound each host's share.
+    (A trial's 1,000 Diffusion replicas on 2 CPUs passed `check-config`, then were not ready
+    after 110 s, with 16 GB in use.)"""
+    cpus = cpus or os.cpu_count() or 1
+    counts = {s.name: cfg.deployment_of(s).replicas for s in cfg.stage_args}
+    total = sum(counts.values())
+    if total <= REPLICAS_PER_CPU_WARNING * cpus:
+        return []
+    most = max(counts, key=counts.get)
+    return [(f"deployment.stages.{most}.replicas",
+             f"{total} replicas in all ({most}: {counts[most]}), each a process with its own engine: a host of "
+             f"{cpus} CPU(s) like this one that runs them all takes minutes to start them and may run out of "
+             f"memory (more than {REPLICAS_PER_CPU_WARNING} per CPU); member hosts share them out")]
 
 
 def _unlisted_model_warnings(cfg: PipelineConfig, listed: dict) -> list[tuple[str, str]]:

@@ -360,16 +360,16 @@ class Inventory:
                 node.used = {d: r for d, r in node.used.items() if r != replica}
 
     def _why_not(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...]) -> str:
-        if allowed and any(n in self.nodes for n in allowed) and \
-                all(n not in self.nodes or not self.nodes[n].open for n in allowed):
+        if allowed and all(n not in self.nodes or not self.nodes[n].open for n in allowed):
             # (a replica pinned to its node, or a stage's `nodes` rule: it waits for them, which
-            # "no node has N free devices" hid; trial AT: also where one of them never joined)
+            # "no node has N free devices" hid; trials AT, AV: also where they never joined)
             state = {n: self.nodes[n].gone if n in self.nodes else NOT_JOINED for n in allowed}
             if len(allowed) == 1:
                 gone = state[allowed[0]]
-                return (f"{replica} may run only on node {allowed[0]}, which {_is(gone)}: "
-                        + ("it waits for `node undrain`" if gone == "drained" else
-                           "it waits for the node to come back"))
+                return (f"{replica} may run only on node {allowed[0]}, which "
+                        + ("has not joined: it waits for a member of that name (--node-name)" if gone == NOT_JOINED
+                           else f"{_is(gone)}: " + ("it waits for `node undrain`" if gone == "drained" else
+                                                    "it waits for the node to come back")))
             gone = ", ".join(f"{n} ({state[n]})" for n in allowed)
             undrain = " (or `node undrain`)" if "drained" in state.values() else ""
             join = " or join" if NOT_JOINED in state.values() else ""

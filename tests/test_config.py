@@ -638,9 +638,24 @@ def test_the_bounds_themselves_are_accepted(tmp_path: Path) -> None:
         d["deployment"].update(request_timeout_s=86400, ready_timeout_s=86400, heartbeat_interval_s=600,
                                request_actors=1024, supervision={"queue_timeout_s": 0, "drain_timeout_s": 0})
         d["deployment"]["stages"]["talker"]["replicas"] = 1024
-    cfg = load_config(write(tmp_path, variant(mutate)))
+    warnings = []
+    cfg = load_config(write(tmp_path, variant(mutate)), on_warning=warnings.append)
     assert cfg.deployment.request_timeout_s == 86400 and cfg.deployment.heartbeat_interval_s == 600
     assert cfg.deployment_of(cfg.stage_by_name("talker")).replicas == 1024
+    # (accepted, but said to be more than a host like this one can start: trial AV's 1,000
+    # replicas on 2 CPUs passed `check-config`, and were not ready after 110 s)
+    assert [w for w in warnings if "replicas in all" in w] == [
+        f"{cfg.source}: deployment.stages.talker.replicas: {sum(cfg.deployment_of(s).replicas for s in cfg.stage_args)} "
+        f"replicas in all (talker: 1024), each a process with its own engine: a host of {os.cpu_count()} CPU(s) like "
+        "this one that runs them all takes minutes to start them and may run out of memory (more than 16 per CPU); "
+        "member hosts share them out"], warnings
+
+
+def test_the_shipped_cpu_demos_get_no_warning_about_their_replica_count_even_on_one_cpu() -> None:
+    from omni_actors.config import _replica_count_warnings
+
+    for name in ("cpu_omni_demo.yaml", "cpu_image_demo.yaml"):
+        assert _replica_count_warnings(load_config(ROOT / "configs" / name), cpus=1) == [], name
 
 
 def test_an_exponent_float_is_a_float_as_in_yaml_1_2(tmp_path: Path) -> None:

@@ -172,8 +172,11 @@ def test_error_names_lost_nodes_filtered_nodes_and_empty_inventories():
     assert "m2: does not take code2wav" in str(err.value)
     assert "m3: lost" in str(err.value)
     assert "m1: 0 of 1 devices free" in str(err.value)
-    with pytest.raises(PlacementError, match=r"\(no node named gpu9\)"):
+    # (trial AV: `nodes: [no-such-node]` read "no node has 1 free device(s) ... (no node named ...)")
+    with pytest.raises(PlacementError) as err:
         inv.place("talker", "talker/0", 1, ("gpu9",))
+    assert str(err.value) == ("talker/0 may run only on node gpu9, which has not joined: it waits for a member of "
+                              "that name (--node-name)")
     with pytest.raises(PlacementError, match=r"\(no nodes\)"):
         Inventory().place("talker", "talker/0", 1)
 

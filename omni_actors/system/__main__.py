@@ -414,8 +414,11 @@ def cmd_stop(args) -> int:
               end="")
     else:
         print(f"stopped the system on admin port {args.admin_port}", end="")
-    print((f" ({what} was still draining after {hurried_after:.1f} s of --timeout {timeout:g}: told to end "
-           "the requests still running)" if hurried_after is not None else "")
+    # (trial AV: "still draining ... told to end the requests still running" of a leader with no
+    # request, still stopping its 1,000 replicas)
+    print((f" ({what} had not exited after {hurried_after:.1f} s of --timeout {timeout:g}, draining its requests "
+           "or stopping its replicas: told to hurry, which ends any request still running)"
+           if hurried_after is not None else "")
           + (f" ({what} did not exit within {timeout:g} s: killed)" if forced else "")
           + (f" ({killed} leftover processes killed)" if killed else ""))
     for line in warnings:
