@@ -372,6 +372,8 @@ class Inventory:
                                                     "it waits for the node to come back")))
             gone = ", ".join(f"{n} ({state[n]})" for n in allowed)
             undrain = " (or `node undrain`)" if "drained" in state.values() else ""
+            if all(v == NOT_JOINED for v in state.values()):
+                return f"{replica} may run only on nodes {gone}: it waits for a member of one of those names to join"
             join = " or join" if NOT_JOINED in state.values() else ""
             return f"{replica} may run only on nodes {gone}: it waits for one of them to come back{join}{undrain}"
         seen = []
