@@ -209,6 +209,12 @@ def test_first_stage_streams_and_aborts(rt):
             rt.run(collect(eng, too_long))
         with pytest.raises(ValueError, match="top_p"):
             rt.run(collect(eng, BackendTask("r5", {"prompt": "hello"}, {"max_tokens": 4, "top_p": 0.0})))
+        # (a client's max_tokens past what the prompt leaves of the context: a 400 too, as on the
+        # vllm backend; the stage's own max_tokens is cut at the context instead)
+        crowded = BackendTask("r7", {"prompt_token_ids": [5] * 250}, {"max_tokens": 10}, max_tokens_asked=10)
+        with pytest.raises(ValueError, match="maximum context length is 256 tokens, and the request asks for 260"):
+            rt.run(collect(eng, crowded))
+        assert eng.load().running == 0
         _, after = rt.run(collect(eng, BackendTask("r6", task.engine_input, task.sampling_params)))
         assert after.outputs["token_ids"].tolist() == ids  # and it serves on
     finally:

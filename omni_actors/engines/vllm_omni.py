@@ -71,7 +71,7 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from omni_actors.config import StageSpec
-from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta
+from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta, context_exceeded
 from omni_actors.engines.vllm_core import is_client_error, one_line
 from omni_actors.engines.vllm_requests import VllmRequests
 from omni_actors.logs import get_logger
@@ -415,6 +415,10 @@ class VllmOmniEngine:
         extra: dict[str, Any] = {}
         last_mm: dict[Any, Any] = {}
         stream = self._omni.generate(prompt, request_id=vid, sampling_params_list=[params])
+        # (a client's max_tokens past what the prompt leaves of the context: a 400, as on the vllm
+        # backend; checked where the stage's engine_args give max_model_len)
+        max_len = self.stage.engine_args.get("max_model_len") if not self._diffusion else None
+        too_long = None
         try:
             async for out in stream:
                 # vLLM-Omni 0.30's OmniRequestOutput is itself a RequestOutput
@@ -432,6 +436,10 @@ class VllmOmniEngine:
                     continue
                 if prompt_ids is None and getattr(ro, "prompt_token_ids", None) is not None:
                     prompt_ids = list(ro.prompt_token_ids)
+                    if isinstance(max_len, int):
+                        too_long = context_exceeded(max_len, len(prompt_ids), task.max_tokens_asked)
+                        if too_long:
+                            break  # (closing the stream below aborts it)
                 comp = ro.outputs[0] if ro.outputs else None
                 if comp is None:
                     continue
@@ -457,6 +465,8 @@ class VllmOmniEngine:
         finally:
             await stream.aclose()
             aborted = self._requests.end(task.request_id, vid)
+        if too_long:
+            raise ValueError(too_long)
         if aborted or not finished or finish == "abort":
             return
         prompt_arr = np.asarray(prompt_ids or [], dtype=np.int32)
