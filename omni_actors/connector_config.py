@@ -79,8 +79,18 @@ def omni_connectors(data: dict[str, Any], cfg: PipelineConfig, source: str) -> O
     specs = {str(k): _convert(v, ConnectorSpec, source, f"runtime.connectors.{k}") for k, v in defined.items()}
     for k, spec in specs.items():  # (each one, named by a stage or not: a bad value is a mistake either way)
         _check_shm_threshold(spec, source, f"runtime.connectors.{k}")
-    edges = _convert(runtime.get("edges") or [], list[Edge], source, "runtime.edges")
     ids = {st.stage_id: st for st in cfg.stage_args}
+    raw_edges = runtime.get("edges")
+    for j, raw_edge in enumerate(raw_edges if isinstance(raw_edges, list) else []):
+        for end in ("from", "to"):  # (trial AV: a stage's name read "Expected `int`, got `str`")
+            value = raw_edge.get(end) if isinstance(raw_edge, dict) else None
+            if isinstance(value, str):
+                named = next((st.stage_id for st in cfg.stage_args if st.name == value), None)
+                raise ConfigError(source, f"runtime.edges[{j}].{end}",
+                                  f"expected a stage_id (an integer), got `{value}`"
+                                  + (f": stage {value} has stage_id {named}" if named is not None else
+                                     f"; known: {sorted(ids)}"))
+    edges = _convert(runtime.get("edges") or [], list[Edge], source, "runtime.edges")
     for j, edge in enumerate(edges):
         for end, sid in (("from", edge.from_stage), ("to", edge.to_stage)):
             if sid not in ids:
