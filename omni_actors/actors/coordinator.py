@@ -735,8 +735,9 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._stop_unnoted = set(self._pools)
             for pool in self._pools.values():
                 self.send(pool, PlannedStop())
-            for agent in self._agents.values():  # (not waited for: see PlannedStop)
-                self.send(agent, PlannedStop())
+            for node, agent in self._agents.items():  # (not waited for: see PlannedStop)
+                if node in self._inventory.nodes and self._inventory.nodes[node].alive:  # (a lost host's
+                    self.send(agent, PlannedStop())  # transmit could only wait for it)
             self.wakeupAfter(PLANNED_STOP_WAIT_S, payload="planned_stop_deadline")
         self._end_planned_stop()
 
