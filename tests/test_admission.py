@@ -768,6 +768,10 @@ def test_a_killed_request_actor_supervisor_is_replaced_and_watches_the_new_reque
     baseline = _settle(leader.pids)
     api = ApiServer(leader, tmp_path, min_request_actors=1, queue_limit=4)
     try:
+        deadline = time.monotonic() + 20  # (CI: the first sample of a loaded machine had none of them yet)
+        while not (supervisors(set(leader.pids()) - baseline) and _request_actors(set(leader.pids()) - baseline)):
+            assert time.monotonic() < deadline, "the API server's supervisor and RequestActor did not show"
+            time.sleep(0.1)
         mine = _settle(lambda: set(leader.pids()) - baseline)
         first, old = supervisors(mine), _request_actors(mine)
         assert len(first) == 1 and len(old) == 1, mine
