@@ -540,6 +540,9 @@ class Heartbeat(Message):
     #: which with a device wait or a vLLM load is a minute or more)
     pid: int = 0
     host: str = ""
+    #: while it starts: what its engine is doing (``EngineBackend.start_phase``: ``"loading the
+    #: vLLM engine (weights, memory profile, KV cache)"``); "" once ready, or if it does not say
+    phase: str = ""
 
 
 @dataclass(frozen=True)

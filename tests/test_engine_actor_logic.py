@@ -1665,7 +1665,7 @@ def test_the_last_ready_replicas_on_a_leaving_node_linger_until_released_or_undr
     from omni_actors.actors.supervision import ReplicaHealth
     from omni_actors.balancing import least_loaded
     from omni_actors.messages import (DrainNode, DrainReplica, EngineReady, NodesChanged, NoRequestsInFlight,
-                                      ReplicaState, StageFailed, StageTask)
+                                      ReleasePlacement, ReplicaState, StageFailed, StageTask)
 
     def pool_with(*replicas: Replica) -> tuple[StagePoolActor, list]:
         pool = StagePoolActor()
@@ -1739,6 +1739,20 @@ def test_the_last_ready_replicas_on_a_leaving_node_linger_until_released_or_undr
     pool.receiveMsg_NoRequestsInFlight(NoRequestsInFlight(), "coordinator")
     assert pool._replicas["code2wav/0"].state == ready and not pool._replicas["code2wav/0"].linger
     assert not [m for _, m in sent if isinstance(m, DrainReplica)]
+    # ... and its replacement, not placed yet, is not needed (trial AW: a drain and an undrain
+    # 0.5 s apart doubled every stage): stopped, its placement released; one starting drains
+    replacement = pool._replicas["code2wav/1"]
+    assert replacement.state == ReplicaState.STOPPED, replacement
+    assert replacement.reason == "not needed: code2wav/0, which it was to replace, stays (node m1 undrained)"
+    assert ("coordinator", ReleasePlacement("code2wav/1")) in sent
+    pool, sent = pool_with(Replica("code2wav/0", "e0", state=ready, node="m1"))
+    pool.receiveMsg_DrainNode(DrainNode("m1", operator=True), "coordinator")
+    pool._replicas["code2wav/1"] = Replica("code2wav/1", "e1", state=ReplicaState.STARTING, node="m2")
+    pool._retry_placements = lambda: None
+    pool.receiveMsg_NodesChanged(NodesChanged(undrained="m1"), "coordinator")
+    assert pool._replicas["code2wav/1"].state == ReplicaState.DRAINING
+    assert ("e1", DrainReplica("code2wav/1")) in sent
+    assert [r.state for r in pool._replicas.values()].count(ready) == 1
 
 
 def test_a_stop_tells_every_pool_its_replicas_exits_are_planned_before_anything_exits():
@@ -1983,3 +1997,31 @@ def test_tasks_queued_behind_tasks_held_by_neighbours_are_no_stall_of_the_replic
     actor._parked = 0  # stalled with a queue: as before
     actor._backend = SimpleNamespace(load=lambda: BackendLoad(running=1, waiting=4))
     assert actor._idle_s() >= 5
+
+
+def test_a_starting_replicas_reason_gives_its_engines_phase_from_its_heartbeats():
+    """A vLLM replica starts for a minute or more: its heartbeats' ``phase`` shows in its
+    ``status`` reason (and the leader's start progress line), after why it was down; a wait
+    for devices, when there is one, is shown instead (the engine has not begun to load)."""
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+    from omni_actors.messages import Heartbeat, ReplicaState
+
+    pool = StagePoolActor()
+    pool._started.set()
+    pool.send = lambda address, message: None
+    published = []
+    pool._publish = lambda: published.append(pool._replicas["thinker/0"].reason)
+    rep = Replica("thinker/0", "engine-address", state=ReplicaState.STARTING, down_cause="engine died: boom")
+    pool._replicas = {"thinker/0": rep}
+
+    def beat(**kw):
+        pool.receiveMsg_Heartbeat(Heartbeat("thinker/0", 0, 0, 0, 0, pid=42, **kw), "engine-address")
+
+    beat(phase="importing vLLM")
+    assert rep.reason == "starting again; it was down: engine died: boom; importing vLLM"
+    beat(phase="importing vLLM")
+    beat(phase="loading the vLLM engine")
+    assert published[-1] == "starting again; it was down: engine died: boom; loading the vLLM engine"
+    assert len([r for r in published if r.endswith("importing vLLM")]) == 1  # (news only)
+    beat(phase="loading the vLLM engine", waiting_for="device 1 to be freed")
+    assert rep.reason == "starting again; it was down: engine died: boom; waiting for device 1 to be freed"

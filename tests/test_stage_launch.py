@@ -327,3 +327,53 @@ def test_a_member_given_a_stage_the_system_has_not_is_refused(system, tmp_path):
     finally:
         typo.stop()
     assert all(n["name"] != "m9" for n in _status(leader)["nodes"])
+
+
+def test_a_node_undrained_before_its_replacements_ran_keeps_each_stage_at_its_size(request):
+    """Trial AW: `node drain` of the only node, then `node undrain` half a second later. The
+    drained node's replicas were its stages' last ready ones, so they lingered, and their
+    replacements waited for a node; the undrain kept the first and placed the second there
+    too: every stage ran twice its replicas. The replacements not yet ready now stop."""
+    leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml", extra_args=["--node-name", "solo"])
+    request.addfinalizer(leader.stop)
+    leader.start()
+    import threading
+
+    import openai
+
+    live = ("pending", "starting", "ready")
+    before = _reps(_wait(leader, lambda st: all(r["state"] == "ready" for r in _reps(st).values()), "ready"))
+    # A stream in flight (about 8 s of Thinker) keeps the node's replicas lingering, as the
+    # trial's clients did: with none, they drain at once and their replacements are needed.
+    client = openai.OpenAI(base_url=leader.base_url, api_key="x", max_retries=0, timeout=60)
+    first, text = threading.Event(), []
+
+    def stream():
+        for chunk in client.chat.completions.create(model="qwen3-omni-cpu-demo", stream=True, max_tokens=2048,
+                                                    messages=[{"role": "user", "content": "a long story"}]):
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+                first.set()
+    reader = threading.Thread(target=stream, daemon=True)
+    reader.start()
+    assert first.wait(30), "no text"
+    drained = _cli(leader, "node", "drain", "--node", "solo")
+    assert drained.returncode == 0, drained.stderr
+    assert any("the last ready replica" in v["reason"] for v in _reps(_status(leader)).values())
+    undrained = _cli(leader, "node", "undrain", "--node", "solo")
+    assert undrained.returncode == 0, undrained.stderr
+    assert "replacements not ready yet are stopped" in undrained.stdout, undrained.stdout
+
+    def settled(st):
+        reps = _reps(st)
+        return all(reps[r]["state"] == "ready" for r in before) and \
+            sum(r["state"] in live for r in reps.values()) == len(before)
+    reps = _reps(_wait(leader, settled, "back to its size"))
+    time.sleep(2.0)  # (two heartbeats: nothing else starts)
+    reps = _reps(_status(leader))
+    assert sorted(r for r, v in reps.items() if v["state"] in live) == sorted(before), reps
+    extra = {r: v for r, v in reps.items() if r not in before}
+    assert len(extra) == len(before), extra  # one replacement each, stopped
+    assert all(v["state"] == "stopped" and v["reason"].startswith("not needed: ") for v in extra.values()), extra
+    reader.join(60)
+    assert not reader.is_alive() and len(text) > 100, len(text)  # (the stream finished)

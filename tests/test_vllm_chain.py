@@ -406,6 +406,34 @@ def test_the_engines_ipc_sockets_and_temp_files_are_in_the_systems_own_directory
     assert [n for n in names if n not in own and not n.startswith("vllm_dist_")] == [], names
     assert _stores_in_temp_dir() - chain.stores_before == set()
 
+def test_every_vllm_log_line_names_the_replica_that_printed_it(chain):
+    """Three vLLM engines log to the leader's stdout; vLLM names only the process (an actor's
+    address, or ``EngineCore``), so the lines of two Talkers could not be told apart: each
+    replica sets ``VLLM_LOGGING_PREFIX`` to its name before it imports vLLM (its engine core,
+    a child, inherits it)."""
+    vllm_line = re.compile(r"\((?:EngineCore|Actor_)\S* pid=\d+\) (?:DEBUG|INFO|WARNING|ERROR) \d\d-\d\d ")
+    lines = [ln for ln in chain.stdout_path.read_text(errors="replace").splitlines() if vllm_line.search(ln)]
+    assert len(lines) >= 10, lines  # (each engine's start logs a dozen)
+    prefixes = {ln.split("] ", 1)[0] + "]" for ln in lines}
+    assert prefixes == {"[thinker/0]", "[talker/0]", "[talker/1]"}, [ln for ln in lines if not ln.startswith("[")][:5]
+    # the engine cores' lines too (vLLM's process name for them is EngineCore, for the three alike)
+    cores = {ln.split("] ", 1)[0] + "]" for ln in lines if "(EngineCore" in ln}
+    assert cores == prefixes, cores
+
+
+def test_the_start_progress_lines_say_what_each_vllm_replica_is_doing(chain):
+    """A vLLM replica starts for a minute or more here; the leader's progress line (every 10 s)
+    said only ``thinker/0 starting``: it now gives the phase its heartbeats report."""
+    progress = [ln for ln in chain.stdout_path.read_text(errors="replace").splitlines()
+                if ln.startswith("starting (")]
+    assert progress, "no start progress line"
+    phases = re.findall(r"((?:thinker|talker)/\d) starting: ([^;\n]+)", "\n".join(progress))
+    assert any(p == "loading the vLLM engine (model weights, memory profile, KV cache)" for _, p in phases), \
+        progress
+    assert {p for _, p in phases} <= {"importing vLLM", "warming up (one token)",
+                                      "loading the vLLM engine (model weights, memory profile, KV cache)"}, phases
+
+
 @pytest.mark.parametrize("question, max_tokens", [(SEA, 24), (STORY, 64)],
                          ids=["length", "eos"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

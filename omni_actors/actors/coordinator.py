@@ -496,7 +496,9 @@ class CoordinatorActor(ActorTypeDispatcher):
             self.send(pool, NodesChanged(undrained=msg.node))
         self._publish_status()
         self.send(reply_to, AdminReply(True, f"node {msg.node} takes new replicas again (those waiting for it "
-                                             "are placed there; the replacements elsewhere stay where they are)"))
+                                             "are placed there; its replicas still serving stay, and their "
+                                             "replacements not ready yet are stopped; those ready elsewhere "
+                                             "stay where they are)"))
 
     def _stale_join(self, node: str, join: int) -> bool:
         """Whether ``join`` is of an earlier member under ``node``'s name than the one

@@ -32,7 +32,7 @@ from omni_actors.actors.node_agent import on_node
 from omni_actors.config_checks import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
 from omni_actors.engines import create_backend
-from omni_actors.engines.base import BackendTask, InputLost, OutputChunk, StageFinal, TextDelta, UpstreamTimeout
+from omni_actors.engines.base import BackendTask, InputLost, replica_log_prefix, OutputChunk, StageFinal, TextDelta, UpstreamTimeout
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelStage, DeltasAck, DrainReplica, EngineFailed, EngineReady, ErrorKind,
                                   FaultKind, Heartbeat, HeartbeatAck, InjectFault, OutputDelta, OutputDeltas,
@@ -206,6 +206,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         devices = ",".join(msg.devices) if msg.devices else msg.stage.runtime.devices
         if devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(devices)
+        # vLLM's own log lines (its engine core's too, a child process) say which replica printed
+        # them: vLLM reads the prefix once, when it is first imported (in this process, below)
+        os.environ["VLLM_LOGGING_PREFIX"] = replica_log_prefix(msg.replica)
         self._rt = LoopThread()
         try:
             if msg.deployment.backend == "vllm_omni":
@@ -307,7 +310,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 kv_cache_usage=load.kv_cache_usage if load else None, progress=self._progress,
                 idle_s=self._idle_s(), fault=self._fault.describe() if self._fault else "",
                 waiting_for=self._waiting_for, pid=0 if self._ready else os.getpid(),
-                host="" if self._ready else host_identity()))
+                host="" if self._ready else host_identity(),
+                phase="" if self._ready else getattr(self._backend, "start_phase", "")))
             self._heartbeats.again(self, self._spec.heartbeat_interval_s)
             for address, message in self._deltas.due():
                 self.send(address, message)

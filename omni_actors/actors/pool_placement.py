@@ -47,10 +47,13 @@ def device_wait_s(spec) -> float:
 
 def starting_reason(rep) -> str:
     """The reason a STARTING replica shows: why it was down (a restart, which can take a minute
-    with vLLM), and which devices its engine still waits for (its heartbeats' ``waiting_for``)."""
+    with vLLM), which devices its engine still waits for (its heartbeats' ``waiting_for``), and
+    what its engine is doing (their ``phase``)."""
     parts = [f"starting again; it was down: {rep.down_cause}"] if rep.down_cause else []
     if rep.device_wait:
         parts.append(f"waiting for {rep.device_wait}")
+    elif rep.start_phase:
+        parts.append(rep.start_phase)
     return "; ".join(parts)
 
 
@@ -80,7 +83,7 @@ class PoolPlacementMixin:
             return
         rep.address, rep.node, rep.devices = address, msg.node, ",".join(msg.devices)
         rep.placed = (msg.node, tuple(msg.devices))
-        rep.state, rep.device_wait = ReplicaState.STARTING, ""
+        rep.state, rep.device_wait, rep.start_phase = ReplicaState.STARTING, "", ""
         rep.reason = starting_reason(rep)
         self.send(address, StartEngine(rep.replica, spec.stage, spec.deployment, spec.heartbeat_interval_s,
                                        spec.inline_threshold_bytes, msg.node, msg.devices or None,
@@ -106,11 +109,28 @@ class PoolPlacementMixin:
                 and rep.linger and rep.state == ReplicaState.READY]
         for rep in kept:
             rep.linger, rep.reason = "", f"node {msg.undrained} undrained"  # (it stays)
+            rep.relaunch = False
             self._log.info("replica_linger_ends", replica=rep.replica, cause="node undrained",
                            in_flight=len(rep.in_flight))
+            self._retire_replacement(rep, f"not needed: {rep.replica}, which it was to replace, stays "
+                                          f"(node {msg.undrained} undrained)")
         if kept:
             self._publish()
         self._retry_placements()
+
+    def _retire_replacement(self, rep, why: str) -> None:
+        """``rep`` stays after all (its node undrained while it lingered): the replica launched to
+        replace it is retired if it is not ready yet, so that the stage keeps its size (trial AW:
+        a drain and an undrain 0.5 s apart left every stage with twice its replicas)."""
+        new, rep.replaced_by = self._replicas.get(rep.replaced_by), ""
+        if new is None or new.state not in (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.DEAD):
+            return
+        self._log.info("replacement_retired", replica=new.replica, kept=rep.replica, state=new.state.value)
+        if new.state == ReplicaState.STARTING:
+            self._drain(new, why)
+        else:
+            new.state, new.reason = ReplicaState.STOPPED, why
+            self._release(new)
 
     def _retry_placements(self) -> None:
         for rep in self._replicas.values():
@@ -147,7 +167,7 @@ class PoolPlacementMixin:
                 rep.relaunch = True
                 why = f"node {msg.node} {what}; it starts again when the node is {back}"
             else:
-                new = self._new_replica_id()
+                new = rep.replaced_by = self._new_replica_id()
                 self._launch(new)
                 why = f"node {msg.node} {what} (replaced by {new})"
             if last and rep.state == ReplicaState.READY:

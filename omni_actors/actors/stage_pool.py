@@ -109,11 +109,14 @@ class Replica:
     linger: str = ""
     #: since when it lingers (``time.time()``): it takes only the tasks of requests begun before
     linger_since: float = 0.0
+    #: the replica launched to replace this one when its node drained (`node drain`, a leave)
+    replaced_by: str = ""
     #: it has been READY at least once (its config loads), and load failures since it last was
     loaded: bool = False
     load_failures: int = 0
     #: while it starts, the devices its engine waits for (an old engine holds them; its heartbeats say)
     device_wait: str = ""
+    start_phase: str = ""  #: while STARTING: what its engine is doing (its heartbeats' ``phase``)
     #: ``(node, devices)`` the coordinator placed it on; and where it (its name) ran before
     #: (a restart, or a recreated pool's layout): its placement asks for that again first
     placed: tuple = ()
@@ -291,7 +294,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             if msg.pid and rep.pid != msg.pid:
                 rep.pid, rep.host = msg.pid, msg.host
                 self._publish()
-            self._show_device_wait(rep, msg.waiting_for)
+            self._show_start(rep, msg.waiting_for, msg.phase)
         now = time.monotonic()
         if self._last_tick and now - self._last_tick > TICK_LOST_AFTER_INTERVALS * self._spec.heartbeat_interval_s:
             # The tick's wake-up was lost (see _after): supervision would stop for good.
@@ -305,10 +308,11 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 self._publish()  # (status shows an injected fault within a heartbeat)
             rep.health.on_heartbeat(time.monotonic(), msg.progress, msg.idle_s)
 
-    def _show_device_wait(self, rep: Replica, waiting_for: str) -> None:
-        """A starting replica's reason says which old engine holds its devices while it waits."""
-        if waiting_for != rep.device_wait:
-            rep.device_wait = waiting_for
+    def _show_start(self, rep: Replica, waiting_for: str, phase: str) -> None:
+        """A starting replica's reason says which old engine holds its devices while it waits,
+        and what its engine is doing (its heartbeats' ``waiting_for`` and ``phase``)."""
+        if (waiting_for, phase) != (rep.device_wait, rep.start_phase):
+            rep.device_wait, rep.start_phase = waiting_for, phase
             rep.reason = starting_reason(rep)
             self._publish()
 

@@ -11,6 +11,7 @@ between stages (see ``omni_actors.connectors``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Mapping, Protocol, Union
 
@@ -54,6 +55,18 @@ class BackendTask:
     emit_chunks: bool = False
     chunk_tokens: int = 8
     max_tokens_asked: int | None = None
+
+
+def replica_log_prefix(replica: str, environ: Mapping[str, str] | None = None) -> str:
+    """The ``VLLM_LOGGING_PREFIX`` of a replica's process: ``"[thinker/0] "`` after any
+    prefix the operator set (``$VLLM_LOGGING_PREFIX``, inherited from the leader or member).
+
+    vLLM puts it before each of its log lines, in the replica's process and its engine
+    core's (a child), so that the lines of several replicas on one stdout say whose they
+    are. It takes effect only if vLLM is first imported after it is set.
+    """
+    env = os.environ if environ is None else environ
+    return f"{env.get('VLLM_LOGGING_PREFIX', '')}[{replica}] "
 
 
 def context_exceeded(max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> str | None:

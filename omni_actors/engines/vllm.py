@@ -164,6 +164,9 @@ class VllmEngine:
         self._log = get_logger(backend="vllm", replica=replica)
         #: Seconds ``start`` took (import + engine + warm-up), for logs and benchmarks.
         self.startup_s: float | None = None
+        #: What ``start`` is doing, for the replica's heartbeats (``status``, the leader's start
+        #: progress line); "" before and after.
+        self.start_phase = ""
 
     # -- lifecycle -------------------------------------------------------
     async def start(self) -> None:
@@ -185,6 +188,7 @@ class VllmEngine:
         try:
             await self._start()
         except Exception as exc:
+            self.start_phase = ""
             watch, self._watch = self._watch, None
             if watch and self._llm is not None and isinstance(exc, self._vllm["EngineDeadError"]):
                 await watch.await_root_cause(exc)  # died in the warm-up: let it write why
@@ -195,6 +199,7 @@ class VllmEngine:
             raise RuntimeError(f"vLLM engine for stage `{self.stage.name}` ({self.replica}), "
                                f"model `{self.stage.engine_args.get('model')}`: {cause}") from None
         self.startup_s = time.monotonic() - t0
+        self.start_phase = ""
         self._log.info("vllm_engine_started", startup_s=round(self.startup_s, 2),
                        model=self.stage.engine_args.get("model"))
 
@@ -212,6 +217,7 @@ class VllmEngine:
         if cpu:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        self.start_phase = "importing vLLM"
         await asyncio.get_running_loop().run_in_executor(None, self._import_vllm)
         v = self._vllm
         accepted = {f.name for f in dataclasses.fields(v["AsyncEngineArgs"])}
@@ -229,11 +235,13 @@ class VllmEngine:
 
         cpus = parse_cpus(self.cpus) if cpu else frozenset()  # (ValueError: not on this node)
         self._watch = CoreWatch(self.replica)
+        self.start_phase = "loading the vLLM engine (model weights, memory profile, KV cache)"
         with self._watch.spawning(v["EngineCoreProc"]), pinned(cpus):
             self._llm = v["AsyncLLM"].from_engine_args(
                 engine_args, stat_loggers=[lambda vllm_config, engine_index=0: _LoadRecorder(self)])
         self._watch.note_cores()
         keep_off(cpus)  # the replica's own threads (actor, vLLM's output handling) stay off those CPUs
+        self.start_phase = "warming up (one token)"
         await self._warm_up()
 
     def _import_vllm(self) -> None:

@@ -137,6 +137,8 @@ class VllmOmniEngine:
         self._log = get_logger(backend="vllm_omni", replica=replica)
         #: Seconds ``start`` took (import + engine + warm-up).
         self.startup_s: float | None = None
+        #: What ``start`` is doing, for the replica's heartbeats; "" before and after.
+        self.start_phase = ""
 
     # -- lifecycle -------------------------------------------------------
     async def start(self) -> None:
@@ -152,11 +154,13 @@ class VllmOmniEngine:
         try:
             await self._start()
         except Exception as exc:
+            self.start_phase = ""
             await self._teardown()
             raise RuntimeError(
                 f"vLLM-Omni stage `{self.stage.name}` ({self.replica}), model "
                 f"`{self.stage.engine_args.get('model')}`: {one_line(exc)}") from None
         self.startup_s = time.monotonic() - t0
+        self.start_phase = ""
         self._log.info("vllm_omni_engine_started", startup_s=round(self.startup_s, 2))
 
     async def _start(self) -> None:
@@ -178,6 +182,7 @@ class VllmOmniEngine:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         loop = asyncio.get_running_loop()
+        self.start_phase = "importing vLLM-Omni"
         await loop.run_in_executor(None, self._import)
         if not self._diffusion:  # (names and values, before the engine loads, as the vllm backend does)
             from omni_actors.engines.vllm import check_default_sampling_params
@@ -192,6 +197,7 @@ class VllmOmniEngine:
         with os.fdopen(fd, "w") as f:
             v["yaml"].safe_dump(deploy, f)
         self._deploy_file = path
+        self.start_phase = "loading the vLLM-Omni stage engine (model weights, memory profile, KV cache)"
         try:
             self._omni = v["AsyncOmni"](model=model, deploy_config=path)
         finally:
@@ -279,6 +285,7 @@ class VllmOmniEngine:
     async def _warm_up(self) -> None:
         if self._processor is not None or self._diffusion:
             return  # consuming stages get token prompts; one engine step proves little more
+        self.start_phase = "warming up (one token)"
         params = self._v["SamplingParams"](max_tokens=1, temperature=0.0)
         async for _ in self._omni.generate({"prompt_token_ids": [0]}, request_id=f"warmup:{self.replica}",
                                            sampling_params_list=[params]):
