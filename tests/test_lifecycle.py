@@ -1105,6 +1105,19 @@ def test_a_bad_argument_is_a_usage_error_before_any_system_is_asked(args, error)
     assert out.stderr.strip() == error, out.stderr
 
 
+@pytest.mark.parametrize("args, error", [
+    (("inject", "bogus"), "error: argument fault: invalid choice: 'bogus' (choose from 'sigkill', "),
+    (("stage", "scale", "--stage", "talker", "--replicas", "x"), "error: argument --replicas: invalid int value: 'x'"),
+])
+def test_argparses_own_usage_errors_are_one_line_too(args, error):
+    """Trial AW: `inject bogus` printed argparse's five-line usage block, where the CLI's own
+    checks (and the shell) say what is wrong in one line."""
+    out = _cli(*args)
+    assert out.returncode == 2, out
+    assert len(out.stderr.strip().splitlines()) == 1 and out.stderr.startswith(error), out.stderr
+    assert f"(`python -m omni_actors.system {args[0]}" in out.stderr, out.stderr
+
+
 def test_an_unusable_state_directory_is_refused_before_anything_starts(tmp_path):
     """`stop` and `status` find a leader by the file it writes in its state directory; one
     that cannot be made was a traceback after the admin and actors had started (a trial)."""

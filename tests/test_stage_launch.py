@@ -119,7 +119,8 @@ def test_launch_on_named_devices_pins_them_for_life_and_refuses_what_cannot_be_d
            "node leader offers no devices (a CPU node): drop --devices")
     _error(_cli(leader, "stage", "launch", "--stage", "talker", "--node", "nope"),
            "no node named 'nope' (nodes: leader, m1)")
-    _error(_cli(leader, "stage", "launch", "--stage", "nope", "--node", "m1"), "no stage named 'nope'")
+    _error(_cli(leader, "stage", "launch", "--stage", "nope", "--node", "m1"),
+           "no stage named 'nope' (stages: thinker, talker, code2wav)")
     assert len(_reps(_status(leader))) == 6
 
     # --node alone: that node, the first free device there

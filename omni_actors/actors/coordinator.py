@@ -683,10 +683,13 @@ class CoordinatorActor(ActorTypeDispatcher):
 
     def _forward_admin(self, pool, msg, sender, what: str) -> None:
         """Pass an admin request to its pool, which answers the requester directly (at once
-        here, with the reason, when there is no such stage or its pool is down)."""
+        here, with the reason, when there is no such stage or its pool is down). ``what``:
+        what was not found (``"replica named 'talker/9'"``, whose answer adds ``(see
+        `status`)``), or the answer itself (:meth:`_no_stage`)."""
         down = NOT_DEPLOYED if self._config is None else self._pool_down(pool) if pool is not None else None
         if pool is None or down:
-            self.send(msg.reply_to or sender, AdminReply(False, down or f"no {what} (see `status`)"))
+            missing = what if what.startswith("no stage named") else f"no {what} (see `status`)"
+            self.send(msg.reply_to or sender, AdminReply(False, down or missing))
         else:
             self.send(pool, dataclasses.replace(msg, reply_to=msg.reply_to or sender))
 
@@ -702,7 +705,12 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, f"replica named {msg.replica!r}")
 
     def receiveMsg_ScaleStage(self, msg: ScaleStage, sender):
-        self._forward_admin(self._pool_of_replica(msg.stage + "/"), msg, sender, f"stage named {msg.stage!r}")
+        self._forward_admin(self._pool_of_replica(msg.stage + "/"), msg, sender, self._no_stage(msg.stage))
+
+    def _no_stage(self, name: str) -> str:
+        """``no stage named 'talkr' (stages: thinker, talker, code2wav)``."""
+        stages = ", ".join(st.name for st in self._config.stage_args) if self._config is not None else ""
+        return f"no stage named {name!r}" + (f" (stages: {stages})" if stages else "")
 
     def receiveMsg_LaunchReplicas(self, msg: LaunchReplicas, sender):
         """Check a launch that names a node or devices against the inventory, then pass
@@ -711,7 +719,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         pool = self._pool_of_replica(msg.stage + "/")
         down = NOT_DEPLOYED if self._config is None else self._pool_down(pool) if pool is not None else None
         if pool is None or down:
-            self.send(reply_to, AdminReply(False, down or f"no stage named {msg.stage!r}"))
+            self.send(reply_to, AdminReply(False, down or self._no_stage(msg.stage)))
             return
         dep = self._config.deployment_of(self._config.stage_by_name(msg.stage))
         try:

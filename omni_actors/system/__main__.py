@@ -47,8 +47,16 @@ def port_number(text: str) -> int:
 
 port_number.__name__ = "port (1-65535)"  # (argparse's error: "invalid port (1-65535) value: '99999'")
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its usage errors in one line (``error: ...``, exit 2) as the CLI's own
+    checks give them: a trial's `inject bogus` printed a five-line usage block before the error."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (`{self.prog} --help` for usage)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m omni_actors.system",
+    p = _Parser(prog="python -m omni_actors.system",
                                 description="Serve multi-stage omni pipelines on an actor system.")
     sub = p.add_subparsers(dest="verb", required=True)
 
