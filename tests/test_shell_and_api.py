@@ -211,8 +211,9 @@ def test_status_and_stop_at_an_empty_admin_port_name_the_leader_recorded_here(tm
     (tmp_path / f"leader-{other}.json").write_text(json.dumps({"pid": os.getpid(), "admin_port": other}))
     port = free_port()
     env = {**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)}
-    for verb in ("status", "stop"):
-        out = subprocess.run([sys.executable, "-m", "omni_actors.system", verb, "--admin-port", str(port)],
+    for verb in ("status", "stop", "api", "shell"):  # (`api` and `shell`: trial AV)
+        out = subprocess.run([sys.executable, "-m", "omni_actors.system", verb, "--admin-port", str(port),
+                              *(("--port", str(free_port())) if verb == "api" else ())],
                              capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
         assert out.returncode == 1, out
         assert out.stderr.strip().endswith(f"; the leader recorded in {tmp_path} runs on admin port {other} "
