@@ -411,3 +411,28 @@ def test_omni_chain_matches_transformers_and_talker_gets_thinker_tokens(omni_cha
         got_pcm = w.readframes(w.getnframes())
     assert got_pcm == want_pcm
     client.close()
+
+
+@pytest.mark.system
+@pytest.mark.timeout(600)
+@needs_omni
+def test_omni_replicas_say_what_they_do_while_they_start_and_name_themselves_in_vllms_log(omni_chain):
+    """As for the vllm backend (tests/test_vllm_chain.py): the leader's start progress lines
+    give each vLLM-Omni replica's phase, and vLLM's log lines name the replica."""
+    import re
+
+    leader, config, _ = omni_chain
+    out = leader.stdout_path.read_text(errors="replace").splitlines()
+    phases = {p for ln in out if ln.startswith("starting (")
+              for p in re.findall(r"(?:thinker|talker)/\d starting: ([^;]+)", ln)}
+    assert "loading the vLLM-Omni stage engine (model weights, memory profile, KV cache)" in phases, phases
+    assert phases <= {"importing vLLM-Omni", "warming up (one token)",
+                      "loading the vLLM-Omni stage engine (model weights, memory profile, KV cache)"}, phases
+    # (vLLM 0.30, beside vLLM-Omni, names no process: "WARNING 12-05 23:10:24 [importing.py:83] ...")
+    vllm_line = re.compile(r"(?:^|\] |\) )(?:DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d \[\w+\.py:\d+\]")
+    # (an engine core's lines come through vLLM-Omni's own decoration of its child's output:
+    # "(StageEngineCoreProc_stage0_replica0 pid=28184) [talker/1] INFO ...", the same name for all)
+    lines = [ln for ln in out if vllm_line.search(ln)]
+    named = [re.search(r"\[((?:thinker|talker)/\d)\] ", ln) for ln in lines]
+    assert lines and all(named), [ln for ln, m in zip(lines, named) if not m][:5]
+    assert len({m.group(1) for m in named}) == 3, {m.group(1) for m in named}
