@@ -139,6 +139,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         self._pins: dict[str, tuple[str, tuple[str, ...]]] = {}  # replica -> (node, devices) it is pinned to
         self._last_ack = time.monotonic()
         self._orphaned = False
+        self._planned_stop = False  # (PlannedStop: the system stops; replicas exiting now are not failures)
         self._exit_timer = None  # orphaned and exiting: ends the process if Thespian does not
         self._parent = ParentWatch(0, "")
         self._last_tick = 0.0  # when the last health tick ran (monotonic)
@@ -528,7 +529,11 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             return
         now = time.monotonic()
         delay = None if self._orphaned else self._restart.next_delay(rep.restarts, now)
-        if self._orphaned:  # the coordinator's next pool starts it again
+        if self._exiting:  # (trial AX: an orderly stop logged every replica as failed)
+            self._release(rep)
+            rep.state = ReplicaState.STOPPED
+            rep.reason = "stopped with the system" if self._planned_stop else f"{cause}; its pool is exiting"
+        elif self._orphaned:  # the coordinator's next pool starts it again
             self._release(rep)
             rep.state, rep.reason = ReplicaState.FAILED, f"{cause}; not restarted: its pool lost the coordinator"
         elif delay is None:
@@ -546,7 +551,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
 
     def receiveMsg_PlannedStop(self, msg: PlannedStop, sender):
         """The system stops: replicas exiting from now on is planned (see ``PlannedStop``)."""
-        self._orphaned = self._exiting = True
+        self._orphaned = self._exiting = self._planned_stop = True
         self.send(sender, PlannedStopNoted(self._spec.stage.stage_id if self._spec is not None else -1))
 
     def receiveMsg_ActorExitRequest(self, msg, sender):
