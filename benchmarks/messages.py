@@ -1,5 +1,6 @@
 """CPU cost of one actor message on the TCP base: with and without a short ``str()``,
-and with Thespian's own per-loop epoll selector or our poll one.
+with Thespian's own per-loop epoll selector or our poll one, and with its full
+description of each transmit or our short one.
 
 Thespian formats every message it sends or receives for its debug log
 (``str(message)``, evaluated whether or not that log is on). Our messages
@@ -18,9 +19,13 @@ two actor addresses, as a RequestActor sends one) answered by a
   does unpatched, instead of :class:`~omni_actors.actors.thespian_fixes.PollSelector`
   (one ``poll`` call; what the system uses, see
   :mod:`omni_actors.actors.thespian_fixes`). The driver sets it in its process
-  before it makes the echo, which inherits it.
+  before it makes the echo, which inherits it;
+- ``full identify``: the messages as they are, with Thespian describing each
+  transmit in full for its debug log (the message, the target, the timers)
+  whether or not that log is on, as it does unpatched, instead of the short
+  description of :func:`~omni_actors.actors.thespian_fixes.use_short_identify`.
 
-The three alternate ``--runs`` times; printed: per round trip (two messages),
+The four alternate ``--runs`` times; printed: per round trip (two messages),
 the driver's and the echo's CPU time (``time.process_time``, the whole actor
 process: Thespian's threads included) and the wall time, medians, and the
 ratios. The actor system is shut down whatever happens.
@@ -88,13 +93,15 @@ class Echo(Actor):
 
 
 class Driver(Actor):
-    """``(task class, n, poll)``: n round trips with a new Echo, both polling with our
-    selector or not; answers (wall s, own CPU s, echo CPU s)."""
+    """``(task class, n, fixes)``: n round trips with a new Echo, both with our Thespian
+    fixes (``"fixed"``), or all but one (``"epoll"``, ``"full identify"``); answers (wall s,
+    own CPU s, echo CPU s)."""
 
     def receiveMessage(self, msg, sender):
         if isinstance(msg, tuple) and len(msg) == 3:
             self.cls, self.left, self.client = msg[0], msg[1], sender
-            thespian_fixes.use_poll_selector(msg[2])  # (before the echo is forked: it inherits it)
+            thespian_fixes.use_poll_selector(msg[2] != "epoll")  # (before the echo is forked: it inherits it)
+            thespian_fixes.use_short_identify(msg[2] != "full identify")
             self.echo = self.createActor(Echo)
             self.send(self.echo, "cpu")  # (the echo is up before the clock starts)
         elif isinstance(msg, float) and not hasattr(self, "t0"):
@@ -124,16 +131,16 @@ def main(argv=None) -> None:
     p.add_argument("--round-trips", type=int, default=2000, help="per measurement (default: %(default)s)")
     p.add_argument("--runs", type=int, default=3, help="measurements per variant, alternated (default: %(default)s)")
     args = p.parse_args(argv)
-    variants = {"short str": (StageTask, True), "dataclass repr": (ReprStageTask, True),
-                "epoll per loop": (StageTask, False)}
+    variants = {"short str": (StageTask, "fixed"), "dataclass repr": (ReprStageTask, "fixed"),
+                "epoll per loop": (StageTask, "epoll"), "full identify": (StageTask, "full identify")}
     results: dict[str, list[tuple[float, float, float]]] = {v: [] for v in variants}
     n = args.round_trips
     asys = ActorSystem("multiprocTCPBase", {"Admin Port": free_port()})
     try:
         for _ in range(args.runs):
-            for name, (cls, poll) in variants.items():
+            for name, (cls, fixes) in variants.items():
                 driver = asys.createActor(Driver)
-                got = asys.ask(driver, (cls, n, poll), max(60, n * 0.05))
+                got = asys.ask(driver, (cls, n, fixes), max(60, n * 0.05))
                 if got is None:
                     raise SystemExit(f"{name}: no answer from the driver")
                 results[name].append(got)
@@ -148,9 +155,10 @@ def main(argv=None) -> None:
         w, c, e = (statistics.median(r[i] for r in rows) / n * 1e6 for i in range(3))
         med[name] = (w, c, e)
         print(f"{name:16s} {c:11.0f} {e:10.0f} {w:8.0f}")
-    s, r, e = med["short str"], med["dataclass repr"], med["epoll per loop"]
+    s, r, e, f = med["short str"], med["dataclass repr"], med["epoll per loop"], med["full identify"]
     print(f"short / repr:    {s[1] / r[1]:11.2f} {s[2] / r[2]:10.2f} {s[0] / r[0]:8.2f}")
     print(f"poll / epoll:    {s[1] / e[1]:11.2f} {s[2] / e[2]:10.2f} {s[0] / e[0]:8.2f}")
+    print(f"short / full id: {s[1] / f[1]:11.2f} {s[2] / f[2]:10.2f} {s[0] / f[0]:8.2f}")
 
 
 if __name__ == "__main__":

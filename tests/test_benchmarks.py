@@ -60,7 +60,7 @@ def test_first_audio_runs():
 
 def test_messages_runs():
     out = run_benchmark("messages.py", "--round-trips", "50", "--runs", "1")
-    assert "short / repr:" in out, out
+    assert "short / repr:" in out and "short / full id:" in out, out
 
 
 def test_hangups_runs():
