@@ -117,7 +117,7 @@ class PoolRoutingMixin:
         takers = [r for r in self._replicas.values() if r.state in ROUTABLE
                   and not (r.linger and task.began_at > r.linger_since)]
         ready = [r for r in takers if r.replica not in task.exclude] or takers
-        chosen = self._policy([ReplicaLoad(r.replica, len(r.in_flight), r.dispatched) for r in ready])
+        chosen = self._policy([ReplicaLoad(r.replica, len(r.in_flight), r.last_dispatch) for r in ready])
         if chosen is None:
             wait_s = self._spec.supervision.queue_timeout_s
             refused = no_replica_reason(self._spec.stage.name, self._replicas.values(), wait_s,
@@ -132,6 +132,7 @@ class PoolRoutingMixin:
         rep.health.on_dispatch(now, was_idle=not rep.in_flight)
         rep.in_flight[(task.request_id, task.stage_id)] = (task, now)
         rep.dispatched += 1
+        rep.last_dispatch = now
         self.send(rep.address, task)
 
     def _drain_pending(self) -> None:

@@ -78,6 +78,7 @@ class Replica:
     #: tasks it reported finished lately, oldest first: (request, stage) -> (task, when)
     finished: dict[tuple[str, int], tuple[StageTask, float]] = field(default_factory=dict)
     dispatched: int = 0
+    last_dispatch: float = 0.0  #: (monotonic) when it was last sent a task; 0.0 none since it (re)started
     completed: int = 0
     failed: int = 0
     running: int = 0
