@@ -2057,3 +2057,26 @@ def test_a_pool_shares_sequential_tasks_evenly_with_a_replica_back_from_a_restar
         for r in pool._replicas.values():
             r.in_flight.clear()  # (done before the next)
     assert {a: sent.count(a) for a in ("e2", "e4", "e5")} == {"e2": 10, "e4": 10, "e5": 10}
+
+
+def test_a_pinned_replica_back_on_its_node_says_why_it_was_down_in_the_past():
+    """Trial AY: `ready ... restarted at 23:42:23; it was down: node m2 drained (`node drain`);
+    it starts again when the node is undrained`, of a replica running again."""
+    import re
+
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+    from omni_actors.messages import EngineReady, ReplicaState
+
+    pool = StagePoolActor()
+    pool._started.set()
+    pool.send = lambda address, message: None
+    pool._publish = pool._drain_pending = lambda: None
+    cause = "node m2 drained (`node drain`); it starts again when the node is undrained"
+    rep = Replica("talker/2", "e2", state=ReplicaState.STARTING, down_cause=cause)
+    pool._replicas = {"talker/2": rep}
+    pool._show_start(rep, "", "importing vLLM")
+    assert rep.reason == "starting again; it was down: node m2 drained (`node drain`); importing vLLM"
+    pool.receiveMsg_EngineReady(EngineReady("talker/2", 7, "m2", "synthetic"), "e2")
+    assert rep.state == ReplicaState.READY
+    assert re.fullmatch(r"restarted at \d\d:\d\d:\d\d; it was down: node m2 drained \(`node drain`\)", rep.reason), \
+        rep.reason

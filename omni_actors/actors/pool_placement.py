@@ -45,11 +45,23 @@ def device_wait_s(spec) -> float:
     return min(spec.ready_timeout_s / 2, 2 * orphan + ENGINE_EXIT_S)
 
 
+#: How a replica pinned to a draining or leaving node says it comes back (``"...; it starts again
+#: when the node is undrained"``); cut from the reason it gives once back (:func:`was_down`).
+STARTS_AGAIN = "; it starts again when the node is "
+
+
+def was_down(cause: str) -> str:
+    """Why a replica was down, in the past: a pinned one's ``"it starts again when ..."`` goes
+    (trial AY: ``restarted at 23:42:23; it was down: node m2 drained (`node drain`); it starts
+    again when the node is undrained``, of a replica running again)."""
+    return cause.split(STARTS_AGAIN)[0]
+
+
 def starting_reason(rep) -> str:
     """The reason a STARTING replica shows: why it was down (a restart, which can take a minute
     with vLLM), which devices its engine still waits for (its heartbeats' ``waiting_for``), and
     what its engine is doing (their ``phase``)."""
-    parts = [f"starting again; it was down: {rep.down_cause}"] if rep.down_cause else []
+    parts = [f"starting again; it was down: {was_down(rep.down_cause)}"] if rep.down_cause else []
     if rep.device_wait:
         parts.append(f"waiting for {rep.device_wait}")
     elif rep.start_phase:
@@ -165,7 +177,7 @@ class PoolPlacementMixin:
                 continue
             if rep.replica in self._pins:
                 rep.relaunch = True
-                why = f"node {msg.node} {what}; it starts again when the node is {back}"
+                why = f"node {msg.node} {what}{STARTS_AGAIN}{back}"
             else:
                 new = rep.replaced_by = self._new_replica_id()
                 self._launch(new)

@@ -35,7 +35,7 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExi
 
 from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.pool_admin import PoolAdminMixin
-from omni_actors.actors.pool_placement import PoolPlacementMixin, starting_reason
+from omni_actors.actors.pool_placement import PoolPlacementMixin, starting_reason, was_down
 from omni_actors.actors.pool_routing import TASK_OVERDUE_GRACE_S, PoolRoutingMixin  # noqa: F401 (re-exported)
 from omni_actors.actors.supervision import (TICK_LOST_AFTER_INTERVALS, WAKEUP_LOST_AFTER_S, HealthPolicy, host_identity,
                                             ParentWatch, ReplicaHealth, RestartPolicy, WakeupChain,
@@ -250,7 +250,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             # After a restart, READY says when and why it was down (RESTARTS alone does not).
             rep.state, rep.reason = ReplicaState.READY, "; ".join(filter(None, (
                 f"{'placed again' if LEFT_REASON in rep.down_cause or LEAVING in rep.down_cause else 'restarted'} at "
-                f"{time.strftime('%H:%M:%S')}; it was down: {rep.down_cause}" if rep.down_cause else "", msg.note)))
+                f"{time.strftime('%H:%M:%S')}; it was down: {was_down(rep.down_cause)}" if rep.down_cause else "",
+                msg.note)))
             rep.pid, rep.host, rep.backend = msg.pid, msg.host, msg.backend
             rep.devices = msg.devices or rep.devices
             rep.health = ReplicaHealth(last_heartbeat=now, progress_at=now)

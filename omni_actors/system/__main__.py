@@ -414,12 +414,17 @@ def cmd_stop(args) -> int:
             said = json.loads(record.read_text())
             record.unlink()
             drained, warnings = said["drained"] is True, [str(w) for w in said.get("warnings", ())]
+            undrained = "; ".join(str(w) for w in said.get("undrained", ()))
         except (OSError, ValueError, TypeError, KeyError):
-            drained, warnings = False, []
-        print(f"stopped member {state.get('node')!r} on admin port {args.admin_port} (it left the convention "
-              f"at {state.get('convention')}; " + ("its replicas drained first" if drained else
-                                                   "its replicas did not all drain first: see its output") + ")",
-              end="")
+            drained, warnings, undrained = False, [], ""
+        # (trial AY: "it left the convention at ..." of a member whose leader was gone, which said
+        # itself "leaving without a drain: no convention leader answers at ...")
+        without = "leaving without a drain: "
+        how = ("it left without a drain: " + undrained[len(without):] if undrained.startswith(without) else
+               f"it left the convention at {state.get('convention')}; " + (
+                   "its replicas drained first" if drained else "its replicas did not all drain first: "
+                   + (undrained or "see its output")))
+        print(f"stopped member {state.get('node')!r} on admin port {args.admin_port} ({how})", end="")
     else:
         print(f"stopped the system on admin port {args.admin_port}", end="")
     # (trial AV: "still draining ... told to end the requests still running" of a leader with no

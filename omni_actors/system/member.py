@@ -133,11 +133,14 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
                  shm_dir=shm_dir)
         _serve(stopping, host, port, log)
         warnings: list[str] = []
-        drained = drain_node(host, port, node, hurry, log, data_service=data.address, warnings=warnings)
+        undrained: list[str] = []
+        drained = drain_node(host, port, node, hurry, log, data_service=data.address, warnings=warnings,
+                             undrained=undrained)
         try:  # (`stop` reads it after: it said "drained first" of a member that could not drain)
             if json.loads(sfile.read_text()).get(STOP_WAITS):  # (Ctrl-C: nobody would read or remove it)
                 # (trial AT: `stop` did not say that the stages it left had no replica any more)
-                drain_record(admin_port).write_text(json.dumps({"drained": drained, "warnings": warnings}))
+                drain_record(admin_port).write_text(json.dumps({"drained": drained, "warnings": warnings,
+                                                                "undrained": undrained}))
         except (OSError, ValueError):
             pass
         return 0
@@ -166,7 +169,8 @@ DRAIN_GRACE_S = 5.0
 
 
 def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
-               data_service: str | None = None, warnings: list[str] | None = None) -> bool:
+               data_service: str | None = None, warnings: list[str] | None = None,
+               undrained: list[str] | None = None) -> bool:
     """Before a member leaves cleanly: have the coordinator at ``host:port`` drain the
     replicas on ``node`` (:class:`~omni_actors.messages.DrainNode`: replacements start
     elsewhere, tasks in flight finish here), and wait until none runs here any more, up
@@ -192,20 +196,25 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
     def running_here(status) -> list[str]:
         return [r.replica for s in status.stages for r in s.replicas if r.node == node and r.state in running]
 
+    def not_drained(line: str) -> bool:
+        """Say why the replicas here did not all drain (also to ``undrained``: `stop` says it)."""
+        print(line, flush=True)
+        if undrained is not None:
+            undrained.append(line)
+        return False
+
     try:
         admin = attach_remote(host, port)
     except AdminError as exc:
-        print(f"leaving without a drain: {exc}", flush=True)
-        return False
+        return not_drained(f"leaving without a drain: {exc}")
     started = False
     try:
         status = admin.status(timeout_s=5.0)
         known = next((n for n in status.nodes if n.name == node), None)
         if data_service and known is not None and known.data_service and known.data_service != data_service:
-            print(f"leaving without a drain: node {node} in the system is another member's now (its data "
-                  f"service {known.data_service}; this member's {data_service}): this one was lost", flush=True)
             log.warning("member_replaced", node=node, data_service=data_service, theirs=known.data_service)
-            return False
+            return not_drained(f"leaving without a drain: node {node} in the system is another member's now (its "
+                               f"data service {known.data_service}; this member's {data_service}): this one was lost")
         if not running_here(status):
             return True
         admin.drain_node(node)
@@ -237,8 +246,8 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
             if lingering:  # (trial AT: the names, twice over, when they were all lingering ones)
                 who = "they" if set(lingering) == set(left) else ", ".join(lingering)
                 why += f"; {who} were the last ready replicas of their stages, still with requests begun before the leave"
-            print(f"leaving with {len(left)} replica(s) not drained ({why}): {', '.join(left)}", flush=True)
             log.warning("member_drain_incomplete", node=node, replicas=left, why=why)
+            not_drained(f"leaving with {len(left)} replica(s) not drained ({why}): {', '.join(left)}")
         try:
             after = admin.status(timeout_s=5.0)
         except AdminError:
@@ -250,9 +259,8 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
             log.warning("member_leaves_stage_without_replicas", node=node, stage=stage, detail=line)
         return not left
     except AdminError as exc:  # (the leader stopped or was killed meanwhile)
-        print(f"stopped waiting for the drain, the leader no longer answers: {exc}" if started
-              else f"leaving without a drain: {exc}", flush=True)
-        return False
+        return not_drained(f"stopped waiting for the drain, the leader no longer answers: {exc}" if started
+                           else f"leaving without a drain: {exc}")
     finally:
         admin.asys.close()
 
