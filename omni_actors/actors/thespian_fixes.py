@@ -33,8 +33,9 @@ system call. Measured side by side (``benchmarks/messages.py``): 7-10% less CPU
 and wall time per message on both sides.
 
 A fourth (:func:`use_short_identify`) stops Thespian from describing every transmit in
-full for a debug log that is off: 22-26% less CPU per message on both sides, measured
-the same way.
+full for a debug log that is off: 9-12% less CPU per message on both sides, measured
+the same way (medians of 7 runs of 3,000 round trips; shorter runs on this noisy machine
+gave anything from 0 to 26%).
 """
 
 from __future__ import annotations
