@@ -94,30 +94,40 @@ STOPPED_NAMED = 3
 
 
 def describe_replicas(replicas: Iterable) -> str:
-    """``"talker/1 starting; talker/2 pending: ...; 3 stopped"`` (``"no replicas"`` for none).
+    """``"talker/1 starting; talker/2, talker/3 pending: ...; 3 stopped"`` (``"no replicas"``
+    for none).
 
-    Stopped replicas (scaled down, drained) are counted, not listed, beside any other
-    (a trial's 503 listed five); with no other they say why the stage has nothing, so
-    they are grouped by reason, at most :data:`STOPPED_NAMED` named in each:
-    ``"talker/0, talker/1, talker/2 and 1 more stopped: drained on request; talker/4
-    stopped: scaled down"`` (a trial's 503 named the two scaled down long before and
-    folded the three just drained into "3 more").
+    Replicas in the same state for the same reason are named together (trial AY: a drained
+    node's warning gave every pending replica's long placement reason, one after the
+    other), at most :data:`STOPPED_NAMED` in each group. Stopped replicas (scaled down,
+    drained) are counted, not listed, beside any other (a trial's 503 listed five); with
+    no other they say why the stage has nothing: ``"talker/0, talker/1, talker/2 and 1
+    more stopped: drained on request; talker/4 stopped: scaled down"`` (a trial's 503 named
+    the two scaled down long before and folded the three just drained into "3 more").
     """
     reps = list(replicas)
     others = [r for r in reps if r.state.value != "stopped"]
     stopped = [r for r in reps if r.state.value == "stopped"]
-    parts = [f"{r.replica} {r.state.value}" + (f": {r.reason}" if r.reason else "") for r in others]
+    parts = _grouped(others)
     if others and stopped:
         parts.append(f"{len(stopped)} stopped")
     elif stopped:
-        by_reason: dict[str, list[str]] = {}
-        for r in stopped:
-            by_reason.setdefault(r.reason or "", []).append(r.replica)
-        for reason, names in by_reason.items():
-            more = len(names) - STOPPED_NAMED
-            listed = ", ".join(names[:STOPPED_NAMED]) + (f" and {more} more" if more > 0 else "")
-            parts.append(f"{listed} stopped" + (f": {reason}" if reason else ""))
+        parts = _grouped(stopped)
     return "; ".join(parts) or "no replicas"
+
+
+def _grouped(replicas: list) -> list[str]:
+    """``["talker/0, talker/1 and 2 more pending: REASON", ...]``: one per (state, reason), in
+    the order of their first replica."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for r in replicas:
+        groups.setdefault((r.state.value, r.reason or ""), []).append(r.replica)
+    parts = []
+    for (state, reason), names in groups.items():
+        more = len(names) - STOPPED_NAMED
+        listed = ", ".join(names[:STOPPED_NAMED]) + (f" and {more} more" if more > 0 else "")
+        parts.append(f"{listed} {state}" + (f": {reason}" if reason else ""))
+    return parts
 
 
 def stages_left_without_replicas(status, node: str, before=None, drained: bool = False) -> list[tuple[str, str]]:

@@ -239,3 +239,19 @@ def test_image_pipeline_plans_ar_then_dit() -> None:
         ("ar", True, None), ("dit", False, "image")]
     with pytest.raises(PlanError, match="text"):
         plan_request(cfg, {}, {"text"})
+
+
+def test_replicas_in_the_same_state_for_the_same_reason_are_named_together() -> None:
+    """Trial AY: a drained node's warning gave every pending replica's long placement reason,
+    one after the other."""
+    from types import SimpleNamespace
+
+    from omni_actors.balancing import describe_replicas
+    from omni_actors.messages import ReplicaState
+
+    why = "no node has 1 free device(s) (m1: drained; m2: 0 of 4 devices free)"
+    reps = [SimpleNamespace(replica=f"talker/{i}", state=ReplicaState.PENDING, reason=why) for i in range(5)]
+    reps.insert(1, SimpleNamespace(replica="talker/9", state=ReplicaState.STARTING, reason=""))
+    reps.append(SimpleNamespace(replica="talker/7", state=ReplicaState.STOPPED, reason="scaled down"))
+    assert describe_replicas(reps) == (f"talker/0, talker/1, talker/2 and 2 more pending: {why}; talker/9 starting; "
+                                       "1 stopped")
