@@ -681,14 +681,12 @@ class CoordinatorActor(ActorTypeDispatcher):
                 return f"stage {stage.name}: {self._pools_down[stage.stage_id]}"
         return None
 
-    def _forward_admin(self, pool, msg, sender, what: str) -> None:
+    def _forward_admin(self, pool, msg, sender, missing: str) -> None:
         """Pass an admin request to its pool, which answers the requester directly (at once
-        here, with the reason, when there is no such stage or its pool is down). ``what``:
-        what was not found (``"replica named 'talker/9'"``, whose answer adds ``(see
-        `status`)``), or the answer itself (:meth:`_no_stage`)."""
+        here, with the reason, when its pool is down, or with ``missing`` when there is no
+        such stage or replica)."""
         down = NOT_DEPLOYED if self._config is None else self._pool_down(pool) if pool is not None else None
         if pool is None or down:
-            missing = what if what.startswith("no stage named") else f"no {what} (see `status`)"
             self.send(msg.reply_to or sender, AdminReply(False, down or missing))
         else:
             self.send(pool, dataclasses.replace(msg, reply_to=msg.reply_to or sender))
@@ -699,13 +697,17 @@ class CoordinatorActor(ActorTypeDispatcher):
         self.send(sender, AdminReply(True, "noted"))
 
     def receiveMsg_InjectFault(self, msg: InjectFault, sender):
-        self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, f"replica named {msg.replica!r}")
+        self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, self._no_replica(msg.replica))
 
     def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):
-        self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, f"replica named {msg.replica!r}")
+        self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, self._no_replica(msg.replica))
 
     def receiveMsg_ScaleStage(self, msg: ScaleStage, sender):
         self._forward_admin(self._pool_of_replica(msg.stage + "/"), msg, sender, self._no_stage(msg.stage))
+
+    @staticmethod
+    def _no_replica(name: str) -> str:
+        return f"no replica named {name!r} (see `status`)"
 
     def _no_stage(self, name: str) -> str:
         """``no stage named 'talkr' (stages: thinker, talker, code2wav)``."""

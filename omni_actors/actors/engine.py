@@ -32,7 +32,8 @@ from omni_actors.actors.node_agent import on_node
 from omni_actors.config_checks import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
 from omni_actors.engines import create_backend
-from omni_actors.engines.base import BackendTask, InputLost, replica_log_prefix, OutputChunk, StageFinal, TextDelta, UpstreamTimeout
+from omni_actors.engines.base import (BackendTask, InputLost, OutputChunk, StageFinal, TextDelta, UpstreamTimeout,
+                                     replica_log_prefix)
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelStage, DeltasAck, DrainReplica, EngineFailed, EngineReady, ErrorKind,
                                   FaultKind, Heartbeat, HeartbeatAck, InjectFault, OutputDelta, OutputDeltas,

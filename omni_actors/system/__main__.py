@@ -57,7 +57,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m omni_actors.system",
-                                description="Serve multi-stage omni pipelines on an actor system.")
+                description="Serve multi-stage omni pipelines on an actor system.")
     sub = p.add_subparsers(dest="verb", required=True)
 
     start = sub.add_parser("start", help="start a host (the convention leader serves the API)")
@@ -478,21 +478,14 @@ def _attach(args):
         AdminError: nothing answers there.
         ValueError: a malformed --convention-address.
     """
-    from omni_actors.system.admin import AdminError, attach
+    from omni_actors.system.admin import attach
 
     address = getattr(args, "convention_address", None)
     if address is not None:
         from omni_actors.system.remote import attach_remote
 
         return attach_remote(*_convention(address))
-    try:
-        return attach(args.admin_port)
-    except AdminError as exc:
-        if str(exc).startswith("no actor system is listening"):
-            from omni_actors.system.leader import other_leaders_hint
-
-            raise AdminError(str(exc) + other_leaders_hint(args.admin_port)) from None
-        raise
+    return attach(args.admin_port)
 
 
 def _admin_verb(fn):

@@ -289,11 +289,11 @@ def attach(admin_port: int) -> Admin:
     from thespian.actors import ActorSystem
 
     from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
-    from omni_actors.system.leader import ACTOR_BASE
+    from omni_actors.system.leader import ACTOR_BASE, other_leaders_hint
     from omni_actors.system.processes import port_in_use
 
-    if not port_in_use(admin_port):
-        raise AdminError(f"no actor system is listening on admin port {admin_port}")
+    if not port_in_use(admin_port):  # (and where a leader recorded here runs: status, stop, api, shell)
+        raise AdminError(f"no actor system is listening on admin port {admin_port}" + other_leaders_hint(admin_port))
     from thespian.actors import ActorSystemException, InvalidActorAddress
 
     from omni_actors.system.remote import admin_status, attach_remote, is_member_status

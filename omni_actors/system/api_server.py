@@ -168,12 +168,7 @@ def run_api(*, host: str, port: int, admin_port: int | None = None, convention: 
         try:
             admin = attach_remote(*convention) if convention else attach(admin_port)
         except AdminError as exc:
-            hint = ""
-            if not convention and str(exc).startswith("no actor system is listening"):
-                from omni_actors.system.leader import other_leaders_hint
-
-                hint = other_leaders_hint(admin_port)  # (as `status` and `stop` say it)
-            raise ApiServerError(str(exc) + hint) from None
+            raise ApiServerError(str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
             raise ApiServerError(f"cannot attach to {where}: {exc}") from None
         from omni_actors.messages import GetRoutes, Routes
