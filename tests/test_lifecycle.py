@@ -118,11 +118,14 @@ def test_a_replica_that_hangs_while_it_drains_has_its_work_moved_not_waited_for(
 
     import yaml
 
-    from omni_actors.system.faultlab import inject_cli, replicas, stages
+    from omni_actors.system.faultlab import replicas, stages
 
     cfg = yaml.safe_load((CONFIGS / "cpu_omni_demo.yaml").read_text())
     cfg["deployment"]["heartbeat_interval_s"] = 0.5
-    cfg["deployment"]["stages"]["talker"]["synthetic"]["decode_ms_per_token"] = 60  # 50 tokens: 3 s
+    # 50 tokens: 5 s, long enough for the drain command to find the replica still at work on a
+    # loaded machine (it was 3 s, frozen first: then the replica could be isolated as silent
+    # before the drain command reached it, and there was nothing to drain)
+    cfg["deployment"]["stages"]["talker"]["synthetic"]["decode_ms_per_token"] = 100
     path = tmp_path / "slow_talker.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     leader = LocalLeader(path).start()
@@ -135,17 +138,20 @@ def test_a_replica_that_hangs_while_it_drains_has_its_work_moved_not_waited_for(
         while not any(r["in_flight"] for n, r in replicas(stages(leader)).items() if n.startswith("talker/")):
             assert time.monotonic() < deadline, stages(leader)
             time.sleep(0.02)
-        busy = next(n for n, r in replicas(stages(leader)).items() if n.startswith("talker/") and r["in_flight"])
-        assert inject_cli(leader.admin_port, "sigstop", "--replica", busy).returncode == 0
+        busy, rep = next((n, r) for n, r in replicas(stages(leader)).items()
+                         if n.startswith("talker/") and r["in_flight"])
         out = _cli("stage", "drain", "--replica", busy, "--admin-port", str(leader.admin_port),
                    env={"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)})
         assert out.returncode == 0, out.stderr
+        os.kill(rep["pid"], signal.SIGSTOP)  # (`kill -STOP`, at once: `inject` is a process to start)
         t0 = time.monotonic()
         client.join(30)
         took = time.monotonic() - t0
         status, body = got["audio"]
         assert status == 200 and json.loads(body)["choices"][0]["message"]["audio"]["data"], got
-        assert took < 10, f"the request waited {took:.1f} s for the frozen replica"
+        # isolated as silent (3 heartbeats of 0.5 s), then its task runs again elsewhere (5 s);
+        # unmoved, the request would wait for the chunk timeout (10 s) and fail
+        assert took < 15, f"the request waited {took:.1f} s for the frozen replica"
         rep = replicas(stages(leader))[busy]
         assert rep["state"] == "stopped" and "while draining (drained on request)" in rep["reason"], rep
     finally:
