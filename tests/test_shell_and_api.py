@@ -751,7 +751,9 @@ def test_a_text_and_audio_stream_on_an_api_server_frozen_past_the_chunk_timeout_
         assert "error" not in frozen and frozen["done"], {k: v for k, v in frozen.items() if k != "pcm"}
         reference: dict = {}
         _audio_stream_in_thread(own.port, 200, reference).join(60)
-        assert reference["done"] and frozen["parts"] == reference["parts"]
+        # the same text and audio; not always in as many parts (a CI run: 49 against 50): chunks
+        # that a stage held back while the server was frozen may travel together
+        assert reference["done"] and frozen["parts"] and reference["parts"]
         assert (frozen["text"], frozen["pcm"]) == (reference["text"], reference["pcm"])
 
 
