@@ -358,8 +358,13 @@ def test_a_node_undrained_before_its_replacements_ran_keeps_each_stage_at_its_si
     reader = threading.Thread(target=stream, daemon=True)
     reader.start()
     assert first.wait(30), "no text"
-    drained = _cli(leader, "node", "drain", "--node", "solo")
+    # (from the shell: trial BB's `drain --node` there, of the only node, said nothing of the
+    # stages it left with no replica; `node drain` on the command line did)
+    drained = _cli(leader, "shell", "-c", "drain --node solo")
     assert drained.returncode == 0, drained.stderr
+    for stage in ("thinker", "talker", "code2wav"):
+        assert f"warning: stage {stage} has no replica running while node solo is drained (" in drained.stdout, \
+            drained.stdout
     assert any("the last ready replica" in v["reason"] for v in _reps(_status(leader)).values())
     undrained = _cli(leader, "node", "undrain", "--node", "solo")
     assert undrained.returncode == 0, undrained.stderr

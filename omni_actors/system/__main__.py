@@ -566,7 +566,7 @@ def cmd_stage(admin, args) -> int:
         reply = (admin.scale(args.stage, args.replicas) if args.action == "scale" else
                  admin.launch(args.stage, args.replicas, node=args.node, devices=args.devices))
         print(reply)
-        for line in admin.unplaced(args.stage, before, reply, settle_s=NODE_DRAIN_SETTLE_S):
+        for line in admin.unplaced(args.stage, before, reply):
             print(f"warning: {line}", file=sys.stderr)
     else:
         print(admin.scale(args.stage, 0, why="stage stopped"))
@@ -578,32 +578,11 @@ def cmd_node(admin, args) -> int:
     if args.action == "undrain":
         print(admin.undrain_node(args.node))
         return 0
-    from omni_actors.messages import PLACING
-    from omni_actors.balancing import stages_left_without_replicas
-
     before = admin.status()
     print(admin.drain_node(args.node, operator=True))
-    # Stages left with no replica on its way (a trial's drain took the last Code2Wav in silence):
-    # once the pools have taken the drain in (no replica there ready or starting) and their
-    # replacements have been placed or found no room (a few heartbeats at most).
-    from omni_actors.messages import ReplicaState
-
-    deadline, after = time.monotonic() + NODE_DRAIN_SETTLE_S, None
-    while time.monotonic() < deadline:
-        after = admin.status()
-        reps = [r for st in after.stages for r in st.replicas]
-        if not any(r.reason.startswith(PLACING) or (r.node == args.node and r.state in (
-                ReplicaState.READY, ReplicaState.STARTING)) for r in reps):
-            break
-        time.sleep(0.1)
-    for _, line in stages_left_without_replicas(after, args.node, before, drained=True):
+    for line in admin.left_without_replicas(args.node, before):
         print(f"warning: {line}", file=sys.stderr)
     return 0
-
-
-#: Seconds ``node drain`` waits for the replacements of the drained replicas to be placed
-#: (or found no room) before it says which stages are left without a replica.
-NODE_DRAIN_SETTLE_S = 3.0
 
 
 def cmd_api(args) -> int:

@@ -191,6 +191,26 @@ class Admin:
         """
         return self._ask(DrainNode(node, operator=operator))
 
+    def left_without_replicas(self, node: str, before, settle_s: float = 3.0) -> list[str]:
+        """After ``drain_node(node, operator=True)`` (``before``: the status just before it):
+        one line per stage left with no replica on its way anywhere else (see
+        :func:`omni_actors.balancing.stages_left_without_replicas`). Waits up to ``settle_s``
+        seconds for the pools to take the drain in (no replica of the node ready or starting)
+        and for the replacements to be placed or found no room (a trial's drain took the last
+        Code2Wav in silence; another's, from the shell, every stage of the only node)."""
+        from omni_actors.balancing import stages_left_without_replicas
+        from omni_actors.messages import PLACING, ReplicaState
+
+        deadline, after = time.monotonic() + settle_s, None
+        while time.monotonic() < deadline:
+            after = self.status()
+            reps = [r for st in after.stages for r in st.replicas]
+            if not any(r.reason.startswith(PLACING) or (r.node == node and r.state in (
+                    ReplicaState.READY, ReplicaState.STARTING)) for r in reps):
+                break
+            time.sleep(0.1)
+        return [line for _, line in stages_left_without_replicas(after, node, before, drained=True)]
+
     def undrain_node(self, node: str) -> str:
         """Let ``node``, drained with ``node drain``, take new replicas again.
 

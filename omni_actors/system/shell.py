@@ -359,7 +359,10 @@ class AdminShell(cmd.Cmd):
         if words[0] == "--node":
             if len(words) != 2:
                 raise AdminError(f"usage: {usage}")
+            before = self._status()
             self._out(self.admin.drain_node(words[1], operator=True))
+            for line in self.admin.left_without_replicas(words[1], before):
+                self._out(f"warning: {line}")
             return
         if len(words) != 1:
             raise AdminError(f"usage: {usage}")
