@@ -94,6 +94,18 @@ def _check_graph(cfg: PipelineConfig, source: str) -> None:
                              f"stage_args[{i}].custom_process_input_func")
     if not any(s.final_output for s in cfg.stage_args):
         raise ConfigError(source, "stage_args", "no stage has final_output: true")
+    finals: dict[str, int] = {}
+    for i, s in enumerate(cfg.stage_args):
+        if not s.final_output:
+            continue
+        k = finals.setdefault(s.final_output_type, i)
+        if k != i:
+            # (trial BA: two Code2Wavs, both final audio, both ran; a reply carried one's audio)
+            raise ConfigError(source, f"stage_args[{i}].final_output_type",
+                              f"`{s.final_output_type}`, as stage `{cfg.stage_args[k].name}` "
+                              f"(stage_args[{k}]): a reply carries one output of each type (text in "
+                              "message.content, audio in message.audio, one image), so one of them would be "
+                              "thrown away: keep one final stage per output type (serve the other in a config of its own)")
     for i, s in enumerate(cfg.stage_args):
         if not s.final_output and s.stage_id not in consumed:
             raise ConfigError(source, f"stage_args[{i}]",

@@ -414,6 +414,14 @@ def test_unknown_final_output_type(tmp_path: Path) -> None:
     assert "text, audio, image" in err.message
 
 
+def test_two_final_stages_of_one_output_type_are_refused(tmp_path: Path) -> None:
+    """Trial BA: two final audio stages both ran, and a reply carried the audio of one of them."""
+    err = refused(tmp_path, variant(stage(1, final_output=True, final_output_type="audio")))
+    assert err.path == "stage_args[2].final_output_type"
+    assert err.message.startswith("`audio`, as stage `talker` (stage_args[1]): a reply carries one output of "
+                                  "each type"), err.message
+
+
 def test_no_final_stage(tmp_path: Path) -> None:
     def mutate(d: dict) -> None:
         for s in d["stage_args"]:
