@@ -443,7 +443,10 @@ _OUT_OF_BOUNDS = re.compile(r"Expected `(int|float)` [<>]=? |Number out of range
 
 
 def _show(value: Any) -> str:
-    """A number as an error message shows it (``inf``, ``nan``, ``1e+30``)."""
+    """A value as an error message shows it: a number as ``inf``, ``nan``, ``1e+30``; a
+    string quoted (``'60s'``), cut at 60 characters."""
+    if isinstance(value, str):
+        return repr(value if len(value) <= 60 else value[:57] + "...")
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 15:
         return f"about 10^{len(str(abs(value))) - 1}" if value > 0 else f"about -10^{len(str(-value)) - 1}"
     return str(value)
@@ -476,6 +479,17 @@ def _expected(typ: Any, path: str, message: str, obj: Any = _MISSING) -> tuple[s
             return path, better
         if value is not _MISSING:  # (a field without a unit: msgspec's bound, and what was given)
             return path, f"{message}, got {_show(value)}"
+    m = re.match(r"Object missing required field `(.*)`$", message)
+    if m:  # (named by its own path, as every other error is: trial BA read `deployment: Object ...`)
+        return (f"{path}.{m.group(1)}" if path else m.group(1)), "required field is missing"
+    m = re.match(r"Expected `(.*)`, got `(.*)`$", message)
+    if m and obj is not _MISSING and _value_at(obj, path) is not _MISSING:
+        # what was given, and what is wanted where the field says (trial BA: `request_timeout_s: 60s`
+        # read only "Expected `float`, got `str`")
+        value = _value_at(obj, path)
+        if isinstance(value, (str, int, float)):
+            better = _bounds_message(_type_at(typ, path), value)
+            return path, (better if better is not None else f"{message}: {_show(value)}")
     m = re.match(r"Object contains unknown field `(.*)`", message)
     if m:
         t = _type_at(typ, path)

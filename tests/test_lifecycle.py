@@ -629,7 +629,7 @@ def test_bad_config_fails_at_load_with_its_yaml_path(tmp_path):
     out = _cli("start", "--convention-leader", "--config", str(bad))
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
-        f"error: {bad}: deployment.stages.talker.replicas: Expected `int`, got `str`"]
+        f"error: {bad}: deployment.stages.talker.replicas: must be an integer >= 1 and <= 1024, got 'zero'"]
 
 
 def test_no_shared_memory_left_after_100_requests_some_cancelled(fanin_leader):
