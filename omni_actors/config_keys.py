@@ -1,4 +1,4 @@
-"""Stage keys that are probably typos: warned about, never refused.
+"""Config keys that are probably typos: warned about, never refused.
 
 vLLM-Omni keeps keys of a stage it does not know (a legacy stage config's
 ``yaml_extras`` such as ``tts_args``; a deploy file's stage keys are engine
@@ -6,6 +6,8 @@ arguments, passed on), and vLLM's engine arguments number in the hundreds and
 change between releases: the set of valid keys is open. So a key is never
 refused for being unknown; one that is not known here but is a near miss of a
 key that is (a typo: ``final_ouput``) is warned about, with the key meant.
+The top level of a legacy config is the exception: its keys are few and
+known, so any other one there is warned about (still not refused).
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def _one_swap(a: str, b: str) -> bool:
 
 
 def _check_keys(mapping: Any, known: frozenset[str], path: str, fate: str,
-                aliases: dict[str, str] | None = None) -> list[tuple[str, str]]:
+                aliases: dict[str, str] | None = None, every: bool = False) -> list[tuple[str, str]]:
+    """Warnings for the keys of ``mapping`` that are near misses of ``known`` ones; with
+    ``every`` (a closed set of keys: a legacy config's top level) for every unknown key."""
     out: list[tuple[str, str]] = []
     if not isinstance(mapping, dict):
         return out
@@ -73,8 +77,11 @@ def _check_keys(mapping: Any, known: frozenset[str], path: str, fate: str,
         if not isinstance(key, str):
             continue
         meant = (aliases or {}).get(key) or _near_miss(key, known)
+        where = f"{path}.{key}" if path else key
         if meant is not None and meant != key:
-            out.append((f"{path}.{key}" if path else key, f"unknown key ({fate}); did you mean `{meant}`?"))
+            out.append((where, f"unknown key ({fate}); did you mean `{meant}`?"))
+        elif every and key not in known:  # (trial BA: `colour: blue` at the top passed in silence)
+            out.append((where, f"unknown key ({fate}); expected one of: {', '.join(sorted(known))}"))
     return out
 
 
@@ -88,7 +95,9 @@ def unknown_key_warnings(data: Any) -> list[tuple[str, str]]:
     if not isinstance(data, dict):
         return out
     if "stages" not in data and "base_config" not in data:  # (a trial's `runtim:` took its connectors away)
-        out += _check_keys(data, _TOP_KEYS, "", "ignored")
+        # (every unknown key of a legacy config's; a document without `stage_args` is none:
+        # vLLM-Omni ships YAMLs of other settings, such as its forced aligner's)
+        out += _check_keys(data, _TOP_KEYS, "", "ignored", every="stage_args" in data)
     stage_args = data.get("stage_args")
     if isinstance(stage_args, list) and "stages" not in data:
         for i, entry in enumerate(stage_args):

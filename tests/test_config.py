@@ -742,6 +742,17 @@ def test_unknown_keys_that_are_no_near_miss_are_kept_quietly(tmp_path: Path) -> 
     assert isinstance(cfg, PipelineConfig) and events == []
 
 
+def test_any_unknown_top_level_key_is_warned_about(tmp_path: Path) -> None:
+    """The top level of a legacy config takes a few known keys (trial BA: `colour: blue` there
+    passed in silence, where `deploymnt:` was warned about): any other one is warned about,
+    and the config still loads."""
+    lines: list[str] = []
+    path = write(tmp_path, variant(lambda d: d.update(colour="blue")))
+    assert isinstance(load_config(path, on_warning=lines.append), PipelineConfig)
+    assert lines == [f"{path}: colour: unknown key (ignored); expected one of: async_chunk, deployment, env, "
+                     "runtime, stage_args"]
+
+
 def test_on_warning_gets_one_line_per_warning_instead_of_the_log(tmp_path: Path) -> None:
     lines: list[str] = []
     path = write(tmp_path, variant(stage(0, final_ouput=True)))
