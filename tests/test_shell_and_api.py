@@ -560,6 +560,7 @@ def test_stopping_the_leader_lets_a_stream_on_an_attached_api_server_finish():
         _, err = api.communicate(timeout=30)
         assert api.returncode == 0, err
         assert "is stopping: this API server takes no new requests, gives its 1 request(s) in flight" in err, err
+        assert "draining: waiting for the requests of the attached API servers to finish" in own.log_path.read_text()
 
 
 def test_a_second_sigterm_to_the_leader_ends_the_attached_servers_requests_at_once_too():
