@@ -219,6 +219,14 @@ def test_status_and_stop_at_an_empty_admin_port_name_the_leader_recorded_here(tm
         assert out.stderr.strip().endswith(f"; the leader recorded in {tmp_path} runs on admin port {other} "
                                            f"(--admin-port {other})"), out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    # `api --convention-address` at an empty port of this host (trial AZ: it said only that)
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "api", "--port", str(free_port()),
+                          "--convention-address", f"127.0.0.1:{port}"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
+    assert out.returncode == 1, out
+    assert out.stderr.strip() == (f"error: no convention leader answers at 127.0.0.1:{port}; the leader recorded "
+                                  f"in {tmp_path} runs on admin port {other} (--convention-address "
+                                  f"127.0.0.1:{other})"), out.stderr
 
 
 def test_status_at_a_port_that_is_no_admin_says_so_in_one_line_within_seconds(tmp_path):

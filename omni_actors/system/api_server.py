@@ -126,6 +126,18 @@ class TrackingSystem:
         return told
 
 
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface (``127.0.0.1``, ``localhost``, ``::1``)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def run_api(*, host: str, port: int, admin_port: int | None = None, convention: tuple[str, int] | None = None,
             api_key: str | None = None, request_actors: int | None = None, connect_timeout_s: float = 10.0) -> int:
     """Serve the running system's pipeline on ``host:port`` until SIGINT/SIGTERM. Returns the exit code.
@@ -140,7 +152,8 @@ def run_api(*, host: str, port: int, admin_port: int | None = None, convention: 
     from omni_actors.logs import get_logger
     from omni_actors.system.admin import AdminError, attach
     from omni_actors.system.processes import port_in_use, serve_args_error
-    from omni_actors.system.remote import RemoteSystem, attach_remote
+    from omni_actors.system.leader import other_leaders_hint
+    from omni_actors.system.remote import NO_LEADER, RemoteSystem, attach_remote
 
     problem = serve_args_error(host, port, None if convention else admin_port)
     if problem:
@@ -168,7 +181,11 @@ def run_api(*, host: str, port: int, admin_port: int | None = None, convention: 
         try:
             admin = attach_remote(*convention) if convention else attach(admin_port)
         except AdminError as exc:
-            raise ApiServerError(str(exc)) from None
+            hint = ""
+            if convention and str(exc).startswith(NO_LEADER) and _is_loopback(convention[0]):
+                # (as `--admin-port` with nothing there says: trial AZ)
+                hint = other_leaders_hint(convention[1], f"--convention-address {convention[0]}:{{}}")
+            raise ApiServerError(f"{exc}{hint}") from None
         except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
             raise ApiServerError(f"cannot attach to {where}: {exc}") from None
         from omni_actors.messages import GetRoutes, Routes

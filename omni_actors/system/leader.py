@@ -193,16 +193,19 @@ def recorded_leaders() -> list[dict]:
     return sorted(found, key=lambda state: state["admin_port"])
 
 
-def other_leaders_hint(admin_port: int) -> str:
+def other_leaders_hint(admin_port: int, flag: str = "--admin-port {}") -> str:
     """``"; the leader recorded in DIR runs on admin port 23101 (--admin-port 23101)"``
     when leaders other than one on ``admin_port`` are recorded running here, else ""
-    (a trial's `status` without --admin-port said only that nothing listened on 1900)."""
+    (a trial's `status` without --admin-port said only that nothing listened on 1900).
+    ``flag``: how to name one of them (``"--convention-address 127.0.0.1:{}"``)."""
     others = [state["admin_port"] for state in recorded_leaders() if state["admin_port"] != admin_port]
     if not others:
         return ""
     if len(others) == 1:
-        return f"; the leader recorded in {state_dir()} runs on admin port {others[0]} (--admin-port {others[0]})"
-    return f"; leaders recorded in {state_dir()} run on admin ports {', '.join(map(str, others))} (give --admin-port)"
+        return (f"; the leader recorded in {state_dir()} runs on admin port {others[0]} "
+                f"({flag.format(others[0])})")
+    return (f"; leaders recorded in {state_dir()} run on admin ports {', '.join(map(str, others))} "
+            f"(give {flag.split()[0]})")
 
 
 def http_port_claimed(host: str, port: int, admin_port: int) -> str | None:
