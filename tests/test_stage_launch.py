@@ -366,6 +366,9 @@ def test_a_node_undrained_before_its_replacements_ran_keeps_each_stage_at_its_si
         assert f"warning: stage {stage} has no replica running while node solo is drained (" in drained.stdout, \
             drained.stdout
     assert any("the last ready replica" in v["reason"] for v in _reps(_status(leader)).values())
+    wrong = _cli(leader, "shell", "-c", "undrain talker/1")  # (trial BB: "no alive node named 'talker/1'")
+    assert "error: undrain takes a node, not a replica: a drained replica stops for good; `scale talker N` or " \
+           "`launch talker` starts new ones" in wrong.stdout + wrong.stderr, wrong
     undrained = _cli(leader, "node", "undrain", "--node", "solo")
     assert undrained.returncode == 0, undrained.stderr
     assert "replacements not ready yet are stopped" in undrained.stdout, undrained.stdout

@@ -371,6 +371,10 @@ class AdminShell(cmd.Cmd):
     def do_undrain(self, arg):
         """undrain NODE: let NODE, drained with `drain --node`, take new replicas again."""
         (node,) = self._args(arg, 1, 1, "undrain NODE")
+        if "/" in node:  # (trial BB: `undrain talker/1` read "no alive node named 'talker/1'")
+            stage = node.split("/")[0]
+            raise AdminError(f"undrain takes a node, not a replica: a drained replica stops for good; "
+                             f"`scale {stage} N` or `launch {stage}` starts new ones")
         self._out(self.admin.undrain_node(node))
 
     def do_inject(self, arg):
