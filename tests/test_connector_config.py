@@ -235,11 +235,11 @@ def test_edge_outside_the_graph_is_ignored_with_a_note(tmp_path):
 @pytest.mark.parametrize("runtime,per_stage,path,message", [
     ("yes", {}, "runtime", "expected a mapping"),
     ({"connectors": ["shm"]}, {}, "runtime.connectors", "expected a mapping"),
-    ({"connectors": {"shm": {"extra": {}}}}, {}, "runtime.connectors.shm", "missing required field `name`"),
+    ({"connectors": {"shm": {"extra": {}}}}, {}, "runtime.connectors.shm.name", "required field is missing"),
     ({"connectors": {"shm": {"name": "SharedMemoryConnector", "extras": {}}}}, {},
      "runtime.connectors.shm.extras", "unknown field `extras`"),
     ({"edges": [{"from": 0, "to": 7}]}, {}, "runtime.edges[0].to", "unknown stage_id 7"),
-    ({"edges": [{"from": 0}]}, {}, "runtime.edges[0]", "missing required field `to`"),
+    ({"edges": [{"from": 0}]}, {}, "runtime.edges[0].to", "required field is missing"),
     ({"edges": [{"from": "thinker", "to": 1}]}, {}, "runtime.edges[0].from",
      "expected a stage_id (an integer), got `thinker`: stage thinker has stage_id 0"),
     ({}, {"s0": {"output_connectors": {"to_stage_1": "nope"}}}, "stage_args[0].output_connectors.to_stage_1",
