@@ -526,7 +526,10 @@ def test_engine_that_cannot_load_shows_failed_and_requests_get_503():
         assert err.value.code == 503
         message = json.loads(err.value.read())["error"]["message"]
         assert "no ready replica of stage thinker" in message and "/models/missing" in message
-        assert "WARNING" in leader.stdout_path.read_text().upper() or "failed" in leader.stdout_path.read_text()
+        assert re.search(r"^thinker +thinker/0 +failed ", leader.stdout_path.read_text(), re.M)  # (the table)
+        # the stage with no ready replica named (trial BC read "some stages")
+        assert "warning: stage thinker has no ready replica (REASON above); the requests that need it get " \
+               "HTTP 503" in leader.log_path.read_text()
     finally:
         leader.stop()
 

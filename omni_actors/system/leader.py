@@ -236,7 +236,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
     from omni_actors.connectors import SegmentDirError, check_segment_dir, sweep_segments
     from omni_actors.logs import get_logger, thespian_log_defs
-    from omni_actors.messages import Deploy, NodeInfo, SystemStatus
+    from omni_actors.messages import Deploy, NodeInfo, ReplicaState, SystemStatus
 
     problem = serve_args_error(host, port, admin_port) or http_port_claimed(host, port, admin_port)
     if problem:
@@ -318,8 +318,11 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             raise StartError("the coordinator did not answer the deployment in time")
         print_status_table(status)
         if not status.ready:
-            print("warning: some stages have no ready replica; their requests get HTTP 503",
-                  file=sys.stderr)
+            # (trial BC: "some stages", where the Thinker, which every request needs, had failed)
+            unready = [st.stage for st in status.stages if not any(r.state == ReplicaState.READY for r in st.replicas)]
+            print(f"warning: {'stage' if len(unready) == 1 else 'stages'} {', '.join(unready)} "
+                  f"{'has' if len(unready) == 1 else 'have'} no ready replica (REASON above); the requests "
+                  f"that need {'it' if len(unready) == 1 else 'them'} get HTTP 503", file=sys.stderr)
         log.info("leader_started", admin_port=admin_port, shm_dir=shm_dir,
                  startup_s=round(time.monotonic() - t0, 2))
         serving.set()
@@ -408,10 +411,13 @@ def _report_start_progress(asys, coordinator, deployed: threading.Event, t0: flo
             if deployed.is_set() or not isinstance(status, SystemStatus):
                 continue
             reps = [r for s in status.stages for r in s.replicas if r.state != ReplicaState.STOPPED]
-            waiting = [r for r in reps if r.state != ReplicaState.READY]
-            if waiting:
-                print(f"starting ({time.monotonic() - t0:.0f} s): {len(reps) - len(waiting)} of {len(reps)} "
-                      f"replicas ready; waiting for {describe_replicas(waiting)}", flush=True)
+            # (trial BC read "waiting for thinker/0 failed: ...": a failed replica is not waited for)
+            failed = [r for r in reps if r.state == ReplicaState.FAILED]
+            waiting = [r for r in reps if r.state not in (ReplicaState.READY, ReplicaState.FAILED)]
+            if waiting or failed:
+                print(f"starting ({time.monotonic() - t0:.0f} s): {len(reps) - len(waiting) - len(failed)} of "
+                      f"{len(reps)} replicas ready" + (f"; waiting for {describe_replicas(waiting)}" if waiting else "")
+                      + (f"; not waited for: {describe_replicas(failed)}" if failed else ""), flush=True)
 
 
 def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: threading.Event,
