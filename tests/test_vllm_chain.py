@@ -411,9 +411,12 @@ def test_every_vllm_log_line_names_the_replica_that_printed_it(chain):
     address, or ``EngineCore``), so the lines of two Talkers could not be told apart: each
     replica sets ``VLLM_LOGGING_PREFIX`` to its name before it imports vLLM (its engine core,
     a child, inherits it)."""
-    vllm_line = re.compile(r"\((?:EngineCore|Actor_)\S* pid=\d+\) (?:DEBUG|INFO|WARNING|ERROR) \d\d-\d\d ")
-    lines = [ln for ln in chain.stdout_path.read_text(errors="replace").splitlines() if vllm_line.search(ln)]
+    out = chain.stdout_path.read_text(errors="replace")
+    vllm_line = re.compile(r"\((?:EngineCore|replica)\S* pid=\d+\) (?:DEBUG|INFO|WARNING|ERROR) \d\d-\d\d ")
+    lines = [ln for ln in out.splitlines() if vllm_line.search(ln)]
     assert len(lines) >= 10, lines  # (each engine's start logs a dozen)
+    # a replica's own lines say `(replica pid=...)`, not Thespian's process name (trial BC)
+    assert "(replica pid=" in out and "(Actor_EngineActor" not in out
     prefixes = {ln.split("] ", 1)[0] + "]" for ln in lines}
     assert prefixes == {"[thinker/0]", "[talker/0]", "[talker/1]"}, [ln for ln in lines if not ln.startswith("[")][:5]
     # the engine cores' lines too (vLLM's process name for them is EngineCore, for the three alike)

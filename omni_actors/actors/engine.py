@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import multiprocessing
 import os
 import queue
 import signal
@@ -32,8 +33,8 @@ from omni_actors.actors.node_agent import on_node
 from omni_actors.config_checks import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
 from omni_actors.engines import create_backend
-from omni_actors.engines.base import (BackendTask, InputLost, OutputChunk, StageFinal, TextDelta, UpstreamTimeout,
-                                     replica_log_prefix)
+from omni_actors.engines.base import (REPLICA_PROCESS_NAME, BackendTask, InputLost, OutputChunk, StageFinal,
+                                     TextDelta, UpstreamTimeout, replica_log_prefix)
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelStage, DeltasAck, DrainReplica, EngineFailed, EngineReady, ErrorKind,
                                   FaultKind, Heartbeat, HeartbeatAck, InjectFault, OutputDelta, OutputDeltas,
@@ -210,6 +211,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         # vLLM's own log lines (its engine core's too, a child process) say which replica printed
         # them: vLLM reads the prefix once, when it is first imported (in this process, below)
         os.environ["VLLM_LOGGING_PREFIX"] = replica_log_prefix(msg.replica)
+        # ... and what this process is: vLLM's lines give its process name, which was Thespian's
+        # `Actor_EngineActor__ActorAddr-LocalAddr.1` (trial BC), beside its engine core's `EngineCore`
+        multiprocessing.current_process().name = REPLICA_PROCESS_NAME
         self._rt = LoopThread()
         try:
             if msg.deployment.backend == "vllm_omni":

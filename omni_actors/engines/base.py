@@ -57,6 +57,10 @@ class BackendTask:
     max_tokens_asked: int | None = None
 
 
+#: A replica's process name (``multiprocessing``'s, which vLLM's log lines give: ``(replica pid=...)``).
+REPLICA_PROCESS_NAME = "replica"
+
+
 def replica_log_prefix(replica: str, environ: Mapping[str, str] | None = None) -> str:
     """The ``VLLM_LOGGING_PREFIX`` of a replica's process: ``"[thinker/0] "`` after any
     prefix the operator set (``$VLLM_LOGGING_PREFIX``, inherited from the leader or member).
