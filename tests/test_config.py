@@ -1035,3 +1035,20 @@ def test_a_bound_without_a_unit_says_what_was_given(tmp_path: Path) -> None:
     """(A trial's ``chunk_tokens: 0`` said only "Expected `int` >= 1"; other bounds say "got".)"""
     err = refused(tmp_path, variant(lambda d: d["deployment"].update(streaming={"chunk_tokens": 0})))
     assert (err.path, err.message) == ("deployment.streaming.chunk_tokens", "Expected `int` >= 1, got 0")
+
+
+def test_check_config_warns_of_a_real_engines_local_model_directory_missing_here(tmp_path: Path) -> None:
+    """Trial BC: `check-config` said ok to a Thinker whose model directory did not exist, and
+    `start` then failed its replica. A warning (the config may be checked on another host than
+    the ones that run it) for local paths only: a model id is the engine's to fetch."""
+    from omni_actors.system.__main__ import _missing_model_dirs
+
+    data = yaml.safe_load((ROOT / "configs" / "cpu_vllm_chain.yaml").read_text())
+    data["stage_args"][0]["engine_args"]["model"] = str(tmp_path / "nope")
+    data["stage_args"][1]["engine_args"]["model"] = str(tmp_path)  # (there)
+    path = write(tmp_path, data)
+    assert _missing_model_dirs(load_config(path)) == [
+        f"{path}: stage_args[0].engine_args.model: no directory {tmp_path / 'nope'} on this host: stage thinker's "
+        "replicas fail to start on a host without it"]
+    data["stage_args"][0]["engine_args"]["model"] = "Qwen/Qwen3-Omni-30B-A3B-Instruct"  # (an id: not checked)
+    assert _missing_model_dirs(load_config(write(tmp_path, data))) == []

@@ -625,6 +625,23 @@ def cmd_shell(args) -> int:
                      remote=bool(args.convention_address))
 
 
+def _missing_model_dirs(config) -> list[str]:
+    """One line per real-engine stage whose model is a local path (``/``, ``.``, ``~``) with no
+    directory there on this host: its replicas fail to start on such a host (a warning, not an
+    error: the config may be checked on another host than the ones that run it). Trial BC's
+    `check-config` said ok to a Thinker model that did not exist; `start` failed its replica."""
+    from pathlib import Path
+
+    out = []
+    for i, s in enumerate(config.stage_args):
+        model = s.engine_args.get("model")
+        if config.deployment_of(s).backend in ("vllm", "vllm_omni") and isinstance(model, str) \
+                and model.startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
+            out.append(f"{config.source}: stage_args[{i}].engine_args.model: no directory {model} on this host: "
+                       f"stage {s.name}'s replicas fail to start on a host without it")
+    return out
+
+
 def cmd_check_config(args) -> int:
     """Load and validate a config as ``start`` would (processor imports included):
     ``ok: N stages (NAME xREPLICAS, ...)`` and exit 0, or the one-line error and
@@ -650,6 +667,8 @@ def cmd_check_config(args) -> int:
     problem = _check_vllm_sampling_defaults(config) or _check_vllm_engine_args(config)
     if problem:
         return _fail(problem)
+    for line in _missing_model_dirs(config):
+        print(f"warning: {line}", file=sys.stderr)
     stages = ", ".join(f"{s.name} x{config.deployment_of(s).replicas}" for s in config.stage_args)
     n = len(config.stage_args)
     print(f"ok: {n} stage{'' if n == 1 else 's'} ({stages})")
