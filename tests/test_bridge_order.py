@@ -215,3 +215,62 @@ def test_a_prompt_over_the_context_length_gets_openais_code_for_it(bridge, messa
     bridge._on_message(RequestFinished("r9", ErrorKind.BAD_REQUEST, message, request_actor="ra"))
     (failed,) = [ev for ev in stream if isinstance(ev, RequestFailed)]
     assert (failed.status, failed.type, failed.code) == (400, "invalid_request_error", code)
+
+
+def test_a_finished_request_whose_last_text_deltas_never_come_ends_with_its_final_text(bridge):
+    """Trial BD: the Thinker's replica was killed (SIGKILL) 33 ms after its request ended,
+    holding text deltas it had not sent yet; the stream waited for them until its client gave
+    up (60 s, counted as a 499). After TEXT_GAP_S of waiting (time in which this process runs)
+    the end goes on without them: the final text follows, whose missing part the HTTP layer
+    sends (see app.py), then the end."""
+    from omni_actors.http.bridge import RECEIVER_PAUSED_S, TEXT_GAP_S
+
+    stream = _open(bridge, "r9")
+    final = make_connector().put({"text": "abcd"}, final=True)
+    bridge._on_message(deltas("r9", (0, "a"), (1, "b")))  # (2 and 3 went down with the replica)
+    bridge._on_message(OutputReady("r9", 0, "text", final, seq=0, after_text=(0, 4)))
+    bridge._on_message(RequestFinished("r9", sent=1, after_text=(0, 4), request_actor="ra"))
+    t = time.monotonic()
+    for dt in (0.0, 0.5, 1.0, 1.5, 2.0, 2.5):  # (turns of the receiver, within TEXT_GAP_S)
+        bridge.check_text_gaps(t + dt)
+    assert seen(stream) == ["a", "b"]
+    # a turn long after the last: this process was frozen; the deltas on their way get their time
+    bridge.check_text_gaps(t + 2.5 + RECEIVER_PAUSED_S + TEXT_GAP_S)
+    assert seen(stream) == ["a", "b"]
+    late = t + 2.5 + RECEIVER_PAUSED_S + TEXT_GAP_S
+    for dt in (0.5, 1.0, 1.5, 2.0, 2.5, TEXT_GAP_S):
+        bridge.check_text_gaps(late + dt)
+    assert seen(stream) == ["a", "b", ("final", "abcd"), "done"]
+    bridge._on_message(deltas("r9", (2, "c")))  # (one that comes after all: over, dropped)
+    assert seen(stream) == ["a", "b", ("final", "abcd"), "done"]
+
+
+def test_text_still_coming_keeps_a_finished_request_waiting(bridge):
+    from omni_actors.http.bridge import TEXT_GAP_S
+
+    stream = _open(bridge, "r10")
+    final = make_connector().put({"text": "abc"}, final=True)
+    bridge._on_message(OutputReady("r10", 0, "text", final, seq=0, after_text=(0, 3)))
+    bridge._on_message(RequestFinished("r10", sent=1, after_text=(0, 3), request_actor="ra"))
+    t = time.monotonic()
+    bridge.check_text_gaps(t)
+    bridge.check_text_gaps(t + TEXT_GAP_S - 0.5)
+    bridge._on_message(deltas("r10", (1, "b")))  # (slow, but coming: the wait starts again)
+    bridge.check_text_gaps(t + TEXT_GAP_S)
+    bridge.check_text_gaps(t + TEXT_GAP_S + 1.0)
+    assert seen(stream) == []
+    bridge._on_message(deltas("r10", (0, "a"), (2, "c")))
+    assert seen(stream) == ["a", "b", "c", ("final", "abc"), "done"]
+
+
+def test_missing_text_deltas_with_no_final_text_to_follow_end_the_request_with_a_503(bridge):
+    from omni_actors.http.bridge import TEXT_GAP_S
+
+    stream = _open(bridge, "r11")
+    bridge._on_message(deltas("r11", (0, "a")))
+    bridge._on_message(RequestFinished("r11", sent=0, after_text=(0, 2), request_actor="ra"))
+    t = time.monotonic()
+    for dt in (0.0, 1.0, 2.0, TEXT_GAP_S + 0.1):
+        bridge.check_text_gaps(t + dt)
+    assert seen(stream) == ["a", ("failed", 503)]
+    assert "the last 1 text part(s) of the request did not come" in stream[-1].message

@@ -81,6 +81,15 @@ from omni_actors.planning import PlanError, plan_request
 SUBSCRIBE_EVERY_S = 2.0
 #: Seconds the receiver thread waits for one message before it looks at its other duties.
 RECEIVE_LISTEN_S = 0.5
+#: Seconds a finished request waits for text deltas of its own that have not come before
+#: it goes on without them: its final text carries what they did, and the HTTP layer sends
+#: the part no delta carried. Deltas come straight from the replica, which keeps a few in
+#: flight and holds the rest; killed with them held (trial BD: a SIGKILL 33 ms after the
+#: request's end), they never come, and the stream hung until its client gave up.
+TEXT_GAP_S = 3.0
+#: A receiver turn this much later than the last one: the process did not run meanwhile
+#: (frozen, starved), so the deltas on their way had no time to be read.
+RECEIVER_PAUSED_S = 2.0
 #: The coordinator's publications (routes, status) the bridge says it has, every this many
 #: (:class:`PublicationsReceived`: half the coordinator's ``SUBSCRIBER_BACKLOG``).
 PUBLICATIONS_ACK_EVERY = 4
@@ -127,6 +136,9 @@ class _Inbox:
     text_attempt: int = 0  #: the text stage's attempt whose deltas are delivered
     text_seq: int = 0  #: the next text delta of that attempt
     text_early: dict = dataclasses.field(default_factory=dict)  #: its deltas by seq
+    #: (monotonic) since when its end has waited for text deltas that have not come (see
+    #: ``ActorBridge.check_text_gaps``); None: it does not wait for any
+    gap_since: float | None = None
 
     def after(self, after_text: tuple[int, int] | None) -> bool:
         """Whether the text deltas a message must follow are all delivered."""
@@ -208,6 +220,7 @@ class ActorBridge(RequestActorKeeping):
         #: when the receiver last found nothing to read for a whole listen (monotonic; see
         #: :meth:`inbound_settled`)
         self._quiet_at = 0.0
+        self._gaps_checked_at = 0.0  # (monotonic) the last check_text_gaps
         self._publications = 0  #: the coordinator's publications that came since we last said so
         #: the stages' replicas as the coordinator last published them (on every state change)
         self._published: SystemStatus | None = None
@@ -506,6 +519,7 @@ class ActorBridge(RequestActorKeeping):
                     self._on_message(msg)
                 else:
                     self._quiet_at = time.monotonic()
+                self.check_text_gaps()
 
     async def inbound_settled(self, timeout_s: float = 2 * RECEIVE_LISTEN_S + 0.2) -> bool:
         """Wait until the receiver has read everything that had come (a whole listen of
@@ -612,6 +626,44 @@ class ActorBridge(RequestActorKeeping):
         if done is not None and box.seq >= done.sent and box.after(done.after_text):
             self._end(done)
 
+    def check_text_gaps(self, now: float | None = None) -> None:
+        """Receiver thread, every turn: a finished request whose end has waited
+        :data:`TEXT_GAP_S` for text deltas that have not come goes on without them (see
+        :data:`TEXT_GAP_S`): its final text follows, and the client gets the missing part
+        from it. One with no final text to follow fails with a 503 instead of hanging. A
+        turn after a pause (:data:`RECEIVER_PAUSED_S`: this process was frozen) starts
+        every wait afresh."""
+        now = time.monotonic() if now is None else now
+        paused = now - self._gaps_checked_at > RECEIVER_PAUSED_S
+        self._gaps_checked_at = now
+        for rid, box in list(self._inbox.items()):
+            done = box.finished
+            if done is None or done.after_text is None or box.after(done.after_text):
+                box.gap_since = None
+            elif box.gap_since is None or paused:
+                box.gap_since = now
+            elif now - box.gap_since >= TEXT_GAP_S:
+                self._skip_text_gap(rid, box, done)
+
+    def _skip_text_gap(self, rid: str, box: _Inbox, done: RequestFinished) -> None:
+        attempt, n = done.after_text
+        got = box.text_seq if box.text_attempt == attempt else 0
+        final = any(getattr(m, "after_text", None) is not None and m.output_type == "text"
+                    for m in box.early.values())
+        self._log.warning("text_deltas_missing", request_id=rid, came=got, expected=n,
+                          final_text=final, waited_s=TEXT_GAP_S)
+        box.gap_since = None
+        if not final:
+            self._discard(rid)
+            self._ended[rid] = None
+            self._deliver(rid, RequestFailed(
+                503, f"the last {n - got} text part(s) of the request did not come within {TEXT_GAP_S:g} s of its "
+                     "end (its replica went down holding them) and no final text carries them",
+                output_sent=got > 0, code="service_unavailable"))
+            return
+        box.text_attempt, box.text_seq, box.text_early = attempt, n, {}
+        self._pump(box)
+
     def _text(self, delta: OutputDelta) -> None:
         """A text delta from the engine: delivered in seq order within its attempt."""
         rid = delta.request_id
@@ -639,6 +691,7 @@ class ActorBridge(RequestActorKeeping):
                 return
             box.text_attempt, box.text_seq, box.text_early = delta.attempt, 0, {}
         box.text_early[delta.seq] = delta.text
+        box.gap_since = None  # (text is still coming)
         while box.text_seq in box.text_early:
             self._deliver(rid, OutputText(box.text_early.pop(box.text_seq)))
             box.text_seq += 1
