@@ -600,6 +600,13 @@ def test_a_replica_frozen_with_work_in_flight_is_isolated_as_silent_not_stalled(
         isolated = [e for e in read_events(leader.log_path, since)
                     if e.get("event") == "replica_isolated" and e.get("replica") == busy]
         assert isolated and isolated[0]["reason"].startswith("silent with 1 task(s) in flight"), isolated
+        # its exit says that it was then killed (trial BB: its reason said only why it was isolated)
+        deadline, exited = time.monotonic() + 10, []
+        while not exited and time.monotonic() < deadline:
+            exited = [e for e in read_events(leader.log_path, since)
+                      if e.get("event") == "replica_exited" and e.get("replica") == busy]
+            time.sleep(0.1)
+        assert exited and exited[0]["reason"] == isolated[0]["reason"] + "; then killed by SIGKILL", exited
     finally:
         leader.stop()
 

@@ -483,8 +483,12 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             how = describe_exit(exit_code(msg.childAddress, msg))
             if rep.pid and rep.host == host_identity():  # (killed: it could not remove its vLLM sockets)
                 release_ipc_dir(process_ipc_dir(rep.pid))
-            self._gone(rep, rep.reason if rep.state == ReplicaState.ISOLATED else
-                       "process exited" + (f" ({how})" if how else ""))
+            if rep.state == ReplicaState.ISOLATED:  # (trial BB: its reason did not say it was then killed)
+                cause = rep.reason + ("" if not how else f"; then {how}" if how.startswith("killed")
+                                      else f"; then exited ({how})")
+            else:
+                cause = "process exited" + (f" ({how})" if how else "")
+            self._gone(rep, cause)
 
     def _gone(self, rep: Replica, cause: str, crashed: bool = True, counted: bool = True) -> None:
         """The replica's process is gone (exited, killed, or lost with its node):
