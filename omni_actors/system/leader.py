@@ -90,9 +90,7 @@ def print_status_table(status, out=sys.stdout, api_down: bool = False, stopping:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[11], file=out)
     down = [n.name for n in status.nodes if n.state != "alive"]
     if len(status.nodes) > 1 or down:
-        print("nodes: " + ", ".join(f"{n.name}{'' if n.state == 'alive' else f' ({_down_label(n)})'}"
-                                    f"{'' if n.buffers is None or not n.alive else f' ({n.buffers} buffers)'}"
-                                    for n in status.nodes), file=out)
+        print("nodes: " + ", ".join(_node_label(n) for n in status.nodes), file=out)
     for note in getattr(status, "notes", ()):
         print(f"note: {note}", file=out)
     if api_down:
@@ -119,6 +117,17 @@ def admin_start_error(admin_port: int, exc: BaseException) -> str:
                 f"answer within Thespian's start-up wait (a machine busy with other work, or another "
                 f"program took the port meanwhile); try again, or pick another --admin-port")
     return f"the actor system did not start on admin port {admin_port}: {text}"
+
+
+def _node_label(node) -> str:
+    """``m1``, ``m2 (LEAVING, 1 of 4 devices free, 3 buffers)``, ``m3 (LEFT)``: a node of the
+    ``nodes:`` line (free devices: a trial could not tell from ``status`` where room was left)."""
+    parts = [] if node.state == "alive" else [_down_label(node)]
+    if node.alive and node.devices:
+        parts.append(f"{len(node.devices) - len(node.used)} of {len(node.devices)} devices free")
+    if node.alive and node.buffers is not None:
+        parts.append(f"{node.buffers} buffers")
+    return node.name + (f" ({', '.join(parts)})" if parts else "")
 
 
 def _down_label(node) -> str:
