@@ -90,6 +90,8 @@ TEXT_GAP_S = 3.0
 #: A receiver turn this much later than the last one: the process did not run meanwhile
 #: (frozen, starved), so the deltas on their way had no time to be read.
 RECEIVER_PAUSED_S = 2.0
+#: Seconds between two looks for such requests (the receiver turns on every message).
+TEXT_GAP_CHECK_S = 0.25
 #: The coordinator's publications (routes, status) the bridge says it has, every this many
 #: (:class:`PublicationsReceived`: half the coordinator's ``SUBSCRIBER_BACKLOG``).
 PUBLICATIONS_ACK_EVERY = 4
@@ -634,6 +636,8 @@ class ActorBridge(RequestActorKeeping):
         turn after a pause (:data:`RECEIVER_PAUSED_S`: this process was frozen) starts
         every wait afresh."""
         now = time.monotonic() if now is None else now
+        if now - self._gaps_checked_at < TEXT_GAP_CHECK_S:  # (not on every message: a few times a second)
+            return
         paused = now - self._gaps_checked_at > RECEIVER_PAUSED_S
         self._gaps_checked_at = now
         for rid, box in list(self._inbox.items()):
