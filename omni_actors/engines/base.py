@@ -57,6 +57,14 @@ class BackendTask:
     max_tokens_asked: int | None = None
 
 
+def missing_model_dir(model: str) -> bool:
+    """Whether ``model`` is a local path (``/``, ``.``, ``~``) with no directory there on this
+    host (a model id, ``Qwen/...``, is the engine's to fetch: never missing here)."""
+    from pathlib import Path
+
+    return str(model).startswith(("/", ".", "~")) and not Path(str(model)).expanduser().is_dir()
+
+
 #: A replica's process name (``multiprocessing``'s, which vLLM's log lines give: ``(replica pid=...)``).
 REPLICA_PROCESS_NAME = "replica"
 

@@ -55,7 +55,7 @@ import numpy as np
 
 from omni_actors.config import StageSpec
 from omni_actors.engines.base import (BackendEvent, BackendLoad, BackendTask, OutputChunk, StageFinal, TextDelta,
-                                      context_exceeded)
+                                      context_exceeded, missing_model_dir)
 from omni_actors.engines.vllm_core import CoreWatch, is_client_error, keep_off, one_line, parse_cpus, pinned
 from omni_actors.engines.vllm_requests import VllmRequests
 from omni_actors.logs import get_logger
@@ -208,7 +208,7 @@ class VllmEngine:
         model = args.get("model")
         if not model:
             raise ValueError("engine_args has no `model`")
-        if str(model).startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
+        if missing_model_dir(model):
             raise FileNotFoundError(f"model directory {model} does not exist")
         cpu = _is_cpu_build()
         # vLLM's IPC sockets in a directory of this replica's in the system's, removed when

@@ -71,7 +71,8 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from omni_actors.config import StageSpec
-from omni_actors.engines.base import BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta, context_exceeded
+from omni_actors.engines.base import (BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta, context_exceeded,
+                                     missing_model_dir)
 from omni_actors.engines.vllm_core import is_client_error, one_line
 from omni_actors.engines.vllm_requests import VllmRequests
 from omni_actors.logs import get_logger
@@ -169,7 +170,7 @@ class VllmOmniEngine:
         if not model:
             raise ValueError("engine_args has no `model`")
         model = str(Path(model).expanduser()) if str(model).startswith("~") else str(model)
-        if model.startswith(("/", ".")) and not Path(model).is_dir():
+        if missing_model_dir(model):
             raise FileNotFoundError(f"model directory {model} does not exist")
         cpu = _is_cpu_build()
         # vLLM's IPC sockets in a directory of this replica's in the system's, removed when

@@ -630,13 +630,13 @@ def _missing_model_dirs(config) -> list[str]:
     directory there on this host: its replicas fail to start on such a host (a warning, not an
     error: the config may be checked on another host than the ones that run it). Trial BC's
     `check-config` said ok to a Thinker model that did not exist; `start` failed its replica."""
-    from pathlib import Path
+    from omni_actors.engines.base import missing_model_dir
 
     out = []
     for i, s in enumerate(config.stage_args):
         model = s.engine_args.get("model")
         if config.deployment_of(s).backend in ("vllm", "vllm_omni") and isinstance(model, str) \
-                and model.startswith(("/", ".", "~")) and not Path(model).expanduser().is_dir():
+                and missing_model_dir(model):
             out.append(f"{config.source}: stage_args[{i}].engine_args.model: no directory {model} on this host: "
                        f"stage {s.name}'s replicas fail to start on a host without it")
     return out
