@@ -367,11 +367,17 @@ class ReplicaStatus(Message):
         """The REASON cell of a status table: its reason, and the fault injected into it, if any."""
         return "; ".join(filter(None, (self.reason, self.fault and f"fault injected: {self.fault}")))
 
+    @property
+    def held_devices(self) -> str:
+        """The devices it holds now: none once it stopped or failed (``devices`` keeps
+        the last ones it had)."""
+        return self.devices if self.state not in (ReplicaState.STOPPED, ReplicaState.FAILED) else ""
+
     def devices_label(self) -> str:
         """The DEVICES cell of a status table: ``"2"``, ``"2 (pinned)"`` (to those devices),
         ``"- (pinned to 2)"`` (not held now: pending, stopped, failed), ``"2 (node pinned)"``
         (to its node only), ``"-"`` (none, or no longer held)."""
-        held = self.devices if self.state not in (ReplicaState.STOPPED, ReplicaState.FAILED) else ""
+        held = self.held_devices
         if self.pin and self.pin[1] and not held:  # (a trial read a pending pinned replica's "- (pinned)")
             return f"- (pinned to {','.join(self.pin[1])})"
         return (held or "-") + ((" (pinned)" if self.pin[1] else " (node pinned)") if self.pin else "")

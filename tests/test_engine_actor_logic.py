@@ -666,6 +666,28 @@ def _closing_request_actor(stages=("thinker", "talker")):
     return ra, sent, wakeups
 
 
+def test_request_finished_is_a_warning_when_the_system_failed_the_request():
+    """``request_finished`` is at warning level for a request the system failed (an engine
+    error, no replica, a timeout, a crash) and at info for a completed one, a cancel (the
+    client left) or a client's bad request (a trial's log filter on warnings missed every
+    failed request: only the API server's ``http_request`` line was one)."""
+    from structlog.testing import capture_logs
+
+    from omni_actors.messages import ErrorKind
+
+    levels = {}
+    for error in (None, ErrorKind.ENGINE_ERROR, ErrorKind.UNAVAILABLE, ErrorKind.TIMEOUT, ErrorKind.CANCELLED,
+                  ErrorKind.BAD_REQUEST):
+        ra, _, _ = _closing_request_actor(("thinker",))
+        ra._running = {}
+        with capture_logs() as logs:
+            ra._finish(error, "why" if error else None)
+        (line,) = [e for e in logs if e["event"] == "request_finished"]
+        levels[error.value if error else None] = line["log_level"]
+    assert levels == {None: "info", "engine_error": "warning", "unavailable": "warning", "timeout": "warning",
+                      "cancelled": "info", "bad_request": "info"}
+
+
 def test_a_request_actor_stays_busy_until_its_cancelled_stages_confirm():
     """A request that ends with stages still running (here the client left) answers its
     bridge at once but says it is not free; it frees itself once every cancelled stage
@@ -740,6 +762,40 @@ def test_a_clients_bad_request_is_no_failed_task_of_the_replica():
         rep.in_flight[(rid, 0)] = (SimpleNamespace(request_id=rid, stage_id=0), 0.0)
         pool.receiveMsg_TaskFinished(TaskFinished("thinker/0", rid, 0, ok=False, **kw), "engine")
     assert rep.failed == 1 and rep.in_flight == {}
+
+
+def test_tasks_a_replica_lost_by_going_down_count_as_its_failed_tasks():
+    """A replica that died, was isolated or failed with tasks in flight lost them: they
+    count in its FAILED column (``omni_replica_tasks_failed_total``) and a
+    ``replica_tasks_lost`` event names their requests, whether or not they are retried
+    elsewhere. A drained or stopped replica's tasks, or those moved while the system
+    stops, are no failure. (Trial BE: a SIGKILL under load moved no failed counter.)"""
+    from types import SimpleNamespace
+
+    import structlog
+    from structlog.testing import capture_logs
+
+    from omni_actors.messages import ReplicaState
+
+    cases = [(ReplicaState.DEAD, True, False, 2), (ReplicaState.ISOLATED, False, False, 2),
+             (ReplicaState.FAILED, False, False, 2), (ReplicaState.DRAINING, False, False, 0),
+             (ReplicaState.STOPPED, False, False, 0), (ReplicaState.DEAD, True, True, 0)]
+    for state, crashed, exiting, lost in cases:
+        pool, rep = _pool_with_one_replica()
+        pool._log = structlog.get_logger()
+        pool._elsewhere = lambda *a, **k: None
+        pool._exiting = exiting
+        pool.send = lambda *a: None
+        rep.state, rep.failed = state, 1
+        for rid in ("r1", "r2"):
+            rep.in_flight[(rid, 0)] = (SimpleNamespace(request_id=rid, stage_id=0, reply_to="ra", attempt=0, crashed=(),
+                                                              moved=0), 0.0)
+        with capture_logs() as logs:
+            pool._redispatch(rep, crashed=crashed)
+        assert rep.in_flight == {} and rep.failed == 1 + lost, (state, crashed, exiting)
+        events = [e for e in logs if e["event"] == "replica_tasks_lost"]
+        assert events == ([{"event": "replica_tasks_lost", "log_level": "warning", "replica": "thinker/0",
+                            "tasks": 2, "request_ids": ["r1", "r2"]}] if lost else []), (state, events)
 
 
 def _pool_with_one_replica():
@@ -2078,5 +2134,5 @@ def test_a_pinned_replica_back_on_its_node_says_why_it_was_down_in_the_past():
     assert rep.reason == "starting again; it was down: node m2 drained (`node drain`); importing vLLM"
     pool.receiveMsg_EngineReady(EngineReady("talker/2", 7, "m2", "synthetic"), "e2")
     assert rep.state == ReplicaState.READY
-    assert re.fullmatch(r"restarted at \d\d:\d\d:\d\d; it was down: node m2 drained \(`node drain`\)", rep.reason), \
+    assert re.fullmatch(r"restarted at \d\d:\d\d:\d\d UTC; it was down: node m2 drained \(`node drain`\)", rep.reason), \
         rep.reason

@@ -927,11 +927,13 @@ def test_every_api_request_gets_one_access_log_line_with_its_status():
     from structlog.testing import capture_logs
 
     bridge = FakeBridge()
+    refused = []
 
     async def body(client):
         await assert_good_chat(client)
         await client.post(CHAT, json={**GOOD_CHAT, "messages": []})
-        await client.post(CHAT, json=chat("hi", model="nope"), headers={"X-Request-Id": "my-trace-124"})
+        resp = await client.post(CHAT, json=chat("hi", model="nope"), headers={"X-Request-Id": "my-trace-124"})
+        refused.append(resp.headers["X-Request-Id"])
         await client.get("/v1/no-such-route")
         await client.get("/health")
         resp = await client.post(CHAT, json=chat("[failmid]", stream=True))
@@ -941,6 +943,7 @@ def test_every_api_request_gets_one_access_log_line_with_its_status():
     with capture_logs() as logs:
         serve(bridge, body)
     lines = [e for e in logs if e["event"] == "http_request"]
+    (refused_id,) = refused
     assert [(e["method"], e["path"], e["status"]) for e in lines] == [
         ("POST", CHAT, 200), ("POST", CHAT, 400), ("POST", CHAT, 404), ("GET", "/v1/no-such-route", 404),
         ("POST", CHAT, 500), ("POST", CHAT, 503)], lines
@@ -948,3 +951,6 @@ def test_every_api_request_gets_one_access_log_line_with_its_status():
     assert all(e["duration_ms"] >= 0 and e["request_id"] for e in lines)
     assert lines[0]["request_id"] == bridge.submitted[0].request_id  # (as in request_finished)
     assert lines[2]["client_request_id"] == "my-trace-124" and lines[0]["client_request_id"] is None
+    # the id is always ours (clients' ids may collide): a refused request's too (a trial found the
+    # client's id as request_id for a 404, and ours for a 200)
+    assert lines[2]["request_id"].startswith("req-") and lines[2]["request_id"] == refused_id

@@ -156,6 +156,8 @@ def test_a_replica_that_hangs_while_it_drains_has_its_work_moved_not_waited_for(
         assert took < 15, f"the request waited {took:.1f} s for the frozen replica"
         rep = replicas(stages(leader))[busy]
         assert rep["state"] == "stopped" and "while draining (drained on request)" in rep["reason"], rep
+        # (no process: no devices held, no heartbeat age; a trial read both as if it still ran)
+        assert rep["devices"] == "" and rep["last_heartbeat_age_s"] is None and rep["pid"] is None, rep
     finally:
         assert leader.stop() == 0
 

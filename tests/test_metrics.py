@@ -60,7 +60,7 @@ def status() -> SystemStatus:
             ReplicaStatus("code2wav/0", ReplicaState.FAILED, reason="restarted too often",
                           last_heartbeat_age_s=95.0),
             ReplicaStatus("code2wav/1", ReplicaState.STOPPED, reason="drained on request",
-                          last_heartbeat_age_s=99.0),
+                          last_heartbeat_age_s=99.0, devices="1"),
         ), pid=102),
     ), coordinator_pid=99)
 
@@ -185,6 +185,8 @@ def test_replica_state_info_gauges_and_counters():
     assert c0.labels["reason"] == "restarted too often"
     (t0,) = samples(f, "omni_replica_info", replica="talker/0")
     assert t0.labels["reason"] == "fault injected: slow x5"  # (as the status table's REASON says)
+    (c1,) = samples(f, "omni_replica_info", replica="code2wav/1")
+    assert c1.labels["devices"] == ""  # (stopped: holds none, as DEVICES says; a trial read "1")
 
     r = {"stage": "thinker", "replica": "thinker/0"}
     assert value(f, "omni_replica_in_flight", **r) == 3
@@ -213,6 +215,19 @@ def test_replica_state_info_gauges_and_counters():
     assert value(f, "omni_stage_ready_replicas", stage="talker") == 1
     assert value(f, "omni_stage_ready_replicas", stage="code2wav") == 0
     assert value(f, "omni_stage_restarts", "omni_stage_restarts_total", stage="talker") == 1
+
+
+def test_the_stage_table_gives_held_devices_and_the_latency_bucket_bounds():
+    """``/v1/stages``: a stopped replica holds no devices (its last ones are not shown
+    as held); ``latency_buckets`` are per bucket of ``latency_bucket_bounds_s``, the last
+    one above the last bound (a trial had to read the bounds off /metrics)."""
+    table = status_to_dict(status())
+    reps = {r["replica"]: r for st in table["stages"] for r in st["replicas"]}
+    assert reps["thinker/0"]["devices"] == "0" and reps["code2wav/1"]["devices"] == ""
+    assert table["latency_bucket_bounds_s"] == [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+    assert len(reps["thinker/0"]["latency_buckets"]) == len(table["latency_bucket_bounds_s"]) + 1
+    assert reps["thinker/0"]["latency_buckets"][-1] == 1  # (the task that took over 30 s)
+    json.dumps(table, allow_nan=False)  # (plain JSON: no Infinity)
 
 
 def test_stage_latency_histogram_is_cumulative_per_replica():

@@ -30,11 +30,24 @@ TASK_OVERDUE_GRACE_S = 10.0
 #: Why the tasks of a pool's replicas fail once the pool is exiting (see PoolRoutingMixin._redispatch).
 SYSTEM_STOPPING = "the omni-actors system is stopping"
 
+#: A replica in one of these states when its tasks are sent elsewhere lost them (see PoolRoutingMixin._redispatch).
+_LOST_TASKS_STATES = (ReplicaState.ISOLATED, ReplicaState.DEAD, ReplicaState.FAILED)
+
+
 class PoolRoutingMixin:
     def _redispatch(self, rep, crashed: bool = False) -> None:
         """Send the replica's tasks elsewhere; ``crashed``: it died running them
-        (not drained or stopped on purpose), which counts against each task."""
+        (not drained or stopped on purpose), which counts against each task.
+
+        Tasks lost by a replica that went down unplanned (crashed, isolated, dead,
+        failed; not drained, stopped, or with the system) count as its failed tasks
+        (``failed``, ``omni_replica_tasks_failed_total``), retried elsewhere or not: a
+        trial's alert on that counter missed every replica crash."""
         tasks, rep.in_flight = [t for t, _ in rep.in_flight.values()], {}
+        if tasks and not self._exiting and (crashed or rep.state in _LOST_TASKS_STATES):
+            rep.failed += len(tasks)
+            self._log.warning("replica_tasks_lost", replica=rep.replica, tasks=len(tasks),
+                              request_ids=sorted({t.request_id for t in tasks}))
         for task in tasks:
             if self._exiting:  # the system stops: nowhere to send it, and no crash (no replica: not retried)
                 # (trial AT: a request held by a frozen API server read "replica thinker/0 went down

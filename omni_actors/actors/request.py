@@ -697,14 +697,17 @@ class RequestActor(ActorTypeDispatcher):
         else:  # (the bridge drops outputs of a request that failed)
             release_all([ref for _, ref, _ in held if ref is not None], recycle=recycle)
         names = {s.stage_id: s.stage for s in req.plan.stages}
-        self._log.info("request_finished", request_id=req.request_id,
-                       error=error.value if error else None, message=message or None,
-                       duration_ms=round((time.monotonic() - self._started) * 1000, 2),
-                       # (before it: the wait in the API server for a free RequestActor)
-                       queued_ms=round(req.queued_s * 1000, 2),
-                       replicas={names[sid]: d.replica for sid, d in self._done.items()},
-                       # (stages cut short: cancelled with the request; their replicas are not known here)
-                       stages_cancelled=[names[sid] for sid in self._running] or None)
+        # (a warning when the system failed it; a cancel or a client's bad request is no fault of ours)
+        quiet = error is None or error in (ErrorKind.CANCELLED, ErrorKind.BAD_REQUEST)
+        log = self._log.info if quiet else self._log.warning
+        log("request_finished", request_id=req.request_id,
+            error=error.value if error else None, message=message or None,
+            duration_ms=round((time.monotonic() - self._started) * 1000, 2),
+            # (before it: the wait in the API server for a free RequestActor)
+            queued_ms=round(req.queued_s * 1000, 2),
+            replicas={names[sid]: d.replica for sid, d in self._done.items()},
+            # (stages cut short: cancelled with the request; their replicas are not known here)
+            stages_cancelled=[names[sid] for sid in self._running] or None)
         self.send(req.reply_to, RequestFinished(
             req.request_id, error, message, prompt_tokens=self._tokens[0], completion_tokens=self._tokens[1],
             finish_reason=self._finish_reason,

@@ -248,9 +248,10 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         if rep and rep.state == ReplicaState.STARTING:
             now = time.monotonic()
             # After a restart, READY says when and why it was down (RESTARTS alone does not).
+            at = time.strftime("%H:%M:%S UTC", time.gmtime())  # (UTC, as the logs' timestamps)
             rep.state, rep.reason = ReplicaState.READY, "; ".join(filter(None, (
                 f"{'placed again' if LEFT_REASON in rep.down_cause or LEAVING in rep.down_cause else 'restarted'} at "
-                f"{time.strftime('%H:%M:%S')}; it was down: {was_down(rep.down_cause)}" if rep.down_cause else "",
+                f"{at}; it was down: {was_down(rep.down_cause)}" if rep.down_cause else "",
                 msg.note)))
             rep.pid, rep.host, rep.backend = msg.pid, msg.host, msg.backend
             rep.devices = msg.devices or rep.devices
@@ -469,7 +470,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             return ""
         rep.failed_at = time.monotonic()
         self._after(after, ("retry_failed", rep.replica, rep.failed_at))
-        return f"; next try in {after:g} s (at {time.strftime('%H:%M:%S', time.localtime(time.time() + after))})"
+        return f"; next try in {after:g} s (at {time.strftime('%H:%M:%S UTC', time.gmtime(time.time() + after))})"
 
     def _release(self, rep: Replica) -> None:
         if self._coordinator is not None:
@@ -584,7 +585,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 replica=r.replica, state=r.state, reason=r.reason, in_flight=len(r.in_flight),
                 running=r.running if r.state not in _NO_PROCESS else 0,
                 waiting=r.waiting if r.state not in _NO_PROCESS else 0, completed=r.completed, failed=r.failed,
-                last_heartbeat_age_s=None if r.health is None else round(now - r.health.last_heartbeat, 3),
+                last_heartbeat_age_s=None if r.health is None or r.state in _NO_PROCESS
+                else round(now - r.health.last_heartbeat, 3),
                 pid=r.pid if r.state not in _NO_PROCESS else None,
                 node=r.node, devices=r.devices, backend=r.backend, restarts=len(r.restarts) + r.restarts_recreated,
                 rate=round(r.health.rate(), 2) if r.health and r.state not in _NO_PROCESS else 0.0,

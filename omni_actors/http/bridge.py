@@ -66,9 +66,10 @@ from omni_actors.connectors.data_client import DataServiceError
 from omni_actors.http.types import (CONTEXT_LENGTH_CODE, BridgeEvent, OutputFinal, OutputPart, OutputText,
                                     PipelineRequest, RequestDone, RequestFailed, within)
 from omni_actors.logs import get_logger
-from omni_actors.messages import (CancelRequest, CancelStage, DeltasAck, ErrorKind, GetRoutes, GetStatus, OutputChunk,
-                                  OutputDelta, OutputDeltas, OutputReady, OutputsAck, Relay, RequestActorAlive,
-                                  RequestActorExited, RequestActorFree, RequestFinished, Routes, RoutesChanged,
+from omni_actors.messages import (LATENCY_BUCKETS_S, CancelRequest, CancelStage, DeltasAck, ErrorKind, GetRoutes,
+                                  GetStatus, OutputChunk, OutputDelta, OutputDeltas, OutputReady, OutputsAck, Relay,
+                                  RequestActorAlive, RequestActorExited, RequestActorFree, RequestFinished, Routes,
+                                  RoutesChanged,
                                   PublicationsReceived, RunRequest, Subscribe, SUBSCRIPTION, SupervisorAlive,
                                   SystemStatus, SystemStopping, Unsubscribe, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
@@ -824,10 +825,13 @@ class ActorBridge(RequestActorKeeping):
 
 def status_to_dict(status: SystemStatus) -> dict[str, Any]:
     """``SystemStatus`` -> JSON-ready ``{"model", "ready", "coordinator_pid", "notes", "nodes", "stages": [...]}``;
-    each stage lists its replicas with state, reason, load and counters."""
+    each stage lists its replicas with state, reason, load and counters (``devices``: those it
+    holds now, as the status table's DEVICES; ``latency_buckets``: its completed tasks per
+    bucket of ``latency_bucket_bounds_s``, not cumulative, the last above the last bound)."""
     def replica(r) -> dict[str, Any]:
         d = {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
         d["state"] = r.state.value
+        d["devices"] = r.held_devices  # (a trial read a stopped replica's last devices as held)
         d["latency_buckets"] = list(r.latency_buckets)
         return d
 
@@ -836,6 +840,7 @@ def status_to_dict(status: SystemStatus) -> dict[str, Any]:
         "ready": status.ready,
         "coordinator_pid": status.coordinator_pid,
         "notes": list(status.notes),
+        "latency_bucket_bounds_s": [b for b in LATENCY_BUCKETS_S if b != float("inf")],
         "nodes": [{"name": n.name, "alive": n.alive, "state": n.state, "down_reason": n.down_reason,
                    "devices": list(n.devices), "used": dict(n.used),
                    "stages": list(n.stages), "replicas": list(n.replicas),

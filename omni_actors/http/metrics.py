@@ -150,8 +150,9 @@ def stage_families(table: dict[str, Any]) -> list[Metric]:
     completed = CounterMetricFamily("omni_replica_tasks_completed",
                                     "Stage tasks the replica completed", labels=_RL)
     failed = CounterMetricFamily("omni_replica_tasks_failed",
-                                 "Stage tasks that failed on the replica (not counted: "
-                                 "cancelled ones, and those failed on a client's bad input: a 400)", labels=_RL)
+                                 "Stage tasks that failed on the replica, those it lost by dying, hanging or "
+                                 "being isolated included (not counted: cancelled ones, and those failed on a "
+                                 "client's bad input: a 400)", labels=_RL)
     restarts = CounterMetricFamily("omni_replica_restarts", "Times the replica was restarted",
                                    labels=_RL)
     latency = HistogramMetricFamily("omni_stage_task_latency_seconds",

@@ -29,7 +29,7 @@ import aiohttp
 ISOLATION_EVENTS = ("replica_isolated", "replica_exited", "pool_exited", "coordinator_restarted")
 RETRY_EVENTS = ("task_redispatched", "stage_retry")
 KEPT_EVENTS = ISOLATION_EVENTS + RETRY_EVENTS + ("replica_down", "replica_ready", "pool_restarted",
-                                                  "instance_update", "fault_injected")
+                                                  "instance_update", "fault_injected", "replica_tasks_lost")
 POLL_S = 0.05
 
 

@@ -37,6 +37,9 @@ def test_sigkilled_replica_is_isolated_at_once_its_tasks_rerun_and_it_is_restart
     old, new = replicas(r.before)["talker/0"], replicas(r.after)["talker/0"]
     assert new["state"] == "ready" and new["restarts"] >= old["restarts"] + 1 and new["pid"] != old["pid"]
     assert new["completed"] >= old["completed"]  # its counters go on across the restart
+    # The tasks it lost count as its failed ones (a trial's alert on that counter missed every crash)
+    lost = sum(e["tasks"] for e in r.events if e["event"] == "replica_tasks_lost" and e["replica"] == "talker/0")
+    assert new["failed"] == old["failed"] + lost, (old, new, lost)
     # READY again, it says when it came back and why it was down (RESTARTS alone does not)
     # (and how its process ended: a trial's log said only "process exited", SIGKILL or not)
     assert new["reason"].startswith("restarted at ") and \
