@@ -116,6 +116,10 @@ class Deploy(Message):
     #: replicas they list, under their names, with their counters and restart history, as a
     #: pool recreated after a crash does; empty: the config's replica counts.
     previous: tuple = ()
+    #: Nodes an operator had drained (``node drain``) under the coordinator before this one: they
+    #: stay drained here, each as it joins this coordinator (trial BF: a coordinator crash put
+    #: every replica back on a node drained for maintenance, and `node undrain` said it was not).
+    drained_nodes: tuple[str, ...] = ()
     #: Unix seconds the pipeline was first deployed (``created`` in ``/v1/models``, the same from
     #: every API server, also after a coordinator restart); 0: now
     deployed_at: int = 0

@@ -1103,6 +1103,16 @@ def test_a_port_out_of_range_is_a_one_line_usage_error(args):
      "error: --count applies only to `raise`, not to `stall`"),  # (a trial's count was silently ignored)
     (("inject", "raise", "--replica", "talker/0", "--factor", "3"),
      "error: --factor applies only to `slow`, not to `raise`"),
+    # (trial BF: a kill-pool mistyped as kill-coordinator --stage killed the coordinator; --stage
+    # beside --replica was ignored)
+    (("inject", "kill-coordinator", "--stage", "talker"),
+     "error: --stage does not apply to `kill-coordinator`, which takes no target (it kills the coordinator)"),
+    (("inject", "sigcont", "--replica", "talker/0", "--stage", "code2wav"),
+     "error: --stage does not apply to `sigcont`, which takes --replica only"),
+    (("inject", "kill-pool", "--stage", "talker", "--replica", "talker/0"),
+     "error: --replica does not apply to `kill-pool`, which takes --stage only"),
+    (("inject", "slow", "--replica", "talker"),
+     "error: --replica takes a replica, STAGE/N (such as talker/0), not 'talker'"),
     (("stop", "--timeout", "-1"), "error: --timeout must be from 0 to 86400 s, got -1"),
     (("stop", "--timeout", "nan"), "error: --timeout must be from 0 to 86400 s, got nan"),
     (("start", "--convention-leader", "--port", "59990", "--admin-port", "59990"),
@@ -1292,3 +1302,46 @@ def test_a_member_given_the_leaders_admin_port_says_so(tmp_path):
                    "--node-name", "m1", env=env)
         assert out.returncode == 1 and "admin port {} is in use (another system, or a member".format(port) \
             in out.stderr, out.stderr
+
+
+def test_a_drained_node_stays_drained_when_the_coordinator_is_recreated():
+    """Trial BF: `node drain` of the only node, then `inject kill-coordinator`: the new
+    coordinator put every replica back on the drained node, and `node undrain` said
+    `node vm is not drained (it is alive)`. The node stays drained (nothing placed
+    there, a `node_still_drained` warning) until `node undrain`, which then works."""
+    from omni_actors.system.faultlab import inject_cli, stages
+
+    leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
+    try:
+        env = {"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)}
+        before = stages(leader)
+        node = before["nodes"][0]["name"]
+        out = _cli("node", "drain", "--node", node, "--admin-port", str(leader.admin_port), env=env)
+        assert out.returncode == 0, out.stderr
+        t0 = time.time()
+        assert inject_cli(leader.admin_port, "kill-coordinator").returncode == 0
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                now = stages(leader)
+            except OSError:
+                now = {}
+            if now.get("coordinator_pid") not in (None, before["coordinator_pid"]) and now.get("stages") \
+                    and all(st["replicas"] for st in now["stages"]):
+                break
+            assert time.monotonic() < deadline, now
+            time.sleep(0.3)
+        time.sleep(1.0)  # (a heartbeat or two: anything placed by mistake would be starting by now)
+        now = stages(leader)
+        assert [(n["name"], n["state"]) for n in now["nodes"]] == [(node, "drained")], now["nodes"]
+        assert {r["state"] for st in now["stages"] for r in st["replicas"]} <= {"pending", "stopped"}, now
+        assert any(e["event"] == "node_still_drained" and e["node"] == node
+                   for e in read_events(leader.log_path, t0)), "no node_still_drained warning"
+        out = _cli("node", "undrain", "--node", node, "--admin-port", str(leader.admin_port), env=env)
+        assert out.returncode == 0, out.stderr
+        deadline = time.monotonic() + 30
+        while not stages(leader)["ready"]:
+            assert time.monotonic() < deadline, stages(leader)
+            time.sleep(0.3)
+    finally:
+        assert leader.stop() == 0

@@ -445,6 +445,19 @@ def test_the_shells_inject_says_where_its_value_goes_when_given_a_flag(leader):
                                   "without a flag: `inject slow talker/0 2`)"), out.stderr
 
 
+def test_the_shells_kill_coordinator_refuses_a_target(leader):
+    """Trial BF: `inject kill-coordinator talker` (a kill-pool mistyped) killed the coordinator,
+    its target ignored. It is refused; the coordinator runs on."""
+    first = _status(leader)["coordinator_pid"]
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "shell", "--admin-port",
+                          str(leader.admin_port), "-c", "inject kill-coordinator talker"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 1
+    assert out.stderr.strip() == ("error: kill-coordinator takes no target (it kills the coordinator), "
+                                  "not 'talker'"), out.stderr
+    assert _status(leader)["coordinator_pid"] == first
+
+
 def test_an_api_server_started_after_a_coordinator_restart_gives_the_same_created(leader):
     """Trial Q: after `inject kill-coordinator`, a new API server's /v1/models said another
     `created` (the new coordinator's deploy time). It is the pipeline's first deploy time.

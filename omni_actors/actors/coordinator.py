@@ -124,6 +124,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         #: node -> the address of its agent (of the node's current join), from its heartbeats
         self._agents: dict[str, object] = {}
         self._leader_node = ""
+        self._drained_before: set[str] = set()  #: see Deploy.drained_nodes
         self._log = get_logger(actor="coordinator")
 
     # -- deployment -------------------------------------------------------
@@ -135,7 +136,8 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._restart = RestartPolicy(r.initial_backoff_s, r.max_backoff_s, r.max_restarts, r.window_s)
             leader = msg.leader_node or NodeInfo("local")
             self._leader_node = leader.name
-            self._inventory.add(leader)
+            self._drained_before = set(msg.drained_nodes)
+            self._add_node(leader)
             self.notifyOnSystemRegistrationChanges(True)  # member hosts joining the convention
             self._last_node_check = time.monotonic()
             self._node_checks.start(self, cfg.deployment.heartbeat_interval_s)
@@ -445,9 +447,20 @@ class CoordinatorActor(ActorTypeDispatcher):
         self.send(agent, StartNodeAgent(name, self._config.deployment.heartbeat_interval_s,
                                         reap_after_s=self._config.deployment.request_timeout_s + 30, join=join))
 
-    def _joined(self, info: NodeInfo) -> None:
-        """A member's node agent answered: its devices take work."""
+    def _add_node(self, info: NodeInfo) -> None:
+        """Put a node that joined into the inventory; drained again if an operator had drained
+        it under the coordinator before this one (:attr:`Deploy.drained_nodes`), once."""
         self._inventory.add(info)
+        if info.name in self._drained_before:
+            self._drained_before.discard(info.name)
+            self._inventory.drain(info.name, operator=True)
+            self._log.warning("node_still_drained", node=info.name,
+                              message="drained before the coordinator was recreated: nothing new is placed "
+                                      "there until `node undrain`")
+
+    def _joined(self, info: NodeInfo) -> None:
+        """A member's node agent answered: its devices take work (unless it is still drained)."""
+        self._add_node(info)
         self._log.info("node_joined", node=info.name, devices=list(info.devices), stages=list(info.stages))
         for pool in self._pools.values():
             self.send(pool, NodesChanged())
@@ -532,8 +545,11 @@ class CoordinatorActor(ActorTypeDispatcher):
             return
         if node is not None and not node.alive:
             # It was declared lost (paused, partitioned) but is back: its old replicas
-            # were told to exit; it starts again with all its devices free.
+            # were told to exit; it starts again with all its devices free (drained still, if it was).
+            drained = node.drained
             self._inventory.add(node.info)
+            if drained:
+                self._inventory.drain(msg.node, operator=True)
             self._log.warning("node_back", node=msg.node)
             for pool in self._pools.values():
                 self.send(pool, NodesChanged())

@@ -521,7 +521,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             return
         rep.state, rep.reason, rep.down_cause = ReplicaState.DEAD, cause, cause
         # (at info when the pool itself is exiting: Thespian stops its children with it)
-        (self._log.info if self._exiting or not counted else self._log.error)(
+        # (and when its coordinator is gone: this pool drains its replicas and a new one replaces them;
+        # trial BF read four errors after an injected kill-coordinator)
+        (self._log.info if self._exiting or self._orphaned or not counted else self._log.error)(
             "replica_exited", replica=rep.replica, reason=cause, pool_exiting=self._exiting)
         self._redispatch(rep, crashed=crashed and not self._exiting)
         if self._exiting:  # (its finished tasks' requests end with the system)

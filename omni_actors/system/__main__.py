@@ -776,6 +776,14 @@ def _usage_problem(args) -> str | None:
         for flag, value, fault in (("--factor", args.factor, "slow"), ("--count", args.count, "raise")):
             if value is not None and args.fault != fault:
                 return f"{flag} applies only to `{fault}`, not to `{args.fault}`"
+        # (trial BF: `inject kill-coordinator --stage talker`, a kill-pool mistyped, killed the coordinator)
+        takes = "--stage" if args.fault == "kill-pool" else None if args.fault == "kill-coordinator" else "--replica"
+        for flag, value in (("--replica", args.replica), ("--stage", args.stage)):
+            if value and flag != takes:
+                return (f"{flag} does not apply to `{args.fault}`, which takes "
+                        + (f"{takes} only" if takes else "no target (it kills the coordinator)"))
+        if takes == "--replica" and args.replica and "/" not in args.replica:
+            return f"--replica takes a replica, STAGE/N (such as {args.replica}/0), not {args.replica!r}"
         args.factor = 5.0 if args.factor is None else args.factor
         args.count = 1 if args.count is None else args.count
         if args.fault == "kill-pool" and not args.stage:

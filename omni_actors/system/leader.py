@@ -456,8 +456,9 @@ def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: thre
                     log.warning("coordinator_restarted", pid=status.coordinator_pid)
                     # what ran before, as it was (a trial saw launched replicas gone, counters and
                     # restarts back at 0 and no reason saying why every replica was new)
+                    drained = tuple(n.name for n in last.nodes if n.drained) if last else ()
                     ctx.tell(address, Deploy(config, leader_node, previous=last.stages if last else (),
-                                                  deployed_at=deployed_at))
+                                             drained_nodes=drained, deployed_at=deployed_at))
                     misses, last_pid = 0, status.coordinator_pid
                 else:
                     misses += 1

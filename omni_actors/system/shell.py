@@ -405,6 +405,8 @@ class AdminShell(cmd.Cmd):
                 raise AdminError("kill-pool needs a STAGE")
             done = self.admin.inject(fault, stage=target, **kwargs)
         elif fault == "kill-coordinator":
+            if target:  # (trial BF: a kill-pool mistyped on the CLI killed the coordinator)
+                raise AdminError(f"kill-coordinator takes no target (it kills the coordinator), not {target!r}")
             done = self.admin.inject(fault, **kwargs)
         else:
             if not target:
