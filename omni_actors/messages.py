@@ -120,6 +120,10 @@ class Deploy(Message):
     #: stay drained here, each as it joins this coordinator (trial BF: a coordinator crash put
     #: every replica back on a node drained for maintenance, and `node undrain` said it was not).
     drained_nodes: tuple[str, ...] = ()
+    #: The API servers subscribed to the coordinator before this one: they get this one's routes
+    #: at once, not at their next renewal (trial BF: for 1.8 s after a coordinator crash the API
+    #: server sent new requests to the old, exiting pools, and their streams failed part-way).
+    subscribers: tuple = ()
     #: Unix seconds the pipeline was first deployed (``created`` in ``/v1/models``, the same from
     #: every API server, also after a coordinator restart); 0: now
     deployed_at: int = 0
@@ -424,6 +428,8 @@ class PoolState(Message):
 
 #: ``SystemStatus.query_id`` of the statuses the coordinator publishes to its subscribers.
 SUBSCRIPTION = "subscription"
+#: ``SystemStatus.query_id`` of the leader's watchdog: its answers also list the subscribers.
+WATCHDOG_QUERY = "watchdog"
 
 
 #: What an admin request or ``status`` gets from a coordinator that has no config yet.
@@ -444,6 +450,9 @@ class SystemStatus(Message):
     drain_timeout_s: float = 0.0
     #: config settings accepted but not (or only partly) applied, one line each
     notes: tuple[str, ...] = ()
+    #: (to the leader's watchdog only, :data:`WATCHDOG_QUERY`) the API servers' bridges subscribed
+    #: to the routes and status, for the coordinator that replaces this one (:attr:`Deploy.subscribers`)
+    subscribers: tuple = ()
 
 
 @dataclass(frozen=True)

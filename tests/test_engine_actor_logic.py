@@ -936,6 +936,42 @@ def test_admin_requests_to_a_coordinator_without_its_config_say_it_is_being_rede
     assert out.getvalue().splitlines()[-1] == f"NOT READY: {NOT_DEPLOYED}"
 
 
+def test_a_recreated_coordinator_sends_its_routes_to_the_api_servers_of_the_one_before():
+    """Trial BF: for 1.8 s after `inject kill-coordinator` the API server kept sending new
+    requests to the old, exiting pools (it learned the new ones at its next subscription
+    renewal), and their streams failed part-way. The leader's watchdog hands the API
+    servers subscribed before (and the drained nodes) to the new coordinator, which sends
+    them its routes at once."""
+    import itertools
+
+    from conftest import CONFIGS
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.config import load_config
+    from omni_actors.messages import WATCHDOG_QUERY, Deploy, NodeInfo, Routes, Subscribe
+
+    def coordinator():
+        co = CoordinatorActor()
+        co.sent, names = [], itertools.count()
+        co.send = lambda address, message: co.sent.append((address, message))
+        co.createActor = lambda cls, **kw: f"actor-{next(names)}"
+        co.wakeupAfter = lambda delay, payload=None: None
+        co.notifyOnSystemRegistrationChanges = lambda on: None
+        return co
+
+    config = load_config(CONFIGS / "cpu_omni_demo.yaml")
+    old = coordinator()
+    old.receiveMsg_Deploy(Deploy(config, NodeInfo("vm")), "leader")
+    old.receiveMsg_Subscribe(Subscribe("api-1"), "api-1")
+    last = old._status(WATCHDOG_QUERY)
+    assert last.subscribers == ("api-1",) and old._status("cli").subscribers == ()
+    new = coordinator()
+    new.receiveMsg_Deploy(Deploy(config, NodeInfo("vm"), previous=last.stages, subscribers=last.subscribers),
+                          "leader")
+    routes = [m for a, m in new.sent if a == "api-1" and isinstance(m, Routes)]
+    assert routes and set(routes[-1].pools.values()) == set(new._pools.values()), new.sent
+
+
 def test_a_pool_that_exits_keeps_its_replicas_counts_and_only_those_that_ran_restart():
     """Trial W: right after `kill-pool` every replica read `dead` with DONE and RESTARTS 0 (a
     pending one too), and the new pool's replica that had only waited for placement said

@@ -38,7 +38,7 @@ from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, ApiServerDra
                                   PlannedStop, PlannedStopNoted, PublicationsReceived, ReplicaStatus, Routes,
                                   ScaleStage, ShutdownDone, ShutdownSystem, SignalFault,
                                   StartNodeAgent, StartPool, Subscribe, SUBSCRIPTION, SystemStatus, SystemStopping,
-                                  UndrainNode, Unsubscribe, WhoAmI, YouAre)
+                                  UndrainNode, Unsubscribe, WATCHDOG_QUERY, WhoAmI, YouAre)
 from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, PlacementError
 
 #: A member node whose agent has been silent this many heartbeat intervals is lost.
@@ -137,6 +137,9 @@ class CoordinatorActor(ActorTypeDispatcher):
             leader = msg.leader_node or NodeInfo("local")
             self._leader_node = leader.name
             self._drained_before = set(msg.drained_nodes)
+            now = time.monotonic()  # (the API servers of the coordinator before: see Deploy.subscribers)
+            known = {str(s.address) for s in self._subscribers}
+            self._subscribers += [_Subscriber(a, now) for a in msg.subscribers if str(a) not in known]
             self._add_node(leader)
             self.notifyOnSystemRegistrationChanges(True)  # member hosts joining the convention
             self._last_node_check = time.monotonic()
@@ -842,10 +845,14 @@ class CoordinatorActor(ActorTypeDispatcher):
             and not self._pool_silent  # (a silent pool routes nothing: see _check_pools)
         model = self._config.deployment.served_model_name if self._config else ""
         notes = (tuple(self._config.omni_connectors.notes) if self._config else ()) + self._pool_notes()
+        now = time.monotonic()
+        subscribers = tuple(s.address for s in self._subscribers if now - s.renewed_at < SUBSCRIPTION_LEASE_S) \
+            if query_id == WATCHDOG_QUERY else ()
         return SystemStatus(query_id=query_id or str(time.time()), model=model, ready=ready, stages=stages,
                             coordinator_pid=os.getpid(), nodes=self._inventory.status(), notes=notes,
                             coordinator_host=host_identity(),
-                            drain_timeout_s=self._config.deployment.supervision.drain_timeout_s if self._config else 0.0)
+                            drain_timeout_s=self._config.deployment.supervision.drain_timeout_s if self._config else 0.0,
+                            subscribers=subscribers)
 
 
 @dataclasses.dataclass

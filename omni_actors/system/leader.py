@@ -440,7 +440,7 @@ def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: thre
     """
     from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
     from omni_actors.logs import get_logger
-    from omni_actors.messages import Deploy, GetStatus, SystemStatus
+    from omni_actors.messages import WATCHDOG_QUERY, Deploy, GetStatus, SystemStatus
 
     log = get_logger(actor="leader")
     interval = config.deployment.heartbeat_interval_s
@@ -449,7 +449,7 @@ def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: thre
         while not stopping.wait(interval):
             try:
                 address = ctx.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
-                status = ctx.ask(address, GetStatus("watchdog"), 2 * interval)
+                status = ctx.ask(address, GetStatus(WATCHDOG_QUERY), 2 * interval)
                 if isinstance(status, SystemStatus) and status.model:
                     misses, last_pid, last = 0, status.coordinator_pid, status
                 elif isinstance(status, SystemStatus):
@@ -458,7 +458,8 @@ def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: thre
                     # restarts back at 0 and no reason saying why every replica was new)
                     drained = tuple(n.name for n in last.nodes if n.drained) if last else ()
                     ctx.tell(address, Deploy(config, leader_node, previous=last.stages if last else (),
-                                             drained_nodes=drained, deployed_at=deployed_at))
+                                             drained_nodes=drained, deployed_at=deployed_at,
+                                             subscribers=last.subscribers if last else ()))
                     misses, last_pid = 0, status.coordinator_pid
                 else:
                     misses += 1
