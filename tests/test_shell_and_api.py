@@ -435,26 +435,27 @@ def test_an_api_server_that_cannot_reach_its_coordinator_fails_start_in_one_line
                               "(is the system deployed?)")
 
 
+def _shell_error(leader, command: str) -> str:
+    """``shell -c COMMAND``, which must fail (exit 1): its one error line."""
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "shell", "--admin-port",
+                          str(leader.admin_port), "-c", command], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    return out.stderr.strip()
+
+
 def test_the_shells_inject_says_where_its_value_goes_when_given_a_flag(leader):
     """A trial's `inject slow talker/3 --factor 2` (the CLI's way) got only the usage line."""
-    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "shell", "--admin-port",
-                          str(leader.admin_port), "-c", "inject slow thinker/0 --factor 2"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert out.returncode == 1
-    assert out.stderr.strip() == ("error: usage: inject FAULT [REPLICA|STAGE] [VALUE] (the value goes last, "
-                                  "without a flag: `inject slow talker/0 2`)"), out.stderr
+    assert _shell_error(leader, "inject slow thinker/0 --factor 2") == (
+        "error: usage: inject FAULT [REPLICA|STAGE] [VALUE] (the value goes last, without a flag: "
+        "`inject slow talker/0 2`)")
 
 
 def test_the_shells_kill_coordinator_refuses_a_target(leader):
     """Trial BF: `inject kill-coordinator talker` (a kill-pool mistyped) killed the coordinator,
     its target ignored. It is refused; the coordinator runs on."""
     first = _status(leader)["coordinator_pid"]
-    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "shell", "--admin-port",
-                          str(leader.admin_port), "-c", "inject kill-coordinator talker"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert out.returncode == 1
-    assert out.stderr.strip() == ("error: kill-coordinator takes no target (it kills the coordinator), "
-                                  "not 'talker'"), out.stderr
+    assert _shell_error(leader, "inject kill-coordinator talker") == (
+        "error: kill-coordinator takes no target (it kills the coordinator), not 'talker'")
     assert _status(leader)["coordinator_pid"] == first
 
 
