@@ -309,3 +309,50 @@ def test_killing_a_system_unlinks_the_semaphores_its_killed_processes_left():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_the_watchdog_deploys_a_recreated_coordinator_once():
+    """Trial BG: each coordinator kill logged ``coordinator_restarted`` two or three times, and
+    the watchdog sent its Deploy as often, while the new coordinator was still making its
+    pools (its answers said no model yet). One line and one Deploy per new coordinator, with
+    the pid before it; the Deploy hands over the drained nodes and the subscribed API servers."""
+    import threading
+    from types import SimpleNamespace
+
+    from structlog.testing import capture_logs
+
+    from omni_actors.messages import Deploy, NodeStatus, SystemStatus
+    from omni_actors.system.leader import _watch_coordinator
+
+    stopping = threading.Event()
+    node = NodeStatus("vm", True, (), {}, (), (), drained=True)
+    answers = [SystemStatus("w", "m", True, (), coordinator_pid=1, nodes=(node,), subscribers=("api-1",))] \
+        + [SystemStatus("w", "", False, (), coordinator_pid=2)] * 3 \
+        + [SystemStatus("w", "m", True, (), coordinator_pid=2)]
+    told = []
+
+    class Ctx:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def createActor(self, cls, globalName=None):
+            return "coordinator"
+
+        def ask(self, address, message, timeout):
+            if len(answers) == 1:
+                stopping.set()
+            return answers.pop(0)
+
+        def tell(self, address, message):
+            told.append(message)
+
+    config = SimpleNamespace(deployment=SimpleNamespace(heartbeat_interval_s=0.001))
+    with capture_logs() as logs:
+        _watch_coordinator(SimpleNamespace(private=Ctx), config, None, stopping)
+    assert [(e["coordinator_pid"], e["previous_pid"]) for e in logs if e["event"] == "coordinator_restarted"] \
+        == [(2, 1)], logs
+    assert len(told) == 1 and isinstance(told[0], Deploy)
+    assert told[0].drained_nodes == ("vm",) and told[0].subscribers == ("api-1",)

@@ -157,7 +157,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                 self._start_pool(stage, COORDINATOR_RECREATED if last is not None else None)
             if msg.previous:
                 self._log.warning("deploying_as_before", stages=[st.stage for st in msg.previous],
-                                  replicas=sum(len(st.replicas) for st in msg.previous))
+                                  replicas=sum(r.state != ReplicaState.STOPPED for st in msg.previous
+                                               for r in st.replicas))  # (stopped ones are not started again)
             self._log.info("deploying", model=cfg.deployment.served_model_name,
                            stages=[s.name for s in cfg.stage_args])
             for note in cfg.omni_connectors.notes:  # vLLM-Omni connector settings: what was applied

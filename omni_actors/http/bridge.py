@@ -596,8 +596,13 @@ class ActorBridge(RequestActorKeeping):
         elif isinstance(msg, Routes):
             self._publication_came()
             if msg.config is not None and (msg.version != self._routes.version or msg.pools != self._routes.pools):
-                self._routes = msg
-                self._log.info("routes_changed", version=msg.version)
+                before, self._routes = self._routes.pools, msg
+                names = {st.stage_id: st.name for st in msg.config.stage_args}
+                # (which pools are new: the version starts again at 0 with a recreated coordinator,
+                # and trial BG could not tell one change from another)
+                self._log.info("routes_changed", version=msg.version,
+                               new_pools=[names.get(sid, str(sid)) for sid, pool in msg.pools.items()
+                                          if before.get(sid) != pool])
                 for outbox in self._outboxes:  # every sender tells its requests
                     outbox.put(("routes", msg))
 

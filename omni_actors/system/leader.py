@@ -382,6 +382,9 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
 START_PROGRESS_EVERY_S = 10.0
 #: Longest a stop waits for the coordinator to tell its pools to exit (:func:`_stop_pools`).
 STOP_POOLS_TIMEOUT_S = 3.0
+#: A recreated coordinator that still has no config this long after the watchdog sent it one
+#: is sent it again (the first was lost); sooner, it is making its pools.
+REDEPLOY_AFTER_S = 10.0
 
 
 def _stop_pools(asys, log) -> None:
@@ -445,6 +448,7 @@ def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: thre
     log = get_logger(actor="leader")
     interval = config.deployment.heartbeat_interval_s
     misses, last_pid, last = 0, None, None
+    deployed = (None, 0.0)  # (the coordinator pid last sent a Deploy, when: monotonic)
     with asys.private() as ctx:
         while not stopping.wait(interval):
             try:
@@ -452,8 +456,14 @@ def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: thre
                 status = ctx.ask(address, GetStatus(WATCHDOG_QUERY), 2 * interval)
                 if isinstance(status, SystemStatus) and status.model:
                     misses, last_pid, last = 0, status.coordinator_pid, status
+                elif isinstance(status, SystemStatus) and status.coordinator_pid == deployed[0] \
+                        and time.monotonic() - deployed[1] < REDEPLOY_AFTER_S:
+                    misses = 0  # (deployed a moment ago: its pools are being made; trial BG read the
+                    # restart logged, and the Deploy sent, two or three times per coordinator)
                 elif isinstance(status, SystemStatus):
-                    log.warning("coordinator_restarted", pid=status.coordinator_pid)
+                    log.warning("coordinator_restarted", coordinator_pid=status.coordinator_pid,
+                                previous_pid=last.coordinator_pid if last else None)
+                    deployed = (status.coordinator_pid, time.monotonic())
                     # what ran before, as it was (a trial saw launched replicas gone, counters and
                     # restarts back at 0 and no reason saying why every replica was new)
                     drained = tuple(n.name for n in last.nodes if n.drained) if last else ()
