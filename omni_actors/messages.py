@@ -335,6 +335,10 @@ class Routes(Message):
     #: when the coordinator took its config (Unix seconds): the served model's ``created``,
     #: the same through every API server
     deployed_at: int = 0
+    #: Stages whose pool is the first one this coordinator made after it replaced a lost
+    #: coordinator: the pool before it was not seen to die (it drains its replicas, which
+    #: finish their tasks in flight), so a RequestActor with a task there waits for it.
+    inherited: frozenset = frozenset()
 
 
 @dataclass(frozen=True)

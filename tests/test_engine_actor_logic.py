@@ -970,6 +970,47 @@ def test_a_recreated_coordinator_sends_its_routes_to_the_api_servers_of_the_one_
                           "leader")
     routes = [m for a, m in new.sent if a == "api-1" and isinstance(m, Routes)]
     assert routes and set(routes[-1].pools.values()) == set(new._pools.values()), new.sent
+    # its first pools replace ones not seen to die: their tasks in flight are waited for
+    assert routes[-1].inherited == frozenset(new._pools) and old._routes().inherited == frozenset()
+
+
+def test_a_task_on_a_lost_coordinators_pool_is_waited_for_not_run_again():
+    """Trial BG: every stream in flight when its API server switched to a recreated
+    coordinator's pools failed (`the pool of stage thinker was replaced`), though the old
+    pools drain and finish their tasks. A task on a pool the new routes mark inherited is
+    waited for (``INHERITED_WAIT_S``, then treated as lost); a pool replaced because it died
+    (not inherited) still has its task run again at once."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.request import INHERITED, INHERITED_WAIT_S
+    from omni_actors.messages import Routes, RoutesChanged, StageTask
+    from thespian.actors import WakeupMessage
+
+    def request_actor():
+        ra, sent, wakeups = _closing_request_actor(("thinker",))
+        ra._plan = {0: SimpleNamespace(stage="thinker")}
+        ra._running = {0: StageTask("r1", 0, "hi", (), {}, {}, "text", False, "ra-address", attempt=0)}
+        ra._pools = {0: "old-pool"}
+        ra._left = lambda: 30.0
+        return ra, sent, wakeups
+
+    routes = Routes(None, {0: "new-pool"}, 0, inherited=frozenset({0}))
+    ra, sent, wakeups = request_actor()
+    ra.receiveMsg_RoutesChanged(RoutesChanged(routes), "bridge")
+    assert sent == [] and ra._pools == {0: "new-pool"}  # waited for; what comes next goes to the new pool
+    assert wakeups == [(INHERITED_WAIT_S, (INHERITED, "r1", 0, 0))]
+    ra.receiveMsg_WakeupMessage(WakeupMessage(INHERITED_WAIT_S, wakeups[0][1]), "ra-address")
+    assert [(a, m.attempt) for a, m in sent] == [("new-pool", 1)]  # not finished there in time: run again
+
+    ra, sent, wakeups = request_actor()  # finished meanwhile: the wake-up changes nothing
+    ra.receiveMsg_RoutesChanged(RoutesChanged(routes), "bridge")
+    ra._running = {}
+    ra.receiveMsg_WakeupMessage(WakeupMessage(INHERITED_WAIT_S, wakeups[0][1]), "ra-address")
+    assert sent == []
+
+    ra, sent, wakeups = request_actor()  # a pool that died: run again at once
+    ra.receiveMsg_RoutesChanged(RoutesChanged(dataclasses.replace(routes, inherited=frozenset())), "bridge")
+    assert [(a, m.attempt, m.moved) for a, m in sent] == [("new-pool", 1, 1)] and wakeups == []
 
 
 def test_a_pool_that_exits_keeps_its_replicas_counts_and_only_those_that_ran_restart():

@@ -343,3 +343,33 @@ def test_clients_that_hang_up_at_once_leave_no_task_running(leader):
     assert busy == {}, f"tasks still in flight 15 s after every client left: {busy}"
     assert {name: r["restarts"] for name, r in replicas(stages(leader)).items()} == restarts  # none stalled
     assert wait_no_segments(leader) == []
+
+
+def test_a_stream_running_when_the_coordinator_is_killed_finishes_on_the_old_pools():
+    """Trial BG: every text+audio stream in flight when its API server switched to the pools of
+    a recreated coordinator ended with `the pool of stage thinker was replaced`, though the old
+    pools drain their replicas, which finish what they run. Such a stream now finishes there:
+    the same text and audio as an undisturbed one, no error event. (A leader of its own: the
+    module's keeps its coordinator.)"""
+    from omni_actors.system.faultlab import assert_clean_exit, read_events
+
+    leader = LocalLeader(CONFIG).start()
+    try:
+        wait_ready(leader)
+        reference = Stream(leader, max_tokens=300)
+        assert reference.done.wait(30) and reference.kinds()[-1] == "done", reference.kinds()
+        s = Stream(leader, max_tokens=300)
+        assert s.first_audio.wait(10), s.events
+        t0 = time.time()
+        assert inject_cli(leader.admin_port, "kill-coordinator").returncode == 0
+        assert s.done.wait(30)
+        assert "error" not in s.kinds() and s.kinds()[-1] == "done", [e for e in s.events if e[1] == "error"]
+        for kind in ("text", "audio"):
+            assert b"".join(p if isinstance(p, bytes) else p.encode() for _, k, p in s.events if k == kind) == \
+                b"".join(p if isinstance(p, bytes) else p.encode() for _, k, p in reference.events if k == kind), kind
+        # it was still running when its API server took the new pools (else this shows nothing)
+        switched = [e["t"] for e in read_events(leader.log_path, t0) if e["event"] == "routes_changed"]
+        assert switched and switched[0] < time.time() - (time.monotonic() - s.events[-1][0]), switched
+        wait_ready(leader)
+    finally:
+        assert_clean_exit(leader)

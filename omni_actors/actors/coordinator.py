@@ -125,6 +125,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._agents: dict[str, object] = {}
         self._leader_node = ""
         self._drained_before: set[str] = set()  #: see Deploy.drained_nodes
+        self._inherited: set[int] = set()  #: see Routes.inherited
         self._log = get_logger(actor="coordinator")
 
     # -- deployment -------------------------------------------------------
@@ -155,6 +156,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                     # omni_stage_restarts_total missed a coordinator crash that restarted everything)
                     self._pool_restarts_before[stage.stage_id] = last.restarts + 1
                 self._start_pool(stage, COORDINATOR_RECREATED if last is not None else None)
+                if last is not None:  # (the lost coordinator's pool may still finish its tasks: see Routes)
+                    self._inherited.add(stage.stage_id)
             if msg.previous:
                 self._log.warning("deploying_as_before", stages=[st.stage for st in msg.previous],
                                   replicas=sum(r.state != ReplicaState.STOPPED for st in msg.previous
@@ -384,6 +387,7 @@ class CoordinatorActor(ActorTypeDispatcher):
             stage = self._config.stage(msg.payload[1])
             self._pool_restarts[stage.stage_id].append(time.monotonic())
             self._pools_down.pop(stage.stage_id, None)
+            self._inherited.discard(stage.stage_id)  # (this one's own pool died)
             self._start_pool(stage, self._pool_killed_why.pop(stage.stage_id, None))
             self._routes_version += 1
             self._log.warning("pool_restarted", stage=stage.name, restarts=len(self._pool_restarts[stage.stage_id]))
@@ -658,7 +662,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                 self._answer_api_drain()
 
     def _routes(self) -> Routes:
-        return Routes(self._config, dict(self._pools), self._routes_version, self._deployed_at)
+        return Routes(self._config, dict(self._pools), self._routes_version, self._deployed_at,
+                      inherited=frozenset(self._inherited))
 
     def _publish_routes(self) -> None:
         self._publish(self._routes())

@@ -72,6 +72,12 @@ CANCEL_CONFIRM_S = 5.0
 CANCEL_CONFIRM_ENV = "OMNI_ACTORS_CANCEL_CONFIRM_S"
 #: Wake-up payload ``(CANCEL_CONFIRM, request_id)``: stop waiting for those confirmations.
 CANCEL_CONFIRM = "cancel_confirm"
+#: Wake-up payload ``(INHERITED, request_id, stage_id, attempt)``: a task left on a lost
+#: coordinator's pool (``Routes.inherited``) has had :data:`INHERITED_WAIT_S` to finish there.
+INHERITED = "inherited"
+#: Seconds a task on a lost coordinator's pool is waited for before it is treated as lost
+#: with its pool (that pool drains: its replicas finish what they run, then exit).
+INHERITED_WAIT_S = 30.0
 #: Wake-up payload: a request's deadline may have passed. One such wake-up is pending at a
 #: time (see :meth:`RequestActor._arm_deadline`), not one per request.
 DEADLINE = "request_deadline"
@@ -519,23 +525,35 @@ class RequestActor(ActorTypeDispatcher):
         self.send(self._pools[task.stage_id], task)
 
     def receiveMsg_RoutesChanged(self, msg: RoutesChanged, sender):
-        """A pool was replaced: re-send stages that were waiting on the old one."""
+        """A pool was replaced: re-send stages that were waiting on the old one; one that
+        runs on a lost coordinator's pool (``Routes.inherited``) is waited for, at most
+        :data:`INHERITED_WAIT_S`: that pool drains and finishes it (trial BG: every stream
+        in flight when the API server switched to a recreated coordinator's pools failed)."""
         if self._req is None:
             return
         for stage_id, pool in msg.routes.pools.items():
             if stage_id not in self._pools or pool == self._pools[stage_id]:
                 continue
-            self._pools[stage_id] = pool
+            self._pools[stage_id] = pool  # (what it sends from now on goes to the new pool)
             task = self._running.get(stage_id)
+            if task is not None and stage_id in msg.routes.inherited:
+                self.wakeupAfter(INHERITED_WAIT_S, payload=(INHERITED, task.request_id, stage_id, task.attempt))
+                continue
             # (it said "the stage's pool": a trial could not tell which, nor why)
-            why = (f"the pool of stage {self._plan[stage_id].stage} was replaced (it, or the coordinator, "
-                   "died and was restarted)" if stage_id in self._plan else "the stage's pool was replaced")
-            if task is not None and task.streaming:
-                self.receiveMsg_StageFailed(StageFailed(task.request_id, stage_id, "pool", ErrorKind.UNAVAILABLE,
-                                                        why, task.attempt, task.crashed, task.moved + 1), sender)
-            elif task is not None:
-                self._log.warning("stage_retry", request_id=task.request_id, stage_id=stage_id, error=why)
-                self._resend(dataclasses.replace(task, attempt=task.attempt + 1, moved=task.moved + 1))
+            self._pool_gone(stage_id, f"the pool of stage {self._plan[stage_id].stage} was replaced (it, or the "
+                                      "coordinator, died and was restarted)" if stage_id in self._plan
+                            else "the stage's pool was replaced", sender)
+
+    def _pool_gone(self, stage_id: int, why: str, sender) -> None:
+        """The pool running stage ``stage_id``'s task is gone: fail a streaming task
+        (its chunks went out; see StageFailed), re-send any other."""
+        task = self._running.get(stage_id)
+        if task is not None and task.streaming:
+            self.receiveMsg_StageFailed(StageFailed(task.request_id, stage_id, "pool", ErrorKind.UNAVAILABLE,
+                                                    why, task.attempt, task.crashed, task.moved + 1), sender)
+        elif task is not None:
+            self._log.warning("stage_retry", request_id=task.request_id, stage_id=stage_id, error=why)
+            self._resend(dataclasses.replace(task, attempt=task.attempt + 1, moved=task.moved + 1))
 
     def receiveMsg_StageCancelled(self, msg: StageCancelled, sender):
         # (A cancel this actor did not ask for while its request runs, e.g. of an orphaned
@@ -650,6 +668,13 @@ class RequestActor(ActorTypeDispatcher):
         elif self._alive_beats.owns(msg.payload):
             if self._alive_beats.current(msg.payload):
                 self._beat()
+        elif isinstance(msg.payload, tuple) and msg.payload[0] == INHERITED:
+            _, request_id, stage_id, attempt = msg.payload
+            task = self._running.get(stage_id) if self._current(request_id) else None
+            if task is not None and task.attempt == attempt:  # (still on the lost coordinator's pool)
+                self._pool_gone(stage_id, f"the pool of stage {self._plan[stage_id].stage} was left by its lost "
+                                          f"coordinator and did not finish this stage within {INHERITED_WAIT_S:g} s",
+                                sender)
         elif msg.payload == DEADLINE:
             self._deadline_wake = None
             req = self._req
