@@ -384,6 +384,62 @@ def test_a_leader_killed_outright_takes_its_system_with_it():
         leader.stop()
 
 
+def test_a_killed_thespian_admin_takes_its_system_with_it():
+    """Trial BH: `kill -9` of the Thespian admin (`MultiProcAdmin`) left the leader serving
+    nothing: clients waited in silence to their own timeouts, an orphan held the admin
+    port (so `status` called it another program's), and only a 31 s `stop` ended it. The
+    watchdog now sees the admin die, says so, stops the leader, and cleans up as when the
+    leader itself dies: nothing left, the admin port free."""
+    from omni_actors.system.watchdog import find_admin
+
+    leader = LocalLeader(CONFIGS / "cpu_image_demo.yaml").start()
+    try:
+        admin = find_admin(leader.proc.pid)
+        assert admin is not None and leader.watchdog_pid and is_watchdog(leader.watchdog_pid)
+        since = time.time()
+        os.kill(admin, signal.SIGKILL)
+        leader.proc.wait(15)
+        deadline = time.monotonic() + 15
+        while (leader.pids() or is_watchdog(leader.watchdog_pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert leader.pids() == [] and not is_watchdog(leader.watchdog_pid), leader.pids()
+        assert not port_in_use(leader.admin_port) and not port_in_use(leader.port)
+        said = leader.log_path.read_text(errors="replace")
+        assert (f"the Thespian admin (pid {admin}) of this leader died: its system cannot work without it; "
+                f"stopping the leader (pid {leader.proc.pid})") in said, said[-2000:]
+        assert [e["admin_pid"] for e in read_events(leader.log_path, since)
+                if e.get("event") == "thespian_admin_died"] == [admin]
+    finally:
+        leader.stop()
+
+
+def test_status_of_a_system_whose_leader_is_stopped_says_it_does_not_serve():
+    """Trial BH: with the leader stopped (`kill -STOP`), `status` said `ready` and exited 0
+    while its HTTP API answered nothing. It says the leader is stopped (exit 3, `frozen` in
+    JSON); after `kill -CONT` it is ready again."""
+    leader = LocalLeader(CONFIGS / "cpu_image_demo.yaml").start()
+    env = {"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)}
+    try:
+        os.kill(leader.proc.pid, signal.SIGSTOP)
+        try:
+            status = _cli("status", "--admin-port", str(leader.admin_port), env=env)
+            as_json = _cli("status", "--json", "--admin-port", str(leader.admin_port), env=env)
+        finally:
+            os.kill(leader.proc.pid, signal.SIGCONT)
+        assert status.returncode == 3, status.stdout + status.stderr
+        assert status.stdout.splitlines()[-1] == (
+            "model glm-image-cpu-demo: NOT SERVING (its stages are ready, but its leader process is stopped: "
+            "the HTTP API answers nothing until it is resumed)"), status.stdout
+        assert (f"the leader (pid {leader.proc.pid}) is stopped (SIGSTOP, or a debugger), so its HTTP API answers "
+                f"nothing until it is resumed (`kill -CONT {leader.proc.pid}`)") in status.stderr
+        doc = json.loads(as_json.stdout)
+        assert as_json.returncode == 3 and doc["serving"] is False and doc["api"]["state"] == "frozen", doc
+        again = _cli("status", "--admin-port", str(leader.admin_port), env=env)
+        assert again.returncode == 0, again.stdout + again.stderr
+    finally:
+        assert leader.stop() == 0
+
+
 def test_status_of_a_system_whose_leader_was_killed_says_it_does_not_serve():
     """The leader process SIGKILLed with its watchdog (its actors live on): `status` exits 3
     and its last line says the model is not served; it said "ready" (a trial read the

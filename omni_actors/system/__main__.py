@@ -371,6 +371,15 @@ def _alive(pid: int) -> bool:
         return True
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, a debugger: state ``T`` or ``t``)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def cmd_stop(args) -> int:
     from omni_actors.connectors import sweep_segments
     from omni_actors.system.leader import member_state_file, other_leaders_hint, state_dir, state_file
@@ -515,20 +524,26 @@ def cmd_status(admin, args) -> int:
     api_down = state is not None and not _alive(state["pid"])
     bound = (state or {}).get("host")
     api_host = "127.0.0.1" if bound in (None, "", "0.0.0.0", "::") else bound  # (a wildcard: reach it on loopback)
-    api_closed = bool(state and state.get("port") and not api_down and not _listening(state["port"], api_host))
+    # (trial BH: with the leader stopped by SIGSTOP, `status` said ready while its HTTP API answered nothing)
+    frozen = state is not None and not api_down and _stopped(state["pid"])
+    api_closed = bool(state and state.get("port") and not api_down and not frozen
+                      and not _listening(state["port"], api_host))
+    if frozen:
+        print(f"warning: the leader (pid {state['pid']}) is stopped (SIGSTOP, or a debugger), so its HTTP API "
+              f"answers nothing until it is resumed (`kill -CONT {state['pid']}`)", file=sys.stderr)
     if api_down:
         print(f"warning: the leader (pid {state['pid']}) is not running, so the HTTP API is down; "
               f"`{cli('stop')} --admin-port {args.admin_port}` cleans up",
               file=sys.stderr)
     stopping = api_closed and bool(state.get("stopping"))
-    serving = status.ready and not api_down and not api_closed
+    serving = status.ready and not api_down and not api_closed and not frozen
     if args.json:
         doc = status_to_dict(status)
         doc["serving"] = serving  # (as the exit status: 0 when true)
         if state is not None and state.get("port"):
             doc["api"] = {"url": f"http://{api_host}:{state['port']}/v1",
-                          "state": ("down" if api_down else "stopping" if stopping else "starting" if api_closed
-                                    else "up")}
+                          "state": ("down" if api_down else "frozen" if frozen else "stopping" if stopping
+                                    else "starting" if api_closed else "up")}
         print(json.dumps(doc, indent=2))
     elif api_down and not status.stages:  # (its coordinator is gone too: as while its watchdog is at work)
         from omni_actors.system.watchdog import is_watchdog
@@ -538,7 +553,7 @@ def cmd_status(admin, args) -> int:
               + ("its watchdog stops what is left within seconds" if watched else
                  f"`{cli('stop')} --admin-port {args.admin_port}` stops what is left"))
     else:
-        print_status_table(status, api_down=api_down, stopping=stopping)
+        print_status_table(status, api_down=api_down, stopping=stopping, frozen=frozen)
         if api_closed and not stopping:
             print(f"the HTTP API (http://{api_host}:{state['port']}/v1) is not up yet: the leader opens it "
                   f"once every replica is ready or has failed")

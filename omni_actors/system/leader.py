@@ -68,10 +68,11 @@ def _become_subreaper() -> None:
     threading.Thread(target=reap, name="reaper", daemon=True).start()
 
 
-def print_status_table(status, out=sys.stdout, api_down: bool = False, stopping: bool = False) -> None:
+def print_status_table(status, out=sys.stdout, api_down: bool = False, stopping: bool = False,
+                       frozen: bool = False) -> None:
     """Print a ``SystemStatus`` as a table: stage, replica, state, load, reason; with
-    ``api_down`` (its leader process is gone) the last line says it does not serve, with
-    ``stopping`` (its leader drains) that it is stopping."""
+    ``api_down`` (its leader process is gone) or ``frozen`` (it is stopped: SIGSTOP) the last
+    line says it does not serve, with ``stopping`` (its leader drains) that it is stopping."""
     # (IN_FLIGHT: the pool's tasks on it; RUN/WAIT: its engine's own requests running and waiting, as
     # its last heartbeat said: a trial had to read /v1/stages to see an abort reach the engine)
     rows = [("STAGE", "REPLICA", "STATE", "NODE", "DEVICES", "PID", "IN_FLIGHT", "RUN/WAIT", "DONE", "FAILED",
@@ -96,6 +97,9 @@ def print_status_table(status, out=sys.stdout, api_down: bool = False, stopping:
     if api_down:
         print(f"model {status.model}: NOT SERVING (its stages are {'ready' if status.ready else 'not ready'}, "
               f"but its leader is not running: the HTTP API is down)", file=out)
+    elif frozen:
+        print(f"model {status.model}: NOT SERVING (its stages are {'ready' if status.ready else 'not ready'}, "
+              f"but its leader process is stopped: the HTTP API answers nothing until it is resumed)", file=out)
     elif stopping:
         print(f"model {status.model}: STOPPING (the leader takes no new requests while those in flight "
               f"finish, up to supervision.drain_timeout_s)", file=out)

@@ -33,10 +33,14 @@ import time
 from pathlib import Path
 
 from omni_actors.system.processes import (ENV_SYSTEM_ID, boot_ticks_to_unix, cli, kill_system, proc_stat,
-                                          remove_ipc_dir, remove_orphan_semaphores)
+                                          process_title, remove_ipc_dir, remove_orphan_semaphores)
 
 #: Seconds between two looks at the main process (the SIGTERM grace comes after).
 POLL_S = 0.2
+#: How Thespian titles its admin process (``MultiProcAdmin ActorAddr-(T|:1900)``).
+ADMIN_TITLE = "MultiProcAdmin"
+#: Seconds the main process gets to stop after its admin died (SIGTERM), before SIGKILL.
+ADMIN_DIED_GRACE_S = 3.0
 #: ``<pid>:<start time>:<role>`` of the host's main process, set by it before its admin starts,
 #: so that every actor of the host inherits it (see :func:`host_process_gone`).
 ENV_HOST_PROCESS = "OMNI_ACTORS_HOST_PROCESS"
@@ -143,7 +147,23 @@ def start_watchdog(role: str, system_id: str, sessions: list[int], *, shm_prefix
         state_file: the leader's state file, removed if it still names this process.
     """
     me = os.getpid()
-    return _spawn(_command(me, start_time(me), role, system_id, sessions, shm_prefix, state_file))
+    cmd = _command(me, start_time(me), role, system_id, sessions, shm_prefix, state_file)
+    admin = find_admin(me)
+    if admin is not None and start_time(admin) is not None:
+        cmd += ["--admin-pid", str(admin), "--admin-start-time", str(start_time(admin))]
+    return _spawn(cmd)
+
+
+def find_admin(main_pid: int) -> int | None:
+    """The pid of the Thespian admin ``main_pid`` started (a live child titled
+    ``MultiProcAdmin ...``), or None."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = proc_stat(entry)
+            if fields is not None and fields[0] not in ("Z", "X") and int(fields[1]) == main_pid \
+                    and process_title(int(entry.name)).startswith(ADMIN_TITLE):
+                return int(entry.name)
+    return None
 
 
 def is_watchdog(pid: int) -> bool:
@@ -202,6 +222,34 @@ def _clean_up(args) -> None:
         pass
 
 
+def _stop_after_admin_died(args) -> None:
+    """The host's Thespian admin died and its main process lives on: stop that process
+    (SIGTERM, SIGKILL after :data:`ADMIN_DIED_GRACE_S`); the clean-up follows. Without its
+    admin no actor can be made or looked up, and an orphan holds the admin port (trial BH:
+    after a `kill -9` of the admin, clients waited in silence until their own timeouts,
+    `status` called the port another program's, and only a 31 s `stop` ended it)."""
+    from omni_actors.logs import configure_logging, get_logger
+
+    configure_logging()
+    try:
+        print(f"omni-actors watchdog: the Thespian admin (pid {args.admin_pid}) of this {args.role} died: its "
+              f"system cannot work without it; stopping the {args.role} (pid {args.pid}) and every process of "
+              f"its system on this host", file=sys.stderr, flush=True)
+        get_logger(actor="watchdog").error("thespian_admin_died", role=args.role, admin_pid=args.admin_pid,
+                                           main_pid=args.pid)
+    except OSError:
+        pass
+    try:
+        os.kill(args.pid, signal.SIGTERM)
+        deadline = time.monotonic() + ADMIN_DIED_GRACE_S
+        while start_time(args.pid) == args.start_time and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        if start_time(args.pid) == args.start_time:
+            os.kill(args.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def remove_state_file(path: Path, pid: int) -> None:
     """Remove a leader's or member's state file if it still names process ``pid`` (not a newer one's)."""
     import json
@@ -223,11 +271,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--session", type=int, action="append", default=[])
     parser.add_argument("--shm-prefix")
     parser.add_argument("--state-file")
+    parser.add_argument("--admin-pid", type=int)
+    parser.add_argument("--admin-start-time", type=int)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the orderly stop's "done"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's Ctrl-C is for the main process)
-    while start_time(args.pid) == args.start_time:
+    while start_time(args.pid) == args.start_time and (
+            args.admin_pid is None or start_time(args.admin_pid) == args.admin_start_time):
         time.sleep(POLL_S)
+    if start_time(args.pid) == args.start_time:  # its admin died, it lives on
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (its stop ends with a SIGTERM to us)
+        _stop_after_admin_died(args)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the clean-up is not broken off half-way
     _clean_up(args)
     return 0
