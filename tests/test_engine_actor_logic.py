@@ -983,7 +983,7 @@ def test_a_task_on_a_lost_coordinators_pool_is_waited_for_not_run_again():
     from types import SimpleNamespace
 
     from omni_actors.actors.request import INHERITED, INHERITED_WAIT_S
-    from omni_actors.messages import Routes, RoutesChanged, StageTask
+    from omni_actors.messages import CancelRequest, Routes, RoutesChanged, StageTask
     from thespian.actors import WakeupMessage
 
     def request_actor():
@@ -1001,6 +1001,12 @@ def test_a_task_on_a_lost_coordinators_pool_is_waited_for_not_run_again():
     assert wakeups == [(INHERITED_WAIT_S, (INHERITED, "r1", 0, 0))]
     ra.receiveMsg_WakeupMessage(WakeupMessage(INHERITED_WAIT_S, wakeups[0][1]), "ra-address")
     assert [(a, m.attempt) for a, m in sent] == [("new-pool", 1)]  # not finished there in time: run again
+
+    ra, sent, wakeups = request_actor()  # the client leaves meanwhile: the cancel goes where the task runs
+    ra.receiveMsg_RoutesChanged(RoutesChanged(routes), "bridge")
+    ra._confirm_s = 0  # (not waiting for the confirmation here)
+    ra.receiveMsg_CancelRequest(CancelRequest("r1"), "bridge")
+    assert [(a, type(m).__name__) for a, m in sent][:1] == [("old-pool", "CancelStage")], sent
 
     ra, sent, wakeups = request_actor()  # finished meanwhile: the wake-up changes nothing
     ra.receiveMsg_RoutesChanged(RoutesChanged(routes), "bridge")

@@ -139,6 +139,8 @@ class RequestActor(ActorTypeDispatcher):
         self._done: dict[int, StageDone] = {}
         self._running: dict[int, StageTask] = {}  # the last task sent, per running stage
         self._pools: dict[int, object] = {}
+        #: stage -> the lost coordinator's pool its running task was left on (its cancel goes there)
+        self._left_on: dict[int, object] = {}
         self._owned = []  # intermediate refs to release at the end
         self._retried = False  # a task was sent again: an earlier attempt may still read its inputs
         self._tokens = [0, 0]
@@ -217,6 +219,7 @@ class RequestActor(ActorTypeDispatcher):
                 timeout_s=self._left(), began_at=self._began_at,
                 feeds=any(st.stage_id in s.sources or s.stream_source == st.stage_id for s in req.plan.stages))
             self._running[st.stage_id] = task
+            self._left_on.pop(st.stage_id, None)
             self.send(self._pools[st.stage_id], task)
 
     def _sampling_for(self, st) -> dict:
@@ -473,7 +476,7 @@ class RequestActor(ActorTypeDispatcher):
             elif retry:
                 for sid in affected - {msg.stage_id}:  # its streaming consumers start over with it
                     if self._running.pop(sid, None) is not None:
-                        self.send(self._pools[sid], CancelStage(msg.request_id, sid))
+                        self.send(self._left_on.get(sid, self._pools[sid]), CancelStage(msg.request_id, sid))
                 self._forget_stream(affected)
         if retry:
             # An engine failed this task: try another replica of the stage.
@@ -522,6 +525,7 @@ class RequestActor(ActorTypeDispatcher):
         self._retried = True
         task = dataclasses.replace(task, timeout_s=self._left())
         self._running[task.stage_id] = task
+        self._left_on.pop(task.stage_id, None)
         self.send(self._pools[task.stage_id], task)
 
     def receiveMsg_RoutesChanged(self, msg: RoutesChanged, sender):
@@ -534,9 +538,10 @@ class RequestActor(ActorTypeDispatcher):
         for stage_id, pool in msg.routes.pools.items():
             if stage_id not in self._pools or pool == self._pools[stage_id]:
                 continue
-            self._pools[stage_id] = pool  # (what it sends from now on goes to the new pool)
+            old, self._pools[stage_id] = self._pools[stage_id], pool  # (what it sends next goes to the new pool)
             task = self._running.get(stage_id)
             if task is not None and stage_id in msg.routes.inherited:
+                self._left_on[stage_id] = old  # (a cancel of its task goes there)
                 self.wakeupAfter(INHERITED_WAIT_S, payload=(INHERITED, task.request_id, stage_id, task.attempt))
                 continue
             # (it said "the stage's pool": a trial could not tell which, nor why)
@@ -705,7 +710,7 @@ class RequestActor(ActorTypeDispatcher):
                 output_sent: bool = False) -> None:
         req = self._req
         for stage_id in self._running:
-            self.send(self._pools[stage_id], CancelStage(req.request_id, stage_id))
+            self.send(self._left_on.get(stage_id, self._pools[stage_id]), CancelStage(req.request_id, stage_id))
         # Stages to hear from before the next request (one done but short of its chunks has ended)
         unconfirmed = set(self._running) - set(self._done_waiting) if self._confirm_s > 0 else set()
         # Completed, every stage once (a pool re-dispatches a task on its own: attempt > 0): every
