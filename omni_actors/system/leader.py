@@ -25,8 +25,8 @@ from omni_actors.config import PipelineConfig
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, cli, kill_system, port_in_use,
                                           remove_ipc_dir, remove_orphan_semaphores, resume_stopped, sweep_stale_ipc_dirs,
                                           serve_args_error)
-from omni_actors.system.watchdog import (exit_if_host_gone, is_watchdog, mark_host_process, start_time,
-                                         start_watchdog, stop_watchdog)
+from omni_actors.system.watchdog import (admin_stops, exit_if_host_gone, is_watchdog, mark_host_process,
+                                         start_time, start_watchdog, stop_watchdog)
 
 ACTOR_BASE = "multiprocTCPBase"
 PR_SET_CHILD_SUBREAPER = 36
@@ -362,6 +362,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                 resume_stopped(system_id, sessions)
                 if serving.is_set():
                     _stop_pools(asys, log)
+                admin_stops(watchdog)  # (its admin's exit is no death, for its watchdog)
                 asys.shutdown()
         finally:
             killed: list[str] = []

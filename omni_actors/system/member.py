@@ -22,8 +22,8 @@ from omni_actors.system.leader import (ACTOR_BASE, StartError, _become_subreaper
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
                                           remove_orphan_semaphores,
                                           resume_stopped, sweep_stale_ipc_dirs)
-from omni_actors.system.watchdog import (exit_if_host_gone, mark_host_process, remove_state_file, start_watchdog,
-                                        stop_watchdog)
+from omni_actors.system.watchdog import (admin_stops, exit_if_host_gone, mark_host_process, remove_state_file,
+                                        start_watchdog, stop_watchdog)
 
 #: seconds between the member's checks that its convention leader's admin still answers
 LEADER_CHECK_S = 5.0
@@ -147,6 +147,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     finally:
         if asys is not None:
             resume_stopped(os.environ.get(ENV_SYSTEM_ID, ""), sessions)
+            admin_stops(watchdog)  # (its admin's exit is no death, for its watchdog)
             asys.shutdown()
         killed = kill_system(os.environ.get(ENV_SYSTEM_ID, ""), sessions=sessions,
                              settle_s=1.0 if asys is not None else 0.0)

@@ -41,6 +41,9 @@ POLL_S = 0.2
 ADMIN_TITLE = "MultiProcAdmin"
 #: Seconds the main process gets to stop after its admin died (SIGTERM), before SIGKILL.
 ADMIN_DIED_GRACE_S = 3.0
+#: The signal by which the main process tells its watchdog that it shuts its admin down itself
+#: (an orderly stop): from then on only the main process is watched.
+ADMIN_STOPS = signal.SIGUSR1
 #: ``<pid>:<start time>:<role>`` of the host's main process, set by it before its admin starts,
 #: so that every actor of the host inherits it (see :func:`host_process_gone`).
 ENV_HOST_PROCESS = "OMNI_ACTORS_HOST_PROCESS"
@@ -186,6 +189,16 @@ def find_watchdog(main_pid: int) -> int | None:
     return None
 
 
+def admin_stops(proc: subprocess.Popen | None) -> None:
+    """Tell the watchdog that this process shuts its admin down (:data:`ADMIN_STOPS`), so
+    that the admin's exit is not taken for a death (call it before ``ActorSystem.shutdown``)."""
+    if proc is not None and proc.poll() is None:
+        try:
+            proc.send_signal(ADMIN_STOPS)
+        except OSError:
+            pass
+
+
 def stop_watchdog(proc: subprocess.Popen | None) -> None:
     """End the watchdog after an orderly stop (SIGTERM; waits up to 2 s for it)."""
     if proc is None or proc.poll() is not None:
@@ -276,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # the orderly stop's "done"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a terminal's Ctrl-C is for the main process)
+
+    def admin_stops(*_) -> None:  # (the main process is about to shut its admin down: see ADMIN_STOPS)
+        args.admin_pid = None
+    signal.signal(ADMIN_STOPS, admin_stops)
     while start_time(args.pid) == args.start_time and (
             args.admin_pid is None or start_time(args.admin_pid) == args.admin_start_time):
         time.sleep(POLL_S)
