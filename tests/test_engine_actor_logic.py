@@ -936,6 +936,45 @@ def test_admin_requests_to_a_coordinator_without_its_config_say_it_is_being_rede
     assert out.getvalue().splitlines()[-1] == f"NOT READY: {NOT_DEPLOYED}"
 
 
+def test_admin_requests_for_a_stopped_replica_its_pool_forgot_and_a_drain_of_the_only_node():
+    """Trial BF: a replica `status` listed as stopped, unknown to the pool made after its own
+    was replaced, read "no replica named" to `stage drain` and "no live replica" to `inject`;
+    now both say it is stopped, without asking the pool. And `node drain` of the only node
+    said its replicas were "each replaced on another node" where there was none."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import (AdminReply, DrainNode, DrainReplica, FaultKind, InjectFault, PoolState,
+                                      ReplicaState, ReplicaStatus)
+    from omni_actors.placement import NodeInfo
+
+    co = CoordinatorActor()
+    co.sent = []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co._config = SimpleNamespace(stage_args=[SimpleNamespace(name="talker", stage_id=1)])
+    co._pools[1] = "talker-pool"
+    co._states[1] = PoolState(1, "talker", (ReplicaStatus("talker/0", ReplicaState.STOPPED),
+                                            ReplicaStatus("talker/1", ReplicaState.READY)))
+    co.receiveMsg_DrainReplica(DrainReplica("talker/0"), "cli")
+    co.receiveMsg_InjectFault(InjectFault("talker/0", FaultKind.STALL), "cli")
+    assert co.sent == [("cli", AdminReply(False, "talker/0 is stopped, not ready or starting: nothing to drain")),
+                       ("cli", AdminReply(False, "no live replica talker/0"))]
+    co.sent.clear()
+    co.receiveMsg_DrainReplica(DrainReplica("talker/1"), "cli")  # a live one: its pool answers
+    assert co.sent == [("talker-pool", DrainReplica("talker/1", reply_to="cli"))]
+
+    co.sent.clear()
+    co._config = None  # (nothing to publish)
+    co._inventory.add(NodeInfo("vm", ("0",), ()))
+    co.receiveMsg_DrainNode(DrainNode("vm", operator=True), "cli")
+    reply = co.sent[-1][1].message
+    assert "no other node takes replicas" in reply and "each replaced" not in reply, reply
+    co._inventory.undrain("vm")
+    co._inventory.add(NodeInfo("m2", ("0",), ()))
+    co.receiveMsg_DrainNode(DrainNode("vm", operator=True), "cli")
+    assert "each replaced on another node where one has room" in co.sent[-1][1].message
+
+
 def test_a_recreated_coordinator_sends_its_routes_to_the_api_servers_of_the_one_before():
     """Trial BF: for 1.8 s after `inject kill-coordinator` the API server kept sending new
     requests to the old, exiting pools (it learned the new ones at its next subscription

@@ -499,9 +499,13 @@ class CoordinatorActor(ActorTypeDispatcher):
         for pool in self._pools.values():
             self.send(pool, DrainNode(msg.node, operator=msg.operator))
         self._publish_status()
+        others = [n for n, node in self._inventory.nodes.items() if n != msg.node and node.open]
+        # (trial BF: the only node drained read "each replaced on another node" before the
+        # warnings that none was)
+        where = (" (each replaced on another node where one has room)" if others else
+                 " (no other node takes replicas: they are not replaced until `node undrain` or a node joins)")
         self.send(reply_to, AdminReply(True, f"node {msg.node}: its replicas drain" + (
-            " (each replaced on another node where one has room); nothing new is placed there until "
-            "`node undrain`" if msg.operator else "")))
+            f"{where}; nothing new is placed there until `node undrain`" if msg.operator else "")))
 
     def receiveMsg_UndrainNode(self, msg: UndrainNode, sender):
         """``node undrain``: the node takes new replicas again; pools retry their pending ones."""
@@ -722,10 +726,25 @@ class CoordinatorActor(ActorTypeDispatcher):
         self.send(sender, AdminReply(True, "noted"))
 
     def receiveMsg_InjectFault(self, msg: InjectFault, sender):
+        if self._stopped(msg.replica):
+            self.send(msg.reply_to or sender, AdminReply(False, f"no live replica {msg.replica}"))
+            return
         self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, self._no_replica(msg.replica))
 
     def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):
+        if self._stopped(msg.replica):
+            self.send(msg.reply_to or sender, AdminReply(
+                False, f"{msg.replica} is stopped, not ready or starting: nothing to drain"))
+            return
         self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, self._no_replica(msg.replica))
+
+    def _stopped(self, replica: str) -> bool:
+        """Whether ``status`` lists ``replica`` as stopped (a name is never reused, so it stays
+        so). Its pool may not know it: one made after a pool or coordinator was replaced
+        starts only the replicas that were running (trial BF: `stage drain` of such a one read
+        "no replica named", `inject` "no live replica")."""
+        return any(r.replica == replica and r.state == ReplicaState.STOPPED
+                   for st in self._states.values() for r in st.replicas)
 
     def receiveMsg_ScaleStage(self, msg: ScaleStage, sender):
         self._forward_admin(self._pool_of_replica(msg.stage + "/"), msg, sender, self._no_stage(msg.stage))
