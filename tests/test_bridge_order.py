@@ -274,3 +274,45 @@ def test_missing_text_deltas_with_no_final_text_to_follow_end_the_request_with_a
         bridge.check_text_gaps(t + dt)
     assert seen(stream) == ["a", ("failed", 503)]
     assert "the last 1 text part(s) of the request did not come" in stream[-1].message
+
+
+def test_a_request_that_waited_for_a_request_actor_is_sent_to_the_pools_of_the_routes_now():
+    """A code review: a request's plan is made before it waits for a free RequestActor,
+    and a pool replaced meanwhile is told only to the requests already running; one that
+    waited went to the old pool and hung until its deadline. The sender gives it the
+    pools of the routes it has when it hands the request over."""
+    import contextlib
+    import threading
+    from pathlib import Path
+
+    from omni_actors.config import load_config
+    from omni_actors.messages import Routes, RunRequest
+    from omni_actors.planning import plan_request
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "cpu_omni_demo.yaml")
+    old = {s.stage_id: f"pool-{s.name}" for s in cfg.stage_args}
+    talker = next(s.stage_id for s in cfg.stage_args if s.name == "talker")
+    told, done = [], threading.Event()
+
+    class Context:
+        def tell(self, address, message):
+            told.append((address, message))
+            done.set()
+
+    class System:
+        def private(self):
+            return contextlib.nullcontext(Context())
+
+    b = ActorBridge(asys=System(), coordinator=None, senders=1)
+    b._routes = Routes(cfg, old)
+    plan = plan_request(cfg, old, frozenset({"text", "audio"}))
+    b._routes = Routes(cfg, {**old, talker: "pool-talker-new"}, version=1)  # (while it waited)
+    run = RunRequest("r1", "hi", plan, {}, {}, 30.0, "bridge")
+    b._outboxes[0].put(("run", run, "request-actor"))
+    b._outboxes[0].put(None)
+    b._send_loop(0, 0)
+    assert done.is_set()
+    (address, sent), = told
+    assert address == "request-actor"
+    assert {s.stage_id: s.pool for s in sent.plan.stages} == {**old, talker: "pool-talker-new"}
+    assert b._stages[0]["r1"] == tuple((s.pool, s.stage_id) for s in sent.plan.stages)  # (cancels go there)

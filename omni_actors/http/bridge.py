@@ -435,7 +435,7 @@ class ActorBridge(RequestActorKeeping):
                 kind = item[0]
                 try:
                     if kind == "run":
-                        run: RunRequest = item[1]
+                        run = _current_pools(item[1], self._routes.pools)
                         try:
                             actor = item[2]
                             if actor is None:
@@ -859,3 +859,19 @@ def status_to_dict(status: SystemStatus) -> dict[str, Any]:
              "replicas": [replica(r) for r in st.replicas]}
             for st in status.stages],
     }
+
+
+def _current_pools(run: RunRequest, pools: dict) -> RunRequest:
+    """``run`` with its plan's pools as ``pools`` (the routes now) has them.
+
+    Its plan was made before it waited for a RequestActor; a pool replaced meanwhile is
+    told only to the requests already running (``"routes"``), so one that waited would
+    send its tasks to the old pool and hang until its deadline (a code review found it).
+    The routes are replaced before that notice is queued: a change after this reads them
+    reaches the request through the notice, which comes after its ``run`` in the outbox."""
+    stages = run.plan.stages
+    if all(pools.get(s.stage_id, s.pool) == s.pool for s in stages):
+        return run
+    return dataclasses.replace(run, plan=dataclasses.replace(run.plan, stages=tuple(
+        dataclasses.replace(s, pool=pools.get(s.stage_id, s.pool)) for s in stages)))
+
