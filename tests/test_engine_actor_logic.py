@@ -827,6 +827,62 @@ def test_a_pool_confirms_the_cancel_of_a_task_still_in_its_queue():
     assert pool.sent == [("ra-1", StageCancelled("r1", 0, 1)), ("engine-address", CancelStage("r2", 0))]
 
 
+def test_a_cancelled_task_of_a_replica_that_goes_is_confirmed_cancelled_not_run_elsewhere():
+    """A code review: a task whose cancel was passed on to its replica stayed in that
+    replica's tasks in flight; when the replica went (isolated, died) or refused the task
+    before it confirmed the cancel, the task was sent to another replica, which ran the
+    whole abandoned request. Now it is confirmed cancelled to its RequestActor instead; a
+    new attempt of the same stage sent to that replica later is not taken for it."""
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.messages import CancelStage, ReplicaState, StageCancelled, StageTask, TaskFinished
+
+    def task(rid, attempt=0):
+        return StageTask(rid, 0, "hi", (), {}, {}, "text", False, f"ra-{rid}", attempt=attempt)
+
+    from types import SimpleNamespace
+
+    from omni_actors.balancing import POLICIES
+
+    pool, rep = _pool_with_one_replica()
+    pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=0, name="thinker"), supervision=SimpleNamespace(
+        max_task_crashes=3, max_task_attempts=5, queue_timeout_s=0.0))
+    pool._policy = POLICIES["least_loaded"]
+    other = pool._replicas["thinker/1"] = Replica("thinker/1", "engine-1", state=ReplicaState.READY)
+    for r in (rep, other):
+        r.health = SimpleNamespace(on_dispatch=lambda *a, **k: None, went_idle=lambda *a: None,
+                                   on_task_done=lambda *a, **k: None)
+    rep.in_flight = {("r1", 0): (task("r1"), 0.0), ("r2", 0): (task("r2"), 0.0)}
+    pool.receiveMsg_CancelStage(CancelStage("r1", 0), "ra-r1")
+    pool.sent.clear()
+    rep.state = ReplicaState.ISOLATED
+    pool._redispatch(rep, crashed=True)
+    assert ("ra-r1", StageCancelled("r1", 0, 0)) in pool.sent
+    assert [m.request_id for a, m in pool.sent if a == "engine-1"] == ["r2"]  # only the one still wanted
+    assert rep.failed == 1 and not rep.cancelling
+
+    # refused (draining) after its cancel came: confirmed, not moved
+    pool.sent.clear()
+    other.in_flight = {("r3", 0): (task("r3"), 0.0)}
+    pool.receiveMsg_CancelStage(CancelStage("r3", 0), "ra-r3")
+    pool.receiveMsg_TaskFinished(TaskFinished("thinker/1", "r3", 0, ok=False, rejected=True, reason="draining"),
+                                 "engine-1")
+    assert pool.sent[-1] == ("ra-r3", StageCancelled("r3", 0, 0)) and not other.cancelling
+    assert other.state == ReplicaState.ISOLATED  # (it drained itself: isolated all the same)
+    other.state = ReplicaState.READY
+
+    # a retry of a cancelled stage on the same replica is not taken for the cancelled one
+    pool.sent.clear()
+    other.in_flight = {("r4", 0): (task("r4"), 0.0)}
+    pool.receiveMsg_CancelStage(CancelStage("r4", 0), "ra-r4")
+    pool._route(task("r4", attempt=1))
+    assert other.in_flight[("r4", 0)][0].attempt == 1 and not other.cancelling
+    other.state = ReplicaState.DEAD
+    rep.state = ReplicaState.READY
+    pool._redispatch(other, crashed=True)
+    assert [(a, m.request_id, m.attempt) for a, m in pool.sent if isinstance(m, StageTask)][-1] == \
+        ("engine-address", "r4", 2)
+
+
 def test_a_request_ended_while_a_stage_done_waits_for_its_last_chunks_releases_its_outputs(monkeypatch):
     """A streaming producer's StageDone that overtook its last chunks waits in the
     RequestActor; if the request ends then (the client left), its output and final

@@ -44,6 +44,11 @@ class PoolRoutingMixin:
         (``failed``, ``omni_replica_tasks_failed_total``), retried elsewhere or not: a
         trial's alert on that counter missed every replica crash."""
         tasks, rep.in_flight = [t for t, _ in rep.in_flight.values()], {}
+        cancelling, rep.cancelling = rep.cancelling, set()
+        for task in tasks:  # (its request no longer wants it: a code review saw it run again elsewhere)
+            if (task.request_id, task.stage_id) in cancelling:
+                self.send(task.reply_to, StageCancelled(task.request_id, task.stage_id, task.attempt))
+        tasks = [t for t in tasks if (t.request_id, t.stage_id) not in cancelling]
         if tasks and not self._exiting and (crashed or rep.state in _LOST_TASKS_STATES):
             rep.failed += len(tasks)
             self._log.warning("replica_tasks_lost", replica=rep.replica, tasks=len(tasks),
@@ -111,6 +116,7 @@ class PoolRoutingMixin:
             rep = next((r for r in self._replicas.values() if r.address == sender), None)
             if rep is not None:
                 rep.in_flight.pop((poisoned.request_id, poisoned.stage_id), None)
+                rep.cancelling.discard((poisoned.request_id, poisoned.stage_id))
             self._route(dataclasses.replace(poisoned, attempt=poisoned.attempt + 1,
                                             exclude=poisoned.exclude + ((rep.replica,) if rep else ())),
                         why="the replica could not take the task")
@@ -144,6 +150,7 @@ class PoolRoutingMixin:
         now = time.monotonic()
         rep.health.on_dispatch(now, was_idle=not rep.in_flight)
         rep.in_flight[(task.request_id, task.stage_id)] = (task, now)
+        rep.cancelling.discard((task.request_id, task.stage_id))  # (a new attempt, not the one cancelled)
         rep.dispatched += 1
         rep.last_dispatch = now
         self.send(rep.address, task)
@@ -184,13 +191,18 @@ class PoolRoutingMixin:
         entry = rep.in_flight.pop((msg.request_id, msg.stage_id), None)
         if entry is None:
             return
+        cancelled = (msg.request_id, msg.stage_id) in rep.cancelling
+        rep.cancelling.discard((msg.request_id, msg.stage_id))
         if msg.rejected:  # it did not run there (the replica drains or is not ready)
             if msg.reason == "draining" and rep.state == ReplicaState.READY:
                 # It drains on its own (it missed our acks): no more work; when it
                 # exits it is restarted as any isolated replica is.
                 rep.state, rep.reason = ReplicaState.ISOLATED, "drained itself: it heard nothing from its pool"
                 self._publish()
-            self._elsewhere(entry[0], rep.replica, f"is {msg.reason}")
+            if cancelled:  # its request no longer wants it: confirmed cancelled here, not run elsewhere
+                self.send(entry[0].reply_to, StageCancelled(msg.request_id, msg.stage_id, entry[0].attempt))
+            else:
+                self._elsewhere(entry[0], rep.replica, f"is {msg.reason}")
             return
         now = time.monotonic()
         if not msg.cancelled:
@@ -229,6 +241,7 @@ class PoolRoutingMixin:
                        if task.timeout_s and now - at > task.timeout_s + TASK_OVERDUE_GRACE_S]
             for key in overdue:
                 task, at = rep.in_flight.pop(key)
+                rep.cancelling.discard(key)
                 if rep.health is not None and not rep.in_flight:
                     rep.health.went_idle(now)
                 self._log.warning("task_outlived_request", replica=rep.replica, request_id=task.request_id,
@@ -247,6 +260,7 @@ class PoolRoutingMixin:
         for rep in self._replicas.values():
             if key in rep.in_flight:
                 self.send(rep.address, msg)
+                rep.cancelling.add(key)
                 found = True
         if not found:  # (its task may still be on its way here)
             self._cancelled_early.add(key)

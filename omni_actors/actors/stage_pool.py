@@ -75,6 +75,9 @@ class Replica:
     state: ReplicaState = ReplicaState.PENDING
     reason: str = ""
     in_flight: dict[tuple[str, int], tuple[StageTask, float]] = field(default_factory=dict)
+    #: those of its tasks in flight whose cancel was passed on to it: if it goes before it
+    #: confirms one, that task is confirmed cancelled, not run elsewhere
+    cancelling: set[tuple[str, int]] = field(default_factory=set)
     #: tasks it reported finished lately, oldest first: (request, stage) -> (task, when)
     finished: dict[tuple[str, int], tuple[StageTask, float]] = field(default_factory=dict)
     dispatched: int = 0
