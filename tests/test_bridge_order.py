@@ -316,3 +316,31 @@ def test_a_request_that_waited_for_a_request_actor_is_sent_to_the_pools_of_the_r
     assert address == "request-actor"
     assert {s.stage_id: s.pool for s in sent.plan.stages} == {**old, talker: "pool-talker-new"}
     assert b._stages[0]["r1"] == tuple((s.pool, s.stage_id) for s in sent.plan.stages)  # (cancels go there)
+
+
+def test_a_request_the_bridge_fails_itself_is_cancelled_and_what_comes_after_is_dropped(bridge):
+    """A code review: an output the API server could not fetch (its segment gone), or not
+    use, ended the client's request with a 500, but the pipeline was never cancelled: the
+    RequestActor held its later outputs for a client that had gone and its producers
+    stalled on their output window until the chunk timeout or the deadline. Now the
+    bridge cancels the request, and releases what is still on its way or waiting."""
+    import numpy as np
+
+    from omni_actors.connectors import ConnectorRef
+    from omni_actors.messages import OutputChunk
+
+    connector = make_connector()
+    stream = _open(bridge, "r7")
+    gone = ConnectorRef(kind="shm", size=16, layout=(), location="oa-missing-segment-r7")
+    waiting = connector.put({"audio": np.ones(40000, dtype=np.float32)})  # (seq 2: waits for seq 1)
+    later = connector.put({"audio": np.ones(40000, dtype=np.float32)})
+    bridge._on_message(OutputChunk("r7", 2, "audio", waiting, seq=1))
+    bridge._on_message(OutputChunk("r7", 2, "audio", gone, seq=0))
+    failed = [ev for ev in stream if isinstance(ev, RequestFailed)]
+    assert len(failed) == 1 and failed[0].status == 500 and "streamed output lost" in failed[0].message, stream
+    assert bridge._outbox("r7").get_nowait() == ("cancel", "r7")
+    bridge._on_message(OutputChunk("r7", 2, "audio", later, seq=2))
+    assert len(stream) == 1  # nothing after the failure
+    for ref in (waiting, later):  # both released
+        with pytest.raises(Exception):
+            connector.get(ref)

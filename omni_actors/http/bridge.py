@@ -689,12 +689,9 @@ class ActorBridge(RequestActorKeeping):
                 # The stage was retried although its text had begun to reach the client
                 # (the replica died before the RequestActor heard of it): the client would
                 # read the text twice. End the request instead.
-                self._discard(rid)
-                self._ended[rid] = None
-                self._outbox(rid).put(("cancel", rid))
                 # (a 503 as the RequestActor's own error for it: the stage's replica or pool
                 # went down; the same event gave a trial a 500 with no code one way, 503 the other)
-                self._deliver(rid, RequestFailed(
+                self._fail_here(rid, RequestFailed(
                     503, f"stage {self._stage_name(delta.stage_id)} was run again (its replica or pool went "
                          "down) after part of its text had reached the client; the request was not retried",
                     output_sent=True, code="service_unavailable"))
@@ -721,7 +718,7 @@ class ActorBridge(RequestActorKeeping):
             return
         missing = [k for k in _FINAL_KEYS.get(msg.output_type, ()) if k not in data]
         if missing:  # (a trial's `final_output_type: text` on a stage making prior tokens: a KeyError, a bare 500)
-            self._deliver(msg.request_id, RequestFailed(
+            self._fail_here(msg.request_id, RequestFailed(
                 500, f"stage {self._stage_name(msg.stage_id)}'s {msg.output_type} output has no "
                      f"`{missing[0]}` (it has: {', '.join(sorted(data)) or 'nothing'}): its engine makes no "
                      f"{msg.output_type}; see its final_output_type in the config"))
@@ -744,6 +741,9 @@ class ActorBridge(RequestActorKeeping):
         box = self._inbox.pop(request_id, None)
         for early in (box.early.values() if box else ()):
             self._drop(early)
+        if box is not None:  # (a _pump going through it stops: nothing more is delivered)
+            box.early.clear()
+            box.finished = None
 
     def _end(self, msg: RequestFinished) -> None:
         """The request is over: tell the client (its RequestActor was freed on arrival)."""
@@ -775,9 +775,20 @@ class ActorBridge(RequestActorKeeping):
             lost = isinstance(exc, DataServiceError)
             # (the host by name: the service's address alone left a client to guess which one)
             where = f" (made on node {msg.ref.node})" if lost and msg.ref.node else ""
-            self._deliver(msg.request_id, RequestFailed(500, f"{what} lost{where}: {exc}", lost_output=lost,
-                                                        lost_on=(msg.ref.node or msg.ref.service) if lost else None))
+            self._fail_here(msg.request_id, RequestFailed(500, f"{what} lost{where}: {exc}", lost_output=lost,
+                                                          lost_on=(msg.ref.node or msg.ref.service) if lost else None))
             return None
+
+    def _fail_here(self, request_id: str, event: RequestFailed) -> None:
+        """Receiver thread: the bridge itself ends the request with ``event`` (an output it
+        could not fetch or use, text it cannot deliver in order). Its pipeline is cancelled
+        and what comes for it from now on is dropped: the RequestActor, which does not know,
+        would otherwise go on and hold its outputs for a client that is gone (a code review:
+        its producers stalled on their output window until the chunk timeout or the deadline)."""
+        self._discard(request_id)
+        self._ended[request_id] = None
+        self._outbox(request_id).put(("cancel", request_id))
+        self._deliver(request_id, event)
 
     def _deliver(self, request_id: str, event: BridgeEvent) -> None:
         self._loop.call_soon_threadsafe(self._put, request_id, event)
