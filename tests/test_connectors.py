@@ -44,7 +44,9 @@ def sample_outputs() -> dict:
         "big_endian": np.arange(5, dtype=">i4"),
         "times": np.array(["2024-01-01", "2025-06-30"], dtype="datetime64[ns]"),
         "labels": np.array(["cat", "horse"]),
-        "scale": np.float64(0.5) * np.ones(()),           # 0-d array
+        "scale": np.float64(0.5) * np.ones(()),           # a numpy scalar (not an array)
+        "sample_rate_0d": np.array(24000),                 # 0-d array
+        "gain_0d": np.asarray(np.float16(0.25)).view(type("Sub", (np.ndarray,), {})),  # 0-d, of a subclass
         "empty": np.empty((0, 64), dtype=np.float32),
         "transposed": hidden.T,                            # non-contiguous (F order)
         "strided": hidden[::2, 1::3],                      # non-contiguous slice

@@ -53,10 +53,11 @@ def plan(outputs: dict[str, Any]) -> tuple[tuple[FieldLayout, ...], int, list[np
         dtype = value.dtype
         if dtype.hasobject or dtype.fields is not None:
             raise TypeError(f"field {key!r}: dtype {dtype} cannot be packed as raw bytes")
-        # (ascontiguousarray would return such an array itself; it also makes a 0-d array 1-d and a
-        # subclass's instance, a memmap or a matrix, a plain ndarray)
-        arr = value if type(value) is np.ndarray and value.ndim and value.flags.c_contiguous \
-            else np.ascontiguousarray(value)
+        # (ascontiguousarray would return such an array itself; it makes a subclass's instance, a
+        # memmap or a matrix, a plain ndarray, and a 0-d array 1-d: its shape is put back, a code
+        # review found a 0-d array read back with shape (1,))
+        arr = value if type(value) is np.ndarray and value.flags.c_contiguous \
+            else np.ascontiguousarray(value).reshape(value.shape)
         offset = -(-size // ALIGN) * ALIGN
         nbytes = arr.nbytes
         layout.append(FieldLayout(key, "array", arr.dtype.str, arr.shape, offset, nbytes))
