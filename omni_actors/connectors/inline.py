@@ -38,8 +38,9 @@ def plan(outputs: dict[str, Any]) -> tuple[tuple[FieldLayout, ...], int, list[np
     the C-contiguous arrays to write, in the order of the array fields.
 
     Raises:
-        TypeError: a key is not a str, or an array has an object or
-            structured dtype (those have no portable raw-byte form).
+        TypeError: a key is not a str, or an array has an object,
+            structured or void dtype (those have no portable raw-byte form;
+            ml_dtypes' bfloat16 is a void one to numpy).
     """
     layout: list[FieldLayout] = []
     arrays: list[np.ndarray] = []
@@ -53,6 +54,9 @@ def plan(outputs: dict[str, Any]) -> tuple[tuple[FieldLayout, ...], int, list[np
         dtype = value.dtype
         if dtype.hasobject or dtype.fields is not None:
             raise TypeError(f"field {key!r}: dtype {dtype} cannot be packed as raw bytes")
+        if dtype.kind == "V":  # (ml_dtypes' bfloat16 reads '<V2': it would come back as bare bytes)
+            raise TypeError(f"field {key!r}: dtype {dtype.name} is not one of numpy's own and would come back "
+                            "as raw bytes (void); convert it first (bfloat16: .astype(np.float32))")
         # (ascontiguousarray would return such an array itself; it makes a subclass's instance, a
         # memmap or a matrix, a plain ndarray, and a 0-d array 1-d: its shape is put back, a code
         # review found a 0-d array read back with shape (1,))
