@@ -369,3 +369,51 @@ def test_the_data_service_binds_the_port_given_in_its_environment(monkeypatch):
     monkeypatch.setenv(ds.PORT_ENV, "80000")
     with pytest.raises(OSError, match=r"OMNI_ACTORS_DATA_PORT must be a port number from 1 to 65535, got '80000'"):
         ds.start_node_service("n1", "127.0.0.1", reap_after_s=60)
+
+
+def test_a_frozen_service_fails_gets_and_releases_within_their_timeouts(prefix, monkeypatch):
+    """A code review: a service on a host cut off (no reset comes back; here: stopped with
+    SIGSTOP, whose kernel still takes the bytes) held a get, and a release, on a connection
+    already open for 60 s, then as long again on a new one. Now a get gives up after
+    ``IO_TIMEOUT_S`` and a release after ``RELEASE_IO_TIMEOUT_S``, once each; a release
+    right after skips the service (it was down a moment ago)."""
+    import signal
+
+    from omni_actors.connectors import data_client
+
+    monkeypatch.setattr(data_client, "IO_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(data_client, "RELEASE_IO_TIMEOUT_S", 0.5)
+    proc = subprocess.Popen([sys.executable, "-m", "omni_actors.connectors.data_service", "--host", "127.0.0.1",
+                             "--port", "0", "--prefix", prefix, "--node", "far"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        address = proc.stdout.readline().split()[1]
+        connector = producer(prefix, address)
+        ref = connector.put({"x": np.arange(100_000, dtype=np.float32)})
+        reader = consumer()
+        assert reader.get(ref)["x"][-1] == 99_999  # (a connection to it is open now)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(ds.DataServiceError, match="no (data|answer) within 1 s"):
+                reader.get(ref)
+            took_get = time.monotonic() - t0
+            t0 = time.monotonic()
+            with pytest.raises(ds.DataServiceError, match="not retried yet"):
+                ds.release(address, [ref.location])  # (down a moment ago: skipped)
+            data_client._down.clear()
+            t0 = time.monotonic()
+            with pytest.raises(ds.DataServiceError, match="no answer within 0.5 s"):
+                ds.release(address, [ref.location])  # (on a new connection: its kernel accepts it)
+            took_release = time.monotonic() - t0
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        assert took_get < 1.9, took_get  # once, not again on a new connection
+        assert took_release < 1.4, took_release
+        data_client._down.clear()
+        assert reader.get(ref)["x"][-1] == 99_999  # back: served again
+        connector.release(ref)
+    finally:
+        ds.close_connections()
+        stop_process(proc)

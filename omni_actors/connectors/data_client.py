@@ -44,7 +44,13 @@ CONNECT_TIMEOUT_S = 5.0
 #: and skip a service that could not be reached within the last DOWN_FOR_S.
 RELEASE_CONNECT_TIMEOUT_S = 1.0
 DOWN_FOR_S = 3.0
-IO_TIMEOUT_S = 60.0  #: longest wait for one recv/send of a transfer
+#: Longest wait for one recv/send of a get or a stats request: a service that sends nothing
+#: for this long is taken for gone. A host cut off (no reset comes back) otherwise held the
+#: callers (an engine's event loop, the API server's receiver thread) for its whole length:
+#: 60 s, when it was that (a code review). A healthy service sends a segment without pauses.
+IO_TIMEOUT_S = 10.0
+#: The same for releases, which nobody waits on (the owner's reaper frees what they miss).
+RELEASE_IO_TIMEOUT_S = 2.0
 RECV_CHUNK = 1 << 22
 DEFAULT_POOL_BYTES = 256 << 20
 POOL_MIN_BUFFER = 1 << 20  #: smaller receive buffers come from malloc, which reuses memory by itself
@@ -109,7 +115,6 @@ def _connection(service: str, quick: bool = False) -> tuple[socket.socket, bool]
         raise DataServiceError(f"data service {service} unreachable: {exc}") from None
     _down.pop(service, None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.settimeout(IO_TIMEOUT_S)
     _conns.by_service[service] = sock
     return sock, False
 
@@ -133,12 +138,17 @@ def _request(service: str, req: dict, into: np.ndarray | None = None,
     for attempt in (0, 1):
         sock, reused = _connection(service, quick)
         try:
+            sock.settimeout(RELEASE_IO_TIMEOUT_S if quick else IO_TIMEOUT_S)
             sock.sendall(message)
             head = _recv_exact(sock, REPLY_HEADER.size)
             if head is None:
                 raise ConnectionError("closed by the data service")
         except (OSError, ConnectionError) as exc:
             _drop(service)
+            if isinstance(exc, TimeoutError):  # (no answer: not a stale connection, which fails at once)
+                _down[service] = time.monotonic()
+                raise DataServiceError(f"data service {service}: no answer within "
+                                       f"{RELEASE_IO_TIMEOUT_S if quick else IO_TIMEOUT_S:g} s") from None
             if reused and attempt == 0:
                 continue
             raise DataServiceError(f"data service {service}: {exc}") from None
@@ -155,6 +165,9 @@ def _request(service: str, req: dict, into: np.ndarray | None = None,
             return status, body or b""
         except (OSError, ConnectionError) as exc:
             _drop(service)
+            if isinstance(exc, TimeoutError):
+                _down[service] = time.monotonic()
+                exc = f"no data within {IO_TIMEOUT_S:g} s"
             raise DataServiceError(f"data service {service}: {exc}") from None
     raise AssertionError("unreachable")
 
