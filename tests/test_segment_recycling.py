@@ -139,8 +139,11 @@ def test_take_copies_what_it_maps_so_the_segment_can_be_recycled(prefix):
 def test_the_bridge_copies_outputs_before_recycling_their_segment(prefix):
     """ActorBridge._take: the event it hands to the HTTP side must not read a
     segment that was released (and may now hold another request's output)."""
+    import queue
+
     bridge = ActorBridge.__new__(ActorBridge)
     bridge._connector = NodeConnector(0, prefix)
+    bridge._inbox, bridge._ended, bridge._outboxes = {}, {}, [queue.SimpleQueue()]
     events = []
     bridge._deliver = lambda request_id, event: events.append((request_id, event))
     audio = np.arange(100_000, dtype=np.float32)
@@ -153,6 +156,7 @@ def test_the_bridge_copies_outputs_before_recycling_their_segment(prefix):
     # A ref that is gone: the request fails with a 500 that says so.
     assert bridge._take(OutputReady("r2", 2, "audio", ref), "final output") is None
     assert events[0][0] == "r2" and isinstance(events[0][1], RequestFailed) and events[0][1].status == 500
+    assert bridge._outboxes[0].get_nowait() == ("cancel", "r2")  # (its pipeline is cancelled)
 
 
 def _claim_in_child(prefix: str, start, n: int, queue) -> None:
@@ -241,6 +245,30 @@ def test_the_reaper_leaves_free_segments_to_the_trim_and_in_use_ones_to_their_ag
     assert svc.reap(now=time.time() + 120) == 1  # the in-use one only
     assert list_segments(prefix) == [] and len(list_free_segments(prefix)) == 1
     del old
+
+
+def test_a_segment_claimed_after_a_long_time_free_is_not_reaped_as_old(prefix):
+    """A code review: a claim (a rename) kept the time the segment was released, and a put
+    through a kept mapping does not touch it; with free segments kept longer than
+    ``reap_after_s``, one claimed after that long was reaped in the middle of its request."""
+    connector = make_connector(0, prefix=prefix)
+    first = connector.put({"x": np.ones(10_000)})
+    inode = _ino(first)
+    release_all([first], recycle=True)
+    second = connector.put({"x": np.ones(10_000)})  # (written with pwrite, and mapped: the next goes through it)
+    assert _ino(second) == inode
+    release_all([second], recycle=True)
+    from omni_actors.connectors.recycling import free_dir
+
+    (free,) = list_free_segments(prefix)
+    long_ago = time.time() - 3600
+    os.utime(os.path.join(free_dir(prefix, SHM_DIR), free), (long_ago, long_ago))  # (free for an hour)
+    again = connector.put({"x": np.full(10_000, 2.0)})
+    assert _ino(again) == inode  # (the same segment, claimed)
+    svc = DataService("127.0.0.1", 0, prefix, reap_after_s=60, free_idle_s=7200)
+    assert svc.reap() == 0 and list_segments(prefix) == [again.location]
+    assert connector.get(again)["x"][0] == 2.0
+    release_all([again])
 
 
 def test_a_full_tmpfs_gives_back_free_segments_then_fails_cleanly(prefix, tiny_tmpfs, monkeypatch):

@@ -199,6 +199,7 @@ def _claim(prefix: str, directory: str, cls: int, name: str) -> int | None:
     for ino in _maps.guesses(directory, cls):
         try:
             os.rename(f"{fdir}/{_free_name(cls, ino)}", target)
+            _claimed_now(target)
             return ino
         except FileNotFoundError:
             pass  # in use (not released yet), claimed by another producer, trimmed, or no free directory
@@ -213,9 +214,21 @@ def _claim(prefix: str, directory: str, cls: int, name: str) -> int | None:
             continue
         try:
             os.rename(os.path.join(fdir, cand), target)
+            _claimed_now(target)
             return _free_ino(cand)
         except FileNotFoundError:
             continue  # another producer claimed it first, or the trim took it
+
+
+def _claimed_now(path: str) -> None:
+    """A claimed segment's age (its mtime, which the reaper goes by) starts now: a rename
+    keeps the time it was released, and a put through a kept mapping does not touch it, so
+    a segment left free longer than ``reap_after_s`` was reaped as soon as it was claimed
+    (a code review; only where the free segments are kept that long)."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        pass  # (reaped or swept in between: the put finds out)
 
 
 def _after_fork_in_child() -> None:
