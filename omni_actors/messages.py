@@ -1001,8 +1001,20 @@ class StageTask(Message):
 
 @dataclass(frozen=True)
 class CancelStage(Message):
+    """RequestActor (or bridge) -> pool -> engine: stop a request's task of a stage."""
+
     request_id: str
     stage_id: int
+    #: cancel only the attempts up to this one (:func:`cancels_attempt`): a streaming
+    #: consumer whose producer failed is cancelled and started again as the next attempt,
+    #: which the cancel must not stop where it comes late. None: every attempt, and those to
+    #: come (the request is over).
+    attempt: int | None = None
+
+
+def cancels_attempt(cancel_upto: int | None, attempt: int) -> bool:
+    """Whether a cancel of attempts up to ``cancel_upto`` (None: all) covers ``attempt``."""
+    return cancel_upto is None or attempt <= cancel_upto
 
 
 @dataclass(frozen=True)

@@ -369,6 +369,79 @@ def test_cancels_that_found_no_task_are_remembered_for_a_while_and_bounded():
     assert len(early) == 3 and not early.take(("c", 0)) and early.take(("f", 0))
 
 
+def test_a_cancel_of_earlier_attempts_lets_a_later_one_through_and_still_stops_a_late_earlier_one():
+    """A code review: a streaming consumer (Code2Wav) whose producer failed is cancelled and
+    started again; the cancel, where it found no task (its replica had died too), stopped
+    the consumer started again, and the request hung until its deadline. A cancel now says
+    which attempts it covers; the consumer starts again as the next attempt."""
+    from omni_actors.actors.cancels import CancelledStages
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+    from omni_actors.messages import CancelStage, StageCancelled, StageTask, cancels_attempt
+
+    assert cancels_attempt(None, 5) and cancels_attempt(1, 1) and not cancels_attempt(1, 2)
+    early = CancelledStages()
+    early.add(("r1", 2), attempt=0)
+    assert not early.take(("r1", 2), 1)  # the consumer started again: not cancelled
+    assert early.take(("r1", 2), 0) and not early.take(("r1", 2), 0)  # the old one, late: cancelled once
+    early.add(("r2", 2), attempt=0)
+    early.add(("r2", 2))  # then the request ends: every attempt
+    assert early.take(("r2", 2), 7)
+
+    pool = StagePoolActor()
+    pool._started.set()
+    sent = []
+    pool.send = lambda address, message: sent.append((address, message))
+    pool._replicas = {"code2wav/0": Replica("code2wav/0", "engine-address")}
+
+    def task(attempt):
+        return StageTask("r1", 2, "hi", (), {}, {}, "audio", False, "ra", attempt=attempt, moved=attempt)
+    pool.receiveMsg_CancelStage(CancelStage("r1", 2, attempt=0), "ra")  # (its replica died: no task here)
+    pool._pending = [(task(1), 1e12)]
+    pool.receiveMsg_CancelStage(CancelStage("r1", 2, attempt=0), "ra")
+    assert sent == [] and pool._pending == [(task(1), 1e12)]  # the later attempt waits on
+    pool.receiveMsg_StageTask(task(0), "ra")  # the old one, late
+    assert sent == [("ra", StageCancelled("r1", 2, 0))]
+    pool._replicas["code2wav/0"].in_flight[("r1", 2)] = (task(1), 0.0)
+    pool.receiveMsg_CancelStage(CancelStage("r1", 2, attempt=0), "ra")
+    assert sent[1:] == []  # not passed on to the replica running attempt 1
+    pool.receiveMsg_CancelStage(CancelStage("r1", 2), "ra")  # the request ends
+    assert sent[1:] == [("ra", StageCancelled("r1", 2, 1)), ("engine-address", CancelStage("r1", 2))]
+
+
+def test_a_streaming_consumer_started_over_with_its_producer_is_the_next_attempt(monkeypatch):
+    """The RequestActor's side of the above: a Talker that fails mid-stream is retried, its
+    running Code2Wav is cancelled (attempts up to its own) and sent again, once the new
+    Talker's first chunk comes, as attempt 1, not counted as a retry of its own."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors import request
+    from omni_actors.messages import (CancelStage, ErrorKind, PlannedStage, RequestPlan, RunRequest, StageChunk,
+                                      StageFailed, StageTask)
+
+    monkeypatch.setattr(request, "release_all", lambda refs, recycle=False: None)
+    ra = request.RequestActor()
+    sent = []
+    ra.send = lambda address, message: sent.append((address, message))
+    ra.wakeupAfter = lambda delay, payload=None: None
+    ra._myRef = SimpleNamespace(address="ra")
+    plan = RequestPlan((PlannedStage(1, "talker", (), "pool-talker", None, False, emits_chunks=True),
+                        PlannedStage(2, "code2wav", (1,), "pool-code2wav", "audio", False, stream_source=1,
+                                     emits_chunks=True)))
+    ra.receiveMsg_RunRequest(RunRequest("r1", "hi", plan, {}, {}, 60.0, "bridge", stream_outputs=False), "bridge")
+
+    def tasks(stage_id):
+        return [m for _, m in sent if isinstance(m, StageTask) and m.stage_id == stage_id]
+    ra.receiveMsg_StageChunk(StageChunk("r1", 1, 0, "ref0", 0), "talker-engine")
+    assert [t.attempt for t in tasks(2)] == [0]
+    ra.receiveMsg_StageFailed(StageFailed("r1", 1, "talker/0", ErrorKind.UNAVAILABLE, "dead: process exited"),
+                              "pool-talker")
+    assert [m for _, m in sent if isinstance(m, CancelStage)] == [CancelStage("r1", 2, attempt=0)]
+    assert [t.attempt for t in tasks(1)] == [0, 1]
+    ra.receiveMsg_StageChunk(StageChunk("r1", 1, 0, "ref0b", 1), "talker-engine-2")
+    again = tasks(2)[-1]
+    assert (again.attempt, again.moved, again.counted_attempts) == (1, 1, 0)
+
+
 def test_a_pool_cancels_a_task_in_flight_long_past_its_request_deadline():
     """A task whose cancel was lost (or overtaken by the task) must not count as in
     flight, nor run, for ever: past its request's deadline (``StageTask.timeout_s``)

@@ -40,7 +40,7 @@ from omni_actors.messages import (CancelStage, DeltasAck, DrainReplica, EngineFa
                                   FaultKind, Heartbeat, HeartbeatAck, InjectFault, OutputDelta, OutputDeltas,
                                   StageAccepted,
                                   StageCancelled, StageDone, StageFailed, StageTask, StartEngine, TaskFinished,
-                                  TextStarted)
+                                  TextStarted, cancels_attempt)
 from omni_actors.processors import default_input
 
 #: Missing pool acks for this many heartbeat intervals means the pool is gone (one on this
@@ -152,6 +152,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._tasks: dict[tuple[str, int], asyncio.Task] = {}
         #: cancels that came before their task started on the loop (loop thread only)
         self._cancelled_early = CancelledStages()
+        self._task_attempts: dict[tuple[str, int], int] = {}  #: the attempt of each of ``_tasks`` (loop thread)
         self._sequencer: Sequencer | None = None
         self._names = AddressNames()  # str() of the addresses its outbox sends to, kept across drains
         self._deltas: DeltaWindow | None = None  # text deltas in flight per bridge (see DeltaWindow)
@@ -490,17 +491,20 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
 
     def receiveMsg_CancelStage(self, msg: CancelStage, sender):
         if self._rt is not None:
-            self._rt.loop.call_soon_threadsafe(self._cancel, msg.request_id, msg.stage_id)
+            self._rt.loop.call_soon_threadsafe(self._cancel, msg.request_id, msg.stage_id, msg.attempt)
         return self._watch()
 
-    def _cancel(self, request_id: str, stage_id: int) -> None:
-        """On the loop thread: abort the backend's work and the task."""
-        task = self._tasks.get((request_id, stage_id))
-        if task is not None and not task.done():
-            self._rt.loop.create_task(self._backend.abort(request_id))
-            task.cancel()
-        elif task is None:  # (its task may still be on its way to the loop: see actors.cancels)
-            self._cancelled_early.add((request_id, stage_id))
+    def _cancel(self, request_id: str, stage_id: int, attempt: int | None = None) -> None:
+        """On the loop thread: abort the backend's work and the task (if its attempt is one
+        ``attempt`` covers: :func:`~omni_actors.messages.cancels_attempt`)."""
+        key = (request_id, stage_id)
+        task = self._tasks.get(key)
+        if task is not None and cancels_attempt(attempt, self._task_attempts.get(key, 0)):
+            if not task.done():
+                self._rt.loop.create_task(self._backend.abort(request_id))
+                task.cancel()
+        else:  # (its task may still be on its way to the loop: see actors.cancels)
+            self._cancelled_early.add(key, attempt)
 
     def _cancel_all(self, why: str) -> None:
         """On the loop thread: cancel every task still running (a drained replica then exits)."""
@@ -512,11 +516,12 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
     async def _run_task(self, msg: StageTask) -> None:
         key = (msg.request_id, msg.stage_id)
         self._tasks[key] = asyncio.current_task()
+        self._task_attempts[key] = msg.attempt
         replica = self._spec.replica
         emit = self._rt.emit
         ok = cancelled = input_error = client_error = False
         try:
-            if self._cancelled_early.take(key):
+            if self._cancelled_early.take(key, msg.attempt):
                 raise asyncio.CancelledError  # (cancelled before it started)
             done = await self._execute(msg)
             emit(msg.reply_to, done)
@@ -574,6 +579,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             # (Only this attempt's: a retry of the same task may be running here already.)
             if self._tasks.get(key) is asyncio.current_task():
                 del self._tasks[key]
+                self._task_attempts.pop(key, None)
             for table in (self._inputs, self._credits):
                 if table.get(key, (msg.attempt,))[0] == msg.attempt:
                     table.pop(key, None)

@@ -21,7 +21,7 @@ from thespian.actors import PoisonMessage
 
 from omni_actors.balancing import ROUTABLE, ReplicaLoad, describe_replicas, no_replica_reason
 from omni_actors.messages import (LATENCY_BUCKETS_S, MAX_TASK_MOVES, CancelStage, DrainReplica, ErrorKind,
-                                  ReplicaState, StageCancelled, StageFailed, StageTask, TaskFinished)
+                                  ReplicaState, StageCancelled, StageFailed, StageTask, TaskFinished, cancels_attempt)
 
 #: A task still in flight this long past its request's deadline (``StageTask.timeout_s``
 #: from its dispatch) was orphaned: its RequestActor ended it at the deadline, so its
@@ -122,7 +122,7 @@ class PoolRoutingMixin:
                         why="the replica could not take the task")
 
     def receiveMsg_StageTask(self, msg: StageTask, sender):
-        if self._cancelled_early.take((msg.request_id, msg.stage_id)):
+        if self._cancelled_early.take((msg.request_id, msg.stage_id), msg.attempt):
             self.send(msg.reply_to, StageCancelled(msg.request_id, msg.stage_id, msg.attempt))
             return
         self._route(msg)
@@ -251,16 +251,19 @@ class PoolRoutingMixin:
 
     def receiveMsg_CancelStage(self, msg: CancelStage, sender):
         key = (msg.request_id, msg.stage_id)
-        queued = [(t, d) for t, d in self._pending if (t.request_id, t.stage_id) == key]
+
+        def cancelled(task: StageTask) -> bool:
+            return (task.request_id, task.stage_id) == key and cancels_attempt(msg.attempt, task.attempt)
+        queued = [(t, d) for t, d in self._pending if cancelled(t)]
         if queued:
-            self._pending = [(t, d) for t, d in self._pending if (t.request_id, t.stage_id) != key]
+            self._pending = [(t, d) for t, d in self._pending if not cancelled(t)]
             for task, _ in queued:  # it never ran: confirm the cancel here (the engine does otherwise)
                 self.send(task.reply_to, StageCancelled(task.request_id, task.stage_id, task.attempt))
         found = bool(queued)
         for rep in self._replicas.values():
-            if key in rep.in_flight:
+            if key in rep.in_flight and cancelled(rep.in_flight[key][0]):
                 self.send(rep.address, msg)
                 rep.cancelling.add(key)
                 found = True
         if not found:  # (its task may still be on its way here)
-            self._cancelled_early.add(key)
+            self._cancelled_early.add(key, msg.attempt)

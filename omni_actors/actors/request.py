@@ -141,6 +141,9 @@ class RequestActor(ActorTypeDispatcher):
         self._pools: dict[int, object] = {}
         #: stage -> the lost coordinator's pool its running task was left on (its cancel goes there)
         self._left_on: dict[int, object] = {}
+        #: streaming consumers cancelled to start over with their producer: (attempt, moved) of
+        #: their next task (a later attempt than the one cancelled: see CancelStage.attempt)
+        self._restarts: dict[int, tuple[int, int]] = {}
         self._owned = []  # intermediate refs to release at the end
         self._retried = False  # a task was sent again: an earlier attempt may still read its inputs
         self._tokens = [0, 0]
@@ -206,6 +209,7 @@ class RequestActor(ActorTypeDispatcher):
                 self._finish(ErrorKind.UNAVAILABLE, f"stage {st.stage} has no pool")
                 return
             inputs = tuple((src, self._done[src].output) for src in st.sources if src != stream)
+            attempt, moved = self._restarts.get(st.stage_id, (0, 0))
             task = StageTask(
                 request_id=req.request_id, stage_id=st.stage_id, prompt=req.prompt, inputs=inputs,
                 sampling_params=self._sampling_for(st),
@@ -216,7 +220,7 @@ class RequestActor(ActorTypeDispatcher):
                 chunk_window=req.chunk_window, chunk_timeout_s=req.chunk_timeout_s,
                 chunk_tokens=req.chunk_tokens,
                 text_to=req.reply_to if st.final_output_type == "text" and req.stream_outputs else None,
-                timeout_s=self._left(), began_at=self._began_at,
+                timeout_s=self._left(), began_at=self._began_at, attempt=attempt, moved=moved,
                 feeds=any(st.stage_id in s.sources or s.stream_source == st.stage_id for s in req.plan.stages))
             self._running[st.stage_id] = task
             self._left_on.pop(st.stage_id, None)
@@ -475,8 +479,11 @@ class RequestActor(ActorTypeDispatcher):
                 message += "; part of the output had already reached the client, so it was not retried"
             elif retry:
                 for sid in affected - {msg.stage_id}:  # its streaming consumers start over with it
-                    if self._running.pop(sid, None) is not None:
-                        self.send(self._left_on.get(sid, self._pools[sid]), CancelStage(msg.request_id, sid))
+                    gone = self._running.pop(sid, None)
+                    if gone is not None:  # (as the next attempt, which this cancel leaves alone: not a retry)
+                        self.send(self._left_on.get(sid, self._pools[sid]),
+                                  CancelStage(msg.request_id, sid, attempt=gone.attempt))
+                        self._restarts[sid] = (gone.attempt + 1, gone.moved + 1)
                 self._forget_stream(affected)
         if retry:
             # An engine failed this task: try another replica of the stage.
