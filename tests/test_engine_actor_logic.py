@@ -1168,7 +1168,14 @@ def test_a_task_on_a_lost_coordinators_pool_is_waited_for_not_run_again():
     assert sent == [] and ra._pools == {0: "new-pool"}  # waited for; what comes next goes to the new pool
     assert wakeups == [(INHERITED_WAIT_S, (INHERITED, "r1", 0, 0))]
     ra.receiveMsg_WakeupMessage(WakeupMessage(INHERITED_WAIT_S, wakeups[0][1]), "ra-address")
-    assert [(a, m.attempt) for a, m in sent] == [("new-pool", 1)]  # not finished there in time: run again
+    # not finished there in time: stopped there (a code review: it ran on) and run again
+    assert [(a, type(m).__name__, m.attempt) for a, m in sent] == [("old-pool", "CancelStage", 0),
+                                                                   ("new-pool", "StageTask", 1)]
+
+    ra, sent, wakeups = request_actor()  # a second coordinator lost meanwhile: the task is still on the first's
+    ra.receiveMsg_RoutesChanged(RoutesChanged(routes), "bridge")
+    ra.receiveMsg_RoutesChanged(RoutesChanged(Routes(None, {0: "newer-pool"}, 0, inherited=frozenset({0}))), "bridge")
+    assert ra._left_on == {0: "old-pool"} and ra._pools == {0: "newer-pool"}
 
     ra, sent, wakeups = request_actor()  # the client leaves meanwhile: the cancel goes where the task runs
     ra.receiveMsg_RoutesChanged(RoutesChanged(routes), "bridge")

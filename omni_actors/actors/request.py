@@ -548,7 +548,8 @@ class RequestActor(ActorTypeDispatcher):
             old, self._pools[stage_id] = self._pools[stage_id], pool  # (what it sends next goes to the new pool)
             task = self._running.get(stage_id)
             if task is not None and stage_id in msg.routes.inherited:
-                self._left_on[stage_id] = old  # (a cancel of its task goes there)
+                self._left_on.setdefault(stage_id, old)  # (a cancel of its task goes there: where it runs, if
+                # a second coordinator was lost meanwhile, not the pool of the one in between)
                 self.wakeupAfter(INHERITED_WAIT_S, payload=(INHERITED, task.request_id, stage_id, task.attempt))
                 continue
             # (it said "the stage's pool": a trial could not tell which, nor why)
@@ -684,6 +685,9 @@ class RequestActor(ActorTypeDispatcher):
             _, request_id, stage_id, attempt = msg.payload
             task = self._running.get(stage_id) if self._current(request_id) else None
             if task is not None and task.attempt == attempt:  # (still on the lost coordinator's pool)
+                old = self._left_on.get(stage_id)
+                if old is not None:  # (it may still run there: stop it, as it is run again elsewhere)
+                    self.send(old, CancelStage(request_id, stage_id, attempt=attempt))
                 self._pool_gone(stage_id, f"the pool of stage {self._plan[stage_id].stage} was left by its lost "
                                           f"coordinator and did not finish this stage within {INHERITED_WAIT_S:g} s",
                                 sender)
