@@ -344,3 +344,50 @@ def test_a_request_the_bridge_fails_itself_is_cancelled_and_what_comes_after_is_
     for ref in (waiting, later):  # both released
         with pytest.raises(Exception):
             connector.get(ref)
+
+
+def test_a_written_off_requests_cancels_go_to_the_new_pools_too_and_closing_does_not_leak():
+    """A code review: (1) the bridge kept the pools a request started on for the cancels it
+    sends when it writes the request off; after a pool was replaced, and the task moved to
+    the new one, the cancel went to the old pool only. (2) A RequestActorFree that overtook
+    its RequestFinished left the request counted as closing for good."""
+    import contextlib
+    import threading
+    from pathlib import Path
+
+    from omni_actors.config import load_config
+    from omni_actors.messages import CancelStage, RequestActorFree, RequestFinished, Routes, RunRequest
+    from omni_actors.planning import plan_request
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "cpu_omni_demo.yaml")
+    old = {s.stage_id: f"pool-{s.name}" for s in cfg.stage_args}
+    talker = next(s.stage_id for s in cfg.stage_args if s.name == "talker")
+    told, done = [], threading.Event()
+
+    class Context:
+        def tell(self, address, message):
+            told.append((address, message))
+
+    class System:
+        def private(self):
+            return contextlib.nullcontext(Context())
+
+    b = ActorBridge(asys=System(), coordinator=None, senders=1)
+    b._routes = Routes(cfg, old)
+    plan = plan_request(cfg, old, frozenset({"text", "audio"}))
+    new = Routes(cfg, {**old, talker: "pool-talker-new"}, version=1)
+    for item in (("run", RunRequest("r1", "hi", plan, {}, {}, 30.0, "bridge"), "request-actor"),
+                 ("routes", new), ("abandon", "r1", False), None):
+        b._outboxes[0].put(item)
+    b._send_loop(0, 0)
+    cancels = sorted((a, m.stage_id) for a, m in told if isinstance(m, CancelStage))
+    assert cancels == sorted([(pool, sid) for sid, pool in old.items()] + [("pool-talker-new", talker)])
+
+    b._loop = Loop()
+    b._held["r2"] = object()
+    b._on_message(RequestActorFree("r2", "ra-2"))  # (overtook its RequestFinished)
+    b._on_message(RequestFinished("r2", error=None, free=False, request_actor="ra-2"))
+    assert b.request_actors()["closing"] == 0
+    b._held["r3"] = object()
+    b._on_message(RequestFinished("r3", error=None, free=False, request_actor="ra-3"))
+    assert b.request_actors()["closing"] == 1

@@ -491,8 +491,13 @@ class ActorBridge(RequestActorKeeping):
                         ctx.tell(self._coordinator, item[1])
                     elif kind == "routes":
                         # a pool was replaced: requests in flight re-send what waited on it
-                        for actor in running.values():
+                        for rid, actor in running.items():
                             self._tell_request_actor(ctx, actor, RoutesChanged(item[1]))
+                            # (a written-off one's cancels go to the new pools too: its tasks may
+                            # have moved there; to the old ones as well, where they may still run)
+                            known = stages.get(rid, ())
+                            stages[rid] = tuple(dict.fromkeys(known + tuple(
+                                (item[1].pools[sid], sid) for _, sid in known if sid in item[1].pools)))
                 except Exception as exc:  # noqa: BLE001 - keep the bridge alive
                     self._log.error("bridge_send_failed", kind=kind, error=str(exc))
 
@@ -574,7 +579,7 @@ class ActorBridge(RequestActorKeeping):
             if msg.free:  # its RequestActor is free from now on, whatever is still to be delivered
                 self._actor_free(msg.request_id, msg.request_actor)
             else:  # busy until its stages confirm their cancels (RequestActorFree)
-                self._loop.call_soon_threadsafe(self._closing.add, msg.request_id)
+                self._loop.call_soon_threadsafe(self._closing_begins, msg.request_id)
             box = self._inbox.get(msg.request_id)
             live = msg.request_id in self._streams and msg.request_id not in self._ended
             if live and msg.error is None and ((box.seq if box else 0) < msg.sent or msg.after_text is not None):

@@ -234,6 +234,13 @@ class RequestActorKeeping:
             for _ in range(missing):
                 self._outbox().put(("create",))
 
+    def _closing_begins(self, request_id: str) -> None:
+        """The request is over, its RequestActor busy until its stages confirm their cancels
+        (``closing``), unless it said it is free already: its RequestActorFree can overtake
+        the RequestFinished (a code review: the request then counted as closing for good)."""
+        if request_id in self._held:
+            self._closing.add(request_id)
+
     def _unhold(self, request_id: str) -> bool:
         """Forget that a RequestActor holds ``request_id``; False if none did (any more)."""
         self._closing.discard(request_id)
