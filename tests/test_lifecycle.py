@@ -906,6 +906,23 @@ def test_status_shows_a_fault_injected_into_a_replica_until_it_is_cleared(fanin_
     wait_fault("thinker/0", "")
 
 
+def test_a_second_start_on_the_ports_of_a_running_system_says_which_and_how_to_stop_it(image_leader):
+    """Trial BI: `make run` a second time, the first still serving, read only "HTTP port
+    8000 on 127.0.0.1 is in use" (the admin port's hint came only when the HTTP port was
+    another). It now names the system there and how to stop it; the first one serves on."""
+    env = {"OMNI_ACTORS_STATE_DIR": str(image_leader.log_path.parent)}
+    out = _cli("start", "--convention-leader", "--config", str(CONFIGS / "cpu_image_demo.yaml"),
+               "--port", str(image_leader.port), "--admin-port", str(image_leader.admin_port), env=env)
+    assert out.returncode != 0
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: HTTP port {image_leader.port} on 127.0.0.1 is in use by the system on admin "
+                           f"port {image_leader.admin_port} (leader pid {image_leader.proc.pid}): stop it first (`")
+    assert line.endswith(f"python -m omni_actors.system stop --admin-port {image_leader.admin_port}`), "
+                         "or give other ports (--port, --admin-port)"), line
+    with urllib.request.urlopen(image_leader.base_url + "/models", timeout=10) as r:
+        assert r.status == 200
+
+
 def test_stage_launch_and_stop_act_on_one_stage(image_leader):
     port = str(image_leader.admin_port)
 

@@ -222,18 +222,24 @@ def other_leaders_hint(admin_port: int, flag: str = "--admin-port {}") -> str:
 
 
 def http_port_claimed(host: str, port: int, admin_port: int) -> str | None:
-    """Why ``host:port`` is taken by another leader recorded in :func:`state_dir` that is
-    still starting (it opens its HTTP port only once every replica is ready, so a
-    connect finds nothing there yet), or None. A trial started a second leader on the
-    port of one still loading: the second served there, and the first, after its whole
-    start-up, could not bind and exited."""
+    """Why ``host:port`` is taken by a leader recorded in :func:`state_dir`, or None.
+
+    One still starting opens its HTTP port only once every replica is ready, so a
+    connect finds nothing there yet (a trial started a second leader on the port of one
+    still loading: the second served there, and the first, after its whole start-up,
+    could not bind and exited). One serving there: the answer says how to stop it (a
+    trial ran `make run` twice and read only "HTTP port 8000 on 127.0.0.1 is in use")."""
     for other in recorded_leaders():
         pid, other_admin = other["pid"], other["admin_port"]
-        if other.get("port") != port or other_admin == admin_port \
+        if other.get("port") != port or pid == os.getpid() \
                 or not _same_interface(str(other.get("host", "")), host, port):
             continue
-        return (f"HTTP port {port} on {host} is taken by the system on admin port {other_admin} (leader pid "
-                f"{pid}), which serves there once its replicas are ready")
+        who = f"the system on admin port {other_admin} (leader pid {pid})"
+        if port_in_use(port):
+            return (f"HTTP port {port} on {host} is in use by {who}: stop it first "
+                    f"(`{cli('stop')} --admin-port {other_admin}`), or give other ports (--port"
+                    + (", --admin-port)" if other_admin == admin_port else ")"))
+        return f"HTTP port {port} on {host} is taken by {who}, which serves there once its replicas are ready"
     return None
 
 
@@ -251,7 +257,9 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     from omni_actors.logs import get_logger, thespian_log_defs
     from omni_actors.messages import Deploy, NodeInfo, ReplicaState, SystemStatus
 
-    problem = serve_args_error(host, port, admin_port) or http_port_claimed(host, port, admin_port)
+    problem = serve_args_error(host, port, admin_port)
+    if problem is None or problem.endswith(" is in use"):  # (by which system, where it is one of ours)
+        problem = http_port_claimed(host, port, admin_port) or problem
     if problem:
         raise StartError(problem)
     if port_in_use(admin_port):
