@@ -320,7 +320,9 @@ def test_stop_with_a_timeout_shorter_than_the_drain_ends_requests_with_a_clear_e
     """`stop --timeout S` with S under the drain: a trial saw the leader SIGKILLed at S and a
     stream in flight cut with no error event and no [DONE]. `stop` now sends a second
     SIGTERM before S runs out: the stream gets an SSE error that says why, and the leader
-    exits by itself within S."""
+    exits by itself within S. On a terminal it says what it waits for meanwhile (trial BI:
+    8 s of silence)."""
+    import pty
     import threading
 
     from omni_actors.system.faultlab import inject_cli
@@ -334,8 +336,27 @@ def test_stop_with_a_timeout_shorter_than_the_drain_ends_requests_with_a_clear_e
         client.start()
         time.sleep(1.5)
         t0 = time.monotonic()
-        stop = _cli("stop", "--admin-port", str(leader.admin_port), "--timeout", "6", env=env)
-        took = time.monotonic() - t0
+        terminal, tty = pty.openpty()  # (its stderr: a terminal)
+        try:
+            stop = subprocess.run([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port",
+                                   str(leader.admin_port), "--timeout", "6"], stdout=subprocess.PIPE, stderr=tty,
+                                  text=True, timeout=60, cwd=ROOT, env={**os.environ, **env})
+            took = time.monotonic() - t0
+            os.close(tty)
+            said = b""
+            while True:
+                try:
+                    chunk = os.read(terminal, 4096)
+                except OSError:  # (EIO: nothing more)
+                    break
+                if not chunk:
+                    break
+                said += chunk
+        finally:
+            os.close(terminal)
+        assert said.decode().replace("\r", "").splitlines() == [
+            f"stopping the system on admin port {leader.admin_port}: its leader (pid {leader.proc.pid}) drains its "
+            "requests in flight and stops its replicas (at most 6 s) ..."], said
         client.join(10)
         assert stop.returncode == 0 and "killed" not in stop.stdout, stop.stdout
         # it says it ended them, and when (a trial read the leader's "up to 10 s" as the time taken)

@@ -27,6 +27,9 @@ STOP_GRACE_S = 20.0
 #: connections; the rest is the engines' shutdown (the synthetic demo's about 1 s,
 #: vLLM-Omni's about 4 s on 2 cores: a trial's `--timeout 10` killed them, 4 s before).
 HURRY_BEFORE_MAX_S = 10.0
+#: `stop` on a terminal says what it waits for after this many seconds, then every STOP_PROGRESS_EVERY_S.
+STOP_PROGRESS_AFTER_S = 1.0
+STOP_PROGRESS_EVERY_S = 5.0
 #: Longest `stop --timeout` taken (a day: a drain is minutes at most).
 MAX_STOP_TIMEOUT_S = 86400.0
 #: `stop` on a system whose state file predates drain_timeout_s in it: the config default.
@@ -409,7 +412,10 @@ def cmd_stop(args) -> int:
             sfile.write_text(json.dumps({**state, STOP_WAITS: True}))
         except OSError:
             pass
-    forced, hurried_after = _terminate(pid, timeout)
+    whose = "member" if state.get("role") == "member" else "leader"
+    forced, hurried_after = _terminate(pid, timeout, progress=(
+        f"stopping the {'member' if whose == 'member' else 'system'} on admin port {args.admin_port}: its "
+        f"{whose} (pid {pid}) drains its requests in flight and stops its replicas (at most {timeout:g} s)"))
     killed = kill_system(state["system_id"], sessions=state.get("sessions", ()))
     sweep_segments(f"oa-{args.admin_port}-", state.get("shm_dir"))
     sfile.unlink(missing_ok=True)
@@ -448,16 +454,28 @@ def cmd_stop(args) -> int:
     return 0
 
 
-def _terminate(pid: int, timeout: float) -> tuple[bool, float | None]:
+def _terminate(pid: int, timeout: float, progress: str = "") -> tuple[bool, float | None]:
     """SIGTERM ``pid`` (a leader or member: it drains, then exits) and wait for it, at most
     ``timeout`` seconds; a second SIGTERM (no more drain) when the wait is about to run out;
-    SIGKILL at the end. Returns ``(killed, seconds after which the second SIGTERM went, or None)``."""
+    SIGKILL at the end. Returns ``(killed, seconds after which the second SIGTERM went, or None)``.
+
+    On a terminal (stderr), a wait longer than :data:`STOP_PROGRESS_AFTER_S` says ``progress``,
+    then how long it has waited every :data:`STOP_PROGRESS_EVERY_S` (trial BI: `stop` of a
+    leader draining a long stream said nothing for 8 s)."""
     hurried_after = None
     if _alive(pid):
         os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         hurry_at = deadline - min(HURRY_BEFORE_MAX_S, timeout / 2)
+        say_at = started + STOP_PROGRESS_AFTER_S if progress and sys.stderr.isatty() else None
+        said = False
         while _alive(pid) and time.monotonic() < deadline:
+            now = time.monotonic()
+            if say_at is not None and now >= say_at:
+                print(f"still stopping after {now - started:.0f} s ..." if said else f"{progress} ...",
+                      file=sys.stderr, flush=True)
+                said, say_at = True, now + STOP_PROGRESS_EVERY_S
             if hurry_at is not None and time.monotonic() >= hurry_at:
                 os.kill(pid, signal.SIGTERM)  # a second one: no more drain
                 hurried_after = timeout - (deadline - time.monotonic())
