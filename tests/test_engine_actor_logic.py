@@ -1968,6 +1968,49 @@ def test_lingering_replicas_are_released_once_no_pool_has_had_work_for_a_while(m
     assert co.sent == [("code2wav-pool", NoRequestsInFlight())]
 
 
+def test_a_second_drain_a_scale_and_an_engine_death_while_draining_keep_the_stage_its_size():
+    """A code review: (1) a second DrainNode of a node whose last ready replica lingers (the
+    member's leave after `node drain`) launched a second replacement; (2) `stage scale 1`
+    counted the lingering replica and its replacement, and retired the replacement: none
+    was left once the lingering one went; (3) a draining replica whose engine died went
+    FAILED, and was started again after failed_retry_s."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+    from omni_actors.actors.supervision import ReplicaHealth
+    from omni_actors.balancing import least_loaded
+    from omni_actors.messages import AdminReply, DrainNode, EngineFailed, ReplicaState, ScaleStage
+
+    pool = StagePoolActor()
+    pool._started.set()
+    sent = []
+    pool.send = lambda address, message: sent.append((address, message))
+    pool._coordinator, pool._policy = "coordinator", least_loaded
+    pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=1, name="talker"),
+                                 supervision=SimpleNamespace(max_task_attempts=3, queue_timeout_s=20))
+    rep = Replica("talker/0", "e0", state=ReplicaState.READY, node="m1")
+    rep.health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
+    pool._replicas = {"talker/0": rep}
+    launched = []
+    pool._launch = lambda rid, *a: (launched.append(rid), pool._replicas.__setitem__(
+        rid, Replica(rid, None, state=ReplicaState.PENDING)))
+    pool._new_replica_id = lambda: f"talker/{len(pool._replicas)}"
+    pool.receiveMsg_DrainNode(DrainNode("m1", operator=True), "coordinator")
+    pool.receiveMsg_DrainNode(DrainNode("m1"), "coordinator")  # (its member leaves)
+    assert launched == ["talker/1"] and rep.linger
+    pool.receiveMsg_ScaleStage(ScaleStage("talker", 1), "cli")
+    assert sent[-1] == ("cli", AdminReply(True, "talker: 1 -> 1 replicas")) and launched == ["talker/1"]
+    assert pool._replicas["talker/1"].state == ReplicaState.PENDING
+
+    other = pool._replicas["talker/1"]
+    other.state, other.address, other.reason = ReplicaState.DRAINING, "e1", "scaled down"
+    pool._set_down = lambda *a: (_ for _ in ()).throw(AssertionError("not FAILED"))
+    pool.receiveMsg_EngineFailed(EngineFailed("talker/1", "engine core died"), "e1")
+    assert other.state == ReplicaState.DRAINING and "its engine died while it drained" in other.reason
+    pool.receiveMsg_ChildActorExited(SimpleNamespace(childAddress="e1"), "e1")
+    assert other.state == ReplicaState.STOPPED
+
+
 def test_the_last_ready_replicas_on_a_leaving_node_linger_until_released_or_undrained():
     """Trial AP: draining the only node with a ready Code2Wav stopped its idle replicas at
     once, and a request still upstream then found none. They linger now: ready, routed to,
@@ -2035,7 +2078,9 @@ def test_the_last_ready_replicas_on_a_leaving_node_linger_until_released_or_undr
     assert busy.state == ready and busy.linger
     # the replacement gets ready: the busy one drains too (once its task is done)
     replacement = reps["code2wav/2"]
-    replacement.state = ReplicaState.STARTING
+    replacement.state, replacement.address = ReplicaState.STARTING, "e2"
+    pool.receiveMsg_EngineReady(EngineReady("code2wav/2", 7, "m2", "stale-engine"), "e-old")  # (not its engine)
+    assert replacement.state == ReplicaState.STARTING
     pool.receiveMsg_EngineReady(EngineReady("code2wav/2", 7, "m2", "synthetic"), "e2")
     assert busy.state == ReplicaState.DRAINING and not busy.linger
 

@@ -67,7 +67,9 @@ class PoolAdminMixin:
             if rep.state == ReplicaState.FAILED:
                 why = rep.reason.split("; next try in")[0]
                 rep.state, rep.reason = ReplicaState.STOPPED, f"{why}; not tried again: scaled to {msg.replicas}"
-        live = [r for r in self._replicas.values() if r.state in self._COUNTED]
+        # (a lingering replica, its replacement on its way, is not counted: it goes once that one
+        # is ready; a code review's `scale 1` retired the replacement and left none)
+        live = [r for r in self._replicas.values() if r.state in self._COUNTED and not r.linger]
         if not 0 <= msg.replicas <= MAX_REPLICAS:  # (the CLI checks first; this is for any other sender)
             self.send(msg.reply_to or sender, AdminReply(False, f"replicas must be from 0 to {MAX_REPLICAS}"))
             return

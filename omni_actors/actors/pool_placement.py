@@ -175,6 +175,8 @@ class PoolPlacementMixin:
         for rep in list(self._replicas.values()):
             if rep.node != msg.node or rep.state not in (ReplicaState.READY, ReplicaState.STARTING):
                 continue
+            if rep.linger:  # (drained before, its replacement launched: a second drain of the node, its
+                continue    # member's leave after `node drain`, launched another; a code review)
             if rep.replica in self._pins:
                 rep.relaunch = True
                 why = f"node {msg.node} {what}{STARTS_AGAIN}{back}"

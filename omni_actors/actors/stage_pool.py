@@ -248,7 +248,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
     # -- registration -----------------------------------------------------
     def receiveMsg_EngineReady(self, msg: EngineReady, sender):
         rep = self._replicas.get(msg.replica)
-        if rep and rep.state == ReplicaState.STARTING:
+        # (from its engine now: one given up on, its node declared lost while it loaded, still says
+        # it is ready; a code review saw its replacement taken for READY with the old one's pid)
+        if rep and rep.state == ReplicaState.STARTING and rep.address == sender:
             now = time.monotonic()
             # After a restart, READY says when and why it was down (RESTARTS alone does not).
             at = time.strftime("%H:%M:%S UTC", time.gmtime())  # (UTC, as the logs' timestamps)
@@ -269,7 +271,17 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
 
     def receiveMsg_EngineFailed(self, msg: EngineFailed, sender):
         rep = self._replicas.get(msg.replica)
-        if rep is None or rep.state not in _ALIVE:
+        if rep is None or rep.state not in _ALIVE or rep.address != sender:
+            return  # (an engine given up on: see receiveMsg_EngineReady)
+        if rep.state == ReplicaState.DRAINING:
+            # It was going anyway (scaled away, drained): stopped when its process exits, as any
+            # drained one; not FAILED, which is tried again after failed_retry_s (a code review:
+            # a replica scaled away came back 300 s later, one more than asked for).
+            self._log.warning("engine_died_while_draining", replica=rep.replica, reason=msg.reason)
+            rep.reason = f"{rep.reason}; its engine died while it drained: {msg.reason}"
+            self._redispatch(rep, crashed=True)
+            self.send(rep.address, ActorExitRequest())
+            self._publish()
             return
         if rep.state == ReplicaState.READY:
             self._isolate(rep, f"engine died: {msg.reason}", crashed=True)  # it ran before: restart it
