@@ -1006,3 +1006,30 @@ def test_a_server_that_did_not_run_for_a_while_does_not_blame_its_supervisor_or_
         bridge._stop.set()
 
     asyncio.run(main())
+
+
+def test_a_request_actor_lost_twice_over_is_counted_lost_once():
+    """A code review: a RequestActor killed while a sender was stuck handing it a request was
+    written off twice, by its exit notice and by the stuck sender, and the pool counted it
+    lost twice (it then kept one RequestActor more than ``request_actors``)."""
+
+    async def main():
+        bridge = _bridge(request_actors=2, queue_limit=0)
+        bridge._loop = asyncio.get_running_loop()
+        bridge._pool.reserve(2)
+        bridge._pool.release("ra-1")
+        bridge._pool.release("ra-2")
+        stream = asyncio.ensure_future(_first(bridge, "r1"))
+        await asyncio.sleep(0.01)
+        _outbox_items(bridge)
+        lost, real_lost = [], bridge._pool.lost
+        bridge._pool.lost = lambda: (lost.append(1), real_lost())
+        bridge._exited(bridge._held["r1"].actor)  # its exit notice
+        bridge._write_off("r1", "its RequestActor did not take the request (stuck sender)", tell_exit=False)
+        assert len(lost) == 1
+        assert len([i for i in _outbox_items(bridge) if i[0] == "abandon"]) == 1
+        first = await asyncio.wait_for(stream, 5)
+        assert first.status == 500 and "its RequestActor exited" in first.message, first
+        bridge._stop.set()
+
+    asyncio.run(main())

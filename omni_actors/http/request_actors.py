@@ -250,8 +250,12 @@ class RequestActorKeeping:
         """The RequestActor of ``request_id`` is dead or hangs: its stages cancelled, its
         place given to another (it is told to exit if ``tell_exit``; one is made in its place
         while fewer than the minimum are left); the request (if its client still waits)
-        fails with a 500 that says ``why``."""
-        self._unhold(request_id)
+        fails with a 500 that says ``why``. Once: a request no RequestActor holds any more
+        (written off already, or returned) is left alone (a code review: an actor that died
+        with a sender stuck on it was counted lost twice, by its exit notice and by the
+        stuck sender, and the pool then made one more than ``request_actors``)."""
+        if not self._unhold(request_id):
+            return
         self._log.warning("request_actor_lost", request_id=request_id, error=why)
         self._outbox(request_id).put(("abandon", request_id, tell_exit))
         self._pool.lost()
