@@ -615,6 +615,9 @@ def test_images_models_health_stages():
         assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
         assert (await client.get(f"/v1/models/{MODEL}")).status == 200
         await assert_error(await client.get("/v1/models/other"), 404)
+        # an id with a slash, not escaped (zai-org/GLM-Image; a code review read "Unknown request URL")
+        err = await assert_error(await client.get("/v1/models/zai-org/GLM-Image"), 404)
+        assert err["code"] == "model_not_found" and "'zai-org/GLM-Image'" in err["message"], err
         resp = await client.get("/health")
         assert resp.status == 200 and await resp.json() == {"status": "ok"}
         assert await (await client.get("/v1/stages")).json() == {
@@ -635,6 +638,10 @@ def test_api_key():
         assert err["message"] == "The Authorization header is not 'Bearer YOUR_KEY' (it has scheme 'Basic')."
         err = await assert_error(await client.post(
             CHAT, json=GOOD_CHAT, headers={"Authorization": "Bearer wrong"}), 401)
+        assert err["code"] == "invalid_api_key"
+        # a byte that is not UTF-8 in the key: a 401 too (a code review: a 500)
+        err = await assert_error(await client.post(
+            CHAT, json=GOOD_CHAT, headers={"Authorization": "Bearer s3cr\xff"}), 401)
         assert err["code"] == "invalid_api_key"
         await assert_error(await client.get("/v1/models"), 401)
         assert (await client.get("/health")).status == 200

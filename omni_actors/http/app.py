@@ -285,7 +285,8 @@ async def auth_middleware(request: web.Request, handler: _Handler) -> web.Stream
         if scheme.lower() != "bearer" or not token.strip():  # (a trial's `Basic ...` read "didn't provide")
             raise P.ApiError(401, "The Authorization header is not 'Bearer YOUR_KEY' (it has "
                              f"{'scheme ' + repr(scheme[:20]) if scheme else 'no scheme'}).")
-        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+        # (surrogateescape: aiohttp keeps a header's non-UTF-8 bytes so; a plain encode raised, a 500)
+        if not hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), key.encode()):
             raise P.ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
     return await handler(request)
 
@@ -667,7 +668,7 @@ ROUTES = [
     web.post(CHAT_PATH, M.timed(CHAT_PATH, chat_completions)),
     web.post(IMAGES_PATH, M.timed(IMAGES_PATH, images_generations)),
     web.get("/v1/models", list_models),
-    web.get("/v1/models/{model}", get_model),
+    web.get("/v1/models/{model:.+}", get_model),  # (ids such as zai-org/GLM-Image: a slash, unescaped)
     web.get("/v1/stages", stages),
     web.get("/health", health),
     web.get("/ready", ready),
