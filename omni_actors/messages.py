@@ -1027,6 +1027,7 @@ class StageCancelled(Message):
     request_id: str
     stage_id: int
     attempt: int = 0
+    replica: str = ""  #: the engine's replica that ended it (none: the pool dropped it)
 
 
 @dataclass(frozen=True)

@@ -400,12 +400,13 @@ def test_a_frozen_service_fails_gets_and_releases_within_their_timeouts(prefix, 
                 reader.get(ref)
             took_get = time.monotonic() - t0
             t0 = time.monotonic()
+            # (another name: the release is sent, and the service, resumed, carries it out)
             with pytest.raises(ds.DataServiceError, match="not retried yet"):
-                ds.release(address, [ref.location])  # (down a moment ago: skipped)
+                ds.release(address, [prefix + "another"])  # (down a moment ago: skipped)
             data_client._down.clear()
             t0 = time.monotonic()
             with pytest.raises(ds.DataServiceError, match="no answer within 0.5 s"):
-                ds.release(address, [ref.location])  # (on a new connection: its kernel accepts it)
+                ds.release(address, [prefix + "another"])  # (on a new connection: its kernel accepts it)
             took_release = time.monotonic() - t0
         finally:
             os.kill(proc.pid, signal.SIGCONT)

@@ -442,6 +442,35 @@ def test_a_streaming_consumer_started_over_with_its_producer_is_the_next_attempt
     assert (again.attempt, again.moved, again.counted_attempts) == (1, 1, 0)
 
 
+def test_a_task_that_ends_cancelled_without_being_asked_to_is_a_failure_not_a_hang(monkeypatch):
+    """A code review: a task its replica ended as cancelled (its inputs gone, its engine
+    aborted it) while its request still waited for it was ignored by the RequestActor, and
+    the request waited for its deadline. It is a failure now: tried again, then reported.
+    The cancel of an earlier attempt is still ignored."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors import request
+    from omni_actors.messages import (PlannedStage, RequestFinished, RequestPlan, RunRequest, StageCancelled,
+                                      StageTask)
+
+    monkeypatch.setattr(request, "release_all", lambda refs, recycle=False: None)
+    ra = request.RequestActor()
+    sent = []
+    ra.send = lambda address, message: sent.append((address, message))
+    ra.wakeupAfter = lambda delay, payload=None: None
+    ra._myRef = SimpleNamespace(address="ra")
+    plan = RequestPlan((PlannedStage(0, "thinker", (), "pool-thinker", "text", False),))
+    ra.receiveMsg_RunRequest(RunRequest("r1", "hi", plan, {}, {}, 60.0, "bridge", max_attempts=2), "bridge")
+    ra.receiveMsg_StageCancelled(StageCancelled("r1", 0, 0), "thinker-engine")
+    tasks = [m for _, m in sent if isinstance(m, StageTask)]
+    assert [t.attempt for t in tasks] == [0, 1]  # tried again
+    ra.receiveMsg_StageCancelled(StageCancelled("r1", 0, 0), "thinker-engine")  # (the first, again: ignored)
+    assert len([m for _, m in sent if isinstance(m, StageTask)]) == 2
+    ra.receiveMsg_StageCancelled(StageCancelled("r1", 0, 1), "thinker-engine")
+    finished = [m for _, m in sent if isinstance(m, RequestFinished)]
+    assert len(finished) == 1 and "ended cancelled on its replica" in finished[0].message, finished
+
+
 def test_a_pool_cancels_a_task_in_flight_long_past_its_request_deadline():
     """A task whose cancel was lost (or overtaken by the task) must not count as in
     flight, nor run, for ever: past its request's deadline (``StageTask.timeout_s``)

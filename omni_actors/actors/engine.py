@@ -63,6 +63,13 @@ EXIT_GRACE_S = 0.5
 FINAL_FIELDS = {"text": ("text",), "audio": ("audio", "sample_rate"), "image": ("image",)}
 
 
+
+def _log_escaped(future) -> None:
+    """Done-callback of a coroutine run on an engine's loop: log what it let out."""
+    if not future.cancelled() and future.exception() is not None:
+        get_logger(actor="engine").error("engine_task_error", error=repr(future.exception()),
+                                         exc_info=future.exception())
+
 class LoopThread:
     """An asyncio loop on a daemon thread, with an outbox the actor drains."""
 
@@ -84,7 +91,8 @@ class LoopThread:
         return self._rsock.fileno()
 
     def submit(self, coro) -> None:
-        asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """Run ``coro`` on the loop; an exception it lets out is logged (it was lost)."""
+        asyncio.run_coroutine_threadsafe(coro, self.loop).add_done_callback(_log_escaped)
 
     def emit(self, address: Any, message: Any, *, urgent: bool = True) -> None:
         """Called on the loop thread: queue a message for the actor to send.
@@ -247,11 +255,15 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         except Exception as exc:  # noqa: BLE001
             self._rt.emit(self._pool, EngineFailed(spec.replica, f"{type(exc).__name__}: {exc}"))
             return
-        self._ready = True
         if self._leases:  # (its engine's own processes hold the devices too: a vLLM core)
             from omni_actors.system.processes import descendants
 
-            device_leases.take(self._leases, tuple(spec.devices), spec.replica, [os.getpid(), *descendants()])
+            try:
+                device_leases.take(self._leases, tuple(spec.devices), spec.replica, [os.getpid(), *descendants()])
+            except OSError as exc:  # (it was lost: no EngineReady, no EngineFailed, a restart at ready_timeout_s)
+                self._rt.emit(self._pool, EngineFailed(spec.replica, f"cannot record its device leases: {exc}"))
+                return
+        self._ready = True
         self._log.info("engine_ready", load_s=round(time.monotonic() - t0, 3), pid=os.getpid())
         self._rt.emit(self._pool, EngineReady(spec.replica, os.getpid(), spec.node,
                                               os.environ.get("CUDA_VISIBLE_DEVICES", ""),
@@ -381,7 +393,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self.send(address, StageFailed(chunk.request_id, chunk.stage_id, replica, ErrorKind.ENGINE_ERROR,
                                        f"stage {self._spec.stage.name} ({replica}): could not store an output "
                                        f"chunk: {exc}", chunk.attempt))
-        self._rt.loop.call_soon_threadsafe(self._cancel, chunk.request_id, chunk.stage_id)
+        # (that attempt only: its retry may come back here, and a cancel of every attempt, kept
+        # because the task had ended, stopped the retry at once; a code review)
+        self._rt.loop.call_soon_threadsafe(self._cancel, chunk.request_id, chunk.stage_id, chunk.attempt)
 
     def receiveMsg_HeartbeatAck(self, msg: HeartbeatAck, sender):
         self._last_ack = time.monotonic()
@@ -529,13 +543,13 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         except asyncio.CancelledError:
             cancelled = True
             self._log.info("stage_cancelled", request_id=msg.request_id)
-            emit(msg.reply_to, StageCancelled(msg.request_id, msg.stage_id, msg.attempt))
+            emit(msg.reply_to, StageCancelled(msg.request_id, msg.stage_id, msg.attempt, replica))
         except ConnectorError as exc:
             # Inputs are released only when their request ends: it ended (the client left)
             # while this task was on its way. Not this replica's fault: it ends as cancelled.
             cancelled = True
             self._log.info("stage_inputs_released", request_id=msg.request_id, error=str(exc))
-            emit(msg.reply_to, StageCancelled(msg.request_id, msg.stage_id, msg.attempt))
+            emit(msg.reply_to, StageCancelled(msg.request_id, msg.stage_id, msg.attempt, replica))
         except UpstreamTimeout as exc:
             # A neighbour stage stopped streaming: the request fails with the reason; this
             # replica is healthy (not counted as its failure).

@@ -569,8 +569,21 @@ class RequestActor(ActorTypeDispatcher):
             self._resend(dataclasses.replace(task, attempt=task.attempt + 1, moved=task.moved + 1))
 
     def receiveMsg_StageCancelled(self, msg: StageCancelled, sender):
-        # (A cancel this actor did not ask for while its request runs, e.g. of an orphaned
-        # replica's task that it sent again elsewhere, changes nothing: ignored.)
+        # (A cancel this actor did not ask for, of a task it no longer waits for (an orphaned
+        # replica's, sent again elsewhere; an earlier attempt), changes nothing: ignored.)
+        task = self._running.get(msg.stage_id) if self._current(msg.request_id) else None
+        if task is not None and task.attempt == msg.attempt:
+            # The very task it waits for ended cancelled, and it cancelled nothing of its own:
+            # its replica ended it (its inputs were gone, its engine aborted it, its pool went).
+            # A failure, tried again elsewhere or reported (a code review: ignored, the request
+            # waited for its deadline and read a timeout).
+            stage = self._plan[msg.stage_id].stage if msg.stage_id in self._plan else str(msg.stage_id)
+            self.receiveMsg_StageFailed(StageFailed(
+                msg.request_id, msg.stage_id, msg.replica or "its replica", ErrorKind.UNAVAILABLE,
+                f"stage {stage}'s task ended cancelled on its replica, which this request did not ask for "
+                "(its inputs were gone, or its engine or pool ended it)", task.attempt,
+                getattr(task, "crashed", ()), getattr(task, "moved", 0)), sender)
+            return
         self._confirm(msg.request_id, msg.stage_id)
 
     def _confirm(self, request_id: str, stage_id: int) -> None:

@@ -59,4 +59,6 @@ class VllmRequests:
 
     def __len__(self) -> int:
         """How many engine requests are in flight."""
-        return sum(len(ids) for ids in self._by_request.values())
+        # (a list first, in one step: the loop thread adds and removes requests meanwhile; a
+        # generator over the live view could raise "dictionary changed size during iteration")
+        return sum(map(len, list(self._by_request.values())))
