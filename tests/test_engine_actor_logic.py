@@ -1428,6 +1428,33 @@ def test_a_request_actor_ends_its_request_and_frees_itself_when_those_wakeups_ar
     assert ra._closing is None and ra._req is None
 
 
+def test_a_coordinator_that_did_not_run_for_a_while_does_not_lose_its_member_nodes():
+    """A code review: a coordinator stopped (SIGSTOP, starved) for more than three heartbeat
+    intervals took every member node for lost at its first check, before the heartbeats
+    waiting in its queue: their replicas were killed and placed again. The time its check
+    ran late is not the nodes' silence, as for its pools; a node silent on top of it is lost."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import NodeInfo
+
+    co = CoordinatorActor()
+    lost = []
+    co.send = lambda address, message: None
+    co._lose_node = lambda name, reason: lost.append(name)
+    co._config = SimpleNamespace(deployment=SimpleNamespace(heartbeat_interval_s=1.0))
+    co._leader_node = "leader"
+    for name in ("leader", "m1", "m2"):
+        co._inventory.add(NodeInfo(name))
+    now = _time.monotonic()
+    co._last_node_check = now - 6.0  # (stopped for 5 s past its interval)
+    co._inventory.nodes["m1"].last_seen = now - 6.2  # heard just before the pause
+    co._inventory.nodes["m2"].last_seen = now - 10.0  # silent for 4 s before it too
+    co._check_nodes()
+    assert lost == ["m2"]
+
+
 def test_the_coordinator_restarts_its_node_checks_when_their_wakeup_is_lost():
     """The coordinator's node check re-arms itself; had its wake-up been lost, a member
     host killed later would never be found lost. A pool's report now restarts it when it

@@ -301,6 +301,11 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._last_node_check = now
         self._check_pools(now, late)
         for name, node in list(self._inventory.nodes.items()):
+            if late > interval and name != self._leader_node:
+                # (as for the pools: time this check ran late, the coordinator paused or its
+                # wake-ups held up, is not the nodes' silence; their heartbeats wait in its queue.
+                # A code review: a coordinator stopped for 3 intervals lost every member node.)
+                node.last_seen += late
             if name == self._leader_node:
                 node.last_seen = now  # our own host: alive while we are
                 # and its data plane, as a member's agent reports it in heartbeats
