@@ -1455,6 +1455,29 @@ def test_a_coordinator_that_did_not_run_for_a_while_does_not_lose_its_member_nod
     assert lost == ["m2"]
 
 
+def test_a_drained_node_whose_member_joins_again_is_still_drained():
+    """A code review: `node drain m2`, then its member restarted (a new join): m2 took new
+    replicas without `node undrain`. It is drained still, with a ``node_still_drained``
+    warning; once undrained, a join is a plain join."""
+    from structlog.testing import capture_logs
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.placement import LEFT_REASON, NodeInfo
+
+    co = CoordinatorActor()
+    co._add_node(NodeInfo("m2", ("0",), ()))
+    assert co._inventory.drain("m2", operator=True)
+    co._inventory.lose("m2", LEFT_REASON)  # (its member stopped)
+    with capture_logs() as logs:
+        co._add_node(NodeInfo("m2", ("0",), ()))  # (and started again)
+    assert co._inventory.nodes["m2"].drained and not co._inventory.nodes["m2"].open
+    assert [e["event"] for e in logs] == ["node_still_drained"]
+    assert co._inventory.undrain("m2")
+    co._inventory.lose("m2", LEFT_REASON)
+    co._add_node(NodeInfo("m2", ("0",), ()))
+    assert co._inventory.nodes["m2"].open
+
+
 def test_the_coordinator_restarts_its_node_checks_when_their_wakeup_is_lost():
     """The coordinator's node check re-arms itself; had its wake-up been lost, a member
     host killed later would never be found lost. A pool's report now restarts it when it

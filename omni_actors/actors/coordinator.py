@@ -462,14 +462,19 @@ class CoordinatorActor(ActorTypeDispatcher):
 
     def _add_node(self, info: NodeInfo) -> None:
         """Put a node that joined into the inventory; drained again if an operator had drained
-        it under the coordinator before this one (:attr:`Deploy.drained_nodes`), once."""
+        it under the coordinator before this one (:attr:`Deploy.drained_nodes`), once, or
+        under this one before its member left or was lost and joined again (a code review:
+        a member restarted after `node drain` took new replicas without `node undrain`)."""
+        before = self._inventory.nodes.get(info.name)
+        again = before is not None and before.drained
         self._inventory.add(info)
-        if info.name in self._drained_before:
+        if info.name in self._drained_before or again:
             self._drained_before.discard(info.name)
             self._inventory.drain(info.name, operator=True)
             self._log.warning("node_still_drained", node=info.name,
-                              message="drained before the coordinator was recreated: nothing new is placed "
-                                      "there until `node undrain`")
+                              message=("drained before it joined again" if again else
+                                       "drained before the coordinator was recreated")
+                              + ": nothing new is placed there until `node undrain`")
 
     def _joined(self, info: NodeInfo) -> None:
         """A member's node agent answered: its devices take work (unless it is still drained)."""
