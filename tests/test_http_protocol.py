@@ -84,6 +84,10 @@ class FakeBridge:
             yield OutputFinal(0, "image", {"image": img})
             yield RequestDone(4, 0)
             return
+        if "[bigtext]" in p:  # (a 16 MB reply)
+            yield OutputFinal(0, "text", {"text": "y" * (16 << 20)})
+            yield RequestDone(prompt_tokens=5, completion_tokens=3)
+            return
         if "[notext]" not in p:
             for piece in ("Hel", "lo ", "world"):
                 await asyncio.sleep(0)
@@ -546,6 +550,46 @@ def test_a_client_that_reads_nothing_of_its_stream_is_cut_off_and_its_request_ca
         finally:
             sock.close()
         await assert_good_chat(client)  # (and the server serves on)
+
+    serve(bridge, body)
+
+
+def test_a_client_that_reads_nothing_of_a_large_reply_is_cut_off(monkeypatch):
+    """A code review: a non-streamed reply (an audio reply, an image: megabytes) went out with
+    no send timeout, and a client that read none of it kept all of it in the API server's
+    memory for as long as it kept its connection. It is cut off after the send timeout."""
+    import socket
+
+    monkeypatch.setenv("OMNI_ACTORS_SEND_TIMEOUT_S", "0.5")
+    bridge = FakeBridge(output_types=("text",))
+
+    async def body(client):
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (client.server.host, client.server.port))
+        payload = json.dumps(chat("[bigtext]")).encode()
+        await loop.sock_sendall(sock, b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                                b"Content-Type: application/json\r\nContent-Length: "
+                                + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        try:
+            await asyncio.sleep(2.0)  # (reading nothing: past the send timeout)
+            got = 0
+            while True:  # what was in flight, then the connection's end
+                try:
+                    chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 5)
+                except ConnectionResetError:
+                    break
+                if not chunk:
+                    break
+                got += len(chunk)
+            assert got < 16 << 20  # (cut off)
+        finally:
+            sock.close()
+        await assert_good_chat(client)  # (and the server serves on)
+        resp = await client.post(CHAT, json=chat("[bigtext]"))  # (a client that reads gets it all)
+        assert resp.status == 200 and len((await resp.json())["choices"][0]["message"]["content"]) == 16 << 20
 
     serve(bridge, body)
 

@@ -92,6 +92,42 @@ SEND_TIMEOUT_S = 60.0
 SEND_TIMEOUT_ENV = "OMNI_ACTORS_SEND_TIMEOUT_S"
 
 
+#: A JSON reply bigger than this (bytes: a non-streamed audio reply, an image) is written under
+#: the send timeout too (:func:`_reply_json`); aiohttp writes a plain response with none.
+LARGE_REPLY_BYTES = 256 * 1024
+
+
+async def _send_within(request: web.Request, write: Awaitable[Any], limit_s: float, what: str) -> None:
+    """Await ``write`` (a write to the client) at most ``limit_s``; past it, the client read
+    nothing for that long: its connection is aborted (its output freed) and
+    ConnectionResetError raised (the request is logged with status 499)."""
+    try:
+        await within(write, limit_s)
+    except asyncio.TimeoutError:
+        _log().warning("client_stalled", request_id=request.get(_RID), waited_s=limit_s,
+                       message=f"the client read nothing of its {what} for this long: the connection is cut "
+                               "and its output freed")
+        if request.transport is not None:
+            request.transport.abort()
+        raise ConnectionResetError(f"the client read nothing for {limit_s:g} s") from None
+
+
+async def _reply_json(request: web.Request, data: Any) -> web.StreamResponse:
+    """``data`` as the JSON reply; a large one (over :data:`LARGE_REPLY_BYTES`) is written
+    here under the send timeout: a client that read none of it held it in this server's
+    memory for as long as it kept its connection (a code review: 13 MB per audio reply)."""
+    body = _encoder.encode(data)
+    if len(body) <= LARGE_REPLY_BYTES:
+        return web.Response(body=body, content_type="application/json")
+    resp = web.StreamResponse(headers={"X-Request-Id": request[_RID]})
+    resp.content_type, resp.content_length = "application/json", len(body)
+    await resp.prepare(request)
+    limit_s = send_timeout_s()
+    await _send_within(request, resp.write(body), limit_s, "reply")
+    await _send_within(request, resp.write_eof(), limit_s, "reply")
+    return resp
+
+
 def send_timeout_s() -> float:
     """:data:`SEND_TIMEOUT_S`, or ``$OMNI_ACTORS_SEND_TIMEOUT_S`` when it is a number > 0."""
     try:
@@ -484,8 +520,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     elif "audio" in creq.output_types:
         _log().warning("http_no_audio", request_id=preq.request_id)
     finish = done.finish_reason or P.finish_reason(done.completion_tokens, creq.max_tokens)
-    return _json(P.chat_completion(preq.request_id, creq.model, created, text, payload, finish,
-                                   P.usage_dict(done.prompt_tokens, done.completion_tokens)))
+    return await _reply_json(request, P.chat_completion(
+        preq.request_id, creq.model, created, text, payload, finish,
+        P.usage_dict(done.prompt_tokens, done.completion_tokens)))
 
 
 async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest,
@@ -507,15 +544,7 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
     limit_s = send_timeout_s()
 
     async def write(data: bytes) -> None:
-        try:
-            await within(resp.write(data), limit_s)
-        except asyncio.TimeoutError:
-            _log().warning("client_stalled", request_id=rid, waited_s=limit_s,
-                           message="the client read nothing of its stream for this long: the stream is cut "
-                                   "and its output freed")
-            if request.transport is not None:
-                request.transport.abort()
-            raise ConnectionResetError(f"the client read nothing for {limit_s:g} s") from None
+        await _send_within(request, resp.write(data), limit_s, "stream")
 
     async def send(obj: Any) -> None:
         await write(b"data: " + _encoder.encode(obj) + b"\n\n")
@@ -583,7 +612,7 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
             M.set_outcome(request, err.status)
             await send(err.body())
     await write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+    await _send_within(request, resp.write_eof(), limit_s, "stream")
     return resp
 
 
@@ -607,7 +636,7 @@ async def images_generations(request: web.Request) -> web.Response:
     from omni_actors.media import encode_png
 
     png = await asyncio.to_thread(encode_png, image)
-    return _json(P.image_response(P.now(), png))
+    return await _reply_json(request, P.image_response(P.now(), png))
 
 
 async def list_models(request: web.Request) -> web.Response:
