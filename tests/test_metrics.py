@@ -377,6 +377,28 @@ def test_metrics_requires_the_api_key_when_set_health_does_not():
     assert samples(f, "omni_replica_state")
 
 
+def test_requests_refused_before_their_handler_runs_are_counted():
+    """A code review: a chat refused by the API key check (401), or while the server stops
+    (503), was in the access log only, not in ``omni_requests_total``; a GET of /v1/models
+    refused the same way is still not counted (GETs never are)."""
+    from omni_actors.http.app import refuse_new_requests
+
+    async def body(client):
+        assert (await client.post(CHAT, json=chat())).status == 401
+        assert (await client.post(CHAT, json=chat(), headers={"Authorization": "Bearer wrong"})).status == 401
+        assert (await client.get("/v1/models")).status == 401
+        assert (await client.post(CHAT, json=chat(), headers={"Authorization": "Bearer k"})).status == 200
+        refuse_new_requests(client.server.app)
+        assert (await client.post(CHAT, json=chat(), headers={"Authorization": "Bearer k"})).status == 503
+        return await scrape(client, {"Authorization": "Bearer k"})  # (/metrics: answered while it stops)
+
+    f = serve(FakeBridge(), body, api_key="k")
+    assert value(f, "omni_requests", "omni_requests_total", endpoint=CHAT, status="401") == 2
+    assert value(f, "omni_requests", "omni_requests_total", endpoint=CHAT, status="200") == 1
+    assert value(f, "omni_requests", "omni_requests_total", endpoint=CHAT, status="503") == 1
+    assert {s.labels["endpoint"] for s in samples(f, "omni_requests", "omni_requests_total")} == {CHAT}
+
+
 # ------------------------------------------------------------ real system
 
 @pytest.mark.system

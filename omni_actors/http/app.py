@@ -243,6 +243,8 @@ async def request_id_middleware(request: web.Request, handler: _Handler) -> web.
         raise
     finally:
         status = request.get(M.OUTCOME_KEY, status)
+        if request.method == "POST" and request.path in (CHAT_PATH, IMAGES_PATH):
+            M.count_refused(request, request.path, status, time.perf_counter() - t0)
         if request.method != "GET" or status >= 400:
             (_log().warning if status >= 500 else _log().info)(
                 "http_request", method=request.method, path=request.path, status=status,

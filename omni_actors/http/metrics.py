@@ -85,6 +85,8 @@ _RL = ("stage", "replica")
 METRICS_KEY: web.AppKey["Metrics"] = web.AppKey("metrics", object)
 _T0: web.RequestKey[float] = web.RequestKey("metrics_t0", float)
 _STATUS: web.RequestKey[int] = web.RequestKey("metrics_status", int)
+#: set once a request is counted (its handler ran under :func:`timed`)
+_COUNTED: web.RequestKey[bool] = web.RequestKey("metrics_counted", bool)
 #: The outcome status :func:`set_outcome` recorded (a stream that failed after its 200 header).
 OUTCOME_KEY = _STATUS
 _TTFT_SEEN: web.RequestKey[bool] = web.RequestKey("metrics_ttft_seen", bool)
@@ -283,6 +285,7 @@ def timed(endpoint: str, handler: Callable[[web.Request], Awaitable[web.StreamRe
             raise
         finally:
             status = request.get(_STATUS, status)
+            request[_COUNTED] = True
             metrics = request.app.get(METRICS_KEY)
             if metrics is not None:
                 metrics.observe_request(endpoint, status, time.perf_counter() - t0)
@@ -290,6 +293,16 @@ def timed(endpoint: str, handler: Callable[[web.Request], Awaitable[web.StreamRe
     wrapped.__name__ = getattr(handler, "__name__", "handler")
     wrapped.__doc__ = handler.__doc__
     return wrapped
+
+
+def count_refused(request: web.Request, endpoint: str, status: int, took_s: float) -> None:
+    """Count a request to ``endpoint`` answered before its handler ran (a 401 of the API key
+    check, a 503 while the server stops): a code review found them in the log only."""
+    if not request.get(_COUNTED):
+        request[_COUNTED] = True
+        metrics = request.app.get(METRICS_KEY)
+        if metrics is not None:
+            metrics.observe_request(endpoint, status, took_s)
 
 
 def set_outcome(request: web.Request, status: int) -> None:
