@@ -1439,3 +1439,33 @@ def test_a_drained_node_stays_drained_when_the_coordinator_is_recreated():
             time.sleep(0.3)
     finally:
         assert leader.stop() == 0
+
+
+def test_stop_leaves_alone_the_process_that_took_the_pid_of_a_leader_gone(tmp_path):
+    """A code review: a leader's record left behind (its leader and watchdog killed together,
+    or a reboot) named a pid another process had taken since; `stop` SIGTERMed, then
+    SIGKILLed, that process, and the sessions it recorded. The record now says when its
+    process started and in which boot: `stop` sees the difference, signals nothing, and
+    removes the record; `start` and `status` no longer take it for a running leader."""
+    from omni_actors.system.watchdog import boot_id, identity, recorded_process_runs
+
+    sleeper = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert recorded_process_runs({"pid": os.getpid(), **identity()})
+        mine = identity()
+        assert not recorded_process_runs({"pid": os.getpid(), **{**mine, "pid_start": mine["pid_start"] - 1}})
+        assert not recorded_process_runs({"pid": os.getpid(), **{**mine, "boot_id": "another-boot"}})
+        assert recorded_process_runs({"pid": os.getpid()})  # (a record from before: its pid alone)
+        port = free_port()
+        record = tmp_path / f"leader-{port}.json"
+        for stale in ({"pid_start": 1, "boot_id": boot_id()}, {"pid_start": 1, "boot_id": "another-boot"}):
+            record.write_text(json.dumps({"pid": sleeper.pid, **stale, "admin_port": port, "port": port + 1,
+                                          "system_id": "gone-system", "sessions": [sleeper.pid]}))
+            out = _cli("stop", "--admin-port", str(port), env={"OMNI_ACTORS_STATE_DIR": str(tmp_path)})
+            assert out.returncode == 1 and "is gone (" in out.stderr and "its record is removed" in out.stderr, \
+                out.stderr
+            assert ("before this host last booted" in out.stderr) == (stale["boot_id"] == "another-boot")
+            assert sleeper.poll() is None and not record.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -401,6 +401,21 @@ def cmd_stop(args) -> int:
                         "another program" if _listening(args.admin_port) else "")
                      + "; `stop` stops a leader or member started on this host" + other_leaders_hint(args.admin_port))
     pid = state["pid"]
+    from omni_actors.system.watchdog import boot_id, recorded_process_runs
+
+    other_boot = bool(state.get("boot_id")) and state["boot_id"] != boot_id()
+    if other_boot or (_alive(pid) and not recorded_process_runs(state)):
+        # A record of a system gone, whose pid names another process now (a reboot; a leader and
+        # its watchdog killed together): that process is not signalled, nor the sessions it
+        # recorded (others' now); a process of the system still here goes by its system id
+        # (a code review: `stop` would have SIGTERMed, then SIGKILLed, whoever had the pid).
+        sfile.unlink(missing_ok=True)
+        killed = 0 if other_boot else kill_system(state["system_id"])
+        why = ("it ran before this host last booted" if other_boot else
+               f"its {state.get('role', 'leader')} process {pid} has exited, and the pid is another process's now")
+        return _fail(f"no omni-actors system runs on admin port {args.admin_port}: the one recorded in "
+                     f"{state_dir()} is gone ({why}); its record is removed"
+                     + (f" ({killed} leftover processes of it killed)" if killed else ""))
     # (a member drains its replicas for as long as the leader's drain_timeout_s: it records the
     # one it read when it joined; the default's if the leader did not answer then)
     timeout = args.timeout if args.timeout is not None else \
@@ -539,7 +554,9 @@ def cmd_status(admin, args) -> int:
 
     status = admin.status()
     state = None if getattr(args, "convention_address", None) else _read_state(args.admin_port)
-    api_down = state is not None and not _alive(state["pid"])
+    from omni_actors.system.watchdog import recorded_process_runs
+
+    api_down = state is not None and not recorded_process_runs(state)
     bound = (state or {}).get("host")
     api_host = "127.0.0.1" if bound in (None, "", "0.0.0.0", "::") else bound  # (a wildcard: reach it on loopback)
     # (trial BH: with the leader stopped by SIGSTOP, `status` said ready while its HTTP API answered nothing)

@@ -25,8 +25,8 @@ from omni_actors.config import PipelineConfig
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, cli, kill_system, port_in_use,
                                           remove_ipc_dir, remove_orphan_semaphores, resume_stopped, sweep_stale_ipc_dirs,
                                           serve_args_error)
-from omni_actors.system.watchdog import (admin_stops, exit_if_host_gone, is_watchdog, mark_host_process,
-                                         start_time, start_watchdog, stop_watchdog)
+from omni_actors.system.watchdog import (admin_stops, exit_if_host_gone, identity, is_watchdog, mark_host_process,
+                                         recorded_process_runs, start_watchdog, stop_watchdog)
 
 ACTOR_BASE = "multiprocTCPBase"
 PR_SET_CHILD_SUBREAPER = 36
@@ -169,7 +169,7 @@ def _admin_port_taken(admin_port: int) -> str:
     except (OSError, ValueError):
         state = {}
     pid, stop = state.get("pid"), f"`{cli('stop')} --admin-port {admin_port}`"
-    if isinstance(pid, int) and start_time(pid) is None:
+    if isinstance(pid, int) and not recorded_process_runs(state):
         watchdog = state.get("watchdog_pid")
         return (f"admin port {admin_port} is still held by what the leader (pid {pid}) that died there left: "
                 + ("its watchdog is stopping it; try again in a few seconds"
@@ -200,8 +200,7 @@ def recorded_leaders() -> list[dict]:
             state = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        pid, port = state.get("pid"), state.get("admin_port")
-        if isinstance(pid, int) and isinstance(port, int) and start_time(pid) is not None:
+        if isinstance(state.get("admin_port"), int) and recorded_process_runs(state):
             found.append(state)
     return sorted(found, key=lambda state: state["admin_port"])
 
@@ -319,7 +318,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         watchdog = start_watchdog("leader", system_id, sessions, shm_prefix=shm_prefix, state_file=sfile)
         # (before the deployment, which waits for every replica: `stop` finds the leader by it)
         sfile.parent.mkdir(parents=True, exist_ok=True)
-        sfile.write_text(json.dumps({"pid": os.getpid(), "admin_port": admin_port, "host": host,
+        sfile.write_text(json.dumps({"pid": os.getpid(), **identity(), "admin_port": admin_port, "host": host,
                                      "watchdog_pid": watchdog.pid if watchdog else None,
                                      "sessions": sessions, "shm_dir": shm_dir,
                                      "drain_timeout_s": config.deployment.supervision.drain_timeout_s,

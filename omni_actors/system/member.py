@@ -22,7 +22,7 @@ from omni_actors.system.leader import (ACTOR_BASE, StartError, _become_subreaper
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
                                           remove_orphan_semaphores,
                                           resume_stopped, sweep_stale_ipc_dirs)
-from omni_actors.system.watchdog import (admin_stops, exit_if_host_gone, mark_host_process, remove_state_file,
+from omni_actors.system.watchdog import (admin_stops, exit_if_host_gone, identity, mark_host_process, remove_state_file,
                                         start_watchdog, stop_watchdog)
 
 #: seconds between the member's checks that its convention leader's admin still answers
@@ -118,7 +118,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
                                   state_file=sfile)
         # (`stop --admin-port` finds it there: a trial had to find the member's pid to stop it)
         sfile.parent.mkdir(parents=True, exist_ok=True)
-        sfile.write_text(json.dumps({"pid": me, "role": "member", "node": node, "admin_port": admin_port,
+        sfile.write_text(json.dumps({"pid": me, **identity(), "role": "member", "node": node, "admin_port": admin_port,
                                      "convention": f"{host}:{port}", "system_id": os.environ.get(ENV_SYSTEM_ID, ""),
                                      "sessions": sessions, "shm_dir": shm_dir,
                                      "watchdog_pid": watchdog.pid if watchdog else None,

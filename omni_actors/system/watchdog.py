@@ -56,6 +56,35 @@ def start_time(pid: int) -> int | None:
     return None if fields is None or fields[0] in ("Z", "X") else int(fields[19])  # a zombie has exited
 
 
+def boot_id() -> str:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``; "" where there is none)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def identity() -> dict:
+    """What a state file records of the process writing it, besides its pid: its start time
+    and the boot, so that a record left by a process gone (a reboot, a leader and watchdog
+    killed together) is not taken for it once its pid names another process."""
+    return {"pid_start": start_time(os.getpid()), "boot_id": boot_id()}
+
+
+def recorded_process_runs(state: dict) -> bool:
+    """Whether the process a state file names (``pid``, with :func:`identity`'s fields when
+    recorded) is the one running under that pid now (not a zombie)."""
+    pid = state.get("pid")
+    if not isinstance(pid, int):
+        return False
+    now = start_time(pid)
+    if now is None:
+        return False
+    if state.get("boot_id") and state["boot_id"] != boot_id():
+        return False
+    return state.get("pid_start") is None or state["pid_start"] == now
+
+
 def mark_host_process(role: str) -> None:
     """Record this process as its host's main process (:data:`ENV_HOST_PROCESS`, with its
     ``role``: ``"leader"`` or ``"member"``) for the processes it starts from now on."""
