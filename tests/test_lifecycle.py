@@ -1469,3 +1469,28 @@ def test_stop_leaves_alone_the_process_that_took_the_pid_of_a_leader_gone(tmp_pa
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_hangup_stops_a_host_unless_it_runs_under_nohup():
+    """A code review: the leader and members handled SIGHUP (a closed terminal: drain and
+    stop) even where it was ignored on purpose, so `nohup ... start &` stopped the system at
+    logout; an `api` server did not handle it at all (its RequestActors were left behind)."""
+    import signal
+
+    from omni_actors.system.processes import handle_stop_signals
+
+    def handler(signum, frame):
+        pass
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # (as nohup leaves it)
+        handle_stop_signals(handler)
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) is handler and signal.getsignal(signal.SIGINT) is handler
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)  # (a terminal's)
+        handle_stop_signals(handler)
+        assert signal.getsignal(signal.SIGHUP) is handler
+    finally:
+        for sig, was in saved.items():
+            signal.signal(sig, was)

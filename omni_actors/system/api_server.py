@@ -32,7 +32,6 @@ waited 12-14 s, then got a 503 blaming ``drain_timeout_s``.)
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 import threading
 import time
@@ -151,7 +150,7 @@ def run_api(*, host: str, port: int, admin_port: int | None = None, convention: 
     from omni_actors.http.bridge import BridgeError
     from omni_actors.logs import get_logger
     from omni_actors.system.admin import AdminError, attach
-    from omni_actors.system.processes import port_in_use, serve_args_error
+    from omni_actors.system.processes import handle_stop_signals, port_in_use, serve_args_error
     from omni_actors.system.leader import other_leaders_hint
     from omni_actors.system.remote import NO_LEADER, RemoteSystem, attach_remote
 
@@ -172,8 +171,7 @@ def run_api(*, host: str, port: int, admin_port: int | None = None, convention: 
         else:
             raise KeyboardInterrupt
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, interrupt)
+    handle_stop_signals(interrupt)  # (SIGHUP too: its terminal closed left its RequestActors behind)
 
     log = get_logger(actor="api")
     admin = None

@@ -22,7 +22,8 @@ import uuid
 from pathlib import Path
 
 from omni_actors.config import PipelineConfig
-from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, cli, kill_system, port_in_use,
+from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, cli, handle_stop_signals, kill_system,
+                                          port_in_use,
                                           remove_ipc_dir, remove_orphan_semaphores, resume_stopped, sweep_stale_ipc_dirs,
                                           serve_args_error)
 from omni_actors.system.watchdog import (admin_stops, exit_if_host_gone, identity, is_watchdog, mark_host_process,
@@ -298,8 +299,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             raise KeyboardInterrupt
 
     serving, hurry = threading.Event(), threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (SIGHUP: its terminal was closed)
-        signal.signal(sig, interrupt)
+    handle_stop_signals(interrupt)
 
     t0, started_at = time.monotonic(), time.time()
     leader_node = NodeInfo(node or socket.gethostname(), tuple(devices))

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import threading
 import time
 
 from omni_actors.system.leader import (ACTOR_BASE, StartError, _become_subreaper, admin_start_error,
                                        member_state_file, node_capabilities, start_data_service)
-from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, kill_system, port_in_use, remove_ipc_dir,
+from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, handle_stop_signals, kill_system,
+                                          port_in_use, remove_ipc_dir,
                                           remove_orphan_semaphores,
                                           resume_stopped, sweep_stale_ipc_dirs)
 from omni_actors.system.watchdog import (admin_stops, exit_if_host_gone, identity, mark_host_process, remove_state_file,
@@ -74,8 +74,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         else:  # (a process forked from here: the admin, its logger)
             exit_if_host_gone(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # (SIGHUP: its terminal was closed)
-        signal.signal(sig, interrupt)
+    handle_stop_signals(interrupt)
     problem = _wait_for_leader(host, port, leader_wait_s, stopping)
     if stopping.is_set():
         print("omni-actors member stopped while it waited for its leader", flush=True)

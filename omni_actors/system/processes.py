@@ -245,6 +245,16 @@ def child_sessions(pid: int | None = None) -> list[int]:
     return sorted(found)
 
 
+def handle_stop_signals(handler) -> None:
+    """Install ``handler`` for SIGINT, SIGTERM and SIGHUP (its terminal was closed); SIGHUP
+    not where it is ignored already (``nohup``: a code review's `nohup ... start &` stopped
+    the whole system at logout)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        signal.signal(sig, handler)
+
+
 def system_pids(system_id: str, *, exclude_self: bool = True, sessions: tuple[int, ...] | list[int] = ()) -> list[int]:
     """PIDs of live processes started with ``OMNI_ACTORS_SYSTEM_ID=system_id``.
 
