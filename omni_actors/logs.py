@@ -37,13 +37,35 @@ def configure_logging(level: str | None = None, stream=None) -> None:
         # stream is unbuffered, PYTHONUNBUFFERED=1): every actor process shares the file,
         # and two writes let another process's line in between (seen: two events merged
         # on one line, unparseable).
-        logger_factory=structlog.WriteLoggerFactory(stream or sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(_Tolerant(stream or sys.stderr)),
         cache_logger_on_first_use=False,
     )
     for logger_name in JSON_STDLIB_LOGGERS:
         logger = logging.getLogger(logger_name)
         if not any(isinstance(f, _StdlibToJson) for f in logger.filters):
             logger.addFilter(_StdlibToJson())
+
+
+class _Tolerant:
+    """A log stream whose writes fail silently once nobody reads it: a closed terminal
+    (EIO), a pipe whose reader exited (``start ... | tee``, Ctrl-C killing ``tee`` too). A
+    log line is not worth a stop: the leader's drain raised at its first line, and its
+    requests in flight were cut with no answer (a code review)."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> None:
+        try:
+            self._stream.write(text)
+        except (OSError, ValueError):  # (ValueError: the stream was closed)
+            pass
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            pass
 
 
 class _StdlibToJson(logging.Filter):

@@ -1494,3 +1494,18 @@ def test_a_hangup_stops_a_host_unless_it_runs_under_nohup():
     finally:
         for sig, was in saved.items():
             signal.signal(sig, was)
+
+
+def test_a_log_stream_nobody_reads_does_not_break_what_logs_to_it():
+    """A code review: with its terminal closed, or `start ... | tee` and Ctrl-C killing `tee`,
+    the leader's first log line of its drain raised (EIO, a broken pipe): the drain was
+    skipped and the requests in flight cut with no answer. Log writes now fail silently."""
+    script = ("import io\nfrom omni_actors.logs import configure_logging, get_logger\n"
+              "class Gone(io.TextIOBase):\n"
+              "    def write(self, s):\n        raise BrokenPipeError(32, 'Broken pipe')\n"
+              "    def flush(self):\n        raise OSError(5, 'Input/output error')\n"
+              "configure_logging('info', stream=Gone())\n"
+              "get_logger(actor='leader').info('draining', requests=2)\nget_logger().warning('x')\n"
+              "print('survived')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "survived", out.stderr[-2000:]
