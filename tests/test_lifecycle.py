@@ -1509,3 +1509,19 @@ def test_a_log_stream_nobody_reads_does_not_break_what_logs_to_it():
               "print('survived')\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "survived", out.stderr[-2000:]
+
+
+def test_a_dead_hosts_watchdog_leaves_alone_the_segments_of_a_new_one_on_its_port(tmp_path):
+    """A code review: a leader killed, then started again on its admin port within its
+    watchdog's clean-up (a few seconds), lost its live segments (the same ``oa-<port>-``
+    prefix) to that watchdog's sweep. The watchdog sweeps only where no new leader or
+    member runs on the port (its state file names another running process)."""
+    from omni_actors.system.watchdog import identity, successor_runs
+
+    record = tmp_path / "leader-1900.json"
+    assert not successor_runs(record, 12345) and not successor_runs(None, 12345)
+    record.write_text(json.dumps({"pid": os.getpid(), **identity()}))  # (the new one: this process)
+    assert successor_runs(record, 12345)  # (the watchdog of pid 12345, gone)
+    assert not successor_runs(record, os.getpid())  # (its own record)
+    record.write_text(json.dumps({"pid": os.getpid(), **{**identity(), "pid_start": 1}}))  # (a stale one)
+    assert not successor_runs(record, 12345)
