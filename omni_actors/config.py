@@ -395,6 +395,8 @@ class PipelineConfig(msgspec.Struct, kw_only=True):
 # -- loading -------------------------------------------------------------
 
 _PATH_RE = re.compile(r"at `\$(.*)`")
+#: msgspec's form for a mapping key of the wrong type: "... - at `key` in `$.a.b`"
+_KEY_RE = re.compile(r"at `key` in `\$(.*)`")
 
 
 def _yaml_path(raw: str) -> str:
@@ -513,9 +515,15 @@ def _convert(obj: Any, typ: type, source: str, prefix: str = "") -> Any:
         return msgspec.convert(obj, typ)
     except msgspec.ValidationError as exc:
         text = str(exc)
-        m = _PATH_RE.search(text)
-        path = _yaml_path(m.group(1)) if m else ""
-        path, message = _expected(typ, path, _PATH_RE.sub("", text).strip(" -"), obj)
+        key = _KEY_RE.search(text)
+        if key:  # (a key of the wrong type: it read `<top>` and msgspec's own words; a code review)
+            path = _yaml_path(key.group(1))
+            message = "its keys must be strings, one is not: " + _KEY_RE.sub("", text).strip(" -").replace(
+                "Expected `str`, got", "got a key of type")
+        else:
+            m = _PATH_RE.search(text)
+            path = _yaml_path(m.group(1)) if m else ""
+            path, message = _expected(typ, path, _PATH_RE.sub("", text).strip(" -"), obj)
         if prefix:
             path = prefix + ("." + path if path and not path.startswith("[") else path)
         raise ConfigError(source, path, message) from None
@@ -652,6 +660,8 @@ def load_config(path: str | Path, on_warning: typing.Callable[[str], None] | Non
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(source, where, f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    except RecursionError:  # (thousands of nested `[`: a traceback; a code review)
+        raise ConfigError(source, "", "not valid YAML here: nested too deeply") from None
     if data is None:  # (it said "expected a mapping ...": trial Y)
         raise ConfigError(source, "", "the file is empty, or holds only comments (expected a mapping with "
                                       "`stage_args` and `deployment`)")
@@ -686,6 +696,12 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:  # (a complex key, `? [a, b]`: it was a traceback; a code review)
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"a key must be a plain value, not a {type(key).__name__}", key_node.start_mark) from None
             if key in seen:
                 raise _DuplicateKey(str(key), key_node.start_mark.line + 1)
             seen.add(key)

@@ -190,6 +190,31 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
                                   f"the synthetic engine has no `{kind}` stage; one of: "
                                   f"{', '.join(SUPPORTED_STAGES)} (or set "
                                   f"deployment.stages.{s.name}.synthetic.kind)")
+            _check_synthetic_stage(s, i, kind, source)
+
+
+#: Synthetic stage kinds that take another stage's outputs (a prompt alone gives them nothing).
+_SYNTHETIC_NEEDS_INPUT = ("talker", "code2wav", "dit")
+
+
+def _check_synthetic_stage(s, i: int, kind: str, source: str) -> None:
+    """What the synthetic engine would refuse on every request, refused here (a code review:
+    a bad ``seed`` in a stage's defaults read as the client's 400 on each request; a Talker
+    with no input source failed every audio request)."""
+    params = s.default_sampling_params
+    seed = params.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(source, f"stage_args[{i}].default_sampling_params.seed",
+                          f"expected an integer, got `{seed!r}`")
+    stop = params.get("stop")
+    if stop is not None and not (isinstance(stop, str) and stop or isinstance(stop, list) and all(
+            isinstance(x, str) and x for x in stop)):
+        raise ConfigError(source, f"stage_args[{i}].default_sampling_params.stop",
+                          f"expected a non-empty string or a list of them, got `{stop!r}`")
+    if kind in _SYNTHETIC_NEEDS_INPUT and not s.engine_input_source and not s.custom_process_input_func:
+        raise ConfigError(source, f"stage_args[{i}].engine_input_source",
+                          f"empty, but the synthetic `{kind}` stage takes another stage's outputs: name the "
+                          "stage(s) it takes them from")
 
 
 #: What each synthetic stage kind makes that a client can take as a final output.
@@ -291,7 +316,9 @@ def _check_importable(dotted: str, source: str, path: str):
         # Processors of an engine package that is not installed here (vllm_omni on a
         # CPU-only host) are checked by that engine when it loads.
         top = (exc.name or "").split(".")[0]
-        if top in ENGINE_PACKAGES and dotted.startswith(top + "."):
+        # (only where the package itself is missing: a misspelt module of one installed here
+        # passed, and every replica of its stage failed to load; a code review)
+        if top in ENGINE_PACKAGES and dotted.startswith(top + ".") and exc.name == top:
             return None
         raise ConfigError(source, path, f"cannot import `{module}`: {_one_line(exc)}") from None
     except (Exception, SystemExit) as exc:  # the module's own code failed: a SyntaxError, its imports...

@@ -1052,3 +1052,42 @@ def test_check_config_warns_of_a_real_engines_local_model_directory_missing_here
         "replicas fail to start on a host without it"]
     data["stage_args"][0]["engine_args"]["model"] = "Qwen/Qwen3-Omni-30B-A3B-Instruct"  # (an id: not checked)
     assert _missing_model_dirs(load_config(write(tmp_path, data))) == []
+
+
+# -- a code review's configs (session 38) -------------------------------------------
+
+
+@pytest.mark.parametrize(("mutate", "path", "message"), [
+    (stage(1, default_sampling_params={"seed": "42"}), "stage_args[1].default_sampling_params.seed",
+     "expected an integer, got `'42'`"),
+    (stage(0, default_sampling_params={"stop": 5}), "stage_args[0].default_sampling_params.stop",
+     "expected a non-empty string or a list of them, got `5`"),
+    (stage(1, engine_input_source=[], custom_process_input_func=None), "stage_args[1].engine_input_source",
+     "empty, but the synthetic `talker` stage takes another stage's outputs"),
+], ids=["seed", "stop", "no-source"])
+def test_what_the_synthetic_engine_would_refuse_on_every_request_is_refused_here(tmp_path: Path, mutate, path,
+                                                                                 message) -> None:
+    """A code review: a bad default `seed` or `stop` of a synthetic stage read as the
+    client's 400 on every request; a Talker with no input source failed every audio request."""
+    err = refused(tmp_path, variant(mutate))
+    assert err.path == path and err.message.startswith(message), err
+
+
+def test_a_misspelt_module_of_an_engine_package_installed_here_is_refused(tmp_path: Path) -> None:
+    """Only a processor of an engine package not installed here is left to that engine; a
+    misspelt module of one that is installed passed (a code review), and every replica of
+    its stage then failed to load."""
+    pytest.importorskip("vllm", reason="needs vllm installed here (make test)")
+    err = refused(tmp_path, variant(stage(1, custom_process_input_func="vllm.no_such_module.thinker2talker")))
+    assert err.path == "stage_args[1].custom_process_input_func" and "cannot import" in err.message, err
+
+
+def test_a_key_that_is_not_a_string_a_complex_key_and_deep_nesting_are_one_line_errors(tmp_path: Path) -> None:
+    """A code review: a number as a key read `<top>` and msgspec's own words; a complex key
+    (`? [a, b]`) and thousands of nested `[` were tracebacks."""
+    err = refused(tmp_path, variant(stage(0, default_sampling_params={5: 1})))
+    assert err.path == "stage_args[0].default_sampling_params" and "keys must be strings" in err.message, err
+    err = refused(tmp_path, "? [a, b]\n: 1\n")
+    assert err.path == "line 1" and "a key must be a plain value, not a list" in err.message, err
+    err = refused(tmp_path, "[" * 3000 + "]" * 3000 + "\n")
+    assert "nested too deeply" in err.message, err
