@@ -276,42 +276,47 @@ def test_missing_text_deltas_with_no_final_text_to_follow_end_the_request_with_a
     assert "the last 1 text part(s) of the request did not come" in stream[-1].message
 
 
-def test_a_request_that_waited_for_a_request_actor_is_sent_to_the_pools_of_the_routes_now():
-    """A code review: a request's plan is made before it waits for a free RequestActor,
-    and a pool replaced meanwhile is told only to the requests already running; one that
-    waited went to the old pool and hung until its deadline. The sender gives it the
-    pools of the routes it has when it hands the request over."""
+def _sender_bridge():
+    """A bridge with one sender thread's loop to run by hand, whose tells are recorded, on
+    the demo config's routes: ``(bridge, told, config, pools, talker's stage id, a text+audio plan)``."""
     import contextlib
-    import threading
     from pathlib import Path
 
     from omni_actors.config import load_config
-    from omni_actors.messages import Routes, RunRequest
+    from omni_actors.messages import Routes
     from omni_actors.planning import plan_request
 
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "cpu_omni_demo.yaml")
-    old = {s.stage_id: f"pool-{s.name}" for s in cfg.stage_args}
+    pools = {s.stage_id: f"pool-{s.name}" for s in cfg.stage_args}
     talker = next(s.stage_id for s in cfg.stage_args if s.name == "talker")
-    told, done = [], threading.Event()
+    told = []
 
     class Context:
         def tell(self, address, message):
             told.append((address, message))
-            done.set()
 
     class System:
         def private(self):
             return contextlib.nullcontext(Context())
 
     b = ActorBridge(asys=System(), coordinator=None, senders=1)
-    b._routes = Routes(cfg, old)
-    plan = plan_request(cfg, old, frozenset({"text", "audio"}))
+    b._routes = Routes(cfg, pools)
+    return b, told, cfg, pools, talker, plan_request(cfg, pools, frozenset({"text", "audio"}))
+
+
+def test_a_request_that_waited_for_a_request_actor_is_sent_to_the_pools_of_the_routes_now():
+    """A code review: a request's plan is made before it waits for a free RequestActor,
+    and a pool replaced meanwhile is told only to the requests already running; one that
+    waited went to the old pool and hung until its deadline. The sender gives it the
+    pools of the routes it has when it hands the request over."""
+    from omni_actors.messages import Routes, RunRequest
+
+    b, told, cfg, old, talker, plan = _sender_bridge()
     b._routes = Routes(cfg, {**old, talker: "pool-talker-new"}, version=1)  # (while it waited)
     run = RunRequest("r1", "hi", plan, {}, {}, 30.0, "bridge")
     b._outboxes[0].put(("run", run, "request-actor"))
     b._outboxes[0].put(None)
     b._send_loop(0, 0)
-    assert done.is_set()
     (address, sent), = told
     assert address == "request-actor"
     assert {s.stage_id: s.pool for s in sent.plan.stages} == {**old, talker: "pool-talker-new"}
@@ -351,30 +356,9 @@ def test_a_written_off_requests_cancels_go_to_the_new_pools_too_and_closing_does
     sends when it writes the request off; after a pool was replaced, and the task moved to
     the new one, the cancel went to the old pool only. (2) A RequestActorFree that overtook
     its RequestFinished left the request counted as closing for good."""
-    import contextlib
-    import threading
-    from pathlib import Path
-
-    from omni_actors.config import load_config
     from omni_actors.messages import CancelStage, RequestActorFree, RequestFinished, Routes, RunRequest
-    from omni_actors.planning import plan_request
 
-    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "cpu_omni_demo.yaml")
-    old = {s.stage_id: f"pool-{s.name}" for s in cfg.stage_args}
-    talker = next(s.stage_id for s in cfg.stage_args if s.name == "talker")
-    told, done = [], threading.Event()
-
-    class Context:
-        def tell(self, address, message):
-            told.append((address, message))
-
-    class System:
-        def private(self):
-            return contextlib.nullcontext(Context())
-
-    b = ActorBridge(asys=System(), coordinator=None, senders=1)
-    b._routes = Routes(cfg, old)
-    plan = plan_request(cfg, old, frozenset({"text", "audio"}))
+    b, told, cfg, old, talker, plan = _sender_bridge()
     new = Routes(cfg, {**old, talker: "pool-talker-new"}, version=1)
     for item in (("run", RunRequest("r1", "hi", plan, {}, {}, 30.0, "bridge"), "request-actor"),
                  ("routes", new), ("abandon", "r1", False), None):

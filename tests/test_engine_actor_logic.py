@@ -408,15 +408,13 @@ def test_a_cancel_of_earlier_attempts_lets_a_later_one_through_and_still_stops_a
     assert sent[1:] == [("ra", StageCancelled("r1", 2, 1)), ("engine-address", CancelStage("r1", 2))]
 
 
-def test_a_streaming_consumer_started_over_with_its_producer_is_the_next_attempt(monkeypatch):
-    """The RequestActor's side of the above: a Talker that fails mid-stream is retried, its
-    running Code2Wav is cancelled (attempts up to its own) and sent again, once the new
-    Talker's first chunk comes, as attempt 1, not counted as a retry of its own."""
+def _running_request_actor(monkeypatch, stages: tuple, **run):
+    """A RequestActor given request ``r1`` over ``stages`` (PlannedStages; ``run``: more
+    RunRequest fields), whose sends are recorded and whose releases do nothing: ``(actor, sent)``."""
     from types import SimpleNamespace
 
     from omni_actors.actors import request
-    from omni_actors.messages import (CancelStage, ErrorKind, PlannedStage, RequestPlan, RunRequest, StageChunk,
-                                      StageFailed, StageTask)
+    from omni_actors.messages import RequestPlan, RunRequest
 
     monkeypatch.setattr(request, "release_all", lambda refs, recycle=False: None)
     ra = request.RequestActor()
@@ -424,10 +422,19 @@ def test_a_streaming_consumer_started_over_with_its_producer_is_the_next_attempt
     ra.send = lambda address, message: sent.append((address, message))
     ra.wakeupAfter = lambda delay, payload=None: None
     ra._myRef = SimpleNamespace(address="ra")
-    plan = RequestPlan((PlannedStage(1, "talker", (), "pool-talker", None, False, emits_chunks=True),
-                        PlannedStage(2, "code2wav", (1,), "pool-code2wav", "audio", False, stream_source=1,
-                                     emits_chunks=True)))
-    ra.receiveMsg_RunRequest(RunRequest("r1", "hi", plan, {}, {}, 60.0, "bridge", stream_outputs=False), "bridge")
+    ra.receiveMsg_RunRequest(RunRequest("r1", "hi", RequestPlan(stages), {}, {}, 60.0, "bridge", **run), "bridge")
+    return ra, sent
+
+
+def test_a_streaming_consumer_started_over_with_its_producer_is_the_next_attempt(monkeypatch):
+    """The RequestActor's side of the above: a Talker that fails mid-stream is retried, its
+    running Code2Wav is cancelled (attempts up to its own) and sent again, once the new
+    Talker's first chunk comes, as attempt 1, not counted as a retry of its own."""
+    from omni_actors.messages import CancelStage, ErrorKind, PlannedStage, StageChunk, StageFailed, StageTask
+
+    ra, sent = _running_request_actor(monkeypatch, (
+        PlannedStage(1, "talker", (), "pool-talker", None, False, emits_chunks=True),
+        PlannedStage(2, "code2wav", (1,), "pool-code2wav", "audio", False, stream_source=1, emits_chunks=True)))
 
     def tasks(stage_id):
         return [m for _, m in sent if isinstance(m, StageTask) and m.stage_id == stage_id]
@@ -447,20 +454,10 @@ def test_a_task_that_ends_cancelled_without_being_asked_to_is_a_failure_not_a_ha
     aborted it) while its request still waited for it was ignored by the RequestActor, and
     the request waited for its deadline. It is a failure now: tried again, then reported.
     The cancel of an earlier attempt is still ignored."""
-    from types import SimpleNamespace
+    from omni_actors.messages import PlannedStage, RequestFinished, StageCancelled, StageTask
 
-    from omni_actors.actors import request
-    from omni_actors.messages import (PlannedStage, RequestFinished, RequestPlan, RunRequest, StageCancelled,
-                                      StageTask)
-
-    monkeypatch.setattr(request, "release_all", lambda refs, recycle=False: None)
-    ra = request.RequestActor()
-    sent = []
-    ra.send = lambda address, message: sent.append((address, message))
-    ra.wakeupAfter = lambda delay, payload=None: None
-    ra._myRef = SimpleNamespace(address="ra")
-    plan = RequestPlan((PlannedStage(0, "thinker", (), "pool-thinker", "text", False),))
-    ra.receiveMsg_RunRequest(RunRequest("r1", "hi", plan, {}, {}, 60.0, "bridge", max_attempts=2), "bridge")
+    ra, sent = _running_request_actor(monkeypatch, (PlannedStage(0, "thinker", (), "pool-thinker", "text", False),),
+                                      max_attempts=2)
     ra.receiveMsg_StageCancelled(StageCancelled("r1", 0, 0), "thinker-engine")
     tasks = [m for _, m in sent if isinstance(m, StageTask)]
     assert [t.attempt for t in tasks] == [0, 1]  # tried again
@@ -2047,6 +2044,32 @@ def test_lingering_replicas_are_released_once_no_pool_has_had_work_for_a_while(m
     assert co.sent == [("code2wav-pool", NoRequestsInFlight())]
 
 
+def _pool_of_stage(stage_id: int, name: str, *replicas):
+    """A StagePoolActor of stage ``name`` with ``replicas`` (healthy), whose sends are recorded
+    and whose launches add a PENDING replica by name: ``(pool, sent, launched)``."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+    from omni_actors.actors.supervision import ReplicaHealth
+    from omni_actors.balancing import least_loaded
+    from omni_actors.messages import ReplicaState
+
+    pool = StagePoolActor()
+    pool._started.set()
+    sent, launched = [], []
+    pool.send = lambda address, message: sent.append((address, message))
+    pool._coordinator, pool._policy = "coordinator", least_loaded
+    pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=stage_id, name=name),
+                                 supervision=SimpleNamespace(max_task_attempts=3, queue_timeout_s=20))
+    pool._replicas = {r.replica: r for r in replicas}
+    for r in replicas:
+        r.health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
+    pool._launch = lambda rid, *a: (launched.append(rid), pool._replicas.__setitem__(
+        rid, Replica(rid, None, state=ReplicaState.PENDING)))
+    pool._new_replica_id = lambda: f"{name}/{len(pool._replicas)}"
+    return pool, sent, launched
+
+
 def test_a_second_drain_a_scale_and_an_engine_death_while_draining_keep_the_stage_its_size():
     """A code review: (1) a second DrainNode of a node whose last ready replica lingers (the
     member's leave after `node drain`) launched a second replacement; (2) `stage scale 1`
@@ -2055,25 +2078,11 @@ def test_a_second_drain_a_scale_and_an_engine_death_while_draining_keep_the_stag
     FAILED, and was started again after failed_retry_s."""
     from types import SimpleNamespace
 
-    from omni_actors.actors.stage_pool import Replica, StagePoolActor
-    from omni_actors.actors.supervision import ReplicaHealth
-    from omni_actors.balancing import least_loaded
+    from omni_actors.actors.stage_pool import Replica
     from omni_actors.messages import AdminReply, DrainNode, EngineFailed, ReplicaState, ScaleStage
 
-    pool = StagePoolActor()
-    pool._started.set()
-    sent = []
-    pool.send = lambda address, message: sent.append((address, message))
-    pool._coordinator, pool._policy = "coordinator", least_loaded
-    pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=1, name="talker"),
-                                 supervision=SimpleNamespace(max_task_attempts=3, queue_timeout_s=20))
     rep = Replica("talker/0", "e0", state=ReplicaState.READY, node="m1")
-    rep.health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
-    pool._replicas = {"talker/0": rep}
-    launched = []
-    pool._launch = lambda rid, *a: (launched.append(rid), pool._replicas.__setitem__(
-        rid, Replica(rid, None, state=ReplicaState.PENDING)))
-    pool._new_replica_id = lambda: f"talker/{len(pool._replicas)}"
+    pool, sent, launched = _pool_of_stage(1, "talker", rep)
     pool.receiveMsg_DrainNode(DrainNode("m1", operator=True), "coordinator")
     pool.receiveMsg_DrainNode(DrainNode("m1"), "coordinator")  # (its member leaves)
     assert launched == ["talker/1"] and rep.linger
@@ -2104,21 +2113,7 @@ def test_the_last_ready_replicas_on_a_leaving_node_linger_until_released_or_undr
                                       ReleasePlacement, ReplicaState, StageFailed, StageTask)
 
     def pool_with(*replicas: Replica) -> tuple[StagePoolActor, list]:
-        pool = StagePoolActor()
-        pool._started.set()
-        sent = []
-        pool.send = lambda address, message: sent.append((address, message))
-        pool._coordinator, pool._policy = "coordinator", least_loaded
-        pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=2, name="code2wav"),
-                                     supervision=SimpleNamespace(max_task_attempts=3, queue_timeout_s=20))
-        pool._replicas = {r.replica: r for r in replicas}
-        for r in replicas:
-            r.health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
-        launched = []
-        pool._launch = lambda rid, *a: (launched.append(rid),
-                                        pool._replicas.__setitem__(rid, Replica(rid, None)))
-        pool._new_replica_id = lambda: f"code2wav/{len(pool._replicas)}"
-        return pool, sent
+        return _pool_of_stage(2, "code2wav", *replicas)[:2]
 
     ready = ReplicaState.READY
     pool, sent = pool_with(Replica("code2wav/0", "e0", state=ready, node="m1"),

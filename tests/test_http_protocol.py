@@ -513,39 +513,51 @@ def test_client_disconnect_mid_stream_cancels(handler_cancellation):
     serve(bridge, body, handler_cancellation=handler_cancellation)
 
 
+async def _post_reading_nothing(client, body: dict):
+    """POST ``body`` to the chat endpoint on a raw socket with a tiny receive buffer, which
+    the caller then does not read: the socket."""
+    import socket
+
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, (client.server.host, client.server.port))
+    payload = json.dumps(body).encode()
+    await loop.sock_sendall(sock, b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n"
+                            b"Content-Type: application/json\r\nContent-Length: "
+                            + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    return sock
+
+
+async def _read_to_the_end(sock) -> int:
+    """Bytes read from ``sock`` until its end (EOF or reset)."""
+    loop, got = asyncio.get_running_loop(), 0
+    while True:
+        try:
+            chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 5)
+        except ConnectionResetError:
+            return got
+        if not chunk:
+            return got
+        got += len(chunk)
+
+
 def test_a_client_that_reads_nothing_of_its_stream_is_cut_off_and_its_request_cancelled(monkeypatch):
     """A trial's clients that never read their streams kept every byte of their replies in
     the API server (13 MB per audio stream) for as long as they stayed connected."""
-    import socket
-
     monkeypatch.setenv("OMNI_ACTORS_SEND_TIMEOUT_S", "0.5")
     bridge = FakeBridge(output_types=("text",))
 
     async def body(client):
-        loop = asyncio.get_running_loop()
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        await loop.sock_connect(sock, (client.server.host, client.server.port))
-        payload = json.dumps(chat("[flood]", stream=True)).encode()
-        await loop.sock_sendall(sock, b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n"
-                                b"Content-Type: application/json\r\nContent-Length: "
-                                + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        sock = await _post_reading_nothing(client, chat("[flood]", stream=True))
         try:
             for _ in range(250):  # (never reading: the stream fills the buffers, then waits)
                 if bridge.cancelled:
                     break
                 await asyncio.sleep(0.02)
             assert bridge.cancelled == [bridge.submitted[0].request_id]
-            got = 0
-            while True:  # what was in flight, then the connection's end
-                try:
-                    chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 5)
-                except ConnectionResetError:
-                    break
-                if not chunk:
-                    break
-                got += len(chunk)
+            got = await _read_to_the_end(sock)  # (what was in flight, then the connection's end)
             assert got < 64 << 20  # (cut off: the flood never ends)
         finally:
             sock.close()
@@ -558,32 +570,14 @@ def test_a_client_that_reads_nothing_of_a_large_reply_is_cut_off(monkeypatch):
     """A code review: a non-streamed reply (an audio reply, an image: megabytes) went out with
     no send timeout, and a client that read none of it kept all of it in the API server's
     memory for as long as it kept its connection. It is cut off after the send timeout."""
-    import socket
-
     monkeypatch.setenv("OMNI_ACTORS_SEND_TIMEOUT_S", "0.5")
     bridge = FakeBridge(output_types=("text",))
 
     async def body(client):
-        loop = asyncio.get_running_loop()
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        await loop.sock_connect(sock, (client.server.host, client.server.port))
-        payload = json.dumps(chat("[bigtext]")).encode()
-        await loop.sock_sendall(sock, b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\n"
-                                b"Content-Type: application/json\r\nContent-Length: "
-                                + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        sock = await _post_reading_nothing(client, chat("[bigtext]"))
         try:
             await asyncio.sleep(2.0)  # (reading nothing: past the send timeout)
-            got = 0
-            while True:  # what was in flight, then the connection's end
-                try:
-                    chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 20), 5)
-                except ConnectionResetError:
-                    break
-                if not chunk:
-                    break
-                got += len(chunk)
+            got = await _read_to_the_end(sock)  # (what was in flight, then the connection's end)
             assert got < 16 << 20  # (cut off)
         finally:
             sock.close()
