@@ -495,9 +495,12 @@ class ActorBridge(RequestActorKeeping):
                             self._tell_request_actor(ctx, actor, RoutesChanged(item[1]))
                             # (a written-off one's cancels go to the new pools too: its tasks may
                             # have moved there; to the old ones as well, where they may still run)
-                            known = stages.get(rid, ())
-                            stages[rid] = tuple(dict.fromkeys(known + tuple(
-                                (item[1].pools[sid], sid) for _, sid in known if sid in item[1].pools)))
+                            # (a list, not a set: Thespian's addresses are not hashable)
+                            known = list(stages.get(rid, ()))
+                            for _, sid in list(known):
+                                if sid in item[1].pools and (item[1].pools[sid], sid) not in known:
+                                    known.append((item[1].pools[sid], sid))
+                            stages[rid] = tuple(known)
                 except Exception as exc:  # noqa: BLE001 - keep the bridge alive
                     self._log.error("bridge_send_failed", kind=kind, error=str(exc))
 
