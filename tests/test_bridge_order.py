@@ -133,7 +133,7 @@ def test_a_request_is_refused_up_front_only_by_what_the_pools_last_reported():
     from omni_actors.planning import plan_request
 
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "cpu_omni_demo.yaml")
-    pools = {s.stage_id: _Address(f"pool-{s.name}") for s in cfg.stage_args}
+    pools = {s.stage_id: f"pool-{s.name}" for s in cfg.stage_args}
     bridge = ActorBridge.__new__(ActorBridge)
     bridge._routes, bridge._published = Routes(cfg, pools), None
     audio = plan_request(cfg, pools, frozenset({"text", "audio"}))
@@ -294,7 +294,7 @@ def _sender_bridge():
     from omni_actors.planning import plan_request
 
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "cpu_omni_demo.yaml")
-    pools = {s.stage_id: f"pool-{s.name}" for s in cfg.stage_args}
+    pools = {s.stage_id: _Address(f"pool-{s.name}") for s in cfg.stage_args}
     talker = next(s.stage_id for s in cfg.stage_args if s.name == "talker")
     told = []
 
