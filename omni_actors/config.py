@@ -140,17 +140,19 @@ class SyntheticCost(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: ``max_model_len``: a longer prompt fails with a 400 (an AR prompt must leave room for its
     #: image tokens), and a Thinker stops there (``finish_reason`` length), as vLLM's engine does.
     #: 32768 as Qwen3-Omni's Thinker's. (A 512,000-word prompt took a demo Thinker 100 s.)
-    max_model_len: PositiveInt = 32768
+    #: (The sizes below have upper bounds, far above any real model's: a code review's
+    #: `hidden_size: 100000000000` passed, and the first request asked for that many floats.)
+    max_model_len: _count(1 << 20) = 32768
     #: Thinker hidden size (columns of the hidden-state tensor).
-    hidden_size: PositiveInt = 64
+    hidden_size: _count(65536) = 64
     #: Talker codec: frames per thinker token and codebooks per frame.
-    frames_per_token: PositiveInt = 2
-    num_codebooks: PositiveInt = 8
-    codebook_size: PositiveInt = 2048
+    frames_per_token: _count(64) = 2
+    num_codebooks: _count(64) = 8
+    codebook_size: _count(1 << 20) = 2048
     #: Code2Wav: samples per codec frame at 24 kHz (80 ms, 12.5 Hz codec).
-    samples_per_frame: PositiveInt = 1920
+    samples_per_frame: _count(96000) = 1920
     #: AR: prior tokens per image side (tokens = side * side).
-    prior_grid: PositiveInt = 16
+    prior_grid: _count(1024) = 16
     #: Which synthetic behaviour to run (thinker, talker, code2wav, ar, dit);
     #: default: the stage name. Lets two stages of one graph share one.
     kind: str | None = None

@@ -1091,3 +1091,11 @@ def test_a_key_that_is_not_a_string_a_complex_key_and_deep_nesting_are_one_line_
     assert err.path == "line 1" and "a key must be a plain value, not a list" in err.message, err
     err = refused(tmp_path, "[" * 3000 + "]" * 3000 + "\n")
     assert "nested too deeply" in err.message, err
+
+
+def test_synthetic_sizes_have_upper_bounds(tmp_path: Path) -> None:
+    """A code review: `hidden_size: 100000000000` passed, and the first request asked for a
+    tensor of that many floats per prompt token."""
+    err = refused(tmp_path, variant(stage_deployment("thinker", synthetic={"hidden_size": 10 ** 11})))
+    assert err.path == "deployment.stages.thinker.synthetic.hidden_size"
+    assert err.message == "must be an integer >= 1 and <= 65536, got 100000000000", err
