@@ -173,7 +173,7 @@ class StageDeployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: devices each replica takes on one node (its tensor-parallel size); ignored on CPU nodes
     devices_per_replica: Replicas = 1
     #: nodes this stage may run on (placement rule); empty: any node that accepts it
-    nodes: list[str] = []
+    nodes: list[Annotated[str, msgspec.Meta(min_length=1)]] = []  # (not "": a node that never joins)
     #: CPU cores its engines compute on, a Linux CPU list ("1", "0-3", "0,2"): what pinned
     #: devices are on a GPU node. vLLM backend on a CPU build: the engine core process
     #: runs there with one OpenMP thread per core (vLLM's ``VLLM_CPU_OMP_THREADS_BIND``
@@ -709,6 +709,26 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
+
+def _no_yaml11_number(loader: yaml.SafeLoader, node, construct):
+    """A YAML int or float, except YAML 1.1's base-60 (``1:30`` read as 90) and leading-zero
+    octal (``010`` read as 8) forms, which YAML 1.2 has not: a code review's ``cpus: 010``
+    pinned CPU 8. Refused, with how to write it."""
+    value = loader.construct_scalar(node).replace("_", "")
+    bare = value.lstrip("+-")
+    if ":" in bare or (len(bare) > 1 and bare[0] == "0" and bare[1].isdigit()):
+        raise yaml.constructor.ConstructorError(
+            None, None, f"`{value}` is a YAML 1.1 {'base-60' if ':' in bare else 'octal'} number, which reads "
+                        f"as {construct(loader, node)!r}: write the number you mean, or quote it for a string",
+            node.start_mark)
+    return construct(loader, node)
+
+
+_UniqueKeyLoader.add_constructor(
+    "tag:yaml.org,2002:int", lambda loader, node: _no_yaml11_number(loader, node, yaml.SafeLoader.construct_yaml_int))
+_UniqueKeyLoader.add_constructor(
+    "tag:yaml.org,2002:float",
+    lambda loader, node: _no_yaml11_number(loader, node, yaml.SafeLoader.construct_yaml_float))
 
 _UniqueKeyLoader.add_implicit_resolver(  # (YAML 1.2's float: the exponent's sign and the dot are optional)
     "tag:yaml.org,2002:float",

@@ -149,6 +149,8 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
     """Per-stage settings that only make sense together with the deployment."""
     from omni_actors.engines.synthetic import SUPPORTED_STAGES
 
+    if not cfg.deployment.served_model_name.strip():  # ("  " passed: a model no client could name)
+        raise ConfigError(source, "deployment.served_model_name", "blank: give the model name clients ask for")
     limit = cfg.deployment.max_tokens_limit
     for i, s in enumerate(cfg.stage_args):
         max_tokens = s.default_sampling_params.get("max_tokens")

@@ -1099,3 +1099,29 @@ def test_synthetic_sizes_have_upper_bounds(tmp_path: Path) -> None:
     err = refused(tmp_path, variant(stage_deployment("thinker", synthetic={"hidden_size": 10 ** 11})))
     assert err.path == "deployment.stages.thinker.synthetic.hidden_size"
     assert err.message == "must be an integer >= 1 and <= 65536, got 100000000000", err
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("1:30", "`1:30` is a YAML 1.1 base-60 number, which reads as 90"),
+    ("010", "`010` is a YAML 1.1 octal number, which reads as 8"),
+])
+def test_yaml_11_base_60_and_octal_numbers_are_refused(tmp_path: Path, text: str, problem: str) -> None:
+    """A code review: `request_timeout_s: 1:30` read as 90 and `cpus: 010` as CPU 8 (YAML 1.1
+    forms that YAML 1.2 has not); refused with the line and how to write it. `0x1F`, `1e3`,
+    `1_000`, `0` and a quoted `'010'` read as before."""
+    good = yaml.safe_dump(BASE, sort_keys=False)
+    err = refused(tmp_path, good.replace("served_model_name: test-model",
+                                         f"served_model_name: test-model\n  request_timeout_s: {text}"))
+    assert err.path.startswith("line ") and problem in err.message, err
+    cfg = load_config(write(tmp_path, good.replace("served_model_name: test-model",
+                                                   "served_model_name: test-model\n  request_timeout_s: 1_000")))
+    assert cfg.deployment.request_timeout_s == 1000
+
+
+def test_a_blank_model_name_and_an_empty_node_name_are_refused(tmp_path: Path) -> None:
+    """A code review: `served_model_name: "  "` (no client could name it) and `nodes: [""]`
+    (a node that never joins) passed."""
+    err = refused(tmp_path, variant(lambda d: d["deployment"].update(served_model_name="  ")))
+    assert (err.path, err.message) == ("deployment.served_model_name", "blank: give the model name clients ask for")
+    err = refused(tmp_path, variant(stage_deployment("talker", nodes=[""])))
+    assert err.path == "deployment.stages.talker.nodes[0]", err
