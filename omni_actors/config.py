@@ -186,8 +186,8 @@ class StageDeployment(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class RestartSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Restart intensity (Erlang/OTP style): backoff doubling from
     ``initial_backoff_s`` to ``max_backoff_s``; more than ``max_restarts`` in
-    ``window_s`` and the replica goes FAILED (a pool: stays down), to be tried
-    again after ``failed_retry_s``. Bounds: backoffs up to an hour, the window
+    ``window_s`` and the replica goes FAILED (a pool: its replicas do), to be
+    tried again after ``failed_retry_s``. Bounds: backoffs up to an hour, the window
     and ``failed_retry_s`` up to a day, ``max_restarts`` up to 1000."""
 
     initial_backoff_s: UpToAnHour = 0.5

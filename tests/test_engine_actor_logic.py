@@ -2513,3 +2513,51 @@ def test_a_pinned_replica_back_on_its_node_says_why_it_was_down_in_the_past():
     assert rep.state == ReplicaState.READY
     assert re.fullmatch(r"restarted at \d\d:\d\d:\d\d UTC; it was down: node m2 drained \(`node drain`\)", rep.reason), \
         rep.reason
+
+
+def test_a_pool_given_up_is_tried_again_after_failed_retry_s():
+    """A code review: a pool that used up its restarts stayed down for good (its replicas
+    `failed`, every admin request for its stage refused) where a FAILED replica is tried
+    again every ``failed_retry_s``. Now the pool is too, and its status says when."""
+    from types import SimpleNamespace
+
+    from thespian.actors import ChildActorExited, WakeupMessage
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.actors.supervision import RestartPolicy
+    from omni_actors.messages import PoolState, ReplicaState, ReplicaStatus
+
+    def coordinator(failed_retry_s: float):
+        co = CoordinatorActor()
+        co.sent, co.wakeups, co.started = [], [], []
+        co.send = lambda address, message: co.sent.append((address, message))
+        co.wakeupAfter = lambda delay, payload=None: co.wakeups.append((delay, payload))
+        co._publish_status = co._publish_routes = lambda: None
+        stage = SimpleNamespace(stage_id=1, name="code2wav")
+        co._config = SimpleNamespace(deployment=SimpleNamespace(supervision=SimpleNamespace(
+            restart=SimpleNamespace(failed_retry_s=failed_retry_s))), stage=lambda stage_id: stage,
+                                      stage_args=[stage])
+        co._start_pool = lambda st, why=None: (co.started.append(st.name), co._pools.__setitem__(1, "pool-2"))
+        co._restart = RestartPolicy(max_restarts=2, window_s=60.0)
+        now = time.monotonic()
+        co._pools, co._pool_restarts = {1: "pool-1"}, {1: [now - 2, now - 1]}  # (its budget used up)
+        report = PoolState(1, "code2wav", (ReplicaStatus("code2wav/0", ReplicaState.READY, pid=11),
+                                           ReplicaStatus("code2wav/1", ReplicaState.STOPPED, reason="drained")))
+        co._states[1] = co._reported[1] = report
+        co.receiveMsg_ChildActorExited(ChildActorExited("pool-1"), None)
+        return co
+
+    co = coordinator(300.0)
+    rows = {r.replica: r for r in co._states[1].replicas}
+    assert rows["code2wav/0"].state == ReplicaState.FAILED, rows
+    assert "stage pool exited; gave up after 2 restarts in 60 s; next try in 300 s (at " in rows["code2wav/0"].reason
+    assert rows["code2wav/1"].state == ReplicaState.STOPPED  # (not failed: it was not meant to run)
+    assert co.wakeups == [(300.0, ("restart_pool", 1))]
+    assert "next try in 300 s" in co._pool_down("pool-1")  # what `stage scale` and the like answer meanwhile
+    co.receiveMsg_WakeupMessage(WakeupMessage(300.0, ("restart_pool", 1)), None)
+    assert co.started == ["code2wav"] and 1 not in co._pools_down
+    co.receiveMsg_WakeupMessage(WakeupMessage(300.0, ("restart_pool", 1)), None)  # (a second one: nothing)
+    assert co.started == ["code2wav"]
+
+    co = coordinator(0.0)  # failed_retry_s 0: never, as for a replica
+    assert co.wakeups == [] and co._states[1].replicas[0].reason == "stage pool exited; gave up after 2 restarts in 60 s"

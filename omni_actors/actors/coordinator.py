@@ -388,7 +388,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         elif isinstance(msg.payload, tuple) and msg.payload[0] == "node_dropped":
             if self._joins.get(msg.payload[1], 0) == msg.payload[2]:  # (not if it rejoined since)
                 self._lose_node(msg.payload[1], "dropped from the convention without a leave notice")
-        elif isinstance(msg.payload, tuple) and msg.payload[0] == "restart_pool" and not self._stopping:
+        elif isinstance(msg.payload, tuple) and msg.payload[0] == "restart_pool" and not self._stopping \
+                and msg.payload[1] in self._pools_down:  # (once: its pool may be back already)
             stage = self._config.stage(msg.payload[1])
             self._pool_restarts[stage.stage_id].append(time.monotonic())
             self._pools_down.pop(stage.stage_id, None)
@@ -408,26 +409,34 @@ class CoordinatorActor(ActorTypeDispatcher):
             delay = self._restart.next_delay(self._pool_restarts[stage_id], time.monotonic())
             self._pool_silent.discard(stage_id)
             killed = self._pool_killed_why.get(stage_id)
-            why = ("stage pool hung: killed" if killed else "stage pool exited") + ("" if delay is not None else
-                                         f"; gave up after {len(self._pool_restarts[stage_id])} restarts")
+            why = "stage pool hung: killed" if killed else "stage pool exited"
+            given_up = delay is None
+            if given_up:
+                # tried again after failed_retry_s, as a FAILED replica is (a code review: it
+                # stayed down for good, and every admin request for its stage was refused)
+                why += f"; gave up after {len(self._pool_restarts[stage_id])} restarts in {self._restart.window_s:g} s"
+                delay = self._config.deployment.supervision.restart.failed_retry_s or None
+                if delay is not None:
+                    why += (f"; next try in {delay:g} s "
+                            f"(at {time.strftime('%H:%M:%S UTC', time.gmtime(time.time() + delay))})")
             self._log.error("pool_exited", stage=old.stage, restart_in_s=delay)
             # What the new pool will not start (scaled down, drained) gives its devices back now;
             # the others keep theirs under the same names.
-            kept = {rid for rid, *_ in (self._layout(stage_id) or ())} if delay is not None else set()
+            kept = {rid for rid, *_ in (self._layout(stage_id) or ())} if not given_up else set()
             for r in old.replicas:
                 if r.replica not in kept:
                     self._inventory.release(r.replica)
             # (counters kept, and a replica that was only waiting for placement still waits: a
             # trial read DONE and RESTARTS 0, and a pending one "dead", until the new pool reported)
-            down = ReplicaState.DEAD if delay is not None else ReplicaState.FAILED
+            down = ReplicaState.FAILED if given_up else ReplicaState.DEAD
             self._states[stage_id] = PoolState(stage_id, old.stage, tuple(
                 dataclasses.replace(r, reason=why, pid=None, in_flight=0, running=0, waiting=0,
-                                    state=(r.state if r.state in (ReplicaState.PENDING, ReplicaState.STOPPED)
-                                           and delay is not None else down))
+                                    state=(r.state if r.state == ReplicaState.STOPPED or (
+                                        r.state == ReplicaState.PENDING and not given_up) else down))
                 for r in old.replicas), None, 0, self._pool_restart_count(stage_id), old.restart_times, old.failed,
                 old.next_index)
             self._pools_down[stage_id] = (f"its pool exited; a new one starts in {delay:g} s, try again then"
-                                          if delay is not None else why)
+                                          if not given_up else why)
             self._publish_status()
             if delay is not None:
                 self.wakeupAfter(delay, payload=("restart_pool", stage_id))
