@@ -999,3 +999,48 @@ def test_every_api_request_gets_one_access_log_line_with_its_status():
     # the id is always ours (clients' ids may collide): a refused request's too (a trial found the
     # client's id as request_id for a 404, and ours for a 200)
     assert lines[2]["request_id"].startswith("req-") and lines[2]["request_id"] == refused_id
+
+
+def test_a_run_cancelled_while_it_cancels_its_request_still_closes_its_events():
+    """A code review: a handler cancelled again while it waited for its request's cancel
+    (aiohttp cancels the handler of a client that hung up; a server stopping cancels it
+    again) skipped closing its bridge events, left to the garbage collector's hook."""
+    from omni_actors.http.app import _Run
+
+    closed = []
+
+    class SlowCancelBridge(FakeBridge):
+        async def submit(self, req):
+            try:
+                while True:
+                    await asyncio.sleep(0.01)
+                    yield OutputText("tick ")
+            finally:
+                closed.append(req.request_id)
+
+        async def cancel(self, request_id):
+            await asyncio.sleep(0.5)
+            self.cancelled.append(request_id)
+
+    async def main():
+        bridge = SlowCancelBridge()
+        req = PipelineRequest("r1", "hi", frozenset({"text"}), {}, {}, 30.0, True)
+
+        async def handler():
+            async with _Run(bridge, req) as run:
+                async for _ in run:
+                    await asyncio.sleep(1)  # (writing to a slow client: the events wait at a yield)
+
+        task = asyncio.create_task(handler())
+        await asyncio.sleep(0.05)
+        task.cancel()  # (the client hung up)
+        await asyncio.sleep(0.05)
+        task.cancel()  # (again, while it waits for the cancel)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert closed == ["r1"]  # (closed by the handler, not later by the garbage collector's hook)
+        await asyncio.sleep(0.6)  # (the shielded cancel goes on)
+        return bridge
+
+    bridge = asyncio.run(main())
+    assert bridge.cancelled == ["r1"]

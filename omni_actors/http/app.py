@@ -380,13 +380,15 @@ class _Run:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        if not self.finished:
-            _log().info("http_request_cancel", request_id=self.preq.request_id)
-            try:
-                await asyncio.shield(self.bridge.cancel(self.preq.request_id))
-            except Exception:
-                _log().exception("http_cancel_failed", request_id=self.preq.request_id)
-        await self._close_events()
+        try:
+            if not self.finished:
+                _log().info("http_request_cancel", request_id=self.preq.request_id)
+                try:
+                    await asyncio.shield(self.bridge.cancel(self.preq.request_id))
+                except Exception:
+                    _log().exception("http_cancel_failed", request_id=self.preq.request_id)
+        finally:  # (also when this task is cancelled while it waits for the cancel: the handler's)
+            await self._close_events()
 
     async def _close_events(self) -> None:
         aclose = getattr(self._events, "aclose", None)
