@@ -194,14 +194,15 @@ def _whole_but_a_lone_surrogate(body: bytes) -> bool:
 
 # ---------------------------------------------------------------- middlewares
 
-_HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+#: (a 404 is OpenAI's `invalid_request_error`, an unknown route's as an unknown model's: trial BL)
+_HTTP_TYPES = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
                429: "rate_limit_error"}
 
 
 def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
     status = exc.status
     if status == 404:
-        msg = f"Unknown request URL: {request.method} {request.path}."
+        msg = f"Unknown request URL: {request.method} {request.path}"  # (no period: read as the URL's)
     elif status == 405:
         msg = f"Method {request.method} is not allowed for {request.path}."
     elif status == 413:
@@ -652,7 +653,7 @@ async def get_model(request: web.Request) -> web.Response:
     """``GET /v1/models/{model}``: the model card, or 404 ``model_not_found``."""
     name = request.match_info["model"]
     if name != request.app[BRIDGE_KEY].model_name:
-        raise P.ApiError(404, f"The model '{name}' does not exist.", "not_found_error",
+        raise P.ApiError(404, f"The model '{name}' does not exist.", "invalid_request_error",
                          "model", "model_not_found")
     return _json(P.model_card(name, request.app[_CREATED]))
 

@@ -136,7 +136,7 @@ def _check_model(body: dict, bridge: Bridge, output: str, endpoint: str) -> str:
     if model != bridge.model_name:
         raise ApiError(
             404, f"The model '{_clip(model)}' does not exist. This server serves "
-            f"'{bridge.model_name}'.", "not_found_error", "model", "model_not_found")
+            f"'{bridge.model_name}'.", "invalid_request_error", "model", "model_not_found")
     if output not in bridge.output_types:
         serves = "/v1/images/generations" if "image" in bridge.output_types \
             else "/v1/chat/completions"
