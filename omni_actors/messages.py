@@ -1028,6 +1028,10 @@ class StageCancelled(Message):
     stage_id: int
     attempt: int = 0
     replica: str = ""  #: the engine's replica that ended it (none: the pool dropped it)
+    #: ended by a :class:`CancelStage` (the RequestActor's, or its API server's for a request it
+    #: wrote off); False: its replica ended it on its own (its inputs were gone, a lost chunk,
+    #: its engine drained or lost its pool), a failure to the RequestActor
+    asked: bool = True
 
 
 @dataclass(frozen=True)

@@ -329,7 +329,25 @@ def test_a_cancel_handed_over_right_behind_its_task_cancels_it():
             time.sleep(0.01)
         assert [type(m).__name__ for m in sent] == ["StageCancelled", "TaskFinished"], sent
         assert sent[1].cancelled and not started.is_set()  # (never ran)
+        assert sent[0].asked  # (a CancelStage's: the RequestActor takes it as the cancel it was)
         assert not actor._tasks
+        # a task cancelled by a CancelStage says it was asked; one the replica ended itself (its
+        # drain ran out) says it was not, which the RequestActor takes for a failure
+        sent.clear()
+        actor.receiveMsg_StageTask(StageTask("r2", 1, "hi", (), {}, {}, None, False, "ra"), "pool")
+        actor.receiveMsg_StageTask(StageTask("r3", 1, "hi", (), {}, {}, None, False, "ra"), "pool")
+        deadline = time.monotonic() + 5
+        while len(actor._tasks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        actor.receiveMsg_CancelStage(CancelStage("r2", 1), "pool")
+        while not any(type(m).__name__ == "TaskFinished" for m in sent) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        loop.call_soon_threadsafe(actor._cancel_all, "drain timed out")
+        while len([m for m in sent if type(m).__name__ == "TaskFinished"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [(m.request_id, m.asked) for m in sent if type(m).__name__ == "StageCancelled"] == [
+            ("r2", True), ("r3", False)], sent
+        assert not actor._cancel_asked
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
@@ -457,15 +475,36 @@ def test_a_task_that_ends_cancelled_without_being_asked_to_is_a_failure_not_a_ha
     from omni_actors.messages import PlannedStage, RequestFinished, StageCancelled, StageTask
 
     ra, sent = _running_request_actor(monkeypatch, (PlannedStage(0, "thinker", (), "pool-thinker", "text", False),),
-                                      max_attempts=2)
-    ra.receiveMsg_StageCancelled(StageCancelled("r1", 0, 0), "thinker-engine")
+                                      max_attempts=3)
+    ra.receiveMsg_StageCancelled(StageCancelled("r1", 0, 0, asked=False), "thinker-engine")
     tasks = [m for _, m in sent if isinstance(m, StageTask)]
     assert [t.attempt for t in tasks] == [0, 1]  # tried again
-    ra.receiveMsg_StageCancelled(StageCancelled("r1", 0, 0), "thinker-engine")  # (the first, again: ignored)
+    ra.receiveMsg_StageCancelled(StageCancelled("r1", 0, 0, asked=False), "thinker-engine")  # (the first, again)
     assert len([m for _, m in sent if isinstance(m, StageTask)]) == 2
-    ra.receiveMsg_StageCancelled(StageCancelled("r1", 0, 1), "thinker-engine")
+    # (a later attempt than its own: the one its pool sent elsewhere itself, a code review: ignored)
+    ra.receiveMsg_StageCancelled(StageCancelled("r1", 0, 2, asked=False), "thinker-engine")
     finished = [m for _, m in sent if isinstance(m, RequestFinished)]
     assert len(finished) == 1 and "ended cancelled on its replica" in finished[0].message, finished
+
+
+def test_a_task_cancelled_by_a_cancel_its_request_actor_did_not_send_ends_the_request(monkeypatch):
+    """A code review: an API server that wrote a request off (its hand-over stuck for 3 s, or
+    its RequestActor silent for a minute) cancels its stages itself. When the RequestActor
+    went on, each such cancel (``asked``) read as a failure of its replica, and the stage was
+    tried again: the whole pipeline ran for a client that had had its 500. It ends the
+    request now, as cancelled, and its other stages with it."""
+    from omni_actors.messages import (CancelStage, ErrorKind, PlannedStage, RequestFinished, StageCancelled,
+                                      StageTask)
+
+    ra, sent = _running_request_actor(monkeypatch, (
+        PlannedStage(0, "thinker", (), "pool-thinker", "text", False, emits_chunks=True),
+        PlannedStage(1, "talker", (0,), "pool-talker", None, False, stream_source=0, emits_chunks=True)),
+        max_attempts=3)
+    ra.receiveMsg_StageCancelled(StageCancelled("r1", 0, 0, "", asked=True), "pool-thinker")
+    assert [t.attempt for _, t in sent if isinstance(t, StageTask)] == [0]  # not tried again
+    finished = [m for _, m in sent if isinstance(m, RequestFinished)]
+    assert len(finished) == 1 and finished[0].error == ErrorKind.CANCELLED, finished
+    assert not [m for _, m in sent if isinstance(m, CancelStage) and m.stage_id == 0]  # (it is cancelled)
 
 
 def test_a_pool_cancels_a_task_in_flight_long_past_its_request_deadline():
@@ -2561,3 +2600,19 @@ def test_a_pool_given_up_is_tried_again_after_failed_retry_s():
 
     co = coordinator(0.0)  # failed_retry_s 0: never, as for a replica
     assert co.wakeups == [] and co._states[1].replicas[0].reason == "stage pool exited; gave up after 2 restarts in 60 s"
+
+
+def test_a_lingering_pinned_replica_counts_for_a_scale():
+    """A code review: a pinned replica lingers with no replacement (it starts again on its
+    node once undrained), but `stage scale 1` did not count it and launched another: two
+    replicas where one was asked for after `node undrain`."""
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.messages import AdminReply, DrainNode, ReplicaState, ScaleStage
+
+    rep = Replica("talker/0", "e0", state=ReplicaState.READY, node="m1")
+    pool, sent, launched = _pool_of_stage(1, "talker", rep)
+    pool._pins = {"talker/0": ("m1", ("2",))}
+    pool.receiveMsg_DrainNode(DrainNode("m1", operator=True), "coordinator")
+    assert rep.linger and rep.relaunch and launched == []
+    pool.receiveMsg_ScaleStage(ScaleStage("talker", 1), "cli")
+    assert sent[-1] == ("cli", AdminReply(True, "talker: 1 -> 1 replicas")) and launched == []

@@ -161,6 +161,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         #: cancels that came before their task started on the loop (loop thread only)
         self._cancelled_early = CancelledStages()
         self._task_attempts: dict[tuple[str, int], int] = {}  #: the attempt of each of ``_tasks`` (loop thread)
+        #: the attempt of each of ``_tasks`` that a CancelStage cancelled (loop thread): its
+        #: StageCancelled is ``asked``, not its replica's own doing
+        self._cancel_asked: dict[tuple[str, int], int] = {}
         self._sequencer: Sequencer | None = None
         self._names = AddressNames()  # str() of the addresses its outbox sends to, kept across drains
         self._deltas: DeltaWindow | None = None  # text deltas in flight per bridge (see DeltaWindow)
@@ -505,19 +508,22 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
 
     def receiveMsg_CancelStage(self, msg: CancelStage, sender):
         if self._rt is not None:
-            self._rt.loop.call_soon_threadsafe(self._cancel, msg.request_id, msg.stage_id, msg.attempt)
+            self._rt.loop.call_soon_threadsafe(self._cancel, msg.request_id, msg.stage_id, msg.attempt, True)
         return self._watch()
 
-    def _cancel(self, request_id: str, stage_id: int, attempt: int | None = None) -> None:
+    def _cancel(self, request_id: str, stage_id: int, attempt: int | None = None, asked: bool = False) -> None:
         """On the loop thread: abort the backend's work and the task (if its attempt is one
-        ``attempt`` covers: :func:`~omni_actors.messages.cancels_attempt`)."""
+        ``attempt`` covers: :func:`~omni_actors.messages.cancels_attempt`). ``asked``: by a
+        :class:`CancelStage` (else this replica's own doing: its StageCancelled says so)."""
         key = (request_id, stage_id)
         task = self._tasks.get(key)
         if task is not None and cancels_attempt(attempt, self._task_attempts.get(key, 0)):
             if not task.done():
+                if asked:
+                    self._cancel_asked[key] = self._task_attempts.get(key, 0)
                 self._rt.loop.create_task(self._backend.abort(request_id))
                 task.cancel()
-        else:  # (its task may still be on its way to the loop: see actors.cancels)
+        elif asked:  # (its task may still be on its way to the loop: see actors.cancels)
             self._cancelled_early.add(key, attempt)
 
     def _cancel_all(self, why: str) -> None:
@@ -533,23 +539,25 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._task_attempts[key] = msg.attempt
         replica = self._spec.replica
         emit = self._rt.emit
-        ok = cancelled = input_error = client_error = False
+        ok = cancelled = input_error = client_error = early = False
         try:
             if self._cancelled_early.take(key, msg.attempt):
+                early = True
                 raise asyncio.CancelledError  # (cancelled before it started)
             done = await self._execute(msg)
             emit(msg.reply_to, done)
             ok = True
         except asyncio.CancelledError:
             cancelled = True
-            self._log.info("stage_cancelled", request_id=msg.request_id)
-            emit(msg.reply_to, StageCancelled(msg.request_id, msg.stage_id, msg.attempt, replica))
+            asked = early or self._cancel_asked.get(key) == msg.attempt
+            self._log.info("stage_cancelled", request_id=msg.request_id, asked=asked)
+            emit(msg.reply_to, StageCancelled(msg.request_id, msg.stage_id, msg.attempt, replica, asked=asked))
         except ConnectorError as exc:
             # Inputs are released only when their request ends: it ended (the client left)
             # while this task was on its way. Not this replica's fault: it ends as cancelled.
             cancelled = True
             self._log.info("stage_inputs_released", request_id=msg.request_id, error=str(exc))
-            emit(msg.reply_to, StageCancelled(msg.request_id, msg.stage_id, msg.attempt, replica))
+            emit(msg.reply_to, StageCancelled(msg.request_id, msg.stage_id, msg.attempt, replica, asked=False))
         except UpstreamTimeout as exc:
             # A neighbour stage stopped streaming: the request fails with the reason; this
             # replica is healthy (not counted as its failure).
@@ -594,6 +602,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             if self._tasks.get(key) is asyncio.current_task():
                 del self._tasks[key]
                 self._task_attempts.pop(key, None)
+            if self._cancel_asked.get(key) == msg.attempt:
+                del self._cancel_asked[key]
             for table in (self._inputs, self._credits):
                 if table.get(key, (msg.attempt,))[0] == msg.attempt:
                     table.pop(key, None)

@@ -68,8 +68,10 @@ class PoolAdminMixin:
                 why = rep.reason.split("; next try in")[0]
                 rep.state, rep.reason = ReplicaState.STOPPED, f"{why}; not tried again: scaled to {msg.replicas}"
         # (a lingering replica, its replacement on its way, is not counted: it goes once that one
-        # is ready; a code review's `scale 1` retired the replacement and left none)
-        live = [r for r in self._replicas.values() if r.state in self._COUNTED and not r.linger]
+        # is ready; a code review's `scale 1` retired the replacement and left none. A pinned one
+        # lingers with no replacement, to start again where it was pinned: it counts)
+        live = [r for r in self._replicas.values()
+                if r.state in self._COUNTED and not (r.linger and r.replaced_by)]
         if not 0 <= msg.replicas <= MAX_REPLICAS:  # (the CLI checks first; this is for any other sender)
             self.send(msg.reply_to or sender, AdminReply(False, f"replicas must be from 0 to {MAX_REPLICAS}"))
             return

@@ -569,19 +569,28 @@ class RequestActor(ActorTypeDispatcher):
             self._resend(dataclasses.replace(task, attempt=task.attempt + 1, moved=task.moved + 1))
 
     def receiveMsg_StageCancelled(self, msg: StageCancelled, sender):
-        # (A cancel this actor did not ask for, of a task it no longer waits for (an orphaned
-        # replica's, sent again elsewhere; an earlier attempt), changes nothing: ignored.)
+        # (A cancel of a task it no longer waits for (an orphaned replica's, sent again
+        # elsewhere; an earlier attempt, its own restart's) changes nothing: ignored. A later
+        # attempt than its own is one its pool sent elsewhere itself, as StageFailed takes it.)
         task = self._running.get(msg.stage_id) if self._current(msg.request_id) else None
-        if task is not None and task.attempt == msg.attempt:
-            # The very task it waits for ended cancelled, and it cancelled nothing of its own:
-            # its replica ended it (its inputs were gone, its engine aborted it, its pool went).
-            # A failure, tried again elsewhere or reported (a code review: ignored, the request
-            # waited for its deadline and read a timeout).
+        if task is not None and msg.attempt >= task.attempt and msg.asked:
+            # Cancelled by a CancelStage it did not send while it runs the request: its API
+            # server's, which wrote it off (a hand-over stuck for 3 s; silent for a minute) and
+            # answered its client. It ends the request (a code review: it retried each stage so
+            # cancelled, and the whole pipeline ran for a client that had had its 500).
+            del self._running[msg.stage_id]  # (confirmed: this is its StageCancelled)
+            self._finish(ErrorKind.CANCELLED, "cancelled by its API server, which wrote this request off")
+            return
+        if task is not None and msg.attempt >= task.attempt:
+            # The very task it waits for ended cancelled, and nobody asked: its replica ended
+            # it (its inputs were gone, its engine aborted it, its pool went). A failure,
+            # tried again elsewhere or reported (a code review: ignored, the request waited
+            # for its deadline and read a timeout).
             stage = self._plan[msg.stage_id].stage if msg.stage_id in self._plan else str(msg.stage_id)
             self.receiveMsg_StageFailed(StageFailed(
                 msg.request_id, msg.stage_id, msg.replica or "its replica", ErrorKind.UNAVAILABLE,
                 f"stage {stage}'s task ended cancelled on its replica, which this request did not ask for "
-                "(its inputs were gone, or its engine or pool ended it)", task.attempt,
+                "(its inputs were gone, or its engine or pool ended it)", msg.attempt,
                 getattr(task, "crashed", ()), getattr(task, "moved", 0)), sender)
             return
         self._confirm(msg.request_id, msg.stage_id)
