@@ -284,6 +284,17 @@ def test_load_reports_engine_stats(engine):
     assert load.kv_cache_usage is not None and 0.0 <= load.kv_cache_usage <= 1.0
 
 
+def test_an_idle_engine_reports_no_kv_cache_in_use_whatever_its_last_stats_said(engine):
+    """An idle vLLM engine reports no more stats: the usage of its last busy step (a request
+    aborted mid-way) stayed in `status` and the metrics until the next request (a code review)."""
+    kept = engine._stats
+    try:
+        engine._stats = (3, 1, 0.8)  # (as an engine step with requests running reported)
+        assert engine.load().kv_cache_usage == 0.0 and (engine.load().running, engine.load().waiting) == (0, 0)
+    finally:
+        engine._stats = kept
+
+
 # -- the real chain: Thinker -> Talker (vLLM) -> Code2Wav (synthetic) --------------
 
 def test_talker_receives_exactly_the_thinker_tokens(engine, loop_thread):

@@ -436,3 +436,55 @@ def test_omni_replicas_say_what_they_do_while_they_start_and_name_themselves_in_
     named = [re.search(r"\[((?:thinker|talker)/\d)\] ", ln) for ln in lines]
     assert lines and all(named), [ln for ln, m in zip(lines, named) if not m][:5]
     assert len({m.group(1) for m in named}) == 3, {m.group(1) for m in named}
+
+
+def _prompt_builder(processor, sources=(0,), **engine_args) -> VllmOmniEngine:
+    """A consuming stage's engine, not started, with ``processor`` as its stage processor
+    and vLLM's output classes (what ``_engine_prompt`` needs)."""
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    eng = VllmOmniEngine(stage("unused", stage_id=1, name="dit", sources=sources, **engine_args), "dit/0")
+    eng._processor = processor
+    eng._v = dict(CompletionOutput=CompletionOutput, RequestOutput=RequestOutput)
+    return eng
+
+
+@needs_omni
+def test_an_image_requests_size_reaches_the_processors_and_the_first_stages_prompt():
+    """A code review: the size of `POST /v1/images/generations` never reached vLLM-Omni:
+    GLM-Image's and HunyuanImage's `ar2diffusion` read it from the original prompt (as
+    vLLM-Omni's server puts it there) and made 1024x1024 whatever was asked."""
+    from omni_actors.engines.vllm_omni import _diffusion_size
+
+    seen = []
+    eng = _prompt_builder(lambda sources, prompt, requires_mm: seen.append(prompt) or {"prompt_token_ids": [1]})
+    upstream = {0: {"text": "x", "token_ids": np.array([5, 6]), "finish_reason": "stop"}}
+    task = BackendTask("r1", stage_inputs(upstream, "a red lighthouse", {"width": 512, "height": 256}), {})
+    assert eng._engine_prompt(task) == {"prompt_token_ids": [1]}
+    assert seen == [{"prompt": "a red lighthouse", "height": 256, "width": 512,
+                     "mm_processor_kwargs": {"target_h": 256, "target_w": 512}}]
+    first = VllmOmniEngine(stage("unused"), "ar/0")
+    assert first._engine_prompt(BackendTask("r1", {"prompt": "a cat"}, {}, {"width": 64, "height": 128})) == {
+        "prompt": "a cat", "height": 128, "width": 64, "mm_processor_kwargs": {"target_h": 128, "target_w": 64}}
+    assert first._engine_prompt(BackendTask("r2", {"prompt": "hi"}, {}, {"voice": "alloy"})) == {"prompt": "hi"}
+    # a diffusion stage's own size (its config's) wins over the request's
+    assert _diffusion_size({"num_inference_steps": 4}, {"width": 64, "height": 128}) == {
+        "width": 64, "height": 128, "num_inference_steps": 4}
+    assert _diffusion_size({"width": 32}, {"width": 64, "height": 128})["width"] == 32
+
+
+@needs_omni
+@pytest.mark.parametrize("exc", [KeyError("multimodal_output"), AttributeError("'NoneType' has no 'outputs'")])
+def test_a_vllm_omni_processor_that_fails_on_its_upstream_outputs_is_a_stage_input_error(exc):
+    """A code review: a processor's KeyError read as the client's 400, an AttributeError as
+    the replica's failure (its circuit breaker then isolated a healthy replica). Both are the
+    pipeline's fault: a StageInputError naming the processor (a 500, not retried)."""
+    from omni_actors.engines.base import StageInputError
+
+    def processor(sources, prompt, requires_mm):
+        raise exc
+
+    eng = _prompt_builder(processor)
+    upstream = {0: {"text": "x", "token_ids": np.array([5, 6]), "finish_reason": "stop"}}
+    with pytest.raises(StageInputError, match=f"failed on the outputs of stage.*{type(exc).__name__}"):
+        eng._engine_prompt(BackendTask("r1", stage_inputs(upstream, "hi", {}), {}))

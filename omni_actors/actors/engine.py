@@ -34,7 +34,7 @@ from omni_actors.config_checks import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
 from omni_actors.engines import create_backend
 from omni_actors.engines.base import (REPLICA_PROCESS_NAME, BackendTask, InputLost, OutputChunk, StageFinal,
-                                     TextDelta, UpstreamTimeout, replica_log_prefix)
+                                     StageInputError, TextDelta, UpstreamTimeout, replica_log_prefix)
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelStage, DeltasAck, DrainReplica, EngineFailed, EngineReady, ErrorKind,
                                   FaultKind, Heartbeat, HeartbeatAck, InjectFault, OutputDelta, OutputDeltas,
@@ -135,11 +135,6 @@ class LoopThread:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=2.0)
-
-
-class StageInputError(RuntimeError):
-    """A stage's input processor failed on its upstream stages' outputs: the pipeline's
-    fault (its processor, or what the stage before produced), not the client's input."""
 
 
 class EngineActor(StreamingMixin, ActorTypeDispatcher):

@@ -98,6 +98,13 @@ class UpstreamTimeout(TimeoutError):
     """No chunk came from the upstream stage within ``chunk_timeout_s``."""
 
 
+class StageInputError(RuntimeError):
+    """A stage's input processor failed on its upstream stages' outputs: the pipeline's
+    fault (its processor, or what the stage before produced), not the client's input,
+    nor its replica's (a 500 naming the processor, not retried, not counted against the
+    replica)."""
+
+
 class InputLost(RuntimeError):
     """An upstream stage's output (or chunk) could not be fetched: the data service of
     the host it lives on is unreachable. ``node``: that host's name, else the service's

@@ -305,9 +305,11 @@ class VllmEngine:
     def load(self) -> BackendLoad:
         """Running and waiting requests and KV-cache usage (0..1) as the engine
         last reported them (scheduler stats after each engine step). With no
-        task of ours in flight, running and waiting are 0 whatever the last
-        report said (this backend is the engine's only client). Before the
-        first report: our in-flight task count as running, usage unknown."""
+        task of ours in flight, running, waiting and the usage are 0 whatever
+        the last report said (this backend is the engine's only client, and an
+        idle engine reports nothing more: a code review saw 0.8 shown after the
+        last request was aborted). Before the first report: our in-flight task
+        count as running, usage unknown."""
         busy = len(self._requests)
         stats = self._stats
         if stats is None:
@@ -315,6 +317,7 @@ class VllmEngine:
         running, waiting, usage = stats
         if not busy:
             running = waiting = 0
+            usage = 0.0
         return BackendLoad(running=running, waiting=waiting, kv_cache_usage=usage)
 
     async def abort(self, request_id: str) -> None:

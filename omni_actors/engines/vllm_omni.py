@@ -71,8 +71,8 @@ from typing import Any, AsyncIterator
 import numpy as np
 
 from omni_actors.config import StageSpec
-from omni_actors.engines.base import (BackendEvent, BackendLoad, BackendTask, StageFinal, TextDelta, context_exceeded,
-                                     missing_model_dir)
+from omni_actors.engines.base import (BackendEvent, BackendLoad, BackendTask, StageFinal, StageInputError, TextDelta,
+                                     context_exceeded, missing_model_dir)
 from omni_actors.engines.vllm_core import is_client_error, one_line
 from omni_actors.engines.vllm_requests import VllmRequests
 from omni_actors.logs import get_logger
@@ -335,9 +335,10 @@ class VllmOmniEngine:
         ei = task.engine_input
         if self._processor is None:
             if "prompt_token_ids" in ei:
-                return {"prompt_token_ids": np.asarray(ei["prompt_token_ids"]).astype(np.int64).tolist()}
+                return _with_request_params(
+                    {"prompt_token_ids": np.asarray(ei["prompt_token_ids"]).astype(np.int64).tolist()}, task.params)
             if isinstance(ei.get("prompt"), str) and ei["prompt"]:
-                return {"prompt": ei["prompt"]}
+                return _with_request_params({"prompt": ei["prompt"]}, task.params)
             raise ValueError(f"vllm_omni: engine_input needs `prompt` or `prompt_token_ids`; "
                              f"got fields: {sorted(ei)}")
         upstream = ei.get("upstream")
@@ -348,25 +349,34 @@ class VllmOmniEngine:
         if not sources:
             raise ValueError(f"vllm_omni: no upstream outputs for stage {self.stage.stage_id} "
                              f"(expected stages {self.stage.engine_input_source})")
-        prompt = {"prompt": ei.get("prompt") or ""}
+        # (the request's original prompt, as vLLM-Omni's server hands its processors: GLM-Image's
+        # and HunyuanImage's ar2diffusion read the image size there, a code review: 1024x1024 always)
+        prompt = _with_request_params({"prompt": ei.get("prompt") or ""}, ei.get("params") or task.params)
         fn = self._processor
+        name = self.stage.custom_process_input_func or "vLLM-Omni's default input processor"
         try:
             sig = inspect.signature(fn).parameters
         except (TypeError, ValueError):
             sig = {}
         requires_mm = bool(self.stage.engine_args.get("requires_multimodal_data"))
-        if "streaming_context" in sig or "_streaming_context" in sig:
-            built = fn(sources, prompt, requires_mm, None)
-        elif "sampling_params" in sig:  # e.g. Ming's thinker2imagegen reads its stage's params
-            built = fn(sources, prompt, requires_mm, sampling_params=params)
-        else:
-            built = fn(sources, prompt, requires_mm)
+        try:
+            if "streaming_context" in sig or "_streaming_context" in sig:
+                built = fn(sources, prompt, requires_mm, None)
+            elif "sampling_params" in sig:  # e.g. Ming's thinker2imagegen reads its stage's params
+                built = fn(sources, prompt, requires_mm, sampling_params=params)
+            else:
+                built = fn(sources, prompt, requires_mm)
+        except Exception as exc:  # noqa: BLE001 - the pipeline's fault, as the EngineActor's processors'
+            # (a code review: a KeyError read as the client's 400, an AttributeError counted
+            # against a healthy replica by its circuit breaker)
+            raise StageInputError(f"{name} failed on the outputs of stage(s) "
+                                  f"{list(self.stage.engine_input_source)}: {type(exc).__name__}: {exc}") from exc
         if isinstance(built, list):
             if len(built) != 1:
-                raise ValueError(f"vllm_omni: processor built {len(built)} prompts, expected 1")
+                raise StageInputError(f"{name} built {len(built)} prompts, expected 1")
             built = built[0]
         if built is None:
-            raise ValueError("vllm_omni: the stage processor built no input")
+            raise StageInputError(f"{name} built no input")
         return built
 
     def _request_output(self, request_id: str, sid: int, out: dict[str, Any]):
@@ -405,12 +415,14 @@ class VllmOmniEngine:
                 # Diffusion stages take vLLM-Omni's own parameters (steps, guidance, size).
                 from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
-                params = OmniDiffusionSamplingParams(**task.sampling_params)
+                params = OmniDiffusionSamplingParams(**_diffusion_size(task.sampling_params, task.params))
             else:
                 params = v["SamplingParams"](**task.sampling_params, n=1,
                                              output_kind=v["RequestOutputKind"].DELTA)
             prompt = self._engine_prompt(task, params)
         except Exception as exc:  # (vLLM's VLLMValidationError for a top_p of 0 is no ValueError)
+            if isinstance(exc, StageInputError):
+                raise
             if isinstance(exc, KeyError) or is_client_error(exc):
                 raise ValueError(one_line(exc)) from None
             raise
@@ -485,6 +497,36 @@ class VllmOmniEngine:
                      "prompt_token_ids": prompt_arr, "finish_reason": str(finish or "stop"), **extra},
             num_prompt_tokens=len(prompt_arr), num_output_tokens=len(token_ids),
             finish_reason=str(finish) if finish else None)
+
+
+def _image_size(params: dict[str, Any]) -> tuple[int, int] | None:
+    """``(width, height)`` of an image request's ``params`` (from its ``size``); None if none."""
+    w, h = params.get("width"), params.get("height")
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (w, h))
+    return (w, h) if ok else None
+
+
+def _with_request_params(prompt: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """``prompt`` with the request's image size where vLLM-Omni's server puts it on the
+    prompts it makes (``mm_processor_kwargs`` ``target_h``/``target_w``, which GLM-Image's AR
+    stage and its ``ar2diffusion`` read, and ``height``/``width``, which HunyuanImage-3's
+    read). A chat request's ``voice`` is not handed on: vLLM-Omni's Talkers read their speaker
+    from the engine request, which a stage that runs alone here does not get."""
+    size = _image_size(params)
+    if size is None:
+        return prompt
+    w, h = size
+    kwargs = {**(prompt.get("mm_processor_kwargs") or {}), "target_h": h, "target_w": w}
+    return {**prompt, "height": h, "width": w, "mm_processor_kwargs": kwargs}
+
+
+def _diffusion_size(sampling: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """A diffusion stage's sampling parameters with the request's image size, unless its
+    config sets one."""
+    size = _image_size(params)
+    if size is None:
+        return sampling
+    return {"width": size[0], "height": size[1], **sampling}
 
 
 def _hf_architecture(model: str) -> str | None:
