@@ -437,7 +437,9 @@ def test_a_killed_thespian_admin_takes_its_system_with_it():
 def test_status_of_a_system_whose_leader_is_stopped_says_it_does_not_serve():
     """Trial BH: with the leader stopped (`kill -STOP`), `status` said `ready` and exited 0
     while its HTTP API answered nothing. It says the leader is stopped (exit 3, `frozen` in
-    JSON); after `kill -CONT` it is ready again."""
+    JSON), as the shell's `status` does (a code review: it said ready); after `kill -CONT` it
+    is ready again. `stop` of a stopped leader resumes it, so that it drains and exits (a code
+    review: it waited its whole timeout for a SIGTERM never delivered, then SIGKILLed it)."""
     leader = LocalLeader(CONFIGS / "cpu_image_demo.yaml").start()
     env = {"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)}
     try:
@@ -445,8 +447,10 @@ def test_status_of_a_system_whose_leader_is_stopped_says_it_does_not_serve():
         try:
             status = _cli("status", "--admin-port", str(leader.admin_port), env=env)
             as_json = _cli("status", "--json", "--admin-port", str(leader.admin_port), env=env)
+            shell = _cli("shell", "--admin-port", str(leader.admin_port), "-c", "status", env=env)
         finally:
             os.kill(leader.proc.pid, signal.SIGCONT)
+        assert shell.stdout.splitlines()[-1].startswith("model glm-image-cpu-demo: NOT SERVING"), shell.stdout
         assert status.returncode == 3, status.stdout + status.stderr
         assert status.stdout.splitlines()[-1] == (
             "model glm-image-cpu-demo: NOT SERVING (its stages are ready, but its leader process is stopped: "
@@ -457,8 +461,13 @@ def test_status_of_a_system_whose_leader_is_stopped_says_it_does_not_serve():
         assert as_json.returncode == 3 and doc["serving"] is False and doc["api"]["state"] == "frozen", doc
         again = _cli("status", "--admin-port", str(leader.admin_port), env=env)
         assert again.returncode == 0, again.stdout + again.stderr
+        os.kill(leader.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        stop = _cli("stop", "--admin-port", str(leader.admin_port), env=env)
+        assert stop.returncode == 0 and "killed" not in stop.stdout + stop.stderr, stop.stdout + stop.stderr
+        assert time.monotonic() - t0 < 15 and leader.proc.wait(5) == 0
     finally:
-        assert leader.stop() == 0
+        leader.stop()
 
 
 def test_status_of_a_system_whose_leader_was_killed_says_it_does_not_serve():
@@ -1192,6 +1201,12 @@ def test_a_port_out_of_range_is_a_one_line_usage_error(args):
     (("stage", "--admin-port", "1901", "scale", "--stage", "talker", "--replicas", "2"),
      "error: `stage` takes its action first, then --admin-port: "
      "python -m omni_actors.system stage {drain,scale,launch,stop} [options]"),
+    (("node", "--admin-port", "1901", "drain", "--node", "m1"),  # (a code review: "invalid choice: '1901'")
+     "error: `node` takes its action first, then --admin-port: "
+     "python -m omni_actors.system node {drain,undrain} [options]"),
+    # (a code review: Thespian's transport is IPv4 only, and an IPv6 address was a traceback)
+    (("status", "--convention-address", "::1:59992"),
+     "error: --convention-address '::1:59992': '::1' has no IPv4 address (Thespian's transport is IPv4 only)"),
     # (a trial's `stop --timeout -1` killed the system with no drain at all, and exited 0)
     (("inject", "stall", "--replica", "talker/0", "--count", "3"),
      "error: --count applies only to `raise`, not to `stall`"),  # (a trial's count was silently ignored)

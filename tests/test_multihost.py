@@ -461,6 +461,14 @@ def test_signal_faults_and_logs_work_through_a_members_admin_port_on_the_leaders
     logs = cli("shell", "-c", "logs 5")
     assert logs.returncode == 0 and len(logs.stdout.splitlines()) == 5, logs
     cluster.wait_all_ready(30)
+    # `status` through it reads the leader's record too (a code review: with the leader's
+    # process stopped or gone it said ready and exited 0)
+    os.kill(cluster.leader.proc.pid, signal.SIGSTOP)
+    try:
+        status = cli("status")
+    finally:
+        os.kill(cluster.leader.proc.pid, signal.SIGCONT)
+    assert status.returncode == 3 and "NOT SERVING" in status.stdout.splitlines()[-1], status.stdout + status.stderr
 
 
 def test_a_member_replica_killed_by_sigkill_says_so_in_its_reason(cluster):

@@ -395,6 +395,38 @@ def test_shell_launch_refuses_a_bad_device_list_before_asking_the_system(devices
     assert str(err.value).startswith(error), str(err.value)
 
 
+def test_the_shells_drain_takes_node_with_an_equals_sign_and_refuses_other_flags():
+    """A code review: `drain --node=m1` was sent as the drain of a replica named '--node=m1'
+    (`launch` takes `--node=X`)."""
+    import io
+
+    from omni_actors.system.admin import Admin
+    from omni_actors.system.shell import AdminShell
+
+    asked = []
+
+    class Recording(Admin):
+        def _status(self):
+            return None
+
+        def drain_node(self, node, operator=False):
+            asked.append(("node", node))
+            return f"node {node}: its replicas drain"
+
+        def drain(self, replica):
+            asked.append(("replica", replica))
+            return "draining"
+
+        def left_without_replicas(self, node, before):
+            return []
+
+    shell = AdminShell(Recording(asys=None, coordinator=None), 1900, stdout=io.StringIO())
+    shell._status = lambda: None
+    for line in ("drain --node=m1", "drain --node m2", "drain --nod m3", "drain talker/0"):
+        shell.onecmd(line)
+    assert asked == [("node", "m1"), ("node", "m2"), ("replica", "talker/0")] and shell.failed
+
+
 @pytest.mark.parametrize("call, error", [
     (lambda a: a.scale("talker", 2000),
      "the replica count must be from 0 to 1024 (each replica is a process), got 2000"),

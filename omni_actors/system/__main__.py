@@ -319,6 +319,11 @@ def _convention(text: str) -> tuple[str, int]:
     except OSError as exc:
         raise ValueError(f"--convention-address {text!r}: cannot resolve {convention[0]!r} "
                          f"({exc.strerror or exc})") from None
+    try:  # (Thespian's TCP transport is IPv4 only: `::1:1900` was a traceback, a code review)
+        socket.getaddrinfo(convention[0], convention[1], socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        raise ValueError(f"--convention-address {text!r}: {convention[0]!r} has no IPv4 address (Thespian's "
+                         "transport is IPv4 only)") from None
     return convention
 
 
@@ -372,15 +377,6 @@ def _alive(pid: int) -> bool:
             return f.read().rpartition(")")[2].split()[0] != "Z"
     except (OSError, IndexError):  # (no /proc: as before)
         return True
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP, a debugger: state ``T`` or ``t``)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
 
 
 def cmd_stop(args) -> int:
@@ -480,6 +476,7 @@ def _terminate(pid: int, timeout: float, progress: str = "") -> tuple[bool, floa
     hurried_after = None
     if _alive(pid):
         os.kill(pid, signal.SIGTERM)
+        _resume(pid)  # (a stopped leader gets its SIGTERM only once resumed: it was killed undrained)
         started = time.monotonic()
         deadline = started + timeout
         hurry_at = deadline - min(HURRY_BEFORE_MAX_S, timeout / 2)
@@ -493,6 +490,7 @@ def _terminate(pid: int, timeout: float, progress: str = "") -> tuple[bool, floa
                 said, say_at = True, now + STOP_PROGRESS_EVERY_S
             if hurry_at is not None and time.monotonic() >= hurry_at:
                 os.kill(pid, signal.SIGTERM)  # a second one: no more drain
+                _resume(pid)
                 hurried_after = timeout - (deadline - time.monotonic())
                 hurry_at = None
             time.sleep(0.1)
@@ -500,6 +498,14 @@ def _terminate(pid: int, timeout: float, progress: str = "") -> tuple[bool, floa
     if forced:
         os.kill(pid, signal.SIGKILL)
     return forced, hurried_after
+
+
+def _resume(pid: int) -> None:
+    """SIGCONT ``pid`` (a leader SIGSTOPped, by hand or a debugger, takes no signal before it)."""
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except OSError:
+        pass
 
 
 def _listening(port: int, host: str = "127.0.0.1") -> bool:
@@ -549,48 +555,44 @@ def _admin_verb(fn):
 @_admin_verb
 def cmd_status(admin, args) -> int:
     from omni_actors.http.bridge import status_to_dict
+    from omni_actors.system.admin import leader_api
     from omni_actors.system.leader import print_status_table
     from omni_actors.system.processes import cli
 
     status = admin.status()
-    state = None if getattr(args, "convention_address", None) else _read_state(args.admin_port)
-    from omni_actors.system.watchdog import recorded_process_runs
-
-    api_down = state is not None and not recorded_process_runs(state)
-    bound = (state or {}).get("host")
-    api_host = "127.0.0.1" if bound in (None, "", "0.0.0.0", "::") else bound  # (a wildcard: reach it on loopback)
-    # (trial BH: with the leader stopped by SIGSTOP, `status` said ready while its HTTP API answered nothing)
-    frozen = state is not None and not api_down and _stopped(state["pid"])
-    api_closed = bool(state and state.get("port") and not api_down and not frozen
-                      and not _listening(state["port"], api_host))
+    # (the leader's record: through a member's admin on this host, the leader's port's, a code
+    # review: it said ready, exit 0, with the leader gone)
+    port = admin.leader_port or args.admin_port
+    api = None if getattr(args, "convention_address", None) and not admin.leader_port else leader_api(port)
+    api_down, frozen = api is not None and api.down, api is not None and api.frozen
     if frozen:
-        print(f"warning: the leader (pid {state['pid']}) is stopped (SIGSTOP, or a debugger), so its HTTP API "
-              f"answers nothing until it is resumed (`kill -CONT {state['pid']}`)", file=sys.stderr)
+        print(f"warning: the leader (pid {api.state['pid']}) is stopped (SIGSTOP, or a debugger), so its HTTP API "
+              f"answers nothing until it is resumed (`kill -CONT {api.state['pid']}`)", file=sys.stderr)
     if api_down:
-        print(f"warning: the leader (pid {state['pid']}) is not running, so the HTTP API is down; "
-              f"`{cli('stop')} --admin-port {args.admin_port}` cleans up",
+        print(f"warning: the leader (pid {api.state['pid']}) is not running, so the HTTP API is down; "
+              f"`{cli('stop')} --admin-port {port}` cleans up",
               file=sys.stderr)
-    stopping = api_closed and bool(state.get("stopping"))
-    serving = status.ready and not api_down and not api_closed and not frozen
+    stopping = api is not None and api.stopping
+    serving = status.ready and not api_down and not frozen and not (api is not None and api.closed)
     if args.json:
         doc = status_to_dict(status)
         doc["serving"] = serving  # (as the exit status: 0 when true)
-        if state is not None and state.get("port"):
-            doc["api"] = {"url": f"http://{api_host}:{state['port']}/v1",
+        if api is not None and api.state.get("port"):
+            doc["api"] = {"url": api.url,
                           "state": ("down" if api_down else "frozen" if frozen else "stopping" if stopping
-                                    else "starting" if api_closed else "up")}
+                                    else "starting" if api.closed else "up")}
         print(json.dumps(doc, indent=2))
     elif api_down and not status.stages:  # (its coordinator is gone too: as while its watchdog is at work)
         from omni_actors.system.watchdog import is_watchdog
 
-        watched = bool(state.get("watchdog_pid")) and is_watchdog(state["watchdog_pid"])
-        print(f"NOT SERVING: the leader (pid {state['pid']}) is not running and neither is its coordinator; "
+        watched = bool(api.state.get("watchdog_pid")) and is_watchdog(api.state["watchdog_pid"])
+        print(f"NOT SERVING: the leader (pid {api.state['pid']}) is not running and neither is its coordinator; "
               + ("its watchdog stops what is left within seconds" if watched else
-                 f"`{cli('stop')} --admin-port {args.admin_port}` stops what is left"))
+                 f"`{cli('stop')} --admin-port {port}` stops what is left"))
     else:
         print_status_table(status, api_down=api_down, stopping=stopping, frozen=frozen)
-        if api_closed and not stopping:
-            print(f"the HTTP API (http://{api_host}:{state['port']}/v1) is not up yet: the leader opens it "
+        if api is not None and api.closed and not stopping:
+            print(f"the HTTP API ({api.url}) is not up yet: the leader opens it "
                   f"once every replica is ready or has failed")
     return 0 if serving else NOT_READY_EXIT
 
@@ -876,9 +878,10 @@ def _start_flags_problem(args) -> str | None:
 def _verb_first(argv: list[str]) -> str | None:
     """``stage --admin-port 1901 scale ...``: the sub-verb must come first (argparse took the
     port for the sub-verb: "invalid choice: '1901'"); what to say, or None."""
-    if len(argv) > 1 and argv[0] == "stage" and argv[1].startswith("-") and argv[1] not in ("-h", "--help"):
-        return (f"`stage` takes its action first, then {argv[1]}: "
-                "python -m omni_actors.system stage {drain,scale,launch,stop} [options]")
+    actions = {"stage": "{drain,scale,launch,stop}", "node": "{drain,undrain}"}
+    if len(argv) > 1 and argv[0] in actions and argv[1].startswith("-") and argv[1] not in ("-h", "--help"):
+        return (f"`{argv[0]}` takes its action first, then {argv[1]}: "
+                f"python -m omni_actors.system {argv[0]} {actions[argv[0]]} [options]")
     return None
 
 

@@ -284,6 +284,47 @@ def _stopped(pid: int) -> bool:
     return bool(stat) and stat[0] in ("T", "t")
 
 
+@dataclass(frozen=True)
+class LeaderApi:
+    """What the leader on an admin port of this host recorded (``state``, see
+    ``leader.state_file``) and whether its HTTP API serves now: ``down``, its process is
+    gone; ``frozen``, it is stopped (SIGSTOP, a debugger); ``closed``, its port takes no
+    connection (``stopping`` when the leader recorded that it stops, else still starting).
+    ``host`` is where this host reaches the API (loopback for a wildcard bind)."""
+
+    state: dict
+    down: bool
+    frozen: bool
+    closed: bool
+    stopping: bool
+    host: str
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.state['port']}/v1"
+
+
+def leader_api(admin_port: int) -> LeaderApi | None:
+    """The :class:`LeaderApi` of the leader recorded on ``admin_port`` here; None if none is."""
+    import json
+
+    from omni_actors.system.leader import state_file
+    from omni_actors.system.processes import port_in_use
+    from omni_actors.system.watchdog import recorded_process_runs
+
+    try:
+        state = json.loads(state_file(admin_port).read_text())
+    except (OSError, ValueError):
+        return None
+    down = not recorded_process_runs(state)
+    bound = state.get("host")
+    host = "127.0.0.1" if bound in (None, "", "0.0.0.0", "::") else bound  # (a wildcard: reach it on loopback)
+    # (trial BH: with the leader stopped by SIGSTOP, `status` said ready while its HTTP API answered nothing)
+    frozen = not down and _stopped(state["pid"])
+    closed = bool(state.get("port") and not down and not frozen and not port_in_use(state["port"], host))
+    return LeaderApi(state, down, frozen, closed, closed and bool(state.get("stopping")), host)
+
+
 def _hostname(host: str) -> str:
     """The hostname part of a ``supervision.host_identity()``; "unknown" for ""."""
     return host.rsplit("/", 1)[0] or "unknown"
@@ -301,37 +342,26 @@ def inject_reply(done: dict) -> str:
 
 
 def attach(admin_port: int) -> Admin:
-    """Attach to the admin on ``admin_port`` (a member host's: to its convention leader).
+    """Attach to the admin on ``admin_port`` of this host (a member host's: to its
+    convention leader), as from another host (:func:`~omni_actors.system.remote.attach_remote`):
+    Thespian's own ``ActorSystem()`` starts an admin of its own when the one it was to join
+    has just gone (a ``status`` racing a ``stop`` left one running on the port, a code review).
 
     Raises:
-        AdminError: nothing listens there.
+        AdminError: nothing listens there, or not an omni-actors admin.
     """
-    from thespian.actors import ActorSystem
-
-    from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
-    from omni_actors.system.leader import ACTOR_BASE, other_leaders_hint
+    from omni_actors.system.leader import other_leaders_hint
     from omni_actors.system.processes import port_in_use
 
     if not port_in_use(admin_port):  # (and where a leader recorded here runs: status, stop, api, shell)
         raise AdminError(f"no actor system is listening on admin port {admin_port}" + other_leaders_hint(admin_port))
-    from thespian.actors import ActorSystemException, InvalidActorAddress
+    from omni_actors.system.remote import admin_status, attach_remote
 
-    from omni_actors.system.remote import admin_status, attach_remote, is_member_status
-
-    not_admin = f"port {admin_port} is in use, but not by an omni-actors admin (the HTTP port? see --admin-port)"
     try:
         status = admin_status("127.0.0.1", admin_port)
     except Exception:  # noqa: BLE001 - Thespian raises several kinds here
         status = None
-    if status is None:  # (checked first: an ActorSystem takes about 15 s to give up on such a port)
-        raise AdminError(not_admin)
-    try:
-        asys = ActorSystem(ACTOR_BASE, {"Admin Port": admin_port})
-    except (InvalidActorAddress, ActorSystemException):
-        raise AdminError(not_admin) from None
-    if is_member_status(status):
-        # A member host's admin: its convention leader runs the system (a coordinator looked up
-        # by name here would be a new, empty one, made on the member). (``asys`` is left as it
-        # is: its shutdown() would stop the member.)
-        return attach_remote("127.0.0.1", admin_port)
-    return Admin(asys, asys.createActor(CoordinatorActor, globalName=COORDINATOR_NAME))
+    if status is None:  # (checked first: Thespian takes about 15 s to give up on such a port)
+        raise AdminError(f"port {admin_port} is in use, but not by an omni-actors admin (the HTTP port? see "
+                         "--admin-port)")
+    return attach_remote("127.0.0.1", admin_port)

@@ -71,6 +71,7 @@ class AdminShell(cmd.Cmd):
     intro = ("omni-actors admin shell on admin port {port}. `help` lists the commands; "
              "Tab completes; `quit` leaves (the system keeps running).")
     prompt = "omni> "
+    remote = False  #: attached from another host (see run_shell)
 
     def __init__(self, admin: Admin, admin_port: int, stdin=None, stdout=None):
         super().__init__(stdin=stdin, stdout=stdout)
@@ -244,8 +245,14 @@ class AdminShell(cmd.Cmd):
         """status: the stage table (as `python -m omni_actors.system status`)."""
         from omni_actors.system.leader import print_status_table
 
+        from omni_actors.system.admin import leader_api
+
         self._args(arg, 0, 0, "status")
-        print_status_table(self._status(), out=self.stdout)
+        status = self._status()
+        # (its last line says NOT SERVING or STOPPING as the command's does: a code review)
+        api = None if self.remote else leader_api(self.admin.leader_port or self.admin_port)
+        print_status_table(status, out=self.stdout, api_down=bool(api and api.down),
+                           stopping=bool(api and api.stopping), frozen=bool(api and api.frozen))
 
     def do_nodes(self, arg):
         """nodes: every host and what runs there: replicas (state, pid, devices) and, on this
@@ -356,6 +363,10 @@ class AdminShell(cmd.Cmd):
         is room, and place nothing new on NODE until `undrain NODE` (its member runs on)."""
         usage = "drain REPLICA | drain --node NODE"
         words = self._args(arg, 1, 2, usage)
+        if words[0].startswith("--node="):  # (as `launch` takes it; it was taken for a replica's name)
+            words = ["--node", words[0].partition("=")[2], *words[1:]]
+        if words[0].startswith("-") and words[0] != "--node":
+            raise AdminError(f"usage: {usage}")
         if words[0] == "--node":
             if len(words) != 2:
                 raise AdminError(f"usage: {usage}")
