@@ -445,7 +445,7 @@ NOT_DEPLOYED = ("the coordinator has no config yet: it was just recreated (the l
 class SystemStatus(Message):
     query_id: str
     model: str
-    ready: bool  #: every stage has at least one READY replica
+    ready: bool  #: every stage has at least one READY replica that takes new requests (not lingering)
     stages: tuple[PoolState, ...]
     coordinator_pid: int | None = None
     nodes: tuple[NodeStatus, ...] = ()

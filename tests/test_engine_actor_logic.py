@@ -2616,3 +2616,35 @@ def test_a_lingering_pinned_replica_counts_for_a_scale():
     assert rep.linger and rep.relaunch and launched == []
     pool.receiveMsg_ScaleStage(ScaleStage("talker", 1), "cli")
     assert sent[-1] == ("cli", AdminReply(True, "talker: 1 -> 1 replicas")) and launched == []
+
+
+def test_a_stage_whose_only_ready_replicas_linger_is_not_ready():
+    """Trial BK: with every Talker lingering on a leaving member (taking no new request),
+    `status` said ready and exited 0, `/ready` 200, while new audio requests waited for a
+    replacement. A lingering replica counts as ready nowhere now: not in `ready`, not in
+    `ready_replicas`, not in `omni_stage_ready_replicas`."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.http.bridge import status_to_dict
+    from omni_actors.http.metrics import Metrics
+    from omni_actors.messages import PoolState, ReplicaState, ReplicaStatus
+
+    co = CoordinatorActor()
+    co._config = SimpleNamespace(
+        stage_args=[SimpleNamespace(stage_id=0, name="thinker"), SimpleNamespace(stage_id=1, name="talker")],
+        deployment=SimpleNamespace(served_model_name="m", supervision=SimpleNamespace(drain_timeout_s=30.0),
+                                   heartbeat_interval_s=1.0),
+        omni_connectors=SimpleNamespace(notes=()))
+    co._states = {0: PoolState(0, "thinker", (ReplicaStatus("thinker/0", ReplicaState.READY),)),
+                  1: PoolState(1, "talker", (ReplicaStatus("talker/0", ReplicaState.READY, lingering=True),
+                                             ReplicaStatus("talker/1", ReplicaState.PENDING)))}
+    status = co._status("q")
+    assert not status.ready
+    table = status_to_dict(status)
+    assert [st["ready_replicas"] for st in table["stages"]] == [1, 0]
+    text = Metrics().render(table).decode()
+    assert 'omni_stage_ready_replicas{stage="talker"} 0.0' in text, text
+    co._states[1] = PoolState(1, "talker", (ReplicaStatus("talker/0", ReplicaState.READY, lingering=True),
+                                            ReplicaStatus("talker/1", ReplicaState.READY)))
+    assert co._status("q").ready

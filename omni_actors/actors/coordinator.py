@@ -885,7 +885,10 @@ class CoordinatorActor(ActorTypeDispatcher):
 
     def _status(self, query_id: str) -> SystemStatus:
         stages = tuple(self._states[s.stage_id] for s in self._config.stage_args) if self._config else ()
-        ready = bool(stages) and all(any(r.state == ReplicaState.READY for r in st.replicas) for st in stages) \
+        # (a lingering replica takes no new request: trial BK read ready, exit 0, while every
+        # Talker lingered on a leaving member and new audio requests waited for a replacement)
+        ready = bool(stages) and all(any(r.state == ReplicaState.READY and not r.lingering for r in st.replicas)
+                                     for st in stages) \
             and not self._pool_silent  # (a silent pool routes nothing: see _check_pools)
         model = self._config.deployment.served_model_name if self._config else ""
         notes = (tuple(self._config.omni_connectors.notes) if self._config else ()) + self._pool_notes()

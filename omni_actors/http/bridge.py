@@ -874,7 +874,7 @@ def status_to_dict(status: SystemStatus) -> dict[str, Any]:
         "stages": [
             {"stage_id": st.stage_id, "stage": st.stage, "pid": st.pid, "pending": st.pending,
              "restarts": st.restarts,
-             "ready_replicas": sum(1 for r in st.replicas if r.state.value == "ready"),
+             "ready_replicas": sum(1 for r in st.replicas if r.state.value == "ready" and not r.lingering),
              "replicas": [replica(r) for r in st.replicas]}
             for st in status.stages],
     }

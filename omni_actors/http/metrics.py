@@ -161,7 +161,8 @@ def stage_families(table: dict[str, Any]) -> list[Metric]:
                                     "Stage task latency on the replica", labels=_RL)
     pending = GaugeMetricFamily("omni_stage_pending_tasks",
                                 "Stage tasks waiting for a ready replica", labels=("stage",))
-    ready = GaugeMetricFamily("omni_stage_ready_replicas", "Replicas of the stage in state ready",
+    ready = GaugeMetricFamily("omni_stage_ready_replicas", "Replicas of the stage in state ready that take "
+                              "new requests (not lingering)",
                               labels=("stage",))
     pool_restarts = CounterMetricFamily("omni_stage_restarts",
                                         "Times the stage's pool was recreated", labels=("stage",))
@@ -174,7 +175,7 @@ def stage_families(table: dict[str, Any]) -> list[Metric]:
         for r in st["replicas"]:
             labels = [stage, str(r["replica"])]
             current = _s(r.get("state"))
-            n_ready += current == ReplicaState.READY.value
+            n_ready += current == ReplicaState.READY.value and not r.get("lingering")
             for s in _STATES if current in _STATES else (*_STATES, current):
                 state.add_metric([*labels, s], 1.0 if s == current else 0.0)
             fault = _s(r.get("fault"))  # (as the status table's REASON: a trial's info said "" meanwhile)
