@@ -1166,6 +1166,9 @@ class TaskFinished(Message):
     #: failed on the client's input (a 400, e.g. a prompt over ``max_model_len``): not counted
     #: as a failed task of the replica either
     client_error: bool = False
+    #: the task's attempt (None: any): a later attempt of the same task may be in flight on the
+    #: same replica already (a streaming consumer started over), and stays counted there
+    attempt: int | None = None
 
 
 @dataclass(frozen=True)

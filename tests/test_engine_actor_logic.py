@@ -280,8 +280,8 @@ def test_a_retry_on_the_same_replica_keeps_its_inputs_when_the_earlier_attempt_e
 
     asyncio.run(main())
     # each cancelled attempt confirms its cancel to the RequestActor and tells the pool it ended
-    assert [(type(m).__name__, m.attempt if hasattr(m, "attempt") else None) for m in sent] == [
-        ("StageCancelled", 0), ("TaskFinished", None), ("StageCancelled", 1), ("TaskFinished", None)]
+    assert [(type(m).__name__, m.attempt) for m in sent] == [
+        ("StageCancelled", 0), ("TaskFinished", 0), ("StageCancelled", 1), ("TaskFinished", 1)]
 
 
 def test_a_cancel_handed_over_right_behind_its_task_cancels_it():
@@ -2648,3 +2648,65 @@ def test_a_stage_whose_only_ready_replicas_linger_is_not_ready():
     co._states[1] = PoolState(1, "talker", (ReplicaStatus("talker/0", ReplicaState.READY, lingering=True),
                                             ReplicaStatus("talker/1", ReplicaState.READY)))
     assert co._status("q").ready
+
+
+def test_an_earlier_attempts_end_leaves_the_later_attempt_in_flight_on_the_same_replica():
+    """A code review: a streaming consumer started over as attempt 1 on the replica where its
+    attempt 0 was being cancelled; attempt 0's TaskFinished took attempt 1's in-flight entry,
+    so the request's final cancel found nothing to pass on, and the replica's death would not
+    have moved it."""
+    from types import SimpleNamespace
+
+    from omni_actors.messages import TaskFinished
+
+    pool, rep = _pool_with_one_replica()
+    rep.in_flight[("r1", 2)] = (SimpleNamespace(request_id="r1", stage_id=2, attempt=1, reply_to="ra"), 0.0)
+    pool.receiveMsg_TaskFinished(TaskFinished("thinker/0", "r1", 2, ok=False, cancelled=True, attempt=0), "engine")
+    assert ("r1", 2) in rep.in_flight
+    pool.receiveMsg_TaskFinished(TaskFinished("thinker/0", "r1", 2, ok=True, attempt=1), "engine")
+    assert rep.in_flight == {} and rep.completed == 1
+
+
+def test_a_late_cancel_of_an_earlier_attempt_still_reaches_it_and_spares_the_later_one():
+    """A code review: a later attempt of a task on the same replica took the earlier one's
+    place in the engine's tasks, and a cancel of the earlier attempt that came after it
+    found nothing to cancel: the earlier attempt ran on (an abandoned consumer)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from omni_actors.actors.engine import EngineActor
+    from omni_actors.messages import StageTask
+
+    actor = EngineActor()
+    actor._started.set()  # (ends its orphan watchdog thread)
+    sent = []
+    actor._spec = SimpleNamespace(replica="code2wav/0", stage=SimpleNamespace(name="code2wav"))
+    actor._pool = "pool"
+
+    async def execute(msg):  # runs until cancelled
+        await asyncio.get_running_loop().create_future()
+
+    async def abort(request_id):
+        return None
+
+    actor._execute = execute
+    actor._backend = SimpleNamespace(abort=abort)
+
+    async def main():
+        actor._rt = SimpleNamespace(emit=lambda address, message, **kw: sent.append(message),
+                                    loop=asyncio.get_running_loop())
+        task = StageTask("r1", 2, "hi", (), {}, {}, None, False, "ra", stream_source=1)
+        first = asyncio.ensure_future(actor._run_task(task))
+        await asyncio.sleep(0)
+        second = asyncio.ensure_future(actor._run_task(dataclasses.replace(task, attempt=1)))
+        await asyncio.sleep(0)
+        actor._cancel("r1", 2, 0, asked=True)  # (late: attempt 1 runs here already)
+        await asyncio.sleep(0.01)
+        assert first.done() and not second.done()
+        actor._cancel("r1", 2, None, asked=True)  # (the request is over)
+        await asyncio.gather(first, second, return_exceptions=True)
+        assert not actor._superseded and not actor._tasks
+
+    asyncio.run(main())
+    assert [(type(m).__name__, m.attempt) for m in sent if type(m).__name__ == "StageCancelled"] == [
+        ("StageCancelled", 0), ("StageCancelled", 1)]

@@ -159,6 +159,10 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         #: the attempt of each of ``_tasks`` that a CancelStage cancelled (loop thread): its
         #: StageCancelled is ``asked``, not its replica's own doing
         self._cancel_asked: dict[tuple[str, int], int] = {}
+        #: (request, stage, attempt) -> the task of an earlier attempt still running when a later
+        #: one of the same task came (a streaming consumer started over here): a cancel of it
+        #: still reaches it (loop thread)
+        self._superseded: dict[tuple[str, int, int], asyncio.Task] = {}
         self._sequencer: Sequencer | None = None
         self._names = AddressNames()  # str() of the addresses its outbox sends to, kept across drains
         self._deltas: DeltaWindow | None = None  # text deltas in flight per bridge (see DeltaWindow)
@@ -496,7 +500,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             # could be lost in transit if this process exits right after.
             self.send(sender, TaskFinished(self._spec.replica if self._spec else "?", msg.request_id,
                                            msg.stage_id, ok=False, rejected=True,
-                                           reason="draining" if self._draining else "not ready"))
+                                           reason="draining" if self._draining else "not ready",
+                                           attempt=msg.attempt))
             return self._watch()
         self._rt.submit(self._run_task(msg))
         return self._watch()
@@ -511,6 +516,11 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         ``attempt`` covers: :func:`~omni_actors.messages.cancels_attempt`). ``asked``: by a
         :class:`CancelStage` (else this replica's own doing: its StageCancelled says so)."""
         key = (request_id, stage_id)
+        for (rid, sid, older), old_task in list(self._superseded.items()):
+            if (rid, sid) == key and cancels_attempt(attempt, older) and not old_task.done():
+                if asked:
+                    self._cancel_asked[key] = older
+                old_task.cancel()
         task = self._tasks.get(key)
         if task is not None and cancels_attempt(attempt, self._task_attempts.get(key, 0)):
             if not task.done():
@@ -530,6 +540,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
 
     async def _run_task(self, msg: StageTask) -> None:
         key = (msg.request_id, msg.stage_id)
+        earlier = self._tasks.get(key)
+        if earlier is not None and not earlier.done():
+            self._superseded[(*key, self._task_attempts.get(key, 0))] = earlier
         self._tasks[key] = asyncio.current_task()
         self._task_attempts[key] = msg.attempt
         replica = self._spec.replica
@@ -599,6 +612,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 self._task_attempts.pop(key, None)
             if self._cancel_asked.get(key) == msg.attempt:
                 del self._cancel_asked[key]
+            self._superseded.pop((*key, msg.attempt), None)
             for table in (self._inputs, self._credits):
                 if table.get(key, (msg.attempt,))[0] == msg.attempt:
                     table.pop(key, None)
@@ -607,7 +621,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             elif not cancelled and not client_error:
                 self._failed += 1
             emit(self._pool, TaskFinished(replica, msg.request_id, msg.stage_id, ok, cancelled,
-                                          input_error=input_error, client_error=client_error))
+                                          input_error=input_error, client_error=client_error,
+                                          attempt=msg.attempt))
             if self._draining and not self._tasks:
                 emit(self.myAddress, DrainReplica(replica))  # the actor thread exits us
 

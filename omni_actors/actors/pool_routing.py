@@ -188,9 +188,12 @@ class PoolRoutingMixin:
         rep = self._replicas.get(msg.replica)
         if rep is None:
             return
-        entry = rep.in_flight.pop((msg.request_id, msg.stage_id), None)
-        if entry is None:
+        entry = rep.in_flight.get((msg.request_id, msg.stage_id))
+        if entry is None or (msg.attempt is not None and entry[0].attempt != msg.attempt):
+            # (an earlier attempt's end: the one in flight now, a streaming consumer started over
+            # on the same replica, stays counted and cancellable there; a code review)
             return
+        del rep.in_flight[(msg.request_id, msg.stage_id)]
         cancelled = (msg.request_id, msg.stage_id) in rep.cancelling
         rep.cancelling.discard((msg.request_id, msg.stage_id))
         if msg.rejected:  # it did not run there (the replica drains or is not ready)
