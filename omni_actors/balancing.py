@@ -158,7 +158,11 @@ def stages_left_without_replicas(status, node: str, before=None, drained: bool =
                 for r in stage.replicas):
             continue
         others = [r for r in stage.replicas if r.node != node]
-        when, until = ((f"while node {node} is drained", "`node undrain` or a node that can run it joins")
+        # (trial BK: with m1 drained before, the drain of m2 said "while node m2 is drained")
+        names = [node] + [n.name for n in status.nodes if n.drained and n.name != node]
+        when, until = ((f"while node{'s' if len(names) > 1 else ''} {', '.join(names)} "
+                        f"{'are' if len(names) > 1 else 'is'} drained",
+                        "`node undrain` or a node that can run it joins")
                        if drained else (f"once node {node} has left", "a node that can run it joins"))
         out.append((stage.stage, f"stage {stage.stage} has no replica running {when}"
                                  f" ({describe_replicas(others)}); requests that need it wait up to its"

@@ -2547,11 +2547,16 @@ def test_a_pinned_replica_back_on_its_node_says_why_it_was_down_in_the_past():
     rep = Replica("talker/2", "e2", state=ReplicaState.STARTING, down_cause=cause)
     pool._replicas = {"talker/2": rep}
     pool._show_start(rep, "", "importing vLLM")
-    assert rep.reason == "starting again; it was down: node m2 drained (`node drain`); importing vLLM"
+    # (trial BK: "restarted ...; it was down" of a drain read as a crash: it was placed again)
+    assert rep.reason == "starting again; it was stopped: node m2 drained (`node drain`); importing vLLM"
     pool.receiveMsg_EngineReady(EngineReady("talker/2", 7, "m2", "synthetic"), "e2")
     assert rep.state == ReplicaState.READY
-    assert re.fullmatch(r"restarted at \d\d:\d\d:\d\d UTC; it was down: node m2 drained \(`node drain`\)", rep.reason), \
-        rep.reason
+    assert re.fullmatch(r"placed again at \d\d:\d\d:\d\d UTC; it was stopped: node m2 drained \(`node drain`\)",
+                        rep.reason), rep.reason
+    rep = Replica("talker/3", "e3", state=ReplicaState.STARTING, down_cause="node m2 is leaving (replaced by talker/3)")
+    pool._replicas = {"talker/3": rep}
+    pool.receiveMsg_EngineReady(EngineReady("talker/3", 8, "m1", "synthetic"), "e3")
+    assert rep.reason.endswith("; it was stopped: node m2 was leaving (replaced by talker/3)"), rep.reason
 
 
 def test_a_pool_given_up_is_tried_again_after_failed_retry_s():

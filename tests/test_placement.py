@@ -514,3 +514,28 @@ def test_the_status_table_shows_each_engines_running_and_waiting_requests():
     header, busy, pending = (line.split() for line in out.getvalue().splitlines()[:3])
     assert header[6:8] == ["IN_FLIGHT", "RUN/WAIT"] and busy[6:8] == ["3", "2/1"], out.getvalue()
     assert pending[1:3] == ["thinker/1", "pending"] and pending[7] == "-", out.getvalue()
+
+
+def test_a_drained_node_that_left_says_it_stays_drained_and_a_drain_warning_names_every_drained_node():
+    """Trial BK: a drained node whose member stopped read `LEFT`, with no hint that it stays
+    drained; after `node drain` of m1 then m2, the warning said "while node m2 is drained"."""
+    import io
+
+    from omni_actors.balancing import stages_left_without_replicas
+    from omni_actors.messages import PoolState, ReplicaState, ReplicaStatus, SystemStatus
+    from omni_actors.system.leader import print_status_table
+
+    inv = inventory(NodeInfo("leader"), NodeInfo("m1", ("0",)), NodeInfo("m2", ("1",)), NodeInfo("m3", ("2",)))
+    inv.drain("m1", operator=True)
+    inv.drain("m2", operator=True)
+    before = SystemStatus("q", "m", True, (PoolState(1, "talker", (
+        ReplicaStatus("talker/0", ReplicaState.READY, node="m2", devices="1"),)),), nodes=inv.status())
+    after = SystemStatus("q", "m", False, (PoolState(1, "talker", (
+        ReplicaStatus("talker/0", ReplicaState.STOPPED, node="m2"),
+        ReplicaStatus("talker/1", ReplicaState.PENDING, reason="no room"))),), nodes=inv.status())
+    [(stage, line)] = stages_left_without_replicas(after, "m2", before, drained=True)
+    assert "has no replica running while nodes m2, m1 are drained (" in line, line
+    inv.lose("m1", LEFT_REASON)
+    out = io.StringIO()
+    print_status_table(SystemStatus("q", "m", True, (), nodes=inv.status()), out)
+    assert "m1 (LEFT, still drained: `node undrain`)" in out.getvalue(), out.getvalue()

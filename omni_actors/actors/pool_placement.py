@@ -48,20 +48,35 @@ def device_wait_s(spec) -> float:
 #: How a replica pinned to a draining or leaving node says it comes back (``"...; it starts again
 #: when the node is undrained"``); cut from the reason it gives once back (:func:`was_down`).
 STARTS_AGAIN = "; it starts again when the node is "
+#: What a replica moved off a node an operator drained says (``node m2 drained (`node drain`)``).
+DRAINED_BY_OPERATOR = "drained (`node drain`)"
 
 
 def was_down(cause: str) -> str:
     """Why a replica was down, in the past: a pinned one's ``"it starts again when ..."`` goes
     (trial AY: ``restarted at 23:42:23; it was down: node m2 drained (`node drain`); it starts
-    again when the node is undrained``, of a replica running again)."""
-    return cause.split(STARTS_AGAIN)[0]
+    again when the node is undrained``, of a replica running again), and a node that "is
+    leaving" was (trial BK read it of a node that had left)."""
+    return cause.split(STARTS_AGAIN)[0].replace(f" {LEAVING}", f" was {LEAVING.split(' ', 1)[1]}")
+
+
+def moved_on_purpose(cause: str) -> bool:
+    """Whether a replica was down because its node was drained or left (not a crash): it was
+    placed again, not restarted (its RESTARTS do not change)."""
+    return LEFT_REASON in cause or LEAVING in cause or DRAINED_BY_OPERATOR in cause
+
+
+def down_phrase(cause: str) -> str:
+    """``it was down: <why>`` (a crash, a hang), or ``it was stopped: <why>`` when its node was
+    drained or left (trial BK: "it was down: node m2 drained" read as a failure)."""
+    return f"it was {'stopped' if moved_on_purpose(cause) else 'down'}: {was_down(cause)}"
 
 
 def starting_reason(rep) -> str:
     """The reason a STARTING replica shows: why it was down (a restart, which can take a minute
     with vLLM), which devices its engine still waits for (its heartbeats' ``waiting_for``), and
     what its engine is doing (their ``phase``)."""
-    parts = [f"starting again; it was down: {was_down(rep.down_cause)}"] if rep.down_cause else []
+    parts = [f"starting again; {down_phrase(rep.down_cause)}"] if rep.down_cause else []
     if rep.device_wait:
         parts.append(f"waiting for {rep.device_wait}")
     elif rep.start_phase:
@@ -169,7 +184,7 @@ class PoolPlacementMixin:
         when the member's drain timeout runs out (trial AS). The member waits for
         them within its drain timeout, as for any replica."""
         drained = []
-        what = "drained (`node drain`)" if msg.operator else LEAVING
+        what = DRAINED_BY_OPERATOR if msg.operator else LEAVING
         back = "undrained" if msg.operator else "back"
         last = not any(r.state == ReplicaState.READY and r.node != msg.node for r in self._replicas.values())
         for rep in list(self._replicas.values()):

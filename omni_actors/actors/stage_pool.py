@@ -35,7 +35,7 @@ from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExi
 
 from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.pool_admin import PoolAdminMixin
-from omni_actors.actors.pool_placement import PoolPlacementMixin, starting_reason, was_down
+from omni_actors.actors.pool_placement import PoolPlacementMixin, down_phrase, moved_on_purpose, starting_reason
 from omni_actors.actors.pool_routing import TASK_OVERDUE_GRACE_S, PoolRoutingMixin  # noqa: F401 (re-exported)
 from omni_actors.actors.supervision import (TICK_LOST_AFTER_INTERVALS, WAKEUP_LOST_AFTER_S, HealthPolicy, host_identity,
                                             ParentWatch, ReplicaHealth, RestartPolicy, WakeupChain,
@@ -241,7 +241,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             rep.latency, rep.latency_sum = old.latency, old.latency_sum
             rep.loaded, rep.load_failures = old.loaded, old.load_failures
             if rep.down_cause:  # (a trial read a restart as a bare "waiting for placement")
-                rep.reason = f"{PLACING}; it was down: {rep.down_cause}"
+                rep.reason = f"{PLACING}; {down_phrase(rep.down_cause)}"
         self._replicas[replica_id] = rep
         self._place(rep)
 
@@ -255,8 +255,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             # After a restart, READY says when and why it was down (RESTARTS alone does not).
             at = time.strftime("%H:%M:%S UTC", time.gmtime())  # (UTC, as the logs' timestamps)
             rep.state, rep.reason = ReplicaState.READY, "; ".join(filter(None, (
-                f"{'placed again' if LEFT_REASON in rep.down_cause or LEAVING in rep.down_cause else 'restarted'} at "
-                f"{at}; it was down: {was_down(rep.down_cause)}" if rep.down_cause else "",
+                f"{'placed again' if moved_on_purpose(rep.down_cause) else 'restarted'} at "
+                f"{at}; {down_phrase(rep.down_cause)}" if rep.down_cause else "",
                 msg.note)))
             rep.pid, rep.host, rep.backend = msg.pid, msg.host, msg.backend
             rep.devices = msg.devices or rep.devices

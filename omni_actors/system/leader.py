@@ -139,7 +139,9 @@ def _down_label(node) -> str:
     """``LEAVING`` (its member stops: it drains), ``LEFT``, or ``LOST: <why>``
     (``LOST: missed 3 node heartbeats``)."""
     label = node.state.upper()
-    return f"{label}: {node.down_reason}" if node.state == "lost" and node.down_reason else label
+    label = f"{label}: {node.down_reason}" if node.state == "lost" and node.down_reason else label
+    # (trial BK: a drained node whose member stopped read LEFT, with no word that it stays drained)
+    return f"{label}, still drained: `node undrain`" if node.drained and not node.alive else label
 
 
 def node_capabilities(admin_port: int, node: str, devices: tuple[str, ...], stages: tuple[str, ...]) -> dict:

@@ -130,6 +130,8 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
               f"stages {','.join(stages) or 'any'}); Ctrl-C to leave", flush=True)
         log.info("member_started", admin_port=admin_port, devices=list(devices), stages=list(stages),
                  shm_dir=shm_dir)
+        threading.Thread(target=_say_if_drained, args=(stopping, host, port, node, log), name="drained-check",
+                         daemon=True).start()
         _serve(stopping, host, port, log)
         warnings: list[str] = []
         undrained: list[str] = []
@@ -281,6 +283,30 @@ def _wait_for_leader(host: str, port: int, wait_s: float, stopping: threading.Ev
             print(f"{problem}: waiting up to {wait_s:g} s for it (--leader-wait; Ctrl-C to give up)", flush=True)
             said = True
         stopping.wait(min(LEADER_POLL_S, max(deadline - time.monotonic(), 0.0)))
+
+
+#: seconds after it joins that a member looks for its node in the leader's status (to say it
+#: is drained), and how often
+DRAINED_CHECK_S, DRAINED_CHECK_EVERY_S = 15.0, 1.0
+
+
+def _say_if_drained(stopping: threading.Event, host: str, port: int, node: str, log) -> None:
+    """Once the coordinator has taken this member's node in: say so if an operator had drained
+    it (``node drain``, which outlives a member's restart), as it then takes no replica (trial
+    BK: the member said only that it joined, and `status` said DRAINED)."""
+    from omni_actors.system.remote import leader_status
+
+    deadline = time.monotonic() + DRAINED_CHECK_S
+    while not stopping.wait(DRAINED_CHECK_EVERY_S) and time.monotonic() < deadline:
+        status = leader_status(host, port)
+        mine = next((n for n in (status.nodes if status else ()) if n.name == node and n.alive), None)
+        if mine is None:
+            continue
+        if mine.drained:
+            print(f"node {node} is drained (`node drain`, before this member started): it takes no replica "
+                  f"until `node undrain --node {node}`", flush=True)
+            log.warning("member_node_drained", node=node)
+        return
 
 
 def _serve(stopping: threading.Event, host: str, port: int, log) -> None:
