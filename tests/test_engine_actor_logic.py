@@ -2603,8 +2603,16 @@ def test_a_pool_given_up_is_tried_again_after_failed_retry_s():
     co.receiveMsg_WakeupMessage(WakeupMessage(300.0, ("restart_pool", 1)), None)  # (a second one: nothing)
     assert co.started == ["code2wav"]
 
+    assert "), or at a `stage scale` or `stage launch`" in rows["code2wav/0"].reason
+
     co = coordinator(0.0)  # failed_retry_s 0: never, as for a replica
-    assert co.wakeups == [] and co._states[1].replicas[0].reason == "stage pool exited; gave up after 2 restarts in 60 s"
+    assert co.wakeups == [] and co._states[1].replicas[0].reason == (
+        "stage pool exited; gave up after 2 restarts in 60 s; a `stage scale` or `stage launch` starts it again")
+    # an operator's `stage scale` starts it at once, and is passed to the new pool
+    from omni_actors.messages import ScaleStage
+    co.receiveMsg_ScaleStage(ScaleStage("code2wav", 1), "cli")
+    assert co.started == ["code2wav"] and 1 not in co._pools_down and co.sent[-1] == ("pool-2", ScaleStage(
+        "code2wav", 1, reply_to="cli"))
 
 
 def test_a_lingering_pinned_replica_counts_for_a_scale():

@@ -96,6 +96,9 @@ class CoordinatorActor(ActorTypeDispatcher):
         #: stage id -> its pool's last own report: what a pool recreated after a crash starts (see _layout)
         self._reported: dict[int, PoolState] = {}
         self._pools_down: dict[int, str] = {}  #: stage id -> why its pool is not there (exited, not yet back)
+        #: stage ids of _pools_down given up (restarts used up): back after failed_retry_s, or at
+        #: an operator's `stage scale` or `stage launch`
+        self._pools_given_up: set[int] = set()
         #: stage id -> when its pool last reported (monotonic; its creation before the first report)
         self._pool_heard: dict[int, float] = {}
         self._pool_silent: set[int] = set()  #: stage ids whose pool is past POOL_SILENT_NOTE_INTERVALS
@@ -390,14 +393,21 @@ class CoordinatorActor(ActorTypeDispatcher):
                 self._lose_node(msg.payload[1], "dropped from the convention without a leave notice")
         elif isinstance(msg.payload, tuple) and msg.payload[0] == "restart_pool" and not self._stopping \
                 and msg.payload[1] in self._pools_down:  # (once: its pool may be back already)
-            stage = self._config.stage(msg.payload[1])
-            self._pool_restarts[stage.stage_id].append(time.monotonic())
-            self._pools_down.pop(stage.stage_id, None)
-            self._inherited.discard(stage.stage_id)  # (this one's own pool died)
-            self._start_pool(stage, self._pool_killed_why.pop(stage.stage_id, None))
-            self._routes_version += 1
-            self._log.warning("pool_restarted", stage=stage.name, restarts=len(self._pool_restarts[stage.stage_id]))
-            self._publish_routes()
+            self._restart_pool(msg.payload[1])
+
+    def _restart_pool(self, stage_id: int, by: str = "") -> None:
+        """Recreate the exited pool of ``stage_id`` (its restart's time has come, or ``by``:
+        an operator's admin request for a stage whose pool was given up)."""
+        stage = self._config.stage(stage_id)
+        self._pool_restarts[stage.stage_id].append(time.monotonic())
+        self._pools_down.pop(stage.stage_id, None)
+        self._pools_given_up.discard(stage.stage_id)
+        self._inherited.discard(stage.stage_id)  # (this one's own pool died)
+        self._start_pool(stage, self._pool_killed_why.pop(stage.stage_id, None))
+        self._routes_version += 1
+        self._log.warning("pool_restarted", stage=stage.name, restarts=len(self._pool_restarts[stage.stage_id]),
+                          **({"by": by} if by else {}))
+        self._publish_routes()
 
     def receiveMsg_ChildActorExited(self, msg: ChildActorExited, sender):
         for stage_id, pool in list(self._pools.items()):
@@ -416,9 +426,10 @@ class CoordinatorActor(ActorTypeDispatcher):
                 # stayed down for good, and every admin request for its stage was refused)
                 why += f"; gave up after {len(self._pool_restarts[stage_id])} restarts in {self._restart.window_s:g} s"
                 delay = self._config.deployment.supervision.restart.failed_retry_s or None
-                if delay is not None:
-                    why += (f"; next try in {delay:g} s "
-                            f"(at {time.strftime('%H:%M:%S UTC', time.gmtime(time.time() + delay))})")
+                why += (f"; next try in {delay:g} s (at "
+                        f"{time.strftime('%H:%M:%S UTC', time.gmtime(time.time() + delay))}), or at a `stage "
+                        "scale` or `stage launch`" if delay is not None else
+                        "; a `stage scale` or `stage launch` starts it again")
             self._log.error("pool_exited", stage=old.stage, restart_in_s=delay)
             # What the new pool will not start (scaled down, drained) gives its devices back now;
             # the others keep theirs under the same names.
@@ -437,6 +448,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                 old.next_index)
             self._pools_down[stage_id] = (f"its pool exited; a new one starts in {delay:g} s, try again then"
                                           if not given_up else why)
+            if given_up:
+                self._pools_given_up.add(stage_id)
             self._publish_status()
             if delay is not None:
                 self.wakeupAfter(delay, payload=("restart_pool", stage_id))
@@ -765,7 +778,16 @@ class CoordinatorActor(ActorTypeDispatcher):
         return any(r.replica == replica and r.state == ReplicaState.STOPPED
                    for st in self._states.values() for r in st.replicas)
 
+    def _restart_given_up(self, stage_name: str) -> None:
+        """An operator's `stage scale` or `stage launch` of a stage whose pool was given up
+        restarts it now (the size it asks for is the size wanted; else the operator had no
+        way but to wait ``failed_retry_s`` or restart the system, a code review)."""
+        stage = next((s for s in (self._config.stage_args if self._config else ()) if s.name == stage_name), None)
+        if stage is not None and stage.stage_id in self._pools_given_up and not self._stopping:
+            self._restart_pool(stage.stage_id, by="operator")
+
     def receiveMsg_ScaleStage(self, msg: ScaleStage, sender):
+        self._restart_given_up(msg.stage)
         self._forward_admin(self._pool_of_replica(msg.stage + "/"), msg, sender, self._no_stage(msg.stage))
 
     @staticmethod
@@ -781,6 +803,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         """Check a launch that names a node or devices against the inventory, then pass
         it to the pool with one pin per replica (or the reason it cannot be done)."""
         reply_to = msg.reply_to or sender
+        self._restart_given_up(msg.stage)
         pool = self._pool_of_replica(msg.stage + "/")
         down = NOT_DEPLOYED if self._config is None else self._pool_down(pool) if pool is not None else None
         if pool is None or down:
