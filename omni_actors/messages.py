@@ -372,6 +372,9 @@ class ReplicaStatus(Message):
     lingering: bool = False
     #: since when it lingers (``time.time()``, seconds; 0.0 when it does not)
     lingering_since: float = 0.0
+    #: pinned to a node that was drained or left, it drains (or lingers) there and starts again
+    #: on that node once it is undrained or back (a pool recreated meanwhile launches it again)
+    relaunch: bool = False
     #: the machine its process runs on (``supervision.host_identity()``); "" unknown or none
     host: str = ""
 

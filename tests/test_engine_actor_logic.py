@@ -1671,7 +1671,7 @@ def test_a_second_notice_of_a_pools_exit_starts_no_second_pool():
     co._states[1] = PoolState(1, "talker", (ReplicaStatus("talker/0", ReplicaState.READY, ""),))
     for _ in range(2):
         co.receiveMsg_ChildActorExited(ChildActorExited("pool-a"), None)
-    assert wakeups == [("restart_pool", 1)]
+    assert wakeups == [("restart_pool", 1, 1)]
     assert co._states[1].replicas[0].state == ReplicaState.DEAD
     co.receiveMsg_WakeupMessage(WakeupMessage(0.5, wakeups[0]), None)
     assert started == [1]
@@ -2596,12 +2596,22 @@ def test_a_pool_given_up_is_tried_again_after_failed_retry_s():
     assert rows["code2wav/0"].state == ReplicaState.FAILED, rows
     assert "stage pool exited; gave up after 2 restarts in 60 s; next try in 300 s (at " in rows["code2wav/0"].reason
     assert rows["code2wav/1"].state == ReplicaState.STOPPED  # (not failed: it was not meant to run)
-    assert co.wakeups == [(300.0, ("restart_pool", 1))]
+    assert co.wakeups == [(300.0, ("restart_pool", 1, 1))]
     assert "next try in 300 s" in co._pool_down("pool-1")  # what `stage scale` and the like answer meanwhile
-    co.receiveMsg_WakeupMessage(WakeupMessage(300.0, ("restart_pool", 1)), None)
+    co.receiveMsg_WakeupMessage(WakeupMessage(300.0, ("restart_pool", 1, 1)), None)
     assert co.started == ["code2wav"] and 1 not in co._pools_down
-    co.receiveMsg_WakeupMessage(WakeupMessage(300.0, ("restart_pool", 1)), None)  # (a second one: nothing)
+    co.receiveMsg_WakeupMessage(WakeupMessage(300.0, ("restart_pool", 1, 1)), None)  # (a second one: nothing)
     assert co.started == ["code2wav"]
+    # given up again: the wake-up set for the first exit does not restart it early (a code review)
+    co._pool_restarts[1] = [time.monotonic()] * 2
+    co.receiveMsg_ChildActorExited(ChildActorExited("pool-2"), None)
+    assert co.wakeups[-1] == (300.0, ("restart_pool", 1, 2))
+    co.receiveMsg_WakeupMessage(WakeupMessage(300.0, ("restart_pool", 1, 1)), None)
+    assert co.started == ["code2wav"] and 1 in co._pools_down
+    # its wake-up lost (Thespian drops some): the node check restarts it once it is overdue
+    co._pool_restart_due[1] = (2, time.monotonic() - 300)
+    co._restart_lost_pools()
+    assert co.started == ["code2wav", "code2wav"] and 1 not in co._pools_down
 
     assert "), or at a `stage scale` or `stage launch`" in rows["code2wav/0"].reason
 
@@ -2723,3 +2733,47 @@ def test_a_late_cancel_of_an_earlier_attempt_still_reaches_it_and_spares_the_lat
     asyncio.run(main())
     assert [(type(m).__name__, m.attempt) for m in sent if type(m).__name__ == "StageCancelled"] == [
         ("StageCancelled", 0), ("StageCancelled", 1)]
+
+
+def test_a_pool_recreated_during_a_node_drain_keeps_the_stage_its_size():
+    """A code review: a pool (or the coordinator) recreated while a drained node's last ready
+    replica lingered started it again beside its replacement (one replica too many, for
+    good); a pinned replica draining off its node, to start there again, was left out (one
+    too few after `node undrain`)."""
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import PoolState, ReplicaState, ReplicaStatus
+
+    co = CoordinatorActor()
+    co._reported[1] = PoolState(1, "talker", (
+        ReplicaStatus("talker/0", ReplicaState.READY, node="m1", lingering=True),  # (replaced by talker/1)
+        ReplicaStatus("talker/1", ReplicaState.PENDING),
+        ReplicaStatus("talker/2", ReplicaState.READY, node="m1", lingering=True, pin=("m1", ("2",)), relaunch=True),
+        ReplicaStatus("talker/3", ReplicaState.DRAINING, node="m1", pin=("m1", ("3",)), relaunch=True),
+        ReplicaStatus("talker/4", ReplicaState.DRAINING, node="m2", reason="scaled down"),
+        ReplicaStatus("talker/5", ReplicaState.STOPPED)))
+    assert [rid for rid, *_ in co._layout(1)] == ["talker/1", "talker/2", "talker/3"]
+
+
+def test_scaling_or_draining_a_pinned_replica_off_a_drained_node_sticks():
+    """A code review: a pinned replica drained off its node (lingering or draining, to start
+    there again once undrained) came back after `stage scale 0` or `stage drain`, and a
+    draining one was not counted by `stage scale 2` (three replicas after undrain)."""
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.messages import AdminReply, DrainReplica, ReplicaState, ScaleStage
+
+    pinned = Replica("talker/0", "e0", state=ReplicaState.DRAINING, node="m1")
+    pinned.relaunch = True
+    other = Replica("talker/1", "e1", state=ReplicaState.READY, node="m2")
+    pool, sent, launched = _pool_of_stage(1, "talker", pinned, other)
+    pool._pins = {"talker/0": ("m1", ("2",))}
+    pool.receiveMsg_ScaleStage(ScaleStage("talker", 2), "cli")
+    assert sent[-1] == ("cli", AdminReply(True, "talker: 2 -> 2 replicas")) and launched == []
+    pool.receiveMsg_ScaleStage(ScaleStage("talker", 1), "cli")
+    assert not pinned.relaunch and pinned.state == ReplicaState.DRAINING, pinned  # (retired: it stays off)
+
+    lingering = Replica("talker/0", "e0", state=ReplicaState.READY, node="m1")
+    lingering.relaunch, lingering.linger = True, "node m1 drained (`node drain`)"
+    pool, sent, launched = _pool_of_stage(1, "talker", lingering)
+    pool._pins = {"talker/0": ("m1", ("2",))}
+    pool.receiveMsg_DrainReplica(DrainReplica("talker/0"), "cli")
+    assert lingering.state == ReplicaState.DRAINING and not lingering.relaunch and not lingering.linger

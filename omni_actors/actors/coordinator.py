@@ -27,7 +27,8 @@ from thespian.actors import (ActorExitRequest, ActorSystemConventionUpdate, Acto
 
 from omni_actors.actors.node_agent import MEMBER_CAPABILITY, NODE_CAPABILITY, NodeAgentActor, requirements_on
 from omni_actors.actors.stage_pool import StagePoolActor
-from omni_actors.actors.supervision import TICK_LOST_AFTER_INTERVALS, RestartPolicy, WakeupChain, host_identity
+from omni_actors.actors.supervision import (TICK_LOST_AFTER_INTERVALS, WAKEUP_LOST_AFTER_S, RestartPolicy, WakeupChain,
+                                          host_identity)
 from omni_actors.connectors import buffer_counts, data_service, default_prefix
 from omni_actors.logs import get_logger
 from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, ApiServerDrained, ApiServersDrained,
@@ -85,6 +86,16 @@ _SETTLED = (ReplicaState.READY, ReplicaState.FAILED, ReplicaState.DEAD, ReplicaS
 COORDINATOR_RECREATED = "the coordinator was lost and recreated, and its stage pools with it"
 
 
+def _in_layout(r) -> bool:
+    """Whether a recreated pool starts replica ``r`` of its predecessor's last report: not one
+    stopped or draining, unless pinned to a node it drains off to start there again; not one
+    lingering on a leaving or drained node unless pinned (its replacement is in the report:
+    a code review saw both started, one replica too many for good)."""
+    if r.state in (ReplicaState.STOPPED, ReplicaState.DRAINING):
+        return r.state == ReplicaState.DRAINING and r.relaunch
+    return not (r.lingering and not r.pin)
+
+
 class CoordinatorActor(ActorTypeDispatcher):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -99,6 +110,9 @@ class CoordinatorActor(ActorTypeDispatcher):
         #: stage ids of _pools_down given up (restarts used up): back after failed_retry_s, or at
         #: an operator's `stage scale` or `stage launch`
         self._pools_given_up: set[int] = set()
+        self._pool_exits: dict[int, int] = {}  #: stage id -> times its pool exited (the restart wake-up's tag)
+        #: stage id -> (exit tag, monotonic time) of its exited pool's restart (see _restart_lost_pools)
+        self._pool_restart_due: dict[int, tuple[int, float]] = {}
         #: stage id -> when its pool last reported (monotonic; its creation before the first report)
         self._pool_heard: dict[int, float] = {}
         self._pool_silent: set[int] = set()  #: stage ids whose pool is past POOL_SILENT_NOTE_INTERVALS
@@ -214,7 +228,7 @@ class CoordinatorActor(ActorTypeDispatcher):
                       failed.get(r.replica, "") if r.state == ReplicaState.FAILED else "",
                       r.pid is not None or r.state in LIVE_STATES,
                       (r.node, tuple(r.devices.split(",")) if r.devices else ()) if r.node else ())
-                     for r in report.replicas if r.state not in (ReplicaState.STOPPED, ReplicaState.DRAINING))
+                     for r in report.replicas if _in_layout(r))
 
     def _settled(self) -> bool:
         if self._config is None:
@@ -385,6 +399,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         elif self._node_checks.owns(msg.payload):
             if self._node_checks.current(msg.payload):
                 self._check_nodes()
+                self._restart_lost_pools()
                 self._end_lingering()
                 self._check_api_drain()
                 self._node_checks.again(self, self._config.deployment.heartbeat_interval_s)
@@ -392,8 +407,20 @@ class CoordinatorActor(ActorTypeDispatcher):
             if self._joins.get(msg.payload[1], 0) == msg.payload[2]:  # (not if it rejoined since)
                 self._lose_node(msg.payload[1], "dropped from the convention without a leave notice")
         elif isinstance(msg.payload, tuple) and msg.payload[0] == "restart_pool" and not self._stopping \
-                and msg.payload[1] in self._pools_down:  # (once: its pool may be back already)
+                and msg.payload[1] in self._pools_down \
+                and self._pool_restart_due.get(msg.payload[1], (None,))[0] == msg.payload[2]:
+            # (once, and only for the exit it was set for: a code review saw the wake-up of a pool
+            # given up, and recreated since by an operator, restart its next incarnation early)
             self._restart_pool(msg.payload[1])
+
+    def _restart_lost_pools(self) -> None:
+        """Recreate the exited pools whose restart wake-up is over WAKEUP_LOST_AFTER_S late:
+        Thespian drops wake-ups (see receiveMsg_PoolState), and the stage stayed down for good."""
+        now = time.monotonic()
+        for stage_id, (_, due) in list(self._pool_restart_due.items()):
+            if stage_id in self._pools_down and now > due + WAKEUP_LOST_AFTER_S and not self._stopping:
+                self._log.warning("wakeup_lost", payload=f"restart_pool {stage_id}")
+                self._restart_pool(stage_id)
 
     def _restart_pool(self, stage_id: int, by: str = "") -> None:
         """Recreate the exited pool of ``stage_id`` (its restart's time has come, or ``by``:
@@ -401,6 +428,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         stage = self._config.stage(stage_id)
         self._pool_restarts[stage.stage_id].append(time.monotonic())
         self._pools_down.pop(stage.stage_id, None)
+        self._pool_restart_due.pop(stage.stage_id, None)
         self._pools_given_up.discard(stage.stage_id)
         self._inherited.discard(stage.stage_id)  # (this one's own pool died)
         self._start_pool(stage, self._pool_killed_why.pop(stage.stage_id, None))
@@ -452,7 +480,9 @@ class CoordinatorActor(ActorTypeDispatcher):
                 self._pools_given_up.add(stage_id)
             self._publish_status()
             if delay is not None:
-                self.wakeupAfter(delay, payload=("restart_pool", stage_id))
+                exits = self._pool_exits[stage_id] = self._pool_exits.get(stage_id, 0) + 1
+                self._pool_restart_due[stage_id] = (exits, time.monotonic() + delay)
+                self.wakeupAfter(delay, payload=("restart_pool", stage_id, exits))
 
     # -- nodes and placement ----------------------------------------------
     def receiveMsg_ActorSystemConventionUpdate(self, msg: ActorSystemConventionUpdate, sender):

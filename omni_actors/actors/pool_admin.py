@@ -12,9 +12,10 @@ from omni_actors.messages import LIVE_STATES as _ALIVE
 from omni_actors.messages import (AdminReply, DrainReplica, FaultKind, InjectFault, LaunchReplicas, ReplicaState,
                                   ScaleStage, replica_index)
 
-#: ``scale`` down retires replicas in this order of state (a ready one last).
-_RETIRE_ORDER = {ReplicaState.PENDING: 0, ReplicaState.DEAD: 1, ReplicaState.ISOLATED: 2, ReplicaState.STARTING: 3,
-                 ReplicaState.READY: 4}
+#: ``scale`` down retires replicas in this order of state (a ready one last; a draining one is
+#: pinned to a drained node, to start there again once it is undrained: it serves nothing new).
+_RETIRE_ORDER = {ReplicaState.DRAINING: 0, ReplicaState.PENDING: 0, ReplicaState.DEAD: 1, ReplicaState.ISOLATED: 2,
+                 ReplicaState.STARTING: 3, ReplicaState.READY: 4}
 
 
 class PoolAdminMixin:
@@ -54,6 +55,10 @@ class PoolAdminMixin:
         return ": its requests get 503 until another is ready (`stage scale` / `stage launch`)"
 
     def _drain(self, rep, why: str) -> None:
+        """Drain ``rep`` for good (an operator's drain, a scale down): a pinned replica drained
+        off its node does not start there again, nor does a lingering one linger on (a code
+        review: `stage scale 0` of one came back after `node undrain`)."""
+        rep.relaunch, rep.linger = False, ""
         rep.state, rep.reason = ReplicaState.DRAINING, why
         self._log.info("replica_draining", replica=rep.replica, in_flight=len(rep.in_flight))
         if not rep.in_flight:
@@ -71,7 +76,8 @@ class PoolAdminMixin:
         # is ready; a code review's `scale 1` retired the replacement and left none. A pinned one
         # lingers with no replacement, to start again where it was pinned: it counts)
         live = [r for r in self._replicas.values()
-                if r.state in self._COUNTED and not (r.linger and r.replaced_by)]
+                if (r.state in self._COUNTED and not (r.linger and r.replaced_by))
+                or (r.state == ReplicaState.DRAINING and r.relaunch)]  # (it starts again on its node)
         if not 0 <= msg.replicas <= MAX_REPLICAS:  # (the CLI checks first; this is for any other sender)
             self.send(msg.reply_to or sender, AdminReply(False, f"replicas must be from 0 to {MAX_REPLICAS}"))
             return
@@ -91,6 +97,8 @@ class PoolAdminMixin:
                 if rep.state in (ReplicaState.DEAD, ReplicaState.PENDING):
                     rep.state, rep.reason = ReplicaState.STOPPED, msg.why
                     self._release(rep)
+                elif rep.state == ReplicaState.DRAINING:  # (pinned, off a drained node: it stays off)
+                    rep.relaunch, rep.reason = False, msg.why
                 else:
                     self._drain(rep, msg.why)
             changed = "; retiring " + ", ".join(f"{r.replica} ({r.state.value})"  # (draining, or stopped)

@@ -612,7 +612,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 pin=self._pins.get(r.replica, ()), fault=r.fault if r.state not in _NO_PROCESS else "",
                 host=r.host if r.state not in _NO_PROCESS else "",
                 lingering=bool(r.linger) and r.state == ReplicaState.READY,
-                lingering_since=r.linger_since if r.linger and r.state == ReplicaState.READY else 0.0)
+                lingering_since=r.linger_since if r.linger and r.state == ReplicaState.READY else 0.0,
+                relaunch=r.relaunch)
             for r in self._replicas.values())
         self.send(self._coordinator, PoolState(self._spec.stage.stage_id, self._spec.stage.name, replicas,
                                                pid=os.getpid(), pending=len(self._pending),
