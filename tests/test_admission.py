@@ -1033,3 +1033,107 @@ def test_a_request_actor_lost_twice_over_is_counted_lost_once():
         bridge._stop.set()
 
     asyncio.run(main())
+
+
+def test_a_supervisor_is_judged_only_on_what_the_receiver_read_and_a_lost_one_spares_its_busy_actors():
+    """A code review: (1) with the receiver thread held up (a fetch from a vanished host), a
+    healthy supervisor's beats went unread and it was taken for lost; (2) the lost one was
+    told to exit recursively, which ended every busy RequestActor it had made (a 503 each);
+    (3) a supervisor that did not answer a MakeRequestActor was dropped for good."""
+    from omni_actors.messages import SUPERVISOR_ALIVE_EVERY_S, SUPERVISOR_MISSED
+
+    async def main():
+        bridge = _bridge(request_actors=1, queue_limit=0)
+        bridge._loop = asyncio.get_running_loop()
+        silent = SUPERVISOR_ALIVE_EVERY_S * SUPERVISOR_MISSED + 1
+        bridge._supervisor = "sup-1"
+        bridge._supervisor_heard = time.monotonic() - silent
+        bridge._receiver_turn_at = bridge._supervisor_heard + 0.5  # (the receiver has read nothing since)
+        bridge._tick()
+        assert bridge._supervisor == "sup-1" and not [i for i in _outbox_items(bridge) if i[0] == "supervise"]
+        bridge._receiver_turn_at = time.monotonic()  # (it reads again, and nothing came)
+        bridge._tick()
+        assert bridge._supervisor is None
+        assert ("supervise", (), "sup-1") in _outbox_items(bridge)
+
+        bridge._supervisor = "sup-2"  # a MakeRequestActor it did not answer: lost, and replaced
+        bridge._supervisor_heard = time.monotonic()
+        bridge._supervisor_lost_if("sup-other")  # (not ours any more: nothing)
+        assert bridge._supervisor == "sup-2"
+        bridge._supervisor_lost_if("sup-2")
+        assert bridge._supervisor is None and ("supervise", (), "sup-2") in _outbox_items(bridge)
+        if bridge._tick_handle is not None:
+            bridge._tick_handle.cancel()
+
+    asyncio.run(main())
+
+    # the sender thread's side: the lost supervisor's exit is not recursive
+    from thespian.actors import ActorExitRequest
+
+    from omni_actors.messages import Relay
+
+    bridge = _bridge(request_actors=1, queue_limit=0)
+    told = []
+
+    class Ctx:
+        def createActor(self, cls, **kw):
+            return "sup-new"
+
+        def tell(self, to, message):
+            told.append((to, message))
+
+    bridge._supervise_again(Ctx(), ("ra-idle",), "sup-1")
+    assert bridge._supervisor == "sup-new"
+    exits = [(m.to, m.message.isRecursive) for to, m in told if isinstance(m, Relay)]
+    assert exits == [("ra-idle", True), ("sup-1", False)]
+
+
+def test_the_receiver_thread_lives_on_past_a_failed_subscription_and_a_message_it_cannot_take():
+    """A code review: a Subscribe to a dead coordinator raises at once (and to a hung one after
+    60 s), and nothing caught it: the receiver thread ended, and no event reached any request
+    again while the server went on taking them."""
+    import contextlib
+    import threading
+
+    from omni_actors.messages import RequestActorAlive, WhoAmI, YouAre
+
+    bridge = _bridge(request_actors=1, queue_limit=0)
+    routes = bridge._routes
+    heard = []
+
+    class Ctx:
+        listened = 0
+
+        def ask(self, to, message, timeout):
+            return YouAre("bridge") if isinstance(message, WhoAmI) else routes
+
+        def createActor(self, cls, **kw):
+            return "coordinator"
+
+        def tell(self, to, message):
+            raise RuntimeError("the coordinator is dead")  # (Thespian's ActorSystemFailure)
+
+        def listen(self, timeout):
+            self.listened += 1
+            if self.listened == 3:
+                bridge._stop.set()
+            return RequestActorAlive("r1") if self.listened == 1 else None
+
+    class Asys:
+        @contextlib.contextmanager
+        def private(self):
+            yield Ctx()
+
+    bridge._asys = Asys()
+    bridge._make_supervisor = lambda ctx: None
+
+    def fails(msg):
+        heard.append(msg)
+        raise KeyError("r1")
+
+    bridge._on_message = fails
+    thread = threading.Thread(target=bridge._receive_loop, args=(threading.Event(), []))
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive() and heard == [RequestActorAlive("r1")]
+    assert bridge._receiver_turn_at > 0  # (it went on reading after both)

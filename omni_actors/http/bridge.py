@@ -474,15 +474,15 @@ class ActorBridge(RequestActorKeeping):
                         stages.pop(item[1], None)
                     elif kind == "abandon":  # written off: dead, hung, or it never said its request ended
                         for pool, stage_id in stages.pop(item[1], ()):  # (its stages' work is nobody's)
-                            ctx.tell(pool, CancelStage(item[1], stage_id))
+                            try:  # (through our supervisor: an old pool may be dead, or hung)
+                                self._tell_request_actor(ctx, pool, CancelStage(item[1], stage_id))
+                            except Exception as exc:  # noqa: BLE001 - the other pools and its exit still
+                                self._log.warning("bridge_cancel_failed", request_id=item[1], error=str(exc))
                         actor = running.pop(item[1], None)
                         if actor is not None and item[2]:
                             self._tell_request_actor(ctx, actor, ActorExitRequest())
                     elif kind == "supervise":  # the last one was lost; end its idle RequestActors
-                        self._make_supervisor(ctx)
-                        for actor in item[1]:
-                            if self._supervisor is not None:
-                                ctx.tell(self._supervisor, Relay(actor, ActorExitRequest()))
+                        self._supervise_again(ctx, item[1], item[2])
                     elif kind == "exit":  # idle too long, or our supervisor when we close
                         self._tell_request_actor(ctx, item[1], ActorExitRequest())
                     elif kind == "tell":
@@ -504,6 +504,19 @@ class ActorBridge(RequestActorKeeping):
                 except Exception as exc:  # noqa: BLE001 - keep the bridge alive
                     self._log.error("bridge_send_failed", kind=kind, error=str(exc))
 
+    def _supervise_again(self, ctx, idle: tuple, lost) -> None:
+        """Sender thread: a new supervisor in place of ``lost`` (None: none was there), which
+        ends the lost one's ``idle`` RequestActors and the lost one itself, not recursively:
+        its busy RequestActors finish their requests (a code review saw the default end each
+        of them with it, a 503 apiece)."""
+        self._make_supervisor(ctx)
+        if self._supervisor is None:
+            return
+        for actor in idle:
+            ctx.tell(self._supervisor, Relay(actor, ActorExitRequest()))
+        if lost is not None:
+            ctx.tell(self._supervisor, Relay(lost, ActorExitRequest(recursive=False)))
+
     def _receive_loop(self, ready: threading.Event, errors: list[str]) -> None:
         with self._asys.private() as ctx:
             you = ctx.ask(self._coordinator, WhoAmI(), self._connect_timeout_s)
@@ -523,11 +536,18 @@ class ActorBridge(RequestActorKeeping):
                         self._coordinator = ctx.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
                     except Exception as exc:  # noqa: BLE001 - admin busy or gone; keep the old address
                         self._log.warning("coordinator_lookup_failed", error=str(exc))
-                    ctx.tell(self._coordinator, Subscribe(self._address))
+                    try:
+                        ctx.tell(self._coordinator, Subscribe(self._address))
+                    except Exception as exc:  # noqa: BLE001 - a dead coordinator: this thread must live on
+                        self._log.warning("coordinator_subscribe_failed", error=str(exc))
                     next_subscribe = time.monotonic() + SUBSCRIBE_EVERY_S
                 msg = ctx.listen(RECEIVE_LISTEN_S)
+                self._receiver_turn_at = time.monotonic()
                 if msg is not None:
-                    self._on_message(msg)
+                    try:
+                        self._on_message(msg)
+                    except Exception:  # noqa: BLE001 - one message, not every request after it
+                        self._log.exception("bridge_message_failed", message=type(msg).__name__)
                 else:
                     self._quiet_at = time.monotonic()
                 self.check_text_gaps()

@@ -93,6 +93,9 @@ class RequestActorKeeping:
         #: the parent of our RequestActors: tells us when one exits (see request_supervisor);
         #: None: not made (yet), or lost (RequestActors are then made unsupervised)
         self._supervisor = None
+        #: (monotonic) when the receiver thread last came back from a read (0: not known)
+        self._receiver_turn_at = 0.0
+        self._supervise_again_at = 0.0  # (monotonic) when to try again to make a supervisor (0: not)
         #: when it last said it runs (SupervisorAlive); RequestActors of a lost one (event loop)
         self._supervisor_heard = 0.0
         self._orphans: list = []  # (addresses: unhashable)
@@ -109,8 +112,8 @@ class RequestActorKeeping:
         self._tick_handle: asyncio.TimerHandle | None = None
 
     def _tell_request_actor(self, ctx, actor: Any, message: Any) -> None:
-        """Sender thread: ``message`` to a RequestActor, busy or idle, through our
-        supervisor (see :class:`~omni_actors.messages.Relay`: a stopped or hung one must
+        """Sender thread: ``message`` to a RequestActor, busy or idle (or a pool), through
+        our supervisor (see :class:`~omni_actors.messages.Relay`: a stopped or hung one must
         not hold this thread; a busy one's cancel, an idle one's BridgeAlive held it up to
         60 s). Only a request's start goes straight to its RequestActor (see _send_loop)."""
         supervisor = self._supervisor
@@ -127,6 +130,7 @@ class RequestActorKeeping:
             ctx.tell(supervisor, SuperviseRequestActors(self._address, self._lost_after_s))
         except Exception as exc:  # noqa: BLE001
             self._log.warning("request_supervisor_not_made", error=str(exc))
+            self._supervise_again_at = time.monotonic() + SUPERVISOR_ALIVE_EVERY_S * SUPERVISOR_MISSED
             return
         self._supervisor_heard = time.monotonic()  # (before it is ours: _tick must not take it for lost)
         self._supervisor = supervisor
@@ -139,10 +143,16 @@ class RequestActorKeeping:
             made = ctx.ask(supervisor, MakeRequestActor(), MAKE_TIMEOUT_S)
             if isinstance(made, RequestActorMade):
                 return made.address
-            self._supervisor = None
-            self._log.warning("request_supervisor_lost", error=f"no answer within {MAKE_TIMEOUT_S:g} s; "
-                              "RequestActors are made unsupervised from now on")
+            self._log.warning("request_supervisor_unanswered", error=f"no answer within {MAKE_TIMEOUT_S:g} s")
+            # (lost, and replaced as any lost one: a code review saw it set to None here, for good,
+            # or a new one made meanwhile thrown away)
+            self._loop.call_soon_threadsafe(self._supervisor_lost_if, supervisor)
         return ctx.createActor(RequestActor)
+
+    def _supervisor_lost_if(self, supervisor: Any) -> None:
+        """Event loop: ``supervisor`` did not answer; lost if it is still ours."""
+        if self._supervisor is not None and self._supervisor == supervisor:
+            self._supervisor_lost(time.monotonic())
 
     # -- the RequestActor pool (event loop) ---------------------------------
     def _tick(self) -> None:
@@ -165,7 +175,8 @@ class RequestActorKeeping:
                     held.heard = min(now, held.heard + late)
             for rid in [rid for rid, held in self._held.items() if now >= held.due]:
                 self._write_off(rid, f"no end of the request {LOST_AFTER_S:g} s after its deadline")
-            for rid in [rid for rid, held in self._held.items() if now - held.heard > self._silent_s]:
+            read_up_to = min(now, self._receiver_turn_at or now)
+            for rid in [rid for rid, held in self._held.items() if read_up_to - held.heard > self._silent_s]:
                 # (not told to exit: a tell to a dead actor blocks a sender thread for up to 60 s;
                 # a hung one exits by itself once idle, hearing no BridgeAlive)
                 self._write_off(rid, f"its RequestActor was not heard from for {self._silent_s:g} s "
@@ -176,9 +187,15 @@ class RequestActorKeeping:
                 self._outbox().put(("exit", actor))
             if idle:
                 self._log.info("request_actors_idle_exit", ended=len(idle), left=self._pool.total)
+            # (silence counts only up to the receiver thread's last read: one held up, by a fetch
+            # from a vanished host, hears nothing, and a healthy supervisor was taken for lost)
+            read_up_to = min(now, self._receiver_turn_at or now)
             if self._supervisor is not None and \
-                    now - self._supervisor_heard > SUPERVISOR_ALIVE_EVERY_S * SUPERVISOR_MISSED:
+                    read_up_to - self._supervisor_heard > SUPERVISOR_ALIVE_EVERY_S * SUPERVISOR_MISSED:
                 self._supervisor_lost(now)
+            elif self._supervisor is None and self._supervise_again_at and now >= self._supervise_again_at:
+                self._supervise_again_at = 0.0  # (none could be made: try again, now and then)
+                self._outbox().put(("supervise", (), None))
             if now >= self._alive_due:  # tell the idle ones we still run (see BridgeAlive)
                 self._alive_due = now + self._lost_after_s / 4
                 for actor in [*self._pool.idle_actors(), *([self._supervisor] if self._supervisor else [])]:
@@ -219,7 +236,7 @@ class RequestActorKeeping:
             self._pool.discard(actor)
         # (the lost one is told to exit too: one only held up, by a frozen coordinator in a trial,
         # stayed on with no RequestActors until its own 120 s without word from us ran out)
-        self._outbox().put(("supervise", (*idle, lost)))
+        self._outbox().put(("supervise", tuple(idle), lost))
         self._refill()
 
     def _supervisor_alive(self, address: Any) -> None:
