@@ -108,6 +108,7 @@ class Replica:
     #: drained because its node's member stops, and pinned there: started again (placed
     #: when the node is back) once it has stopped, rather than stopped for good
     relaunch: bool = False
+    restart_tag: float = 0.0  #: (monotonic) when its pending restart was set: that timer's tag
     #: READY on a node that is leaving, the last ready replica of its stage: the drain reason it
     #: gets once another is ready or no request is in flight (see PoolPlacementMixin.receiveMsg_DrainNode)
     linger: str = ""
@@ -369,7 +370,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 self._publish()
         elif isinstance(payload, tuple) and payload[0] == "restart":
             rep = self._replicas.get(payload[1])
-            if rep is not None and rep.state == ReplicaState.DEAD and not self._orphaned:
+            if rep is not None and rep.state == ReplicaState.DEAD and not self._orphaned \
+                    and rep.restart_tag == payload[2]:
                 rep.restarts.append(time.monotonic())
                 self._launch(rep.replica, rep.restarts)
                 self._publish()
@@ -570,7 +572,10 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             if not self._pins.get(rep.replica, ("", ()))[1]:
                 self._release(rep)  # a replica pinned to devices keeps them for its restart
             rep.reason = f"{cause}; restarting in {delay:g} s"
-            self._after(delay, ("restart", rep.replica))
+            # (tagged: a timer of an earlier incarnation, a node's leave having relaunched that one
+            # meanwhile, must not restart this one before its own back-off; a code review)
+            rep.restart_tag = now
+            self._after(delay, ("restart", rep.replica, now))
         self._publish()
 
     def receiveMsg_PlannedStop(self, msg: PlannedStop, sender):
