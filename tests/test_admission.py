@@ -896,8 +896,9 @@ def test_a_stopped_idle_request_actor_does_not_hold_up_the_requests_behind_it(le
     """An idle RequestActor is stopped (SIGSTOP; a hung one is the same) and then given a
     request. Handing it over blocks the sender thread (one here) as long as Thespian tries,
     up to 60 s, and every request behind it waited as long. The sender is now replaced
-    after HAND_OVER_STUCK_S: that request gets a 500 that says why, the others are served,
-    and the API server keeps its two RequestActors (a new one for the lost one)."""
+    after HAND_OVER_STUCK_S: that request, which has not begun, runs on another
+    RequestActor (trial BM: it got a 500), the others are served, and the API server keeps
+    its two RequestActors (a new one for the lost one)."""
     import concurrent.futures
 
     from omni_actors.http.request_actors import HAND_OVER_STUCK_S
@@ -917,9 +918,7 @@ def test_a_stopped_idle_request_actor_does_not_hold_up_the_requests_behind_it(le
             results = list(ex.map(lambda _: _chat(api.url, 4), range(4)))
         took = time.monotonic() - t0
         statuses = sorted(status for status, _ in results)
-        failed = [body for status, body in results if status != 200]
-        assert statuses in ([200] * 4, [200] * 3 + [500]), results
-        assert all("did not take the request within" in body for body in failed), failed
+        assert statuses == [200] * 4, results
         assert took < HAND_OVER_STUCK_S + 10, f"4 requests took {took:.1f} s"
         for _ in range(4):
             status, body = _chat(api.url, 4)

@@ -2788,3 +2788,48 @@ def test_scaling_or_draining_a_pinned_replica_off_a_drained_node_sticks():
     pool._pins = {"talker/0": ("m1", ("2",))}
     pool.receiveMsg_DrainReplica(DrainReplica("talker/0"), "cli")
     assert lingering.state == ReplicaState.DRAINING and not lingering.relaunch and not lingering.linger
+
+
+def test_a_request_actor_whose_api_server_is_gone_cancels_its_request():
+    """Trial BM: an API server killed with SIGKILL mid-stream left its requests' stages
+    stalled (their text deltas unacknowledged), holding engine slots until the deadline (120
+    s). The RequestActor's beat finds the server's address refusing connections (a frozen
+    server's still accepts: not cancelled) and cancels the request."""
+    import socket
+    from types import SimpleNamespace
+
+    from omni_actors.actors.supervision import refuses_connections
+    from omni_actors.messages import CancelStage, ErrorKind, PlannedStage, RequestFinished
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(1)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    gone_port = closed.getsockname()[1]
+    closed.close()
+
+    def at(port):
+        return SimpleNamespace(addressDetails=SimpleNamespace(connectArgs=[("127.0.0.1", port)]))
+    try:
+        assert refuses_connections(at(gone_port)) and not refuses_connections(at(listening.getsockname()[1]))
+        assert not refuses_connections("no-address")
+
+        import pytest
+        monkeypatch = pytest.MonkeyPatch()
+        try:
+            for port, cancelled in ((listening.getsockname()[1], False), (gone_port, True)):
+                ra, sent = _running_request_actor(
+                    monkeypatch, (PlannedStage(0, "thinker", (), "pool-thinker", "text", False),))
+                ra._req = dataclasses.replace(ra._req, reply_to=at(port))
+                ra._started -= ra._req.alive_every_s
+                ra._beat()
+                finished = [m for _, m in sent if isinstance(m, RequestFinished)]
+                assert bool(finished) == cancelled, sent
+                if cancelled:
+                    assert finished[0].error == ErrorKind.CANCELLED and "its API server is gone" in finished[0].message
+                    assert ("pool-thinker", CancelStage("r1", 0)) in sent
+        finally:
+            monkeypatch.undo()
+    finally:
+        listening.close()

@@ -59,6 +59,10 @@ class FakeBridge:
             yield RequestFailed(500, "final output lost: data service 10.0.0.9:4000 unreachable", lost_output=True,
                                 lost_on="m9")
             return
+        if "[notstarted]" in p and len(self.submitted) == 1:  # (its RequestActor never took it)
+            yield RequestFailed(500, "the request was lost: its RequestActor did not take the request within 3 s "
+                                     "(stopped or hung?)", not_started=True)
+            return
         if "[fail503]" in p:
             yield RequestFailed(503, "no ready replica for stage thinker")
             return
@@ -1045,3 +1049,13 @@ def test_a_run_cancelled_while_it_cancels_its_request_still_closes_its_events():
 
     bridge = asyncio.run(main())
     assert bridge.cancelled == ["r1"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_request_its_request_actor_never_took_runs_on_another(stream):
+    """Trial BM: a request handed to a stopped idle RequestActor got a 500 after 3 s, though
+    nothing of it had run. It runs again (once), on another RequestActor."""
+    bridge = FakeBridge(output_types=("text",))
+    status, text = serve(bridge, lambda client: _post_text(client, chat("[notstarted]", stream=stream)))
+    assert status == 200 and "world" in text and "lost" not in text and '"error"' not in text, text
+    assert [r.request_id for r in bridge.submitted][1].endswith("-rerun1")

@@ -946,3 +946,47 @@ def test_a_full_thinker_whose_streams_a_frozen_server_holds_back_takes_more_with
             t.join(90)
         assert all("error" not in seen and seen["done"] for seen in streams), \
             [{k: v for k, v in seen.items() if k != "pcm"} for seen in streams]
+
+
+def test_the_requests_of_an_api_server_killed_mid_stream_are_cancelled_not_left_to_their_deadline():
+    """Trial BM: `kill -9` of an API server with long text + audio streams in flight left
+    their stages stalled (their outputs unacknowledged) and holding engine slots until the
+    request deadline (120 s). Their RequestActors find the server gone (its address refuses
+    connections) at their next beat (every 5 s) and cancel them."""
+    import threading
+
+    def stream(port: int, seen: dict) -> None:
+        body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2048,
+                           "modalities": ["text", "audio"], "stream": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=90) as resp:
+                for _ in resp:
+                    seen["lines"] = seen.get("lines", 0) + 1
+        except Exception as exc:  # noqa: BLE001 - the server is killed under it
+            seen["error"] = repr(exc)
+
+    def in_flight(own) -> int:
+        stages = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{own.port}/v1/stages", timeout=10).read())
+        return sum(r["in_flight"] for st in stages["stages"] for r in st["replicas"])
+
+    with _leader_and_api() as (own, api, port):
+        _slow_thinker(own, 10)  # (2048 tokens at 40 ms: they outlast the test)
+        seen: list[dict] = [{}, {}]  # (the API server's RequestActors: 2)
+        threads = [threading.Thread(target=stream, args=(port, s)) for s in seen]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while not all(s.get("lines", 0) > 10 for s in seen) or not in_flight(own):
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.1)
+        api.kill()
+        api.wait(10)
+        killed = time.monotonic()
+        for thread in threads:
+            thread.join(30)
+        while in_flight(own):
+            assert time.monotonic() - killed < 20, "the killed server's requests still run"
+            time.sleep(0.2)
+        print(f"\nnothing in flight {time.monotonic() - killed:.1f} s after the kill")

@@ -47,7 +47,7 @@ import time
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
 
-from omni_actors.actors.supervision import WAKEUP_LOST_AFTER_S, WakeupChain
+from omni_actors.actors.supervision import WAKEUP_LOST_AFTER_S, WakeupChain, refuses_connections
 from omni_actors.connectors import make_connector, release_all
 from omni_actors.logs import get_logger
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, MAX_TASK_MOVES, BridgeAlive, CancelRequest, CancelStage,
@@ -643,6 +643,13 @@ class RequestActor(ActorTypeDispatcher):
         :data:`OUTPUT_PROBE_SLOW_S` (it may be frozen)."""
         now = time.monotonic()
         self._run_lost_wakeups(now)
+        if self._req is not None and now - self._started >= self._req.alive_every_s \
+                and refuses_connections(self._req.reply_to):
+            # Its API server is gone (SIGKILLed: its address refuses connections; a frozen one's
+            # does not). Nobody will take the request's outputs: its stages stop now (trial BM:
+            # they stalled, holding their engines' slots, until the request's deadline).
+            self._finish(ErrorKind.CANCELLED, "its API server is gone (its address refuses connections)")
+            return
         if self._req is not None:
             if not self._out_held:
                 self.send(self._req.reply_to, RequestActorAlive(self._req.request_id))

@@ -129,6 +129,24 @@ class WakeupChain:
         return self.owns(payload) and payload[1] == self.gen
 
 
+def refuses_connections(address, timeout_s: float = 0.5) -> bool:
+    """Whether the TCP endpoint of a Thespian ``address`` refuses a connection: the process
+    that listened there is gone (a process stopped with SIGSTOP, or busy, still has its
+    connections accepted by the kernel). False when it accepts, does not answer within
+    ``timeout_s``, or the address has no TCP endpoint."""
+    try:
+        ip, port = address.addressDetails.connectArgs[0]
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return False
+    try:
+        with socket.create_connection((ip or "127.0.0.1", port), timeout=timeout_s):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
 @functools.lru_cache(maxsize=1)
 def host_identity() -> str:
     """Which machine (kernel) this process runs on, as ``"<hostname>/<boot id>"``: where a

@@ -414,7 +414,7 @@ class _Run:
             except asyncio.TimeoutError:
                 yield RequestFailed(504, "The request timed out.", code="timeout")
                 return
-            if (isinstance(event, RequestFailed) and (event.lost_output or event.output_sent)
+            if (isinstance(event, RequestFailed) and (event.lost_output or event.output_sent or event.not_started)
                     and self.reruns < MAX_RERUNS and self.can_rerun()
                     and (deadline is None or deadline - loop.time() > DEADLINE_GRACE_S)):
                 self.reruns += 1
@@ -440,6 +440,7 @@ class _Run:
                 self.finished = True
                 if isinstance(event, RequestFailed) and self.reruns:
                     why = ("an output of its first run was lost with its host" if self._first_failure.lost_output
+                           else "its first RequestActor never took it" if self._first_failure.not_started
                            else "its first run failed before any of it reached the client")
                     event = dataclasses.replace(event, message=f"{event.message} (after the request ran again: "
                                                                f"{why})")

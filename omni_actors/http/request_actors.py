@@ -180,7 +180,7 @@ class RequestActorKeeping:
                 # (not told to exit: a tell to a dead actor blocks a sender thread for up to 60 s;
                 # a hung one exits by itself once idle, hearing no BridgeAlive)
                 self._write_off(rid, f"its RequestActor was not heard from for {self._silent_s:g} s "
-                                     "(its process is gone?)", tell_exit=False)
+                                     "(stopped, hung, or its process gone?)", tell_exit=False)
             self._unstick_senders(now)
             idle = self._pool.reap()
             for actor in idle:
@@ -220,7 +220,8 @@ class RequestActorKeeping:
                 self._handing[i] = None
                 self._start_sender(i)
                 self._write_off(handing[1], f"its RequestActor did not take the request within "
-                                            f"{HAND_OVER_STUCK_S:g} s (stopped or hung?)", tell_exit=False)
+                                            f"{HAND_OVER_STUCK_S:g} s (stopped or hung?)", tell_exit=False,
+                                not_started=True)
 
     def _supervisor_lost(self, now: float) -> None:
         """Our RequestActorSupervisor went silent (its process was killed, or is held up): a
@@ -263,7 +264,7 @@ class RequestActorKeeping:
         self._closing.discard(request_id)
         return self._held.pop(request_id, None) is not None
 
-    def _write_off(self, request_id: str, why: str, tell_exit: bool = True) -> None:
+    def _write_off(self, request_id: str, why: str, tell_exit: bool = True, not_started: bool = False) -> None:
         """The RequestActor of ``request_id`` is dead or hangs: its stages cancelled, its
         place given to another (it is told to exit if ``tell_exit``; one is made in its place
         while fewer than the minimum are left); the request (if its client still waits)
@@ -277,7 +278,8 @@ class RequestActorKeeping:
         self._outbox(request_id).put(("abandon", request_id, tell_exit))
         self._pool.lost()
         self._refill()  # (it was made up only at the next request: a helper saw the pool below its minimum)
-        self._put(request_id, RequestFailed(500, f"the request was lost: {why}", "server_error"))
+        self._put(request_id, RequestFailed(500, f"the request was lost: {why}", "server_error",
+                                            not_started=not_started))
 
     def _bind(self, request_id: str, actor: Any) -> None:
         """The sender thread made ``actor`` for ``request_id``."""

@@ -108,6 +108,10 @@ class RequestFailed:
     #: server: the request may run again as long as none of it reached the client (a trial's
     #: stream got this 503 before any event: its text never arrived, the replica died with it)
     output_sent: bool = False
+    #: its RequestActor never took it (stopped or hung: the hand-over timed out), so nothing of
+    #: it ran: it may run again on another RequestActor (trial BM: a 500 for a request that
+    #: had not begun)
+    not_started: bool = False
     #: the error's ``code``: ``service_unavailable`` (503), ``timeout`` (504),
     #: :data:`CONTEXT_LENGTH_CODE` (400), or None
     code: str | None = None
