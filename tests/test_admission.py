@@ -1136,3 +1136,27 @@ def test_the_receiver_thread_lives_on_past_a_failed_subscription_and_a_message_i
     thread.join(10)
     assert not thread.is_alive() and heard == [RequestActorAlive("r1")]
     assert bridge._receiver_turn_at > 0  # (it went on reading after both)
+
+
+def test_a_receiver_held_up_does_not_make_the_messages_it_had_not_read_anyones_silence():
+    """A code review: once a receiver thread held up past a supervisor's beats read again,
+    the next tick judged the supervisor (and the busy RequestActors) on heard-times older
+    than the hold-up, before the beats queued meanwhile were read. The hold-up is credited."""
+    from omni_actors.messages import SUPERVISOR_ALIVE_EVERY_S, SUPERVISOR_MISSED
+
+    async def main():
+        bridge = _bridge(request_actors=1, queue_limit=0)
+        bridge._loop = asyncio.get_running_loop()
+        gap = SUPERVISOR_ALIVE_EVERY_S * SUPERVISOR_MISSED + 1
+        bridge._supervisor = "sup-1"
+        bridge._supervisor_heard = time.monotonic() - gap
+        bridge._receiver_turn_at = time.monotonic()  # (it reads again ...)
+        bridge._receiver_stalled_s = gap  # (... after a hold-up as long as the silence)
+        bridge._tick()
+        assert bridge._supervisor == "sup-1"
+        bridge._tick()  # (credited once)
+        assert bridge._receiver_stall_credited == gap
+        if bridge._tick_handle is not None:
+            bridge._tick_handle.cancel()
+
+    asyncio.run(main())

@@ -2833,3 +2833,26 @@ def test_a_request_actor_whose_api_server_is_gone_cancels_its_request():
             monkeypatch.undo()
     finally:
         listening.close()
+
+
+def test_a_pinned_replica_drained_off_its_node_starts_again_there():
+    """A code review of the change above: a node's drain (and a lingering replica's end)
+    went through the same drain as an operator's, which now cleared the pinned replica's
+    relaunch: it stopped for good, and the stage stayed one short after `node undrain`."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.messages import DrainNode, NoRequestsInFlight, ReplicaState
+
+    for alone in (False, True):  # (with another ready replica elsewhere; as the last, lingering first)
+        pinned = Replica("talker/0", "e0", state=ReplicaState.READY, node="m1")
+        others = () if alone else (Replica("talker/1", "e1", state=ReplicaState.READY, node="m2"),)
+        pool, sent, launched = _pool_of_stage(1, "talker", pinned, *others)
+        pool._pins = {"talker/0": ("m1", ("2",))}
+        pool.receiveMsg_DrainNode(DrainNode("m1", operator=True), "coordinator")
+        if alone:
+            assert pinned.linger and pinned.state == ReplicaState.READY
+            pool.receiveMsg_NoRequestsInFlight(NoRequestsInFlight(), "coordinator")
+        assert pinned.state == ReplicaState.DRAINING and pinned.relaunch, pinned
+        pool.receiveMsg_ChildActorExited(SimpleNamespace(childAddress="e0"), "e0")
+        assert launched == ["talker/0"], (alone, launched, pinned)

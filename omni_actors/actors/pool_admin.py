@@ -46,7 +46,7 @@ class PoolAdminMixin:
                 False, f"{msg.replica} is {rep.state.value}, not ready or starting: nothing to drain"))
             return
         others = [r for r in self._replicas.values() if r is not rep and r.state in self._COUNTED]
-        self._drain(rep, "drained on request")
+        self._drain(rep, "drained on request", for_good=True)
         note = "" if others else f"; it was the last replica of stage {self._spec.stage.name}{self._unserved()}"
         self.send(msg.reply_to or sender,
                   AdminReply(True, f"draining {msg.replica} ({len(rep.in_flight)} in flight){note}"))
@@ -54,11 +54,13 @@ class PoolAdminMixin:
     def _unserved(self) -> str:
         return ": its requests get 503 until another is ready (`stage scale` / `stage launch`)"
 
-    def _drain(self, rep, why: str) -> None:
-        """Drain ``rep`` for good (an operator's drain, a scale down): a pinned replica drained
-        off its node does not start there again, nor does a lingering one linger on (a code
-        review: `stage scale 0` of one came back after `node undrain`)."""
-        rep.relaunch, rep.linger = False, ""
+    def _drain(self, rep, why: str, for_good: bool = False) -> None:
+        """Drain ``rep``; ``for_good`` (an operator's `stage drain`, a scale down): a pinned
+        replica drained off its node does not start there again, nor does a lingering one
+        linger on (a code review: `stage scale 0` of one came back after `node undrain`). A
+        node's drain or leave keeps a pinned replica's ``relaunch``."""
+        if for_good:
+            rep.relaunch, rep.linger = False, ""
         rep.state, rep.reason = ReplicaState.DRAINING, why
         self._log.info("replica_draining", replica=rep.replica, in_flight=len(rep.in_flight))
         if not rep.in_flight:
@@ -100,7 +102,7 @@ class PoolAdminMixin:
                 elif rep.state == ReplicaState.DRAINING:  # (pinned, off a drained node: it stays off)
                     rep.relaunch, rep.reason = False, msg.why
                 else:
-                    self._drain(rep, msg.why)
+                    self._drain(rep, msg.why, for_good=True)
             changed = "; retiring " + ", ".join(f"{r.replica} ({r.state.value})"  # (draining, or stopped)
                                                 for r in sorted(retired, key=lambda r: replica_index(r.replica)))
         self._publish()

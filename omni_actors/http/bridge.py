@@ -82,6 +82,9 @@ from omni_actors.planning import PlanError, plan_request
 SUBSCRIBE_EVERY_S = 2.0
 #: Seconds the receiver thread waits for one message before it looks at its other duties.
 RECEIVE_LISTEN_S = 0.5
+#: Seconds past a listen's that the receiver thread may take between two reads before it
+#: counts as held up (a fetch from a vanished host, a slow subscription): see _tick.
+RECEIVER_STALL_S = 1.0
 #: Seconds a finished request waits for text deltas of its own that have not come before
 #: it goes on without them: its final text carries what they did, and the HTTP layer sends
 #: the part no delta carried. Deltas come straight from the replica, which keeps a few in
@@ -542,7 +545,11 @@ class ActorBridge(RequestActorKeeping):
                         self._log.warning("coordinator_subscribe_failed", error=str(exc))
                     next_subscribe = time.monotonic() + SUBSCRIBE_EVERY_S
                 msg = ctx.listen(RECEIVE_LISTEN_S)
-                self._receiver_turn_at = time.monotonic()
+                now = time.monotonic()
+                if self._receiver_turn_at and now - self._receiver_turn_at > RECEIVE_LISTEN_S + RECEIVER_STALL_S:
+                    # (held up: what came meanwhile is still queued, unread; see _tick)
+                    self._receiver_stalled_s += now - self._receiver_turn_at
+                self._receiver_turn_at = now
                 if msg is not None:
                     try:
                         self._on_message(msg)

@@ -95,6 +95,10 @@ class RequestActorKeeping:
         self._supervisor = None
         #: (monotonic) when the receiver thread last came back from a read (0: not known)
         self._receiver_turn_at = 0.0
+        #: seconds the receiver thread was held up between reads, in all (it alone adds to it),
+        #: and how much of it _tick has credited to the silences it judges
+        self._receiver_stalled_s = 0.0
+        self._receiver_stall_credited = 0.0
         self._supervise_again_at = 0.0  # (monotonic) when to try again to make a supervisor (0: not)
         #: when it last said it runs (SupervisorAlive); RequestActors of a lost one (event loop)
         self._supervisor_heard = 0.0
@@ -173,6 +177,12 @@ class RequestActorKeeping:
                 self._supervisor_heard = min(now, self._supervisor_heard + late)
                 for held in self._held.values():
                     held.heard = min(now, held.heard + late)
+            stalled = self._receiver_stalled_s - self._receiver_stall_credited
+            if stalled > 0:  # (the receiver was held up: what it had not read is no one's silence)
+                self._receiver_stall_credited += stalled
+                self._supervisor_heard = min(now, self._supervisor_heard + stalled)
+                for held in self._held.values():
+                    held.heard = min(now, held.heard + stalled)
             for rid in [rid for rid, held in self._held.items() if now >= held.due]:
                 self._write_off(rid, f"no end of the request {LOST_AFTER_S:g} s after its deadline")
             read_up_to = min(now, self._receiver_turn_at or now)
