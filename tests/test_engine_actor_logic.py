@@ -2856,3 +2856,48 @@ def test_a_pinned_replica_drained_off_its_node_starts_again_there():
         assert pinned.state == ReplicaState.DRAINING and pinned.relaunch, pinned
         pool.receiveMsg_ChildActorExited(SimpleNamespace(childAddress="e0"), "e0")
         assert launched == ["talker/0"], (alone, launched, pinned)
+
+
+def test_a_dead_pools_replicas_show_no_load_and_a_silent_pools_replicas_age():
+    """A code review: replicas whose pool died kept their rate, KV usage and heartbeat age in
+    the metrics for the whole restart back-off (up to failed_retry_s once given up); a frozen
+    pool's last report served every scrape with heartbeat ages near 0."""
+    from types import SimpleNamespace
+
+    from thespian.actors import ChildActorExited
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.http.bridge import status_to_dict
+    from omni_actors.http.metrics import Metrics
+    from omni_actors.messages import PoolState, ReplicaState, ReplicaStatus
+
+    co = CoordinatorActor()
+    co.send = co.wakeupAfter = lambda *a, **k: None
+    co._publish_status = lambda: None
+    co._config = SimpleNamespace(
+        stage_args=[SimpleNamespace(stage_id=1, name="talker")],
+        deployment=SimpleNamespace(served_model_name="m", supervision=SimpleNamespace(drain_timeout_s=30.0),
+                                   heartbeat_interval_s=1.0),
+        omni_connectors=SimpleNamespace(notes=()))
+    co._restart = SimpleNamespace(next_delay=lambda restarts, now: 1.0)
+    co._pools, co._pool_restarts = {1: "pool-1"}, {1: []}
+    busy = ReplicaStatus("talker/0", ReplicaState.READY, pid=11, rate=150.0, kv_cache_usage=0.8,
+                         last_heartbeat_age_s=0.4)
+    co._states[1] = co._reported[1] = PoolState(1, "talker", (busy,))
+    co._pool_heard[1] = time.monotonic() - 5.0  # (frozen 5 s)
+    assert co._status("q").stages[0].replicas[0].last_heartbeat_age_s >= 5.0
+    co.receiveMsg_ChildActorExited(ChildActorExited("pool-1"), None)
+    text = Metrics().render(status_to_dict(co._status("q"))).decode()
+    assert 'omni_replica_rate{replica="talker/0",stage="talker"} 0.0' in text, text
+    assert "omni_replica_kv_cache_usage{" not in text and "omni_replica_last_heartbeat_age_seconds{" not in text
+
+
+def test_a_reason_with_a_lone_surrogate_does_not_fail_the_scrape():
+    """A code review: an engine error naming a file with bad bytes (a lone surrogate in
+    Python) in a replica's reason made every `/metrics` scrape a 500."""
+    from omni_actors.http.metrics import Metrics
+
+    table = {"stages": [{"stage": "talker", "pending": 0, "restarts": 0, "ready_replicas": 0, "replicas": [
+        {"replica": "talker/0", "state": "failed", "reason": "cannot open /models/bad\udc80name"}]}]}
+    text = Metrics().render(table).decode()
+    assert 'reason="cannot open /models/bad\\\\udc80name"' in text, text

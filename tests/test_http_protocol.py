@@ -1059,3 +1059,19 @@ def test_a_request_its_request_actor_never_took_runs_on_another(stream):
     status, text = serve(bridge, lambda client: _post_text(client, chat("[notstarted]", stream=stream)))
     assert status == 200 and "world" in text and "lost" not in text and '"error"' not in text, text
     assert [r.request_id for r in bridge.submitted][1].endswith("-rerun1")
+
+
+def test_a_stage_table_with_a_lone_surrogate_is_served():
+    """A code review: a replica's reason holding a lone surrogate (an engine error naming a
+    file with bad bytes) made `/v1/stages` a 500."""
+    class Bridge(FakeBridge):
+        async def stages(self):
+            return {"ready": False, "stages": [{"stage": "thinker", "ready_replicas": np.int64(0),
+                                                "reason": "cannot open bad\udc80name"}]}
+
+    async def body(client):
+        resp = await client.get("/v1/stages")
+        return resp.status, await resp.json()
+
+    status, doc = serve(Bridge(), body)
+    assert status == 200 and doc["stages"][0]["reason"] == "cannot open bad\udc80name", doc

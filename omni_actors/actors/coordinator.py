@@ -469,7 +469,8 @@ class CoordinatorActor(ActorTypeDispatcher):
             # trial read DONE and RESTARTS 0, and a pending one "dead", until the new pool reported)
             down = ReplicaState.FAILED if given_up else ReplicaState.DEAD
             self._states[stage_id] = PoolState(stage_id, old.stage, tuple(
-                dataclasses.replace(r, reason=why, pid=None, in_flight=0, running=0, waiting=0,
+                dataclasses.replace(r, reason=why, pid=None, in_flight=0, running=0, waiting=0, rate=0.0,
+                                    kv_cache_usage=None, last_heartbeat_age_s=None, fault="", host="",
                                     state=(r.state if r.state == ReplicaState.STOPPED or (
                                         r.state == ReplicaState.PENDING and not given_up) else down))
                 for r in old.replicas), None, 0, self._pool_restart_count(stage_id), old.restart_times, old.failed,
@@ -930,6 +931,18 @@ class CoordinatorActor(ActorTypeDispatcher):
         if not drain.left:
             self._answer_api_drain()
 
+    def _aged(self, state: PoolState) -> PoolState:
+        """``state`` with its replicas' heartbeat ages grown by the time its pool has not
+        reported, past a heartbeat interval (a code review: a frozen pool's last report
+        served every scrape, its replicas' ages near 0, until the pool was killed; one on
+        another host, never)."""
+        silent = time.monotonic() - self._pool_heard.get(state.stage_id, time.monotonic())
+        if silent <= 2 * self._config.deployment.heartbeat_interval_s or state.stage_id in self._pools_down:
+            return state
+        return dataclasses.replace(state, replicas=tuple(
+            dataclasses.replace(r, last_heartbeat_age_s=round(r.last_heartbeat_age_s + silent, 3))
+            if r.last_heartbeat_age_s is not None else r for r in state.replicas))
+
     def _answer_api_drain(self) -> None:
         drain, self._api_drain = self._api_drain, None
         if drain is not None:
@@ -937,7 +950,7 @@ class CoordinatorActor(ActorTypeDispatcher):
                                                      silent=drain.silent))
 
     def _status(self, query_id: str) -> SystemStatus:
-        stages = tuple(self._states[s.stage_id] for s in self._config.stage_args) if self._config else ()
+        stages = tuple(self._aged(self._states[s.stage_id]) for s in self._config.stage_args) if self._config else ()
         # (a lingering replica takes no new request: trial BK read ready, exit 0, while every
         # Talker lingered on a leaving member and new audio requests waited for a replacement)
         ready = bool(stages) and all(any(r.state == ReplicaState.READY and not r.lingering for r in st.replicas)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import json
 import os
 import time
 import uuid
@@ -64,8 +65,12 @@ _encoder = msgspec.json.Encoder(enc_hook=_enc_hook)
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=_encoder.encode(data), status=status, headers=headers,
-                        content_type="application/json")
+    try:
+        body = _encoder.encode(data)
+    except UnicodeEncodeError:  # (a lone surrogate, e.g. a file name's bad bytes in an engine's error
+        # in a replica's reason: `/v1/stages` was a 500; JSON's \u escape carries it, a code review)
+        body = json.dumps(data, default=lambda o: o.item() if hasattr(o, "item") else str(o)).encode()
+    return web.Response(body=body, status=status, headers=headers, content_type="application/json")
 
 
 def _error(err: P.ApiError, headers: dict[str, str] | None = None) -> web.Response:

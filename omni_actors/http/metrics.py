@@ -66,9 +66,10 @@ from omni_actors.messages import LATENCY_BUCKETS_S, ReplicaState
 __all__ = ["CONTENT_TYPE_LATEST", "METRICS_KEY", "REQUEST_BUCKETS_S", "STAGES_TIMEOUT_S", "Metrics",
            "StageCollector", "first_text", "set_outcome", "timed"]
 
-#: Request latency / TTFT histogram bounds (seconds): 1 ms .. 60 s, then +Inf.
+#: Request latency / TTFT histogram bounds (seconds): 1 ms .. 300 s (the default
+#: ``request_timeout_s``: long audio and image requests, and timeouts, fell in +Inf), then +Inf.
 REQUEST_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                     10.0, 20.0, 30.0, 60.0, float("inf"))
+                     10.0, 20.0, 30.0, 60.0, 120.0, 180.0, 300.0, float("inf"))
 #: How long a scrape waits for the stage table (Prometheus' default scrape timeout is 10 s).
 STAGES_TIMEOUT_S = 3.0
 #: Longer ``reason`` strings are cut in the ``omni_replica_info`` label.
@@ -78,8 +79,10 @@ CLIENT_CLOSED = 499
 
 _STATES = tuple(s.value for s in ReplicaState)
 #: States of a replica without a process: a heartbeat age would only grow (a trial's alert on
-#: it fired for drained replicas).
-_NO_PROCESS = (ReplicaState.STOPPED.value, ReplicaState.FAILED.value, ReplicaState.PENDING.value)
+#: it fired for drained replicas), and its rate and KV-cache usage are its last process's (a
+#: code review: a dead pool's replicas showed their throughput for the whole restart back-off).
+_NO_PROCESS = (ReplicaState.STOPPED.value, ReplicaState.FAILED.value, ReplicaState.PENDING.value,
+               ReplicaState.DEAD.value)
 _RL = ("stage", "replica")
 
 METRICS_KEY: web.AppKey["Metrics"] = web.AppKey("metrics", object)
@@ -102,9 +105,10 @@ def _s(value: Any) -> str:
     """A label value: ``None`` -> ``""``; lists joined by commas."""
     if value is None:
         return ""
-    if isinstance(value, (list, tuple)):
-        return ",".join(str(v) for v in value)
-    return str(value)
+    text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+    # (a lone surrogate, as Python decodes a file name's bad bytes in an engine's error, made the
+    # whole scrape a 500: a code review)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class StageCollector:
@@ -186,8 +190,8 @@ def stage_families(table: dict[str, Any]) -> list[Metric]:
             in_flight.add_metric(labels, float(r.get("in_flight") or 0))
             queue.add_metric(labels, float(r.get("waiting") or 0))
             running.add_metric(labels, float(r.get("running") or 0))
-            rate.add_metric(labels, float(r.get("rate") or 0))
-            if r.get("kv_cache_usage") is not None:
+            rate.add_metric(labels, float(r.get("rate") or 0) if current not in _NO_PROCESS else 0.0)
+            if r.get("kv_cache_usage") is not None and current not in _NO_PROCESS:
                 kv.add_metric(labels, float(r["kv_cache_usage"]))
             if r.get("last_heartbeat_age_s") is not None and current not in _NO_PROCESS:
                 hb_age.add_metric(labels, float(r["last_heartbeat_age_s"]))
