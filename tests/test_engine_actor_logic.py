@@ -208,7 +208,10 @@ def test_a_bridge_that_does_not_answer_gets_at_most_a_window_of_delta_messages()
     assert probe.ack == 7 and [d.text for d in probe.deltas] == ["8"]
     assert window.admit("bridge", "b", _deltas("9", start=9)) is None
     now[0] = 10.0
-    assert window.due() == [] and window.held() == 1  # at most `probes` beyond the window
+    assert window.due() == [] and window.held() == 1  # at most `probes` beyond the window ...
+    now[0] = 2.5 + 31.0  # ... then one every DELTA_PROBE_SLOW_S (a code review: held ~5 minutes)
+    (_, again), = window.due()
+    assert [d.text for d in again.deltas] == ["9"] and window.held() == 0
     # another bridge is not held up by this one
     assert window.admit("other", "o", _deltas("x")) is not None
     # a bridge quiet for long, then a burst: the probe clock starts when deltas are first held
@@ -2901,3 +2904,18 @@ def test_a_reason_with_a_lone_surrogate_does_not_fail_the_scrape():
         {"replica": "talker/0", "state": "failed", "reason": "cannot open /models/bad\udc80name"}]}]}
     text = Metrics().render(table).decode()
     assert 'reason="cannot open /models/bad\\\\udc80name"' in text, text
+
+
+def test_a_request_actor_asks_for_the_answer_that_credits_its_producers_when_none_was_asked(monkeypatch):
+    """A code review: outputs ask the API server for an answer only every OUTPUT_ACK_EVERY, and
+    with merged chunks the last producer could be out of credit with no answer asked for: the
+    chain blocked until the deadline. The beat asks while outputs wait to credit producers."""
+    from omni_actors.messages import PlannedStage, RequestActorAlive
+
+    ra, sent = _running_request_actor(monkeypatch, (PlannedStage(0, "thinker", (), "pool-thinker", "text", False),))
+    ra._out_credit = [(0, 2, 6)]  # (an output sent, its producer's chunks not yet credited)
+    ra._out_heard -= ra._req.alive_every_s
+    sent.clear()
+    ra._beat()
+    alive = [m for _, m in sent if isinstance(m, RequestActorAlive)]
+    assert alive and alive[0].ack_to == "ra", sent

@@ -33,6 +33,9 @@ DELTA_ACK_EVERY = 3
 #: (an answer lost with a replaced RequestActorSupervisor), at most ``DELTA_PROBES`` times.
 DELTA_PROBE_AFTER_S = 2.0
 DELTA_PROBES = 2
+#: ... then one every this many seconds (a code review: after two lost answers, a replica held
+#: every text delta for that API server until it forgot it, about 5 minutes later).
+DELTA_PROBE_SLOW_S = 30.0
 #: Text deltas held for one bridge beyond which they are dropped (a bridge frozen for long).
 DELTA_HELD_LIMIT = 50_000
 #: A bridge that answered nothing for this long is forgotten, with what was held for it
@@ -294,7 +297,8 @@ class DeltaWindow:
             if silent >= self._forget_after_s and (not peer.held or held_s >= self._forget_after_s):
                 self._drop(name, peer, f"no answer for {silent:.0f} s")
                 del self._peers[name]
-            elif peer.held and held_s >= self._probe_after_s and peer.probes < self._probes:
+            elif peer.held and held_s >= self._probe_after_s and (
+                    peer.probes < self._probes or held_s >= DELTA_PROBE_SLOW_S):
                 deltas, peer.held = peer.held, []
                 peer.probes += 1
                 peer.held_since = None

@@ -651,8 +651,15 @@ class RequestActor(ActorTypeDispatcher):
             self._finish(ErrorKind.CANCELLED, "its API server is gone (its address refuses connections)")
             return
         if self._req is not None:
-            if not self._out_held:
+            # (also while outputs it sent wait for the answer that credits their producers: one
+            # asked only every OUTPUT_ACK_EVERY outputs, and merged chunks can leave the producer
+            # out of credit with no answer asked for; a code review saw the chain hang until the
+            # deadline)
+            credit_due = bool(self._out_credit) and now - self._out_heard >= self._req.alive_every_s
+            if not self._out_held and not credit_due:
                 self.send(self._req.reply_to, RequestActorAlive(self._req.request_id))
+            elif credit_due and not self._out_held:
+                self.send(self._req.reply_to, RequestActorAlive(self._req.request_id, ack_to=self.myAddress))
             elif now - self._out_heard >= self._req.alive_every_s and (
                     self._out_probes < OUTPUT_PROBES or now - self._out_probed_at >= OUTPUT_PROBE_SLOW_S):
                 self._out_probes += 1
