@@ -161,6 +161,31 @@ def test_sequence_numbers_start_over_for_a_new_attempt_and_end_with_the_task():
     assert seq.stamp(StageDelta("r", 0, "x", attempt=1)).seq == 0
 
 
+def test_an_earlier_attempt_still_sending_does_not_renumber_the_next_one():
+    """A streaming consumer started over on the same replica: the first attempt's
+    last chunk and ``StageDone`` go out after the second attempt's first chunk. Each
+    attempt's numbers stay its own, so the RequestActor, which takes the second
+    attempt's chunks from 0 and waits for ``StageDone.chunks`` of them, gets them all."""
+    from omni_actors.actors.outbox import PendingChunk, Sequencer
+    from omni_actors.messages import StageDone
+
+    seq = Sequencer(put=lambda outputs: "ref")
+
+    def chunk(attempt):
+        return seq.stamp(PendingChunk("r", 1, attempt, [{"codes": [1]}], first=0))
+
+    assert [chunk(0).seq for _ in range(3)] == [0, 1, 2]
+    assert chunk(1).seq == 0
+    assert chunk(0).seq == 3  # the first attempt's last chunk, after the second began
+    assert seq.stamp(StageDone("r", 1, "t/0", None, None, attempt=0)).chunks == 4
+    assert chunk(1).seq == 1
+    seq.stamp(TaskFinished("t/0", "r", 1, False, cancelled=True, attempt=0))
+    assert chunk(1).seq == 2
+    assert seq.stamp(StageDone("r", 1, "t/0", None, None, attempt=1)).chunks == 3
+    seq.stamp(TaskFinished("t/0", "r", 1, True, attempt=1))
+    assert chunk(1).seq == 0  # forgotten with its task
+
+
 def test_text_deltas_for_one_bridge_travel_in_one_message_in_order():
     from omni_actors.actors.outbox import bundle
     from omni_actors.messages import OutputDeltas, StageDone

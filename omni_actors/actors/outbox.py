@@ -162,31 +162,37 @@ class Sequencer:
 
     def __init__(self, put: Callable[[dict[str, Any]], Any]) -> None:
         self._put = put
-        #: (request, stage) -> [attempt, deltas sent, chunks sent]
-        self._sent: dict[tuple[str, int], list[int]] = {}
+        #: (request, stage, attempt) -> [deltas sent, chunks sent]. By attempt: a task
+        #: started over on this replica can overlap its earlier attempt, whose last
+        #: messages must not reset (or take numbers from) the new one's counts.
+        self._sent: dict[tuple[str, int, int], list[int]] = {}
 
     def _counts(self, request_id: str, stage_id: int, attempt: int) -> list[int]:
-        counts = self._sent.get((request_id, stage_id))
-        if counts is None or counts[0] != attempt:
-            counts = self._sent[(request_id, stage_id)] = [attempt, 0, 0]
+        counts = self._sent.get((request_id, stage_id, attempt))
+        if counts is None:
+            counts = self._sent[(request_id, stage_id, attempt)] = [0, 0]
         return counts
 
     def stamp(self, message: Any) -> Any:
         if isinstance(message, OutputDelta):
             counts = self._counts(message.request_id, message.stage_id, message.attempt)
-            counts[1] += 1
-            return OutputDelta(message.request_id, message.text, counts[1] - 1, message.stage_id, message.attempt)
+            counts[0] += 1
+            return OutputDelta(message.request_id, message.text, counts[0] - 1, message.stage_id, message.attempt)
         if isinstance(message, PendingChunk):
             ref = self._put(merge_outputs(message.outputs))
             counts = self._counts(message.request_id, message.stage_id, message.attempt)
-            counts[2] += 1
-            return StageChunk(message.request_id, message.stage_id, counts[2] - 1, ref, message.attempt,
+            counts[1] += 1
+            return StageChunk(message.request_id, message.stage_id, counts[1] - 1, ref, message.attempt,
                               last=message.last)
         if isinstance(message, StageDone):
             counts = self._counts(message.request_id, message.stage_id, message.attempt)
-            return dataclasses.replace(message, deltas=counts[1], chunks=counts[2])
-        if isinstance(message, TaskFinished):  # the task's last message
-            self._sent.pop((message.request_id, message.stage_id), None)
+            return dataclasses.replace(message, deltas=counts[0], chunks=counts[1])
+        if isinstance(message, TaskFinished):  # the attempt's last message (None: every attempt's)
+            if message.attempt is not None:
+                self._sent.pop((message.request_id, message.stage_id, message.attempt), None)
+            else:
+                for key in [k for k in self._sent if k[:2] == (message.request_id, message.stage_id)]:
+                    del self._sent[key]
         return message
 
 
