@@ -1530,6 +1530,64 @@ def test_a_coordinator_that_did_not_run_for_a_while_does_not_lose_its_member_nod
     assert lost == ["m2"]
 
 
+def test_a_node_lost_for_missed_heartbeats_whose_member_is_still_in_the_convention_is_asked_to_join_again():
+    """A code review: a network cut (or a stalled coordinator) of 5-15 s: the coordinator
+    lost the node after 3 intervals, its agent, unacknowledged for 5, exited, and Thespian,
+    whose registration of the member had not lapsed, never announced it again: LOST for
+    good. The coordinator now starts a new agent there while the member is registered,
+    and the node is back on that agent's first heartbeat; not once Thespian dropped it."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from thespian.actors import ActorSystemConventionUpdate
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import NodeHeartbeat, NodeInfo, StartNodeAgent
+
+    co = CoordinatorActor()
+    co.sent, made = [], []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co.createActor = lambda cls, **kw: made.append(kw) or f"agent-{len(made)}"
+    co.wakeupAfter = lambda *a, **kw: None
+    co._publish_status = lambda: None
+    co._config = SimpleNamespace(deployment=SimpleNamespace(heartbeat_interval_s=1.0, request_timeout_s=60))
+    co._leader_node = "leader"
+    co._inventory.add(NodeInfo("leader"))
+    caps = {"omni_node": "m1", "omni_devices": "0,1"}
+    co.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-m1", caps, True), None)
+    co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=1), "agent-1")
+    m1 = co._inventory.nodes["m1"]
+    assert m1.alive and len(made) == 1
+
+    def check(after_s):
+        co._last_node_check = _time.monotonic() - 1.0  # (on time)
+        m1.last_seen -= after_s
+        for node, at in co._rejoin_at.items():
+            co._rejoin_at[node] = at - after_s
+        co._check_nodes()
+
+    check(3.5)  # silent for more than 3 intervals: lost
+    assert not co._inventory.nodes["m1"].alive and len(made) == 1
+    check(6.0)  # the agent has exited meanwhile; not asked yet
+    assert len(made) == 1
+    check(4.5)
+    assert len(made) == 2 and made[1]["targetActorRequirements"] == made[0]["targetActorRequirements"]
+    start = [m for a, m in co.sent if a == "agent-2" and isinstance(m, StartNodeAgent)]
+    assert [m.join for m in start] == [2]
+    co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=1), "agent-1")  # the old agent, late: ignored
+    assert not co._inventory.nodes["m1"].alive
+    co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=2), "agent-2")
+    m1 = co._inventory.nodes["m1"]
+    assert m1.alive and m1.info.devices == ("0", "1")
+    # lost again, then dropped from the convention: nobody is asked (it joins when announced)
+    check(3.5)
+    assert not co._inventory.nodes["m1"].alive
+    co.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-m1", caps, False), None)
+    check(10.5)
+    check(10.5)
+    assert len(made) == 2
+
+
 def test_a_drained_node_whose_member_joins_again_is_still_drained():
     """A code review: `node drain m2`, then its member restarted (a new join): m2 took new
     replicas without `node undrain`. It is drained still, with a ``node_still_drained``

@@ -1213,6 +1213,28 @@ def test_a_member_frozen_past_its_agents_orphan_time_comes_back_when_it_resumes(
     assert all(r["state"] in ("ready", "stopped") for r in reps), _table(reps)
 
 
+def test_a_member_whose_node_agent_gave_up_on_a_stalled_coordinator_comes_back(request, tmp_path):
+    """A code review: the coordinator stalled (or the network cut) for longer than a node
+    agent's orphan time (5 intervals) and shorter than Thespian's re-registration window
+    (15 s): the agent exited, the node was lost 3 intervals later, and Thespian never
+    announced the member again, so it stayed LOST for good. The coordinator now starts a
+    new agent on a lost node's member while the convention still lists it."""
+    cluster = start_cluster(request, tmp_path)
+    coordinator = json.loads(cluster.cli("status", "--json").stdout)["coordinator_pid"]
+    t0 = time.time()
+    with _frozen([coordinator]):
+        time.sleep(7 * 0.5)  # past the agents' 5 intervals, short of the leader's watchdog (3 asks of 1 s)
+    lost = _wait_node(cluster, "m2", False, 10, "the agents exited: the nodes are lost")
+    assert "missed 3 node heartbeats" in lost["down_reason"], lost
+    _wait_node(cluster, "m2", True, 15, cluster.leader.tail())
+    _wait_node(cluster, "m1", True, 5, cluster.leader.tail())
+    events = [e for e in read_events(cluster.leader.log_path, t0) if e.get("node") == "m2"]
+    assert "node_rejoin_asked" in [e["event"] for e in events], events
+    assert "coordinator_hung_killing" not in cluster.leader.log_path.read_text()  # (the same coordinator)
+    reps = cluster.wait_all_ready(timeout_s=30)
+    assert all(r["state"] in ("ready", "stopped") for r in reps), _table(reps)
+
+
 def test_an_old_member_replaced_under_its_name_leaves_without_touching_the_new_one(request, tmp_path):
     """Trial Z: m1 froze and was declared lost; a new member joined as m1 and ran replicas;
     then the old m1 process resumed and was stopped with Ctrl-C: its drain (by name) and its

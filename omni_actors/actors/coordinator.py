@@ -44,6 +44,13 @@ from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, Placement
 
 #: A member node whose agent has been silent this many heartbeat intervals is lost.
 NODE_MISSED_HEARTBEATS = 3
+#: A node lost that way whose member is still in the convention is asked to join again (a new
+#: node agent there) this many intervals after the loss and every this many after that (later
+#: than a host that was only frozen comes back by its own agent's next heartbeat): its
+#: agent, unacknowledged for 5 intervals, has exited (a network cut of 5-15 s, a coordinator
+#: stalled as long), and Thespian announces a member again only once its registration has
+#: lapsed (15 s), which a short cut does not make it: the node stayed LOST for good (a code review).
+NODE_REJOIN_PROBE_INTERVALS = 10
 #: Seconds a member dropped from the convention has for its leave notice (``NodeLeaving``)
 #: to arrive before it is taken as lost: its admin's deregistration can overtake the notice,
 #: and a member stopped cleanly then showed as LOST.
@@ -140,6 +147,10 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._joining: dict[str, tuple[NodeInfo, int]] = {}
         #: node -> the address of its agent (of the node's current join), from its heartbeats
         self._agents: dict[str, object] = {}
+        #: nodes whose members the convention lists (Thespian's last word on each: added, not removed)
+        self._registered: set[str] = set()
+        #: node lost for missed heartbeats -> when to ask its member to join again (monotonic)
+        self._rejoin_at: dict[str, float] = {}
         self._leader_node = ""
         self._drained_before: set[str] = set()  #: see Deploy.drained_nodes
         self._inherited: set[int] = set()  #: see Routes.inherited
@@ -330,6 +341,14 @@ class CoordinatorActor(ActorTypeDispatcher):
                 node.buffers, node.free_buffers, node.free_bytes = buffer_counts(default_prefix())
             elif node.alive and now - node.last_seen > NODE_MISSED_HEARTBEATS * interval:
                 self._lose_node(name, f"missed {NODE_MISSED_HEARTBEATS} node heartbeats")
+                self._rejoin_at[name] = now + NODE_REJOIN_PROBE_INTERVALS * interval
+            elif node.alive or name not in self._registered:
+                self._rejoin_at.pop(name, None)
+            elif name in self._rejoin_at and now >= self._rejoin_at[name]:
+                self._rejoin_at[name] = now + NODE_REJOIN_PROBE_INTERVALS * interval
+                self._log.warning("node_rejoin_asked", node=name, reason=node.down_reason,
+                                  message="still in the convention: a new node agent is started there")
+                self._start_agent(node.info)
 
     def _check_pools(self, now: float, late: float) -> None:
         """A pool that stops reporting (SIGSTOP, a deadlock) holds every request of its
@@ -497,19 +516,26 @@ class CoordinatorActor(ActorTypeDispatcher):
                 # Thespian dropping the admin of a node that has rejoined since (a new admin): not this node
                 self._log.info("node_stale_registration_dropped", node=name, admin=str(msg.remoteAdminAddress))
                 return
+            self._registered.discard(name)
             # A member that stops cleanly says so (NodeLeaving, from its node agent), but that notice
             # may come after its admin's deregistration: lost only if none came within a grace.
             self.wakeupAfter(LEAVE_NOTICE_GRACE_S, payload=("node_dropped", name, self._joins.get(name, 0)))
             return
         # The node takes work once its agent's first heartbeat comes: Thespian may report a member
         # that has just stopped as joining again (CI saw one 9 s after it left), with nobody there.
-        join = self._joins[name] = self._joins.get(name, 0) + 1
+        self._registered.add(name)
         member = str(caps.get(MEMBER_CAPABILITY) or "")
-        info = NodeInfo(name, _split(caps.get("omni_devices")), _split(caps.get("omni_stages")),
-                        msg.remoteAdminAddress, member)
+        self._start_agent(NodeInfo(name, _split(caps.get("omni_devices")), _split(caps.get("omni_stages")),
+                                   msg.remoteAdminAddress, member))
+
+    def _start_agent(self, info: NodeInfo) -> None:
+        """A node agent on ``info``'s member, as its join number next: the node takes work
+        once that agent's first heartbeat comes (any earlier agent's are ignored from then)."""
+        name = info.name
+        join = self._joins[name] = self._joins.get(name, 0) + 1
         self._joining[name] = (info, join)
         # (to this member's admin: a lost one of the same name may still be up, and took a trial's)
-        agent = self.createActor(NodeAgentActor, targetActorRequirements=requirements_on(name, member))
+        agent = self.createActor(NodeAgentActor, targetActorRequirements=requirements_on(name, info.member))
         self.send(agent, StartNodeAgent(name, self._config.deployment.heartbeat_interval_s,
                                         reap_after_s=self._config.deployment.request_timeout_s + 30, join=join))
 
