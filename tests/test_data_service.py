@@ -257,6 +257,37 @@ def test_a_client_reconnects_after_the_service_restarts(prefix):
     ds.close_connections()
 
 
+def test_a_connector_says_which_refs_it_reads_through_another_nodes_service(prefix, service):
+    """(Such reads run off a replica's event loop: see StreamingMixin._fetch.)"""
+    far = producer(prefix, service.address)
+    ref = far.put({"x": np.arange(10)})
+    small = NodeConnector(64, prefix, node="far", service=service.address).put({"x": np.arange(2)})
+    try:
+        assert consumer().reads_remotely(ref) and not far.reads_remotely(ref)
+        assert small.kind == "inline" and not consumer().reads_remotely(small)
+    finally:
+        release_all([ref])
+        ds.close_connections()
+
+
+def test_the_service_notices_a_client_whose_host_vanished(service):
+    """A code review: a connection from a host gone without a reset (power, a partition)
+    kept its handler thread and socket for good when idle, and about 15 minutes mid-send
+    with the segment's mapping. Accepted connections now have TCP keepalive and a limit on
+    unacknowledged data (Linux)."""
+    stats = ds.stats(service.address)  # (opens this thread's connection)
+    assert stats["segments"] == 0
+    deadline = time.monotonic() + 5
+    while not service._conns and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (sock,) = list(service._conns)
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == ds.KEEPALIVE_IDLE_S
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == ds.KEEPALIVE_PROBES
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == ds.UNACKED_LIMIT_S * 1000
+    ds.close_connections()
+
+
 def test_a_forked_child_does_not_keep_the_service_listening(prefix):
     """The child holds no copy of the listening socket, so the port closes with the
     service. (Checked on the socket itself: a connect to the freed port can be answered
@@ -347,10 +378,53 @@ def test_a_release_to_a_service_that_just_failed_gives_up_at_once():
     dead = f"127.0.0.1:{ds.parse_address('127.0.0.1:1')[1]}"
     with pytest.raises(ds.DataServiceError, match="unreachable"):
         ds.release(dead, ["x"])
-    with pytest.raises(ds.DataServiceError, match="not retried yet"):
+    with pytest.raises(ds.DataServiceError, match="not tried again"):
         ds.release(dead, ["x"])
     with pytest.raises(ds.DataServiceError, match="unreachable"):
         ds.fetch("not-an-address", "x", 8)
+
+
+def test_gets_from_a_service_that_just_failed_fail_at_once_for_longer_each_time(monkeypatch):
+    """A code review: each get from a host cut off waited its own connect timeout (5 s),
+    on the API server's receiver thread or a replica's event loop: with N outputs from
+    that host, every other stream there froze 5 s per output. A service that failed is
+    now not tried again for DOWN_FOR_S, doubled with each failure in a row (at most
+    DOWN_FOR_MAX_S); a connection that succeeds ends that."""
+    from omni_actors.connectors import data_client
+
+    data_client._down.clear()
+    tried = []
+    real = socket.create_connection
+
+    def connect(address, timeout=None):
+        tried.append(address)
+        return real(address, timeout=timeout)
+
+    monkeypatch.setattr(data_client.socket, "create_connection", connect)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    address = f"127.0.0.1:{port}"
+    clock = [1000.0]
+    monkeypatch.setattr(data_client.time, "monotonic", lambda: clock[0])
+    try:
+        waits = []
+        for _ in range(6):
+            with pytest.raises(ds.DataServiceError, match="unreachable: "):
+                ds.fetch(address, "x", 8)
+            with pytest.raises(ds.DataServiceError, match=r"not tried again for \d"):
+                ds.fetch(address, "x", 8)  # (no connection tried)
+            waits.append(data_client._down[address][0] - clock[0])
+            clock[0] = data_client._down[address][0]
+        assert len(tried) == 6
+        assert waits == [3.0, 6.0, 12.0, 24.0, 30.0, 30.0]
+        with ds.DataService("127.0.0.1", port, "oa-down-test-") as svc:  # back: served, and forgotten as down
+            assert ds.stats(svc.address)["segments"] == 0
+            assert address not in data_client._down
+    finally:
+        data_client._down.clear()
+        ds.close_connections()
 
 
 def test_the_data_service_binds_the_port_given_in_its_environment(monkeypatch):
@@ -401,7 +475,7 @@ def test_a_frozen_service_fails_gets_and_releases_within_their_timeouts(prefix, 
             took_get = time.monotonic() - t0
             t0 = time.monotonic()
             # (another name: the release is sent, and the service, resumed, carries it out)
-            with pytest.raises(ds.DataServiceError, match="not retried yet"):
+            with pytest.raises(ds.DataServiceError, match="not tried again"):
                 ds.release(address, [prefix + "another"])  # (down a moment ago: skipped)
             data_client._down.clear()
             t0 = time.monotonic()

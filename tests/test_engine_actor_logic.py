@@ -1815,6 +1815,50 @@ def test_an_input_lost_with_its_host_ends_the_task_without_counting_against_the_
     assert actor._failed == 0
 
 
+def test_a_vllm_omni_connector_with_nothing_for_an_input_fails_the_task_without_counting_against_the_replica():
+    """A code review: in an ``omni:`` connector mode, an input read already (a connector that
+    hands data to its first reader, and a replica that died after reading it) or expired
+    failed the task as the replica's engine error: retried on other healthy replicas, where
+    it failed the same, each failure a mark on their circuit breakers. It is the pipeline's
+    input now (STAGE_INPUT: a 500 with the connector's words, not retried, not counted)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from omni_actors.actors.engine import EngineActor
+    from omni_actors.connectors import ConnectorRef
+    from omni_actors.connectors.omni import OmniConnectorError
+    from omni_actors.messages import ErrorKind, StageFailed, StageTask, TaskFinished
+
+    actor = EngineActor()
+    actor._started.set()  # (ends its orphan watchdog thread)
+    actor._spec = SimpleNamespace(replica="code2wav/0", stage=SimpleNamespace(name="code2wav"))
+    actor._pool = "pool"
+
+    def read_already(ref):
+        raise OmniConnectorError("vLLM-Omni's SharedMemoryConnector has nothing for k1 (released, expired, "
+                                 "or read already: some of its connectors hand data to the first reader)")
+
+    actor._connector = SimpleNamespace(get=read_already)
+    ref = ConnectorRef(kind="omni", size=4096, layout=(), location="k1", node="m1")
+
+    async def execute(msg):
+        return {sid: await actor._fetch(r) for sid, r in msg.inputs}
+
+    actor._execute = execute
+    sent = []
+
+    async def main():
+        actor._rt = SimpleNamespace(emit=lambda address, message, **kw: sent.append((address, message)))
+        await actor._run_task(StageTask("r1", 2, "", ((1, ref),), {}, {}, None, False, "ra"))
+
+    asyncio.run(main())
+    (to_ra, failed), (to_pool, finished) = sent
+    assert isinstance(failed, StageFailed) and failed.kind == ErrorKind.STAGE_INPUT
+    assert "has nothing for k1" in failed.message
+    assert isinstance(finished, TaskFinished) and not finished.ok and finished.input_error
+    assert actor._failed == 1 and not finished.client_error  # (a failed task, not the replica's fault)
+
+
 def test_a_request_actor_does_not_retry_a_stage_whose_input_was_lost_and_says_where():
     from omni_actors.messages import ErrorKind, RequestFinished, StageFailed, StageTask
 
@@ -3002,3 +3046,99 @@ def test_a_request_actor_asks_for_the_answer_that_credits_its_producers_when_non
     ra._beat()
     alive = [m for _, m in sent if isinstance(m, RequestActorAlive)]
     assert alive and alive[0].ack_to == "ra", sent
+
+
+def test_a_replica_on_another_host_than_its_pool_drains_itself_only_when_the_pool_is_really_gone():
+    """A code review: a replica on a member host decided by late acks alone that its pool
+    (on the leader) was gone: a pool busy for 3 s (a burst, `tests/faults/test_busy_pool.py`)
+    made every remote replica drain itself and cancel its tasks. Now late acks count only
+    with the pool's port refusing connections (its process exited), or past the time its
+    coordinator kills a hung pool (POOL_HUNG_INTERVALS, plus 2)."""
+    import os
+    import socket
+    import time as _time
+    from types import SimpleNamespace
+
+    from omni_actors.actors.engine import EngineActor
+    from omni_actors.actors.supervision import POOL_HUNG_INTERVALS, ParentWatch
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(8)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    gone_port = closed.getsockname()[1]
+    closed.close()
+
+    def at(port):
+        return SimpleNamespace(addressDetails=SimpleNamespace(connectArgs=[("127.0.0.1", port)]))
+
+    def beat(pool, silent_s):
+        actor = EngineActor()
+        actor._started.set()  # (ends its orphan watchdog thread)
+        actor._spec = SimpleNamespace(replica="talker/0", heartbeat_interval_s=1.0, orphan_after_s=3.0)
+        actor._parent = ParentWatch(os.getpid(), "another-host")  # (not this process's parent)
+        actor._pool, actor._last_ack = pool, _time.monotonic() - silent_s
+        actor._heartbeats = SimpleNamespace(owns=lambda p: True, current=lambda p: True, again=lambda *a: None)
+        actor._check_engine = actor._watch = lambda: None
+        actor._deltas = SimpleNamespace(due=lambda: [])
+        actor.send = actor.wakeupAfter = lambda *a, **kw: None
+        actor.receiveMsg_WakeupMessage(SimpleNamespace(payload="hb"), None)
+        return actor._orphaned, actor._draining
+
+    try:
+        assert not ParentWatch(os.getpid(), "another-host").local
+        assert beat(at(listening.getsockname()[1]), 4.0) == (False, False)  # busy: kept
+        assert beat(at(gone_port), 4.0) == (True, True)  # its process exited
+        assert beat(at(gone_port), 2.0) == (False, False)  # (acks not late yet)
+        hung = POOL_HUNG_INTERVALS + 2
+        assert beat(at(listening.getsockname()[1]), hung + 0.5) == (True, True)  # (host cut off, or hung)
+    finally:
+        listening.close()
+
+
+def test_a_small_input_on_another_node_is_read_off_the_replicas_event_loop():
+    """A code review: a streamed chunk under 1 MiB was read on the engine's event loop,
+    also from another node's data service: from a host cut off that read waited its
+    timeouts (10 s, then 5 s per chunk) and froze every other stream of the replica, which
+    its pool then killed as stalled. A read from another node now runs on a worker thread;
+    a local one stays on the loop (no thread hop per chunk)."""
+    import asyncio
+    import threading
+    import time as _time
+    from types import SimpleNamespace
+
+    from omni_actors.actors.engine import EngineActor
+
+    actor = EngineActor()
+    actor._started.set()  # (ends its orphan watchdog thread)
+    loop_thread = []
+
+    def get(ref):
+        loop_thread.append(threading.current_thread() is threading.main_thread())
+        if ref.node == "far":
+            _time.sleep(0.3)
+        return {"x": ref.node}
+
+    actor._connector = SimpleNamespace(get=get, reads_remotely=lambda ref: ref.node == "far")
+
+    async def main():
+        ticks = []
+
+        async def ticker():
+            for _ in range(20):
+                ticks.append(_time.monotonic())
+                await asyncio.sleep(0.01)
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        far = await actor._fetch(SimpleNamespace(size=1000, node="far"))
+        during = len(ticks)
+        here = await actor._fetch(SimpleNamespace(size=1000, node="here"))
+        await tick
+        return far, here, during
+
+    far, here, during = asyncio.run(main())
+    assert far == {"x": "far"} and here == {"x": "here"}
+    assert during >= 10  # the loop kept running while the far read waited
+    assert loop_thread == [False, True]

@@ -27,8 +27,8 @@ from thespian.actors import (ActorExitRequest, ActorSystemConventionUpdate, Acto
 
 from omni_actors.actors.node_agent import MEMBER_CAPABILITY, NODE_CAPABILITY, NodeAgentActor, requirements_on
 from omni_actors.actors.stage_pool import StagePoolActor
-from omni_actors.actors.supervision import (TICK_LOST_AFTER_INTERVALS, WAKEUP_LOST_AFTER_S, RestartPolicy, WakeupChain,
-                                          host_identity)
+from omni_actors.actors.supervision import (POOL_HUNG_INTERVALS, TICK_LOST_AFTER_INTERVALS, WAKEUP_LOST_AFTER_S,
+                                          RestartPolicy, WakeupChain, host_identity)
 from omni_actors.connectors import buffer_counts, data_service, default_prefix
 from omni_actors.logs import get_logger
 from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, ApiServerDrained, ApiServersDrained,
@@ -62,10 +62,8 @@ COORDINATOR_NAME = "omni-actors-coordinator"
 #: in ``status`` (a pool reports every interval; one frozen for 4, swamped by a burst, must
 #: keep its replicas: ``tests/faults/test_busy_pool.py``) ...
 POOL_SILENT_NOTE_INTERVALS = 3
-#: ... and at this many it is taken for hung: SIGKILLed, and recreated as a pool that exited
-#: is (the leader's watchdog kills a coordinator silent for about as long, 3 x 3 intervals).
-#: Only the time the coordinator itself ran counts.
-POOL_HUNG_INTERVALS = 10
+#: ... and at POOL_HUNG_INTERVALS (supervision.py) it is taken for hung: SIGKILLed, and recreated
+#: as a pool that exited is.
 #: Seconds with no task in flight or queued in any pool before lingering replicas drain
 #: (see CoordinatorActor._end_lingering).
 LINGER_QUIET_S = 1.0

@@ -28,10 +28,12 @@ from omni_actors.actors import device_leases
 from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.engine_stream import StreamingMixin
 from omni_actors.actors.outbox import AddressNames, DeltaWindow, PendingChunk, Sequencer, bundle, coalesce
-from omni_actors.actors.supervision import ParentWatch, WakeupChain, exit_if_orphaned_before_start, host_identity
+from omni_actors.actors.supervision import (POOL_HUNG_INTERVALS, ParentWatch, WakeupChain, exit_if_orphaned_before_start,
+                                          host_identity)
 from omni_actors.actors.node_agent import on_node
 from omni_actors.config_checks import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
+from omni_actors.connectors.omni import OmniConnectorError
 from omni_actors.engines import create_backend
 from omni_actors.engines.base import (REPLICA_PROCESS_NAME, BackendTask, InputLost, OutputChunk, StageFinal,
                                      StageInputError, TextDelta, UpstreamTimeout, replica_log_prefix)
@@ -310,7 +312,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             interval = self._spec.heartbeat_interval_s
             self._check_engine()
             orphan_after_s = max(ORPHAN_AFTER_INTERVALS * interval, self._spec.orphan_after_s)
-            if not self._orphaned and self._parent.lost(time.monotonic() - self._last_ack > orphan_after_s):
+            silent_s = time.monotonic() - self._last_ack
+            if not self._orphaned and self._parent.lost(silent_s > orphan_after_s, self._pool, silent_s,
+                                                        (POOL_HUNG_INTERVALS + 2) * interval):
                 # The pool is gone. Its replacement's RequestActors re-sent these tasks, and no
                 # cancel can reach us any more: they get as long again to end, then are cancelled
                 # (one waiting for chunk credits from a consumer that moved on would wait forever).
@@ -589,7 +593,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             # What it was given, not this replica: a processor that cannot use its upstream outputs
             # (500, the same anywhere), a ValueError on the client's input (400, e.g. a prompt over
             # vLLM's max_model_len). Neither counts towards the replica's circuit breaker.
-            kind = (ErrorKind.STAGE_INPUT if isinstance(exc, StageInputError) else
+            # A vLLM-Omni connector with nothing for an input (read already by an attempt before,
+            # one that hands data to its first reader; expired) fails the same on any replica.
+            kind = (ErrorKind.STAGE_INPUT if isinstance(exc, (StageInputError, OmniConnectorError)) else
                     ErrorKind.BAD_REQUEST if isinstance(exc, ValueError) else ErrorKind.ENGINE_ERROR)
             input_error = kind != ErrorKind.ENGINE_ERROR
             client_error = kind == ErrorKind.BAD_REQUEST

@@ -56,16 +56,20 @@ class StreamingMixin:
             credit[2].set()
 
     async def _fetch(self, ref) -> dict[str, Any]:
-        """Read a connector ref. A large one runs on a worker thread: fetched from
-        another node's data service it can take 0.1 s per 256 MB here, and the
-        loop must keep every other task streaming meanwhile.
+        """Read a connector ref. A large one, or one on another node, is read on a
+        worker thread: fetched from another node's data service it can take 0.1 s
+        per 256 MB here, or a connect timeout (5 s) from a host cut off, and the
+        loop must keep every other task streaming meanwhile (a code review: a small
+        chunk from a host gone froze every stream of the replica, and the pool
+        killed it as stalled).
 
         Raises:
             InputLost: the ref's data lives on a host whose data service is unreachable.
             ConnectorError: the data was released (its request ended).
         """
         try:
-            if ref.size < FETCH_ON_THREAD_BYTES:
+            remote = getattr(self._connector, "reads_remotely", None)
+            if ref.size < FETCH_ON_THREAD_BYTES and not (remote is not None and remote(ref)):
                 return self._connector.get(ref)
             return await asyncio.to_thread(self._connector.get, ref)
         except DataServiceError as exc:

@@ -129,6 +129,13 @@ class WakeupChain:
         return self.owns(payload) and payload[1] == self.gen
 
 
+#: A stage pool that has not reported for this many heartbeat intervals is taken for hung by
+#: its coordinator: SIGKILLed, and recreated as a pool that exited is (the leader's watchdog kills
+#: a coordinator silent for about as long, 3 x 3 intervals). Only the time the coordinator itself
+#: ran counts. A replica on another host takes its pool for gone two intervals after that.
+POOL_HUNG_INTERVALS = 10
+
+
 def refuses_connections(address, timeout_s: float = 0.5) -> bool:
     """Whether the TCP endpoint of a Thespian ``address`` refuses a connection: the process
     that listened there is gone (a process stopped with SIGSTOP, or busy, still has its
@@ -189,10 +196,23 @@ class ParentWatch:
     def gone(self) -> bool | None:
         return (os.getppid() != self.parent_pid) if self.local else None
 
-    def lost(self, acks_late: bool) -> bool:
+    def lost(self, acks_late: bool, address: object = None, silent_s: float = 0.0,
+             hung_after_s: float = float("inf")) -> bool:
         """Whether to take the parent for gone: its acks are late and, when it is this
-        process's parent, it no longer is (a busy parent acks late but is still there)."""
-        return acks_late and self.gone() is not False
+        process's parent, it no longer is (a busy parent acks late but is still there).
+
+        A parent on another host (``address``: its actor address) is gone when its
+        acks are late and its port refuses connections (its process exited), or when it
+        has been silent ``silent_s`` past ``hung_after_s`` (its host cut off; a parent
+        that long silent is killed by its own supervisor). Late acks alone made every
+        replica on a member host drain itself and cancel its tasks while its pool on the
+        leader was only busy for 3 s (a code review). Blocks up to 0.5 s (the probe)."""
+        if not acks_late:
+            return False
+        gone = self.gone()
+        if gone is not None or address is None:
+            return gone is not False
+        return silent_s > hung_after_s or refuses_connections(address)
 
 
 @dataclass(frozen=True)

@@ -224,6 +224,14 @@ class NodeConnector:
         self.release(ref, recycle=True)  # (the mapping's views are gone: out holds copies)
         return out
 
+    def reads_remotely(self, ref: ConnectorRef) -> bool:
+        """Whether :meth:`get` of ``ref`` asks another node's data service (a network
+        round trip that may wait seconds on a host cut off), rather than reading here."""
+        try:
+            return ref.kind in SEGMENT_KINDS and bool(ref.size) and self._remote(ref, for_read=True)
+        except ConnectorError:
+            return False  # (get raises it at once)
+
     def _remote(self, ref: ConnectorRef, *, for_read: bool) -> bool:
         """Whether ``ref`` must go through its node's data service from here."""
         here = ref.node is None or ref.node == self.node

@@ -40,10 +40,15 @@ RELEASE_BATCH = 2000  #: names per release request (keeps a request well under M
 OK, NOT_FOUND, BAD_REQUEST, FAILED = 0, 1, 2, 3
 
 CONNECT_TIMEOUT_S = 5.0
-#: Releases give up sooner (they are retried by no one: the owner's reaper frees what they miss),
-#: and skip a service that could not be reached within the last DOWN_FOR_S.
+#: Releases give up sooner (they are retried by no one: the owner's reaper frees what they miss).
 RELEASE_CONNECT_TIMEOUT_S = 1.0
+#: A service that could not be reached (refused, no answer) is not tried again by this process
+#: for DOWN_FOR_S, doubled with each failure in a row up to DOWN_FOR_MAX_S: every request to
+#: it fails at once meanwhile. Gets waited each their own connect timeout (5 s) on a host cut
+#: off: the API server's receiver thread, or a replica's event loop, froze 5 s per output from
+#: that host while every other stream waited (a code review).
 DOWN_FOR_S = 3.0
+DOWN_FOR_MAX_S = 30.0
 #: Longest wait for one recv/send of a get or a stats request: a service that sends nothing
 #: for this long is taken for gone. A host cut off (no reset comes back) otherwise held the
 #: callers (an engine's event loop, the API server's receiver thread) for its whole length:
@@ -89,13 +94,19 @@ class _Connections(threading.local):
 
 
 _conns = _Connections()
-_down: dict[str, float] = {}  # service -> when a connection to it last failed (monotonic)
+#: service -> (until when it is taken for down (monotonic), failures in a row)
+_down: dict[str, tuple[float, int]] = {}
+
+
+def _mark_down(service: str) -> None:
+    failures = _down.get(service, (0.0, 0))[1] + 1
+    _down[service] = (time.monotonic() + min(DOWN_FOR_S * 2 ** (failures - 1), DOWN_FOR_MAX_S), failures)
 
 
 def _connection(service: str, quick: bool = False) -> tuple[socket.socket, bool]:
-    """This thread's connection to ``service``: ``(socket, reused)``. ``quick``
-    (releases): a short connect timeout, and no attempt at a service that
-    could not be reached a moment ago."""
+    """This thread's connection to ``service``: ``(socket, reused)``; none is tried
+    while the service is taken for down (see DOWN_FOR_S). ``quick`` (releases):
+    a short connect timeout."""
     if _conns.pid != os.getpid():  # forked: the parent's sockets are not ours to use
         for sock in _conns.by_service.values():
             sock.close()
@@ -103,15 +114,16 @@ def _connection(service: str, quick: bool = False) -> tuple[socket.socket, bool]
     sock = _conns.by_service.get(service)
     if sock is not None:
         return sock, True
-    failed_at = _down.get(service)
-    if quick and failed_at is not None and time.monotonic() - failed_at < DOWN_FOR_S:
-        raise DataServiceError(f"data service {service} unreachable (a moment ago); not retried yet")
+    down = _down.get(service)
+    if down is not None and time.monotonic() < down[0]:
+        raise DataServiceError(f"data service {service} unreachable ({down[1]} time(s) in a row); "
+                               f"not tried again for {down[0] - time.monotonic():.1f} s")
     try:
         host, port = parse_address(service)
         sock = socket.create_connection((host, port),
                                         timeout=RELEASE_CONNECT_TIMEOUT_S if quick else CONNECT_TIMEOUT_S)
     except (OSError, ValueError) as exc:
-        _down[service] = time.monotonic()
+        _mark_down(service)
         raise DataServiceError(f"data service {service} unreachable: {exc}") from None
     _down.pop(service, None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -146,7 +158,7 @@ def _request(service: str, req: dict, into: np.ndarray | None = None,
         except (OSError, ConnectionError) as exc:
             _drop(service)
             if isinstance(exc, TimeoutError):  # (no answer: not a stale connection, which fails at once)
-                _down[service] = time.monotonic()
+                _mark_down(service)
                 raise DataServiceError(f"data service {service}: no answer within "
                                        f"{RELEASE_IO_TIMEOUT_S if quick else IO_TIMEOUT_S:g} s") from None
             if reused and attempt == 0:
@@ -166,7 +178,7 @@ def _request(service: str, req: dict, into: np.ndarray | None = None,
         except (OSError, ConnectionError) as exc:
             _drop(service)
             if isinstance(exc, TimeoutError):
-                _down[service] = time.monotonic()
+                _mark_down(service)
                 exc = f"no data within {IO_TIMEOUT_S:g} s"
             raise DataServiceError(f"data service {service}: {exc}") from None
     raise AssertionError("unreachable")

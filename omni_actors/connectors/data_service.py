@@ -137,6 +137,7 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         sock = self.request
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _watch_peer(sock)
         service = self.server.service
         if service.tcp_congestion:
             try:
@@ -166,6 +167,31 @@ class _Handler(socketserver.BaseRequestHandler):
             log.warning("data_service_handler_error", exc_info=True)
         finally:
             service._track(sock, False)
+
+
+#: A client's host gone without a reset (power, a partition) is noticed on an idle connection
+#: after KEEPALIVE_IDLE_S + KEEPALIVE_PROBES x KEEPALIVE_INTERVAL_S (TCP keepalive), and mid-send
+#: after UNACKED_LIMIT_S of data unacknowledged (``TCP_USER_TIMEOUT``): its handler thread,
+#: socket and the mapping it sends from are freed. Without them each connection from a vanished
+#: host was kept for good (idle) or about 15 minutes (mid-send, TCP's own retries; a code review).
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 60, 10, 3
+UNACKED_LIMIT_S = 30
+
+
+def _watch_peer(sock: socket.socket) -> None:
+    """Keepalive and a limit on unacknowledged data for an accepted connection, where the
+    platform has them (Linux does)."""
+    options = [(socket.SOL_SOCKET, getattr(socket, "SO_KEEPALIVE", None), 1),
+               (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPIDLE", None), KEEPALIVE_IDLE_S),
+               (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_S),
+               (socket.IPPROTO_TCP, getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_PROBES),
+               (socket.IPPROTO_TCP, getattr(socket, "TCP_USER_TIMEOUT", None), UNACKED_LIMIT_S * 1000)]
+    for level, option, value in options:
+        if option is not None:
+            try:
+                sock.setsockopt(level, option, value)
+            except OSError:
+                pass
 
 
 def _reply(sock: socket.socket, status: int, body: bytes) -> None:
