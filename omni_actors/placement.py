@@ -145,6 +145,9 @@ class Inventory:
             return []
         lost = list(node.replicas)
         node.alive, node.down_reason, node.used, node.replicas = False, reason, {}, {}
+        # (what it last reported of its shared memory no longer says anything: unknown; a trial
+        # read a left member's free bytes in `status --json`, memory long gone)
+        node.buffers = node.free_buffers = node.free_bytes = None
         node.leaving = False  # (it has left, or was lost while it drained)
         return lost
 

@@ -460,8 +460,11 @@ def test_streaming_chat():
         assert len(contents) > 1 and "".join(contents) == "Hello world"
         audio = [c["choices"][0]["delta"]["audio"] for c in chunks
                  if c["choices"] and "audio" in c["choices"][0]["delta"]]
-        assert len(audio) == 1 and audio[0]["transcript"] == "Hello world"
-        assert wav_info(audio[0]["data"]) == (24000, 1, 2400)
+        # the whole audio as PCM16 parts of at most 1 s, then the transcript (as when stages
+        # stream: one SSE line of a long reply's WAV was tens of MB, a trial)
+        assert len({a["id"] for a in audio}) == 1 and len(audio) == 2
+        assert len(base64.b64decode(audio[0]["data"])) == 2400 * 2 and "transcript" not in audio[0]
+        assert audio[1]["transcript"] == "Hello world" and "data" not in audio[1] and audio[1]["expires_at"]
         assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 8
         assert resp.headers["X-Request-Id"] == chunks[0]["id"] == bridge.submitted[0].request_id

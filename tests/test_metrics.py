@@ -402,6 +402,31 @@ def test_requests_refused_before_their_handler_runs_are_counted():
 # ------------------------------------------------------------ real system
 
 @pytest.mark.system
+def test_each_node_says_whether_it_is_up_and_its_buffers_while_it_is():
+    """A trial: a data-plane leak showed only in `status --json`; a node that left
+    kept its last buffer figures there (not here: none for a node not alive)."""
+    from prometheus_client.registry import Collector, CollectorRegistry
+
+    from omni_actors.http.metrics import node_families
+
+    nodes = [{"name": "leader", "alive": True, "buffers": 2, "free_buffers": 5, "free_bytes": 4 << 20},
+             {"name": "m1", "alive": False, "buffers": 1, "free_buffers": 1, "free_bytes": 1 << 20},
+             {"name": "m2", "alive": True, "buffers": None, "free_buffers": None, "free_bytes": None}]
+
+    class Nodes(Collector):
+        def collect(self):
+            return node_families(nodes)
+
+    registry = CollectorRegistry()
+    registry.register(Nodes())
+    from prometheus_client import generate_latest
+    f = {fam.name: fam for fam in text_string_to_metric_families(generate_latest(registry).decode())}
+    assert {s.labels["node"]: s.value for s in samples(f, "omni_node_up")} == {"leader": 1, "m1": 0, "m2": 1}
+    assert {s.labels["node"]: s.value for s in samples(f, "omni_node_buffers")} == {"leader": 2}
+    assert value(f, "omni_node_free_buffers", node="leader") == 5
+    assert value(f, "omni_node_free_bytes", node="leader") == 4 << 20
+
+
 def test_metrics_on_the_real_pipeline(omni_leader):
     root = omni_leader.base_url.removesuffix("/v1")
     body = json.dumps({"model": "qwen3-omni-cpu-demo", "max_tokens": 8,
@@ -432,6 +457,8 @@ def test_metrics_on_the_real_pipeline(omni_leader):
 
     assert value(f, "omni_scrape_error") == 0
     assert ready == {"thinker/0": 1, "talker/0": 1, "talker/1": 1, "code2wav/0": 1}
+    assert [s.value for s in samples(f, "omni_node_up")] == [1]  # (the leader's host, the only node)
+    assert [s.value >= 0 for s in samples(f, "omni_node_buffers")] == [True]
     assert {s.labels["replica"] for s in talkers} == {"talker/0", "talker/1"}
     assert sum(s.value for s in talkers) >= 1
     assert value(f, "omni_request_latency_seconds", "omni_request_latency_seconds_count",

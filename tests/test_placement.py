@@ -205,11 +205,17 @@ def test_lost_node_frees_its_devices_and_reports_its_replicas():
     placed = {f"talker/{i}": inv.place("talker", f"talker/{i}", 1) for i in range(4)}
     on_m2 = sorted(r for r, (n, _) in placed.items() if n == "m2")
     assert len(on_m2) == 2  # spread
+    m2 = inv.nodes["m2"]
+    m2.data_service, m2.buffers, m2.free_buffers, m2.free_bytes = "127.0.0.1:4000", 0, 1, 4 << 20
     assert sorted(inv.lose("m2")) == on_m2
     assert inv.lose("m2") == []  # lost once
     assert inv.lose("nosuch") == []
     status = {s.name: s for s in inv.status()}
     assert status["m2"].alive is False and status["m2"].used == {} and status["m2"].replicas == ()
+    # what it last said of its shared memory is unknown now (a trial read a left member's free
+    # bytes in `status --json`); its data service's address stays (who was there)
+    assert (status["m2"].buffers, status["m2"].free_buffers, status["m2"].free_bytes) == (None, None, None)
+    assert status["m2"].data_service == "127.0.0.1:4000"
     # the lost replicas are re-placed on what is left
     for r in on_m2:
         assert inv.place("talker", r, 1)[0] == "m1"

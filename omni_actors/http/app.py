@@ -540,10 +540,11 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                        preq: PipelineRequest) -> web.StreamResponse:
     """SSE: role chunk, content deltas, audio delta(s), finish chunk, usage, [DONE].
 
-    Audio goes out as one delta with a base64 WAV, or, when the pipeline
-    streams between stages, as deltas of base64 PCM16 (mono, little-endian,
-    at the stage's sample rate) as the last stage makes them, all with one
-    ``id``, then a last audio delta with the transcript and ``expires_at``.
+    Audio goes out as deltas of base64 PCM16 (mono, little-endian, at the
+    stage's sample rate, at most 1 s each), all with one ``id``: as the last
+    stage makes them when the pipeline streams between stages, else all at
+    once when the whole audio is done; then a last audio delta with the
+    transcript and ``expires_at``.
 
     The response starts on the first event, so a failure before it is still
     a plain error response with its status.
@@ -563,12 +564,12 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
     def chunk(delta: dict, finish: str | None = None) -> dict:
         return P.chat_chunk(rid, creq.model, created, delta, finish, iu)
 
-    streamed, audio, done, audio_id = [], None, None, None
+    streamed, done, audio_id = [], None, None
     async with _Run(bridge, preq, can_rerun=lambda: not resp.prepared) as run:
         try:
             async for ev in run:
                 if isinstance(ev, Rerun):
-                    audio = done = None  # (nothing was sent: the stream begins with the rerun's events)
+                    done = None  # (nothing was sent: the stream begins with the rerun's events)
                     continue
                 if isinstance(ev, RequestFailed) and not resp.prepared:
                     raise _failed(ev)
@@ -588,9 +589,9 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                         streamed.append(rest)
                         await send(chunk({"content": rest}))
                         M.first_text(request, CHAT_PATH, stream=True)
-                elif isinstance(ev, OutputFinal) and ev.output_type == "audio":
-                    audio = ev
-                elif isinstance(ev, OutputPart) and ev.output_type == "audio":
+                elif isinstance(ev, OutputPart | OutputFinal) and ev.output_type == "audio":
+                    # (a whole audio too, as parts: one delta of it, tens of MB of base64 in one SSE
+                    # line with long replies, was over some clients' line limits: a trial)
                     audio_id = audio_id or P.audio_id()
                     for part in P.audio_parts(audio_id, ev.data["audio"]):
                         await send(chunk({"audio": part}))
@@ -600,10 +601,7 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                     M.set_outcome(request, ev.status)  # the 200 is sent; count the failure
                     await send(P.error_body(ev.message, ev.type, code=ev.code))
             if done is not None:
-                if audio is not None:
-                    payload = P.audio_payload(await _wav(audio, creq.audio_format), "".join(streamed), created)
-                    await send(chunk({"audio": payload}))
-                elif audio_id is not None:
+                if audio_id is not None:
                     await send(chunk({"audio": P.audio_end(audio_id, "".join(streamed), created)}))
                 finish = done.finish_reason or P.finish_reason(done.completion_tokens, creq.max_tokens)
                 await send(chunk({}, finish))

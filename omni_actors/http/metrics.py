@@ -36,6 +36,11 @@ Metric names:
 ``omni_stage_pending_tasks``            gauge      ``stage``
 ``omni_stage_ready_replicas``           gauge      ``stage``
 ``omni_stage_restarts_total``           counter    ``stage`` (times its pool was recreated)
+``omni_node_up``                        gauge      ``node``: 1 alive, 0 left or lost
+``omni_node_buffers``                   gauge      ``node``: shared-memory buffers in use there
+``omni_node_free_buffers``              gauge      ``node``: free (recycled) buffers kept there
+``omni_node_free_bytes``                gauge      ``node``: their bytes (the buffer figures only
+                                                   for alive nodes that reported them)
 ``omni_request_actors``                 gauge      RequestActors of this API server (busy and idle)
 ``omni_request_actors_busy``            gauge      those running a request (or being made)
 ``omni_request_actors_max``             gauge      the most it keeps (``request_actors``)
@@ -207,7 +212,30 @@ def stage_families(table: dict[str, Any]) -> list[Metric]:
                 latency.add_metric(labels, cumulative, float(r.get("latency_sum_s") or 0.0))
         ready.add_metric([stage], float(n_ready))
     return [state, info, in_flight, queue, running, rate, kv, hb_age, completed, failed, restarts,
-            latency, pending, ready, pool_restarts]
+            latency, pending, ready, pool_restarts, *node_families(table.get("nodes") or ())]
+
+
+def node_families(nodes: Iterable[dict[str, Any]]) -> list[Metric]:
+    """Each node's liveness and data-plane buffers (``status_to_dict``'s ``nodes``): a
+    leak shows as ``omni_node_buffers`` that stays above 0 with no request in flight (a
+    trial: only `status --json` had them)."""
+    up = GaugeMetricFamily("omni_node_up", "1 while the node is alive, 0 once it left or was lost",
+                           labels=("node",))
+    buffers = GaugeMetricFamily("omni_node_buffers", "Shared-memory buffers in use on the node "
+                                "(stage outputs not yet released)", labels=("node",))
+    free = GaugeMetricFamily("omni_node_free_buffers", "Free (recycled) shared-memory buffers kept "
+                             "on the node for later outputs", labels=("node",))
+    free_bytes = GaugeMetricFamily("omni_node_free_bytes", "Bytes of the node's free buffers",
+                                   labels=("node",))
+    for n in nodes:
+        labels = [_s(n.get("name"))]
+        up.add_metric(labels, 1.0 if n.get("alive") else 0.0)
+        if not n.get("alive"):
+            continue
+        for family, key in ((buffers, "buffers"), (free, "free_buffers"), (free_bytes, "free_bytes")):
+            if n.get(key) is not None:
+                family.add_metric(labels, float(n[key]))
+    return [up, buffers, free, free_bytes]
 
 
 class Metrics:
