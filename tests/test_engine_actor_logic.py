@@ -1611,6 +1611,39 @@ def test_a_drained_node_whose_member_joins_again_is_still_drained():
     assert co._inventory.nodes["m2"].open
 
 
+def test_a_drained_node_that_left_or_is_leaving_can_be_undrained_for_its_next_member():
+    """Code reviews: `status` said "LEFT, still drained: `node undrain`" and `node undrain`
+    then said "no alive node named 'm2'"; undrained while its member was leaving, the pools
+    retired the replacements of the replicas leaving with it. Now either is undrained for
+    the member that joins next under its name, and nothing else changes."""
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import AdminReply, NodesChanged, UndrainNode
+    from omni_actors.placement import LEFT_REASON, NodeInfo
+
+    co = CoordinatorActor()
+    co.sent = []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co._publish_status = lambda: None
+    co._pools = {1: "talker-pool"}
+    co._add_node(NodeInfo("m2", ("0",), ()))
+    co._add_node(NodeInfo("m3", ("1",), ()))
+    for name in ("m2", "m3"):
+        assert co._inventory.drain(name, operator=True)
+    co._inventory.lose("m2", LEFT_REASON)  # (its member stopped)
+    co._inventory.drain("m3")  # (its member is stopping)
+    co.receiveMsg_UndrainNode(UndrainNode("m2"), "operator")
+    co.receiveMsg_UndrainNode(UndrainNode("m3"), "operator")
+    replies = [m for a, m in co.sent if a == "operator"]
+    assert [r.ok for r in replies] == [True, True], replies
+    assert "node m2 is no longer drained; it is left" in replies[0].message
+    assert "node m3 is no longer drained; it is leaving" in replies[1].message
+    assert not [m for _, m in co.sent if isinstance(m, NodesChanged)]  # (the pools keep what they have)
+    co._add_node(NodeInfo("m2", ("0",), ()))  # its member joins again: open
+    assert co._inventory.nodes["m2"].open
+    co.receiveMsg_UndrainNode(UndrainNode("m2"), "operator")
+    assert co.sent[-1] == ("operator", AdminReply(False, "node m2 is not drained (it is alive)"))
+
+
 def test_the_coordinator_restarts_its_node_checks_when_their_wakeup_is_lost():
     """The coordinator's node check re-arms itself; had its wake-up been lost, a member
     host killed later would never be found lost. A pool's report now restarts it when it
