@@ -3175,3 +3175,36 @@ def test_a_small_input_on_another_node_is_read_off_the_replicas_event_loop():
     assert far == {"x": "far"} and here == {"x": "here"}
     assert during >= 10  # the loop kept running while the far read waited
     assert loop_thread == [False, True]
+
+
+def test_a_drained_replica_sends_the_text_it_held_for_a_slow_api_server_before_it_exits():
+    """A code review: text deltas held for an API server whose window was full (already
+    counted in their tasks' StageDone) went with a drained replica's process: the
+    client's stream stopped mid-text for 3 s, then the bridge filled the gap from the
+    final text. The exit now sends them first, and waits its grace again."""
+    from types import SimpleNamespace
+
+    from thespian.actors import ActorExitRequest
+
+    from omni_actors.actors.engine import EXIT_GRACE_S, EngineActor
+    from omni_actors.actors.outbox import DeltaWindow
+    from omni_actors.messages import OutputDeltas
+
+    actor = EngineActor()
+    actor._started.set()  # (ends its orphan watchdog thread)
+    sent, timers = [], []
+    actor.send = lambda address, message: sent.append((address, message))
+    actor.wakeupAfter = lambda delay, payload=None: timers.append((delay, payload))
+    actor._watch = lambda: None
+    actor._myRef = SimpleNamespace(address="me")
+    actor._deltas = DeltaWindow("me", window=1, ack_every=1)
+    assert actor._deltas.admit("bridge", "b", OutputDeltas((OutputDelta("r", "a", 0),))) is not None
+    for i, t in enumerate(("b", "c"), start=1):  # (window full: held)
+        assert actor._deltas.admit("bridge", "b", OutputDeltas((OutputDelta("r", t, i),))) is None
+    actor._draining, actor._tasks = True, {}
+    actor.receiveMsg_WakeupMessage(SimpleNamespace(payload="exit"), None)
+    (address, message), = sent
+    assert address == "bridge" and [d.text for d in message.deltas] == ["b", "c"]
+    assert timers == [(EXIT_GRACE_S, "exit")]
+    actor.receiveMsg_WakeupMessage(SimpleNamespace(payload="exit"), None)
+    assert isinstance(sent[-1][1], ActorExitRequest)

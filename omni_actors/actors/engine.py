@@ -300,6 +300,12 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
 
     def receiveMsg_WakeupMessage(self, msg: WakeupMessage, sender):
         if msg.payload == "exit" and self._draining and not self._tasks:
+            held = self._deltas.flush() if self._deltas is not None else []
+            if held:  # (text held for a slow API server goes first, and gets its moment in transit)
+                for address, message in held:
+                    self.send(address, message)
+                self.wakeupAfter(EXIT_GRACE_S, payload="exit")
+                return self._watch()
             self.send(self.myAddress, ActorExitRequest())
             return self._watch()
         if msg.payload == "orphan_deadline" and self._rt is not None:

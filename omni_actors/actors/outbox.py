@@ -314,6 +314,17 @@ class DeltaWindow:
                 out.append((peer.address, self._stamp(peer, name, deltas, probe=True)))
         return out
 
+    def flush(self) -> list[tuple[Any, OutputDeltas]]:
+        """Everything held, one message per bridge, window or not: the replica is about to
+        exit (a code review: a drained replica exited with text it held for a slow API server,
+        already counted in its tasks' ``StageDone``; their streams stopped 3 s mid-text)."""
+        out = []
+        for name, peer in self._peers.items():
+            if peer.held:
+                deltas, peer.held, peer.held_since = peer.held, [], None
+                out.append((peer.address, self._stamp(peer, name, deltas, probe=False)))
+        return out
+
     def held(self) -> int:
         """Text deltas held, over all bridges."""
         return sum(len(p.held) for p in self._peers.values())
