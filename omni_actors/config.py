@@ -647,27 +647,38 @@ def load_config(path: str | Path, on_warning: typing.Callable[[str], None] | Non
     Raises:
         ConfigError: file missing, not YAML, or a field is invalid.
     """
-    p = Path(path)
     source = str(path)
-    try:
-        raw = p.read_bytes()
-    except OSError as exc:
-        raise ConfigError(source, "", f"cannot read config: {exc.strerror}") from None
-    text = _decode(raw, source)
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except _DuplicateKey as exc:
-        raise ConfigError(source, f"line {exc.line}", f"duplicate key `{exc.key}`") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(source, where, f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    except RecursionError:  # (thousands of nested `[`: a traceback; a code review)
-        raise ConfigError(source, "", "not valid YAML here: nested too deeply") from None
+    data = read_yaml(Path(path), source, "", "cannot read config")
     if data is None:  # (it said "expected a mapping ...": trial Y)
         raise ConfigError(source, "", "the file is empty, or holds only comments (expected a mapping with "
                                       "`stage_args` and `deployment`)")
     return parse_config(data, source, on_warning)
+
+
+def read_yaml(path: Path, source: str, field: str, cannot: str) -> Any:
+    """The YAML document in file ``path`` (a config, or a deploy file's ``base_config``).
+
+    Raises:
+        ConfigError: the file cannot be read (``source``, ``field``: "<cannot>: <why>"),
+            is neither UTF-8 nor UTF-16 with its BOM, is not valid YAML, has a key twice,
+            or is nested too deeply for the parser (each naming ``path`` and the line).
+    """
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(source, field, f"{cannot}: {exc.strerror}") from None
+    where = str(path)
+    text = _decode(raw, where)
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as exc:
+        raise ConfigError(where, f"line {exc.line}", f"duplicate key `{exc.key}`") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f"line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(where, line, f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    except RecursionError:  # (thousands of nested `[`: a traceback; a code review)
+        raise ConfigError(where, "", "not valid YAML here: nested too deeply") from None
 
 
 def _decode(raw: bytes, source: str) -> str:

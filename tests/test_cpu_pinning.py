@@ -60,6 +60,11 @@ def test_the_config_names_a_bad_cpu_list_by_its_path(tmp_path):
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match=r"deployment\.stages\.thinker\.cpus: '3-1' is not"):
         load_config(path)
+    # (a code review: this built a set of 10^11 numbers, gigabytes, before any check)
+    raw["deployment"]["stages"]["thinker"]["cpus"] = "0-99999999999"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"cpus: '0-99999999999' names CPU 99999999999, above 8191"):
+        load_config(path)
     raw["deployment"]["stages"]["thinker"]["cpus"] = "0-1,3"
     path.write_text(yaml.safe_dump(raw))
     assert load_config(path).deployment.stages["thinker"].cpus == "0-1,3"

@@ -310,6 +310,34 @@ def test_missing_base_config_is_refused(tmp_path: Path) -> None:
     assert err.path == "base_config" and "cannot read" in err.message
 
 
+def test_a_base_config_is_read_as_the_config_itself(tmp_path: Path) -> None:
+    """A code review: a base file in UTF-16 with its BOM (which a config may be), one with a
+    byte that is not UTF-8, or one nested thousands deep was a traceback (exit 1)."""
+    base = tmp_path / "base.yaml"
+    base.write_bytes(yaml.safe_dump({"stages": [{"stage_id": 0}]}).encode("utf-16"))
+    path = write(tmp_path, variant(lambda d: d.update(base_config="base.yaml")), "overlay.yaml")
+    load_config(path)  # (UTF-16 with its BOM: read)
+    base.write_bytes(b"stages: []  # caf\xe9\n")
+    err = refused(path)
+    assert (err.source, err.path) == (str(base), "line 1") and "not UTF-8 text" in err.message
+    base.write_text("[" * 5000)
+    err = refused(path)
+    assert err.source == str(base) and "nested too deeply" in err.message
+
+
+def test_a_bad_engine_argument_is_named_where_the_file_sets_it(tmp_path: Path) -> None:
+    """A code review: a top-level `dtype` (one for every stage) read as `stages[0].dtype`,
+    and `stages[0].engine_args.tensor_parallel_size` as `stages[0].tensor_parallel_size`."""
+    err = refused_sample(tmp_path, lambda d: d.update(dtype="flaot32"))
+    assert err.path == "dtype" and "flaot32" in err.message
+    err = refused_sample(tmp_path, lambda d: d["stages"][0].update(engine_args={"tensor_parallel_size": 0}))
+    assert err.path == "stages[0].engine_args.tensor_parallel_size"
+    err = refused_sample(tmp_path, lambda d: d["stages"][1]["engine_args"].update(dtype="flaot32"))
+    assert err.path == "stages[1].engine_args.dtype"
+    err = refused_sample(tmp_path, lambda d: d["stages"][0].update(dtype="flaot32"))
+    assert err.path == "stages[0].dtype"
+
+
 def test_base_config_cycle_is_refused(tmp_path: Path) -> None:
     write(tmp_path, {"base_config": "b.yaml", "stages": []}, "a.yaml")
     write(tmp_path, {"base_config": "a.yaml", "stages": []}, "b.yaml")

@@ -39,12 +39,20 @@ from pathlib import Path
 __all__ = ["CoreWatch", "keep_off", "one_line", "parse_cpus", "pinned"]
 
 
+#: The highest CPU number a CPU list may name (Linux's own limit, ``NR_CPUS``, is at most 8192):
+#: "0-99999999999" built a set of that many numbers, gigabytes, before any check (a code review).
+MAX_CPU = 8191
+
+
 def _cpu_list(text: str) -> set[int]:
+    """Raises ValueError: not a list of CPU numbers and ranges, or a number above MAX_CPU."""
     cpus: set[int] = set()
     for part in filter(None, text.replace(" ", "").split(",")):
         lo, dash, hi = part.partition("-")
         if not lo.isdigit() or (dash and not hi.isdigit()) or int(hi or lo) < int(lo):
             raise ValueError(f"{part!r} is not a CPU number or range")
+        if int(hi or lo) > MAX_CPU:
+            raise ValueError(f"{part!r} names CPU {int(hi or lo)}, above {MAX_CPU}, the most Linux has")
         cpus.update(range(int(lo), int(hi or lo) + 1))
     return cpus
 

@@ -169,7 +169,7 @@ def parse_deploy_config(data: dict[str, Any], source: str = "<memory>") -> Deplo
     try:
         cfg = parse_config({"stage_args": stage_args, "deployment": deployment}, source)
     except ConfigError as exc:
-        raise _where(exc, topo, key, origin) from None
+        raise _where(exc, topo, key, origin, stages, merged) from None
     cfg.omni_connectors = _connectors(merged, stages, topo, origin, cfg, source)
     cfg.omni_connectors.notes += _replica_notes(data.get("deployment"), topo, stages, origin)
 
@@ -330,9 +330,13 @@ _FROM_TOPOLOGY = {"stage_id": "stage_id", "engine_args.model_stage": "model_stag
                   "custom_process_input_func": "custom_process_input_func"}
 
 
-def _where(exc: ConfigError, topo: Topology, key: str | None,
-           origin: dict[int, tuple[str, int]]) -> ConfigError:
-    """An error about the converted ``stage_args`` told in the file's own terms."""
+def _where(exc: ConfigError, topo: Topology, key: str | None, origin: dict[int, tuple[str, int]],
+           stages: dict[int, dict[str, Any]] | None = None, merged: dict[str, Any] | None = None) -> ConfigError:
+    """An error about the converted ``stage_args`` told in the file's own terms: an engine
+    argument where the file set it (the stage's ``engine_args``, its flat keys, its
+    ``engine_extras``, or the top level for one that applies to every stage: a code review
+    read a top-level `dtype` as `stages[0].dtype`, and `stages[0].engine_args.X` as
+    `stages[0].X`)."""
     m = re.match(r"stage_args(?:\[(\d+)\])?\.?(.*)", exc.path)
     if m is None:
         return exc  # deployment.*: our block, same path
@@ -351,8 +355,21 @@ def _where(exc: ConfigError, topo: Topology, key: str | None,
             there = "sync_process_input_func"  # the one chosen
         tail = rest.replace(field, there, 1)
         return ConfigError(exc.source, f"topology.stages[{index}].{tail}", exc.message)
+    stage = (stages or {}).get(ts.stage_id) or {}
+    arg = rest.removeprefix("engine_args.")
+    name = re.split(r"[.\[]", arg, maxsplit=1)[0]
+    if rest.startswith("engine_args.") and name in PIPELINE_WIDE and name not in _engine_args(stage) \
+            and (merged or {}).get(name) is not None:
+        return ConfigError(exc.source, arg, exc.message)  # (set at the top level, for every stage)
     if ts.stage_id not in origin:
         return ConfigError(exc.source, f"topology.stages[{index}]", exc.message)
     src, i = origin[ts.stage_id]
-    tail = rest.removeprefix("engine_args.").replace("runtime.devices", "devices")
+    if rest.startswith("engine_args."):  # (which wins, as _engine_args merges them)
+        def has(k: str) -> bool:
+            return isinstance(stage.get(k), dict) and name in stage[k]
+        within = "engine_args." if has("engine_args") else "" if name in stage else \
+            "engine_extras." if has("engine_extras") else ""
+        tail = within + arg
+    else:
+        tail = rest.replace("runtime.devices", "devices")
     return ConfigError(src, f"stages[{i}].{tail}", exc.message)

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
-import yaml
 
-from omni_actors.config import ConfigError, Replicas, _convert, _DuplicateKey, _UniqueKeyLoader
+from omni_actors.config import ConfigError, Replicas, _convert, read_yaml
 
 __all__ = ["ConnectorSpec", "Edge", "OUR_KEYS", "resolve", "check_connectors", "deep_merge"]
 
@@ -115,19 +114,9 @@ class _File(msgspec.Struct, kw_only=True):
 
 
 def _read(path: Path, source: str) -> Any:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(source, "base_config", f"cannot read `{path}`: {exc.strerror}") from None
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except _DuplicateKey as exc:
-        raise ConfigError(str(path), f"line {exc.line}", f"duplicate key `{exc.key}`") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(str(path), where,
-                          f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    """(A base file is read as the config itself: UTF-16 with its BOM too, and a file
+    that is neither, or nested too deeply, is a one-line error, not a traceback.)"""
+    return read_yaml(path, source, "base_config", f"cannot read `{path}`")
 
 
 def _base_path(name: str, source: str) -> Path:
