@@ -419,6 +419,12 @@ def test_gets_from_a_service_that_just_failed_fail_at_once_for_longer_each_time(
             clock[0] = data_client._down[address][0]
         assert len(tried) == 6
         assert waits == [3.0, 6.0, 12.0, 24.0, 30.0, 30.0]
+        # threads that fail together in one outage count once (a review: 4 made it 24 s)
+        data_client._down.clear()
+        for _ in range(4):
+            data_client._mark_down(address)
+        assert data_client._down[address] == (clock[0] + 3.0, 1)
+        clock[0] += 3.0
         with ds.DataService("127.0.0.1", port, "oa-down-test-") as svc:  # back: served, and forgotten as down
             assert ds.stats(svc.address)["segments"] == 0
             assert address not in data_client._down

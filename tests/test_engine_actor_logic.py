@@ -1561,7 +1561,7 @@ def test_a_node_lost_for_missed_heartbeats_whose_member_is_still_in_the_conventi
 
     def check(after_s):
         co._last_node_check = _time.monotonic() - 1.0  # (on time)
-        m1.last_seen -= after_s
+        co._inventory.nodes["m1"].last_seen -= after_s
         for node, at in co._rejoin_at.items():
             co._rejoin_at[node] = at - after_s
         co._check_nodes()
@@ -1579,13 +1579,25 @@ def test_a_node_lost_for_missed_heartbeats_whose_member_is_still_in_the_conventi
     co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=2), "agent-2")
     m1 = co._inventory.nodes["m1"]
     assert m1.alive and m1.info.devices == ("0", "1")
+    # lost again; a new member joins under its name (another admin) before the probe: the probe
+    # does not make the new member's agent stale, and the old member's registration lapsing after
+    # is not the new one's (a review: m2 stayed LOST, its new member running)
+    check(3.5)
+    assert not co._inventory.nodes["m1"].alive and "m1" in co._rejoin_at
+    caps_b = {"omni_node": "m1", "omni_devices": "0,1", "omni_member": "b"}
+    co.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-b", caps_b, True), None)
+    assert "m1" not in co._rejoin_at and len(made) == 3
+    co.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-m1", caps, False), None)
+    assert "m1" in co._registered
+    co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=3), "agent-3")
+    assert co._inventory.nodes["m1"].alive and co._inventory.nodes["m1"].info.admin == "admin-b"
     # lost again, then dropped from the convention: nobody is asked (it joins when announced)
     check(3.5)
     assert not co._inventory.nodes["m1"].alive
-    co.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-m1", caps, False), None)
+    co.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-b", caps_b, False), None)
     check(10.5)
     check(10.5)
-    assert len(made) == 2
+    assert len(made) == 3
 
 
 def test_a_drained_node_whose_member_joins_again_is_still_drained():
@@ -1859,7 +1871,7 @@ def test_a_vllm_omni_connector_with_nothing_for_an_input_fails_the_task_without_
 
     from omni_actors.actors.engine import EngineActor
     from omni_actors.connectors import ConnectorRef
-    from omni_actors.connectors.omni import OmniConnectorError
+    from omni_actors.connectors.omni import OmniDataMissing
     from omni_actors.messages import ErrorKind, StageFailed, StageTask, TaskFinished
 
     actor = EngineActor()
@@ -1868,7 +1880,7 @@ def test_a_vllm_omni_connector_with_nothing_for_an_input_fails_the_task_without_
     actor._pool = "pool"
 
     def read_already(ref):
-        raise OmniConnectorError("vLLM-Omni's SharedMemoryConnector has nothing for k1 (released, expired, "
+        raise OmniDataMissing("vLLM-Omni's SharedMemoryConnector has nothing for k1 (released, expired, "
                                  "or read already: some of its connectors hand data to the first reader)")
 
     actor._connector = SimpleNamespace(get=read_already)
@@ -1890,6 +1902,17 @@ def test_a_vllm_omni_connector_with_nothing_for_an_input_fails_the_task_without_
     assert "has nothing for k1" in failed.message
     assert isinstance(finished, TaskFinished) and not finished.ok and finished.input_error
     assert actor._failed == 1 and not finished.client_error  # (a failed task, not the replica's fault)
+
+    # One that cannot be built or reached here (a review) is this replica's: retried, counted.
+    from omni_actors.connectors.omni import OmniUnavailable
+
+    def unavailable(ref):
+        raise OmniUnavailable("vLLM-Omni's MooncakeConnector: vllm_omni is not importable in this process")
+
+    actor._connector, sent[:] = SimpleNamespace(get=unavailable), []
+    asyncio.run(main())
+    (_, failed), (_, finished) = sent
+    assert failed.kind == ErrorKind.ENGINE_ERROR and not finished.input_error
 
 
 def test_a_request_actor_does_not_retry_a_stage_whose_input_was_lost_and_says_where():

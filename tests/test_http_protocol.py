@@ -101,7 +101,7 @@ class FakeBridge:
             return
         yield OutputFinal(0, "text", {"text": "Hello world"})
         if "audio" in req.output_types:
-            yield OutputFinal(2, "audio", {"audio": sine(), "sample_rate": 24000})
+            yield OutputFinal(2, "audio", {"audio": sine(), "sample_rate": 16000 if "[16k]" in p else 24000})
         yield RequestDone(prompt_tokens=5, completion_tokens=3)
 
     async def cancel(self, request_id: str) -> None:
@@ -465,6 +465,13 @@ def test_streaming_chat():
         assert len({a["id"] for a in audio}) == 1 and len(audio) == 2
         assert len(base64.b64decode(audio[0]["data"])) == 2400 * 2 and "transcript" not in audio[0]
         assert audio[1]["transcript"] == "Hello world" and "data" not in audio[1] and audio[1]["expires_at"]
+
+        # at another rate than the parts' 24 kHz: one WAV, which says its rate (a review)
+        resp16 = await client.post(CHAT, json=chat("[16k]", stream=True, modalities=["text", "audio"]))
+        audio16 = [c["choices"][0]["delta"]["audio"] for c in read_sse(await resp16.text())
+                   if c["choices"] and "audio" in c["choices"][0]["delta"]]
+        assert len(audio16) == 1 and wav_info(audio16[0]["data"]) == (16000, 1, 2400)
+        assert audio16[0]["transcript"] == "Hello world"
         assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 8
         assert resp.headers["X-Request-Id"] == chunks[0]["id"] == bridge.submitted[0].request_id

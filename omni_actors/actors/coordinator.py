@@ -510,7 +510,10 @@ class CoordinatorActor(ActorTypeDispatcher):
             return
         if not msg.remoteAdded:
             node = self._inventory.nodes.get(name)
-            if node is not None and node.info.admin is not None and node.info.admin != msg.remoteAdminAddress:
+            # (the member whose agent has not answered yet, if one joined since: a review saw an old
+            # member's registration lapse right after a new one joined under its name)
+            current = self._joining[name][0] if name in self._joining else node.info if node is not None else None
+            if current is not None and current.admin is not None and current.admin != msg.remoteAdminAddress:
                 # Thespian dropping the admin of a node that has rejoined since (a new admin): not this node
                 self._log.info("node_stale_registration_dropped", node=name, admin=str(msg.remoteAdminAddress))
                 return
@@ -522,6 +525,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         # The node takes work once its agent's first heartbeat comes: Thespian may report a member
         # that has just stopped as joining again (CI saw one 9 s after it left), with nobody there.
         self._registered.add(name)
+        self._rejoin_at.pop(name, None)  # (its agent is on its way: a probe would make it stale)
         member = str(caps.get(MEMBER_CAPABILITY) or "")
         self._start_agent(NodeInfo(name, _split(caps.get("omni_devices")), _split(caps.get("omni_stages")),
                                    msg.remoteAdminAddress, member))

@@ -33,7 +33,7 @@ from omni_actors.actors.supervision import (POOL_HUNG_INTERVALS, ParentWatch, Wa
 from omni_actors.actors.node_agent import on_node
 from omni_actors.config_checks import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
-from omni_actors.connectors.omni import OmniConnectorError
+from omni_actors.connectors.omni import OmniDataMissing
 from omni_actors.engines import create_backend
 from omni_actors.engines.base import (REPLICA_PROCESS_NAME, BackendTask, InputLost, OutputChunk, StageFinal,
                                      StageInputError, TextDelta, UpstreamTimeout, replica_log_prefix)
@@ -600,8 +600,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             # (500, the same anywhere), a ValueError on the client's input (400, e.g. a prompt over
             # vLLM's max_model_len). Neither counts towards the replica's circuit breaker.
             # A vLLM-Omni connector with nothing for an input (read already by an attempt before,
-            # one that hands data to its first reader; expired) fails the same on any replica.
-            kind = (ErrorKind.STAGE_INPUT if isinstance(exc, (StageInputError, OmniConnectorError)) else
+            # one that hands data to its first reader; expired) fails the same on any replica. (One
+            # that cannot be built or reached here is this replica's: retried elsewhere, counted.)
+            kind = (ErrorKind.STAGE_INPUT if isinstance(exc, (StageInputError, OmniDataMissing)) else
                     ErrorKind.BAD_REQUEST if isinstance(exc, ValueError) else ErrorKind.ENGINE_ERROR)
             input_error = kind != ErrorKind.ENGINE_ERROR
             client_error = kind == ErrorKind.BAD_REQUEST

@@ -99,8 +99,14 @@ _down: dict[str, tuple[float, int]] = {}
 
 
 def _mark_down(service: str) -> None:
-    failures = _down.get(service, (0.0, 0))[1] + 1
-    _down[service] = (time.monotonic() + min(DOWN_FOR_S * 2 ** (failures - 1), DOWN_FOR_MAX_S), failures)
+    """One more failure in a row of ``service``, unless it is taken for down already (the
+    threads that failed together in one outage count once: a review saw 4 make it 24 s)."""
+    until, failures = _down.get(service, (0.0, 0))
+    now = time.monotonic()
+    if now < until:
+        return
+    failures += 1
+    _down[service] = (now + min(DOWN_FOR_S * 2 ** (failures - 1), DOWN_FOR_MAX_S), failures)
 
 
 def _connection(service: str, quick: bool = False) -> tuple[socket.socket, bool]:
@@ -165,6 +171,8 @@ def _request(service: str, req: dict, into: np.ndarray | None = None,
                 continue
             raise DataServiceError(f"data service {service}: {exc}") from None
         status, length = REPLY_HEADER.unpack(head)
+        if service in _down:  # (it answers: whatever another thread saw of it is over)
+            _down.pop(service, None)
         try:
             if status == OK and into is not None:
                 if length != into.nbytes:

@@ -61,7 +61,7 @@ import structlog
 from omni_actors.connectors.base import ConnectorRef, FieldLayout, OmniHandle
 from omni_actors.connectors.inline import ConnectorError, pieces, plan, read_outputs
 
-__all__ = ["KIND", "MODE_PREFIX", "OmniAdapter", "OmniConnectorError", "OmniMode", "OmniUnavailable",
+__all__ = ["KIND", "MODE_PREFIX", "OmniAdapter", "OmniConnectorError", "OmniDataMissing", "OmniMode", "OmniUnavailable",
            "SHARED_MEMORY", "TRANSFER_ENGINE_CONNECTORS", "available", "connector", "encode_mode", "get",
            "parse_mode", "release", "settings_json"]
 
@@ -84,6 +84,11 @@ class OmniConnectorError(RuntimeError):
     payload to its first reader). Not a :class:`ConnectorError`: an engine
     takes that for inputs released because their request ended and drops the
     task quietly, where this must fail the task with its reason."""
+
+
+class OmniDataMissing(OmniConnectorError):
+    """The connector has nothing for the ref (released, expired, or read already by a
+    connector that hands each payload to its first reader): the same on any replica."""
 
 
 class OmniUnavailable(OmniConnectorError):
@@ -243,7 +248,7 @@ def get(ref: ConnectorRef) -> dict[str, Any]:
     except ValueError as exc:  # the factory could not build it
         raise OmniConnectorError(str(exc)) from exc
     if got is None:
-        raise OmniConnectorError(f"vLLM-Omni's {h.connector} has nothing for {h.key} (released, expired, "
+        raise OmniDataMissing(f"vLLM-Omni's {h.connector} has nothing for {h.key} (released, expired, "
                                  f"or read already: some of its connectors hand data to the first reader)")
     data = got[0]
     if not isinstance(data, (bytes, bytearray, memoryview)):

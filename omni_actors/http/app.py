@@ -544,7 +544,8 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
     stage's sample rate, at most 1 s each), all with one ``id``: as the last
     stage makes them when the pipeline streams between stages, else all at
     once when the whole audio is done; then a last audio delta with the
-    transcript and ``expires_at``.
+    transcript and ``expires_at``. A whole audio at another sample rate than
+    the parts' 24 kHz goes out as one delta with a WAV, which says its rate.
 
     The response starts on the first event, so a failure before it is still
     a plain error response with its status.
@@ -564,12 +565,12 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
     def chunk(delta: dict, finish: str | None = None) -> dict:
         return P.chat_chunk(rid, creq.model, created, delta, finish, iu)
 
-    streamed, done, audio_id = [], None, None
+    streamed, audio, done, audio_id = [], None, None, None
     async with _Run(bridge, preq, can_rerun=lambda: not resp.prepared) as run:
         try:
             async for ev in run:
                 if isinstance(ev, Rerun):
-                    done = None  # (nothing was sent: the stream begins with the rerun's events)
+                    audio = done = None  # (nothing was sent: the stream begins with the rerun's events)
                     continue
                 if isinstance(ev, RequestFailed) and not resp.prepared:
                     raise _failed(ev)
@@ -589,6 +590,9 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                         streamed.append(rest)
                         await send(chunk({"content": rest}))
                         M.first_text(request, CHAT_PATH, stream=True)
+                elif isinstance(ev, OutputFinal) and ev.output_type == "audio" \
+                        and int(ev.data.get("sample_rate") or P.AUDIO_PART_RATE) != P.AUDIO_PART_RATE:
+                    audio = ev  # (parts are 24 kHz: a whole audio at another rate goes as one WAV, which says it)
                 elif isinstance(ev, OutputPart | OutputFinal) and ev.output_type == "audio":
                     # (a whole audio too, as parts: one delta of it, tens of MB of base64 in one SSE
                     # line with long replies, was over some clients' line limits: a trial)
@@ -601,7 +605,10 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                     M.set_outcome(request, ev.status)  # the 200 is sent; count the failure
                     await send(P.error_body(ev.message, ev.type, code=ev.code))
             if done is not None:
-                if audio_id is not None:
+                if audio is not None:
+                    payload = P.audio_payload(await _wav(audio, creq.audio_format), "".join(streamed), created)
+                    await send(chunk({"audio": payload}))
+                elif audio_id is not None:
                     await send(chunk({"audio": P.audio_end(audio_id, "".join(streamed), created)}))
                 finish = done.finish_reason or P.finish_reason(done.completion_tokens, creq.max_tokens)
                 await send(chunk({}, finish))

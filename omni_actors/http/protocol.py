@@ -491,6 +491,8 @@ def audio_part(audio_id_: str, pcm: Any) -> dict[str, Any]:
 #: SSE line). A busy engine merges its chunks, and one part of many seconds made SSE lines
 #: of half a megabyte, over the line limit of some clients (aiohttp's reader: 512 KiB).
 AUDIO_PART_MAX_SAMPLES = 24000
+#: Samples per second of streamed audio parts (the README's promise to clients).
+AUDIO_PART_RATE = 24000
 
 
 def audio_parts(audio_id_: str, pcm: Any) -> list[dict[str, Any]]:
