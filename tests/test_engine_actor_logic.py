@@ -822,6 +822,12 @@ def test_a_node_that_left_cleanly_gets_its_replicas_placed_again_at_once_not_res
     pool._on_timer(timers[-1][1])
     assert len(placed) == 3
 
+    # still draining when its node left (its engine's exit not in yet): it says what replaced it
+    pool._replicas["talker/5"] = Replica("talker/5", "a5", state=ReplicaState.DRAINING, node="m4",
+                                         replaced_by="talker/6")
+    pool.receiveMsg_NodeLost(NodeLost("m4", LEFT_REASON), "coordinator")
+    assert pool._replicas["talker/5"].reason == "node m4 left the convention (replaced by talker/6)"
+
 
 def _closing_request_actor(stages=("thinker", "talker")):
     """A RequestActor running one request whose stages (ids 0..) are all still running."""

@@ -247,6 +247,8 @@ class PoolPlacementMixin:
             if rep.node == msg.node and rep.state in LIVE_STATES:
                 rep.reason = (f"node {msg.node} {msg.reason}" if msg.reason == LEFT_REASON  # (a clean stop)
                               else f"node {msg.node} lost: {msg.reason}")
+                if rep.replaced_by:  # (still draining when its node went: it says what took its place)
+                    rep.reason += f" (replaced by {rep.replaced_by})"
                 if rep.address is not None:
                     # If the host is alive after all (a pause, a partition), the old
                     # engine must not keep its devices: it is told to exit.
