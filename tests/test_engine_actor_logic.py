@@ -1825,28 +1825,25 @@ def test_a_second_notice_of_a_pools_exit_starts_no_second_pool():
     assert started == [1]
 
 
-def test_an_input_lost_with_its_host_ends_the_task_without_counting_against_the_replica():
-    """A consumer whose upstream output lives on a host that just died (its data service
-    refuses connections) fails with INPUT_LOST and the host's name; the replica is not
-    at fault: its TaskFinished is not a failure (no circuit breaker). A trial saw a
-    healthy Code2Wav retried 5 times in 50 ms against the dead service and isolated."""
+def _task_whose_input_read_raises(error: Exception, ref) -> tuple[object, list]:
+    """An engine running one task (code2wav, stage 2) whose one input ``ref`` its connector
+    cannot read (``get`` raises ``error``), as the real ``_execute`` starts: the engine and
+    what it sent (``(address, message)``: to the RequestActor "ra", then the pool "pool")."""
     import asyncio
     from types import SimpleNamespace
 
     from omni_actors.actors.engine import EngineActor
-    from omni_actors.connectors import ConnectorRef, DataServiceError
-    from omni_actors.messages import ErrorKind, StageFailed, StageTask, TaskFinished
+    from omni_actors.messages import StageTask
 
     actor = EngineActor()
     actor._started.set()  # (ends its orphan watchdog thread)
     actor._spec = SimpleNamespace(replica="code2wav/0", stage=SimpleNamespace(name="code2wav"))
     actor._pool = "pool"
 
-    def unreachable(ref):
-        raise DataServiceError("data service 127.0.0.1:43709 unreachable: [Errno 111] Connection refused")
+    def get(ref):
+        raise error
 
-    actor._connector = SimpleNamespace(get=unreachable)
-    ref = ConnectorRef(kind="shm", size=4096, layout=(), location="oa-x-1", node="m1", service="127.0.0.1:43709")
+    actor._connector = SimpleNamespace(get=get)
 
     async def execute(msg):  # as the real one starts: fetch the inputs
         return {sid: await actor._fetch(r) for sid, r in msg.inputs}
@@ -1859,6 +1856,20 @@ def test_an_input_lost_with_its_host_ends_the_task_without_counting_against_the_
         await actor._run_task(StageTask("r1", 2, "", ((1, ref),), {}, {}, None, False, "ra"))
 
     asyncio.run(main())
+    return actor, sent
+
+
+def test_an_input_lost_with_its_host_ends_the_task_without_counting_against_the_replica():
+    """A consumer whose upstream output lives on a host that just died (its data service
+    refuses connections) fails with INPUT_LOST and the host's name; the replica is not
+    at fault: its TaskFinished is not a failure (no circuit breaker). A trial saw a
+    healthy Code2Wav retried 5 times in 50 ms against the dead service and isolated."""
+    from omni_actors.connectors import ConnectorRef, DataServiceError
+    from omni_actors.messages import ErrorKind, StageFailed, TaskFinished
+
+    ref = ConnectorRef(kind="shm", size=4096, layout=(), location="oa-x-1", node="m1", service="127.0.0.1:43709")
+    actor, sent = _task_whose_input_read_raises(
+        DataServiceError("data service 127.0.0.1:43709 unreachable: [Errno 111] Connection refused"), ref)
     (to_ra, failed), (to_pool, finished) = sent
     assert to_ra == "ra" and isinstance(failed, StageFailed) and failed.kind == ErrorKind.INPUT_LOST
     assert failed.lost_on == "m1" and "lost with host m1" in failed.message and "Connection refused" in failed.message
@@ -1871,52 +1882,24 @@ def test_a_vllm_omni_connector_with_nothing_for_an_input_fails_the_task_without_
     hands data to its first reader, and a replica that died after reading it) or expired
     failed the task as the replica's engine error: retried on other healthy replicas, where
     it failed the same, each failure a mark on their circuit breakers. It is the pipeline's
-    input now (STAGE_INPUT: a 500 with the connector's words, not retried, not counted)."""
-    import asyncio
-    from types import SimpleNamespace
-
-    from omni_actors.actors.engine import EngineActor
+    input now (STAGE_INPUT: a 500 with the connector's words, not retried, not counted).
+    One that cannot be built or reached here (a review of that) is this replica's."""
     from omni_actors.connectors import ConnectorRef
-    from omni_actors.connectors.omni import OmniDataMissing
-    from omni_actors.messages import ErrorKind, StageFailed, StageTask, TaskFinished
+    from omni_actors.connectors.omni import OmniDataMissing, OmniUnavailable
+    from omni_actors.messages import ErrorKind, StageFailed, TaskFinished
 
-    actor = EngineActor()
-    actor._started.set()  # (ends its orphan watchdog thread)
-    actor._spec = SimpleNamespace(replica="code2wav/0", stage=SimpleNamespace(name="code2wav"))
-    actor._pool = "pool"
-
-    def read_already(ref):
-        raise OmniDataMissing("vLLM-Omni's SharedMemoryConnector has nothing for k1 (released, expired, "
-                                 "or read already: some of its connectors hand data to the first reader)")
-
-    actor._connector = SimpleNamespace(get=read_already)
     ref = ConnectorRef(kind="omni", size=4096, layout=(), location="k1", node="m1")
-
-    async def execute(msg):
-        return {sid: await actor._fetch(r) for sid, r in msg.inputs}
-
-    actor._execute = execute
-    sent = []
-
-    async def main():
-        actor._rt = SimpleNamespace(emit=lambda address, message, **kw: sent.append((address, message)))
-        await actor._run_task(StageTask("r1", 2, "", ((1, ref),), {}, {}, None, False, "ra"))
-
-    asyncio.run(main())
-    (to_ra, failed), (to_pool, finished) = sent
+    actor, sent = _task_whose_input_read_raises(OmniDataMissing(
+        "vLLM-Omni's SharedMemoryConnector has nothing for k1 (released, expired, or read already: some of its "
+        "connectors hand data to the first reader)"), ref)
+    (_, failed), (_, finished) = sent
     assert isinstance(failed, StageFailed) and failed.kind == ErrorKind.STAGE_INPUT
     assert "has nothing for k1" in failed.message
     assert isinstance(finished, TaskFinished) and not finished.ok and finished.input_error
     assert actor._failed == 1 and not finished.client_error  # (a failed task, not the replica's fault)
 
-    # One that cannot be built or reached here (a review) is this replica's: retried, counted.
-    from omni_actors.connectors.omni import OmniUnavailable
-
-    def unavailable(ref):
-        raise OmniUnavailable("vLLM-Omni's MooncakeConnector: vllm_omni is not importable in this process")
-
-    actor._connector, sent[:] = SimpleNamespace(get=unavailable), []
-    asyncio.run(main())
+    _, sent = _task_whose_input_read_raises(
+        OmniUnavailable("vLLM-Omni's MooncakeConnector: vllm_omni is not importable in this process"), ref)
     (_, failed), (_, finished) = sent
     assert failed.kind == ErrorKind.ENGINE_ERROR and not finished.input_error
 
@@ -2982,6 +2965,26 @@ def test_scaling_or_draining_a_pinned_replica_off_a_drained_node_sticks():
     assert lingering.state == ReplicaState.DRAINING and not lingering.relaunch and not lingering.linger
 
 
+def _a_listening_and_a_closed_port():
+    """``(listening socket, a port nobody listens on, at)``: ``at(port)`` is a Thespian-like
+    address of that loopback port (``addressDetails.connectArgs``)."""
+    import socket
+    from types import SimpleNamespace
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(8)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    gone_port = closed.getsockname()[1]
+    closed.close()
+
+    def at(port):
+        return SimpleNamespace(addressDetails=SimpleNamespace(connectArgs=[("127.0.0.1", port)]))
+
+    return listening, gone_port, at
+
+
 def test_a_request_actor_whose_api_server_is_gone_cancels_its_request():
     """Trial BM: an API server killed with SIGKILL mid-stream left its requests' stages
     stalled (their text deltas unacknowledged), holding engine slots until the deadline (120
@@ -2993,16 +2996,7 @@ def test_a_request_actor_whose_api_server_is_gone_cancels_its_request():
     from omni_actors.actors.supervision import refuses_connections
     from omni_actors.messages import CancelStage, ErrorKind, PlannedStage, RequestFinished
 
-    listening = socket.socket()
-    listening.bind(("127.0.0.1", 0))
-    listening.listen(1)
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    gone_port = closed.getsockname()[1]
-    closed.close()
-
-    def at(port):
-        return SimpleNamespace(addressDetails=SimpleNamespace(connectArgs=[("127.0.0.1", port)]))
+    listening, gone_port, at = _a_listening_and_a_closed_port()
     try:
         assert refuses_connections(at(gone_port)) and not refuses_connections(at(listening.getsockname()[1]))
         assert not refuses_connections("no-address")
@@ -3124,16 +3118,7 @@ def test_a_replica_on_another_host_than_its_pool_drains_itself_only_when_the_poo
     from omni_actors.actors.engine import EngineActor
     from omni_actors.actors.supervision import POOL_HUNG_INTERVALS, ParentWatch
 
-    listening = socket.socket()
-    listening.bind(("127.0.0.1", 0))
-    listening.listen(8)
-    closed = socket.socket()
-    closed.bind(("127.0.0.1", 0))
-    gone_port = closed.getsockname()[1]
-    closed.close()
-
-    def at(port):
-        return SimpleNamespace(addressDetails=SimpleNamespace(connectArgs=[("127.0.0.1", port)]))
+    listening, gone_port, at = _a_listening_and_a_closed_port()
 
     def beat(pool, silent_s):
         actor = EngineActor()
