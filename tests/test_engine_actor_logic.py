@@ -2990,8 +2990,6 @@ def test_a_request_actor_whose_api_server_is_gone_cancels_its_request():
     stalled (their text deltas unacknowledged), holding engine slots until the deadline (120
     s). The RequestActor's beat finds the server's address refusing connections (a frozen
     server's still accepts: not cancelled) and cancels the request."""
-    import socket
-    from types import SimpleNamespace
 
     from omni_actors.actors.supervision import refuses_connections
     from omni_actors.messages import CancelStage, ErrorKind, PlannedStage, RequestFinished
@@ -3111,7 +3109,6 @@ def test_a_replica_on_another_host_than_its_pool_drains_itself_only_when_the_poo
     with the pool's port refusing connections (its process exited), or past the time its
     coordinator kills a hung pool (POOL_HUNG_INTERVALS, plus 2)."""
     import os
-    import socket
     import time as _time
     from types import SimpleNamespace
 
