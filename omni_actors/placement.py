@@ -165,10 +165,11 @@ class Inventory:
         return True
 
     def undrain(self, name: str) -> bool:
-        """Node ``name``, drained by an operator, takes new replicas again. False if it is
-        not alive or was not drained so."""
+        """Node ``name``, drained by an operator, takes new replicas again (one that left,
+        was lost or is leaving: once a member joins under its name again). False if there
+        is no such node or it was not drained so."""
         node = self.nodes.get(name)
-        if node is None or not node.alive or not node.drained:
+        if node is None or not node.drained:
             return False
         node.drained = False
         return True

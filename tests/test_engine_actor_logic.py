@@ -157,7 +157,7 @@ def test_sequence_numbers_start_over_for_a_new_attempt_and_end_with_the_task():
     assert [seq.stamp(StageDelta("r", 0, "x", attempt=0)).seq for _ in range(3)] == [0, 1, 2]
     assert seq.stamp(StageDelta("r", 0, "x", attempt=1)).seq == 0
     assert seq.stamp(StageDone("r", 0, "t/0", None, None, attempt=1)).deltas == 1
-    seq.stamp(TaskFinished("t/0", "r", 0, True))
+    seq.stamp(TaskFinished("t/0", "r", 0, True, attempt=1))
     assert seq.stamp(StageDelta("r", 0, "x", attempt=1)).seq == 0
 
 
@@ -1744,7 +1744,7 @@ def test_a_stalled_replica_taking_a_new_tasks_input_shows_no_progress():
         actor._started.set()  # (ends its orphan watchdog thread)
         actor._spec = SimpleNamespace(replica="talker/0", stage=SimpleNamespace(name="talker",
                                                                                 default_sampling_params={}))
-        actor._connector = SimpleNamespace(get=lambda ref: {"codes": ref.payload})
+        actor._connector = SimpleNamespace(get=lambda ref: {"codes": ref.payload}, reads_remotely=lambda ref: False)
         actor._processor = lambda upstream, prompt, params: {"codes": upstream[0]["codes"]}
         actor._rt = SimpleNamespace(emit=lambda address, message, **kw: None)
 
@@ -1843,7 +1843,7 @@ def _task_whose_input_read_raises(error: Exception, ref) -> tuple[object, list]:
     def get(ref):
         raise error
 
-    actor._connector = SimpleNamespace(get=get)
+    actor._connector = SimpleNamespace(get=get, reads_remotely=lambda ref: False)
 
     async def execute(msg):  # as the real one starts: fetch the inputs
         return {sid: await actor._fetch(r) for sid, r in msg.inputs}

@@ -263,7 +263,7 @@ def test_an_orphaned_pool_whose_exit_thespian_holds_exits_hard_after_the_grace()
         "pool.send = lambda address, message: print('sent', type(message).__name__, flush=True)\n"
         "pool._myRef = SimpleNamespace(address='pool')\n"
         "pool._spec = SimpleNamespace(heartbeat_interval_s=0.5)\n"
-        "pool._parent = SimpleNamespace(lost=lambda late: True)\n"
+        "pool._parent = SimpleNamespace(lost=lambda silent_s, late_after_s: True)\n"
         "for _ in range(3):\n"
         "    pool._wind_down_if_orphaned(time.monotonic())\n"
         "time.sleep(30)\n"

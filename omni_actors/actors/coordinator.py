@@ -602,23 +602,22 @@ class CoordinatorActor(ActorTypeDispatcher):
         """``node undrain``: the node takes new replicas again; pools retry their pending ones."""
         reply_to = msg.reply_to or sender
         node = self._inventory.nodes.get(msg.node)
-        if node is not None and node.drained and (not node.alive or node.leaving):
-            # Its member has left, was lost, or is leaving: it is undrained for when a member joins
-            # under its name again, and nothing changes meanwhile (`status` said "LEFT, still drained:
+        if not self._inventory.undrain(msg.node):
+            why = (f"no alive node named {msg.node!r}" if node is None or not node.alive else
+                   f"node {msg.node} is not drained (it is {'leaving' if node.leaving else 'alive'})")
+            self.send(reply_to, AdminReply(False, why))
+            return
+        if not node.open:
+            # Its member has left, was lost, or is leaving: undrained for when a member joins under
+            # its name again, and nothing changes meanwhile (`status` said "LEFT, still drained:
             # `node undrain`", which then refused it; during a leave, the pools retired the
             # replacements of the replicas still leaving with it: code reviews).
-            node.drained = False
             self._drained_before.discard(msg.node)
             now = "leaving" if node.alive else node.gone
             self._log.info("node_undrained", node=msg.node, state=now)
             self._publish_status()
             self.send(reply_to, AdminReply(True, f"node {msg.node} is no longer drained; it is {now}: it takes new "
                                                  "replicas once a member joins under its name again"))
-            return
-        if not self._inventory.undrain(msg.node):
-            why = (f"no alive node named {msg.node!r}" if node is None or not node.alive else
-                   f"node {msg.node} is not drained (it is {'leaving' if node.leaving else 'alive'})")
-            self.send(reply_to, AdminReply(False, why))
             return
         self._log.info("node_undrained", node=msg.node)
         for pool in self._pools.values():

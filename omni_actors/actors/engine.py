@@ -318,8 +318,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             interval = self._spec.heartbeat_interval_s
             self._check_engine()
             orphan_after_s = max(ORPHAN_AFTER_INTERVALS * interval, self._spec.orphan_after_s)
-            silent_s = time.monotonic() - self._last_ack
-            if not self._orphaned and self._parent.lost(silent_s > orphan_after_s, self._pool, silent_s,
+            if not self._orphaned and self._parent.lost(time.monotonic() - self._last_ack, orphan_after_s, self._pool,
                                                         (POOL_HUNG_INTERVALS + 2) * interval):
                 # The pool is gone. Its replacement's RequestActors re-sent these tasks, and no
                 # cancel can reach us any more: they get as long again to end, then are cancelled

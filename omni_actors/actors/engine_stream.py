@@ -68,8 +68,7 @@ class StreamingMixin:
             ConnectorError: the data was released (its request ended).
         """
         try:
-            remote = getattr(self._connector, "reads_remotely", None)
-            if ref.size < FETCH_ON_THREAD_BYTES and not (remote is not None and remote(ref)):
+            if ref.size < FETCH_ON_THREAD_BYTES and not self._connector.reads_remotely(ref):
                 return self._connector.get(ref)
             return await asyncio.to_thread(self._connector.get, ref)
         except DataServiceError as exc:

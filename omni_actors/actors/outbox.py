@@ -187,12 +187,8 @@ class Sequencer:
         if isinstance(message, StageDone):
             counts = self._counts(message.request_id, message.stage_id, message.attempt)
             return dataclasses.replace(message, deltas=counts[0], chunks=counts[1])
-        if isinstance(message, TaskFinished):  # the attempt's last message (None: every attempt's)
-            if message.attempt is not None:
-                self._sent.pop((message.request_id, message.stage_id, message.attempt), None)
-            else:
-                for key in [k for k in self._sent if k[:2] == (message.request_id, message.stage_id)]:
-                    del self._sent[key]
+        if isinstance(message, TaskFinished):  # the attempt's last message (an engine's names its attempt)
+            self._sent.pop((message.request_id, message.stage_id, message.attempt), None)
         return message
 
 

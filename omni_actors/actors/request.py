@@ -656,10 +656,9 @@ class RequestActor(ActorTypeDispatcher):
             # out of credit with no answer asked for; a code review saw the chain hang until the
             # deadline)
             credit_due = bool(self._out_credit) and now - self._out_heard >= self._req.alive_every_s
-            if not self._out_held and not credit_due:
-                self.send(self._req.reply_to, RequestActorAlive(self._req.request_id))
-            elif credit_due and not self._out_held:
-                self.send(self._req.reply_to, RequestActorAlive(self._req.request_id, ack_to=self.myAddress))
+            if not self._out_held:
+                self.send(self._req.reply_to, RequestActorAlive(self._req.request_id,
+                                                                ack_to=self.myAddress if credit_due else None))
             elif now - self._out_heard >= self._req.alive_every_s and (
                     self._out_probes < OUTPUT_PROBES or now - self._out_probed_at >= OUTPUT_PROBE_SLOW_S):
                 self._out_probes += 1

@@ -428,7 +428,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         process gone), drain every replica; once none is alive, exit (hard after
         :data:`ORPHAN_EXIT_GRACE_S` if Thespian holds the exit)."""
         if not self._orphaned and self._parent.lost(
-                now - self._last_ack > ORPHAN_AFTER_INTERVALS * self._spec.heartbeat_interval_s):
+                now - self._last_ack, ORPHAN_AFTER_INTERVALS * self._spec.heartbeat_interval_s):
             self._orphaned = True
             self._log.warning("coordinator_lost_draining")
             for rep in self._replicas.values():

@@ -196,18 +196,19 @@ class ParentWatch:
     def gone(self) -> bool | None:
         return (os.getppid() != self.parent_pid) if self.local else None
 
-    def lost(self, acks_late: bool, address: object = None, silent_s: float = 0.0,
+    def lost(self, silent_s: float, late_after_s: float, address: object = None,
              hung_after_s: float = float("inf")) -> bool:
-        """Whether to take the parent for gone: its acks are late and, when it is this
-        process's parent, it no longer is (a busy parent acks late but is still there).
+        """Whether to take the parent for gone: its acks are late (none for ``silent_s``,
+        over ``late_after_s``) and, when it is this process's parent, it no longer is (a
+        busy parent acks late but is still there).
 
         A parent on another host (``address``: its actor address) is gone when its
         acks are late and its port refuses connections (its process exited), or when it
-        has been silent ``silent_s`` past ``hung_after_s`` (its host cut off; a parent
-        that long silent is killed by its own supervisor). Late acks alone made every
-        replica on a member host drain itself and cancel its tasks while its pool on the
-        leader was only busy for 3 s (a code review). Blocks up to 0.5 s (the probe)."""
-        if not acks_late:
+        has been silent past ``hung_after_s`` (its host cut off; a parent that long
+        silent is killed by its own supervisor). Late acks alone made every replica on a
+        member host drain itself and cancel its tasks while its pool on the leader was
+        only busy for 3 s (a code review). Blocks up to 0.5 s (the probe)."""
+        if silent_s <= late_after_s:
             return False
         gone = self.gone()
         if gone is not None or address is None:

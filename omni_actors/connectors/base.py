@@ -88,6 +88,8 @@ class Connector(Protocol):
 
     def release(self, ref: ConnectorRef) -> None: ...
 
+    def reads_remotely(self, ref: ConnectorRef) -> bool: ...
+
 
 # -- the segment directory: where shared-memory segments (shm.py) and free ones (recycling.py) live
 DIR_ENV = "OMNI_ACTORS_SHM_DIR"  #: the directory segments live in (a tmpfs); default SHM_DIR

@@ -331,7 +331,7 @@ _FROM_TOPOLOGY = {"stage_id": "stage_id", "engine_args.model_stage": "model_stag
 
 
 def _where(exc: ConfigError, topo: Topology, key: str | None, origin: dict[int, tuple[str, int]],
-           stages: dict[int, dict[str, Any]] | None = None, merged: dict[str, Any] | None = None) -> ConfigError:
+           stages: dict[int, dict[str, Any]], merged: dict[str, Any]) -> ConfigError:
     """An error about the converted ``stage_args`` told in the file's own terms: an engine
     argument where the file set it (the stage's ``engine_args``, its flat keys, its
     ``engine_extras``, or the top level for one that applies to every stage: a code review
@@ -355,11 +355,11 @@ def _where(exc: ConfigError, topo: Topology, key: str | None, origin: dict[int, 
             there = "sync_process_input_func"  # the one chosen
         tail = rest.replace(field, there, 1)
         return ConfigError(exc.source, f"topology.stages[{index}].{tail}", exc.message)
-    stage = (stages or {}).get(ts.stage_id) or {}
+    stage = stages.get(ts.stage_id) or {}
     arg = rest.removeprefix("engine_args.")
     name = re.split(r"[.\[]", arg, maxsplit=1)[0]
     if rest.startswith("engine_args.") and name in PIPELINE_WIDE and name not in _engine_args(stage) \
-            and (merged or {}).get(name) is not None:
+            and merged.get(name) is not None:
         return ConfigError(exc.source, arg, exc.message)  # (set at the top level, for every stage)
     if ts.stage_id not in origin:
         return ConfigError(exc.source, f"topology.stages[{index}]", exc.message)
@@ -367,8 +367,8 @@ def _where(exc: ConfigError, topo: Topology, key: str | None, origin: dict[int, 
     if rest.startswith("engine_args."):  # (which wins, as _engine_args merges them)
         def has(k: str) -> bool:
             return isinstance(stage.get(k), dict) and name in stage[k]
-        within = "engine_args." if has("engine_args") else "" if name in stage else \
-            "engine_extras." if has("engine_extras") else ""
+        within = "engine_args." if has("engine_args") else \
+            "engine_extras." if has("engine_extras") and name not in stage else ""
         tail = within + arg
     else:
         tail = rest.replace("runtime.devices", "devices")
