@@ -138,9 +138,9 @@ def test_concurrent_gets_from_many_threads_each_see_the_same_bytes(prefix, servi
 
 
 def test_a_recycled_segment_served_again_and_again_gives_each_payload(prefix, service_process):
-    """The service sends from the mapping it keeps of a recycled segment's file: each
-    get through it must carry the payload of the put that claimed the file last, and a
-    name released since is not found."""
+    """A recycled segment's file is served again under other names: each get through the
+    service must carry the payload of the put that claimed the file last, and a name
+    released since is not found."""
     connector = producer(prefix, service_process)
     inodes, refs = set(), []
     for k in range(6):
@@ -156,6 +156,47 @@ def test_a_recycled_segment_served_again_and_again_gives_each_payload(prefix, se
     with pytest.raises(ConnectorError, match="not found"):
         consumer().get(refs[-1])
     assert ds.stats(service_process)["gets"] == 6
+
+
+def test_a_segment_of_several_send_buffers_arrives_whole_and_the_connection_stays_in_step(
+        prefix, service, monkeypatch):
+    """The service copies a get's bytes into a buffer of at most ``SEND_CHUNK`` bytes and
+    sends from it, piece by piece: a segment of several pieces and a part arrives whole,
+    twice on one connection."""
+    monkeypatch.setattr(ds, "SEND_CHUNK", 64 << 10)
+    payload = {"x": np.random.default_rng(3).standard_normal(100_003).astype(np.float32),
+               "step": np.arange(7)}
+    ref = producer(prefix, service.address).put(payload)
+    reader = consumer()
+    for _ in range(2):
+        assert_same_outputs(reader.get(ref), payload)
+    release_all([ref])
+
+
+def test_a_segment_cut_short_while_it_is_sent_fails_that_get_and_the_service_serves_on(
+        prefix, service, monkeypatch):
+    """A segment file that ends before the size it was opened for (truncated in between)
+    leaves the reply short: the connection is closed, so the get fails at once instead of
+    waiting for bytes that never come, and the next get works."""
+    from omni_actors.connectors.shm import segment_dir
+
+    real = ds.open_payload
+
+    def open_then_truncate(name, size):
+        fd, offset = real(name, size)
+        os.truncate(os.path.join(segment_dir(), name), offset + size // 2)
+        return fd, offset
+    conn, reader = producer(prefix, service.address), consumer()
+    ref = conn.put({"x": np.ones(300_000, dtype=np.float32)})
+    monkeypatch.setattr(ds, "open_payload", open_then_truncate)
+    t0 = time.monotonic()
+    with pytest.raises(ds.DataServiceError, match="closed after 600000 of 1200000 bytes"):
+        reader.get(ref)
+    assert time.monotonic() - t0 < 5
+    monkeypatch.setattr(ds, "open_payload", real)
+    again = conn.put({"x": np.full(300_000, 2, dtype=np.float32)})
+    assert np.all(reader.get(again)["x"] == 2)
+    release_all([ref, again])
 
 
 def test_an_empty_get_says_whether_the_segment_is_there(prefix, service):

@@ -143,6 +143,22 @@ def test_through_the_data_service_a_far_reader_gets_and_recycles_slots(prefix):
         assert list_segment_files(prefix) == []
 
 
+def test_an_empty_get_of_a_slot_says_whether_that_generation_is_there(prefix):
+    """A get of 0 bytes asks only whether a segment is there: for a slot, whether its
+    generation is in use (it looked for a file named after the whole location, and so
+    said every slot was gone)."""
+    from omni_actors.connectors import data_service as ds
+
+    with DataService(prefix=prefix, node="far", free_idle_s=600) as service:
+        ref = NodeConnector(0, prefix, node="far", service=service.address).put(_payload(1, n=1000))
+        assert "@" in ref.location
+        assert ds.fetch(service.address, ref.location, 0).nbytes == 0
+        NodeConnector(node="near").release(ref, recycle=True)
+        with pytest.raises(ConnectorError, match="not found"):
+            ds.fetch(service.address, ref.location, 0)
+        ds.close_connections()
+
+
 def test_a_malformed_slot_location_is_a_clear_error(prefix):
     conn = NodeConnector(0, prefix)
     name = _file(conn.put(_payload(1, n=1000)))

@@ -57,7 +57,8 @@ from omni_actors.connectors.base import DIR_ENV, SHM_DIR, ConnectorRef, FieldLay
     segment_dir  # noqa: F401
 from omni_actors.connectors.inline import ConnectorError, InlineConnector, array_bytes, plan, \
     read_outputs
-from omni_actors.connectors.mappings import _OPEN_FLAGS, _maps, _reads, drop_unlinked_mappings
+from omni_actors.connectors.mappings import _OPEN_FLAGS, _maps, _not_found, _reads, _too_small, \
+    drop_unlinked_mappings
 from omni_actors.connectors.mappings import MAP_CHECK_S, drop_mappings  # noqa: F401 - re-exported for tests
 from omni_actors.connectors.recycling import FREE_SUFFIX, _claim, _free_usage_in, _recycle, free_budget, \
     purge_free_segments, size_class
@@ -207,6 +208,28 @@ def open_segment(name: str) -> tuple[int, int]:
     except BaseException:
         os.close(fd)
         raise
+
+
+def open_payload(name: str, size: int) -> tuple[int, int]:
+    """Open segment ``name`` (a slot's location too) read-only: ``(fd, offset)``, its
+    first ``size`` bytes being the file's from ``offset`` on; the caller closes ``fd``.
+    For a reader that copies the bytes out (``preadv``) rather than mapping them.
+
+    Raises:
+        SegmentNotFound: the segment (that slot generation) is gone.
+        ConnectorError: it is smaller than ``size``, or ``name`` is a malformed slot location.
+    """
+    if "@" in name:
+        file, gen = slots.split(name)
+        return slots.open_payload(segment_dir(), file, gen, size), slots.HEADER
+    try:
+        fd, length = open_segment(name)
+    except (FileNotFoundError, NotADirectoryError):
+        raise _not_found(name, segment_dir()) from None
+    if length < size:
+        os.close(fd)
+        raise _too_small(name, length, size)
+    return fd, 0
 
 
 def read_segment(name: str, size: int) -> memoryview | mmap.mmap:

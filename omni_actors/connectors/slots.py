@@ -423,13 +423,18 @@ class _SlotReads(_Cache):
         return view
 
 
-def _payload(mm: mmap.mmap, length: int, directory: str, name: str, gen: int, size: int) -> memoryview:
-    h = _HEAD.unpack_from(mm, 0)
-    if h[W_MAGIC] != MAGIC or h[W_GEN] != gen or state(h) != IN_USE:
+def _check(h: tuple[int, ...] | None, length: int, directory: str, name: str, gen: int, size: int) -> None:
+    """Raises SegmentNotFound unless header ``h`` shows generation ``gen`` in use, and
+    ConnectorError if a file of ``length`` bytes holds fewer than ``size`` payload bytes."""
+    if h is None or h[W_MAGIC] != MAGIC or h[W_GEN] != gen or state(h) != IN_USE:
         raise SegmentNotFound(f"shared-memory slot {name}@{gen} not found in {directory}: already "
                               "released, or reaped/swept")
     if HEADER + size > length:
         raise _too_small(f"{name}@{gen}", length - HEADER, size)
+
+
+def _payload(mm: mmap.mmap, length: int, directory: str, name: str, gen: int, size: int) -> memoryview:
+    _check(_HEAD.unpack_from(mm, 0), length, directory, name, gen, size)
     return memoryview(mm)[HEADER:HEADER + size]
 
 
@@ -439,6 +444,29 @@ _reads = _SlotReads()
 def read(directory: str, name: str, gen: int, size: int) -> memoryview:
     """See :meth:`_SlotReads.view` (this process's mappings)."""
     return _reads.view(directory, name, gen, size)
+
+
+def open_payload(directory: str, name: str, gen: int, size: int) -> int:
+    """A descriptor open read-only on slot ``name`` while its header shows generation
+    ``gen`` in use with at least ``size`` payload bytes (from :data:`HEADER` on), for a
+    reader that copies the bytes out rather than mapping them; the caller closes it.
+
+    Raises:
+        SegmentNotFound: that generation was released, retired or reaped.
+        ConnectorError: the slot holds fewer than ``size`` bytes.
+    """
+    try:
+        fd = os.open(f"{directory}/{name}", os.O_RDONLY | _OPEN_FLAGS)
+    except (FileNotFoundError, NotADirectoryError):
+        raise _not_found(name, directory) from None
+    try:
+        raw = os.pread(fd, _HEAD.size, 0)
+        _check(_HEAD.unpack(raw) if len(raw) == _HEAD.size else None, os.fstat(fd).st_size,
+               directory, name, gen, size)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 # -- releasing, listing, reaping ----------------------------------------------------------------
