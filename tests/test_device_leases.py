@@ -147,3 +147,37 @@ def test_the_wait_is_how_long_an_orphaned_engine_takes_to_end_and_at_most_half_t
             assert wait == expected  # (half of its 30 s)
         else:  # 1200 s ready timeout: about a minute, not 600 s
             assert ENGINE_EXIT_S < wait <= ENGINE_EXIT_S + 2 * 10 * dep.heartbeat_interval_s, wait
+
+
+def test_systems_of_one_node_of_a_convention_see_each_others_leases(monkeypatch, tmp_path, holder):
+    """A code review: a member started again under the name of one that froze (lost, its
+    engines holding their GPUs) is another actor system on the same host; with a lease
+    directory per system its replicas saw none of the old engines' leases. The leases are
+    per convention and node now: the new system's replica waits for the old holder."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv(P.ENV_SYSTEM_ID, "feedfacefeedface0003")  # the member that froze
+    directory = L.use_scope(1900, "m2")
+    assert L.lease_dir() == directory == L.scope_dir(1900, "m2")
+    L.take(directory, ("0",), "talker/0", [holder.pid])
+    monkeypatch.setenv(P.ENV_SYSTEM_ID, "feedfacefeedface0004")  # m2 started again
+    L.use_scope(1900, "m2")
+    threading.Timer(0.5, holder.kill).start()
+    waited, killed, still = L.wait_and_take(("0",), "talker/1", limit_s=20)
+    assert (killed, still) == ("", "") and waited >= 0.4, waited
+    # other nodes, and the same node name in another convention, have leases of their own
+    assert len({L.scope_dir(1900, "m2"), L.scope_dir(1900, "m3"), L.scope_dir(1901, "m2")}) == 3
+    assert os.path.dirname(L.scope_dir(1900, "../x y")) == str(tmp_path)
+
+
+def test_a_stopping_system_sweeps_only_the_leases_nobody_holds(monkeypatch, tmp_path, holder):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    directory = L.use_scope(1900, "m2")
+    os.makedirs(directory, exist_ok=True)
+    L.take(directory, ("0", "1"), "talker/0", [holder.pid])
+    L.take(directory, ("2",), "talker/2")  # (this process: still running)
+    holder.kill()
+    holder.wait()
+    assert L.sweep(directory) == 2
+    assert sorted(os.listdir(directory)) == ["2"]
+    L.release(directory, ("2",))
+    assert L.sweep(directory) == 0 and not os.path.exists(directory)

@@ -9,10 +9,8 @@ would then load beside the old one, and fail for lack of memory (trial AJ:
 a new talker/1 started on device 2 about 2.3 s before the old code2wav/0
 there exited).
 
-So a replica given devices takes a lease on each: a file
-``<ipc dir>/devices/<device>`` (the system's per-host directory,
-:func:`omni_actors.system.processes.ipc_dir`, removed when the leader or
-member stops) holding the processes that use the device (the replica's own,
+So a replica given devices takes a lease on each: a file ``<lease
+dir>/<device>`` holding the processes that use the device (the replica's own,
 and the engine's children once started, such as a vLLM engine core) with
 their start times, so that a reused pid is not taken for a holder. Before its
 engine loads, a replica waits for every process of the previous lease of
@@ -23,13 +21,24 @@ and nothing would ever stop it (trial AK: an engine frozen by SIGSTOP when its
 pool was killed held its device until the system stopped). Only if it cannot
 be killed does the engine load beside it (logged: on a GPU that load may then
 fail for lack of memory, and the replica is retried as any failed load is).
+
+The lease directory is one per convention and node on a host
+(:func:`scope_dir`, named by the leader's admin port and the node's name; the
+leader and each member set ``$OMNI_ACTORS_LEASE_DIR`` for their actors), not
+per actor system: a member started again under the name of one that froze
+(lost, its engines still holding their GPUs) is another actor system on the
+same host, and with a directory per system its replicas saw none of the old
+engines' leases and loaded beside them (a code review). Outside a leader or
+member (tests), the system's IPC directory holds the leases.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -48,14 +57,60 @@ STOPPED_KILL_AFTER_S = 3.0
 EVICT_WAIT_S = 5.0
 
 
+#: The lease directory of this process's convention and node (see :func:`use_scope`).
+ENV_LEASE_DIR = "OMNI_ACTORS_LEASE_DIR"
+
+
+def scope_dir(leader_port: int, node: str) -> str:
+    """The lease directory of node ``node`` of the convention led from admin port
+    ``leader_port``, on this host: ``<temp dir>/omni-actors-devices-<port>-<node>`` (the
+    node's name with other characters than letters, digits, ``.``, ``_`` and ``-`` as ``_``)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", node)[:100]
+    return os.path.join(tempfile.gettempdir(), f"omni-actors-devices-{int(leader_port)}-{safe}")
+
+
+def use_scope(leader_port: int, node: str) -> str:
+    """In a leader or member, before its actor system starts: its actors take their leases
+    in :func:`scope_dir` (``$OMNI_ACTORS_LEASE_DIR``, which they inherit); the directory."""
+    path = os.environ[ENV_LEASE_DIR] = scope_dir(leader_port, node)
+    return path
+
+
 def lease_dir() -> str | None:
-    """This host's lease directory for this process's system (made); None outside any system."""
-    base = own_ipc_dir()
-    if base is None:
-        return None
-    path = os.path.join(base, "devices")
+    """This process's lease directory (made): ``$OMNI_ACTORS_LEASE_DIR``, else its system's
+    IPC directory's ``devices``; None outside any system."""
+    path = os.environ.get(ENV_LEASE_DIR)
+    if not path:
+        base = own_ipc_dir()
+        if base is None:
+            return None
+        path = os.path.join(base, "devices")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
+
+
+def sweep(directory: str) -> int:
+    """Remove the leases in ``directory`` none of whose processes still runs, then the
+    directory if that left it empty (a leader or member stopping: another system of the
+    same node may still hold leases there). Returns how many leases were removed."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(directory, name)
+        if not name.endswith(".tmp") and not live_holders(read_lease(directory, name)):  # (.tmp: being taken)
+            try:
+                os.unlink(path)
+                removed += 1
+            except OSError:
+                pass
+    try:
+        os.rmdir(directory)
+    except OSError:  # (not empty: leases of a live system)
+        pass
+    return removed
 
 
 def _start_time(pid: int) -> int | None:

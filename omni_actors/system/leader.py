@@ -254,6 +254,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     """
     from thespian.actors import ActorSystem
 
+    from omni_actors.actors import device_leases
     from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
     from omni_actors.connectors import SegmentDirError, check_segment_dir, sweep_segments
     from omni_actors.logs import get_logger, thespian_log_defs
@@ -306,6 +307,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     t0, started_at = time.monotonic(), time.time()
     leader_node = NodeInfo(node or socket.gethostname(), tuple(devices))
     sfile = state_file(admin_port)
+    leases = device_leases.use_scope(admin_port, leader_node.name)
     asys = data = watchdog = None
     sessions: list[int] = []
     try:
@@ -377,6 +379,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             killed: list[str] = []
             left = kill_system(system_id, sessions=sessions, titles=killed, settle_s=1.0 if asys is not None else 0.0)
             remove_ipc_dir(system_id)
+            device_leases.sweep(leases)
             removed = sweep_segments(shm_prefix)
             semaphores = remove_orphan_semaphores(started_at)
             if data is not None:

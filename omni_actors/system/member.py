@@ -51,6 +51,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     from thespian.actors import ActorSystem
 
     import omni_actors.actors  # noqa: F401 - its Thespian fix, before the admin forks
+    from omni_actors.actors import device_leases
     from omni_actors.connectors import SegmentDirError, check_segment_dir, sweep_segments
     from omni_actors.connectors.data_service import DEFAULT_REAP_AFTER_S, local_address_towards
     from omni_actors.logs import get_logger, thespian_log_defs
@@ -95,6 +96,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     log = get_logger(actor="member", node=node)
     caps = node_capabilities(admin_port, node, devices, stages)
     caps["Convention Address.IPv4"] = (host, port)
+    leases = device_leases.use_scope(port, node)
     asys = data = watchdog = None
     sessions: list[int] = []
     try:
@@ -153,6 +155,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         killed = kill_system(os.environ.get(ENV_SYSTEM_ID, ""), sessions=sessions,
                              settle_s=1.0 if asys is not None else 0.0)
         remove_ipc_dir(os.environ.get(ENV_SYSTEM_ID, ""))
+        device_leases.sweep(leases)
         sweep_segments(shm_prefix)
         remove_orphan_semaphores(started_at)
         if data is not None:
