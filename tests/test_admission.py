@@ -309,6 +309,25 @@ def test_a_request_actor_that_exits_fails_its_request_or_leaves_the_idle_pool_an
     asyncio.run(main())
 
 
+def test_a_request_that_could_not_be_handed_to_a_request_actor_may_run_again():
+    """A code review: a request whose RequestActor could not be made or told failed as one
+    that had run (no rerun, ``x-should-retry: false``); nothing of it ran."""
+    async def main():
+        bridge = _bridge(request_actors=1, queue_limit=0)
+        bridge._loop = asyncio.get_running_loop()
+        bridge._pool.reserve(1)
+        bridge._pool.release("ra-0")
+        first = asyncio.ensure_future(_first(bridge, "r1"))
+        await asyncio.sleep(0.01)
+        bridge._not_started("r1", "connection refused")
+        ev = await within(first, 5)
+        assert isinstance(ev, RequestFailed) and ev.status == 500 and ev.not_started and ev.lost_by_server
+        assert "could not start the request on a RequestActor: connection refused" in ev.message
+        bridge._stop.set()
+
+    asyncio.run(main())
+
+
 def test_a_request_actor_whose_stages_are_still_cancelling_stays_busy_until_it_says_it_is_free():
     """RequestFinished(free=False): the client has its answer, but the RequestActor is
     not given the next request until its RequestActorFree (its stages confirmed their

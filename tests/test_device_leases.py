@@ -181,3 +181,19 @@ def test_a_stopping_system_sweeps_only_the_leases_nobody_holds(monkeypatch, tmp_
     assert sorted(os.listdir(directory)) == ["2"]
     L.release(directory, ("2",))
     assert L.sweep(directory) == 0 and not os.path.exists(directory)
+
+
+def test_lease_directories_left_by_systems_killed_outright_are_swept_of_what_nobody_holds(monkeypatch, tmp_path,
+                                                                                          holder):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead, live = L.scope_dir(1900, "m1"), L.scope_dir(1901, "m1")
+    for directory in (dead, live):
+        os.makedirs(directory)
+        L.take(directory, ("0",), "talker/0", [holder.pid])
+    L.take(live, ("1",), "talker/1")  # (this process: running)
+    holder.kill()
+    holder.wait()
+    assert L.sweep_stale() == 2
+    assert not os.path.exists(dead) and os.listdir(live) == ["1"]
+    L.take(dead, ("3",), "code2wav/0")  # (a replica taking a lease there again makes the directory again)
+    assert os.listdir(dead) == ["3"]

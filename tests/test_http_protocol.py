@@ -6,6 +6,7 @@ import asyncio
 import base64
 import io
 import json
+import time
 import wave
 
 import numpy as np
@@ -62,6 +63,10 @@ class FakeBridge:
         if "[notstarted]" in p and len(self.submitted) == 1:  # (its RequestActor never took it)
             yield RequestFailed(500, "the request was lost: its RequestActor did not take the request within 3 s "
                                      "(stopped or hung?)", not_started=True)
+            return
+        if "[raexited]" in p:
+            yield RequestFailed(500, "the request was lost: its RequestActor exited (its process was killed?)",
+                                lost_by_server=True)
             return
         if "[fail503]" in p:
             yield RequestFailed(503, "no ready replica for stage thinker")
@@ -603,6 +608,42 @@ def test_a_client_that_reads_nothing_of_a_large_reply_is_cut_off(monkeypatch):
     serve(bridge, body)
 
 
+def test_a_client_that_reads_a_large_reply_slowly_gets_all_of_it(monkeypatch):
+    """A code review: the send timeout bounded the whole transfer of a large reply (one write
+    of it all), so a client that kept reading, but took longer than the timeout over all of
+    it, was cut off midway. It bounds a stretch without reading now."""
+    import socket
+
+    monkeypatch.setenv("OMNI_ACTORS_SEND_TIMEOUT_S", "0.5")
+    bridge = FakeBridge(output_types=("text",))
+
+    async def body(client):
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setblocking(False)
+        await loop.sock_connect(sock, (client.server.host, client.server.port))
+        payload = json.dumps(chat("[bigtext]")).encode()
+        await loop.sock_sendall(sock, b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                b"Content-Type: application/json\r\nContent-Length: "
+                                + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        got, t0 = bytearray(), time.monotonic()
+        try:
+            while True:  # (about 4 MB a second: 16 MB take longer than the send timeout)
+                chunk = await asyncio.wait_for(loop.sock_recv(sock, 128 << 10), 5)
+                if not chunk:
+                    break
+                got += chunk
+                await asyncio.sleep(0.03)
+        finally:
+            sock.close()
+        assert time.monotonic() - t0 > 1.0
+        head, _, reply = bytes(got).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        assert len(json.loads(reply)["choices"][0]["message"]["content"]) == 16 << 20
+
+    serve(bridge, body)
+
+
 def test_client_disconnect_non_streaming_cancels_with_start_http():
     bridge = FakeBridge()
 
@@ -719,6 +760,37 @@ def test_unexpected_exception_is_500_json():
         await assert_good_chat(client)
 
     serve(Broken(), body)
+
+
+def test_a_stage_table_the_coordinator_does_not_answer_in_time_is_a_503():
+    """A code review: a coordinator slow to answer (frozen, busy, being recreated) made
+    `/v1/stages` a 500 and logged a traceback; /ready and /metrics said what it was."""
+    class Slow(FakeBridge):
+        async def stages(self):
+            raise asyncio.TimeoutError
+
+    async def body(client):
+        resp = await client.get("/v1/stages")
+        err = await assert_error(resp, 503)
+        assert (err["type"], err["code"]) == ("server_error", "service_unavailable")
+        assert "coordinator did not answer in time" in err["message"]
+        await assert_good_chat(client)
+
+    serve(Slow(), body)
+
+
+def test_a_500_for_a_request_the_server_lost_leaves_the_client_free_to_retry():
+    """A code review: a 500 for a request whose RequestActor exited (or could not take it)
+    carried ``x-should-retry: false``, meant for a pipeline's 500 (the server retried the
+    stage already), so OpenAI's clients did not try a request that nothing in it had failed."""
+    async def body(client):
+        lost = await client.post(CHAT, json=chat("[raexited]"))
+        await assert_error(lost, 500)
+        failed = await client.post(CHAT, json=chat("[failmid]"))
+        await assert_error(failed, 500)
+        return lost.headers.get("x-should-retry"), failed.headers.get("x-should-retry")
+
+    assert serve(FakeBridge(), body) == (None, "false")
 
 
 def test_protocol_pure_functions():

@@ -1179,6 +1179,22 @@ def test_a_host_that_is_not_this_hosts_is_not_reported_as_a_port_in_use():
     assert serve_args_error("127.0.0.1", taken, None) is None  # (free again: the check holds nothing)
 
 
+def test_a_port_in_use_on_an_ipv6_address_is_told_apart_from_a_free_one():
+    """A code review: `status` of a leader started with `--host ::1` was a traceback (the
+    check opened an IPv4 socket to an IPv6 address); and its API's URL needs brackets."""
+    from omni_actors.system.admin import LeaderApi
+
+    try:
+        listener = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with listener:
+        taken = listener.getsockname()[1]
+        assert port_in_use(taken, "::1")
+    assert not port_in_use(taken, "::1")
+    assert LeaderApi({"port": 8000}, False, False, False, False, "::1").url == "http://[::1]:8000/v1"
+
+
 @pytest.mark.parametrize("args", [("status", "--admin-port", "99999"), ("stop", "--admin-port", "0"),
                                   ("start", "--convention-leader", "--port", "70000")])
 def test_a_port_out_of_range_is_a_one_line_usage_error(args):

@@ -593,6 +593,36 @@ def test_a_member_started_before_its_leader_waits_for_it_and_joins(request, tmp_
     assert out.returncode == 1 and out.stderr.strip().endswith("(waited 1 s: --leader-wait)"), out.stderr
 
 
+def test_a_member_waiting_for_its_leader_is_stopped_by_stop_and_leaves_no_record(tmp_path):
+    """A code review: `stop --admin-port` of a member still waiting for its leader said "no
+    omni-actors system recorded on admin port N", and the member joined later. It records
+    itself while it waits now; `stop` ends the wait and says so, and the record goes."""
+    member = Member(tmp_path, f"127.0.0.1:{free_port()}", "w1", "")
+    starting = threading.Thread(target=lambda: pytest.raises(RuntimeError, member.start, timeout_s=60))
+    starting.start()
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (member.proc and b"waiting up to 60 s" in member.out.read_bytes()):
+            time.sleep(0.1)
+        assert b"waiting up to 60 s" in member.out.read_bytes(), member.tail()
+        out = subprocess.run([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port",
+                              str(member.admin_port)], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                             env={**os.environ, **member.env})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == (f"stopped member 'w1' on admin port {member.admin_port} (it had not joined "
+                                      f"the convention at {member.convention}: it was waiting for its leader)")
+        assert member.proc.wait(10) == 130
+        assert list((tmp_path / "member-state").glob("**/*.json")) == []
+    finally:
+        starting.join(60)
+        member.stop()
+    # one that gives up waiting removes its record as well
+    out = subprocess.run([sys.executable, "-m", "omni_actors.system", "start", "--convention-address",
+                          f"127.0.0.1:{free_port()}", "--admin-port", str(free_port()), "--leader-wait", "1"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60, env={**os.environ, **member.env})
+    assert out.returncode == 1 and list((tmp_path / "member-state").glob("**/*.json")) == []
+
+
 def test_a_member_whose_process_and_watchdog_were_killed_is_stopped_by_its_node_agent(request, tmp_path):
     """The member's own process SIGKILLed after its watchdog: its node agent sees the process
     gone at its next heartbeat, reports the node lost and why, and stops the host's actors.

@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from thespian.actors import Actor, ActorSystem
 
 from omni_actors.system.local import LocalLeader, free_port, reserve_port
 from omni_actors.system.processes import kill_system, system_pids
@@ -155,6 +156,80 @@ def test_api_from_another_host_serves_beside_the_leader_and_leaves_nothing(leade
     finally:
         api.stop(signal.SIGKILL)
     print(f"\nremote API server: serving {started:.2f} s after start; scenario {time.monotonic() - t0:.1f} s")
+
+
+def test_an_api_server_attached_through_a_members_admin_port_exits_when_the_leader_is_killed(tmp_path):
+    """A code review: `api --admin-port <a member's port>` watched that port, which the member
+    keeps listening on with its leader killed: the server never stopped. It watches the
+    leader's admin now, as with `--convention-address`."""
+    own = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()
+    member = api = None
+    try:
+        member = Member(tmp_path, f"127.0.0.1:{own.admin_port}", "frontend", "").start()
+        api = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "api", "--port", str(free_port()),
+                                "--admin-port", str(member.admin_port), "--request-actors", "1"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        first = api.stdout.readline()
+        assert "omni-actors API server" in first and api.poll() is None, (first, api.stderr.read())
+        os.kill(own.proc.pid, signal.SIGKILL)
+        own.proc.wait(10)
+        _, err = api.communicate(timeout=30)
+        assert api.returncode == 1 and "is gone; stopping this API server" in err, err
+    finally:
+        if api is not None and api.poll() is None:
+            api.kill()
+            api.wait(10)
+        if member is not None:
+            member.stop()
+        if own.proc.poll() is None:
+            own.stop()
+
+
+class SlowEcho(Actor):
+    """Answers ``(seconds, word)`` with ``word`` after ``seconds``."""
+
+    def receiveMessage(self, msg, sender):
+        if isinstance(msg, tuple):
+            time.sleep(msg[0])
+            self.send(sender, msg[1])
+
+
+def test_an_ask_that_timed_out_does_not_take_the_next_asks_answer():
+    """A code review: Thespian hands an ask whatever reaches its context next, so after one
+    `status` timed out in the admin shell (or was interrupted) every later command showed the
+    previous command's answer. A context left without its answer is dropped now."""
+    from omni_actors.system.remote import RemoteSystem
+
+    port = free_port()
+    asys = ActorSystem("multiprocTCPBase", {"Admin Port": port})
+    remote = RemoteSystem("127.0.0.1", port)
+    try:
+        echo = asys.createActor(SlowEcho)
+        assert remote.ask(echo, (1.0, "late"), 0.2) is None
+        time.sleep(1.2)  # (the late answer has come)
+        assert remote.ask(echo, (0, "mine"), 10) == "mine"
+        assert remote.ask(echo, (0, "again"), 10) == "again"
+    finally:
+        remote.close()
+        asys.shutdown()
+
+
+def test_status_of_another_programs_thespian_admin_says_so_and_makes_nothing_there():
+    """A code review: `status` of a port where another program's Thespian admin listens made
+    an omni-actors coordinator in it and said NOT READY (exit 3)."""
+    from omni_actors.actors.coordinator import COORDINATOR_NAME
+    from omni_actors.system.remote import admin_status
+
+    port = free_port()
+    asys = ActorSystem("multiprocTCPBase", {"Admin Port": port})
+    try:
+        out = subprocess.run([sys.executable, "-m", "omni_actors.system", "status", "--admin-port", str(port)],
+                             capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert out.returncode == 1, (out.stdout, out.stderr)
+        assert out.stderr.strip() == f"error: 127.0.0.1:{port} is a Thespian admin, but not an omni-actors system's"
+        assert COORDINATOR_NAME not in admin_status("127.0.0.1", port).globalActors
+    finally:
+        asys.shutdown()
 
 
 def test_api_finds_the_leader_through_a_member_and_refuses_bad_addresses(leader, tmp_path):

@@ -89,6 +89,18 @@ def lease_dir() -> str | None:
     return path
 
 
+def sweep_stale() -> int:
+    """:func:`sweep` every lease directory of this host (:func:`scope_dir`'s, of any
+    convention): what members and leaders killed outright left (only leases nobody holds
+    go). A leader or member runs it as it starts. Returns how many leases were removed."""
+    base = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(base) if n.startswith("omni-actors-devices-")]
+    except OSError:
+        return 0
+    return sum(sweep(os.path.join(base, name)) for name in names)
+
+
 def sweep(directory: str) -> int:
     """Remove the leases in ``directory`` none of whose processes still runs, then the
     directory if that left it empty (a leader or member stopping: another system of the
@@ -179,6 +191,7 @@ def take(directory: str, devices: tuple[str, ...], replica: str, pids: list[int]
         if start is not None:
             entries.append([pid, start])
     body = json.dumps({"replica": replica, "pids": entries})
+    os.makedirs(directory, mode=0o700, exist_ok=True)  # (a stopping system's sweep may have removed it, empty)
     for device in devices:
         path = _lease_file(directory, device)
         tmp = f"{path}.{os.getpid()}.tmp"

@@ -117,6 +117,22 @@ async def _send_within(request: web.Request, write: Awaitable[Any], limit_s: flo
         raise ConnectionResetError(f"the client read nothing for {limit_s:g} s") from None
 
 
+#: Bytes handed to aiohttp per write of a large body: each write waits for the client to
+#: read about that much, so the send timeout bounds a stretch without reading, not the whole
+#: transfer (one write of a whole 11 MB reply cut a client slower than 1.5 Mbit/s; a code review).
+WRITE_SLICE_BYTES = 64 * 1024
+
+
+async def _write_within(request: web.Request, resp: web.StreamResponse, data: bytes, limit_s: float,
+                        what: str) -> None:
+    """Write ``data`` to ``resp`` in slices of :data:`WRITE_SLICE_BYTES`, each under
+    :func:`_send_within`: a client that reads nothing for ``limit_s`` is cut, one that
+    reads slowly is not. Raises ConnectionResetError as it does."""
+    view = memoryview(data)
+    for start in range(0, max(len(view), 1), WRITE_SLICE_BYTES):
+        await _send_within(request, resp.write(view[start:start + WRITE_SLICE_BYTES]), limit_s, what)
+
+
 async def _reply_json(request: web.Request, data: Any) -> web.StreamResponse:
     """``data`` as the JSON reply; a large one (over :data:`LARGE_REPLY_BYTES`) is written
     here under the send timeout: a client that read none of it held it in this server's
@@ -128,7 +144,7 @@ async def _reply_json(request: web.Request, data: Any) -> web.StreamResponse:
     resp.content_type, resp.content_length = "application/json", len(body)
     await resp.prepare(request)
     limit_s = send_timeout_s()
-    await _send_within(request, resp.write(body), limit_s, "reply")
+    await _write_within(request, resp, body, limit_s, "reply")
     await _send_within(request, resp.write_eof(), limit_s, "reply")
     return resp
 
@@ -470,14 +486,15 @@ def _failed(ev: RequestFailed, prompt_param: str = "messages") -> P.ApiError:
     tried on, or crashed them: the server retried it already) get ``x-should-retry:
     false``, the header with which OpenAI's clients skip their own retries (by default
     two more tries of any 5xx: three deadlines' wait, or a poison request crashing
-    replicas again). A lost output's 500 is left to retry: nothing in the request caused it.
+    replicas again). A lost output's 500, and one for a request this server lost (its
+    RequestActor exited or could not take it), are left to retry: nothing in the request caused them.
     A prompt over the context length (code ``context_length_exceeded``) names the request's
     ``prompt_param`` (``messages``; ``prompt`` for images) as its ``param``, as OpenAI's does."""
     headers = {}
     retry_after = getattr(ev, "retry_after_s", None)
     if retry_after is not None:
         headers["Retry-After"] = str(int(retry_after))
-    if ev.status == 504 or (ev.status == 500 and not ev.lost_output):
+    if ev.status == 504 or (ev.status == 500 and not ev.lost_output and not ev.lost_by_server):
         headers["x-should-retry"] = "false"
     param = prompt_param if ev.code == CONTEXT_LENGTH_CODE else None
     return P.ApiError(ev.status, ev.message, ev.type, param=param, code=ev.code, headers=headers or None)
@@ -557,7 +574,7 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
     limit_s = send_timeout_s()
 
     async def write(data: bytes) -> None:
-        await _send_within(request, resp.write(data), limit_s, "stream")
+        await _write_within(request, resp, data, limit_s, "stream")
 
     async def send(obj: Any) -> None:
         await write(b"data: " + _encoder.encode(obj) + b"\n\n")
@@ -693,8 +710,14 @@ async def ready(request: web.Request) -> web.Response:
 
 
 async def stages(request: web.Request) -> web.Response:
-    """``GET /v1/stages``: the bridge's view of stages and replicas."""
-    return _json(await request.app[BRIDGE_KEY].stages())
+    """``GET /v1/stages``: the bridge's view of stages and replicas; a 503 when the
+    coordinator does not answer in time (frozen, busy, being recreated: it was a 500 with a
+    traceback in the log; a code review)."""
+    try:
+        return _json(await request.app[BRIDGE_KEY].stages())
+    except asyncio.TimeoutError:
+        raise P.ApiError(503, "the coordinator did not answer in time (busy, or being recreated); try again",
+                         "server_error", code="service_unavailable") from None
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -289,7 +289,7 @@ class RequestActorKeeping:
         self._pool.lost()
         self._refill()  # (it was made up only at the next request: a helper saw the pool below its minimum)
         self._put(request_id, RequestFailed(500, f"the request was lost: {why}", "server_error",
-                                            not_started=not_started))
+                                            not_started=not_started, lost_by_server=True))
 
     def _bind(self, request_id: str, actor: Any) -> None:
         """The sender thread made ``actor`` for ``request_id``."""
@@ -349,4 +349,6 @@ class RequestActorKeeping:
         if self._unhold(request_id):
             self._pool.lost()
             self._refill()
-        self._put(request_id, RequestFailed(500, f"could not start the request on a RequestActor: {error}"))
+        # (nothing of it ran: it may run again on another RequestActor; a code review saw it fail at once)
+        self._put(request_id, RequestFailed(500, f"could not start the request on a RequestActor: {error}",
+                                            not_started=True, lost_by_server=True))

@@ -112,6 +112,10 @@ class RequestFailed:
     #: it ran: it may run again on another RequestActor (trial BM: a 500 for a request that
     #: had not begun)
     not_started: bool = False
+    #: this server lost it (its RequestActor exited, hung, or could not be made or told):
+    #: nothing in the request caused it, so the client may try it again (no
+    #: ``x-should-retry: false``, which a pipeline's 500 gets)
+    lost_by_server: bool = False
     #: the error's ``code``: ``service_unavailable`` (503), ``timeout`` (504),
     #: :data:`CONTEXT_LENGTH_CODE` (400), or None
     code: str | None = None

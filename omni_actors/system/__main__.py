@@ -424,9 +424,13 @@ def cmd_stop(args) -> int:
         except OSError:
             pass
     whose = "member" if state.get("role") == "member" else "leader"
-    forced, hurried_after = _terminate(pid, timeout, progress=(
-        f"stopping the {'member' if whose == 'member' else 'system'} on admin port {args.admin_port}: its "
-        f"{whose} (pid {pid}) drains its requests in flight and stops its replicas (at most {timeout:g} s)"))
+    try:
+        forced, hurried_after = _terminate(pid, timeout, progress=(
+            f"stopping the {'member' if whose == 'member' else 'system'} on admin port {args.admin_port}: its "
+            f"{whose} (pid {pid}) drains its requests in flight and stops its replicas (at most {timeout:g} s)"))
+    except PermissionError:  # (a traceback; a code review)
+        return _fail(f"not allowed to stop the {whose} on admin port {args.admin_port} (pid {pid}): it runs as "
+                     "another user; run `stop` as that user (or root)")
     killed = kill_system(state["system_id"], sessions=state.get("sessions", ()))
     sweep_segments(f"oa-{args.admin_port}-", state.get("shm_dir"))
     sfile.unlink(missing_ok=True)
@@ -446,7 +450,9 @@ def cmd_stop(args) -> int:
         # (trial AY: "it left the convention at ..." of a member whose leader was gone, which said
         # itself "leaving without a drain: no convention leader answers at ...")
         without = "leaving without a drain: "
-        how = ("it left without a drain: " + undrained[len(without):] if undrained.startswith(without) else
+        how = (f"it had not joined the convention at {state.get('convention')}: it was waiting for its leader"
+               if state.get("waiting") else
+               "it left without a drain: " + undrained[len(without):] if undrained.startswith(without) else
                f"it left the convention at {state.get('convention')}; " + (
                    "its replicas drained first" if drained else "its replicas did not all drain first: "
                    + (undrained or "see its output")))

@@ -148,6 +148,9 @@ class Admin:
                 os.kill(pid, SIGNAL_FAULTS.get(fault, signal.SIGKILL))
             except ProcessLookupError:
                 raise AdminError(f"{target} (pid {pid}) is not running any more") from None
+            except PermissionError:  # (a traceback; a code review)
+                raise AdminError(f"not allowed to signal {target} (pid {pid}): it runs as another user; "
+                                 "run this as that user (or root)") from None
             return {"fault": fault, "target": target, "pid": pid, "at": at, "note": note}
         at = time.time()
         inject = InjectFault(replica, ENGINE_FAULTS[fault], factor, count)
@@ -301,7 +304,8 @@ class LeaderApi:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.state['port']}/v1"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.state['port']}/v1"
 
 
 def leader_api(admin_port: int) -> LeaderApi | None:

@@ -150,7 +150,7 @@ def run_api(*, host: str, port: int, admin_port: int | None = None, convention: 
     from omni_actors.http.bridge import BridgeError
     from omni_actors.logs import get_logger
     from omni_actors.system.admin import AdminError, attach
-    from omni_actors.system.processes import handle_stop_signals, port_in_use, serve_args_error
+    from omni_actors.system.processes import handle_stop_signals, serve_args_error
     from omni_actors.system.leader import other_leaders_hint
     from omni_actors.system.remote import NO_LEADER, RemoteSystem, attach_remote
 
@@ -194,7 +194,9 @@ def run_api(*, host: str, port: int, admin_port: int | None = None, convention: 
                                  f"deployed pipeline within {connect_timeout_s:g} s")
         deployment = routes.config.deployment
         tracking = TrackingSystem(admin.asys)
-        alive = admin.asys.admin_alive if convention else (lambda: port_in_use(admin_port))
+        # (the leader's admin, also where `--admin-port` is a member's: it was that port, which a
+        # member keeps listening on with its leader killed, so the server never stopped; a code review)
+        alive = admin.asys.admin_alive
         try:
             asyncio.run(_serve(tracking, admin.coordinator, host=host, port=port, where=where, alive=alive,
                                api_key=api_key, request_actors=request_actors or deployment.request_actors,

@@ -307,6 +307,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     t0, started_at = time.monotonic(), time.time()
     leader_node = NodeInfo(node or socket.gethostname(), tuple(devices))
     sfile = state_file(admin_port)
+    device_leases.sweep_stale()  # (of leaders and members killed outright on this host)
     leases = device_leases.use_scope(admin_port, leader_node.name)
     asys = data = watchdog = None
     sessions: list[int] = []

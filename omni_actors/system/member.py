@@ -76,16 +76,28 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
             exit_if_host_gone(signum)
 
     handle_stop_signals(interrupt)
-    problem = _wait_for_leader(host, port, leader_wait_s, stopping)
-    if stopping.is_set():
-        print("omni-actors member stopped while it waited for its leader", flush=True)
-        return 130
-    if problem:
-        raise StartError(problem)
-    leader = leader_status(host, port)
-    problem = node_name_taken(host, port, node, leader) or _unknown_stages(stages, leader)
-    if problem:
-        raise StartError(problem)
+    # (`stop --admin-port` finds it while it waits for its leader too: it said "no omni-actors
+    # system recorded" and the member joined later; a code review. Replaced once it has joined.)
+    waiting = member_state_file(admin_port)
+    waiting.parent.mkdir(parents=True, exist_ok=True)
+    waiting.write_text(json.dumps({"pid": me, **identity(), "role": "member", "node": node, "admin_port": admin_port,
+                                   "convention": f"{host}:{port}", "system_id": os.environ.get(ENV_SYSTEM_ID, ""),
+                                   "sessions": [], "waiting": True}))
+    try:
+        problem = _wait_for_leader(host, port, leader_wait_s, stopping)
+        if stopping.is_set():
+            print("omni-actors member stopped while it waited for its leader", flush=True)
+            remove_state_file(waiting, me)
+            return 130
+        if problem:
+            raise StartError(problem)
+        leader = leader_status(host, port)
+        problem = node_name_taken(host, port, node, leader) or _unknown_stages(stages, leader)
+        if problem:
+            raise StartError(problem)
+    except BaseException:
+        remove_state_file(waiting, me)
+        raise
     try:
         shm_dir = check_segment_dir()  # $OMNI_ACTORS_SHM_DIR (--shm-dir), inherited by every actor
     except SegmentDirError as exc:
@@ -96,6 +108,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     log = get_logger(actor="member", node=node)
     caps = node_capabilities(admin_port, node, devices, stages)
     caps["Convention Address.IPv4"] = (host, port)
+    device_leases.sweep_stale()  # (of leaders and members killed outright on this host)
     leases = device_leases.use_scope(port, node)
     asys = data = watchdog = None
     sessions: list[int] = []

@@ -500,10 +500,14 @@ def http_bind_error(host: str, port: int) -> str | None:
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """True when something accepts TCP connections on ``host:port``."""
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex((host, port)) == 0
+    """True when something accepts TCP connections on ``host:port`` (an IPv6 address too:
+    an IPv4 socket raised for ``::1``, and `status` of a leader started with ``--host ::1``
+    was a traceback; a code review)."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
 def cli(verb: str) -> str:

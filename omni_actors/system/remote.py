@@ -84,10 +84,24 @@ class RemoteSystem:
         return self._main_context().tell(*args, **kwargs)
 
     def ask(self, *args, **kwargs):
-        return self._main_context().ask(*args, **kwargs)
+        return self._unanswered_drops_main(self._main_context().ask, *args, **kwargs)
 
     def listen(self, *args, **kwargs):
-        return self._main_context().listen(*args, **kwargs)
+        return self._unanswered_drops_main(self._main_context().listen, *args, **kwargs)
+
+    def _unanswered_drops_main(self, call, *args, **kwargs):
+        """``call``'s answer; where there is none (timed out, interrupted, raised), the main
+        context goes: Thespian hands an ask whatever reaches its context next, so the late
+        answer would have been taken as the next ask's (a code review: after one `status`
+        timed out in the shell, every command showed the previous command's answer)."""
+        try:
+            answer = call(*args, **kwargs)
+        except BaseException:
+            self._close_main()
+            raise
+        if answer is None:
+            self._close_main()
+        return answer
 
     def admin_alive(self) -> bool:
         """Whether the admin still accepts connections."""
@@ -232,7 +246,17 @@ def attach_remote(host: str, port: int) -> Admin:
                                  f"answer (stopped, or busy for over {ADMIN_ANSWER_S:g} s)")
         coordinator = status.globalActors.get(COORDINATOR_NAME)
         if coordinator is None:  # being restarted by the leader's watchdog: the lookup waits for it
-            coordinator = system.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
+            from omni_actors.actors.node_agent import NODE_CAPABILITY
+
+            # (another program's Thespian admin got a coordinator made in it, and `status` read
+            # NOT READY; one shutting down raised a traceback; a code review)
+            if NODE_CAPABILITY not in status.capabilities:
+                raise AdminError(f"{host}:{port} is a Thespian admin, but not an omni-actors system's")
+            try:
+                coordinator = system.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
+            except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
+                raise AdminError(f"the omni-actors system at {host}:{port} has no coordinator and none could "
+                                 f"be looked up (stopping?): {exc}") from None
         return Admin(system, coordinator, leader_port=_local_leader_port(system, host))
     except BaseException:
         system.close()
