@@ -556,7 +556,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._task_attempts[key] = msg.attempt
         replica = self._spec.replica
         emit = self._rt.emit
-        ok = cancelled = input_error = client_error = early = False
+        ok = cancelled = input_error = client_error = early = engine_dead = False
         try:
             if self._cancelled_early.take(key, msg.attempt):
                 early = True
@@ -608,15 +608,22 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             self._log.warning("stage_failed", request_id=msg.request_id, error=str(exc), kind=kind.value)
             failure = getattr(self._backend, "failure", None)
             if failure and self._ready:
-                # Its engine is dead: the pool hears it now, before this task's TaskFinished.
-                # (It heard at the next heartbeat: meanwhile the tasks it sent failed at once,
-                # and five failures in a row tripped the circuit breaker first: trial V.)
+                # Its engine is dead: the pool hears it now. (It heard at the next heartbeat:
+                # meanwhile the tasks it sent failed at once, and five failures in a row tripped
+                # the circuit breaker first: trial V.)
                 self._ready = False  # (the actor thread takes no more work)
                 self._log.error("engine_dead", reason=failure)
                 emit(self._pool, EngineFailed(replica, failure))
-            emit(msg.reply_to, StageFailed(msg.request_id, msg.stage_id, replica, kind,
-                                           f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt,
-                                           moved=msg.moved))
+            engine_dead = bool(failure) and kind == ErrorKind.ENGINE_ERROR
+            if not engine_dead:
+                emit(msg.reply_to, StageFailed(msg.request_id, msg.stage_id, replica, kind,
+                                               f"stage {self._spec.stage.name} ({replica}): {exc}", msg.attempt,
+                                               moved=msg.moved))
+            # (else neither a StageFailed nor a TaskFinished: the pool, told of the death, sends every
+            # task in flight here elsewhere, counting the crash against each, as when a replica's
+            # process dies. Its RequestActor retried each a second time beside the pool's copy,
+            # and, not knowing of the crash, let a poison request take down one replica more:
+            # a code review.)
         finally:
             # (Only this attempt's: a retry of the same task may be running here already.)
             if self._tasks.get(key) is asyncio.current_task():
@@ -632,9 +639,10 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 self._completed += 1
             elif not cancelled and not client_error:
                 self._failed += 1
-            emit(self._pool, TaskFinished(replica, msg.request_id, msg.stage_id, ok, cancelled,
-                                          input_error=input_error, client_error=client_error,
-                                          attempt=msg.attempt))
+            if not engine_dead:
+                emit(self._pool, TaskFinished(replica, msg.request_id, msg.stage_id, ok, cancelled,
+                                              input_error=input_error, client_error=client_error,
+                                              attempt=msg.attempt))
             if self._draining and not self._tasks:
                 emit(self.myAddress, DrainReplica(replica))  # the actor thread exits us
 
