@@ -2326,6 +2326,26 @@ def test_a_second_drain_a_scale_and_an_engine_death_while_draining_keep_the_stag
     assert other.state == ReplicaState.STOPPED
 
 
+def test_tasks_waiting_for_a_replica_get_their_503_once_none_is_on_its_way():
+    """A code review: tasks queued for a starting replica waited out queue_timeout_s (20 s
+    here) after it failed to load, while a new task got its 503 at once."""
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.messages import ErrorKind, ReplicaState, StageFailed, StageTask
+
+    rep = Replica("talker/0", "e0", state=ReplicaState.STARTING)
+    pool, sent, _ = _pool_of_stage(1, "talker", rep)
+    pool.receiveMsg_StageTask(StageTask("r1", 1, "", (), {}, {}, "audio", False, "ra"), "ra")
+    assert len(pool._pending) == 1 and sent == []
+    pool._refuse_pending_if_none_comes()
+    assert len(pool._pending) == 1 and sent == []  # (it is still on its way)
+    rep.state, rep.reason = ReplicaState.FAILED, "cannot load: no such model directory"
+    pool._refuse_pending_if_none_comes()
+    (address, failed), = sent
+    assert address == "ra" and isinstance(failed, StageFailed) and failed.kind == ErrorKind.UNAVAILABLE
+    assert failed.message == ("no ready replica of stage talker (talker/0 failed: cannot load: no such model "
+                              "directory)") and pool._pending == []
+
+
 def test_the_last_ready_replicas_on_a_leaving_node_linger_until_released_or_undrained():
     """Trial AP: draining the only node with a ready Code2Wav stopped its idle replicas at
     once, and a request still upstream then found none. They linger now: ready, routed to,

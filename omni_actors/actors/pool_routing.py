@@ -155,6 +155,17 @@ class PoolRoutingMixin:
         rep.last_dispatch = now
         self.send(rep.address, task)
 
+    def _refuse_pending_if_none_comes(self) -> None:
+        """Route the tasks waiting for a replica again once none is on its way any more (the
+        last one failed, drained, or was scaled away): they get their 503 now, as a new task
+        would, not after ``queue_timeout_s`` (a code review)."""
+        if self._pending and no_replica_reason(self._spec.stage.name, self._replicas.values(),
+                                               self._spec.supervision.queue_timeout_s,
+                                               new_request=any(r.linger for r in self._replicas.values())):
+            pending, self._pending = self._pending, []
+            for task, _ in pending:
+                self._route(task)
+
     def _drain_pending(self) -> None:
         """Route the tasks that waited for a ready replica. While other replicas of the
         stage are starting, the ready ones take their share of the backlog and the rest

@@ -413,6 +413,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                     self._publish()
         if self._ticks % PLACEMENT_RETRY_TICKS == 0:
             self._retry_placements()  # devices may have been freed by another stage
+        self._refuse_pending_if_none_comes()
         expired = [(t, d) for t, d in self._pending if now >= d]
         if expired:
             self._pending = [(t, d) for t, d in self._pending if now < d]
