@@ -339,6 +339,10 @@ class Routes(Message):
     #: coordinator: the pool before it was not seen to die (it drains its replicas, which
     #: finish their tasks in flight), so a RequestActor with a task there waits for it.
     inherited: frozenset = frozenset()
+    #: ``(stage_id, why)`` of stages whose pool exited and was given up on (its restarts used
+    #: up; tried again after ``failed_retry_s``): a RequestActor with a task there, or one still
+    #: to send, ends its request at once (it waited for its deadline: a code review)
+    given_up: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -1252,6 +1252,39 @@ def test_a_recreated_coordinator_sends_its_routes_to_the_api_servers_of_the_one_
     assert routes[-1].inherited == frozenset(new._pools) and old._routes().inherited == frozenset()
 
 
+def test_a_stage_whose_pool_was_given_up_ends_its_requests_at_once(monkeypatch):
+    """A code review: a pool that exited past its restart budget is tried again only after
+    failed_retry_s (300 s), and a RequestActor with a task there, or one still to send
+    there, waited for its deadline: no new routes came. They end at once with a 503 now."""
+    from omni_actors.messages import (ErrorKind, PlannedStage, RequestFinished, Routes, RoutesChanged, StageDone,
+                                      StageTask)
+
+    why = "stage pool exited; gave up after 6 restarts in 60 s; next try in 300 s"
+    stages = (PlannedStage(0, "thinker", (), "pool-thinker", "text", False),
+              PlannedStage(1, "talker", (0,), "pool-talker", None, False),
+              PlannedStage(2, "code2wav", (1,), "pool-code2wav", "audio", False))
+    pools = {0: "pool-thinker", 1: "pool-talker", 2: "pool-code2wav"}
+    ra, sent = _running_request_actor(monkeypatch, stages)
+    assert [m.stage_id for _, m in sent if isinstance(m, StageTask)] == [0]
+    ra.receiveMsg_RoutesChanged(RoutesChanged(Routes(None, pools, 1, given_up=((0, why),))), "bridge")
+    (_, done), = [(a, m) for a, m in sent if isinstance(m, RequestFinished)]
+    assert done.error == ErrorKind.UNAVAILABLE and done.message == f"stage thinker: {why}"
+
+    # its task is still to be sent there: it ends when its turn comes
+    ra, sent = _running_request_actor(monkeypatch, stages)
+    ra.receiveMsg_RoutesChanged(RoutesChanged(Routes(None, pools, 1, given_up=((1, why),))), "bridge")
+    assert not [m for _, m in sent if isinstance(m, RequestFinished)]
+    ra.receiveMsg_StageDone(StageDone("r1", 0, "thinker/0", output=None, final=None), "thinker-engine")
+    assert not [m for _, m in sent if isinstance(m, StageTask) and m.stage_id == 1]
+    (_, done), = [(a, m) for a, m in sent if isinstance(m, RequestFinished)]
+    assert done.error == ErrorKind.UNAVAILABLE and done.message == f"stage talker: {why}"
+
+    # a pool replaced since (a `stage scale` restarted it): the routes name the new one
+    ra, sent = _running_request_actor(monkeypatch, stages)
+    ra.receiveMsg_RoutesChanged(RoutesChanged(Routes(None, {**pools, 0: "pool-thinker-2"}, 2)), "bridge")
+    assert not [m for _, m in sent if isinstance(m, RequestFinished)]
+
+
 def test_a_task_on_a_lost_coordinators_pool_is_waited_for_not_run_again():
     """Trial BG: every stream in flight when its API server switched to a recreated
     coordinator's pools failed (`the pool of stage thinker was replaced`), though the old
@@ -2784,7 +2817,9 @@ def test_a_pool_given_up_is_tried_again_after_failed_retry_s():
         co.sent, co.wakeups, co.started = [], [], []
         co.send = lambda address, message: co.sent.append((address, message))
         co.wakeupAfter = lambda delay, payload=None: co.wakeups.append((delay, payload))
-        co._publish_status = co._publish_routes = lambda: None
+        co._publish_status = lambda: None
+        co.routes = []
+        co._publish_routes = lambda: co.routes.append(co._routes())
         stage = SimpleNamespace(stage_id=1, name="code2wav")
         co._config = SimpleNamespace(deployment=SimpleNamespace(supervision=SimpleNamespace(
             restart=SimpleNamespace(failed_retry_s=failed_retry_s))), stage=lambda stage_id: stage,
@@ -2806,8 +2841,11 @@ def test_a_pool_given_up_is_tried_again_after_failed_retry_s():
     assert rows["code2wav/1"].state == ReplicaState.STOPPED  # (not failed: it was not meant to run)
     assert co.wakeups == [(300.0, ("restart_pool", 1, 1))]
     assert "next try in 300 s" in co._pool_down("pool-1")  # what `stage scale` and the like answer meanwhile
+    # the RequestActors with a task there are told (they waited for their deadlines: a code review)
+    assert [r.given_up for r in co.routes] == [((1, co._pools_down[1]),)]
     co.receiveMsg_WakeupMessage(WakeupMessage(300.0, ("restart_pool", 1, 1)), None)
     assert co.started == ["code2wav"] and 1 not in co._pools_down
+    assert co.routes[-1].given_up == () and co.routes[-1].pools == {1: "pool-2"}
     co.receiveMsg_WakeupMessage(WakeupMessage(300.0, ("restart_pool", 1, 1)), None)  # (a second one: nothing)
     assert co.started == ["code2wav"]
     # given up again: the wake-up set for the first exit does not restart it early (a code review)

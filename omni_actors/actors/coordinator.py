@@ -496,6 +496,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                                           if not given_up else why)
             if given_up:
                 self._pools_given_up.add(stage_id)
+                self._routes_version += 1  # (the RequestActors with a task there end their requests)
+                self._publish_routes()
             self._publish_status()
             if delay is not None:
                 exits = self._pool_exits[stage_id] = self._pool_exits.get(stage_id, 0) + 1
@@ -770,7 +772,9 @@ class CoordinatorActor(ActorTypeDispatcher):
 
     def _routes(self) -> Routes:
         return Routes(self._config, dict(self._pools), self._routes_version, self._deployed_at,
-                      inherited=frozenset(self._inherited))
+                      inherited=frozenset(self._inherited),
+                      given_up=tuple((sid, self._pools_down[sid]) for sid in sorted(self._pools_given_up)
+                                     if sid in self._pools_down))
 
     def _publish_routes(self) -> None:
         self._publish(self._routes())
