@@ -157,6 +157,16 @@ def _bridge(**kw) -> ActorBridge:
     return bridge
 
 
+def _bridge_with_idle(*actors: str, **kw) -> ActorBridge:
+    """:func:`_bridge` on the running loop, with ``actors`` made and idle in its pool."""
+    bridge = _bridge(**kw)
+    bridge._loop = asyncio.get_running_loop()
+    bridge._pool.reserve(len(actors))
+    for actor in actors:
+        bridge._pool.release(actor)
+    return bridge
+
+
 async def _first(bridge: ActorBridge, rid: str, timeout_s: float = 60.0):
     gen = bridge.submit(PipelineRequest(rid, "hi", frozenset({"text"}), timeout_s=timeout_s))
     try:
@@ -242,11 +252,7 @@ def test_a_busy_request_actor_that_stops_answering_is_written_off_and_its_reques
     from omni_actors.messages import RequestActorAlive
 
     async def main():
-        bridge = _bridge(request_actors=2, queue_limit=0)
-        bridge._loop = asyncio.get_running_loop()
-        bridge._pool.reserve(2)
-        bridge._pool.release("ra-dead")
-        bridge._pool.release("ra-alive")
+        bridge = _bridge_with_idle("ra-dead", "ra-alive", request_actors=2, queue_limit=0)
         dead = asyncio.ensure_future(_first(bridge, "dead"))
         alive = asyncio.ensure_future(_first(bridge, "alive"))
         await asyncio.sleep(0.01)
@@ -283,11 +289,7 @@ def test_a_request_actor_that_exits_fails_its_request_or_leaves_the_idle_pool_an
     from omni_actors.messages import RequestActorExited
 
     async def main():
-        bridge = _bridge(request_actors=3, min_request_actors=2, queue_limit=0)
-        bridge._loop = asyncio.get_running_loop()
-        bridge._pool.reserve(2)
-        bridge._pool.release("ra-busy")
-        bridge._pool.release("ra-idle")
+        bridge = _bridge_with_idle("ra-busy", "ra-idle", request_actors=3, min_request_actors=2, queue_limit=0)
         busy = asyncio.ensure_future(_first(bridge, "r1"))  # takes the last freed: ra-idle
         await asyncio.sleep(0.01)
         assert {rid: held.actor for rid, held in bridge._held.items()} == {"r1": "ra-idle"}
@@ -313,10 +315,7 @@ def test_a_request_that_could_not_be_handed_to_a_request_actor_may_run_again():
     """A code review: a request whose RequestActor could not be made or told failed as one
     that had run (no rerun, ``x-should-retry: false``); nothing of it ran."""
     async def main():
-        bridge = _bridge(request_actors=1, queue_limit=0)
-        bridge._loop = asyncio.get_running_loop()
-        bridge._pool.reserve(1)
-        bridge._pool.release("ra-0")
+        bridge = _bridge_with_idle("ra-0", request_actors=1, queue_limit=0)
         first = asyncio.ensure_future(_first(bridge, "r1"))
         await asyncio.sleep(0.01)
         bridge._not_started("r1", "connection refused")
@@ -993,10 +992,7 @@ def test_a_server_that_did_not_run_for_a_while_does_not_blame_its_supervisor_or_
     from omni_actors.http.bridge import REQUEST_ACTOR_SILENT_S
 
     async def main():
-        bridge = _bridge(request_actors=1, queue_limit=0)
-        bridge._loop = asyncio.get_running_loop()
-        bridge._pool.reserve(1)
-        bridge._pool.release("ra-1")
+        bridge = _bridge_with_idle("ra-1", request_actors=1, queue_limit=0)
         stream = asyncio.ensure_future(_first(bridge, "r1"))
         await asyncio.sleep(0.01)
         _outbox_items(bridge)
