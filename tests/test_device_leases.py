@@ -167,6 +167,11 @@ def test_systems_of_one_node_of_a_convention_see_each_others_leases(monkeypatch,
     # other nodes, and the same node name in another convention, have leases of their own
     assert len({L.scope_dir(1900, "m2"), L.scope_dir(1900, "m3"), L.scope_dir(1901, "m2")}) == 3
     assert os.path.dirname(L.scope_dir(1900, "../x y")) == str(tmp_path)
+    # one that others may write in (another user made it first, in a shared /tmp) is not used
+    other = L.use_scope(1902, "m2")
+    os.makedirs(other)
+    os.chmod(other, 0o777)
+    assert L.lease_dir() == os.path.join(P.ipc_dir("feedfacefeedface0004"), "devices")
 
 
 def test_a_stopping_system_sweeps_only_the_leases_nobody_holds(monkeypatch, tmp_path, holder):

@@ -1256,8 +1256,8 @@ def test_a_stage_whose_pool_was_given_up_ends_its_requests_at_once(monkeypatch):
     """A code review: a pool that exited past its restart budget is tried again only after
     failed_retry_s (300 s), and a RequestActor with a task there, or one still to send
     there, waited for its deadline: no new routes came. They end at once with a 503 now."""
-    from omni_actors.messages import (ErrorKind, PlannedStage, RequestFinished, Routes, RoutesChanged, StageDone,
-                                      StageTask)
+    from omni_actors.messages import (CancelStage, ErrorKind, PlannedStage, RequestFinished, Routes, RoutesChanged,
+                                      StageDone, StageTask)
 
     why = "stage pool exited; gave up after 6 restarts in 60 s; next try in 300 s"
     stages = (PlannedStage(0, "thinker", (), "pool-thinker", "text", False),
@@ -1270,18 +1270,18 @@ def test_a_stage_whose_pool_was_given_up_ends_its_requests_at_once(monkeypatch):
     (_, done), = [(a, m) for a, m in sent if isinstance(m, RequestFinished)]
     assert done.error == ErrorKind.UNAVAILABLE and done.message == f"stage thinker: {why}"
 
-    # its task is still to be sent there: it ends when its turn comes
+    # its task is still to be sent there: it ends at once too, its running Thinker cancelled
     ra, sent = _running_request_actor(monkeypatch, stages)
     ra.receiveMsg_RoutesChanged(RoutesChanged(Routes(None, pools, 1, given_up=((1, why),))), "bridge")
-    assert not [m for _, m in sent if isinstance(m, RequestFinished)]
-    ra.receiveMsg_StageDone(StageDone("r1", 0, "thinker/0", output=None, final=None), "thinker-engine")
-    assert not [m for _, m in sent if isinstance(m, StageTask) and m.stage_id == 1]
     (_, done), = [(a, m) for a, m in sent if isinstance(m, RequestFinished)]
     assert done.error == ErrorKind.UNAVAILABLE and done.message == f"stage talker: {why}"
+    assert [(a, m.stage_id) for a, m in sent if isinstance(m, CancelStage)] == [("pool-thinker", 0)]
 
-    # a pool replaced since (a `stage scale` restarted it): the routes name the new one
+    # given up, then started again (a `stage launch`) before its turn: it goes to the new pool
     ra, sent = _running_request_actor(monkeypatch, stages)
-    ra.receiveMsg_RoutesChanged(RoutesChanged(Routes(None, {**pools, 0: "pool-thinker-2"}, 2)), "bridge")
+    ra.receiveMsg_RoutesChanged(RoutesChanged(Routes(None, {**pools, 1: "pool-talker-2"}, 2)), "bridge")
+    ra.receiveMsg_StageDone(StageDone("r1", 0, "thinker/0", output=None, final=None), "thinker-engine")
+    assert [a for a, m in sent if isinstance(m, StageTask) and m.stage_id == 1] == ["pool-talker-2"]
     assert not [m for _, m in sent if isinstance(m, RequestFinished)]
 
 
@@ -2377,6 +2377,27 @@ def test_tasks_waiting_for_a_replica_get_their_503_once_none_is_on_its_way():
     assert address == "ra" and isinstance(failed, StageFailed) and failed.kind == ErrorKind.UNAVAILABLE
     assert failed.message == ("no ready replica of stage talker (talker/0 failed: cannot load: no such model "
                               "directory)") and pool._pending == []
+
+
+def test_an_orphaned_pool_hands_the_tasks_of_a_dead_engine_back_to_their_request_actors():
+    """A code review: a pool whose coordinator was lost only drains; the tasks of an engine
+    that died there were routed to its other replicas, which refuse new work: a 503. They go
+    back to their RequestActors now, the dead replica named, to be sent to the new pool."""
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.messages import EngineFailed, ErrorKind, ReplicaState, StageFailed, StageTask
+
+    task = StageTask("r1", 1, "", (), {}, {}, "audio", False, "ra")
+    dead = Replica("talker/0", "e0", state=ReplicaState.READY)
+    dead.in_flight[("r1", 1)] = (task, time.monotonic())
+    pool, sent, _ = _pool_of_stage(1, "talker", dead, Replica("talker/1", "e1", state=ReplicaState.READY))
+    pool._spec.supervision.max_task_crashes = 2
+    pool._orphaned, pool._finished_window_s = True, 1.0
+    pool.receiveMsg_EngineFailed(EngineFailed("talker/0", "engine core died"), "e0")
+    assert not [m for _, m in sent if isinstance(m, StageTask)]
+    (address, failed), = [(a, m) for a, m in sent if isinstance(m, StageFailed)]
+    assert address == "ra" and (failed.replica, failed.kind, failed.crashed) == (
+        "talker/0", ErrorKind.UNAVAILABLE, ("talker/0",))
+    assert "its pool's coordinator was lost" in failed.message
 
 
 def test_the_last_ready_replicas_on_a_leaving_node_linger_until_released_or_undrained():

@@ -38,6 +38,7 @@ import json
 import os
 import re
 import signal
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -61,12 +62,26 @@ EVICT_WAIT_S = 5.0
 ENV_LEASE_DIR = "OMNI_ACTORS_LEASE_DIR"
 
 
+def _prefix() -> str:
+    return f"omni-actors-devices-{os.getuid()}-"
+
+
 def scope_dir(leader_port: int, node: str) -> str:
     """The lease directory of node ``node`` of the convention led from admin port
-    ``leader_port``, on this host: ``<temp dir>/omni-actors-devices-<port>-<node>`` (the
-    node's name with other characters than letters, digits, ``.``, ``_`` and ``-`` as ``_``)."""
+    ``leader_port``, on this host, for this user: ``<temp dir>/omni-actors-devices-<uid>-<port>-<node>``
+    (the node's name with other characters than letters, digits, ``.``, ``_`` and ``-`` as ``_``)."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", node)[:100]
-    return os.path.join(tempfile.gettempdir(), f"omni-actors-devices-{int(leader_port)}-{safe}")
+    return os.path.join(tempfile.gettempdir(), f"{_prefix()}{int(leader_port)}-{safe}")
+
+
+def _ours(path: str) -> bool:
+    """Whether ``path`` is a directory (not a link) of this user that nobody else may write in:
+    in a shared temp directory, another user could have made it first (a code review)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def use_scope(leader_port: int, node: str) -> str:
@@ -80,11 +95,14 @@ def lease_dir() -> str | None:
     """This process's lease directory (made): ``$OMNI_ACTORS_LEASE_DIR``, else its system's
     IPC directory's ``devices``; None outside any system."""
     path = os.environ.get(ENV_LEASE_DIR)
-    if not path:
-        base = own_ipc_dir()
-        if base is None:
-            return None
-        path = os.path.join(base, "devices")
+    if path:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        if _ours(path):
+            return path
+    base = own_ipc_dir()  # (else, or where that one is not ours: the system's own)
+    if base is None:
+        return None
+    path = os.path.join(base, "devices")
     os.makedirs(path, mode=0o700, exist_ok=True)
     return path
 
@@ -95,10 +113,10 @@ def sweep_stale() -> int:
     go). A leader or member runs it as it starts. Returns how many leases were removed."""
     base = tempfile.gettempdir()
     try:
-        names = [n for n in os.listdir(base) if n.startswith("omni-actors-devices-")]
+        paths = [os.path.join(base, n) for n in os.listdir(base) if n.startswith(_prefix())]
     except OSError:
         return 0
-    return sum(sweep(os.path.join(base, name)) for name in names)
+    return sum(sweep(path) for path in paths if _ours(path))
 
 
 def sweep(directory: str) -> int:

@@ -104,6 +104,14 @@ class PoolRoutingMixin:
                                                  f"replica {replica} went down mid-stream ({why})", task.attempt,
                                                  task.crashed, task.moved))
             return
+        if self._orphaned:
+            # Its coordinator was lost: this pool only drains (its replicas refuse new work, and it
+            # restarts none), so the task goes back to its RequestActor, which sends it to the new
+            # coordinator's pool (a code review: routed here, it ended refused, a 503).
+            self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, replica, ErrorKind.UNAVAILABLE,
+                                                 f"replica {replica} {why}; its pool's coordinator was lost",
+                                                 task.attempt, task.crashed, task.moved))
+            return
         self._log.warning("task_redispatched", request_id=task.request_id, replica=replica,
                           attempt=task.attempt + 1)
         retry = dataclasses.replace(task, attempt=task.attempt + 1, exclude=task.exclude + (replica,))

@@ -139,7 +139,6 @@ class RequestActor(ActorTypeDispatcher):
         self._done: dict[int, StageDone] = {}
         self._running: dict[int, StageTask] = {}  # the last task sent, per running stage
         self._pools: dict[int, object] = {}
-        self._given_up: dict[int, str] = {}  #: stage -> why its pool was given up (see Routes.given_up)
         #: stage -> the lost coordinator's pool its running task was left on (its cancel goes there)
         self._left_on: dict[int, object] = {}
         #: streaming consumers cancelled to start over with their producer: (attempt, moved) of
@@ -208,9 +207,6 @@ class RequestActor(ActorTypeDispatcher):
                 continue  # a streaming consumer starts on its source's first chunk
             if self._pools.get(st.stage_id) is None:
                 self._finish(ErrorKind.UNAVAILABLE, f"stage {st.stage} has no pool")
-                return
-            if st.stage_id in self._given_up:
-                self._finish(ErrorKind.UNAVAILABLE, f"stage {st.stage}: {self._given_up[st.stage_id]}")
                 return
             inputs = tuple((src, self._done[src].output) for src in st.sources if src != stream)
             attempt, moved = self._restarts.get(st.stage_id, (0, 0))
@@ -561,15 +557,13 @@ class RequestActor(ActorTypeDispatcher):
                                       "coordinator, died and was restarted)" if stage_id in self._plan
                             else "the stage's pool was replaced", sender)
         for stage_id, why in msg.routes.given_up:
-            if stage_id not in self._pools or self._pools[stage_id] != msg.routes.pools.get(stage_id):
-                continue  # (not one of this request's stages, or its pool was replaced since)
-            self._given_up[stage_id] = why
-            task = self._running.get(stage_id)
-            if task is not None and stage_id not in self._left_on and self._req is not None:
+            # (a stage of this request still to finish, on the pool given up: not one replaced since)
+            if (stage_id not in self._done and stage_id in self._pools and stage_id not in self._left_on
+                    and self._pools[stage_id] == msg.routes.pools.get(stage_id)):
+                self._running.pop(stage_id, None)  # (its pool is gone: no cancel to send there)
                 name = self._plan[stage_id].stage if stage_id in self._plan else str(stage_id)
-                self.receiveMsg_StageFailed(StageFailed(task.request_id, stage_id, "", ErrorKind.UNAVAILABLE,
-                                                        f"stage {name}: {why}", task.attempt, task.crashed,
-                                                        task.moved), sender)
+                self._finish(ErrorKind.UNAVAILABLE, f"stage {name}: {why}")
+                return
 
     def _pool_gone(self, stage_id: int, why: str, sender) -> None:
         """The pool running stage ``stage_id``'s task is gone: fail a streaming task

@@ -79,11 +79,12 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     # (`stop --admin-port` finds it while it waits for its leader too: it said "no omni-actors
     # system recorded" and the member joined later; a code review. Replaced once it has joined.)
     waiting = member_state_file(admin_port)
-    waiting.parent.mkdir(parents=True, exist_ok=True)
-    waiting.write_text(json.dumps({"pid": me, **identity(), "role": "member", "node": node, "admin_port": admin_port,
-                                   "convention": f"{host}:{port}", "system_id": os.environ.get(ENV_SYSTEM_ID, ""),
-                                   "sessions": [], "waiting": True}))
     try:
+        waiting.parent.mkdir(parents=True, exist_ok=True)
+        waiting.write_text(json.dumps({"pid": me, **identity(), "role": "member", "node": node,
+                                       "admin_port": admin_port, "convention": f"{host}:{port}",
+                                       "system_id": os.environ.get(ENV_SYSTEM_ID, ""), "sessions": [],
+                                       "waiting": True}))
         problem = _wait_for_leader(host, port, leader_wait_s, stopping)
         if stopping.is_set():
             print("omni-actors member stopped while it waited for its leader", flush=True)
@@ -95,13 +96,13 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         problem = node_name_taken(host, port, node, leader) or _unknown_stages(stages, leader)
         if problem:
             raise StartError(problem)
+        try:
+            shm_dir = check_segment_dir()  # $OMNI_ACTORS_SHM_DIR (--shm-dir), inherited by every actor
+        except SegmentDirError as exc:
+            raise StartError(str(exc)) from None
     except BaseException:
         remove_state_file(waiting, me)
         raise
-    try:
-        shm_dir = check_segment_dir()  # $OMNI_ACTORS_SHM_DIR (--shm-dir), inherited by every actor
-    except SegmentDirError as exc:
-        raise StartError(str(exc)) from None
     shm_prefix = f"oa-{admin_port}-"
     os.environ["OMNI_ACTORS_SHM_PREFIX"] = shm_prefix  # this host's buffers, for its reaper
     sweep_segments(shm_prefix)
