@@ -1569,6 +1569,46 @@ def test_a_coordinator_that_did_not_run_for_a_while_does_not_lose_its_member_nod
     assert lost == ["m2"]
 
 
+def test_a_node_back_through_its_old_agent_keeps_its_placements_when_its_member_is_announced_again():
+    """Trial BO: a member frozen for 30 s was lost, came back through its old agent (its
+    devices free again: its replicas had been told to exit) and had a replica placed on
+    device 1; Thespian then announced the member again, its new agent's first heartbeat
+    added the node anew, all its devices free, and a second replica was placed on device 1
+    (killing the first as the holder of its lease)."""
+    import time as _time
+    from types import SimpleNamespace
+
+    from thespian.actors import ActorSystemConventionUpdate
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import NodeHeartbeat, NodeInfo
+
+    co = CoordinatorActor()
+    co.sent, made = [], []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co.createActor = lambda cls, **kw: made.append(kw) or f"agent-{len(made)}"
+    co.wakeupAfter = lambda *a, **kw: None
+    co._publish_status = lambda: None
+    co._config = SimpleNamespace(deployment=SimpleNamespace(heartbeat_interval_s=1.0, request_timeout_s=60))
+    co._leader_node = "leader"
+    co._inventory.add(NodeInfo("leader"))
+    caps = {"omni_node": "m1", "omni_devices": "0,1", "omni_member": "a"}
+    co.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-m1", caps, True), None)
+    co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=1), "agent-1")
+    co._registered.discard("m1")  # (Thespian's registration of the frozen member lapsed: no probe)
+    co._last_node_check = _time.monotonic() - 1.0
+    co._inventory.nodes["m1"].last_seen -= 3.5
+    co._check_nodes()
+    assert not co._inventory.nodes["m1"].alive
+    co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=1), "agent-1")  # resumed: back
+    m1 = co._inventory.nodes["m1"]
+    assert m1.alive
+    m1.used["1"] = "talker/2"  # (placed there since)
+    co.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-m1", caps, True), None)
+    co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=2), "agent-2")
+    assert co._inventory.nodes["m1"].used == {"1": "talker/2"}
+
+
 def test_a_node_lost_for_missed_heartbeats_whose_member_is_still_in_the_convention_is_asked_to_join_again():
     """A code review: a network cut (or a stalled coordinator) of 5-15 s: the coordinator
     lost the node after 3 intervals, its agent, unacknowledged for 5, exited, and Thespian,

@@ -560,7 +560,15 @@ class CoordinatorActor(ActorTypeDispatcher):
                               + ": nothing new is placed there until `node undrain`")
 
     def _joined(self, info: NodeInfo) -> None:
-        """A member's node agent answered: its devices take work (unless it is still drained)."""
+        """A member's node agent answered: its devices take work (unless it is still drained).
+        A node back already through its earlier agent (``node_back``: a member frozen long
+        enough for Thespian to announce it again) keeps what was placed there since: added
+        again, its devices read all free and a second replica was placed on one in use,
+        which then killed the first (trial BO)."""
+        node = self._inventory.nodes.get(info.name)
+        if node is not None and node.alive and node.info.member == info.member:
+            self._log.info("node_joined", node=info.name, devices=list(node.info.devices), back_already=True)
+            return
         self._add_node(info)
         self._log.info("node_joined", node=info.name, devices=list(info.devices), stages=list(info.stages))
         for pool in self._pools.values():
