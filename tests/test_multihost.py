@@ -605,6 +605,12 @@ def test_a_member_waiting_for_its_leader_is_stopped_by_stop_and_leaves_no_record
         while time.monotonic() < deadline and not (member.proc and b"waiting up to 60 s" in member.out.read_bytes()):
             time.sleep(0.1)
         assert b"waiting up to 60 s" in member.out.read_bytes(), member.tail()
+        out = subprocess.run([sys.executable, "-m", "omni_actors.system", "status", "--admin-port",
+                              str(member.admin_port)], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                             env={**os.environ, **member.env})
+        assert out.returncode == 1 and out.stderr.strip() == (
+            f"error: the member on admin port {member.admin_port} is still waiting for its leader at "
+            f"{member.convention}: it has no admin yet"), out.stderr  # (trial BO: "no actor system")
         out = subprocess.run([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port",
                               str(member.admin_port)], capture_output=True, text=True, cwd=ROOT, timeout=60,
                              env={**os.environ, **member.env})

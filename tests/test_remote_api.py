@@ -171,6 +171,9 @@ def test_an_api_server_attached_through_a_members_admin_port_exits_when_the_lead
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         first = api.stdout.readline()
         assert "omni-actors API server" in first and api.poll() is None, (first, api.stderr.read())
+        # (trial BO: its messages named the member's admin port, not the leader it follows)
+        assert f"(attached to the convention at 127.0.0.1:{own.admin_port} (found through admin port " \
+               f"{member.admin_port}))" in first, first
         os.kill(own.proc.pid, signal.SIGKILL)
         own.proc.wait(10)
         _, err = api.communicate(timeout=30)

@@ -116,6 +116,44 @@ def _poll(shell: Pty, stage: str, replica: str, state: str, timeout: float = 20.
         time.sleep(0.3)
 
 
+def test_an_admin_asks_the_coordinator_registered_now_when_the_one_it_knew_is_gone():
+    """Trial BO: after `inject kill-coordinator` (or a hung one replaced), every command in a
+    running admin shell said "the coordinator could not be reached (0.0 s ...)" for good: it
+    asked the dead coordinator. Unanswered, it asks the one registered at the admin now."""
+    from thespian.system.messages.status import Thespian_SystemStatus
+
+    from omni_actors.actors.coordinator import COORDINATOR_NAME
+    from omni_actors.messages import AdminReply
+    from omni_actors.system.admin import Admin, AdminError
+
+    class Asys:
+        admin_address = "admin"
+        registered = "coordinator-2"
+        asked: list = []
+
+        def ask(self, to, msg, timeout):
+            self.asked.append(to)
+            if to == "admin":
+                status = Thespian_SystemStatus("admin")
+                if self.registered:
+                    status.addGlobalActor(COORDINATOR_NAME, self.registered)
+                return status
+            return AdminReply(True, "done") if to == "coordinator-2" else None
+
+        def admin_alive(self):
+            return True
+
+    asys = Asys()
+    admin = Admin(asys, "coordinator-1")
+    assert admin._ask("drain", 2.0) == "done" and admin.coordinator == "coordinator-2"
+    assert asys.asked == ["coordinator-1", "admin", "coordinator-2"]
+    assert admin._ask("drain", 2.0) == "done" and asys.asked[3:] == ["coordinator-2"]
+    # none registered yet (being recreated): said so
+    admin, asys.registered = Admin(asys, "coordinator-1"), None
+    with pytest.raises(AdminError, match="could not be reached .* it may be being recreated"):
+        admin._ask("drain", 2.0)
+
+
 def test_admin_shell_in_a_pty(tmp_path):
     history = tmp_path / "history"
     with LocalLeader(CONFIGS / "cpu_omni_demo.yaml") as leader:

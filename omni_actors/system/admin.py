@@ -82,20 +82,44 @@ class Admin:
     leader_port: int | None = None
 
     def status(self, timeout_s: float = 5.0) -> SystemStatus:
-        t0 = time.monotonic()
-        status = self.asys.ask(self.coordinator, GetStatus("admin"), timeout_s)
-        if not isinstance(status, SystemStatus):
-            raise self._unanswered(timeout_s, t0)
-        return status
+        return self._ask_coordinator(GetStatus("admin"), SystemStatus, timeout_s)
 
     def _ask(self, msg, timeout_s: float = 5.0) -> str:
-        t0 = time.monotonic()
-        reply = self.asys.ask(self.coordinator, msg, timeout_s)
-        if not isinstance(reply, AdminReply):
-            raise self._unanswered(timeout_s, t0)
+        reply = self._ask_coordinator(msg, AdminReply, timeout_s)
         if not reply.ok:
             raise AdminError(reply.message)
         return reply.message
+
+    def _ask_coordinator(self, msg, kind: type, timeout_s: float):
+        """The coordinator's answer (of type ``kind``) to ``msg``. Without one, where another
+        coordinator is registered now (the old one was killed, or hung and replaced), that
+        one is asked (an admin shell kept asking the dead one, "could not be reached", for
+        good: trial BO). Raises AdminError when none answers."""
+        t0 = time.monotonic()
+        answer = self.asys.ask(self.coordinator, msg, timeout_s)
+        if not isinstance(answer, kind):
+            current = self._registered_coordinator()
+            if current is not None and current != self.coordinator:
+                self.coordinator = current
+                answer = self.asys.ask(current, msg, max(timeout_s - (time.monotonic() - t0), 1.0))
+        if not isinstance(answer, kind):
+            raise self._unanswered(timeout_s, t0)
+        return answer
+
+    def _registered_coordinator(self):
+        """The coordinator registered under its global name at the admin now, or None."""
+        from thespian.system.messages.status import Thespian_StatusReq, Thespian_SystemStatus
+
+        from omni_actors.actors.coordinator import COORDINATOR_NAME
+
+        admin = getattr(self.asys, "admin_address", None)
+        if admin is None:
+            return None
+        try:
+            status = self.asys.ask(admin, Thespian_StatusReq(), 2.0)
+        except Exception:  # noqa: BLE001 - Thespian raises several kinds here
+            return None
+        return status.globalActors.get(COORDINATOR_NAME) if isinstance(status, Thespian_SystemStatus) else None
 
     def _unanswered(self, timeout_s: float, t0: float) -> AdminError:
         """Why the coordinator gave no answer to an ``ask`` begun at ``t0``: its system's admin
@@ -107,8 +131,8 @@ class Admin:
         if alive is not None and not alive():
             return AdminError("the convention leader's admin no longer listens: its system stopped or was killed")
         if waited < timeout_s - NO_ANSWER_SLACK_S:
-            return AdminError(f"the coordinator could not be reached ({waited:.1f} s, no answer: its system may be "
-                              "stopping)")
+            return AdminError(f"the coordinator could not be reached ({waited:.1f} s, no answer: it may be being "
+                              "recreated, or its system stopping)")
         return AdminError(f"the coordinator did not answer within {timeout_s:g} s")
 
     def inject(self, fault: str, *, replica: str = "", stage: str = "", factor: float = 1.0,
@@ -345,6 +369,21 @@ def inject_reply(done: dict) -> str:
     return f"injected {done['fault']} into {done['target']}{pid}{done.get('note', '')}"
 
 
+def _waiting_member(admin_port: int) -> str | None:
+    """The convention address a member recorded on ``admin_port`` here waits for (its
+    leader does not answer yet), where that member still runs; else None."""
+    import json
+
+    from omni_actors.system.leader import member_state_file
+    from omni_actors.system.watchdog import recorded_process_runs
+
+    try:
+        state = json.loads(member_state_file(admin_port).read_text())
+    except (OSError, ValueError):
+        return None
+    return str(state.get("convention")) if state.get("waiting") and recorded_process_runs(state) else None
+
+
 def attach(admin_port: int) -> Admin:
     """Attach to the admin on ``admin_port`` of this host (a member host's: to its
     convention leader), as from another host (:func:`~omni_actors.system.remote.attach_remote`):
@@ -358,6 +397,10 @@ def attach(admin_port: int) -> Admin:
     from omni_actors.system.processes import port_in_use
 
     if not port_in_use(admin_port):  # (and where a leader recorded here runs: status, stop, api, shell)
+        waiting = _waiting_member(admin_port)
+        if waiting:  # (trial BO: "no actor system is listening" of a member `stop` then found)
+            raise AdminError(f"the member on admin port {admin_port} is still waiting for its leader at {waiting}: "
+                             "it has no admin yet")
         raise AdminError(f"no actor system is listening on admin port {admin_port}" + other_leaders_hint(admin_port))
     from omni_actors.system.remote import admin_status, attach_remote
 

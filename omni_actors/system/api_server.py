@@ -152,7 +152,7 @@ def run_api(*, host: str, port: int, admin_port: int | None = None, convention: 
     from omni_actors.system.admin import AdminError, attach
     from omni_actors.system.processes import handle_stop_signals, serve_args_error
     from omni_actors.system.leader import other_leaders_hint
-    from omni_actors.system.remote import NO_LEADER, RemoteSystem, attach_remote
+    from omni_actors.system.remote import NO_LEADER, RemoteSystem, _address_text, attach_remote
 
     problem = serve_args_error(host, port, None if convention else admin_port)
     if problem:
@@ -188,6 +188,10 @@ def run_api(*, host: str, port: int, admin_port: int | None = None, convention: 
             raise ApiServerError(f"cannot attach to {where}: {exc}") from None
         from omni_actors.messages import GetRoutes, Routes
 
+        if not convention:  # (a member's admin port: its leader is the system it serves, and says gone)
+            leader = _address_text(admin.asys.admin_address, "127.0.0.1")
+            if leader != f"127.0.0.1:{admin_port}":  # (trial BO: its 503 named the member's port, stopped long before)
+                where = f"the convention at {leader} (found through admin port {admin_port})"
         routes = admin.asys.ask(admin.coordinator, GetRoutes(), connect_timeout_s)
         if not isinstance(routes, Routes) or routes.config is None:
             raise ApiServerError(f"the coordinator of {where} did not answer with a "
