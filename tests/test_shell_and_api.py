@@ -299,6 +299,29 @@ def test_status_at_a_port_that_is_no_admin_says_so_in_one_line_within_seconds(tm
     assert took < ADMIN_ANSWER_S + 3, took
 
 
+def test_a_recorded_leader_whose_admin_does_not_answer_is_not_called_another_program(tmp_path, monkeypatch):
+    """Trial BO: a leader's admin busy for over a minute (a member frozen past the re-join
+    probe) read "port N is in use, but not by an omni-actors admin"; it says what it is."""
+    import http.server
+    import threading
+
+    from omni_actors.system.admin import AdminError, attach
+    from omni_actors.system.leader import state_file
+    from omni_actors.system.watchdog import identity
+
+    monkeypatch.setenv("OMNI_ACTORS_STATE_DIR", str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]  # (answers no Thespian status: as a stuck admin)
+    try:
+        state_file(port).write_text(json.dumps({"pid": os.getpid(), **identity(), "host": "127.0.0.1"}))
+        with pytest.raises(AdminError, match=f"the leader's admin on port {port} did not answer within 5 s"):
+            attach(port)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 # -- several API servers ------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -409,6 +409,10 @@ def attach(admin_port: int) -> Admin:
     except Exception:  # noqa: BLE001 - Thespian raises several kinds here
         status = None
     if status is None:  # (checked first: Thespian takes about 15 s to give up on such a port)
+        api = leader_api(admin_port)
+        if api is not None and not api.down:  # (trial BO: a busy leader's admin read as not one of ours)
+            raise AdminError(f"the leader's admin on port {admin_port} did not answer within 5 s (busy or stuck; "
+                             f"its HTTP API may still serve; `stop --admin-port {admin_port}` stops it)")
         raise AdminError(f"port {admin_port} is in use, but not by an omni-actors admin (the HTTP port? see "
                          "--admin-port)")
     return attach_remote("127.0.0.1", admin_port)
