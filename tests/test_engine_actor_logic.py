@@ -1569,19 +1569,13 @@ def test_a_coordinator_that_did_not_run_for_a_while_does_not_lose_its_member_nod
     assert lost == ["m2"]
 
 
-def test_a_node_back_through_its_old_agent_keeps_its_placements_when_its_member_is_announced_again():
-    """Trial BO: a member frozen for 30 s was lost, came back through its old agent (its
-    devices free again: its replicas had been told to exit) and had a replica placed on
-    device 1; Thespian then announced the member again, its new agent's first heartbeat
-    added the node anew, all its devices free, and a second replica was placed on device 1
-    (killing the first as the holder of its lease)."""
-    import time as _time
+def _coordinator_with_leader():
+    """A CoordinatorActor with the leader's node, a 1 s heartbeat interval and its sends and
+    node agents recorded: ``(coordinator, the createActor calls)``; ``coordinator.sent``."""
     from types import SimpleNamespace
 
-    from thespian.actors import ActorSystemConventionUpdate
-
     from omni_actors.actors.coordinator import CoordinatorActor
-    from omni_actors.messages import NodeHeartbeat, NodeInfo
+    from omni_actors.messages import NodeInfo
 
     co = CoordinatorActor()
     co.sent, made = [], []
@@ -1592,6 +1586,22 @@ def test_a_node_back_through_its_old_agent_keeps_its_placements_when_its_member_
     co._config = SimpleNamespace(deployment=SimpleNamespace(heartbeat_interval_s=1.0, request_timeout_s=60))
     co._leader_node = "leader"
     co._inventory.add(NodeInfo("leader"))
+    return co, made
+
+
+def test_a_node_back_through_its_old_agent_keeps_its_placements_when_its_member_is_announced_again():
+    """Trial BO: a member frozen for 30 s was lost, came back through its old agent (its
+    devices free again: its replicas had been told to exit) and had a replica placed on
+    device 1; Thespian then announced the member again, its new agent's first heartbeat
+    added the node anew, all its devices free, and a second replica was placed on device 1
+    (killing the first as the holder of its lease)."""
+    import time as _time
+
+    from thespian.actors import ActorSystemConventionUpdate
+
+    from omni_actors.messages import NodeHeartbeat
+
+    co, made = _coordinator_with_leader()
     caps = {"omni_node": "m1", "omni_devices": "0,1", "omni_member": "a"}
     co.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-m1", caps, True), None)
     co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=1), "agent-1")
@@ -1616,22 +1626,12 @@ def test_a_node_lost_for_missed_heartbeats_whose_member_is_still_in_the_conventi
     good. The coordinator now starts a new agent there while the member is registered,
     and the node is back on that agent's first heartbeat; not once Thespian dropped it."""
     import time as _time
-    from types import SimpleNamespace
 
     from thespian.actors import ActorSystemConventionUpdate
 
-    from omni_actors.actors.coordinator import CoordinatorActor
-    from omni_actors.messages import NodeHeartbeat, NodeInfo, StartNodeAgent
+    from omni_actors.messages import NodeHeartbeat, StartNodeAgent
 
-    co = CoordinatorActor()
-    co.sent, made = [], []
-    co.send = lambda address, message: co.sent.append((address, message))
-    co.createActor = lambda cls, **kw: made.append(kw) or f"agent-{len(made)}"
-    co.wakeupAfter = lambda *a, **kw: None
-    co._publish_status = lambda: None
-    co._config = SimpleNamespace(deployment=SimpleNamespace(heartbeat_interval_s=1.0, request_timeout_s=60))
-    co._leader_node = "leader"
-    co._inventory.add(NodeInfo("leader"))
+    co, made = _coordinator_with_leader()
     caps = {"omni_node": "m1", "omni_devices": "0,1"}
     co.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-m1", caps, True), None)
     co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=1), "agent-1")
@@ -2445,11 +2445,7 @@ def test_the_last_ready_replicas_on_a_leaving_node_linger_until_released_or_undr
     once, and a request still upstream then found none. They linger now: ready, routed to,
     not told to drain, until the coordinator says no request is in flight, a replacement
     is ready, or the operator undrains the node."""
-    from types import SimpleNamespace
-
     from omni_actors.actors.stage_pool import Replica, StagePoolActor
-    from omni_actors.actors.supervision import ReplicaHealth
-    from omni_actors.balancing import least_loaded
     from omni_actors.messages import (DrainNode, DrainReplica, EngineReady, NodesChanged, NoRequestsInFlight,
                                       ReleasePlacement, ReplicaState, StageFailed, StageTask)
 
