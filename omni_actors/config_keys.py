@@ -41,6 +41,13 @@ _ENGINE_KEYS = frozenset({
     "quantization", "worker_cls", "scheduler_cls", "tokenizer", "seed"})
 #: Top-level keys of a legacy config: ours, and those vLLM-Omni's legacy stage configs carry.
 _TOP_KEYS = frozenset({"stage_args", "deployment", "runtime", "async_chunk", "env"})
+#: Top-level keys of a deploy-format file: ours, and those vLLM-Omni's deploy files carry
+#: (besides the engine arguments set there for every stage, see ``PIPELINE_WIDE``). Only
+#: near misses are warned about: the deploy format is vLLM-Omni's, and grows.
+_DEPLOY_TOP_KEYS = frozenset({
+    "stages", "base_config", "pipeline", "topology", "deployment", "model", "env", "async_chunk",
+    "connectors", "edges", "platforms", "session_mode", "model_runner", "duplex_session",
+    "forced_aligner", "active_stream_window"})
 #: Stage keys of the other format, and this format's key for the same thing.
 _OTHER_FORMAT = {"input_sources": "engine_input_source"}
 
@@ -89,8 +96,8 @@ def unknown_key_warnings(data: Any) -> list[tuple[str, str]]:
     """``(YAML path, message)`` for each key of a decoded config that is probably a
     typo (see above): at the top of a legacy config (ignored), in a ``stage_args`` entry (ignored), its
     ``runtime`` (ignored) and its ``engine_args`` (passed to the engine as they
-    are); in a deploy file's ``stages`` entries (and each platform's), whose
-    other keys are engine arguments. Pure: nothing is logged."""
+    are); at the top of a deploy file (ignored) and in its ``stages`` entries (and each
+    platform's), whose other keys are engine arguments. Pure: nothing is logged."""
     out: list[tuple[str, str]] = []
     if not isinstance(data, dict):
         return out
@@ -116,7 +123,10 @@ def unknown_key_warnings(data: Any) -> list[tuple[str, str]]:
     if isinstance(platforms, dict):
         lists += [(f"platforms.{name}.stages", p.get("stages")) for name, p in platforms.items()
                   if isinstance(p, dict)]
-    from omni_actors.vllm_omni_deploy import _STAGE_OWN  # its stage keys that are not engine arguments
+    from omni_actors.vllm_omni_deploy import _STAGE_OWN, PIPELINE_WIDE  # (stage keys not engine arguments)
+
+    # (a deploy file's `async_chunks:` or `conectors:` at the top passed in silence)
+    out += _check_keys(data, _DEPLOY_TOP_KEYS | frozenset(PIPELINE_WIDE), "", "ignored")
 
     for where, stages in lists:
         if not isinstance(stages, list):

@@ -776,6 +776,19 @@ def test_deploy_format_stage_typos_are_warned_with_the_files_paths() -> None:
         "did you mean `num_replicas`?"]
 
 
+def test_deploy_format_top_level_typos_are_warned_about() -> None:
+    """A deploy file's top level is vLLM-Omni's and open (``session_mode``, ``model_runner``...):
+    near misses of its keys are warned about, other keys kept quietly."""
+    data = yaml.safe_load((ROOT / "configs" / "cpu_vllm_omni_deploy.yaml").read_text())
+    data.update(async_chunks=True, conectors={}, trust_remote_cod=True, session_mode="x", my_note=1)
+    lines: list[str] = []
+    cfg = parse_config(data, "deploy.yaml", on_warning=lines.append)
+    assert cfg.vllm_omni.async_chunk is data["async_chunk"]  # (the misspelt one changed nothing)
+    assert lines == [f"deploy.yaml: {key}: unknown key (ignored); did you mean `{meant}`?" for key, meant in
+                     [("async_chunks", "async_chunk"), ("conectors", "connectors"),
+                      ("trust_remote_cod", "trust_remote_code")]]
+
+
 @pytest.mark.parametrize("path", EVERY_CONFIG, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_every_shipped_config_loads_without_warnings(path: Path) -> None:
     with capture_logs() as logs:
