@@ -148,6 +148,7 @@ def _check_devices(s: StageSpec, source: str, path: str) -> None:
 def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
     """Per-stage settings that only make sense together with the deployment."""
     from omni_actors.engines.synthetic import SUPPORTED_STAGES
+    from omni_actors.vllm_omni_deploy import diffusion_world_size
 
     if not cfg.deployment.served_model_name.strip():  # ("  " passed: a model no client could name)
         raise ConfigError(source, "deployment.served_model_name", "blank: give the model name clients ask for")
@@ -166,13 +167,17 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
         if dep.backend in ("vllm", "vllm_omni"):
             _check_engine_args(s.engine_args, source, f"stage_args[{i}].engine_args")
         if dep.backend in ("vllm", "vllm_omni"):
-            need = s.engine_args.get("tensor_parallel_size") or 1
-            need *= s.engine_args.get("pipeline_parallel_size") or 1
+            if s.engine_args.get("stage_type") == "diffusion":
+                need = diffusion_world_size(s.engine_args.get("parallel_config"))
+                how = "parallel_config's world size"
+            else:
+                need = s.engine_args.get("tensor_parallel_size") or 1
+                need *= s.engine_args.get("pipeline_parallel_size") or 1
+                how = "tensor_parallel_size x pipeline_parallel_size"
             if need > dep.devices_per_replica:  # (its engine would get fewer devices than it shards over)
                 raise ConfigError(source, f"deployment.stages.{s.name}.devices_per_replica",
                                   f"{dep.devices_per_replica}, but stage_args[{i}].engine_args shard the model "
-                                  f"over {need} devices (tensor_parallel_size x pipeline_parallel_size): "
-                                  f"give each replica {need}")
+                                  f"over {need} devices ({how}): give each replica {need}")
         if dep.backend == "vllm" and not s.engine_args.get("model"):  # (its replicas fail to start without)
             raise ConfigError(source, f"stage_args[{i}].engine_args.model",
                               "a vllm stage needs `model` (a model directory or a model id)")

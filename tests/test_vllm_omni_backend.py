@@ -84,6 +84,20 @@ def test_missing_model_directory_is_a_one_line_start_error(tmp_path):
         rt.stop()
 
 
+def test_a_gpu_stage_is_given_every_device_placed_for_its_replica(monkeypatch):
+    """The deploy file's own `devices` may list fewer than placement gave the replica (a review:
+    `devices: "0"` on a stage with 2 per replica ran it on one of them)."""
+    from omni_actors.config import RuntimeSpec
+
+    spec = stage("/m")
+    spec.runtime = RuntimeSpec(devices="0")
+    eng = VllmOmniEngine(spec, "thinker/0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # (as the EngineActor sets it from the placement)
+    assert eng._deploy("p", {"tensor_parallel_size": 2}, cpu=False)["stages"][0]["devices"] == "0,1"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")  # (no placement: the stage's own)
+    assert eng._deploy("p", {}, cpu=False)["stages"][0]["devices"] == "0"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm_omni") is not None, reason="vllm_omni is installed here")
 def test_missing_vllm_omni_is_a_one_line_start_error():
     from omni_actors.models import ensure_tiny_model

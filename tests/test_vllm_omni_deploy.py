@@ -154,6 +154,33 @@ def test_num_replicas_becomes_replicas_unless_the_deployment_block_says(tmp_path
     assert dep["code2wav"].backend == "synthetic"   # ours wins
 
 
+def _diffusion_code2wav(parallel_config: dict, ours: dict) -> Callable[[dict], None]:
+    def mutate(d: dict) -> None:
+        d["topology"]["stages"][2]["execution_type"] = "diffusion"
+        d["stages"][2]["parallel_config"] = parallel_config
+        d["deployment"]["stages"]["code2wav"] = ours
+    return mutate
+
+
+def test_a_diffusion_stage_takes_its_parallel_configs_world_size_in_devices(tmp_path: Path) -> None:
+    """vLLM-Omni's HunyuanImage-3 DiT: `parallel_config: {tensor_parallel_size: 2}` (a review: one
+    device per replica was placed, for an engine sharded over two)."""
+    for parallel, size in [({"tensor_parallel_size": 2, "enable_expert_parallel": True}, 2),
+                           ({"ulysses_degree": 2, "ring_degree": 2, "cfg_parallel_size": 2}, 8),
+                           ({"allgather_degree": 2, "ulysses_degree": 4}, 2),
+                           ({"use_hsdp": True, "hsdp_shard_size": 4, "hsdp_replicate_size": 2}, 8),
+                           ({"world_size": 3}, 3), ({}, 1)]:
+        cfg = load_config(write(tmp_path, variant(_diffusion_code2wav(parallel, {"backend": "vllm_omni"}))))
+        assert cfg.deployment.stages["code2wav"].devices_per_replica == size, parallel
+
+
+def test_a_diffusion_stage_given_fewer_devices_than_it_shards_over_is_refused(tmp_path: Path) -> None:
+    err = refused_sample(tmp_path, _diffusion_code2wav({"tensor_parallel_size": 2},
+                                                       {"backend": "vllm_omni", "devices_per_replica": 1}))
+    assert err.path == "deployment.stages.code2wav.devices_per_replica"
+    assert "over 2 devices (parallel_config's world size): give each replica 2" in err.message
+
+
 def test_connectors_edges_env_and_platforms_are_kept(tmp_path: Path) -> None:
     cfg = load_config(write(tmp_path, SAMPLE))
     kept = cfg.vllm_omni

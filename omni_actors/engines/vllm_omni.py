@@ -271,14 +271,15 @@ class VllmOmniEngine:
 
     def _deploy(self, name: str, args: dict[str, Any], cpu: bool) -> dict[str, Any]:
         stage = {k: val for k, val in args.items() if k not in PIPELINE_KEYS}
-        devices = self.stage.runtime.devices
+        # The EngineActor set CUDA_VISIBLE_DEVICES to the devices placed for the replica (else
+        # to the stage's `runtime.devices`): inside this process they are 0..n-1. (Counted from
+        # the placement: a deploy file's `devices: "0"` on a stage given 2 ran it on one; a review.)
+        devices = os.environ.get("CUDA_VISIBLE_DEVICES") or self.stage.runtime.devices
         if cpu:
             stage.setdefault("worker_cls", _CPU_WORKER)
             stage.setdefault("enforce_eager", True)
         elif devices is not None:
-            # The EngineActor set CUDA_VISIBLE_DEVICES to the replica's devices:
-            # inside this process they are 0..n-1.
-            n = len(str(devices).split(","))
+            n = len([d for d in str(devices).split(",") if d.strip()])
             stage["devices"] = ",".join(str(i) for i in range(n))
         stage["stage_id"] = 0
         return {"pipeline": name, "async_chunk": False, "stages": [stage]}

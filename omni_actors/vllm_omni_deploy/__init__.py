@@ -301,16 +301,48 @@ def _deployment(raw: Any, topo: Topology, stages: dict[int, dict[str, Any]],
         filled = {"backend": "vllm_omni"}
         if _own(stage, "num_replicas") is not None:
             filled["replicas"] = _own(stage, "num_replicas")
-        if ts.execution_type != "diffusion":  # a diffusion stage's size is its parallel_config's
-            engine = _engine_args(stage)
+        engine = _engine_args(stage)
+        if ts.execution_type == "diffusion":  # (a trial's TP-2 DiT got one GPU of its two)
+            size = diffusion_world_size(engine.get("parallel_config"))
+        else:
             size = 1
             for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
                 v = engine.get(k, merged.get(k)) or 1
-                size *= v if isinstance(v, int) and not isinstance(v, bool) else 1
-            if size > 1:
-                filled["devices_per_replica"] = size
+                size *= v if _is_int(v) else 1
+        if size > 1:
+            filled["devices_per_replica"] = size
         ours[ts.model_stage] = {**filled, **entry}
     return {**raw, "stages": ours}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def diffusion_world_size(parallel_config: Any) -> int:
+    """The devices one replica of a diffusion stage takes: its ``parallel_config``'s world
+    size, as vLLM-Omni's ``DiffusionParallelConfig`` computes it (pipeline x data x tensor x
+    sequence x CFG parallel, the sequence degree ``allgather_degree`` if over 1, else
+    ``ulysses_degree`` x ``ring_degree``; HSDP alone: ``hsdp_replicate_size`` x
+    ``hsdp_shard_size``), or its ``world_size`` where it gives one. Not imported from
+    vLLM-Omni: that import takes seconds, and configs load without it. 1 for none;
+    values that are not positive integers count as 1 (the engine refuses them)."""
+    if not isinstance(parallel_config, dict):
+        return 1
+
+    def deg(key: str) -> int:
+        v = parallel_config.get(key)
+        return v if _is_int(v) and v > 0 else 1
+    if _is_int(parallel_config.get("world_size")):
+        return deg("world_size")
+    seq = parallel_config.get("sequence_parallel_size")
+    seq = seq if _is_int(seq) and seq > 0 else (
+        deg("allgather_degree") if deg("allgather_degree") > 1 else deg("ulysses_degree") * deg("ring_degree"))
+    size = (deg("pipeline_parallel_size") * deg("data_parallel_size") * deg("tensor_parallel_size") * seq
+            * deg("cfg_parallel_size"))
+    if size == 1 and parallel_config.get("use_hsdp") and deg("hsdp_shard_size") > 1:
+        return deg("hsdp_replicate_size") * deg("hsdp_shard_size")
+    return size
 
 
 def _settings(sid: int, stage: dict[str, Any], source: str) -> StageDeploySettings:
