@@ -673,6 +673,11 @@ def read_yaml(path: Path, source: str, field: str, cannot: str) -> Any:
         return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except _DuplicateKey as exc:
         raise ConfigError(where, f"line {exc.line}", f"duplicate key `{exc.key}`") from None
+    except yaml.reader.ReaderError as exc:  # (no mark: it was two lines with no line number; a review)
+        line = text.count("\n", 0, exc.position) + 1
+        code = ord(exc.character) if isinstance(exc.character, str) else exc.character
+        raise ConfigError(where, f"line {line}", f"not valid YAML: character U+{code:04X} is not allowed "
+                          "(YAML allows no control character but tab and line breaks)") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f"line {mark.line + 1}" if mark is not None else ""
@@ -708,6 +713,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # (`<<: *common`: merged below, its keys
+                continue  # overridden by the mapping's own; it was "could not determine a constructor")
             key = self.construct_object(key_node, deep=deep)
             try:
                 hash(key)

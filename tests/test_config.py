@@ -549,6 +549,30 @@ def test_duplicate_yaml_key_names_its_line(tmp_path: Path) -> None:
     assert err.message == "duplicate key `deployment`"
 
 
+def test_yaml_merge_keys_are_taken_and_overridden_by_the_mappings_own(tmp_path: Path) -> None:
+    """``<<: *common`` (YAML's merge key, which PyYAML and vLLM-Omni's OmegaConf take) was
+    refused by the duplicate-key check (a review)."""
+    text = yaml.safe_dump(BASE, sort_keys=False).replace(
+        "stage_args:\n", "common: &common {dtype: float32, model_stage: nothing}\nstage_args:\n", 1)
+    text = text.replace("engine_args:\n    model_stage: thinker",
+                        "engine_args:\n    <<: *common\n    model_stage: thinker", 1)
+    assert "<<: *common" in text
+    cfg = load_config(write(tmp_path, text))
+    assert cfg.stage_args[0].engine_args["dtype"] == "float32"
+    assert cfg.stage_args[0].engine_args["model_stage"] == "thinker"
+    err = refused(tmp_path, text.replace("    <<: *common\n", "    <<: *common\n    dtype: x\n    dtype: y\n"))
+    assert err.message == "duplicate key `dtype`"  # (still refused where the mapping itself repeats one)
+
+
+def test_a_control_character_in_a_config_is_one_line_naming_its_line(tmp_path: Path) -> None:
+    """A stray Ctrl-Z was PyYAML's two lines, the second `in "<unicode string>", position 155`."""
+    text = yaml.safe_dump(BASE, sort_keys=False).replace("stage_id: 1", "stage_id: 1\x1a", 1)
+    line = text[:text.index("\x1a")].count("\n") + 1
+    err = refused(tmp_path, text)
+    assert (err.path, err.message) == (f"line {line}", "not valid YAML: character U+001A is not allowed (YAML "
+                                       "allows no control character but tab and line breaks)")
+
+
 def test_synthetic_stage_name_it_cannot_emulate(tmp_path: Path) -> None:
     err = refused(tmp_path, variant(lambda d: (d["stage_args"][1]["engine_args"].update(model_stage="bogus"),
                                                d["deployment"]["stages"].pop("talker"))))
@@ -1063,6 +1087,9 @@ def test_check_config_warns_of_a_real_engines_local_model_directory_missing_here
     assert _missing_model_dirs(load_config(path)) == [
         f"{path}: stage_args[0].engine_args.model: no directory {tmp_path / 'nope'} on this host: stage thinker's "
         "replicas fail to start on a host without it"]
+    data["stage_args"][0]["engine_args"]["model"] = "~no-such-user-here/models/x"  # (it was a traceback)
+    assert _missing_model_dirs(load_config(write(tmp_path, data)))[0].startswith(
+        f"{path}: stage_args[0].engine_args.model: no directory ~no-such-user-here/models/x on this host")
     data["stage_args"][0]["engine_args"]["model"] = "Qwen/Qwen3-Omni-30B-A3B-Instruct"  # (an id: not checked)
     assert _missing_model_dirs(load_config(write(tmp_path, data))) == []
 

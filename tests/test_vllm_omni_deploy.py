@@ -530,3 +530,15 @@ def test_check_config_refuses_a_connector_vllm_omni_does_not_have(tmp_path: Path
     path.write_text(text)
     good = check(path)
     assert good.returncode == 0 and good.stdout.startswith("ok: "), good
+
+
+@pytest.mark.parametrize("ids", [8294, "8294", [[1]], [1, "2"], [-1], {"a": 1}])
+def test_stop_token_ids_that_are_not_a_list_of_ids_are_refused(tmp_path: Path, ids: Any) -> None:
+    """They join the topology's (a review: `8294` was a TypeError, `"8294"` four stop tokens)."""
+    err = refused_sample(tmp_path, lambda d: d["stages"][1]["default_sampling_params"].update(stop_token_ids=ids))
+    assert err.path == "stages[1].default_sampling_params.stop_token_ids"
+    assert err.message == f"expected a list of token ids (integers >= 0), got `{ids!r}`"
+    err = refused_sample(tmp_path, lambda d: d["topology"]["stages"][1]["sampling_constraints"].update(
+        stop_token_ids=ids))
+    assert err.path == "topology.stages[1].sampling_constraints.stop_token_ids"
+

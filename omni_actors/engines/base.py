@@ -62,7 +62,12 @@ def missing_model_dir(model: str) -> bool:
     host (a model id, ``Qwen/...``, is the engine's to fetch: never missing here)."""
     from pathlib import Path
 
-    return str(model).startswith(("/", ".", "~")) and not Path(str(model)).expanduser().is_dir()
+    if not str(model).startswith(("/", ".", "~")):
+        return False
+    try:
+        return not Path(str(model)).expanduser().is_dir()
+    except RuntimeError:  # (`~alice/...` with no user alice here: a traceback in check-config; a review)
+        return True
 
 
 #: A replica's process name (``multiprocessing``'s, which vLLM's log lines give: ``(replica pid=...)``).

@@ -169,9 +169,9 @@ class VllmOmniEngine:
         model = args.get("model")
         if not model:
             raise ValueError("engine_args has no `model`")
-        model = str(Path(model).expanduser()) if str(model).startswith("~") else str(model)
-        if missing_model_dir(model):
+        if missing_model_dir(str(model)):
             raise FileNotFoundError(f"model directory {model} does not exist")
+        model = str(Path(model).expanduser()) if str(model).startswith("~") else str(model)
         cpu = _is_cpu_build()
         # vLLM's IPC sockets in a directory of this replica's in the system's, removed when
         # its engine stops (and with the system's)

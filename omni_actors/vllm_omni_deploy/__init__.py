@@ -163,6 +163,7 @@ def parse_deploy_config(data: dict[str, Any], source: str = "<memory>") -> Deplo
     if model is not None and (not isinstance(model, str) or not model.strip()):  # (a trial's `model: 5` passed)
         raise ConfigError(source, "model", f"expected a model id or path (a non-empty string), got `{model!r}`")
     stages = {int(s["stage_id"]): s for s in merged.get("stages") or []}
+    _check_stop_tokens(topo, key, stages, origin, source)
     stage_args = [_stage_args(ts, topo, stages.get(ts.stage_id, {}), merged, data.get("model"))
                   for ts in topo.stages]
     deployment = _deployment(data.get("deployment"), topo, stages, merged)
@@ -313,6 +314,26 @@ def _deployment(raw: Any, topo: Topology, stages: dict[int, dict[str, Any]],
             filled["devices_per_replica"] = size
         ours[ts.model_stage] = {**filled, **entry}
     return {**raw, "stages": ours}
+
+
+def _check_stop_tokens(topo: Topology, key: str | None, stages: dict[int, dict[str, Any]],
+                       origin: dict[int, tuple[str, int]], source: str) -> None:
+    """The stage's ``default_sampling_params`` and the topology's ``stop_token_ids``, which are
+    joined: a list of token ids each (a review's `stop_token_ids: 8294` was a TypeError, and
+    `"8294"` the stop tokens 8, 2, 9 and 4).
+
+    Raises:
+        ConfigError: at the stage's or the topology's path."""
+    for i, ts in enumerate(topo.stages):
+        src, at = origin.get(ts.stage_id, (source, None))
+        mine = stages.get(ts.stage_id, {}).get("default_sampling_params")  # (a mapping: checked before)
+        where = [(src, f"stages[{at}].default_sampling_params", (mine or {}).get("stop_token_ids")),
+                 (source, "pipeline" if key else f"topology.stages[{i}].sampling_constraints",
+                  ts.sampling_constraints.get("stop_token_ids"))]
+        for file, path, ids in where:
+            if ids is not None and not (isinstance(ids, list) and all(_is_int(t) and t >= 0 for t in ids)):
+                raise ConfigError(file, path if path == "pipeline" else f"{path}.stop_token_ids",
+                                  f"expected a list of token ids (integers >= 0), got `{ids!r}`")
 
 
 def _is_int(v: Any) -> bool:
