@@ -274,6 +274,8 @@ def test_shipped_deploy_demo_config_loads() -> None:
     (lambda d: d["stages"][1].update(num_replicas=0), "stages[1].num_replicas", ">= 1"),
     (lambda d: d["stages"][1].update(devices=[0, 1]), "stages[1].devices", "Expected"),
     (lambda d: d["stages"][2].update(runtime={"num_replicas": "two"}), "stages[2].runtime.num_replicas", "int"),
+    (lambda d: d["stages"][2].update(runtime={"devices": "x"}), "stages[2].runtime.devices", "device"),
+    (lambda d: d["stages"][0].update(devices="x"), "stages[0].devices", "device"),
     (lambda d: d["stages"][2].update(stage_id=7), "stages[2].stage_id", "no stage 7 in the topology"),
     (lambda d: d["stages"][2].update(stage_id=1), "stages[2].stage_id", "duplicate stage_id 1"),
     (lambda d: d["stages"].append("oops"), "stages[3]", "Expected `object`"),

@@ -424,5 +424,6 @@ def _where(exc: ConfigError, topo: Topology, key: str | None, origin: dict[int, 
             "engine_extras." if has("engine_extras") and name not in stage else ""
         tail = within + arg
     else:
-        tail = rest.replace("runtime.devices", "devices")
+        under_runtime = isinstance(stage.get("runtime"), dict) and "devices" in stage["runtime"]
+        tail = rest if under_runtime else rest.replace("runtime.devices", "devices")  # (as _own reads it)
     return ConfigError(src, f"stages[{i}].{tail}", exc.message)
