@@ -412,6 +412,11 @@ def _type_at(typ: Any, path: str) -> Any:
         if not part:
             continue
         args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if len(args) == 1 and typing.get_origin(args[0]) is dict:  # (an optional mapping)
+            typ, args = args[0], list(typing.get_args(args[0]))
+        if typing.get_origin(typ) is dict and len(args) == 2:  # a mapping's value, by its key
+            typ = args[1]
+            continue
         if part.isdigit() and args:  # list item
             typ = args[0]
             continue
@@ -512,6 +517,38 @@ def _expected(typ: Any, path: str, message: str, obj: Any = _MISSING) -> tuple[s
     return path, message
 
 
+def _named_keys(obj: Any, typ: type, path: str) -> str:
+    """``path`` with each ``[...]`` (msgspec's word for a mapping's key) replaced by the key
+    of the entry that fails: the first whose mapping, cut down to it alone, still fails to
+    convert (a review read `platforms[...]` and `input_connectors[...].bogus`). Left as it
+    is where that cannot be told."""
+    while "[...]" in path:
+        head, tail = path.split("[...]", 1)
+        mapping = _value_at(obj, head)
+        if not isinstance(mapping, dict):
+            return path
+        parts = [p for p in head.replace("]", "").replace("[", ".").split(".") if p]
+        for key in mapping:
+            try:
+                msgspec.convert(_with_value(obj, parts, {key: mapping[key]}), typ)
+            except msgspec.ValidationError:
+                path = f"{head}.{key}{tail}" if head else f"{key}{tail}"
+                break
+        else:
+            return path
+    return path
+
+
+def _with_value(obj: Any, parts: list[str], value: Any) -> Any:
+    """A copy of ``obj`` with ``value`` at ``parts`` (copied along the way only)."""
+    if not parts:
+        return value
+    if isinstance(obj, list):
+        i = int(parts[0])
+        return [*obj[:i], _with_value(obj[i], parts[1:], value), *obj[i + 1:]]
+    return {**obj, parts[0]: _with_value(obj[parts[0]], parts[1:], value)}
+
+
 def _convert(obj: Any, typ: type, source: str, prefix: str = "") -> Any:
     try:
         return msgspec.convert(obj, typ)
@@ -524,7 +561,7 @@ def _convert(obj: Any, typ: type, source: str, prefix: str = "") -> Any:
                 "Expected `str`, got", "got a key of type")
         else:
             m = _PATH_RE.search(text)
-            path = _yaml_path(m.group(1)) if m else ""
+            path = _named_keys(obj, typ, _yaml_path(m.group(1))) if m else ""
             path, message = _expected(typ, path, _PATH_RE.sub("", text).strip(" -"), obj)
         if prefix:
             path = prefix + ("." + path if path and not path.startswith("[") else path)

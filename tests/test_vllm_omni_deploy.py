@@ -276,6 +276,10 @@ def test_shipped_deploy_demo_config_loads() -> None:
     (lambda d: d["stages"][2].update(runtime={"num_replicas": "two"}), "stages[2].runtime.num_replicas", "int"),
     (lambda d: d["stages"][2].update(runtime={"devices": "x"}), "stages[2].runtime.devices", "device"),
     (lambda d: d["stages"][0].update(devices="x"), "stages[0].devices", "device"),
+    # (msgspec names a mapping's key `[...]`: a review read `platforms[...]`)
+    (lambda d: d.update(platforms={"rocm": {"stages": []}, "cuda": None}), "platforms.cuda", "Expected `object`"),
+    (lambda d: d["stages"][1].update(input_connectors={"from_stage_0": {"name": "X", "bogus": 1}}),
+     "stages[1].input_connectors.from_stage_0.bogus", "unknown field `bogus`"),
     (lambda d: d["stages"][2].update(stage_id=7), "stages[2].stage_id", "no stage 7 in the topology"),
     (lambda d: d["stages"][2].update(stage_id=1), "stages[2].stage_id", "duplicate stage_id 1"),
     (lambda d: d["stages"].append("oops"), "stages[3]", "Expected `object`"),
