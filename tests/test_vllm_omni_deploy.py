@@ -276,6 +276,8 @@ def test_shipped_deploy_demo_config_loads() -> None:
     (lambda d: d["stages"][2].update(runtime={"num_replicas": "two"}), "stages[2].runtime.num_replicas", "int"),
     (lambda d: d["stages"][2].update(runtime={"devices": "x"}), "stages[2].runtime.devices", "device"),
     (lambda d: d["stages"][0].update(devices="x"), "stages[0].devices", "device"),
+    (lambda d: d["topology"]["stages"][1]["sampling_constraints"].update(max_tokens=0),
+     "topology.stages[1].sampling_constraints.max_tokens", ">= 1"),
     # (msgspec names a mapping's key `[...]`: a review read `platforms[...]`)
     (lambda d: d.update(platforms={"rocm": {"stages": []}, "cuda": None}), "platforms.cuda", "Expected `object`"),
     (lambda d: d["stages"][1].update(input_connectors={"from_stage_0": {"name": "X", "bogus": 1}}),

@@ -409,6 +409,13 @@ def _where(exc: ConfigError, topo: Topology, key: str | None, origin: dict[int, 
         tail = rest.replace(field, there, 1)
         return ConfigError(exc.source, f"topology.stages[{index}].{tail}", exc.message)
     stage = stages.get(ts.stage_id) or {}
+    param = rest.removeprefix("default_sampling_params.")
+    if param != rest and re.split(r"[.\[]", param, maxsplit=1)[0] in ts.sampling_constraints:
+        # (the topology's, which win over the stage's: a review's bad constraint was blamed on the file)
+        if key is not None:
+            return ConfigError(exc.source, "pipeline", f"vLLM-Omni pipeline `{key}`, stage {ts.stage_id} "
+                                                       f"`{ts.model_stage}`: {exc.message}")
+        return ConfigError(exc.source, f"topology.stages[{index}].sampling_constraints.{param}", exc.message)
     arg = rest.removeprefix("engine_args.")
     name = re.split(r"[.\[]", arg, maxsplit=1)[0]
     if rest.startswith("engine_args.") and name in PIPELINE_WIDE and name not in _engine_args(stage) \
