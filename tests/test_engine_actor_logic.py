@@ -3336,3 +3336,32 @@ def test_a_drained_replica_sends_the_text_it_held_for_a_slow_api_server_before_i
     assert timers == [(EXIT_GRACE_S, "exit")]
     actor.receiveMsg_WakeupMessage(SimpleNamespace(payload="exit"), None)
     assert isinstance(sent[-1][1], ActorExitRequest)
+
+
+def test_a_replicas_progress_counts_the_tokens_it_made_not_its_events():
+    """``rate`` in `status` is tokens (or outputs) per second: a vLLM Thinker's deltas merge
+    under load, and a Talker that does not stream makes one event per task (a review: its
+    rate read 1-2 while it made thousands of codes a second)."""
+    import numpy as np
+
+    from omni_actors.actors.engine import made_units
+    from omni_actors.engines.base import OutputChunk, StageFinal, TextDelta
+
+    def progress(events) -> int:
+        made = 0
+        for event in events:
+            units = made_units(event, made)
+            assert units >= 1 or isinstance(event, StageFinal)  # (the stall watchdog sees every other)
+            made += units
+        return made
+
+    thinker = [TextDelta("Hi", (1, 2, 3)), TextDelta(" there", (4,)), StageFinal({}, 5, num_output_tokens=4)]
+    assert progress(thinker) == 4
+    assert progress([StageFinal({"codes": [0] * 300}, 4, num_output_tokens=300)]) == 300  # a whole Talker task
+    streamed = [OutputChunk({"token_ids": np.arange(8)}), OutputChunk({"codes": [1, 2]}),
+                StageFinal({}, 4, num_output_tokens=12)]
+    assert progress(streamed) == 12  # (the final's 2 not in a chunk)
+    audio = [OutputChunk({"audio": np.zeros(4800)}), OutputChunk({"audio": np.zeros(4800)}),
+             StageFinal({"audio": np.zeros(9600)}, 20)]
+    assert progress(audio) == 2  # outputs, where no tokens are counted
+    assert progress([StageFinal({"image": b""}, 7)]) == 1

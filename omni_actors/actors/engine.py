@@ -35,8 +35,8 @@ from omni_actors.config_checks import resolve_processor
 from omni_actors.connectors import ConnectorError, make_connector, release_all
 from omni_actors.connectors.omni import OmniDataMissing
 from omni_actors.engines import create_backend
-from omni_actors.engines.base import (REPLICA_PROCESS_NAME, BackendTask, InputLost, OutputChunk, StageFinal,
-                                     StageInputError, TextDelta, UpstreamTimeout, replica_log_prefix)
+from omni_actors.engines.base import (REPLICA_PROCESS_NAME, BackendEvent, BackendTask, InputLost, OutputChunk,
+                                     StageFinal, StageInputError, TextDelta, UpstreamTimeout, replica_log_prefix)
 from omni_actors.logs import get_logger
 from omni_actors.messages import (CancelStage, DeltasAck, DrainReplica, EngineFailed, EngineReady, ErrorKind,
                                   FaultKind, Heartbeat, HeartbeatAck, InjectFault, OutputDelta, OutputDeltas,
@@ -137,6 +137,24 @@ class LoopThread:
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=2.0)
+
+
+def made_units(event: BackendEvent, made: int) -> int:
+    """What ``event`` adds to a replica's progress (its ``rate`` in ``status``): tokens it
+    holds (text deltas' ``token_ids``; a chunk's ``token_ids`` or ``codes``), or 1 for an
+    output that counts none (audio, an image); for the final event, the tokens of
+    ``num_output_tokens`` not counted before (``made``), else 1 if nothing was. (Each event
+    counted 1: a vLLM Thinker under load, whose deltas merge, showed a fraction of its
+    tokens/s, and a Talker its tasks/s; a review.) At least 1 for every event but a final
+    one whose tokens were all counted: the stall watchdog sees any progress."""
+    if isinstance(event, TextDelta):
+        return len(event.token_ids) or 1
+    if isinstance(event, OutputChunk):
+        ids = event.outputs.get("token_ids", event.outputs.get("codes"))
+        return len(ids) if hasattr(ids, "__len__") and len(ids) else 1
+    if isinstance(event, StageFinal):
+        return max(0, event.num_output_tokens - made) if event.num_output_tokens else int(made == 0)
+    return 1
 
 
 class EngineActor(StreamingMixin, ActorTypeDispatcher):
@@ -699,8 +717,11 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         final: StageFinal | None = None
         first_text = True
         chunks = 0  # made by the backend (several may leave in one message: see actors/outbox.py)
+        made = 0  # tokens (or outputs) of this task counted in _progress so far
         async for event in self._faulty(self._backend.generate(task)):
-            self._progress += 1
+            units = made_units(event, made)
+            made += units
+            self._progress += units
             self._progress_at = time.monotonic()
             if isinstance(event, TextDelta):
                 if msg.text_to is not None and event.text:

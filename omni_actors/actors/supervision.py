@@ -307,7 +307,8 @@ class ReplicaHealth:
             self.last_failure_at = now
 
     def rate(self) -> float:
-        """Units (tokens, frames, items) per second over the last few heartbeats."""
+        """Progress per second over the last few heartbeats: tokens, or outputs for a stage that
+        makes none (see :func:`omni_actors.actors.engine.made_units`)."""
         if len(self.history) < 2:
             return 0.0
         (t0, p0), (t1, p1) = self.history[0], self.history[-1]

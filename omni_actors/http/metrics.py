@@ -152,7 +152,7 @@ def stage_families(table: dict[str, Any]) -> list[Metric]:
     running = GaugeMetricFamily("omni_replica_running", "Requests running in the replica's "
                                 "engine (last heartbeat)", labels=_RL)
     rate = GaugeMetricFamily("omni_replica_rate",
-                             "Replica throughput: tokens, frames or items per second", labels=_RL)
+                             "Replica throughput: tokens (or outputs, for a stage that makes none) per second", labels=_RL)
     kv = GaugeMetricFamily("omni_replica_kv_cache_usage",
                            "KV-cache usage, 0..1 (backends that report it)", labels=_RL)
     hb_age = GaugeMetricFamily("omni_replica_last_heartbeat_age_seconds",
