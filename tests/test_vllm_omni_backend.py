@@ -250,6 +250,22 @@ def test_default_sampling_params_vllm_refuses_fail_the_start(rt):
 
 
 @needs_omni
+def test_a_diffusion_stages_misspelt_default_sampling_param_fails_the_start(rt):
+    """`num_inference_step: 50` (for `num_inference_steps`) on a DiT: the replica went ready,
+    then every image request got a 400 blamed on its client (a review)."""
+    import msgspec
+
+    from omni_actors.models import ensure_tiny_model
+
+    spec = msgspec.structs.replace(stage(str(ensure_tiny_model()), name="dit", stage_type="diffusion"),
+                                   default_sampling_params={"num_inference_step": 50})
+    eng = VllmOmniEngine(spec, "dit/0")
+    with pytest.raises(RuntimeError, match=r"default_sampling_params: invalid diffusion sampling parameters: "
+                                           r".*num_inference_step"):
+        rt.run(eng.start())
+
+
+@needs_omni
 def test_consuming_stage_runs_vllm_omni_default_processor(rt):
     """A Talker-like stage: vLLM-Omni's default processor makes the upstream
     output tokens its prompt, exactly."""

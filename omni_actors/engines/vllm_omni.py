@@ -189,6 +189,8 @@ class VllmOmniEngine:
             from omni_actors.engines.vllm import check_default_sampling_params
 
             check_default_sampling_params(self.stage.default_sampling_params)
+        else:  # (a review's `num_inference_step: 50`: every image request a 400, blamed on its client)
+            check_diffusion_sampling_params(self.stage.default_sampling_params)
         self._processor = self._resolve_processor()
         v = self._v
         name = f"omni_actors_{self.stage.name}_{self.stage.stage_id}"
@@ -498,6 +500,24 @@ class VllmOmniEngine:
                      "prompt_token_ids": prompt_arr, "finish_reason": str(finish or "stop"), **extra},
             num_prompt_tokens=len(prompt_arr), num_output_tokens=len(token_ids),
             finish_reason=str(finish) if finish else None)
+
+
+def check_diffusion_sampling_params(params: dict[str, Any]) -> None:
+    """Check a diffusion stage's ``default_sampling_params`` by vLLM-Omni's own
+    ``OmniDiffusionSamplingParams`` (names and the values it checks), without an engine.
+
+    Raises:
+        ValueError: a name it does not take or a value it refuses, on one line.
+    """
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    try:
+        OmniDiffusionSamplingParams(**params)
+    except Exception as exc:  # noqa: BLE001 - TypeError for a name, ValueError for a value
+        if isinstance(exc, KeyError) or is_client_error(exc):
+            raise ValueError(f"default_sampling_params: invalid diffusion sampling parameters: "
+                             f"{one_line(exc)}") from None
+        raise
 
 
 def _image_size(params: dict[str, Any]) -> tuple[int, int] | None:
