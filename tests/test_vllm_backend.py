@@ -562,6 +562,24 @@ def test_a_killed_engine_core_is_named_at_once_not_after_the_error_file_wait():
     assert exit_description(child.pid) == ""  # reaped: gone, how no longer known
 
 
+def test_an_engine_core_killed_while_it_loads_is_named_from_vllms_exit_codes():
+    """A core the OOM killer ends during start-up (before its pid is noted) read as vLLM's
+    "See root cause above" and a bare `-9` (a review). No vLLM needed: vLLM's message."""
+    from omni_actors.engines.vllm_core import CoreWatch
+
+    watch = CoreWatch("test")
+    try:
+        cause = watch.root_cause(RuntimeError("Engine core initialization failed. See root cause above. "
+                                              "Failed core proc(s): {'EngineCore_DP0': -9, 'EngineCore_DP1': 1}"))
+        assert cause == ("vLLM's engine core process EngineCore_DP0 was killed by SIGKILL; vLLM's engine core "
+                         "process EngineCore_DP1 exited with status 1 (RuntimeError: Engine core initialization "
+                         "failed. Failed core proc(s): {'EngineCore_DP0': -9, 'EngineCore_DP1': 1})"), cause
+        plain = RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")
+        assert watch.root_cause(plain) == f"RuntimeError: {plain}"  # (nothing known: vLLM's words)
+    finally:
+        watch.close()
+
+
 def test_an_engine_core_killed_while_idle_shows_as_the_engines_failure(tiny_model, loop_thread):
     """Trial W: a core killed while no task ran was noticed only by the next request, which
     failed; the replica's heartbeat reads ``failure``, so it now shows without a task."""

@@ -518,3 +518,86 @@ def test_a_vllm_omni_processor_that_fails_on_its_upstream_outputs_is_a_stage_inp
     upstream = {0: {"text": "x", "token_ids": np.array([5, 6]), "finish_reason": "stop"}}
     with pytest.raises(StageInputError, match=f"failed on the outputs of stage.*{type(exc).__name__}"):
         eng._engine_prompt(BackendTask("r1", stage_inputs(upstream, "hi", {}), {}))
+
+
+@needs_omni
+def test_an_engine_core_failing_its_start_is_named_with_its_own_error(rt, tmp_path_factory):
+    """head_dim 16: vLLM's CPU attention rejects it in the engine core's first forward pass.
+    vLLM-Omni passed on only "EngineCore encountered an issue. See stack trace (above)" (a review)."""
+    from omni_actors.engines.vllm import _is_cpu_build
+    from omni_actors.models import ensure_tiny_model
+
+    if not _is_cpu_build():
+        pytest.skip("head_dim 16 is only rejected by vLLM's CPU attention kernels")
+    model = ensure_tiny_model(tmp_path_factory.mktemp("h16") / "m", hidden_size=64, heads=4)
+    eng = VllmOmniEngine(stage(str(model)), "thinker/0")
+    with pytest.raises(RuntimeError, match="Unsupported CPU attention configuration: head_dim=16") as err:
+        rt.run(eng.start())
+    assert "See stack trace" not in str(err.value) and "\n" not in str(err.value)
+
+
+_KILLED_REPLICA = """
+import asyncio, os, sys, threading, time
+import psutil
+from omni_actors.config import StageSpec
+from omni_actors.engines.vllm_omni import VllmOmniEngine
+
+if __name__ == "__main__":  # (vLLM-Omni spawns its engine core)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    eng = VllmOmniEngine(StageSpec(stage_id=0, engine_args={"model_stage": "thinker", "model": sys.argv[1],
+                                                            "dtype": "float32", "max_model_len": 128}), "thinker/0")
+    asyncio.run_coroutine_threadsafe(eng.start(), loop).result(300)
+    print("CORES", *[p.pid for p in psutil.Process().children() if p.name().startswith("VLLM::")], flush=True)
+    time.sleep(600)
+"""
+
+
+@needs_omni
+def test_a_killed_replica_leaves_no_engine_core_behind(tmp_path):
+    """A replica process SIGKILLed (a hung one killed by its pool, `inject kill`, the OOM
+    killer): its vLLM-Omni engine core lived on, re-parented to init, with its memory (a review)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from omni_actors.models import ensure_tiny_model
+
+    script = tmp_path / "replica.py"
+    script.write_text(_KILLED_REPLICA)
+    proc = subprocess.Popen([sys.executable, str(script), str(ensure_tiny_model())], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, cwd=str(Path(__file__).resolve().parent.parent))
+    cores: list[int] = []
+    try:
+        line = ""
+        for line in proc.stdout:  # (vLLM logs to stdout too)
+            if line.startswith("CORES"):
+                break
+        assert line.startswith("CORES"), line
+        cores = [int(p) for p in line.split()[1:]]
+        assert cores
+        time.sleep(3)  # (killed at once, the core sometimes went too, on its own)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        def running(pid: int) -> bool:
+            try:
+                return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(map(running, cores)):
+            time.sleep(0.2)
+        assert not [p for p in cores if running(p)], "the engine core outlived its replica"
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in cores:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

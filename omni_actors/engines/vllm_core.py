@@ -132,7 +132,10 @@ def pinned(cpus: frozenset[int]):
 
 
 #: vLLM's pointer to its own log, at the end of EngineDeadError's message.
-SEE_ABOVE = re.compile(r"\s*See stack trace \(above\) for the root cause\.?")
+SEE_ABOVE = re.compile(r"\s*See (?:stack trace \(above\) for the root cause|root cause above)\.?")
+#: vLLM's word for its engine cores that ended during start-up: ``Failed core proc(s): {'EngineCore_DP0': -9}``
+#: (multiprocessing's exit codes: ``-N`` killed by signal N).
+FAILED_CORES = re.compile(r"Failed core proc\(s\): (\{[^}]*\})")
 
 
 def one_line(exc: BaseException) -> str:
@@ -200,18 +203,22 @@ class CoreWatch:
         self._others: set[int] = set()
 
     @contextlib.contextmanager
-    def spawning(self, engine_core_proc: type):
-        """Patch ``engine_core_proc.run_engine_core`` while the engine is created."""
+    def spawning(self, engine_core_proc: type, entry: str = "run_engine_core"):
+        """Patch ``engine_core_proc.<entry>`` (the target its process manager spawns: vLLM's
+        ``EngineCoreProc.run_engine_core``, vLLM-Omni's ``StageEngineCoreProc.run_stage_core``)
+        while the engine is created. The child runs it from a fresh import of
+        ``engine_core_proc``'s module (vLLM spawns its cores)."""
         self._others = _core_pids()
-        original = engine_core_proc.__dict__.get("run_engine_core")
+        original = engine_core_proc.__dict__.get(entry)
         if original is None:
             yield
             return
-        engine_core_proc.run_engine_core = staticmethod(_CoreLauncher(self.error_file, os.getpid()))
+        setattr(engine_core_proc, entry, staticmethod(_CoreLauncher(
+            self.error_file, os.getpid(), (engine_core_proc.__module__, engine_core_proc.__qualname__, entry))))
         try:
             yield
         finally:
-            engine_core_proc.run_engine_core = original
+            setattr(engine_core_proc, entry, original)
 
     def note_cores(self) -> None:
         """Remember the engine core processes this engine started (this process's
@@ -238,7 +245,7 @@ class CoreWatch:
             text = ""
         if text:
             return text
-        ended = self._ended()
+        ended = self._ended() or _failed_cores(one_line(exc))
         if not ended:
             return one_line(exc)
         # (vLLM's "See stack trace (above) ..." points at its log, where a killed core wrote
@@ -271,6 +278,33 @@ class CoreWatch:
             Path(self.error_file).unlink(missing_ok=True)
 
 
+def _failed_cores(text: str) -> list[str]:
+    """How the engine cores vLLM names in ``text`` ended (``Failed core proc(s): {...}``):
+    those killed by a signal or that exited with a status; [] where it names none. (A core
+    killed while it loaded, before :meth:`CoreWatch.note_cores`, read only vLLM's "See
+    root cause above", and ``-9``; a review.)"""
+    import ast
+
+    m = FAILED_CORES.search(text)
+    try:
+        codes = ast.literal_eval(m.group(1)) if m else {}
+    except (ValueError, SyntaxError):
+        return []
+    out = []
+    for name, code in (codes.items() if isinstance(codes, dict) else ()):
+        if isinstance(code, int) and code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        elif isinstance(code, int) and code > 0:
+            how = f"exited with status {code}"
+        else:
+            continue
+        out.append(f"vLLM's engine core process {name} {how}")
+    return out
+
+
 def exit_description(pid: int) -> str | None:
     """How child process ``pid`` ended: None while it runs; ``"was killed by SIGKILL"``
     or ``"exited with status 1"`` while it is a zombie (not yet reaped); ``""`` once it is
@@ -295,11 +329,14 @@ def exit_description(pid: int) -> str | None:
 
 
 class _CoreLauncher:
-    """Stands in for ``EngineCoreProc.run_engine_core``; pickled into the child."""
+    """Stands in for ``EngineCoreProc.run_engine_core`` (or the ``entry``, ``(module, class,
+    attribute)``, named); pickled into the child."""
 
-    def __init__(self, error_file: str, parent_pid: int):
+    def __init__(self, error_file: str, parent_pid: int,
+                 entry: tuple[str, str, str] = ("vllm.v1.engine.core", "EngineCoreProc", "run_engine_core")):
         self.error_file = error_file
         self.parent_pid = parent_pid
+        self.entry = entry
 
     def __call__(self, *args, **kwargs):
         _set_parent_death_signal()
@@ -319,8 +356,12 @@ class _CoreLauncher:
                 return send_dead(core, *a, **kw)
 
             EngineCoreProc._send_engine_dead = _send_engine_dead
+        import importlib
+
+        module, cls, attr = self.entry
+        run = getattr(getattr(importlib.import_module(module), cls), attr)
         try:
-            return EngineCoreProc.run_engine_core(*args, **kwargs)
+            return run(*args, **kwargs)
         except Exception as exc:  # a start-up failure: the parent waits for our exit
             self._write(exc)
             raise

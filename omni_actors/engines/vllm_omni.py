@@ -61,6 +61,7 @@ its stage scheduler's stats).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import tempfile
@@ -73,7 +74,7 @@ import numpy as np
 from omni_actors.config import StageSpec
 from omni_actors.engines.base import (BackendEvent, BackendLoad, BackendTask, StageFinal, StageInputError, TextDelta,
                                      context_exceeded, missing_model_dir)
-from omni_actors.engines.vllm_core import is_client_error, one_line
+from omni_actors.engines.vllm_core import CoreWatch, is_client_error, one_line
 from omni_actors.engines.vllm_requests import VllmRequests
 from omni_actors.logs import get_logger
 from omni_actors.system.processes import release_ipc_dir, use_ipc_dir, use_ipc_dir_for_temp_files
@@ -135,6 +136,8 @@ class VllmOmniEngine:
         self._ipc: str | None = None  # (this replica's directory for vLLM's IPC sockets)
         self._diffusion = is_diffusion_stage(stage)
         self._dead: str | None = None
+        #: its engine core's error file and parent-death signal (see vllm_core.CoreWatch)
+        self._watch: CoreWatch | None = None
         self._log = get_logger(backend="vllm_omni", replica=replica)
         #: Seconds ``start`` took (import + engine + warm-up).
         self.startup_s: float | None = None
@@ -156,10 +159,13 @@ class VllmOmniEngine:
             await self._start()
         except Exception as exc:
             self.start_phase = ""
+            # (the engine core's own exception where it wrote one: vLLM-Omni passed on only
+            # "Engine core initialization failed. See root cause above"; a review)
+            cause = await self._watch.await_root_cause(exc) if self._watch else one_line(exc)
             await self._teardown()
             raise RuntimeError(
                 f"vLLM-Omni stage `{self.stage.name}` ({self.replica}), model "
-                f"`{self.stage.engine_args.get('model')}`: {one_line(exc)}") from None
+                f"`{self.stage.engine_args.get('model')}`: {cause}") from None
         self.startup_s = time.monotonic() - t0
         self.start_phase = ""
         self._log.info("vllm_omni_engine_started", startup_s=round(self.startup_s, 2))
@@ -201,8 +207,14 @@ class VllmOmniEngine:
             v["yaml"].safe_dump(deploy, f)
         self._deploy_file = path
         self.start_phase = "loading the vLLM-Omni stage engine (model weights, memory profile, KV cache)"
+        self._watch = CoreWatch(self.replica)
+        core_proc = v["StageEngineCoreProc"]
         try:
-            self._omni = v["AsyncOmni"](model=model, deploy_config=path)
+            # (its engine core dies with the thread that spawned it, vLLM-Omni's orchestrator,
+            # which lives as long as the engine: a SIGKILLed replica's core lived on, a review)
+            with self._watch.spawning(core_proc, "run_stage_core") if core_proc else contextlib.nullcontext():
+                self._omni = v["AsyncOmni"](model=model, deploy_config=path)
+            self._watch.note_cores()
         finally:
             # Read once at start-up: nothing is left behind, however the replica ends.
             Path(path).unlink(missing_ok=True)
@@ -225,6 +237,10 @@ class VllmOmniEngine:
             from vllm_omni.config.stage_config import (PipelineConfig, StageExecutionType,
                                                        StagePipelineConfig)
             from vllm_omni.entrypoints.async_omni import AsyncOmni
+            try:
+                from vllm_omni.engine.stage_engine_core_proc import StageEngineCoreProc
+            except ImportError:  # (moved in another release: its cores start unwatched)
+                StageEngineCoreProc = None  # noqa: N806
         except ModuleNotFoundError as exc:
             raise RuntimeError(f"vLLM-Omni is not installed here ({exc}): {_INSTALL_HINT}") from None
         except Exception as exc:  # noqa: BLE001 - e.g. torchvision built for another torch
@@ -234,7 +250,8 @@ class VllmOmniEngine:
                        CompletionOutput=CompletionOutput, RequestOutput=RequestOutput,
                        register_pipeline=register_pipeline, PipelineConfig=PipelineConfig,
                        StageExecutionType=StageExecutionType,
-                       StagePipelineConfig=StagePipelineConfig, AsyncOmni=AsyncOmni)
+                       StagePipelineConfig=StagePipelineConfig, AsyncOmni=AsyncOmni,
+                       StageEngineCoreProc=StageEngineCoreProc)
 
     def _resolve_processor(self):
         if not self.stage.engine_input_source:
@@ -312,6 +329,9 @@ class VllmOmniEngine:
             self._deploy_file = None
         release_ipc_dir(self._ipc)
         self._ipc = None
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
 
     @property
     def failure(self) -> str | None:
@@ -482,7 +502,7 @@ class VllmOmniEngine:
                 # Its stage engine is gone (a trial SIGKILLed it): this replica can serve no more,
                 # and says so at its next heartbeat (it read `ready` until the circuit breaker
                 # tripped after 5 failed tasks).
-                self._dead = one_line(exc)
+                self._dead = await self._watch.await_root_cause(exc) if self._watch else one_line(exc)
                 self._log.error("vllm_omni_engine_dead", error=self._dead)
             raise RuntimeError(one_line(exc.__cause__ or exc)) from None
         finally:
