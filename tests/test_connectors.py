@@ -54,6 +54,8 @@ def sample_outputs() -> dict:
         "final": True,
         "temperature": 0.7,
         "raw": b"\x00\x01",
+        "long_text": "ünïcode text " * 200,                # packed in the buffer, as an array is
+        "long_raw": bytes(range(256)) * 8,
     }
 
 
@@ -188,7 +190,8 @@ def test_get_is_zero_copy_read_only_and_outlives_release(prefix):
 
 def test_arrays_are_packed_at_64_byte_aligned_offsets(prefix):
     ref = make_connector(0, prefix=prefix).put(sample_outputs())
-    arrays = [f for f in ref.layout if f.kind == "array"]
+    arrays = [f for f in ref.layout if f.kind in ("array", "str", "bytes")]
+    assert {f.kind for f in arrays} == {"array", "str", "bytes"}
     assert all(f.offset % ALIGN == 0 for f in arrays)
     assert ref.size == arrays[-1].offset + arrays[-1].nbytes
     release_all([ref])
@@ -209,6 +212,19 @@ def test_outputs_without_array_bytes_need_no_segment(prefix, outputs):
     ref = connector.put(outputs)
     assert ref.kind == "inline" and list_segments(prefix) == []
     assert list(connector.get(ref)) == list(outputs)
+
+
+def test_a_long_text_counts_towards_the_inline_threshold_and_rides_in_no_message(prefix):
+    """A review: a 200 kB text went inline under a 64 KiB threshold (only array bytes
+    counted), in every actor message that carried its ref."""
+    connector = make_connector(65536, prefix=prefix)
+    ref = connector.put({"text": "a" * 200_000, "token_ids": np.zeros(10, np.int32)})
+    assert ref.kind == "shm" and ref.size > 200_000
+    assert len(pickle.dumps(ref)) < 2048
+    assert connector.get(ref)["text"] == "a" * 200_000
+    connector.release(ref)
+    small = connector.put({"text": "a" * 2000})
+    assert small.kind == "inline" and connector.get(small)["text"] == "a" * 2000
 
 
 def test_ref_pickles_small_even_for_a_10mb_payload(prefix):

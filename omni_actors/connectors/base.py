@@ -17,7 +17,9 @@ class FieldLayout:
     """Where one output field lives inside a buffer.
 
     ``kind`` is ``"array"`` (``dtype``/``shape``/``offset``/``nbytes`` locate
-    it) or ``"value"`` (a small scalar or str, carried in ``value``).
+    it), ``"str"`` or ``"bytes"`` (a large one, packed as its UTF-8 or raw bytes: ``offset``
+    and ``nbytes`` locate them), or ``"value"`` (a small scalar, str or bytes, carried in
+    ``value``).
     """
 
     key: str
@@ -27,6 +29,10 @@ class FieldLayout:
     offset: int = 0
     nbytes: int = 0
     value: Any = None
+
+
+#: The kinds of :class:`FieldLayout` whose bytes are in the buffer.
+PACKED_KINDS = frozenset({"array", "str", "bytes"})
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """Packing stage outputs into one buffer, and the inline connector.
 
-A stage output dict maps field names to numpy arrays or small values
+A stage output dict maps field names to numpy arrays or other values
 (scalars, str, bytes, None). :func:`plan` lays the arrays out back to back in
-one buffer (C order, each at a 64-byte aligned offset) and describes every
-field with a :class:`FieldLayout`; small values ride in the layout itself.
-Arrays are never pickled: only their raw bytes are copied.
+one buffer (C order, each at a 64-byte aligned offset), and str and bytes
+values over :data:`SMALL_VALUE_BYTES` too (a long completion's text), and
+describes every field with a :class:`FieldLayout`; other values ride in the
+layout itself. Arrays are never pickled: only their raw bytes are copied.
 
 Every ``get`` (inline, shared memory, remote) returns **read-only** arrays
 that are views on the buffer they arrived in: consumers must copy what they
@@ -21,9 +22,13 @@ from typing import Any
 
 import numpy as np
 
-from omni_actors.connectors.base import ConnectorRef, FieldLayout
+from omni_actors.connectors.base import PACKED_KINDS, ConnectorRef, FieldLayout
 
 ALIGN = 64  # bytes; a cache line, and enough for any numpy dtype's alignment
+#: A str (its UTF-8) or bytes value longer than this is packed in the buffer, as an array is,
+#: not carried in the layout (which rides in actor messages whatever its size: a review
+#: found a 200 kB text inline under a 64 KiB threshold).
+SMALL_VALUE_BYTES = 1024
 
 
 class ConnectorError(LookupError):
@@ -48,6 +53,11 @@ def plan(outputs: dict[str, Any]) -> tuple[tuple[FieldLayout, ...], int, list[np
     for key, value in outputs.items():
         if not isinstance(key, str):
             raise TypeError(f"output field names must be str, got {key!r}")
+        kind = "array"
+        if isinstance(value, (str, bytes)) and len(value) > SMALL_VALUE_BYTES // 4:
+            raw = value.encode() if isinstance(value, str) else value
+            if len(raw) > SMALL_VALUE_BYTES:
+                value, kind = np.frombuffer(raw, dtype=np.uint8), type(value).__name__
         if not isinstance(value, np.ndarray):
             layout.append(FieldLayout(key=key, kind="value", value=value))
             continue
@@ -64,7 +74,7 @@ def plan(outputs: dict[str, Any]) -> tuple[tuple[FieldLayout, ...], int, list[np
             else np.ascontiguousarray(value).reshape(value.shape)
         offset = -(-size // ALIGN) * ALIGN
         nbytes = arr.nbytes
-        layout.append(FieldLayout(key, "array", arr.dtype.str, arr.shape, offset, nbytes))
+        layout.append(FieldLayout(key, kind, arr.dtype.str, arr.shape, offset, nbytes))
         arrays.append(arr)
         size = offset + nbytes
     return tuple(layout), size, arrays
@@ -81,7 +91,7 @@ def pieces(layout: tuple[FieldLayout, ...], arrays: list[np.ndarray]) -> list[np
     ``b"".join(pieces(...))`` builds it with a single copy."""
     out: list[np.ndarray | bytes] = []
     pos = 0
-    for field, arr in zip([f for f in layout if f.kind == "array"], arrays):
+    for field, arr in zip([f for f in layout if f.kind in PACKED_KINDS], arrays):
         if not field.nbytes:
             continue
         if field.offset > pos:
@@ -94,7 +104,7 @@ def pieces(layout: tuple[FieldLayout, ...], arrays: list[np.ndarray]) -> list[np
 def write_arrays(buf: memoryview | bytearray, layout: tuple[FieldLayout, ...],
                  arrays: list[np.ndarray]) -> None:
     """Copy ``arrays`` (from :func:`plan`) into ``buf`` at their offsets."""
-    fields = [f for f in layout if f.kind == "array"]
+    fields = [f for f in layout if f.kind in PACKED_KINDS]
     for field, arr in zip(fields, arrays):
         if field.nbytes:
             dst = np.frombuffer(buf, dtype=np.uint8, count=field.nbytes, offset=field.offset)
@@ -120,6 +130,10 @@ def read_outputs(buf: Any, layout: tuple[FieldLayout, ...]) -> dict[str, Any]:
         if field.offset + field.nbytes > size:
             raise ConnectorError(f"field {field.key!r} ends at byte "
                                  f"{field.offset + field.nbytes}, buffer has {size}")
+        if field.kind in ("str", "bytes"):  # (a copy: nothing of it keeps the buffer)
+            raw = bytes(memoryview(buf)[field.offset:field.offset + field.nbytes]) if field.nbytes else b""
+            out[field.key] = raw.decode() if field.kind == "str" else raw
+            continue
         if field.nbytes == 0 or dtype.itemsize == 0:
             arr = np.empty(field.shape, dtype=dtype)
         else:

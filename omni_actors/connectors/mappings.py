@@ -57,7 +57,7 @@ import time
 
 import numpy as np
 
-from omni_actors.connectors.base import FieldLayout
+from omni_actors.connectors.base import PACKED_KINDS, FieldLayout
 from omni_actors.connectors.inline import ConnectorError, array_bytes
 
 PAGE = mmap.PAGESIZE
@@ -337,7 +337,7 @@ def write_payload(mm: mmap.mmap, base: int, size: int, layout: tuple[FieldLayout
     at ``base`` + their offsets, the ``size`` bytes' padding as zeros (not the
     last payload's bytes)."""
     pos = 0
-    for field, arr in zip([f for f in layout if f.kind == "array"], arrays):
+    for field, arr in zip([f for f in layout if f.kind in PACKED_KINDS], arrays):
         if field.nbytes:
             if field.offset > pos:
                 mm[base + pos:base + field.offset] = bytes(field.offset - pos)

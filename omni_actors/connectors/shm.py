@@ -53,7 +53,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from omni_actors.connectors import slots
-from omni_actors.connectors.base import DIR_ENV, SHM_DIR, ConnectorRef, FieldLayout, _unlink_in, pwrite_all, \
+from omni_actors.connectors.base import DIR_ENV, PACKED_KINDS, SHM_DIR, ConnectorRef, FieldLayout, _unlink_in, pwrite_all, \
     segment_dir  # noqa: F401
 from omni_actors.connectors.inline import ConnectorError, InlineConnector, array_bytes, plan, \
     read_outputs
@@ -175,7 +175,7 @@ def create_segment(name: str, size: int, layout: tuple[FieldLayout, ...],
             os.ftruncate(fd, size_class(size))
         # One writer: tmpfs serialises writes to a file (the inode lock), so threads gain nothing.
         pos = 0
-        for field, arr in zip([f for f in layout if f.kind == "array"], arrays):
+        for field, arr in zip([f for f in layout if f.kind in PACKED_KINDS], arrays):
             if field.nbytes:
                 if reused and field.offset > pos:  # padding: zeros, not the last payload's bytes
                     pwrite_all(fd, memoryview(bytes(field.offset - pos)), pos)
