@@ -306,6 +306,10 @@ def test_a_connector_says_which_refs_it_reads_through_another_nodes_service(pref
     try:
         assert consumer().reads_remotely(ref) and not far.reads_remotely(ref)
         assert small.kind == "inline" and not consumer().reads_remotely(small)
+        # a vLLM-Omni connector's (Mooncake's store: over the network, whatever its size; a review)
+        from omni_actors.connectors.base import ConnectorRef
+
+        assert consumer().reads_remotely(ConnectorRef(kind="omni", size=64, layout=()))
     finally:
         release_all([ref])
         ds.close_connections()

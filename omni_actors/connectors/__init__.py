@@ -225,8 +225,11 @@ class NodeConnector:
         return out
 
     def reads_remotely(self, ref: ConnectorRef) -> bool:
-        """Whether :meth:`get` of ``ref`` asks another node's data service (a network
-        round trip that may wait seconds on a host cut off), rather than reading here."""
+        """Whether :meth:`get` of ``ref`` asks another node's data service, or a vLLM-Omni
+        connector (Mooncake's store: a review), over the network (a round trip that may wait
+        seconds on a host cut off), rather than reading here."""
+        if ref.kind == omni.KIND:
+            return True
         try:
             return ref.kind in SEGMENT_KINDS and bool(ref.size) and self._remote(ref, for_read=True)
         except ConnectorError:
