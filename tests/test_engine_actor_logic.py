@@ -601,6 +601,31 @@ def test_a_consumers_chunk_timeout_names_the_upstream_stage_where_the_chunks_sto
     assert "upstream of it" not in ra._relay_state(2, 1)
 
 
+def test_a_consumers_chunk_timeout_names_a_sibling_consumer_that_holds_the_producer_back():
+    """A stage streaming to two consumers is credited as the slower reads: one whose task
+    has not started (its replicas busy) starves the other, and the healthy producer took the
+    blame (a review)."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.request import RequestActor
+
+    ra = RequestActor()
+    ra._reset()
+    ra._plan = {0: SimpleNamespace(stage="thinker", stream_source=None),
+                1: SimpleNamespace(stage="talker_a", stream_source=0),
+                2: SimpleNamespace(stage="talker_b", stream_source=0)}
+    ra._stream_consumers = {0: [1, 2]}
+    ra._chunks = {0: [None] * 4}
+    ra._sent, ra._consumer, ra._consumed = {1: 4}, {1: "talker_a"}, {1: 4}
+    assert ra._relay_state(1, 0) == (" [request actor: 4 chunk(s) of stage 0 (thinker) in order, stage 0 still "
+                                     "running, 4 relayed; stage 0 makes chunks only as fast as its slowest consumer "
+                                     "reads them, and stage 2 (talker_b) has not started]")
+    ra._consumer[2], ra._consumed[2] = "talker_b", 1
+    assert ra._relay_state(1, 0).endswith("and stage 2 (talker_b) has read 1 of them]")
+    ra._consumed[2] = 4  # (caught up: not named)
+    assert "slowest" not in ra._relay_state(1, 0)
+
+
 def test_a_replica_without_a_process_shows_no_load():
     """A stopped (failed, dead) replica's row has no pid and no load: not the running,
     waiting, KV-cache and rate figures of its last heartbeat, which summed per stage

@@ -157,6 +157,7 @@ class RequestActor(ActorTypeDispatcher):
         self._consumer: dict[int, object] = {}  # consumer -> the engine that accepted it
         self._sent: dict[int, int] = {}  # consumer -> chunks sent to it (end marker: -1)
         self._consumed: dict[int, int] = {}  # consumer -> chunks it consumed
+        self._stream_consumers: dict[int, list[int]] = {}  # producer -> the stages streaming from it
         self._acked: dict[int, int] = {}  # producer -> chunks acknowledged to it
         self._to_client: set[int] = set()  # stages whose output (part of it) reached the client
         self._early: dict[int, dict[int, object]] = {}  # producer -> chunks that came before their turn
@@ -509,7 +510,25 @@ class RequestActor(ActorTypeDispatcher):
                 + (f", stage {src} done after {total}" if total is not None else f", stage {src} still running")
                 + (", all relayed with the end marker" if sent < 0 else
                    f", {sent} relayed" if dst in self._consumer else ", consumer not accepted yet")
-                + self._upstream_silence(src) + "]")
+                + self._held_back_by(dst, src) + self._upstream_silence(src) + "]")
+
+    def _held_back_by(self, dst: int, src: int) -> str:
+        """The other consumers of ``src`` behind ``dst``: a producer streaming to several
+        is credited as its slowest consumer reads, so one not started yet (its replicas busy,
+        its task queued) or slow holds ``dst``'s chunks back too (a review: the healthy
+        producer took the blame for the timeout)."""
+        if src in self._done or src in self._done_waiting:
+            return ""
+        got, notes = len(self._chunks.get(src, ())), []
+        for d in self._stream_consumers.get(src, ()):
+            if d == dst:
+                continue
+            if d not in self._consumer:
+                notes.append(f"stage {d} ({self._plan[d].stage}) has not started")
+            elif self._consumed.get(d, 0) < got:
+                notes.append(f"stage {d} ({self._plan[d].stage}) has read {self._consumed.get(d, 0)} of them")
+        return (f"; stage {src} makes chunks only as fast as its slowest consumer reads them, and "
+                + ", ".join(notes)) if notes else ""
 
     def _upstream_silence(self, src: int) -> str:
         """How long each still-running stage that ``src`` streams from has been
