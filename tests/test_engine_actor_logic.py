@@ -1644,6 +1644,27 @@ def test_a_node_back_through_its_old_agent_keeps_its_placements_when_its_member_
     assert co._inventory.nodes["m1"].used == {"1": "talker/2"}
 
 
+def test_two_nodes_on_one_machine_offering_a_device_are_noted_in_status():
+    """A leader and a member started on one host with node names of their own and overlapping
+    `--devices`: placement counts each node's devices apart, so two replicas could load on one
+    GPU, with no word of it."""
+    from thespian.actors import ActorSystemConventionUpdate
+
+    from omni_actors.messages import NodeHeartbeat, NodeInfo
+
+    co, _ = _coordinator_with_leader()
+    co._inventory.add(NodeInfo("gpu-a", ("0", "1"), host="box/b1"))
+    for name, devices, host in [("m1", "1,2", "box/b1"), ("m2", "1", "other/b2"), ("m3", "5", "box/b1")]:
+        caps = {"omni_node": name, "omni_devices": devices, "omni_member": name, "omni_host": host}
+        co.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate(f"admin-{name}", caps, True), None)
+        co.receiveMsg_NodeHeartbeat(NodeHeartbeat(name, join=1), f"agent-{name}")
+    assert co._shared_devices() == [
+        "nodes gpu-a and m1 run on one machine (box/b1) and both offer device(s) 1: a replica on each could load "
+        "on the same GPU; give each node devices of its own (--devices)"]
+    co._inventory.lose("m1", "left the convention")
+    assert co._shared_devices() == []
+
+
 def test_a_node_lost_for_missed_heartbeats_whose_member_is_still_in_the_convention_is_asked_to_join_again():
     """A code review: a network cut (or a stalled coordinator) of 5-15 s: the coordinator
     lost the node after 3 intervals, its agent, unacknowledged for 5, exited, and Thespian,

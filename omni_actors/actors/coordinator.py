@@ -25,7 +25,8 @@ import time
 from thespian.actors import (ActorExitRequest, ActorSystemConventionUpdate, ActorTypeDispatcher, ChildActorExited,
                              WakeupMessage)
 
-from omni_actors.actors.node_agent import MEMBER_CAPABILITY, NODE_CAPABILITY, NodeAgentActor, requirements_on
+from omni_actors.actors.node_agent import (HOST_CAPABILITY, MEMBER_CAPABILITY, NODE_CAPABILITY, NodeAgentActor,
+                                           requirements_on)
 from omni_actors.actors.stage_pool import StagePoolActor
 from omni_actors.actors.supervision import (POOL_HUNG_INTERVALS, TICK_LOST_AFTER_INTERVALS, WAKEUP_LOST_AFTER_S,
                                           RestartPolicy, WakeupChain, host_identity)
@@ -530,7 +531,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._rejoin_at.pop(name, None)  # (its agent is on its way: a probe would make it stale)
         member = str(caps.get(MEMBER_CAPABILITY) or "")
         self._start_agent(NodeInfo(name, _split(caps.get("omni_devices")), _split(caps.get("omni_stages")),
-                                   msg.remoteAdminAddress, member))
+                                   msg.remoteAdminAddress, member, str(caps.get(HOST_CAPABILITY) or "")))
 
     def _start_agent(self, info: NodeInfo) -> None:
         """A node agent on ``info``'s member, as its join number next: the node takes work
@@ -571,9 +572,27 @@ class CoordinatorActor(ActorTypeDispatcher):
             return
         self._add_node(info)
         self._log.info("node_joined", node=info.name, devices=list(info.devices), stages=list(info.stages))
+        for note in self._shared_devices(info.name):
+            self._log.warning("node_devices_shared", node=info.name, message=note)
         for pool in self._pools.values():
             self.send(pool, NodesChanged())
         self._publish_status()
+
+    def _shared_devices(self, only: str | None = None) -> list[str]:
+        """A note for each two alive nodes on one machine (a leader and a member started there
+        with node names of their own, say) that both offer a device: placement counts each
+        node's devices apart, so two replicas could load on that GPU. (``only``: the pairs
+        with that node.)"""
+        alive = sorted((n.info for n in self._inventory.nodes.values() if n.alive and n.info.host), key=lambda i: i.name)
+        notes = []
+        for i, a in enumerate(alive):
+            for b in alive[i + 1:]:
+                common = sorted(set(a.devices) & set(b.devices))
+                if a.host == b.host and common and only in (None, a.name, b.name):
+                    notes.append(f"nodes {a.name} and {b.name} run on one machine ({a.host}) and both offer "
+                                 f"device(s) {','.join(common)}: a replica on each could load on the same GPU; "
+                                 "give each node devices of its own (--devices)")
+        return notes
 
     def _lose_node(self, name: str, reason: str) -> None:
         node = self._inventory.nodes.get(name)
@@ -1009,7 +1028,8 @@ class CoordinatorActor(ActorTypeDispatcher):
                                      for st in stages) \
             and not self._pool_silent  # (a silent pool routes nothing: see _check_pools)
         model = self._config.deployment.served_model_name if self._config else ""
-        notes = (tuple(self._config.omni_connectors.notes) if self._config else ()) + self._pool_notes()
+        notes = ((tuple(self._config.omni_connectors.notes) if self._config else ()) + self._pool_notes()
+                 + tuple(self._shared_devices()))
         now = time.monotonic()
         subscribers = tuple(s.address for s in self._subscribers if now - s.renewed_at < SUBSCRIPTION_LEASE_S) \
             if query_id == WATCHDOG_QUERY else ()
