@@ -562,6 +562,35 @@ def test_a_killed_engine_core_is_named_at_once_not_after_the_error_file_wait():
     assert exit_description(child.pid) == ""  # reaped: gone, how no longer known
 
 
+_CORE_EXIT = """
+import atexit, os, sys
+from omni_actors.engines.vllm_core import _CoreLauncher
+
+class Core:
+    @staticmethod
+    def run(code):
+        atexit.register(lambda: print("FINALIZED", flush=True))
+        print("RAN", flush=True)
+        raise SystemExit(code)
+
+_CoreLauncher(os.devnull, os.getppid(), ("__main__", "Core", "run"))(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_an_engine_core_that_vllm_has_shut_down_exits_without_the_interpreters_finalization(code):
+    """Trial BQ: every vLLM replica's stop (and scale-down) ended with vLLM's process manager
+    SIGKILLing its core 5 s after SIGTERM: the core had torn itself down, then spent 2-5 s in
+    the interpreter's finalization. It leaves at once now, its output flushed, its exit code kept."""
+    _vllm()
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _CORE_EXIT, str(code)], capture_output=True, text=True,
+                         timeout=120, cwd=str(Path(__file__).resolve().parent.parent))
+    assert (out.returncode, out.stdout) == (code, "RAN\n"), out.stderr[-2000:]
+
+
 def test_an_engine_core_killed_while_it_loads_is_named_from_vllms_exit_codes():
     """A core the OOM killer ends during start-up (before its pid is noted) read as vLLM's
     "See root cause above" and a bare `-9` (a review). No vLLM needed: vLLM's message."""

@@ -362,6 +362,20 @@ class _CoreLauncher:
         run = getattr(getattr(importlib.import_module(module), cls), attr)
         try:
             return run(*args, **kwargs)
+        except SystemExit as exc:
+            # vLLM has torn the engine down (its entry point's `finally`); what is left is the
+            # interpreter's own finalization: about 2 s for a tiny model's core here, over 5 s
+            # on a loaded host, where vLLM's process manager SIGKILLs the core instead (trial BQ:
+            # every stop and scale-down took 5 s more). Measured: a replica's shutdown 3.3 s ->
+            # 1.1 s. Logs and stdio are flushed first.
+            import logging
+
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            code = exc.code
+            os._exit(0 if code is None else code if isinstance(code, int) else 1)
         except Exception as exc:  # a start-up failure: the parent waits for our exit
             self._write(exc)
             raise
