@@ -531,9 +531,11 @@ def _named_keys(obj: Any, typ: type, path: str) -> str:
         for key in mapping:
             try:
                 msgspec.convert(_with_value(obj, parts, {key: mapping[key]}), typ)
-            except msgspec.ValidationError:
-                path = f"{head}.{key}{tail}" if head else f"{key}{tail}"
-                break
+            except msgspec.ValidationError as exc:
+                m = _PATH_RE.search(str(exc))
+                if m and _yaml_path(m.group(1)) == path:  # (the same error: not another one further on)
+                    path = f"{head}.{key}{tail}" if head else f"{key}{tail}"
+                    break
         else:
             return path
     return path

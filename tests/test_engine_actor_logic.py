@@ -1653,8 +1653,10 @@ def test_two_nodes_on_one_machine_offering_a_device_are_noted_in_status():
     from omni_actors.messages import NodeHeartbeat, NodeInfo
 
     co, _ = _coordinator_with_leader()
-    co._inventory.add(NodeInfo("gpu-a", ("0", "1"), host="box/b1"))
-    for name, devices, host in [("m1", "1,2", "box/b1"), ("m2", "1", "other/b2"), ("m3", "5", "box/b1")]:
+    co._inventory.add(NodeInfo("gpu-a", ("0", "1"), host="box/b1/mnt:[1]"))
+    # (m4: a container on the same machine, a host network: its device 1 is a GPU of its own)
+    for name, devices, host in [("m1", "1,2", "box/b1/mnt:[1]"), ("m2", "1", "other/b2/mnt:[1]"),
+                                ("m3", "5", "box/b1/mnt:[1]"), ("m4", "1", "box/b1/mnt:[2]")]:
         caps = {"omni_node": name, "omni_devices": devices, "omni_member": name, "omni_host": host}
         co.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate(f"admin-{name}", caps, True), None)
         co.receiveMsg_NodeHeartbeat(NodeHeartbeat(name, join=1), f"agent-{name}")
@@ -3394,11 +3396,13 @@ def test_a_replicas_progress_counts_the_tokens_it_made_not_its_events():
     from omni_actors.engines.base import OutputChunk, StageFinal, TextDelta
 
     def progress(events) -> int:
-        made = 0
+        made, texted = 0, False
         for event in events:
-            units = made_units(event, made)
-            assert units >= 1 or isinstance(event, StageFinal)  # (the stall watchdog sees every other)
+            units = made_units(event, made, texted)
+            # (the stall watchdog sees every other event; a text stage's chunks come with its deltas)
+            assert units >= 1 or isinstance(event, StageFinal) or texted
             made += units
+            texted = texted or isinstance(event, TextDelta)
         return made
 
     thinker = [TextDelta("Hi", (1, 2, 3)), TextDelta(" there", (4,)), StageFinal({}, 5, num_output_tokens=4)]
@@ -3407,6 +3411,10 @@ def test_a_replicas_progress_counts_the_tokens_it_made_not_its_events():
     streamed = [OutputChunk({"token_ids": np.arange(8)}), OutputChunk({"codes": [1, 2]}),
                 StageFinal({}, 4, num_output_tokens=12)]
     assert progress(streamed) == 12  # (the final's 2 not in a chunk)
+    # a streaming Thinker: each token in a delta to the client and again in a chunk to the Talker
+    thinker_streaming = [TextDelta("a", (1, 2)), OutputChunk({"token_ids": np.array([1, 2])}), TextDelta("b", (3,)),
+                         OutputChunk({"token_ids": np.array([3])}), StageFinal({}, 5, num_output_tokens=3)]
+    assert progress(thinker_streaming) == 3  # (a review: it read 6)
     audio = [OutputChunk({"audio": np.zeros(4800)}), OutputChunk({"audio": np.zeros(4800)}),
              StageFinal({"audio": np.zeros(9600)}, 20)]
     assert progress(audio) == 2  # outputs, where no tokens are counted

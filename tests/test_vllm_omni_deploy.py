@@ -169,6 +169,7 @@ def test_a_diffusion_stage_takes_its_parallel_configs_world_size_in_devices(tmp_
                            ({"ulysses_degree": 2, "ring_degree": 2, "cfg_parallel_size": 2}, 8),
                            ({"allgather_degree": 2, "ulysses_degree": 4}, 2),
                            ({"use_hsdp": True, "hsdp_shard_size": 4, "hsdp_replicate_size": 2}, 8),
+                           ({"use_hsdp": True, "hsdp_shard_size": 1, "hsdp_replicate_size": 2}, 2),
                            ({"world_size": 3}, 3), ({}, 1)]:
         cfg = load_config(write(tmp_path, variant(_diffusion_code2wav(parallel, {"backend": "vllm_omni"}))))
         assert cfg.deployment.stages["code2wav"].devices_per_replica == size, parallel
@@ -282,6 +283,13 @@ def test_shipped_deploy_demo_config_loads() -> None:
     (lambda d: d.update(platforms={"rocm": {"stages": []}, "cuda": None}), "platforms.cuda", "Expected `object`"),
     (lambda d: d["stages"][1].update(input_connectors={"from_stage_0": {"name": "X", "bogus": 1}}),
      "stages[1].input_connectors.from_stage_0.bogus", "unknown field `bogus`"),
+    # (the entry at fault, not the first one: a review's `cuda` took the blame for `rocm`)
+    (lambda d: d.update(platforms={"cuda": {"stages": [{"stage_id": 0}]}, "rocm": {"stages": [{"stage_id": "x"}]}},
+                        model_runner="v3"),  # (a second error, further on)
+     "platforms.rocm.stages[0].stage_id", "Expected `int`"),
+    (lambda d: d["stages"][1].update(input_connectors={"from_stage_0": "fast_path",
+                                                       "from_stage_2": {"name": "X", "bogus": 1}}),
+     "stages[1].input_connectors.from_stage_2.bogus", "unknown field `bogus`"),
     (lambda d: d["stages"][2].update(stage_id=7), "stages[2].stage_id", "no stage 7 in the topology"),
     (lambda d: d["stages"][2].update(stage_id=1), "stages[2].stage_id", "duplicate stage_id 1"),
     (lambda d: d["stages"].append("oops"), "stages[3]", "Expected `object`"),

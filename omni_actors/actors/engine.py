@@ -139,17 +139,21 @@ class LoopThread:
         self._thread.join(timeout=2.0)
 
 
-def made_units(event: BackendEvent, made: int) -> int:
+def made_units(event: BackendEvent, made: int, texted: bool = False) -> int:
     """What ``event`` adds to a replica's progress (its ``rate`` in ``status``): tokens it
     holds (text deltas' ``token_ids``; a chunk's ``token_ids`` or ``codes``), or 1 for an
     output that counts none (audio, an image); for the final event, the tokens of
     ``num_output_tokens`` not counted before (``made``), else 1 if nothing was. (Each event
     counted 1: a vLLM Thinker under load, whose deltas merge, showed a fraction of its
-    tokens/s, and a Talker its tasks/s; a review.) At least 1 for every event but a final
-    one whose tokens were all counted: the stall watchdog sees any progress."""
+    tokens/s, and a Talker its tasks/s; a review.) ``texted``: the task has sent text deltas,
+    whose tokens its chunks carry again (a streaming Thinker's: counted once, not twice).
+    At least 1 for every event but a final one whose tokens were all counted and such a
+    chunk: the stall watchdog sees any progress (the deltas are progress)."""
     if isinstance(event, TextDelta):
         return len(event.token_ids) or 1
     if isinstance(event, OutputChunk):
+        if texted:
+            return 0
         ids = event.outputs.get("token_ids", event.outputs.get("codes"))
         return len(ids) if hasattr(ids, "__len__") and len(ids) else 1
     if isinstance(event, StageFinal):
@@ -717,9 +721,10 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         final: StageFinal | None = None
         first_text = True
         chunks = 0  # made by the backend (several may leave in one message: see actors/outbox.py)
-        made = 0  # tokens (or outputs) of this task counted in _progress so far
+        made, texted = 0, False  # tokens (or outputs) of this task counted in _progress so far
         async for event in self._faulty(self._backend.generate(task)):
-            units = made_units(event, made)
+            units = made_units(event, made, texted)
+            texted = texted or isinstance(event, TextDelta)
             made += units
             self._progress += units
             self._progress_at = time.monotonic()

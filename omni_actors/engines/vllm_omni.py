@@ -161,7 +161,7 @@ class VllmOmniEngine:
             self.start_phase = ""
             # (the engine core's own exception where it wrote one: vLLM-Omni passed on only
             # "Engine core initialization failed. See root cause above"; a review)
-            cause = await self._watch.await_root_cause(exc) if self._watch else one_line(exc)
+            cause = self._watch.root_cause(exc) if self._watch else one_line(exc)  # (written before it exited)
             await self._teardown()
             raise RuntimeError(
                 f"vLLM-Omni stage `{self.stage.name}` ({self.replica}), model "

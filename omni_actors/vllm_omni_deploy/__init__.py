@@ -361,8 +361,9 @@ def diffusion_world_size(parallel_config: Any) -> int:
         deg("allgather_degree") if deg("allgather_degree") > 1 else deg("ulysses_degree") * deg("ring_degree"))
     size = (deg("pipeline_parallel_size") * deg("data_parallel_size") * deg("tensor_parallel_size") * seq
             * deg("cfg_parallel_size"))
-    if size == 1 and parallel_config.get("use_hsdp") and deg("hsdp_shard_size") > 1:
-        return deg("hsdp_replicate_size") * deg("hsdp_shard_size")
+    shard = parallel_config.get("hsdp_shard_size")
+    if size == 1 and parallel_config.get("use_hsdp") and _is_int(shard) and shard > 0:  # (-1: auto)
+        return deg("hsdp_replicate_size") * shard
     return size
 
 
