@@ -307,6 +307,13 @@ BAD = [
     (CHAT, chat(functions="f"), 400, "functions"),
     (CHAT, chat(presence_penalty=5), 400, "presence_penalty"),
     (CHAT, chat(frequency_penalty="x"), 400, "frequency_penalty"),
+    # vLLM's own sampling fields, checked as vLLM checks them (a trial's `top_k: -5` was a silent 200)
+    (CHAT, chat(top_k=-5), 400, "top_k"),
+    (CHAT, chat(top_k=1.5), 400, "top_k"),
+    (CHAT, chat(min_p=1.5), 400, "min_p"),
+    (CHAT, chat(repetition_penalty=0), 400, "repetition_penalty"),
+    (CHAT, chat(min_tokens=-1), 400, "min_tokens"),
+    (CHAT, chat(min_tokens=50, max_tokens=10), 400, "min_tokens"),
     (CHAT, chat(user=5), 400, "user"),
     (CHAT, chat(seed=2**63), 400, "seed"),  # (a signed 64-bit integer, as OpenAI and vLLM take it)
 ]
@@ -405,9 +412,11 @@ def test_non_streaming_chat_with_audio_and_pipeline_request():
             "model": MODEL, "messages": messages, "modalities": ["audio", "text"],
             "audio": {"voice": "Chelsie", "format": "wav"}, "max_tokens": 100,
             "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": "\n\n", "unknown_field": {"ignored": True},
+            "presence_penalty": 0.5, "frequency_penalty": -1, "top_k": 20, "min_p": 0.05,
+            "repetition_penalty": 1.1, "min_tokens": 2,  # (to the text stage: vLLM applies them)
             # accepted and ignored (they ask for nothing the reply lacks)
-            "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"}, "presence_penalty": 0.5,
-            "frequency_penalty": -1, "user": "u1", "tool_choice": "auto",
+            "logprobs": False, "top_logprobs": 0, "response_format": {"type": "text"},
+            "user": "u1", "tool_choice": "auto",
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]})
         assert resp.status == 200, await resp.text()
         data = await resp.json()
@@ -425,7 +434,8 @@ def test_non_streaming_chat_with_audio_and_pipeline_request():
         assert req.request_id == data["id"]
         assert req.output_types == frozenset({"text", "audio"})
         assert req.sampling_params == {"max_tokens": 100, "temperature": 0.5, "top_p": 0.9, "seed": 7,
-                                       "stop": ["\n\n"]}
+                                       "stop": ["\n\n"], "presence_penalty": 0.5, "frequency_penalty": -1.0,
+                                       "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2}
         assert req.params == {"voice": "Chelsie"}
         assert req.timeout_s == bridge.request_timeout_s
         assert req.prompt == "system: be brief\nuser: say\nhello"
@@ -1006,7 +1016,7 @@ ANY_JSON = [None, True, False, 0, -1, 1.5, 1e308, "", "x", [], ["x"], [1], [[]],
 CHAT_FIELDS = ["model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed", "stop",
                "stream", "stream_options", "n", "modalities", "audio", "logprobs", "top_logprobs",
                "response_format", "tool_choice", "tools", "function_call", "functions", "user", "presence_penalty",
-               "frequency_penalty"]
+               "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens"]
 MESSAGE_FIELDS = ["role", "content", "name", "tool_call_id", "refusal"]
 IMAGE_FIELDS = ["model", "prompt", "size", "n", "seed", "response_format", "output_format", "background", "stream"]
 

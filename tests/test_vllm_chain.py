@@ -470,6 +470,22 @@ def test_thinker_greedy_output_equals_transformers_generate(client, reference, q
     assert text == want_text
 
 
+def test_vllms_own_sampling_fields_reach_the_thinkers_engine(client, reference):
+    """`top_k: 1` at temperature 1 is greedy: the text equals transformers' greedy text (a
+    trial's `top_k` and `min_tokens` were accepted and ignored); `min_tokens` past the end of
+    sequence keeps it generating (the STORY prompt's greedy text ends with EOS)."""
+    prompt_ids = reference.prompt_ids(_messages(SEA))
+    want = reference.text(prompt_ids, reference.generate(prompt_ids, 24))
+    resp = client.chat.completions.create(model=MODEL, messages=_messages(SEA), max_tokens=24, temperature=1.0,
+                                          seed=5, extra_body={"top_k": 1})
+    assert resp.choices[0].message.content == want
+    story_ids = reference.prompt_ids(_messages(STORY))
+    ended = len(reference.generate(story_ids, 64))  # (its greedy text stops at EOS before 64)
+    resp = client.chat.completions.create(model=MODEL, messages=_messages(STORY), max_tokens=64, temperature=0.0,
+                                          extra_body={"min_tokens": 64})
+    assert ended < 64 and resp.usage.completion_tokens == 64 and resp.choices[0].finish_reason == "length"
+
+
 def test_stop_ends_the_text_where_the_stop_string_first_appears(client, reference):
     """`stop` reaches the Thinker's vLLM engine: the text is the greedy text up to the
     first occurrence of the stop string (not included), streamed or not."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -165,11 +166,14 @@ class ChatRequest:
     #: strings that end the text where they first appear (not included), at most
     #: :data:`MAX_STOP` (OpenAI's limit)
     stop: list[str] | None = None
+    #: the other sampling fields given (:data:`EXTRA_SAMPLING`: OpenAI's penalties, vLLM's own)
+    extra_sampling: dict[str, Any] | None = None
 
     def sampling_params(self) -> dict[str, Any]:
-        """``max_tokens`` / ``temperature`` / ``top_p`` / ``seed`` / ``stop``, only those given."""
+        """``max_tokens`` / ``temperature`` / ``top_p`` / ``seed`` / ``stop`` and the
+        :data:`EXTRA_SAMPLING` fields, only those given."""
         sp = {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-              "seed": self.seed, "stop": self.stop}
+              "seed": self.seed, "stop": self.stop, **(self.extra_sampling or {})}
         return {k: v for k, v in sp.items() if v is not None}
 
     def params(self) -> dict[str, Any]:
@@ -287,8 +291,6 @@ def _check_unserved(body: dict) -> None:
     if _opt_int(body, "top_logprobs", 0, 20):
         raise _bad("'top_logprobs' is not supported by this server: its stages return no log-probabilities.",
                    "top_logprobs")
-    for key in ("presence_penalty", "frequency_penalty"):
-        _opt_number(body, key, -2.0, 2.0, "[-2, 2]")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise _bad("Invalid type for 'user': expected a string.", "user")
     fmt = body.get("response_format")
@@ -352,7 +354,30 @@ def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
         raise _bad("'stream_options' is only allowed when 'stream' is true.", "stream_options")
     include_usage = bool(_opt_bool(opts or {}, "include_usage", "stream_options.include_usage"))
     return ChatRequest(model, prompt, output_types, max_tokens, temperature, seed, voice,
-                       stream, include_usage, audio_format, top_p, _stop(body))
+                       stream, include_usage, audio_format, top_p, _stop(body),
+                       _extra_sampling(body, max_tokens, limit) or None)
+
+
+#: Sampling fields a chat request may give beyond OpenAI's core ones, with their ranges:
+#: OpenAI's penalties, and those vLLM's own OpenAI server takes in the body (its
+#: ``SamplingParams``' names and checks). They go to the stage that makes the text, as
+#: ``temperature`` does (a vLLM engine applies them; the synthetic engine ignores them).
+EXTRA_SAMPLING = ("presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens")
+
+
+def _extra_sampling(body: dict, max_tokens: int | None, limit: int) -> dict[str, Any]:
+    """The :data:`EXTRA_SAMPLING` fields given, checked. Raises :class:`ApiError` (400)."""
+    out: dict[str, Any] = {
+        "presence_penalty": _opt_number(body, "presence_penalty", -2.0, 2.0, "[-2, 2]"),
+        "frequency_penalty": _opt_number(body, "frequency_penalty", -2.0, 2.0, "[-2, 2]"),
+        "top_k": _opt_int(body, "top_k", -1),  # (-1 and 0: no top-k, as vLLM takes them)
+        "min_p": _opt_number(body, "min_p", 0.0, 1.0, "[0, 1]"),
+        "repetition_penalty": _opt_number(body, "repetition_penalty", 0.0, sys.float_info.max, "(0, inf)",
+                                          low_open=True),
+        "min_tokens": _opt_int(body, "min_tokens", 0, limit)}
+    if out["min_tokens"] is not None and max_tokens is not None and out["min_tokens"] > max_tokens:
+        raise _bad(f"Invalid 'min_tokens': {out['min_tokens']} is above max_tokens ({max_tokens}).", "min_tokens")
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _stop(body: dict) -> list[str] | None:
