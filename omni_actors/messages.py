@@ -140,9 +140,8 @@ class NodeInfo(Message):
     #: the host process's own id (its admin's ``omni_member`` capability): actors placed on the
     #: node go to this admin, not to another (a lost one, still up) of the same node name
     member: str = ""
-    #: the machine and mount namespace it runs in (``supervision.device_view()``, its admin's
-    #: ``omni_host`` capability; "" where unknown): two nodes with the same one offering one
-    #: device id share that device
+    #: the machine it runs on (``supervision.host_identity()``, its admin's ``omni_host``
+    #: capability; "" where unknown): two nodes on one machine offering one device id may share it
     host: str = ""
 
 

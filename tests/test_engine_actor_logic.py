@@ -1653,16 +1653,15 @@ def test_two_nodes_on_one_machine_offering_a_device_are_noted_in_status():
     from omni_actors.messages import NodeHeartbeat, NodeInfo
 
     co, _ = _coordinator_with_leader()
-    co._inventory.add(NodeInfo("gpu-a", ("0", "1"), host="box/b1/mnt:[1]"))
-    # (m4: a container on the same machine, a host network: its device 1 is a GPU of its own)
-    for name, devices, host in [("m1", "1,2", "box/b1/mnt:[1]"), ("m2", "1", "other/b2/mnt:[1]"),
-                                ("m3", "5", "box/b1/mnt:[1]"), ("m4", "1", "box/b1/mnt:[2]")]:
+    co._inventory.add(NodeInfo("gpu-a", ("0", "1"), host="box/b1"))
+    for name, devices, host in [("m1", "1,2", "box/b1"), ("m2", "1", "other/b2"), ("m3", "5", "box/b1")]:
         caps = {"omni_node": name, "omni_devices": devices, "omni_member": name, "omni_host": host}
         co.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate(f"admin-{name}", caps, True), None)
         co.receiveMsg_NodeHeartbeat(NodeHeartbeat(name, join=1), f"agent-{name}")
     assert co._shared_devices() == [
-        "nodes gpu-a and m1 run on one machine (box/b1) and both offer device(s) 1: a replica on each could load "
-        "on the same GPU; give each node devices of its own (--devices)"]
+        "nodes gpu-a and m1 run on one machine (box/b1) and both offer device(s) 1: if those ids name the same GPUs "
+        "(not containers given GPUs of their own), a replica on each could load on one GPU; give each node devices "
+        "of its own (--devices)"]
     co._inventory.lose("m1", "left the convention")
     assert co._shared_devices() == []
 

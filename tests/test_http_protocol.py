@@ -310,6 +310,7 @@ BAD = [
     # vLLM's own sampling fields, checked as vLLM checks them (a trial's `top_k: -5` was a silent 200)
     (CHAT, chat(top_k=-5), 400, "top_k"),
     (CHAT, chat(top_k=1.5), 400, "top_k"),
+    (CHAT, chat(top_k=2**64), 400, "top_k"),  # (a review: vLLM took it, then failed to encode it: a 500)
     (CHAT, chat(min_p=1.5), 400, "min_p"),
     (CHAT, chat(repetition_penalty=0), 400, "repetition_penalty"),
     (CHAT, chat(min_tokens=-1), 400, "min_tokens"),

@@ -579,19 +579,21 @@ class CoordinatorActor(ActorTypeDispatcher):
         self._publish_status()
 
     def _shared_devices(self, only: str | None = None) -> list[str]:
-        """A note for each two alive nodes on one machine, in one mount namespace (a leader and a
-        member started there with node names of their own, say; not two containers, which see
-        GPUs of their own), that both offer a device: placement counts each node's devices
-        apart, so two replicas could load on that GPU. (``only``: the pairs with that node.)"""
+        """A note for each two alive nodes on one machine (a leader and a member started there
+        with node names of their own, say) that both offer a device id: placement counts each
+        node's devices apart, so two replicas could load on that GPU. Worded as a possibility:
+        two containers given GPUs of their own both call theirs 0, and nothing here tells a GPU's
+        physical identity. (``only``: the pairs with that node.)"""
         alive = sorted((n.info for n in self._inventory.nodes.values() if n.alive and n.info.host), key=lambda i: i.name)
         notes = []
         for i, a in enumerate(alive):
             for b in alive[i + 1:]:
                 common = sorted(set(a.devices) & set(b.devices))
                 if a.host == b.host and common and only in (None, a.name, b.name):
-                    notes.append(f"nodes {a.name} and {b.name} run on one machine ({a.host.rsplit('/', 1)[0]}) and both offer "
-                                 f"device(s) {','.join(common)}: a replica on each could load on the same GPU; "
-                                 "give each node devices of its own (--devices)")
+                    notes.append(f"nodes {a.name} and {b.name} run on one machine ({a.host}) and both offer "
+                                 f"device(s) {','.join(common)}: if those ids name the same GPUs (not containers "
+                                 "given GPUs of their own), a replica on each could load on one GPU; give each "
+                                 "node devices of its own (--devices)")
         return notes
 
     def _lose_node(self, name: str, reason: str) -> None:

@@ -32,7 +32,7 @@ NODE_CAPABILITY = "omni_node"
 #: And the host process's own id (unique per start): two admins of one node name (a member
 #: lost while still up, and the new member that replaced it) are told apart by it.
 MEMBER_CAPABILITY = "omni_member"
-#: And the machine and mount namespace it runs in (``supervision.device_view()``).
+#: And the machine it runs on (``supervision.host_identity()``).
 HOST_CAPABILITY = "omni_host"
 #: An agent without acks for this many intervals (counted while it ran) exits.
 ORPHAN_AFTER_INTERVALS = 5

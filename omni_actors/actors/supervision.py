@@ -155,20 +155,6 @@ def refuses_connections(address, timeout_s: float = 0.5) -> bool:
 
 
 @functools.lru_cache(maxsize=1)
-def device_view() -> str:
-    """Which devices a device id names for this process: :func:`host_identity` and its mount
-    namespace (``/proc/self/ns/mnt``), as ``"<hostname>/<boot id>/mnt:[N]"``. Two processes
-    that share it see the same ``/dev``, so one GPU id is one GPU to both; containers on one
-    machine (a host network shares the hostname) each see theirs (a review: each container's
-    one GPU is its device 0)."""
-    try:
-        ns = os.readlink("/proc/self/ns/mnt")
-    except OSError:
-        ns = ""
-    return f"{host_identity()}/{ns}"
-
-
-@functools.lru_cache(maxsize=1)
 def host_identity() -> str:
     """Which machine (kernel) this process runs on, as ``"<hostname>/<boot id>"``: where a
     pid it reports means that process. The boot id (``/proc/sys/kernel/random/boot_id``,

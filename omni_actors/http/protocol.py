@@ -362,6 +362,8 @@ def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
 #: OpenAI's penalties, and those vLLM's own OpenAI server takes in the body (its
 #: ``SamplingParams``' names and checks). They go to the stage that makes the text, as
 #: ``temperature`` does (a vLLM engine applies them; the synthetic engine ignores them).
+#: The largest ``top_k`` taken (vLLM treats any top_k over the vocabulary as the vocabulary).
+TOP_K_MAX = 2**31 - 1
 EXTRA_SAMPLING = ("presence_penalty", "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens")
 
 
@@ -370,7 +372,9 @@ def _extra_sampling(body: dict, max_tokens: int | None, limit: int) -> dict[str,
     out: dict[str, Any] = {
         "presence_penalty": _opt_number(body, "presence_penalty", -2.0, 2.0, "[-2, 2]"),
         "frequency_penalty": _opt_number(body, "frequency_penalty", -2.0, 2.0, "[-2, 2]"),
-        "top_k": _opt_int(body, "top_k", -1),  # (-1 and 0: no top-k, as vLLM takes them)
+        # (-1 and 0: no top-k, as vLLM takes them; at most 2**31 - 1: a review's 2**64 passed vLLM's
+        # checks, then broke its request encoding, a 500 retried until the circuit breaker tripped)
+        "top_k": _opt_int(body, "top_k", -1, TOP_K_MAX),
         "min_p": _opt_number(body, "min_p", 0.0, 1.0, "[0, 1]"),
         "repetition_penalty": _opt_number(body, "repetition_penalty", 0.0, sys.float_info.max, "(0, inf)",
                                           low_open=True),

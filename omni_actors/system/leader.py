@@ -147,10 +147,10 @@ def _down_label(node) -> str:
 def node_capabilities(admin_port: int, node: str, devices: tuple[str, ...], stages: tuple[str, ...]) -> dict:
     """Thespian capabilities of a host: where placement finds it (see actors.node_agent)."""
     from omni_actors.actors.node_agent import HOST_CAPABILITY, MEMBER_CAPABILITY, NODE_CAPABILITY
-    from omni_actors.actors.supervision import device_view
+    from omni_actors.actors.supervision import host_identity
 
     return {"Admin Port": admin_port, NODE_CAPABILITY: node, MEMBER_CAPABILITY: uuid.uuid4().hex[:16],
-            "omni_devices": ",".join(devices), "omni_stages": ",".join(stages), HOST_CAPABILITY: device_view()}
+            "omni_devices": ",".join(devices), "omni_stages": ",".join(stages), HOST_CAPABILITY: host_identity()}
 
 
 def start_data_service(node: str, default_host: str, reap_after_s: float):
@@ -306,9 +306,9 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     handle_stop_signals(interrupt)
 
     t0, started_at = time.monotonic(), time.time()
-    from omni_actors.actors.supervision import device_view
+    from omni_actors.actors.supervision import host_identity
 
-    leader_node = NodeInfo(node or socket.gethostname(), tuple(devices), host=device_view())
+    leader_node = NodeInfo(node or socket.gethostname(), tuple(devices), host=host_identity())
     sfile = state_file(admin_port)
     device_leases.sweep_stale()  # (of leaders and members killed outright on this host)
     leases = device_leases.use_scope(admin_port, leader_node.name)
