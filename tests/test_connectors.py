@@ -225,6 +225,10 @@ def test_a_long_text_counts_towards_the_inline_threshold_and_rides_in_no_message
     connector.release(ref)
     small = connector.put({"text": "a" * 2000})
     assert small.kind == "inline" and connector.get(small)["text"] == "a" * 2000
+    # numpy's str_ and bytes_ scalars are str and bytes: packed the same, read back as str and bytes
+    ref = connector.put({"a": np.str_("é" * 800), "b": np.bytes_(b"x" * 3000), "c": np.arange(3)})
+    got = connector.get(ref)
+    assert (got["a"], got["b"], got["c"].tolist()) == ("é" * 800, b"x" * 3000, [0, 1, 2])
 
 
 def test_ref_pickles_small_even_for_a_10mb_payload(prefix):

@@ -57,7 +57,8 @@ def plan(outputs: dict[str, Any]) -> tuple[tuple[FieldLayout, ...], int, list[np
         if isinstance(value, (str, bytes)) and len(value) > SMALL_VALUE_BYTES // 4:
             raw = value.encode() if isinstance(value, str) else value
             if len(raw) > SMALL_VALUE_BYTES:
-                value, kind = np.frombuffer(raw, dtype=np.uint8), type(value).__name__
+                # (by isinstance: numpy's str_ and bytes_ scalars are str and bytes too)
+                value, kind = np.frombuffer(raw, dtype=np.uint8), "str" if isinstance(value, str) else "bytes"
         if not isinstance(value, np.ndarray):
             layout.append(FieldLayout(key=key, kind="value", value=value))
             continue
