@@ -584,7 +584,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         node's devices apart, so two replicas could load on that GPU. Worded as a possibility:
         two containers given GPUs of their own both call theirs 0, and nothing here tells a GPU's
         physical identity. (``only``: the pairs with that node.)"""
-        alive = sorted((n.info for n in self._inventory.nodes.values() if n.alive and n.info.host), key=lambda i: i.name)
+        alive = sorted((n.info for n in self._inventory.nodes.values() if n.alive and n.info.host),
+                       key=lambda i: i.name)
         notes = []
         for i, a in enumerate(alive):
             for b in alive[i + 1:]:

@@ -290,19 +290,19 @@ def _failed_cores(text: str) -> list[str]:
         codes = ast.literal_eval(m.group(1)) if m else {}
     except (ValueError, SyntaxError):
         return []
-    out = []
-    for name, code in (codes.items() if isinstance(codes, dict) else ()):
-        if isinstance(code, int) and code < 0:
-            try:
-                how = f"was killed by {signal.Signals(-code).name}"
-            except ValueError:
-                how = f"was killed by signal {-code}"
-        elif isinstance(code, int) and code > 0:
-            how = f"exited with status {code}"
-        else:
-            continue
-        out.append(f"vLLM's engine core process {name} {how}")
-    return out
+    return [f"vLLM's engine core process {name} {_how_ended(-code if code < 0 else 0, max(code, 0))}"
+            for name, code in (codes.items() if isinstance(codes, dict) else ())
+            if isinstance(code, int) and code != 0]
+
+
+def _how_ended(signo: int, status: int) -> str:
+    """``"was killed by SIGKILL"`` (``signo``, when not 0), else ``"exited with status N"``."""
+    if signo:
+        try:
+            return f"was killed by {signal.Signals(signo).name}"
+        except ValueError:
+            return f"was killed by signal {signo}"
+    return f"exited with status {status}"
 
 
 def exit_description(pid: int) -> str | None:
@@ -320,12 +320,7 @@ def exit_description(pid: int) -> str | None:
         status = int(fields[49])  # (field 52 of /proc/PID/stat: the exit status, as waitpid gives it)
     except (IndexError, ValueError):
         return ""
-    if status & 0x7F:
-        try:
-            return f"was killed by {signal.Signals(status & 0x7F).name}"
-        except ValueError:
-            return f"was killed by signal {status & 0x7F}"
-    return f"exited with status {status >> 8}"
+    return _how_ended(status & 0x7F, status >> 8)
 
 
 class _CoreLauncher:
