@@ -397,7 +397,12 @@ def _where(exc: ConfigError, topo: Topology, key: str | None, origin: dict[int, 
     index, rest = m.group(1), m.group(2)
     ts = topo.stages[int(index)] if index is not None else None
     field = re.split(r"\[", rest, maxsplit=1)[0]
-    if ts is None or field in _FROM_TOPOLOGY:
+    param = rest.removeprefix("default_sampling_params.")
+    # (a sampling constraint of the topology, which wins over the stage's own: a review's bad
+    # constraint was blamed on the file's stage)
+    constraint = (ts is not None and param != rest
+                  and re.split(r"[.\[]", param, maxsplit=1)[0] in ts.sampling_constraints)
+    if ts is None or field in _FROM_TOPOLOGY or constraint:
         if key is not None:  # from vLLM-Omni's registry: no YAML path to name
             stage = f", stage {ts.stage_id} `{ts.model_stage}`" if ts else ""
             return ConfigError(exc.source, "pipeline",
@@ -407,16 +412,9 @@ def _where(exc: ConfigError, topo: Topology, key: str | None, origin: dict[int, 
         there = _FROM_TOPOLOGY.get(field, field)
         if field == "custom_process_input_func" and ts.sync_process_input_func:
             there = "sync_process_input_func"  # the one chosen
-        tail = rest.replace(field, there, 1)
+        tail = f"sampling_constraints.{param}" if constraint else rest.replace(field, there, 1)
         return ConfigError(exc.source, f"topology.stages[{index}].{tail}", exc.message)
     stage = stages.get(ts.stage_id) or {}
-    param = rest.removeprefix("default_sampling_params.")
-    if param != rest and re.split(r"[.\[]", param, maxsplit=1)[0] in ts.sampling_constraints:
-        # (the topology's, which win over the stage's: a review's bad constraint was blamed on the file)
-        if key is not None:
-            return ConfigError(exc.source, "pipeline", f"vLLM-Omni pipeline `{key}`, stage {ts.stage_id} "
-                                                       f"`{ts.model_stage}`: {exc.message}")
-        return ConfigError(exc.source, f"topology.stages[{index}].sampling_constraints.{param}", exc.message)
     arg = rest.removeprefix("engine_args.")
     name = re.split(r"[.\[]", arg, maxsplit=1)[0]
     if rest.startswith("engine_args.") and name in PIPELINE_WIDE and name not in _engine_args(stage) \
