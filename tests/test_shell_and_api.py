@@ -940,7 +940,7 @@ def test_a_stop_does_not_wait_the_drain_timeout_for_a_frozen_api_server(tmp_path
             api.send_signal(signal.SIGCONT)
         assert took < 20, took  # (the silence, a few node checks and the shutdown: not the 40 s)
         silent = [ev for ev in read_events(own.log_path) if ev.get("event") == "api_server_silent_at_stop"]
-        assert len(silent) == 1 and silent[0]["silent_s"] > API_DRAIN_SILENT_S, silent
+        assert len(silent) == 1 and silent[0]["silent_s"] >= API_DRAIN_SILENT_S, silent  # (logged to 0.1 s)
         assert "attached API server(s) stopped renewing their subscription" in own.log_path.read_text()
         # (trial AS: its RequestActor was killed at the shutdown, with no request_finished line;
         # trial AT: it read "replica thinker/0 went down mid-stream (dead: process exited)")
