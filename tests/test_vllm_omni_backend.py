@@ -479,6 +479,45 @@ def _prompt_builder(processor, sources=(0,), **engine_args) -> VllmOmniEngine:
     return eng
 
 
+def _with_speaker_helpers(eng: VllmOmniEngine) -> VllmOmniEngine:
+    """``eng`` with vLLM-Omni's voice helpers, as ``_import`` gives them."""
+    from vllm_omni.entrypoints.openai.utils import get_supported_speakers_from_hf_config, validate_requested_speaker
+
+    eng._v.update(speakers_of=get_supported_speakers_from_hf_config, check_speaker=validate_requested_speaker)
+    return eng
+
+
+@needs_omni
+def test_a_requests_voice_reaches_the_stages_prompts_as_vllm_omnis_server_puts_it(tmp_path):
+    """`audio.voice` never reached vLLM-Omni (a Talker spoke with its default speaker whatever
+    the client asked). It is checked against the model's voices (its config's
+    `talker_config.speaker_id`) and put on the prompts as vLLM-Omni's server puts it
+    (`additional_information.speaker`), where vLLM-Omni's own Qwen3-Omni processor copies it
+    onto the Talker's prompt; a voice the model lacks is the client's error, naming those it has."""
+    import json
+
+    from vllm_omni.model_executor.stage_input_processors.qwen3_omni import thinker2talker_token_only
+
+    (tmp_path / "config.json").write_text(json.dumps({"talker_config": {"speaker_id": {"Ethan": 1, "Chelsie": 2}}}))
+    talker = _with_speaker_helpers(_prompt_builder(thinker2talker_token_only))
+    talker._speakers = talker._model_speakers(str(tmp_path))  # (no engine: from the config.json)
+    assert talker._speakers == {"ethan", "chelsie"}
+    upstream = {0: {"text": "x", "token_ids": np.array([5, 6, 7]), "prompt_token_ids": np.array([1, 2]),
+                    "finish_reason": "stop"}}
+    built = talker._engine_prompt(BackendTask("r1", stage_inputs(upstream, "hi", {"voice": " Chelsie"}), {},
+                                              {"voice": " Chelsie"}))
+    assert built["additional_information"]["speaker"] == ["chelsie"]
+    assert talker._engine_prompt(BackendTask("r2", stage_inputs(upstream, "hi", {}), {})).get(
+        "additional_information") is None
+    with pytest.raises(ValueError, match=r"audio.voice: Invalid speaker 'alloy'. Supported: chelsie, ethan"):
+        talker._engine_prompt(BackendTask("r3", stage_inputs(upstream, "hi", {"voice": "alloy"}), {},
+                                          {"voice": "alloy"}))
+    first = _with_speaker_helpers(VllmOmniEngine(stage("unused"), "thinker/0"))  # (a model with no voices)
+    assert first._engine_prompt(BackendTask("r4", {"prompt": "hi"}, {}, {"voice": "Alloy"})) == {
+        "prompt": "hi", "additional_information": {"speaker": ["alloy"]}}
+    assert first._engine_prompt(BackendTask("r5", {"prompt": "hi"}, {}, {})) == {"prompt": "hi"}
+
+
 @needs_omni
 def test_an_image_requests_size_reaches_the_processors_and_the_first_stages_prompt():
     """A code review: the size of `POST /v1/images/generations` never reached vLLM-Omni:
@@ -496,7 +535,6 @@ def test_an_image_requests_size_reaches_the_processors_and_the_first_stages_prom
     first = VllmOmniEngine(stage("unused"), "ar/0")
     assert first._engine_prompt(BackendTask("r1", {"prompt": "a cat"}, {}, {"width": 64, "height": 128})) == {
         "prompt": "a cat", "height": 128, "width": 64, "mm_processor_kwargs": {"target_h": 128, "target_w": 64}}
-    assert first._engine_prompt(BackendTask("r2", {"prompt": "hi"}, {}, {"voice": "alloy"})) == {"prompt": "hi"}
     # a diffusion stage's own size (its config's) wins over the request's
     assert _diffusion_size({"num_inference_steps": 4}, {"width": 64, "height": 128}) == {
         "width": 64, "height": 128, "num_inference_steps": 4}

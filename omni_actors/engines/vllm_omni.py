@@ -136,6 +136,9 @@ class VllmOmniEngine:
         self._ipc: str | None = None  # (this replica's directory for vLLM's IPC sockets)
         self._diffusion = is_diffusion_stage(stage)
         self._dead: str | None = None
+        #: The voices its model has (lower case, ``talker_config.speaker_id``'s keys), against
+        #: which a request's ``voice`` is checked; empty: any voice is handed on unchecked.
+        self._speakers: set[str] = set()
         #: its engine core's error file and parent-death signal (see vllm_core.CoreWatch)
         self._watch: CoreWatch | None = None
         self._log = get_logger(backend="vllm_omni", replica=replica)
@@ -215,11 +218,48 @@ class VllmOmniEngine:
             with self._watch.spawning(core_proc, "run_stage_core") if core_proc else contextlib.nullcontext():
                 self._omni = v["AsyncOmni"](model=model, deploy_config=path)
             self._watch.note_cores()
+            self._speakers = self._model_speakers(model)
         finally:
             # Read once at start-up: nothing is left behind, however the replica ends.
             Path(path).unlink(missing_ok=True)
             self._deploy_file = None
         await self._warm_up()
+
+    def _model_speakers(self, model: str) -> set[str]:
+        """The voices of the model this replica serves, as vLLM-Omni's server reads them
+        (its ``hf_config``'s ``talker_config``; a stage engine loading a sub-config has none
+        there, so a local model's ``config.json`` next); empty where neither names any."""
+        speakers_of = self._v.get("speakers_of")
+        if speakers_of is None:
+            return set()
+        try:
+            found = speakers_of(getattr(self._omni.model_config, "hf_config", None))
+        except Exception:  # noqa: BLE001 - a stage engine without a model config (diffusion)
+            found = set()
+        if not found:
+            import json
+
+            try:
+                found = speakers_of(json.loads((Path(model) / "config.json").read_text()))
+            except (OSError, ValueError, AttributeError):
+                found = set()
+        return set(found)
+
+    def _speaker(self, params: dict[str, Any]) -> str | None:
+        """The speaker vLLM-Omni's Talkers read for a request's ``voice`` (``audio.voice``):
+        normalised and checked as vLLM-Omni's server does; None without a voice.
+
+        Raises:
+            ValueError: a voice the model does not have (the client's 400), naming those it has.
+        """
+        voice = params.get("voice")
+        check = self._v.get("check_speaker")
+        if voice is None or check is None:
+            return None
+        try:
+            return check(voice, self._speakers)
+        except ValueError as exc:
+            raise ValueError(f"audio.voice: {exc}") from None
 
     def _import(self) -> None:
         import importlib.util
@@ -241,6 +281,11 @@ class VllmOmniEngine:
                 from vllm_omni.engine.stage_engine_core_proc import StageEngineCoreProc
             except ImportError:  # (moved in another release: its cores start unwatched)
                 StageEngineCoreProc = None  # noqa: N806
+            try:  # (how vLLM-Omni's server reads a model's voices and checks a request's)
+                from vllm_omni.entrypoints.openai.utils import (get_supported_speakers_from_hf_config,
+                                                                validate_requested_speaker)
+            except ImportError:  # (moved in another release: a request's voice is not handed on)
+                get_supported_speakers_from_hf_config = validate_requested_speaker = None
         except ModuleNotFoundError as exc:
             raise RuntimeError(f"vLLM-Omni is not installed here ({exc}): {_INSTALL_HINT}") from None
         except Exception as exc:  # noqa: BLE001 - e.g. torchvision built for another torch
@@ -251,7 +296,9 @@ class VllmOmniEngine:
                        register_pipeline=register_pipeline, PipelineConfig=PipelineConfig,
                        StageExecutionType=StageExecutionType,
                        StagePipelineConfig=StagePipelineConfig, AsyncOmni=AsyncOmni,
-                       StageEngineCoreProc=StageEngineCoreProc)
+                       StageEngineCoreProc=StageEngineCoreProc,
+                       speakers_of=get_supported_speakers_from_hf_config,
+                       check_speaker=validate_requested_speaker)
 
     def _resolve_processor(self):
         if not self.stage.engine_input_source:
@@ -356,12 +403,14 @@ class VllmOmniEngine:
     # -- tasks -----------------------------------------------------------
     def _engine_prompt(self, task: BackendTask, params: Any = None):
         ei = task.engine_input
+        speaker = self._speaker(task.params)
         if self._processor is None:
             if "prompt_token_ids" in ei:
                 return _with_request_params(
-                    {"prompt_token_ids": np.asarray(ei["prompt_token_ids"]).astype(np.int64).tolist()}, task.params)
+                    {"prompt_token_ids": np.asarray(ei["prompt_token_ids"]).astype(np.int64).tolist()},
+                    task.params, speaker)
             if isinstance(ei.get("prompt"), str) and ei["prompt"]:
-                return _with_request_params({"prompt": ei["prompt"]}, task.params)
+                return _with_request_params({"prompt": ei["prompt"]}, task.params, speaker)
             raise ValueError(f"vllm_omni: engine_input needs `prompt` or `prompt_token_ids`; "
                              f"got fields: {sorted(ei)}")
         upstream = ei.get("upstream")
@@ -374,7 +423,7 @@ class VllmOmniEngine:
                              f"(expected stages {self.stage.engine_input_source})")
         # (the request's original prompt, as vLLM-Omni's server hands its processors: GLM-Image's
         # and HunyuanImage's ar2diffusion read the image size there, a code review: 1024x1024 always)
-        prompt = _with_request_params({"prompt": ei.get("prompt") or ""}, ei.get("params") or task.params)
+        prompt = _with_request_params({"prompt": ei.get("prompt") or ""}, ei.get("params") or task.params, speaker)
         fn = self._processor
         name = self.stage.custom_process_input_func or "vLLM-Omni's default input processor"
         try:
@@ -400,6 +449,9 @@ class VllmOmniEngine:
             built = built[0]
         if built is None:
             raise StageInputError(f"{name} built no input")
+        if speaker and isinstance(built, dict) and not (built.get("additional_information") or {}).get("speaker"):
+            # (as vLLM-Omni's Qwen3-Omni processors copy it onto the Talker's prompt)
+            built = _with_request_params(built, {}, speaker)
         return built
 
     def _request_output(self, request_id: str, sid: int, out: dict[str, Any]):
@@ -547,12 +599,17 @@ def _image_size(params: dict[str, Any]) -> tuple[int, int] | None:
     return (w, h) if ok else None
 
 
-def _with_request_params(prompt: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """``prompt`` with the request's image size where vLLM-Omni's server puts it on the
-    prompts it makes (``mm_processor_kwargs`` ``target_h``/``target_w``, which GLM-Image's AR
-    stage and its ``ar2diffusion`` read, and ``height``/``width``, which HunyuanImage-3's
-    read). A chat request's ``voice`` is not handed on: vLLM-Omni's Talkers read their speaker
-    from the engine request, which a stage that runs alone here does not get."""
+def _with_request_params(prompt: dict[str, Any], params: dict[str, Any],
+                         speaker: str | None = None) -> dict[str, Any]:
+    """``prompt`` with the request's image size and speaker where vLLM-Omni's server puts them
+    on the prompts it makes: ``mm_processor_kwargs`` ``target_h``/``target_w`` (which
+    GLM-Image's AR stage and its ``ar2diffusion`` read) and ``height``/``width`` (which
+    HunyuanImage-3's read); ``additional_information["speaker"]``, a one-item list (which
+    Qwen3-Omni's processors and Talker read, from the prompt or from the engine request made
+    of it; ``speaker`` from :meth:`VllmOmniEngine._speaker`)."""
+    if speaker:
+        prompt = {**prompt, "additional_information": {**(prompt.get("additional_information") or {}),
+                                                       "speaker": [speaker]}}
     size = _image_size(params)
     if size is None:
         return prompt

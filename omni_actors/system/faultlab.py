@@ -81,7 +81,7 @@ class LoadGenerator:
         i = 0
         while not self._stop.is_set() and time.monotonic() < deadline:
             body = {"model": model, "messages": [{"role": "user", "content": f"story {worker}-{i}"}],
-                    "modalities": ["text", "audio"], "audio": {"voice": "default", "format": "wav"},
+                    "modalities": ["text", "audio"], "audio": {"format": "wav"},  # (no voice: a model's own)
                     "max_tokens": self.max_tokens}
             self.outcomes.append(await self._one(session, body))
             i += 1
