@@ -1275,14 +1275,17 @@ def test_argparses_own_usage_errors_are_one_line_too(args, error):
     assert f"(`python -m omni_actors.system {args[0]}" in out.stderr, out.stderr
 
 
-def test_an_unusable_state_directory_is_refused_before_anything_starts(tmp_path):
-    """`stop` and `status` find a leader by the file it writes in its state directory; one
-    that cannot be made was a traceback after the admin and actors had started (a trial)."""
+@pytest.mark.parametrize("role", ["leader", "member"])
+def test_an_unusable_state_directory_is_refused_before_anything_starts(tmp_path, role):
+    """`stop` and `status` find a leader or member by the file it writes in its state
+    directory; one that cannot be made was a traceback after the admin and actors had started
+    (a trial), and a member's a traceback still (a code review)."""
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     admin = local.free_port()
-    out = _cli("start", "--convention-leader", "--port", str(local.free_port()), "--admin-port", str(admin),
-               env={"OMNI_ACTORS_STATE_DIR": str(blocker / "state")})
+    how = (["--convention-leader", "--port", str(local.free_port())] if role == "leader"
+           else ["--convention-address", f"127.0.0.1:{local.free_port()}"])
+    out = _cli("start", *how, "--admin-port", str(admin), env={"OMNI_ACTORS_STATE_DIR": str(blocker / "state")})
     assert out.returncode == 2, out
     assert out.stderr.strip() == (f"error: state directory {str(blocker / 'state')!r} ($OMNI_ACTORS_STATE_DIR, "
                                   "default ~/.omni-actors) is not usable: Not a directory"), out.stderr
@@ -1427,6 +1430,86 @@ def test_a_member_given_the_leaders_admin_port_says_so(tmp_path):
                    "--node-name", "m1", env=env)
         assert out.returncode == 1 and "admin port {} is in use (another system, or a member".format(port) \
             in out.stderr, out.stderr
+
+
+#: A bare Thespian admin on a port (argv[1]), a convention member of argv[2] when given;
+#: "up" on stdout once it answers, shut down when stdin closes.
+_BARE_ADMIN = """
+import sys
+from thespian.actors import ActorSystem
+caps = {"Admin Port": int(sys.argv[1])}
+if len(sys.argv) > 2:
+    caps["Convention Address.IPv4"] = ("127.0.0.1", int(sys.argv[2]))
+asys = ActorSystem("multiprocTCPBase", caps)
+print("up", flush=True)
+sys.stdin.read()
+asys.shutdown()
+"""
+
+
+def _bare_admin(port: int, leader: int | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _BARE_ADMIN, str(port), *([str(leader)] if leader else [])],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout.readline() == "up\n"
+    return proc
+
+
+def _end(proc: subprocess.Popen) -> None:
+    proc.stdin.close()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_member_whose_admin_port_is_taken_while_it_waits_for_its_leader_refuses_to_join(tmp_path):
+    """A code review: the admin port was checked only before the wait for the leader. A
+    member given the leader's admin port and started first (hosts start in any order) then
+    attached to the leader's own admin when it came up, said it joined, and its stop would
+    have shut the leader's admin down. It is checked again after the wait."""
+    port = free_port()
+    env = {**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)}
+    member = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "start", "--convention-address",
+                               f"127.0.0.1:{port}", "--admin-port", str(port), "--node-name", "m1",
+                               "--leader-wait", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT, env=env)
+    leader = None
+    try:
+        assert "waiting up to 60 s" in member.stdout.readline()
+        leader = _bare_admin(port)
+        out, err = member.communicate(timeout=60)
+        assert member.returncode == 1, (out, err)
+        assert err.strip().splitlines()[-1] == (
+            f"error: admin port {port} is the leader's (the convention address 127.0.0.1:{port}): a member on "
+            "the leader's host needs an --admin-port of its own"), err
+        assert "joined" not in out, out
+    finally:
+        if member.poll() is None:
+            member.kill()
+            member.communicate(timeout=10)
+        if leader is not None:
+            _end(leader)
+
+
+def test_a_member_pointed_at_another_members_admin_names_the_leaders(tmp_path):
+    """A code review: `--convention-address` of another member's admin (which `status`
+    takes) passed every check; the member said it joined and the coordinator never saw it."""
+    leader_port, member_port = free_port(), free_port()
+    leader = _bare_admin(leader_port)
+    try:
+        other = _bare_admin(member_port, leader_port)
+        try:
+            out = _cli("start", "--convention-address", f"127.0.0.1:{member_port}", "--admin-port",
+                       str(free_port()), "--node-name", "m2", env={"OMNI_ACTORS_STATE_DIR": str(tmp_path)})
+        finally:
+            _end(other)
+    finally:
+        _end(leader)
+    assert out.returncode == 1, out
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"error: 127.0.0.1:{member_port} is a member's admin, not the convention leader's (the leader's is "
+        f"127.0.0.1:{leader_port}): give --convention-address the leader's admin address"), out.stderr
 
 
 def test_a_drained_node_stays_drained_when_the_coordinator_is_recreated():

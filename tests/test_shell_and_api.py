@@ -488,6 +488,28 @@ def test_the_shells_drain_takes_node_with_an_equals_sign_and_refuses_other_flags
     assert asked == [("node", "m1"), ("node", "m2"), ("replica", "talker/0")] and shell.failed
 
 
+def test_the_shells_live_column_counts_replicas_with_a_process():
+    """A code review: `stages` counted a dead replica (restarting after its backoff, no
+    process) as LIVE and a draining one (finishing its tasks) not, against its own help."""
+    import io
+
+    from omni_actors.messages import PoolState, ReplicaState, ReplicaStatus, SystemStatus
+    from omni_actors.system.admin import Admin
+    from omni_actors.system.shell import AdminShell
+
+    states = (ReplicaState.READY, ReplicaState.DRAINING, ReplicaState.DRAINING, ReplicaState.DEAD,
+              ReplicaState.STOPPED)
+    pool = PoolState(stage_id=1, stage="talker", pid=123,
+                     replicas=tuple(ReplicaStatus(f"talker/{i}", st) for i, st in enumerate(states)))
+    out = io.StringIO()
+    shell = AdminShell(Admin(asys=None, coordinator=None), 1900, stdout=out)
+    shell._status = lambda: SystemStatus("q", "m", True, (pool,))
+    shell.onecmd("stages")
+    header, row = out.getvalue().splitlines()[:2]
+    cells = dict(zip(header.split(), row.split()))
+    assert (cells["READY"], cells["LIVE"]) == ("1", "3"), out.getvalue()
+
+
 @pytest.mark.parametrize("call, error", [
     (lambda a: a.scale("talker", 2000),
      "the replica count must be from 0 to 1024 (each replica is a process), got 2000"),

@@ -250,6 +250,9 @@ def _start_member(args, devices: tuple[str, ...]) -> int:
     if args.admin_port is None:
         return _fail("a member needs its own --admin-port (its Thespian admin on this host; not the "
                      "leader's)", 2)
+    problem = _state_dir_problem()  # (a member's unusable one was a traceback: a code review)
+    if problem:
+        return _fail(problem, 2)
     leader_wait = LEADER_WAIT_S if args.leader_wait is None else args.leader_wait
     if not 0 <= leader_wait <= MAX_LEADER_WAIT_S:  # (also refuses nan)
         return _fail(f"--leader-wait must be from 0 to {MAX_LEADER_WAIT_S:g} s, got {args.leader_wait:g}", 2)
@@ -265,7 +268,7 @@ def _start_member(args, devices: tuple[str, ...]) -> int:
 
 
 def _state_dir_problem() -> str | None:
-    """Why the leader could not record itself in its state directory (``stop`` and
+    """Why a leader or member could not record itself in its state directory (``stop`` and
     ``status`` find it there), or None; checked before anything starts."""
     from omni_actors.system.leader import state_dir
 

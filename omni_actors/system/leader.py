@@ -124,6 +124,31 @@ def admin_start_error(admin_port: int, exc: BaseException) -> str:
     return f"the actor system did not start on admin port {admin_port}: {text}"
 
 
+def start_admin(admin_port: int, capabilities: dict):
+    """This host's Thespian admin on ``admin_port``, forked by this process, and the
+    ``ActorSystem`` that talks to it.
+
+    Raises:
+        StartError: it did not start (:func:`admin_start_error`), or another process's admin
+            answers on ``admin_port``: one started there after this process found the port free
+            (a member waiting for its leader, a code review). Thespian then uses that admin
+            instead of starting its own, and this host's shutdown would stop that other system.
+    """
+    from thespian.actors import ActorSystem
+
+    from omni_actors.logs import thespian_log_defs
+    from omni_actors.system.watchdog import find_admin
+
+    try:
+        asys = ActorSystem(ACTOR_BASE, capabilities, logDefs=thespian_log_defs())
+    except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
+        raise StartError(admin_start_error(admin_port, exc)) from None
+    if find_admin(os.getpid()) is None:  # (not shut down: it is the other system's)
+        raise StartError(f"admin port {admin_port} was taken by another system while this one started: "
+                         "give this one an --admin-port of its own")
+    return asys
+
+
 def _node_label(node) -> str:
     """``m1``, ``m2 (LEAVING, 1 of 4 devices free, 3 buffers)``, ``m3 (LEFT)``: a node of the
     ``nodes:`` line (free devices: a trial could not tell from ``status`` where room was left)."""
@@ -253,12 +278,10 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     Raises:
         StartError: the admin or HTTP port is taken, or the coordinator did not answer.
     """
-    from thespian.actors import ActorSystem
-
     from omni_actors.actors import device_leases
     from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
     from omni_actors.connectors import SegmentDirError, check_segment_dir, sweep_segments
-    from omni_actors.logs import get_logger, thespian_log_defs
+    from omni_actors.logs import get_logger
     from omni_actors.messages import Deploy, NodeInfo, ReplicaState, SystemStatus
 
     problem = serve_args_error(host, port, admin_port)
@@ -317,11 +340,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     try:
         data = start_data_service(leader_node.name, host, config.deployment.request_timeout_s + 30)
         mark_host_process("leader")  # (inherited by the admin and every actor)
-        try:
-            asys = ActorSystem(ACTOR_BASE, node_capabilities(admin_port, leader_node.name, devices, ()),
-                               logDefs=thespian_log_defs())
-        except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
-            raise StartError(admin_start_error(admin_port, exc)) from None
+        asys = start_admin(admin_port, node_capabilities(admin_port, leader_node.name, devices, ()))
         sessions = child_sessions()  # the admin's session: the whole actor tree lives in it
         watchdog = start_watchdog("leader", system_id, sessions, shm_prefix=shm_prefix, state_file=sfile)
         # (before the deployment, which waits for every replica: `stop` finds the leader by it)

@@ -16,8 +16,8 @@ import socket
 import threading
 import time
 
-from omni_actors.system.leader import (ACTOR_BASE, StartError, _become_subreaper, admin_start_error,
-                                       member_state_file, node_capabilities, start_data_service)
+from omni_actors.system.leader import (StartError, _become_subreaper, member_state_file, node_capabilities,
+                                       start_admin, start_data_service)
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, handle_stop_signals, kill_system,
                                           port_in_use, remove_ipc_dir,
                                           remove_orphan_semaphores,
@@ -48,21 +48,14 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         StartError: the admin port is taken, the leader cannot be reached, or a live member
             already goes by ``node``.
     """
-    from thespian.actors import ActorSystem
-
     import omni_actors.actors  # noqa: F401 - its Thespian fix, before the admin forks
     from omni_actors.actors import device_leases
     from omni_actors.connectors import SegmentDirError, check_segment_dir, sweep_segments
     from omni_actors.connectors.data_service import DEFAULT_REAP_AFTER_S, local_address_towards
-    from omni_actors.logs import get_logger, thespian_log_defs
+    from omni_actors.logs import get_logger
 
     host, port = convention
-    if port_in_use(admin_port):
-        if port == admin_port and _on_this_host(host):
-            raise StartError(f"admin port {admin_port} is the leader's (the convention address {host}:{port}): "
-                             "a member on the leader's host needs an --admin-port of its own")
-        raise StartError(f"admin port {admin_port} is in use (another system, or a member already running "
-                         "on this host: give this one an --admin-port of its own)")
+    _check_admin_port(admin_port, host, port)
     from omni_actors.system.remote import leader_status, node_name_taken
 
     stopping, hurry = threading.Event(), threading.Event()
@@ -90,6 +83,10 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
             print("omni-actors member stopped while it waited for its leader", flush=True)
             remove_state_file(waiting, me)
             return 130
+        if problem:
+            raise StartError(problem)
+        _check_admin_port(admin_port, host, port)  # (again: it may have been taken while this one waited)
+        problem = _member_not_leader(host, port)
         if problem:
             raise StartError(problem)
         leader = leader_status(host, port)
@@ -122,10 +119,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         # member's whole life, a trial saw; orphaned actors here are reaped too)
         _become_subreaper()
         sweep_stale_ipc_dirs()  # (of systems killed outright on this host)
-        try:
-            asys = ActorSystem(ACTOR_BASE, caps, logDefs=thespian_log_defs())
-        except Exception as exc:  # noqa: BLE001
-            raise StartError(admin_start_error(admin_port, exc)) from None
+        asys = start_admin(admin_port, caps)
         sessions = child_sessions()  # the admin's session: every actor placed here lives in it
         sfile = member_state_file(admin_port)
         drain_record(admin_port).unlink(missing_ok=True)  # (an earlier member's on this port)
@@ -282,6 +276,35 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
                            else f"leaving without a drain: {exc}")
     finally:
         admin.asys.close()
+
+
+def _check_admin_port(admin_port: int, host: str, port: int) -> None:
+    """Raise StartError when something listens on this member's ``admin_port`` already."""
+    if port_in_use(admin_port):
+        if port == admin_port and _on_this_host(host):
+            raise StartError(f"admin port {admin_port} is the leader's (the convention address {host}:{port}): "
+                             "a member on the leader's host needs an --admin-port of its own")
+        raise StartError(f"admin port {admin_port} is in use (another system, or a member already running "
+                         "on this host: give this one an --admin-port of its own)")
+
+
+def _member_not_leader(host: str, port: int) -> str | None:
+    """Why ``host:port`` is no convention to join: it is a member's admin, not its leader's
+    (a code review: such a member said it joined, and the coordinator never saw its node);
+    None when it is a leader's, or its admin cannot be asked (the join says what is wrong)."""
+    from omni_actors.system.remote import admin_status, is_member_status
+
+    try:
+        status = admin_status(host, port)
+    except Exception:  # noqa: BLE001 - whatever Thespian raises making its transport
+        return None
+    if status is None or not is_member_status(status):
+        return None
+    leader = status.capabilities.get("Convention Address.IPv4")
+    where = f" (the leader's is {leader[0]}:{leader[1]})" if isinstance(leader, (tuple, list)) and len(leader) == 2 \
+        else ""
+    return (f"{host}:{port} is a member's admin, not the convention leader's{where}: give --convention-address "
+            "the leader's admin address")
 
 
 def _wait_for_leader(host: str, port: int, wait_s: float, stopping: threading.Event) -> str | None:

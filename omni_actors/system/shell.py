@@ -43,10 +43,9 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+from omni_actors.messages import LIVE_STATES
 from omni_actors.system.admin import FAULTS, Admin, AdminError, inject_reply
 
-#: Replica states that count as running (as the pool counts them when it scales).
-LIVE_STATES = ("starting", "ready", "dead", "isolated")
 #: How long the names used for tab completion (stages; replicas not stopped or failed)
 #: are reused, within one command line, before asking again.
 NAMES_TTL_S = 2.0
@@ -310,7 +309,7 @@ class AdminShell(cmd.Cmd):
         status = self._status()
         rows = [("STAGE", "ID", "POOL_PID", "READY", "LIVE", "IN_FLIGHT", "PENDING", "POOL_RESTARTS")]
         for st in status.stages:
-            live = [r for r in st.replicas if r.state.value in LIVE_STATES]
+            live = [r for r in st.replicas if r.state in LIVE_STATES]
             rows.append((st.stage, st.stage_id, st.pid or "-",
                          sum(1 for r in st.replicas if r.state.value == "ready"), len(live),
                          sum(r.in_flight for r in st.replicas), st.pending, st.restarts))
