@@ -422,9 +422,10 @@ class ApiServer:
     the bridge's bounds set: the CLI sets only ``--request-actors``."""
 
     def __init__(self, leader, tmp_path: Path, **bridge_kw):
-        from omni_actors.system.local import free_port
+        from omni_actors.system.local import reserve_port
 
-        self.port = free_port()
+        held = reserve_port()  # (until the server listens: another system's actor could take it)
+        self.port = held.getsockname()[1]
         self.log = tmp_path / "api.log"
         with open(self.log, "ab") as err:
             self.proc = subprocess.Popen(
@@ -432,7 +433,10 @@ class ApiServer:
                 stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT,
                 env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent),
                      "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
-        line = self.proc.stdout.readline()
+        try:
+            line = self.proc.stdout.readline()
+        finally:
+            held.close()
         assert f"at http://127.0.0.1:{self.port}/v1" in line, (line, self.log.read_text()[-2000:])
         self.url = f"http://127.0.0.1:{self.port}/v1"
 
@@ -903,6 +907,50 @@ def test_a_cancel_for_a_stopped_request_actor_does_not_hold_up_the_next_request(
 
         took = asyncio.run(scenario())
         assert took < 10, f"the next request took {took:.1f} s"
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGCONT)
+        assert api.stop() == 0, api.log.read_text()[-2000:]
+
+
+@pytest.mark.system
+def test_a_cancel_relayed_through_a_stopped_supervisor_does_not_hold_up_the_next_request(leader, tmp_path):
+    """A code review: the RequestActorSupervisor stopped (SIGSTOP) while the API server
+    serves. A client gives up; its cancel, relayed through the supervisor, held the sender
+    thread (one here) until the supervisor took it, up to 60 s, and with it the next
+    request and the supervisor's own replacement. A sender stuck on a relay is replaced
+    after HAND_OVER_STUCK_S, as one stuck on a hand-over is."""
+    import aiohttp
+
+    baseline = _settle(leader.pids)
+    api = ApiServer(leader, tmp_path, min_request_actors=1, queue_limit=4, senders=1)
+    pid = None
+    try:
+        sups = _titled(_settle(lambda: set(leader.pids()) - baseline), b"RequestActorSupervisor ActorAddr")
+        assert len(sups) == 1, sups
+        pid = sups.pop()
+
+        async def scenario() -> float:
+            async with aiohttp.ClientSession() as s:
+                url = api.url + "/chat/completions"
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 200}
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    async with s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                        await r.read()
+                    raise AssertionError("the long request was answered within 1 s")
+                except asyncio.TimeoutError:
+                    pass  # gone after 1 s: its cancel goes through the stopped supervisor
+                await asyncio.sleep(0.2)
+                t0 = time.monotonic()
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "next"}], "max_tokens": 4}
+                async with s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=90)) as r:
+                    assert r.status == 200, await r.text()
+                return time.monotonic() - t0
+
+        took = asyncio.run(scenario())
+        assert took < 20, f"the next request took {took:.1f} s"
+        assert "bridge_relay_stuck" in api.log.read_text()
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGCONT)

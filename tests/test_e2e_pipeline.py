@@ -147,8 +147,15 @@ def test_streaming_with_openai_client_matches_non_streaming(openai_client):
 
 
 def test_both_talker_replicas_get_work_under_concurrent_requests(omni_leader, openai_client):
-    time.sleep(1.2)  # pools publish their table every heartbeat interval (1 s): let it settle
-    before = _stage_table(omni_leader)
+    # pools publish their table every heartbeat interval (1 s): taken once two reads a heartbeat
+    # apart agree (the completions of the tests before all counted)
+    before, settle_by = _stage_table(omni_leader), time.monotonic() + 15
+    while time.monotonic() < settle_by:
+        time.sleep(1.2)
+        again = _stage_table(omni_leader)
+        if all(again[rep]["completed"] == before[rep]["completed"] for rep in ("talker/0", "talker/1")):
+            break
+        before = again
 
     def one(i):
         return openai_client.chat.completions.create(

@@ -108,7 +108,7 @@ def test_a_replica_frozen_with_sigstop_does_not_hold_up_the_stop(tmp_path):
     assert code == 0 and leader.left_after_exit == []
     stopped = [e for e in read_events(leader.log_path, since) if e.get("event") == "leader_stopped"]
     assert stopped and stopped[0]["killed"] == [], stopped
-    assert took < 5, f"the stop took {took:.1f} s: {stopped}"
+    assert took < 9, f"the stop took {took:.1f} s: {stopped}"  # (14 s with the bug; 1-2 s here, more loaded)
 
 
 def test_a_replica_that_hangs_while_it_drains_has_its_work_moved_not_waited_for(tmp_path):
@@ -199,6 +199,7 @@ def test_requests_still_running_when_the_drain_ends_get_a_503_and_the_stop_does_
                           env={"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)})
             during_json = _cli("status", "--admin-port", str(leader.admin_port), "--json",
                                env={"OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)})
+            t0 = time.monotonic()  # (the stop is timed from the second Ctrl-C: the two CLIs took 1-4 s)
         code = leader.stop()
         took = time.monotonic() - t0
     for t in clients:
@@ -260,7 +261,9 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
     cfg["stage_args"][1]["final_ouput"] = False  # (a misspelt key: a warning, also as a plain line)
     config = tmp_path / "slow_start.yaml"
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    admin_port, http_port, env = free_port(), free_port(), {"OMNI_ACTORS_STATE_DIR": str(tmp_path)}
+    held = [local.reserve_port(), local.reserve_port()]  # (as LocalLeader holds its ports)
+    admin_port, http_port = (s.getsockname()[1] for s in held)
+    env = {"OMNI_ACTORS_STATE_DIR": str(tmp_path)}
     with open(tmp_path / "leader.err", "wb") as err, open(tmp_path / "leader.out", "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "start", "--convention-leader",
                                  "--config", str(config), "--port", str(http_port), "--admin-port", str(admin_port)],
@@ -311,6 +314,8 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
         assert stopped and stopped[0]["killed"] == [], stopped
         assert system_pids(system_id) == [] and not state.exists()
     finally:
+        for s in held:
+            s.close()
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)

@@ -569,7 +569,9 @@ def test_a_member_started_before_its_leader_waits_for_it_and_joins(request, tmp_
     does not answer yet waits for it (``--leader-wait``, 60 s by default) and joins once
     it is up; it used to exit at once ("no convention leader answers"), so hosts had to
     be started in order. One that waits in vain says for how long, with exit status 1."""
-    leader_port = free_port()
+    held = reserve_port()  # (until the leader listens there: another system's actor could take it)
+    request.addfinalizer(held.close)
+    leader_port = held.getsockname()[1]
     member = Member(tmp_path, f"127.0.0.1:{leader_port}", "m1", "0,1,2,3,4,5")
     request.addfinalizer(member.stop)
     joining = threading.Thread(target=member.start, kwargs={"timeout_s": 90})
@@ -581,6 +583,7 @@ def test_a_member_started_before_its_leader_waits_for_it_and_joins(request, tmp_
     leader = LocalLeader(CONFIG, extra_args=["--node-name", "leader"], admin_port=leader_port)
     request.addfinalizer(leader.stop)
     leader.start()
+    held.close()
     joining.join(90)
     assert member.session is not None, f"the member did not join: {member.tail()}"
     cluster = Cluster(request, tmp_path, leader, {})

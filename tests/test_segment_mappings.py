@@ -238,12 +238,17 @@ def test_a_producer_never_writes_through_its_mapping_of_another_file(prefix):
 # -- the data service ----------------------------------------------------------------------------
 
 def test_an_empty_segment_get_is_answered_at_once(prefix):
-    """Its header goes without MSG_MORE (no payload follows to push it out)."""
+    """Its header goes without MSG_MORE (no payload follows to push it out: held back, each
+    such get took 0.2 s). The fastest of three is timed (a loaded machine delays any one)."""
     ref = make_connector(0, prefix=prefix).shm.put({"x": np.ones(2000, dtype=np.float32)})
     with DataService("127.0.0.1", 0, prefix, node="far") as svc:
-        t0 = time.monotonic()
-        body = ds.fetch(svc.address, ref.location, 0)
-        assert body.nbytes == 0 and time.monotonic() - t0 < 0.1
+        took = []
+        for _ in range(3):
+            t0 = time.monotonic()
+            body = ds.fetch(svc.address, ref.location, 0)
+            took.append(time.monotonic() - t0)
+            assert body.nbytes == 0
+        assert min(took) < 0.15, took
         got = ds.fetch(svc.address, ref.location, ref.size)
         np.testing.assert_array_equal(got[:8].view(np.float32), np.ones(2, dtype=np.float32))
     ds.close_connections()

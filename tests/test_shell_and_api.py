@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from omni_actors.system.local import LocalLeader, free_port
+from omni_actors.system.local import LocalLeader, free_port, reserve_port
 from omni_actors.system.processes import system_pids
 
 from conftest import CONFIGS, ROOT
@@ -334,12 +334,16 @@ def leader():
 
 
 def _start_api(leader: LocalLeader, *extra: str) -> tuple[subprocess.Popen, int]:
-    port = free_port()
+    held = reserve_port()  # (until the server listens: another system's actor could take it)
+    port = held.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "api", "--port", str(port),
                              "--admin-port", str(leader.admin_port), "--request-actors", "2", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)})
-    line = proc.stdout.readline()
+    try:
+        line = proc.stdout.readline()
+    finally:
+        held.close()
     assert f"at http://127.0.0.1:{port}/v1" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
     return proc, port
 

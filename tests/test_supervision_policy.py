@@ -97,7 +97,7 @@ def test_a_stalled_replica_whose_tasks_were_cancelled_keeps_its_stall_clock():
     for t in range(1, 10):
         health.on_heartbeat(float(t), progress=5, idle_s=float(t))  # it makes no progress
     health.on_heartbeat(9.5, progress=5, idle_s=9.5)
-    health.went_idle(9.9)  # its task was cancelled
+    health.went_idle(9.9, min_stretch_s=1.0)  # its task was cancelled (as the pool calls it)
     health.on_heartbeat(10.0, progress=5, idle_s=0.0)  # (an engine with no task reports 0)
     health.on_dispatch(now=10.0, was_idle=True)
     health.on_heartbeat(10.2, progress=5, idle_s=0.0)  # (its new task waits for its input first)
@@ -115,6 +115,28 @@ def test_a_stalled_replica_whose_tasks_were_cancelled_keeps_its_stall_clock():
     health.on_dispatch(now=60.0, was_idle=True)  # idle for 56 s, then a task: not a stall
     health.on_heartbeat(61.5, progress=9, idle_s=57.5)  # (its first token not out yet)
     assert policy.verdict(health, now=62.0, in_flight=1) is None
+
+
+def test_quick_refusals_and_short_cancelled_tasks_do_not_add_up_to_a_stall():
+    """A code review: a healthy replica's tasks refused on their input (400s of 30 ms) or
+    cancelled before their first output (0.35 s each) added up towards a stall, never reset
+    while it made no tokens: 400 refusals made 12 s, and its next good task was judged
+    stalled at once (the replica killed, the task counted as a crash)."""
+    policy = HealthPolicy(heartbeat_interval_s=1.0, stall_timeout_s=10.0)
+    health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
+    t = 0.0
+    for i in range(400):
+        health.on_dispatch(now=t, was_idle=True)
+        t += 0.03
+        health.went_idle(t, answered=True, min_stretch_s=1.0)  # refused: the client's 400
+    for i in range(40):
+        health.on_dispatch(now=t, was_idle=True)
+        t += 0.35
+        health.went_idle(t, min_stretch_s=1.0)  # its client went away before the first output
+    health.on_heartbeat(t, progress=0, idle_s=0.0)
+    health.on_dispatch(now=t, was_idle=True)
+    assert health.stalled_before_s == 0.0
+    assert policy.verdict(health, now=t + 0.25, in_flight=1) is None
 
 
 def test_circuit_breaker_opens_after_consecutive_failures_only():

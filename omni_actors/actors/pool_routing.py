@@ -241,7 +241,7 @@ class PoolRoutingMixin:
         elif not msg.client_error:
             rep.failed += 1  # (a client's bad request, a 400, is no failure of the replica)
         if rep.health is not None and not rep.in_flight:
-            rep.health.went_idle(now)
+            rep.health.went_idle(now, answered=msg.client_error, min_stretch_s=self._health.heartbeat_interval_s)
         if rep.health is not None and not msg.cancelled and not msg.input_error:
             rep.health.on_task_done(msg.ok, now, dispatched_at=entry[1])
             if not msg.ok and rep.state == ReplicaState.READY:
@@ -265,7 +265,7 @@ class PoolRoutingMixin:
                 task, at = rep.in_flight.pop(key)
                 rep.cancelling.discard(key)
                 if rep.health is not None and not rep.in_flight:
-                    rep.health.went_idle(now)
+                    rep.health.went_idle(now, min_stretch_s=self._health.heartbeat_interval_s)
                 self._log.warning("task_outlived_request", replica=rep.replica, request_id=task.request_id,
                                   in_flight_s=round(now - at, 1), request_timeout_s=task.timeout_s)
                 if rep.address is not None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExited, WakeupMessage
 
 from omni_actors.actors.cancels import CancelledStages
+from omni_actors.actors.engine import SHUTDOWN_TIMEOUT_S
 from omni_actors.actors.pool_admin import PoolAdminMixin
 from omni_actors.actors.pool_placement import PoolPlacementMixin, down_phrase, moved_on_purpose, starting_reason
 from omni_actors.actors.pool_routing import TASK_OVERDUE_GRACE_S, PoolRoutingMixin  # noqa: F401 (re-exported)
@@ -358,6 +359,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 self._set_down(rep, ReplicaState.FAILED,
                                f"did not become ready within {self._spec.ready_timeout_s:g} s")
                 self._kill(rep)
+            elif rep is not None and rep.address == payload[2] and rep.state == ReplicaState.DRAINING \
+                    and rep.health is None:  # (drained while it started, and never ready: not waited for)
+                self._stop_hung_drain(rep, f"did not become ready within {self._spec.ready_timeout_s:g} s")
         elif isinstance(payload, tuple) and payload[0] == "retry_failed":
             rep = self._replicas.get(payload[1])
             if (rep is not None and rep.state == ReplicaState.FAILED and rep.failed_at == payload[2]
@@ -375,6 +379,24 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 rep.restarts.append(time.monotonic())
                 self._launch(rep.replica, rep.restarts)
                 self._publish()
+
+    def _drain_exit_s(self) -> float:
+        """Seconds a drained replica with no task may go without a heartbeat before it is
+        taken for hung: its missed heartbeats, plus the time its engine gets to stop (the
+        EngineActor sends none meanwhile, see :data:`~omni_actors.actors.engine.SHUTDOWN_TIMEOUT_S`)."""
+        return self._health.missed_heartbeats * self._health.heartbeat_interval_s + SHUTDOWN_TIMEOUT_S
+
+    def _stop_hung_drain(self, rep: Replica, why: str, crashed: bool = True) -> None:
+        """A DRAINING replica that does not answer (``why``): its tasks go elsewhere, those it
+        finished lately are handed back (their results may be stuck in it), and its process is
+        killed (stopped, its devices freed, once it is gone)."""
+        self._log.error("replica_isolated", replica=rep.replica, reason=why, draining=True)
+        rep.reason = f"{why} while draining ({rep.reason})"
+        self._redispatch(rep, crashed=crashed)
+        self._hand_back_finished(rep, rep.reason)
+        if not self._kill(rep):
+            self._gone(rep, rep.reason)
+        self._publish()
 
     def _tick(self) -> None:
         now = time.monotonic()
@@ -401,16 +423,18 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 if why:  # (stalled running its tasks counts against them; silence may be a lost host)
                     self._isolate(rep, why, crashed=not self._health.silent(rep.health, now, len(rep.in_flight)))
             elif rep.state == ReplicaState.DRAINING and not rep.in_flight:
-                self.send(rep.address, DrainReplica(rep.replica))
+                silent_s = now - rep.health.last_heartbeat if rep.health is not None else 0.0
+                if silent_s > self._drain_exit_s():
+                    # (a code review: frozen, then drained, it stayed `draining` for ever, holding
+                    # its devices; one that stops its engine sends no heartbeat meanwhile)
+                    self._stop_hung_drain(rep, f"no heartbeat for {silent_s:.0f} s")
+                else:
+                    self.send(rep.address, DrainReplica(rep.replica))
             elif rep.state == ReplicaState.DRAINING and rep.health is not None:
                 why = self._health.verdict(rep.health, now, len(rep.in_flight))
                 if why:  # hung while it drains: its tasks go elsewhere now (they waited for it for ever)
-                    self._log.error("replica_isolated", replica=rep.replica, reason=why, draining=True)
-                    rep.reason = f"{why} while draining ({rep.reason})"
-                    self._redispatch(rep, crashed=not self._health.silent(rep.health, now, len(rep.in_flight)))
-                    if not self._kill(rep):
-                        self._gone(rep, rep.reason)
-                    self._publish()
+                    self._stop_hung_drain(rep, why, crashed=not self._health.silent(rep.health, now,
+                                                                                    len(rep.in_flight)))
         if self._ticks % PLACEMENT_RETRY_TICKS == 0:
             self._retry_placements()  # devices may have been freed by another stage
         self._refuse_pending_if_none_comes()
@@ -499,7 +523,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         if rep is not None:
             # (how it ended, when Thespian has reaped it: "killed by SIGKILL" says the OOM killer
             # or an operator, an exit status an error; a trial's log said only "process exited")
-            how = describe_exit(exit_code(msg.childAddress, msg))
+            code = exit_code(msg.childAddress, msg)
+            how = describe_exit(code)
             if rep.pid and rep.host == host_identity():  # (killed: it could not remove its vLLM sockets)
                 release_ipc_dir(process_ipc_dir(rep.pid))
             if rep.state == ReplicaState.ISOLATED:  # (trial BB: its reason did not say it was then killed)
@@ -507,13 +532,16 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                                       else f"; then exited ({how})")
             else:
                 cause = "process exited" + (f" ({how})" if how else "")
-            self._gone(rep, cause)
+            self._gone(rep, cause, exited_cleanly=code in (0, None))
 
-    def _gone(self, rep: Replica, cause: str, crashed: bool = True, counted: bool = True) -> None:
+    def _gone(self, rep: Replica, cause: str, crashed: bool = True, counted: bool = True,
+              exited_cleanly: bool = False) -> None:
         """The replica's process is gone (exited, killed, or lost with its node):
         free its devices, re-dispatch its work, and restart it if it should run.
         ``counted=False`` (its node left cleanly): placed again at once, and not
-        a restart (no back-off, not in RESTARTS, not towards ``max_restarts``)."""
+        a restart (no back-off, not in RESTARTS, not towards ``max_restarts``).
+        ``exited_cleanly``: it exited by itself (status 0, or not known), so the results of
+        the tasks it finished went out before it did."""
         rep.address = None  # a late ChildActorExited for it changes nothing
         if rep.linger and rep.state == ReplicaState.READY:
             # A lingering replica (see PoolPlacementMixin.receiveMsg_DrainNode) whose node left
@@ -532,6 +560,10 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             self._release(rep)
             rep.state, rep.reason = ReplicaState.STOPPED, rep.reason or "drained"
             self._redispatch(rep)
+            if exited_cleanly or self._exiting:
+                rep.finished.clear()
+            else:  # (killed, or lost with its node, while it drained: a code review)
+                self._hand_back_finished(rep, cause)
             if rep.relaunch and not self._orphaned and not self._exiting:
                 rep.down_cause = rep.reason
                 self._launch(rep.replica, rep.restarts)

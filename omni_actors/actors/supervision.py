@@ -280,14 +280,24 @@ class ReplicaHealth:
         if was_idle:
             self.progress_at = now
 
-    def went_idle(self, now: float) -> None:
+    def went_idle(self, now: float, answered: bool = False, min_stretch_s: float = 0.0) -> None:
         """Its last task left it (finished, failed, cancelled). The time it had gone
         without progress with work is kept until it makes progress again: a stalled
         replica whose tasks were all cancelled before the stall timeout (a downstream
         stage's chunk timeout of the same 10 s) was otherwise given a fresh 10 s with
         every new task (a trial saw one isolated after 30 s, its requests failing
-        meanwhile)."""
-        self.stalled_before_s += max(0.0, now - self.progress_at)
+        meanwhile).
+
+        Not kept: a stretch that ended with the replica's own answer (``answered``: its
+        last task refused on its input, a 400), nor one shorter than ``min_stretch_s``
+        (the pool gives its heartbeat interval). A healthy replica's quick 400s, or tasks
+        cancelled before their first output, otherwise added up, never to be reset while
+        it made no tokens, until its next good task was judged stalled at once and the
+        replica killed (a code review: 400 refusals of 30 ms made 12 s).
+        """
+        stretch = max(0.0, now - self.progress_at)
+        if not answered and stretch >= min_stretch_s:
+            self.stalled_before_s += stretch
 
     def stalled_s(self, now: float) -> float:
         """Seconds without progress while it had work (this stretch and the earlier ones)."""

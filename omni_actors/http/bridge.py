@@ -80,6 +80,10 @@ from omni_actors.planning import PlanError, plan_request
 #: How often the bridge renews its subscription with the coordinator (a lease:
 #: a coordinator restarted after a crash learns of us within this time).
 SUBSCRIBE_EVERY_S = 2.0
+#: Outbox items a sender thread relays through our RequestActorSupervisor (or sends to a
+#: RequestActor or pool): one stuck on a stopped or hung supervisor is replaced, as a stuck
+#: hand-over is (see RequestActorKeeping._unstick_senders).
+_RELAYED = ("cancel", "abandon", "exit", "tell", "routes")
 #: Seconds the receiver thread waits for one message before it looks at its other duties.
 RECEIVE_LISTEN_S = 0.5
 #: Seconds past a listen's that the receiver thread may take between two reads before it
@@ -436,6 +440,8 @@ class ActorBridge(RequestActorKeeping):
                 if item is None:
                     return
                 kind = item[0]
+                if kind in _RELAYED:  # (a stopped supervisor held every sender: a code review)
+                    self._handing[i] = (self._running_clock(), None)
                 try:
                     if kind == "run":
                         run = _current_pools(item[1], self._routes.pools)
@@ -506,6 +512,9 @@ class ActorBridge(RequestActorKeeping):
                             stages[rid] = tuple(known)
                 except Exception as exc:  # noqa: BLE001 - keep the bridge alive
                     self._log.error("bridge_send_failed", kind=kind, error=str(exc))
+                finally:
+                    if kind in _RELAYED and self._sender_gen[i] == gen:
+                        self._handing[i] = None
 
     def _supervise_again(self, ctx, idle: tuple, lost) -> None:
         """Sender thread: a new supervisor in place of ``lost`` (None: none was there), which

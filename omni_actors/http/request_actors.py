@@ -221,14 +221,20 @@ class RequestActorKeeping:
         """A sender thread that has been handing a request to its RequestActor for
         :data:`HAND_OVER_STUCK_S` is stuck (the RequestActor is stopped or hangs): the
         request is written off and the outbox gets a new sender, so the requests behind
-        it in that outbox are not held up as long as Thespian tries (up to 60 s). Time
-        this server did not run does not count (a server frozen with a hand-over under
-        way wrote its request off as it resumed)."""
+        it in that outbox are not held up as long as Thespian tries (up to 60 s). So is
+        one stuck relaying a message through our supervisor (stopped or hung: its
+        request id is None), the message lost (the supervisor's silence replaces it
+        within :data:`~omni_actors.messages.SUPERVISOR_MISSED` beats). Time this server
+        did not run does not count (a server frozen with a hand-over under way wrote its
+        request off as it resumed)."""
         now = now - self._paused_s
         for i, handing in enumerate(self._handing):
             if handing is not None and now - handing[0] > HAND_OVER_STUCK_S:
                 self._handing[i] = None
                 self._start_sender(i)
+                if handing[1] is None:
+                    self._log.warning("bridge_relay_stuck", sender=i, stuck_s=round(now - handing[0], 1))
+                    continue
                 self._write_off(handing[1], f"its RequestActor did not take the request within "
                                             f"{HAND_OVER_STUCK_S:g} s (stopped or hung?)", tell_exit=False,
                                 not_started=True)
