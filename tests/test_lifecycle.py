@@ -288,6 +288,19 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
             f"error: HTTP port {http_port} on localhost is taken by the system on admin port {admin_port} "
             f"(leader pid {proc.pid}), which serves there once its replicas are ready"), second.stderr
         assert not (tmp_path / f"leader-{other_admin}.json").exists()
+        # and so are an API server there, and an admin (a code review: each bound it, and the
+        # leader, once ready, exited)
+        api = _cli("api", "--port", str(http_port), "--admin-port", str(admin_port), env=env)
+        assert api.returncode == 1 and api.stderr.strip().endswith(
+            f"HTTP port {http_port} on 127.0.0.1 is taken by the system on admin port {admin_port} "
+            f"(leader pid {proc.pid}), which serves there once its replicas are ready"), api.stderr
+        claimed = (f"error: admin port {http_port} is the HTTP port of the system on admin port {admin_port} "
+                   f"(leader pid {proc.pid}), which serves there once its replicas are ready: give another "
+                   "--admin-port")
+        for how in (["--convention-leader", "--port", str(free_port())],
+                    ["--convention-address", f"127.0.0.1:{admin_port}", "--node-name", "m1"]):
+            out = _cli("start", *how, "--admin-port", str(http_port), env=env)
+            assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == claimed, out.stderr
         # Every 10 s while replicas start, the leader says which it waits for (it printed
         # nothing of its own for the minute real engines take)
         deadline = time.monotonic() + 20

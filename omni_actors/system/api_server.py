@@ -150,11 +150,11 @@ def run_api(*, host: str, port: int, admin_port: int | None = None, convention: 
     from omni_actors.http.bridge import BridgeError
     from omni_actors.logs import get_logger
     from omni_actors.system.admin import AdminError, attach
-    from omni_actors.system.processes import handle_stop_signals, serve_args_error
-    from omni_actors.system.leader import other_leaders_hint
+    from omni_actors.system.processes import handle_stop_signals
+    from omni_actors.system.leader import http_port_problem, other_leaders_hint
     from omni_actors.system.remote import NO_LEADER, RemoteSystem, _address_text, attach_remote
 
-    problem = serve_args_error(host, port, None if convention else admin_port)
+    problem = http_port_problem(host, port, None if convention else admin_port)
     if problem:
         raise ApiServerError(problem)
     where = f"the convention at {convention[0]}:{convention[1]}" if convention else f"admin port {admin_port}"

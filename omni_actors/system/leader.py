@@ -271,6 +271,31 @@ def http_port_claimed(host: str, port: int, admin_port: int) -> str | None:
     return None
 
 
+def http_port_problem(host: str, port: int, admin_port: int | None) -> str | None:
+    """Why an HTTP server may not serve on ``host:port`` (see
+    :func:`~omni_actors.system.processes.serve_args_error`), a leader still starting that
+    will serve there included (:func:`http_port_claimed`; a code review: an `api` server
+    took the port of a leader still loading, which then exited once its replicas were
+    ready); None when it may."""
+    problem = serve_args_error(host, port, admin_port)
+    if problem is None or problem.endswith(" is in use"):  # (by which system, where it is one of ours)
+        problem = http_port_claimed(host, port, admin_port or 0) or problem
+    return problem
+
+
+def admin_port_claimed(admin_port: int) -> str | None:
+    """Why ``admin_port`` may not be an admin's: it is the HTTP port of a leader recorded
+    here, which may still be starting (it opens that port once its replicas are ready, so
+    nothing listens there yet); None otherwise."""
+    for other in recorded_leaders():
+        if other.get("port") == admin_port and other["pid"] != os.getpid():
+            return (f"admin port {admin_port} is the HTTP port of the system on admin port {other['admin_port']} "
+                    f"(leader pid {other['pid']})" + ("" if port_in_use(admin_port)
+                                                      else ", which serves there once its replicas are ready")
+                    + ": give another --admin-port")
+    return None
+
+
 def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                api_key: str | None = None, node: str = "", devices: tuple[str, ...] = ()) -> int:
     """Run the leader in the foreground until SIGINT/SIGTERM. Returns the exit code.
@@ -284,9 +309,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     from omni_actors.logs import get_logger
     from omni_actors.messages import Deploy, NodeInfo, ReplicaState, SystemStatus
 
-    problem = serve_args_error(host, port, admin_port)
-    if problem is None or problem.endswith(" is in use"):  # (by which system, where it is one of ours)
-        problem = http_port_claimed(host, port, admin_port) or problem
+    problem = http_port_problem(host, port, admin_port) or admin_port_claimed(admin_port)
     if problem:
         raise StartError(problem)
     if port_in_use(admin_port):

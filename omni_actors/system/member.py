@@ -16,8 +16,8 @@ import socket
 import threading
 import time
 
-from omni_actors.system.leader import (StartError, _become_subreaper, member_state_file, node_capabilities,
-                                       start_admin, start_data_service)
+from omni_actors.system.leader import (StartError, _become_subreaper, admin_port_claimed, member_state_file,
+                                       node_capabilities, start_admin, start_data_service)
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, handle_stop_signals, kill_system,
                                           port_in_use, remove_ipc_dir,
                                           remove_orphan_semaphores,
@@ -279,7 +279,11 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
 
 
 def _check_admin_port(admin_port: int, host: str, port: int) -> None:
-    """Raise StartError when something listens on this member's ``admin_port`` already."""
+    """Raise StartError when something listens on this member's ``admin_port`` already, or a
+    leader recorded here that is still starting will serve HTTP there."""
+    claimed = admin_port_claimed(admin_port)
+    if claimed:
+        raise StartError(claimed)
     if port_in_use(admin_port):
         if port == admin_port and _on_this_host(host):
             raise StartError(f"admin port {admin_port} is the leader's (the convention address {host}:{port}): "
