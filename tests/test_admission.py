@@ -958,6 +958,50 @@ def test_a_cancel_relayed_through_a_stopped_supervisor_does_not_hold_up_the_next
 
 
 @pytest.mark.system
+def test_a_stream_goes_on_once_a_killed_supervisor_is_replaced(leader, tmp_path):
+    """A code review: the RequestActorSupervisor SIGKILLed with a stream in flight. The API
+    server's acks to the replica, relayed through it, were lost until the loss was noticed
+    (5 s), and never sent again: the replica held the stream's text back, probing twice,
+    then for 30 s (the rest came 3 s after the stage ended). The relays since shortly before
+    its last SupervisorAlive (acks, cancels) are sent again through the new supervisor: the
+    text flows again within seconds of the replacement."""
+    import aiohttp
+
+    from omni_actors.messages import SUPERVISOR_ALIVE_EVERY_S, SUPERVISOR_MISSED
+
+    baseline = _settle(leader.pids)
+    api = ApiServer(leader, tmp_path, min_request_actors=1, queue_limit=4)
+    try:
+        sups = _titled(_settle(lambda: set(leader.pids()) - baseline), b"RequestActorSupervisor ActorAddr")
+        assert len(sups) == 1, sups
+
+        async def scenario() -> list[float]:
+            arrivals = []
+            async with aiohttp.ClientSession() as s:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 700,
+                        "stream": True}  # (14 s at 20 ms a token)
+                async with s.post(api.url + "/chat/completions", json=body,
+                                  timeout=aiohttp.ClientTimeout(total=90)) as r:
+                    assert r.status == 200, await r.text()
+                    async for line in r.content:
+                        if line.startswith(b"data: {") and b'"content"' in line:
+                            arrivals.append(time.monotonic())
+                            if len(arrivals) == 5:
+                                os.kill(next(iter(sups)), signal.SIGKILL)
+                                arrivals.append(-time.monotonic())  # (the kill)
+            return arrivals
+
+        arrivals = asyncio.run(scenario())
+        killed_at = -next(t for t in arrivals if t < 0)
+        after = [killed_at] + [t for t in arrivals if t > killed_at]
+        gap = max(b - a for a, b in zip(after, after[1:]))
+        assert gap < SUPERVISOR_ALIVE_EVERY_S * SUPERVISOR_MISSED + 4, f"the text stopped for {gap:.1f} s"
+        assert '"request_supervisor_lost"' in api.log.read_text()
+    finally:
+        assert api.stop() == 0, api.log.read_text()[-2000:]
+
+
+@pytest.mark.system
 def test_a_stopped_idle_request_actor_does_not_hold_up_the_requests_behind_it(leader, tmp_path):
     """An idle RequestActor is stopped (SIGSTOP; a hung one is the same) and then given a
     request. Handing it over blocks the sender thread (one here) as long as Thespian tries,

@@ -524,6 +524,7 @@ class ActorBridge(RequestActorKeeping):
         self._make_supervisor(ctx)
         if self._supervisor is None:
             return
+        self._resend_relays(ctx)
         for actor in idle:
             ctx.tell(self._supervisor, Relay(actor, ActorExitRequest()))
         if lost is not None:

@@ -26,6 +26,7 @@ Every method here runs on the bridge's event loop unless its docstring names a t
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import os
 import time
@@ -35,6 +36,7 @@ from omni_actors.actors.request import RequestActor
 from omni_actors.actors.request_supervisor import RequestActorSupervisor
 from omni_actors.http.types import RequestFailed
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, SUPERVISOR_ALIVE_EVERY_S, SUPERVISOR_MISSED, BridgeAlive,
+                                  CancelRequest, CancelStage, DeltasAck, OutputsAck,
                                   MakeRequestActor, Relay, RequestActorMade, SuperviseRequestActors)
 
 #: A RequestActor that has not said its request ended this long after the request's
@@ -53,6 +55,18 @@ MAKE_TIMEOUT_S = 10.0
 #: A sender thread still handing a request to its (idle) RequestActor after this long
 #: is stuck: that RequestActor is stopped or hangs (a hand-over takes milliseconds).
 HAND_OVER_STUCK_S = 3.0
+
+#: Messages relayed through our supervisor that are sent again through its successor when
+#: it is lost, those relayed since shortly before it last said it was alive (a killed one
+#: drops them unseen, and Thespian tells no error: a code review saw acks lost meanwhile
+#: hold every stream's text back for 30 s, and cancels lost leave pipelines running for
+#: clients gone): later ones of each kind supersede earlier ones, or are ignored by a
+#: request that has ended. At most :data:`RELAY_BACKLOG` are kept.
+RESENT_RELAYS = (CancelRequest, CancelStage, DeltasAck, OutputsAck)
+RELAY_BACKLOG = 4096
+#: Seconds before its last SupervisorAlive from which relays are kept for a resend (those
+#: older had reached it: it handles its messages in turn, the alive after them).
+RELAY_KEPT_S = 2.0
 
 #: Environment variable: seconds after which an idle RequestActor that hears nothing from
 #: this API server exits (default :data:`~omni_actors.messages.BRIDGE_LOST_AFTER_S`).
@@ -114,6 +128,8 @@ class RequestActorKeeping:
         self._lost_after_s = float(os.environ.get(LOST_AFTER_ENV) or BRIDGE_LOST_AFTER_S)
         self._alive_due = 0.0
         self._tick_handle: asyncio.TimerHandle | None = None
+        #: (monotonic, actor, message) of recent relays (see :data:`RESENT_RELAYS`), oldest first
+        self._relay_backlog: collections.deque = collections.deque(maxlen=RELAY_BACKLOG)
 
     def _tell_request_actor(self, ctx, actor: Any, message: Any) -> None:
         """Sender thread: ``message`` to a RequestActor, busy or idle (or a pool), through
@@ -122,9 +138,18 @@ class RequestActorKeeping:
         60 s). Only a request's start goes straight to its RequestActor (see _send_loop)."""
         supervisor = self._supervisor
         if supervisor is not None and actor != supervisor:
+            if isinstance(message, RESENT_RELAYS):
+                self._relay_backlog.append((time.monotonic(), actor, message))  # (see _resend_relays)
             ctx.tell(supervisor, Relay(actor, message))
         else:
             ctx.tell(actor, message)
+
+    def _resend_relays(self, ctx) -> None:
+        """Sender thread: the relays (:data:`RESENT_RELAYS`) a lost supervisor may not have
+        passed on, through the new one."""
+        while self._supervisor is not None and self._relay_backlog:
+            _, actor, message = self._relay_backlog.popleft()
+            ctx.tell(self._supervisor, Relay(actor, message))
 
     def _make_supervisor(self, ctx) -> None:
         """Sender or receiver thread: a new RequestActorSupervisor, ours from now on (none
@@ -259,6 +284,12 @@ class RequestActorKeeping:
     def _supervisor_alive(self, address: Any) -> None:
         if address == self._supervisor:
             self._supervisor_heard = time.monotonic()
+            backlog, kept_from = self._relay_backlog, self._supervisor_heard - RELAY_KEPT_S
+            try:
+                while backlog[0][0] < kept_from:
+                    backlog.popleft()
+            except IndexError:  # (empty; or a sender thread resending emptied it meanwhile)
+                pass
 
     def _refill(self) -> None:
         """Make RequestActors up to the pool's minimum."""
