@@ -2461,7 +2461,6 @@ def test_a_drained_replica_that_stopped_answering_is_stopped_and_its_finished_ta
     their deadline)."""
     from types import SimpleNamespace
 
-    from omni_actors.actors.engine import SHUTDOWN_TIMEOUT_S
     from omni_actors.actors.stage_pool import Replica
     from omni_actors.actors.supervision import HealthPolicy
     from omni_actors.messages import DrainReplica, ErrorKind, ReplicaState, StageFailed, StageTask
@@ -2478,12 +2477,16 @@ def test_a_drained_replica_that_stopped_answering_is_stopped_and_its_finished_ta
     pool._kill = lambda rep: killed.append(rep.replica) or True
     task = StageTask("r1", 1, "hi", (), {}, {}, "audio", False, "ra-1")
     frozen.finished[("r1", 1)] = (task, time.monotonic())
-    frozen.health.last_heartbeat = time.monotonic() - 3 - SHUTDOWN_TIMEOUT_S + 2  # (stopping its engine)
+    limit = pool._drain_exit_s()  # (3 missed beats and one more, the 10 s its engine gets to stop, its exit)
+    assert limit > 4 + 10
+    frozen.health.last_heartbeat = time.monotonic() - limit + 2  # (stopping its engine: no heartbeats)
     pool._tick()
     assert killed == [] and sent[-1] == ("e0", DrainReplica("talker/0"))
-    frozen.health.last_heartbeat = time.monotonic() - 3 - SHUTDOWN_TIMEOUT_S - 1
+    frozen.health.last_heartbeat = time.monotonic() - 30
     pool._tick()
-    assert killed == ["talker/0"] and frozen.reason == "no heartbeat for 14 s while draining (drained on request)"
+    assert killed == ["talker/0"] and frozen.reason == "no heartbeat for 30 s while draining (drained on request)"
+    pool._tick()  # (killed: not again before its exit is heard of)
+    assert killed == ["talker/0"] and frozen.reason == "no heartbeat for 30 s while draining (drained on request)"
     (handed,) = [m for a, m in sent if isinstance(m, StageFailed)]
     assert (handed.request_id, handed.kind) == ("r1", ErrorKind.UNAVAILABLE) and "right after this task" in \
         handed.message

@@ -817,6 +817,11 @@ def test_protocol_pure_functions():
     bridge = FakeBridge()
     creq = parse_chat_request(chat(max_tokens=5, max_completion_tokens=7), bridge)
     assert creq.sampling_params() == {"max_tokens": 7}
+    # `audio` is unused without audio output: its voice does not reach the stages (a review: a
+    # vLLM-Omni Thinker refused a text-only request for it)
+    assert parse_chat_request(chat(audio={"voice": "alloy"}), bridge).params() == {}
+    assert parse_chat_request(chat(modalities=["text", "audio"], audio={"voice": "alloy"}), bridge).params() == {
+        "voice": "alloy"}
     with pytest.raises(ApiError) as e:
         parse_chat_request(chat(max_tokens=True), bridge)
     assert e.value.status == 400 and e.value.param == "max_tokens"

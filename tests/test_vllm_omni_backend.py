@@ -493,7 +493,8 @@ def test_a_requests_voice_reaches_the_stages_prompts_as_vllm_omnis_server_puts_i
     the client asked). It is checked against the model's voices (its config's
     `talker_config.speaker_id`) and put on the prompts as vLLM-Omni's server puts it
     (`additional_information.speaker`), where vLLM-Omni's own Qwen3-Omni processor copies it
-    onto the Talker's prompt; a voice the model lacks is the client's error, naming those it has."""
+    onto the Talker's prompt; a voice the model lacks (OpenAI's `alloy`) is not handed on: the
+    model's default voice, as vLLM-Omni's server gives OpenAI's clients."""
     import json
 
     from vllm_omni.model_executor.stage_input_processors.qwen3_omni import thinker2talker_token_only
@@ -509,9 +510,8 @@ def test_a_requests_voice_reaches_the_stages_prompts_as_vllm_omnis_server_puts_i
     assert built["additional_information"]["speaker"] == ["chelsie"]
     assert talker._engine_prompt(BackendTask("r2", stage_inputs(upstream, "hi", {}), {})).get(
         "additional_information") is None
-    with pytest.raises(ValueError, match=r"audio.voice: Invalid speaker 'alloy'. Supported: chelsie, ethan"):
-        talker._engine_prompt(BackendTask("r3", stage_inputs(upstream, "hi", {"voice": "alloy"}), {},
-                                          {"voice": "alloy"}))
+    assert talker._engine_prompt(BackendTask("r3", stage_inputs(upstream, "hi", {"voice": "alloy"}), {},
+                                             {"voice": "alloy"})).get("additional_information") is None
     first = _with_speaker_helpers(VllmOmniEngine(stage("unused"), "thinker/0"))  # (a model with no voices)
     assert first._engine_prompt(BackendTask("r4", {"prompt": "hi"}, {}, {"voice": "Alloy"})) == {
         "prompt": "hi", "additional_information": {"speaker": ["alloy"]}}

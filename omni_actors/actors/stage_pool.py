@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, ChildActorExited, WakeupMessage
 
 from omni_actors.actors.cancels import CancelledStages
-from omni_actors.actors.engine import SHUTDOWN_TIMEOUT_S
+from omni_actors.actors.engine import EXIT_GRACE_S, SHUTDOWN_TIMEOUT_S
 from omni_actors.actors.pool_admin import PoolAdminMixin
 from omni_actors.actors.pool_placement import PoolPlacementMixin, down_phrase, moved_on_purpose, starting_reason
 from omni_actors.actors.pool_routing import TASK_OVERDUE_GRACE_S, PoolRoutingMixin  # noqa: F401 (re-exported)
@@ -64,6 +64,10 @@ _NO_PROCESS = (ReplicaState.FAILED, ReplicaState.STOPPED, ReplicaState.DEAD)
 _ALIVE = LIVE_STATES
 #: Ticks between placement retries for replicas still waiting for a node.
 PLACEMENT_RETRY_TICKS = 8
+#: Seconds past its engine's stop and exit grace that a drained replica with no task may
+#: stay silent before it is killed as hung (see StagePoolActor._drain_exit_s): its loop
+#: thread's join (2 s) and its interpreter's exit, on a loaded host.
+DRAIN_EXIT_SLACK_S = 5.0
 #: Stopped replicas (drained, scaled away) a pool keeps showing, the latest; older ones
 #: leave its table, `status` and /metrics (every scale or drain made one more for good).
 MAX_STOPPED_SHOWN = 8
@@ -104,6 +108,7 @@ class Replica:
     #: why it last went down (died, isolated, failed); its next incarnation's reason says it once READY
     down_cause: str = ""
     health: ReplicaHealth | None = None
+    killed: bool = False  #: killed as hung while it drained (see StagePoolActor._stop_hung_drain)
     latency: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS_S))
     latency_sum: float = 0.0
     #: drained because its node's member stops, and pinned there: started again (placed
@@ -382,9 +387,12 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
 
     def _drain_exit_s(self) -> float:
         """Seconds a drained replica with no task may go without a heartbeat before it is
-        taken for hung: its missed heartbeats, plus the time its engine gets to stop (the
-        EngineActor sends none meanwhile, see :data:`~omni_actors.actors.engine.SHUTDOWN_TIMEOUT_S`)."""
-        return self._health.missed_heartbeats * self._health.heartbeat_interval_s + SHUTDOWN_TIMEOUT_S
+        taken for hung: its missed heartbeats and one more (the drain's way to it), plus
+        what its exit may take when it sends none: the time its engine gets to stop
+        (:data:`~omni_actors.actors.engine.SHUTDOWN_TIMEOUT_S`), its exit grace, and
+        :data:`DRAIN_EXIT_SLACK_S` for its loop thread and interpreter to end."""
+        return ((self._health.missed_heartbeats + 1) * self._health.heartbeat_interval_s + SHUTDOWN_TIMEOUT_S
+                + EXIT_GRACE_S + DRAIN_EXIT_SLACK_S)
 
     def _stop_hung_drain(self, rep: Replica, why: str, crashed: bool = True) -> None:
         """A DRAINING replica that does not answer (``why``): its tasks go elsewhere, those it
@@ -392,6 +400,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         killed (stopped, its devices freed, once it is gone)."""
         self._log.error("replica_isolated", replica=rep.replica, reason=why, draining=True)
         rep.reason = f"{why} while draining ({rep.reason})"
+        rep.killed = True  # (not again at the next tick, before its exit is heard of)
         self._redispatch(rep, crashed=crashed)
         self._hand_back_finished(rep, rep.reason)
         if not self._kill(rep):
@@ -422,6 +431,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 why = self._health.verdict(rep.health, now, len(rep.in_flight))
                 if why:  # (stalled running its tasks counts against them; silence may be a lost host)
                     self._isolate(rep, why, crashed=not self._health.silent(rep.health, now, len(rep.in_flight)))
+            elif rep.state == ReplicaState.DRAINING and rep.killed:
+                pass  # (killed as hung: its exit is on its way)
             elif rep.state == ReplicaState.DRAINING and not rep.in_flight:
                 silent_s = now - rep.health.last_heartbeat if rep.health is not None else 0.0
                 if silent_s > self._drain_exit_s():

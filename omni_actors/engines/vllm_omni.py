@@ -246,20 +246,19 @@ class VllmOmniEngine:
         return set(found)
 
     def _speaker(self, params: dict[str, Any]) -> str | None:
-        """The speaker vLLM-Omni's Talkers read for a request's ``voice`` (``audio.voice``):
-        normalised and checked as vLLM-Omni's server does; None without a voice.
-
-        Raises:
-            ValueError: a voice the model does not have (the client's 400), naming those it has.
-        """
+        """The speaker vLLM-Omni's Talkers read for a request's ``voice`` (``audio.voice``),
+        normalised as vLLM-Omni's server does; None without a voice, or for one the model
+        does not have (it speaks with its default voice: OpenAI's clients must send a voice,
+        such as ``alloy``, and vLLM-Omni's server, which reads only its own top-level
+        ``voice``, serves them so)."""
         voice = params.get("voice")
         check = self._v.get("check_speaker")
         if voice is None or check is None:
             return None
         try:
             return check(voice, self._speakers)
-        except ValueError as exc:
-            raise ValueError(f"audio.voice: {exc}") from None
+        except ValueError:  # (not one of the model's)
+            return None
 
     def _import(self) -> None:
         import importlib.util

@@ -500,7 +500,8 @@ class ActorBridge(RequestActorKeeping):
                         ctx.tell(self._coordinator, item[1])
                     elif kind == "routes":
                         # a pool was replaced: requests in flight re-send what waited on it
-                        for rid, actor in running.items():
+                        # (a copy: a sender replaced while stuck here shares `running` with its successor)
+                        for rid, actor in list(running.items()):
                             self._tell_request_actor(ctx, actor, RoutesChanged(item[1]))
                             # (a written-off one's cancels go to the new pools too: its tasks may
                             # have moved there; to the old ones as well, where they may still run)
@@ -521,10 +522,13 @@ class ActorBridge(RequestActorKeeping):
         ends the lost one's ``idle`` RequestActors and the lost one itself, not recursively:
         its busy RequestActors finish their requests (a code review saw the default end each
         of them with it, a 503 apiece)."""
+        relays = self._take_relays()  # (before the new one's first alive trims the backlog)
         self._make_supervisor(ctx)
         if self._supervisor is None:
+            self._relay_backlog.extendleft(reversed(relays))
             return
-        self._resend_relays(ctx)
+        for _, actor, message in relays:
+            ctx.tell(self._supervisor, Relay(actor, message))
         for actor in idle:
             ctx.tell(self._supervisor, Relay(actor, ActorExitRequest()))
         if lost is not None:

@@ -177,8 +177,9 @@ class ChatRequest:
         return {k: v for k, v in sp.items() if v is not None}
 
     def params(self) -> dict[str, Any]:
-        """Stage parameters: ``voice`` when the client asked for one."""
-        return {"voice": self.voice} if self.voice is not None else {}
+        """Stage parameters: ``voice`` when the client asked for one and for audio (without
+        audio output, ``audio`` is unused)."""
+        return {"voice": self.voice} if self.voice is not None and "audio" in self.output_types else {}
 
 
 def _message_text(content: Any, i: int, role: str) -> str:

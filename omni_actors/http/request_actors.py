@@ -139,17 +139,21 @@ class RequestActorKeeping:
         supervisor = self._supervisor
         if supervisor is not None and actor != supervisor:
             if isinstance(message, RESENT_RELAYS):
-                self._relay_backlog.append((time.monotonic(), actor, message))  # (see _resend_relays)
+                self._relay_backlog.append((time.monotonic(), actor, message))  # (see _take_relays)
             ctx.tell(supervisor, Relay(actor, message))
         else:
             ctx.tell(actor, message)
 
-    def _resend_relays(self, ctx) -> None:
+    def _take_relays(self) -> list:
         """Sender thread: the relays (:data:`RESENT_RELAYS`) a lost supervisor may not have
-        passed on, through the new one."""
-        while self._supervisor is not None and self._relay_backlog:
-            _, actor, message = self._relay_backlog.popleft()
-            ctx.tell(self._supervisor, Relay(actor, message))
+        passed on, ``(when, actor, message)``, taken out of the backlog, to go through the new
+        one (see ``ActorBridge._supervise_again``)."""
+        taken = []
+        while True:
+            try:
+                taken.append(self._relay_backlog.popleft())
+            except IndexError:
+                return taken
 
     def _make_supervisor(self, ctx) -> None:
         """Sender or receiver thread: a new RequestActorSupervisor, ours from now on (none
