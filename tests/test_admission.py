@@ -866,20 +866,24 @@ def test_a_request_actor_supervisor_held_up_past_its_time_is_replaced_and_ends_w
 
 
 @pytest.mark.system
-def test_a_cancel_for_a_stopped_request_actor_does_not_hold_up_the_next_request(leader, tmp_path):
+@pytest.mark.parametrize("stopped, bound_s", [("RequestActor", 10), ("RequestActorSupervisor", 20)])
+def test_a_cancel_for_a_stopped_actor_does_not_hold_up_the_next_request(leader, tmp_path, stopped, bound_s):
     """A client gives up on a request whose RequestActor is stopped (SIGSTOP; a blocked one
-    is the same). The API server's cancel goes through the RequestActorSupervisor: sent
-    straight, it held the sender thread (one here) until the RequestActor took it, up to
-    60 s, and the next request, started through that thread, waited as long."""
+    is the same), or while the API server's RequestActorSupervisor is (a code review). The
+    API server's cancel goes through the supervisor: sent straight to a stopped
+    RequestActor, or relayed through a stopped supervisor, it held the sender thread (one
+    here) until that actor took it, up to 60 s, and the next request, started through that
+    thread, waited as long (and so did the supervisor's own replacement). A sender stuck on
+    a relay is replaced after HAND_OVER_STUCK_S, as one stuck on a hand-over is."""
     import aiohttp
 
     baseline = _settle(leader.pids)
     api = ApiServer(leader, tmp_path, min_request_actors=1, queue_limit=4, senders=1)
     pid = None
     try:
-        ras = _settle(lambda: _request_actors(set(leader.pids()) - baseline))
-        assert len(ras) == 1, ras
-        pid = ras.pop()
+        found = _titled(_settle(lambda: set(leader.pids()) - baseline), f"{stopped} ActorAddr".encode())
+        assert len(found) == 1, found
+        pid = found.pop()
 
         async def scenario() -> float:
             async with aiohttp.ClientSession() as s:
@@ -896,7 +900,7 @@ def test_a_cancel_for_a_stopped_request_actor_does_not_hold_up_the_next_request(
 
                 first = asyncio.create_task(give_up())
                 await asyncio.sleep(0.3)
-                os.kill(pid, signal.SIGSTOP)  # its RequestActor, mid-request
+                os.kill(pid, signal.SIGSTOP)  # mid-request
                 await first  # gone after 1 s: the API server sends its RequestActor a cancel
                 await asyncio.sleep(0.2)
                 t0 = time.monotonic()
@@ -906,51 +910,9 @@ def test_a_cancel_for_a_stopped_request_actor_does_not_hold_up_the_next_request(
                 return time.monotonic() - t0
 
         took = asyncio.run(scenario())
-        assert took < 10, f"the next request took {took:.1f} s"
-    finally:
-        if pid is not None:
-            os.kill(pid, signal.SIGCONT)
-        assert api.stop() == 0, api.log.read_text()[-2000:]
-
-
-@pytest.mark.system
-def test_a_cancel_relayed_through_a_stopped_supervisor_does_not_hold_up_the_next_request(leader, tmp_path):
-    """A code review: the RequestActorSupervisor stopped (SIGSTOP) while the API server
-    serves. A client gives up; its cancel, relayed through the supervisor, held the sender
-    thread (one here) until the supervisor took it, up to 60 s, and with it the next
-    request and the supervisor's own replacement. A sender stuck on a relay is replaced
-    after HAND_OVER_STUCK_S, as one stuck on a hand-over is."""
-    import aiohttp
-
-    baseline = _settle(leader.pids)
-    api = ApiServer(leader, tmp_path, min_request_actors=1, queue_limit=4, senders=1)
-    pid = None
-    try:
-        sups = _titled(_settle(lambda: set(leader.pids()) - baseline), b"RequestActorSupervisor ActorAddr")
-        assert len(sups) == 1, sups
-        pid = sups.pop()
-
-        async def scenario() -> float:
-            async with aiohttp.ClientSession() as s:
-                url = api.url + "/chat/completions"
-                body = {"model": MODEL, "messages": [{"role": "user", "content": "long"}], "max_tokens": 200}
-                os.kill(pid, signal.SIGSTOP)
-                try:
-                    async with s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
-                        await r.read()
-                    raise AssertionError("the long request was answered within 1 s")
-                except asyncio.TimeoutError:
-                    pass  # gone after 1 s: its cancel goes through the stopped supervisor
-                await asyncio.sleep(0.2)
-                t0 = time.monotonic()
-                body = {"model": MODEL, "messages": [{"role": "user", "content": "next"}], "max_tokens": 4}
-                async with s.post(url, json=body, timeout=aiohttp.ClientTimeout(total=90)) as r:
-                    assert r.status == 200, await r.text()
-                return time.monotonic() - t0
-
-        took = asyncio.run(scenario())
-        assert took < 20, f"the next request took {took:.1f} s"
-        assert "bridge_relay_stuck" in api.log.read_text()
+        assert took < bound_s, f"the next request took {took:.1f} s"
+        if stopped == "RequestActorSupervisor":
+            assert "bridge_relay_stuck" in api.log.read_text()
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGCONT)
