@@ -919,6 +919,32 @@ def test_a_cancel_for_a_stopped_actor_does_not_hold_up_the_next_request(leader, 
         assert api.stop() == 0, api.log.read_text()[-2000:]
 
 
+def test_a_request_actor_made_without_a_supervisor_runs_unwatched_only_until_one_is_back():
+    """Trial BS: RequestActors made while the RequestActorSupervisor was lost (killed, not
+    answering) were made directly, and nobody watched them: they stayed in the pool, and one
+    killed later left its request waiting 60 s. Such a RequestActor is counted with a lost
+    supervisor's (not used again after its request), and an idle one leaves the pool once a
+    new supervisor is there, replaced by a watched one."""
+    from types import SimpleNamespace
+
+    from omni_actors.http.request_actors import RequestActorKeeping
+
+    keeping = RequestActorKeeping.__new__(RequestActorKeeping)  # (its state, without a bridge)
+    keeping._supervisor, keeping._orphans = None, []
+    keeping._pool = RequestActorPool(maximum=4, minimum=1, queue_limit=2, idle_exit_s=30)
+    keeping._loop = SimpleNamespace(call_soon_threadsafe=lambda fn, *args: fn(*args))
+    sent, refills = [], []
+    keeping._outbox = lambda *a: SimpleNamespace(put=sent.append)
+    keeping._refill = lambda: refills.append(1)
+    made = keeping._make_request_actor(SimpleNamespace(createActor=lambda cls: "ra-unwatched"))
+    assert made == "ra-unwatched" and keeping._orphans == ["ra-unwatched"]
+    keeping._pool.total = 1
+    keeping._pool.release(made)  # (made to fill the pool: idle)
+    keeping._retire_idle_orphans()  # a new supervisor is ours
+    assert sent == [("exit", "ra-unwatched")] and keeping._pool.idle_actors() == [] and keeping._orphans == []
+    assert keeping._pool.total == 0 and refills == [1]
+
+
 @pytest.mark.system
 def test_a_stream_goes_on_once_a_killed_supervisor_is_replaced(leader, tmp_path):
     """A code review: the RequestActorSupervisor SIGKILLed with a stream in flight. The API
@@ -1136,6 +1162,8 @@ def test_a_supervisor_is_judged_only_on_what_the_receiver_read_and_a_lost_one_sp
     asyncio.run(main())
 
     # the sender thread's side: the lost supervisor's exit is not recursive
+    from types import SimpleNamespace
+
     from thespian.actors import ActorExitRequest
 
     from omni_actors.messages import Relay
@@ -1150,8 +1178,10 @@ def test_a_supervisor_is_judged_only_on_what_the_receiver_read_and_a_lost_one_sp
         def tell(self, to, message):
             told.append((to, message))
 
+    later = []
+    bridge._loop = SimpleNamespace(call_soon_threadsafe=lambda fn, *args: later.append(fn))
     bridge._supervise_again(Ctx(), ("ra-idle",), "sup-1")
-    assert bridge._supervisor == "sup-new"
+    assert bridge._supervisor == "sup-new" and later == [bridge._retire_idle_orphans]
     exits = [(m.to, m.message.isRecursive) for to, m in told if isinstance(m, Relay)]
     assert exits == [("ra-idle", True), ("sup-1", False)]
 

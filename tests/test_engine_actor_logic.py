@@ -1228,7 +1228,7 @@ def test_admin_requests_for_a_stopped_replica_its_pool_forgot_and_a_drain_of_the
     co.receiveMsg_DrainReplica(DrainReplica("talker/0"), "cli")
     co.receiveMsg_InjectFault(InjectFault("talker/0", FaultKind.STALL), "cli")
     assert co.sent == [("cli", AdminReply(False, "talker/0 is stopped, not ready or starting: nothing to drain")),
-                       ("cli", AdminReply(False, "no live replica talker/0"))]
+                       ("cli", AdminReply(False, "talker/0 is stopped, not running (see `status`)"))]
     co.sent.clear()
     co.receiveMsg_DrainReplica(DrainReplica("talker/1"), "cli")  # a live one: its pool answers
     assert co.sent == [("talker-pool", DrainReplica("talker/1", reply_to="cli"))]

@@ -863,8 +863,9 @@ class CoordinatorActor(ActorTypeDispatcher):
         self.send(sender, AdminReply(True, "noted"))
 
     def receiveMsg_InjectFault(self, msg: InjectFault, sender):
-        if self._stopped(msg.replica):
-            self.send(msg.reply_to or sender, AdminReply(False, f"no live replica {msg.replica}"))
+        if self._stopped(msg.replica):  # (as its pool and the signal faults say it)
+            self.send(msg.reply_to or sender, AdminReply(False, f"{msg.replica} is stopped, not running "
+                                                                "(see `status`)"))
             return
         self._forward_admin(self._pool_of_replica(msg.replica), msg, sender, self._no_replica(msg.replica))
 

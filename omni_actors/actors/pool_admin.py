@@ -26,7 +26,11 @@ class PoolAdminMixin:
     def receiveMsg_InjectFault(self, msg: InjectFault, sender):
         rep = self._replicas.get(msg.replica)
         if rep is None or rep.state not in _ALIVE:
-            self.send(msg.reply_to or sender, AdminReply(False, f"no live replica {msg.replica}"))
+            # (worded as the signal faults' refusal: trial BS read "no live replica" for one and
+            # "is stopped, not running" for the other)
+            self.send(msg.reply_to or sender, AdminReply(False, f"no live replica {msg.replica}" if rep is None
+                                                         else f"{msg.replica} is {rep.state.value}, not running "
+                                                              "(see `status`)"))
             return
         self.send(rep.address, msg)
         rep.fault = msg.describe()  # (shown at once: its engine's heartbeats said it up to an interval later)

@@ -529,6 +529,7 @@ class ActorBridge(RequestActorKeeping):
             return
         for _, actor, message in relays:
             ctx.tell(self._supervisor, Relay(actor, message))
+        self._loop.call_soon_threadsafe(self._retire_idle_orphans)
         for actor in idle:
             ctx.tell(self._supervisor, Relay(actor, ActorExitRequest()))
         if lost is not None:

@@ -170,17 +170,34 @@ class RequestActorKeeping:
 
     def _make_request_actor(self, ctx) -> Any:
         """Sender thread: a new RequestActor, made by our supervisor (made directly if there
-        is none, or it does not answer: it is then given up)."""
+        is none, or it does not answer: it is then given up). One made directly is nobody's
+        to watch: it runs one request at most, and leaves the pool when a supervisor is back
+        (as a lost supervisor's RequestActors do; trial BS: killed, such a RequestActor's
+        request waited 60 s for its end)."""
         supervisor = self._supervisor
         if supervisor is not None:
+            t0 = time.monotonic()
             made = ctx.ask(supervisor, MakeRequestActor(), MAKE_TIMEOUT_S)
             if isinstance(made, RequestActorMade):
                 return made.address
-            self._log.warning("request_supervisor_unanswered", error=f"no answer within {MAKE_TIMEOUT_S:g} s")
+            self._log.warning("request_supervisor_unanswered",
+                              error=f"no answer within {MAKE_TIMEOUT_S:g} s" if made is None and
+                              time.monotonic() - t0 >= MAKE_TIMEOUT_S else f"no answer: {made!r}"[:200])
             # (lost, and replaced as any lost one: a code review saw it set to None here, for good,
             # or a new one made meanwhile thrown away)
             self._loop.call_soon_threadsafe(self._supervisor_lost_if, supervisor)
-        return ctx.createActor(RequestActor)
+        actor = ctx.createActor(RequestActor)
+        self._loop.call_soon_threadsafe(self._orphans.append, actor)  # (unwatched, as a lost one's)
+        return actor
+
+    def _retire_idle_orphans(self) -> None:
+        """Event loop: a new supervisor is ours: the idle RequestActors nobody watches (made
+        while there was none) leave the pool, replaced by watched ones."""
+        for actor in self._pool.idle_actors():
+            if actor in self._orphans and self._pool.discard(actor):
+                self._orphans.remove(actor)
+                self._outbox().put(("exit", actor))
+        self._refill()
 
     def _supervisor_lost_if(self, supervisor: Any) -> None:
         """Event loop: ``supervisor`` did not answer; lost if it is still ours."""
