@@ -1530,6 +1530,40 @@ def test_a_member_pointed_at_another_members_admin_names_the_leaders(tmp_path):
         f"127.0.0.1:{leader_port}): give --convention-address the leader's admin address"), out.stderr
 
 
+def test_the_watchdog_kills_an_engine_left_frozen_by_its_gone_pool_and_no_other():
+    """Trial BS: a replica frozen (SIGSTOP) when its pool was killed (`inject kill-pool`)
+    outlived it until `stop`: an orphaned engine drains and exits by itself, a frozen one
+    cannot, and nothing else killed one without devices. The host's watchdog kills an
+    EngineActor whose parent is no pool, stopped for FROZEN_ORPHAN_KILL_S; not a running
+    orphan, nor a stopped process of another title."""
+    from omni_actors.system.watchdog import FROZEN_ORPHAN_KILL_S, reap_frozen_orphans
+
+    script = "import sys, time, setproctitle; setproctitle.setproctitle(sys.argv[1]); print('up', flush=True); " \
+             "time.sleep(60)"
+    procs = {title: subprocess.Popen([sys.executable, "-c", script, title], stdout=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+             for title in ("EngineActor ActorAddr-(T|:1)", "EngineActor ActorAddr-(T|:2)", "Other ActorAddr-(T|:3)")}
+    try:
+        for proc in procs.values():
+            assert proc.stdout.readline() == "up\n"
+        frozen, running, other = procs.values()
+        for proc in (frozen, other):
+            os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(0.2)  # (stopped: its state says so)
+        sessions, since = [os.getsid(p.pid) for p in procs.values()], {}
+        assert reap_frozen_orphans("no-such-id", sessions, since, now=100.0) == []  # (first seen)
+        assert reap_frozen_orphans("no-such-id", sessions, since, now=100.0 + FROZEN_ORPHAN_KILL_S - 1) == []
+        killed = reap_frozen_orphans("no-such-id", sessions, since, now=100.0 + FROZEN_ORPHAN_KILL_S)
+        assert killed == ["EngineActor ActorAddr-(T|:1)"], killed
+        assert frozen.wait(10) == -signal.SIGKILL and running.poll() is None and other.poll() is None
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+            proc.wait(10)
+
+
 def test_a_drained_node_stays_drained_when_the_coordinator_is_recreated():
     """Trial BF: `node drain` of the only node, then `inject kill-coordinator`: the new
     coordinator put every replica back on the drained node, and `node undrain` said

@@ -17,6 +17,13 @@ vLLM IPC directory and its shared-memory segments, and the leader's state file. 
 says so on stderr (inherited: the host's log) in one line and one ``host_process_died``
 log event. The main process SIGTERMs it at the end of its orderly stop.
 
+Meanwhile it also kills an EngineActor whose pool is gone and that is stopped (SIGSTOP)
+for :data:`FROZEN_ORPHAN_KILL_S` (:func:`reap_frozen_orphans`): an orphaned engine drains
+and exits by itself, a frozen one cannot, and it held its memory (and a GPU's) until the
+system stopped, where nothing else would kill it (trial BS: after `inject kill-pool` of a
+stage whose replica was frozen; a replica pinned to devices is killed by its successor's
+device lease, one without devices was not).
+
 Run as ``python -m omni_actors.system.watchdog --pid P --start-time T --role R
 --system-id ID [--session S ...] [--shm-prefix P] [--state-file F]``;
 :func:`start_watchdog` builds that command.
@@ -33,7 +40,7 @@ import time
 from pathlib import Path
 
 from omni_actors.system.processes import (ENV_SYSTEM_ID, boot_ticks_to_unix, cli, kill_system, proc_stat,
-                                          process_title, remove_ipc_dir, remove_orphan_semaphores)
+                                          process_title, remove_ipc_dir, remove_orphan_semaphores, system_pids)
 
 #: Seconds between two looks at the main process (the SIGTERM grace comes after).
 POLL_S = 0.2
@@ -320,6 +327,52 @@ def remove_state_file(path: Path, pid: int) -> None:
         pass
 
 
+#: Seconds an orphaned EngineActor (its parent no StagePoolActor) may stay stopped before the
+#: watchdog kills it, and how often it looks.
+FROZEN_ORPHAN_KILL_S, ORPHAN_CHECK_S = 10.0, 1.0
+
+
+def reap_frozen_orphans(system_id: str, sessions: list[int], stopped_since: dict, now: float) -> list[str]:
+    """Kill (SIGKILL) this host's EngineActors whose pool is gone (their parent is no
+    ``StagePoolActor`` any more) and that have been stopped for :data:`FROZEN_ORPHAN_KILL_S`.
+    ``stopped_since``: ``(pid, start time) -> now`` when each was first seen so, kept by the
+    caller between calls. Returns the titles of those killed."""
+    frozen = {}
+    for pid in system_pids(system_id, sessions=sessions):
+        fields = proc_stat(Path(f"/proc/{pid}"))
+        if not fields or fields[0] not in ("T", "t") or not process_title(pid).startswith("EngineActor "):
+            continue
+        if process_title(int(fields[1])).startswith("StagePoolActor "):
+            continue  # (its pool judges it)
+        frozen[(pid, start_time(pid))] = stopped_since.get((pid, start_time(pid)), now)
+    stopped_since.clear()
+    stopped_since.update(frozen)
+    killed = []
+    for (pid, _), since in frozen.items():
+        if now - since >= FROZEN_ORPHAN_KILL_S:
+            title = process_title(pid)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            killed.append(title)
+    return killed
+
+
+def _reap(args, stopped_since: dict) -> None:
+    killed = reap_frozen_orphans(args.system_id, args.session, stopped_since, time.monotonic())
+    if killed:
+        from omni_actors.logs import configure_logging, get_logger
+
+        configure_logging()
+        try:
+            get_logger(actor="watchdog").warning("frozen_orphan_engines_killed", killed=killed,
+                                                 stopped_s=FROZEN_ORPHAN_KILL_S,
+                                                 note="their pool was gone and they were stopped (SIGSTOP)")
+        except OSError:
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m omni_actors.system.watchdog",
                                      description="Stop a host's actor system if its main process dies.")
@@ -339,9 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     def admin_stops(*_) -> None:  # (the main process is about to shut its admin down: see ADMIN_STOPS)
         args.admin_pid = None
     signal.signal(ADMIN_STOPS, admin_stops)
+    stopped_since: dict = {}
+    next_reap = time.monotonic() + ORPHAN_CHECK_S
     while start_time(args.pid) == args.start_time and (
             args.admin_pid is None or start_time(args.admin_pid) == args.admin_start_time):
         time.sleep(POLL_S)
+        if time.monotonic() >= next_reap and args.admin_pid is not None:  # (not once an orderly stop began)
+            next_reap = time.monotonic() + ORPHAN_CHECK_S
+            _reap(args, stopped_since)
     if start_time(args.pid) == args.start_time:  # its admin died, it lives on
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (its stop ends with a SIGTERM to us)
         _stop_after_admin_died(args)
