@@ -334,6 +334,47 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
             proc.wait(10)
 
 
+def test_a_second_stop_waits_for_the_first_instead_of_cutting_the_drain_short():
+    """Trial BR: `stop` run again while the first waited was the second SIGTERM, which ends
+    the requests in flight at once (a stream cut with "stopped at once"). The second one
+    now says the stop is under way and waits for it: the stream finishes."""
+    import threading
+
+    from omni_actors.system.faultlab import inject_cli
+
+    leader = LocalLeader(CONFIGS / "cpu_omni_demo.yaml").start()  # drain_timeout_s: 10
+    env = {**os.environ, "OMNI_ACTORS_STATE_DIR": str(leader.log_path.parent)}
+    got = {}
+    client = threading.Thread(target=_chat_into, args=(got, "stream", leader.base_url, True))
+    first = None
+    try:
+        # (50 tokens at 4 ms, 15x slower: 3 s)
+        assert inject_cli(leader.admin_port, "slow", "--replica", "thinker/0", "--factor", "15").returncode == 0
+        client.start()
+        time.sleep(0.5)
+        first = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port",
+                                  str(leader.admin_port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, cwd=ROOT, env=env)
+        time.sleep(1.0)
+        second = subprocess.run([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port",
+                                 str(leader.admin_port)], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                                env=env)
+        assert second.returncode == 0, second.stderr
+        assert f"the leader on admin port {leader.admin_port} is stopping already (asked" in second.stderr, \
+            second.stderr
+        assert first.wait(30) == 0
+        client.join(30)
+        status, body = got["stream"]
+        assert status == 200 and "stopped at once" not in body and body.rstrip().endswith("data: [DONE]"), \
+            body[-400:]
+        assert '"error"' not in body, body[-400:]
+    finally:
+        if first is not None and first.poll() is None:
+            first.kill()
+        leader.stop()
+    assert leader.left_after_exit == []
+
+
 def test_stop_with_a_timeout_shorter_than_the_drain_ends_requests_with_a_clear_error():
     """`stop --timeout S` with S under the drain: a trial saw the leader SIGKILLed at S and a
     stream in flight cut with no error event and no [DONE]. `stop` now sends a second

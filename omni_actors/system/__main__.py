@@ -382,6 +382,10 @@ def _alive(pid: int) -> bool:
         return True
 
 
+#: Key of a leader's or member's state file: when (Unix time) `stop` asked it to stop.
+STOP_ASKED = "stop_asked_at"
+
+
 def cmd_stop(args) -> int:
     from omni_actors.connectors import sweep_segments
     from omni_actors.system.leader import member_state_file, other_leaders_hint, state_dir, state_file
@@ -419,18 +423,29 @@ def cmd_stop(args) -> int:
     # one it read when it joined; the default's if the leader did not answer then)
     timeout = args.timeout if args.timeout is not None else \
         float(state.get("drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S)) + STOP_GRACE_S
+    whose = "member" if state.get("role") == "member" else "leader"
+    # (trial BR: a second `stop` while the first waited was the second SIGTERM, which ends the
+    # requests in flight at once, and the member said "second Ctrl-C"; it now waits for that stop)
+    asked = state.get(STOP_ASKED) if isinstance(state.get(STOP_ASKED), (int, float)) else None
+    if asked is not None or state.get("stopping"):
+        since = f" {max(0.0, time.time() - asked):.0f} s ago" if asked is not None else ""
+        print(f"the {whose} on admin port {args.admin_port} is stopping already (asked{since}): waiting for "
+              f"it, at most {timeout:g} s (a second SIGTERM would end its requests in flight at once)",
+              file=sys.stderr, flush=True)
+    extra = {STOP_ASKED: asked if asked is not None else time.time()}
     if state.get("role") == "member":  # (it says how its drain went, for us: see member.drain_record)
         from omni_actors.system.member import STOP_WAITS
 
-        try:
-            sfile.write_text(json.dumps({**state, STOP_WAITS: True}))
-        except OSError:
-            pass
-    whose = "member" if state.get("role") == "member" else "leader"
+        extra[STOP_WAITS] = True
+    try:
+        sfile.write_text(json.dumps({**state, **extra}))
+    except OSError:
+        pass
     try:
         forced, hurried_after = _terminate(pid, timeout, progress=(
             f"stopping the {'member' if whose == 'member' else 'system'} on admin port {args.admin_port}: its "
-            f"{whose} (pid {pid}) drains its requests in flight and stops its replicas (at most {timeout:g} s)"))
+            f"{whose} (pid {pid}) drains its requests in flight and stops its replicas (at most {timeout:g} s)"),
+            asked=asked is not None or bool(state.get("stopping")))
     except PermissionError:  # (a traceback; a code review)
         return _fail(f"not allowed to stop the {whose} on admin port {args.admin_port} (pid {pid}): it runs as "
                      "another user; run `stop` as that user (or root)")
@@ -474,17 +489,19 @@ def cmd_stop(args) -> int:
     return 0
 
 
-def _terminate(pid: int, timeout: float, progress: str = "") -> tuple[bool, float | None]:
-    """SIGTERM ``pid`` (a leader or member: it drains, then exits) and wait for it, at most
-    ``timeout`` seconds; a second SIGTERM (no more drain) when the wait is about to run out;
-    SIGKILL at the end. Returns ``(killed, seconds after which the second SIGTERM went, or None)``.
+def _terminate(pid: int, timeout: float, progress: str = "", asked: bool = False) -> tuple[bool, float | None]:
+    """SIGTERM ``pid`` (a leader or member: it drains, then exits; not when ``asked``, its stop
+    under way already) and wait for it, at most ``timeout`` seconds; a second SIGTERM (no more
+    drain) when the wait is about to run out; SIGKILL at the end. Returns ``(killed, seconds
+    after which the second SIGTERM went, or None)``.
 
     On a terminal (stderr), a wait longer than :data:`STOP_PROGRESS_AFTER_S` says ``progress``,
     then how long it has waited every :data:`STOP_PROGRESS_EVERY_S` (trial BI: `stop` of a
     leader draining a long stream said nothing for 8 s)."""
     hurried_after = None
     if _alive(pid):
-        os.kill(pid, signal.SIGTERM)
+        if not asked:
+            os.kill(pid, signal.SIGTERM)
         _resume(pid)  # (a stopped leader gets its SIGTERM only once resumed: it was killed undrained)
         started = time.monotonic()
         deadline = started + timeout
