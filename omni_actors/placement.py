@@ -368,16 +368,21 @@ class Inventory:
             # (a replica pinned to its node, or a stage's `nodes` rule: it waits for them, which
             # "no node has N free devices" hid; trials AT, AV: also where they never joined)
             state = {n: self.nodes[n].gone if n in self.nodes else NOT_JOINED for n in allowed}
+            # (trial BR: a leader started without --node-name is named after its host; the nodes
+            # there are says which names the config's `nodes` could have meant)
+            there = ", ".join(n.info.name for n in self.nodes.values() if n.alive) or "none"
             if len(allowed) == 1:
                 gone = state[allowed[0]]
                 return (f"{replica} may run only on node {allowed[0]}, which "
-                        + ("has not joined: it waits for a member of that name (--node-name)" if gone == NOT_JOINED
+                        + (f"has not joined: it waits for a member of that name (--node-name; the nodes now: "
+                           f"{there})" if gone == NOT_JOINED
                            else f"{_is(gone)}: " + ("it waits for `node undrain`" if gone == "drained" else
                                                     "it waits for the node to come back")))
             gone = ", ".join(f"{n} ({state[n]})" for n in allowed)
             undrain = " (or `node undrain`)" if "drained" in state.values() else ""
             if all(v == NOT_JOINED for v in state.values()):
-                return f"{replica} may run only on nodes {gone}: it waits for a member of one of those names to join"
+                return (f"{replica} may run only on nodes {gone}: it waits for a member of one of those names to "
+                        f"join (the nodes now: {there})")
             join = " or join" if NOT_JOINED in state.values() else ""
             return f"{replica} may run only on nodes {gone}: it waits for one of them to come back{join}{undrain}"
         seen = []

@@ -293,7 +293,14 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
         api = _cli("api", "--port", str(http_port), "--admin-port", str(admin_port), env=env)
         assert api.returncode == 1 and api.stderr.strip().endswith(
             f"HTTP port {http_port} on 127.0.0.1 is taken by the system on admin port {admin_port} "
-            f"(leader pid {proc.pid}), which serves there once its replicas are ready"), api.stderr
+            f"(leader pid {proc.pid}), which serves there once its replicas are ready: give this API server "
+            "another --port"), api.stderr
+        # and a member given its HTTP port as the convention address is told the admin port (trial BR)
+        out = _cli("start", "--convention-address", f"127.0.0.1:{http_port}", "--admin-port", str(free_port()),
+                   env=env)
+        assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+            f"error: 127.0.0.1:{http_port} is the HTTP port of the system on admin port {admin_port} (leader pid "
+            f"{proc.pid}): give --convention-address its admin port, 127.0.0.1:{admin_port}"), out.stderr
         claimed = (f"error: admin port {http_port} is the HTTP port of the system on admin port {admin_port} "
                    f"(leader pid {proc.pid}), which serves there once its replicas are ready: give another "
                    "--admin-port")
@@ -1524,31 +1531,66 @@ def _end(proc: subprocess.Popen) -> None:
 
 def test_a_member_whose_admin_port_is_taken_while_it_waits_for_its_leader_refuses_to_join(tmp_path):
     """A code review: the admin port was checked only before the wait for the leader. A
-    member given the leader's admin port and started first (hosts start in any order) then
-    attached to the leader's own admin when it came up, said it joined, and its stop would
-    have shut the leader's admin down. It is checked again after the wait."""
-    port = free_port()
+    member whose admin port another admin took meanwhile (hosts start in any order; a second
+    member given the same port) then attached to that admin, said it joined, and its stop
+    would have shut that other system down. It is checked again after the wait. (Given the
+    leader's own admin port on the leader's host, it is refused before the wait: trial BR.)"""
+    port, admin = free_port(), free_port()
     env = {**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)}
+    out = _cli("start", "--convention-address", f"127.0.0.1:{port}", "--admin-port", str(port), "--node-name",
+               "m1", "--leader-wait", "60", env={"OMNI_ACTORS_STATE_DIR": str(tmp_path)}, timeout=20)
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+        f"error: admin port {port} is the leader's (the convention address 127.0.0.1:{port}): a member on "
+        "the leader's host needs an --admin-port of its own"), out.stderr
     member = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "start", "--convention-address",
-                               f"127.0.0.1:{port}", "--admin-port", str(port), "--node-name", "m1",
+                               f"127.0.0.1:{port}", "--admin-port", str(admin), "--node-name", "m1",
                                "--leader-wait", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, cwd=ROOT, env=env)
-    leader = None
+    admins = []
     try:
         assert "waiting up to 60 s" in member.stdout.readline()
-        leader = _bare_admin(port)
+        admins.append(_bare_admin(admin))  # (another system's, on the member's admin port)
+        admins.append(_bare_admin(port))  # the leader comes up
         out, err = member.communicate(timeout=60)
         assert member.returncode == 1, (out, err)
         assert err.strip().splitlines()[-1] == (
-            f"error: admin port {port} is the leader's (the convention address 127.0.0.1:{port}): a member on "
-            "the leader's host needs an --admin-port of its own"), err
+            f"error: admin port {admin} is in use (another system, or a member already running on this host: "
+            "give this one an --admin-port of its own)"), err
         assert "joined" not in out, out
     finally:
         if member.poll() is None:
             member.kill()
             member.communicate(timeout=10)
-        if leader is not None:
-            _end(leader)
+        for proc in admins:
+            _end(proc)
+
+
+def test_a_leader_given_a_members_admin_port_names_the_member(tmp_path):
+    """Trial BR: a leader's --admin-port that was a member's read "in use (another system?
+    `stop --admin-port N`)", which would have stopped the member, and its --port one "is in
+    use"; both name the member now."""
+    from omni_actors.system.watchdog import boot_id, start_time
+
+    with socket.socket() as one, socket.socket() as two:  # (the member's admin listening: two members)
+        for s in (one, two):
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+        ports = [s.getsockname()[1] for s in (one, two)]
+        for port, node in zip(ports, ("m1", "m2")):  # (their records: this process runs for them)
+            (tmp_path / f"member-{port}.json").write_text(json.dumps({
+                "pid": os.getpid(), "pid_start": start_time(os.getpid()), "boot_id": boot_id(), "role": "member",
+                "node": node, "admin_port": port}))
+        env = {"OMNI_ACTORS_STATE_DIR": str(tmp_path)}
+        out = _cli("start", "--convention-leader", "--port", str(free_port()), "--admin-port", str(ports[0]),
+                   env=env)
+        assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+            f"error: admin port {ports[0]} is the admin port of member 'm1' (pid {os.getpid()}) on this host: "
+            "give another --admin-port"), out.stderr
+        out = _cli("start", "--convention-leader", "--port", str(ports[1]), "--admin-port", str(free_port()),
+                   env=env)
+        assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+            f"error: HTTP port {ports[1]} on 127.0.0.1 is the admin port of member 'm2' (pid {os.getpid()}) on "
+            "this host: give another --port"), out.stderr
 
 
 def test_a_member_pointed_at_another_members_admin_names_the_leaders(tmp_path):

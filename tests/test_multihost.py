@@ -532,7 +532,8 @@ def test_leader_first_member_replicas_pending_and_a_request_waits_until_members_
         if r["stage"] in MEMBER_STAGES:
             assert r["state"] == "pending", _table(reps)
             assert r["reason"] == (f"{r['replica']} may run only on nodes m1 (not joined), m2 (not joined): it "
-                                   "waits for a member of one of those names to join"), r["reason"]
+                                   "waits for a member of one of those names to join (the nodes now: leader)"), \
+                r["reason"]
         else:
             assert r["state"] == "ready" and r["node"] == "leader", _table(reps)
     # text alone needs only the Thinker, which runs on the leader

@@ -176,7 +176,7 @@ def test_error_names_lost_nodes_filtered_nodes_and_empty_inventories():
     with pytest.raises(PlacementError) as err:
         inv.place("talker", "talker/0", 1, ("gpu9",))
     assert str(err.value) == ("talker/0 may run only on node gpu9, which has not joined: it waits for a member of "
-                              "that name (--node-name)")
+                              "that name (--node-name; the nodes now: m1, m2)")  # (trial BR: which names there are)
     with pytest.raises(PlacementError, match=r"\(no nodes\)"):
         Inventory().place("talker", "talker/0", 1)
 

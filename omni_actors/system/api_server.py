@@ -154,7 +154,7 @@ def run_api(*, host: str, port: int, admin_port: int | None = None, convention: 
     from omni_actors.system.leader import http_port_problem, other_leaders_hint
     from omni_actors.system.remote import NO_LEADER, RemoteSystem, _address_text, attach_remote
 
-    problem = http_port_problem(host, port, None if convention else admin_port)
+    problem = http_port_problem(host, port, None if convention else admin_port, api=True)
     if problem:
         raise ApiServerError(problem)
     where = f"the convention at {convention[0]}:{convention[1]}" if convention else f"admin port {admin_port}"

@@ -190,9 +190,25 @@ def start_data_service(node: str, default_host: str, reap_after_s: float):
         raise StartError(f"the data service could not start on {default_host}: {exc}") from None
 
 
+def member_on_port(port: int) -> str | None:
+    """``member 'm1' (pid 4711)`` when a member recorded in :func:`state_dir` whose process
+    runs has its admin on ``port``; else None."""
+    try:
+        state = json.loads(member_state_file(port).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or not recorded_process_runs(state):
+        return None
+    return f"member {state.get('node')!r} (pid {state.get('pid')})"
+
+
 def _admin_port_taken(admin_port: int) -> str:
-    """Why the leader cannot have ``admin_port``: another system, or what a leader that
-    died there left, which its watchdog is stopping (a few seconds)."""
+    """Why the leader cannot have ``admin_port``: another system, a member host (trial BR:
+    "another system? `stop --admin-port`", which would have stopped the member), or what a
+    leader that died there left, which its watchdog is stopping (a few seconds)."""
+    member = member_on_port(admin_port)
+    if member:
+        return f"admin port {admin_port} is the admin port of {member} on this host: give another --admin-port"
     try:
         state = json.loads(state_file(admin_port).read_text())
     except (OSError, ValueError):
@@ -249,7 +265,7 @@ def other_leaders_hint(admin_port: int, flag: str = "--admin-port {}") -> str:
             f"(give {flag.split()[0]})")
 
 
-def http_port_claimed(host: str, port: int, admin_port: int) -> str | None:
+def http_port_claimed(host: str, port: int, admin_port: int, api: bool = False) -> str | None:
     """Why ``host:port`` is taken by a leader recorded in :func:`state_dir`, or None.
 
     One still starting opens its HTTP port only once every replica is ready, so a
@@ -263,6 +279,10 @@ def http_port_claimed(host: str, port: int, admin_port: int) -> str | None:
                 or not _same_interface(str(other.get("host", "")), host, port):
             continue
         who = f"the system on admin port {other_admin} (leader pid {pid})"
+        if api:  # (trial BR: told to stop the system it was to serve, or to change its --admin-port)
+            return (f"HTTP port {port} on {host} is " + ("in use by " if port_in_use(port) else "taken by ") + who
+                    + ("" if port_in_use(port) else ", which serves there once its replicas are ready")
+                    + ": give this API server another --port")
         if port_in_use(port):
             return (f"HTTP port {port} on {host} is in use by {who}: stop it first "
                     f"(`{cli('stop')} --admin-port {other_admin}`), or give other ports (--port"
@@ -271,15 +291,19 @@ def http_port_claimed(host: str, port: int, admin_port: int) -> str | None:
     return None
 
 
-def http_port_problem(host: str, port: int, admin_port: int | None) -> str | None:
+def http_port_problem(host: str, port: int, admin_port: int | None, api: bool = False) -> str | None:
     """Why an HTTP server may not serve on ``host:port`` (see
     :func:`~omni_actors.system.processes.serve_args_error`), a leader still starting that
     will serve there included (:func:`http_port_claimed`; a code review: an `api` server
     took the port of a leader still loading, which then exited once its replicas were
-    ready); None when it may."""
+    ready), or a member's admin port named (trial BR); None when it may. ``api``: for an
+    API server, which can change only its ``--port``."""
     problem = serve_args_error(host, port, admin_port)
     if problem is None or problem.endswith(" is in use"):  # (by which system, where it is one of ours)
-        problem = http_port_claimed(host, port, admin_port or 0) or problem
+        problem = http_port_claimed(host, port, admin_port or 0, api=api) or problem
+    if problem is not None and problem.endswith(" is in use") and member_on_port(port):
+        problem = f"HTTP port {port} on {host} is the admin port of {member_on_port(port)} on this host: " \
+                  "give another --port"
     return problem
 
 

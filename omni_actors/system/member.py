@@ -17,7 +17,7 @@ import threading
 import time
 
 from omni_actors.system.leader import (StartError, _become_subreaper, admin_port_claimed, member_state_file,
-                                       node_capabilities, start_admin, start_data_service)
+                                       node_capabilities, recorded_leaders, start_admin, start_data_service)
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, handle_stop_signals, kill_system,
                                           port_in_use, remove_ipc_dir,
                                           remove_orphan_semaphores,
@@ -284,10 +284,15 @@ def _check_admin_port(admin_port: int, host: str, port: int) -> None:
     claimed = admin_port_claimed(admin_port)
     if claimed:
         raise StartError(claimed)
+    if port == admin_port and _on_this_host(host):  # (up yet or not: trial BR's waited for nothing)
+        raise StartError(f"admin port {admin_port} is the leader's (the convention address {host}:{port}): "
+                         "a member on the leader's host needs an --admin-port of its own")
+    for other in recorded_leaders() if _on_this_host(host) else ():
+        if other.get("port") == port:  # (trial BR: 5 s, then "not a Thespian admin")
+            raise StartError(f"{host}:{port} is the HTTP port of the system on admin port {other['admin_port']} "
+                             f"(leader pid {other['pid']}): give --convention-address its admin port, "
+                             f"{host}:{other['admin_port']}")
     if port_in_use(admin_port):
-        if port == admin_port and _on_this_host(host):
-            raise StartError(f"admin port {admin_port} is the leader's (the convention address {host}:{port}): "
-                             "a member on the leader's host needs an --admin-port of its own")
         raise StartError(f"admin port {admin_port} is in use (another system, or a member already running "
                          "on this host: give this one an --admin-port of its own)")
 
