@@ -15,6 +15,7 @@ import socket
 import signal
 import sys
 import time
+from typing import Callable
 
 DEFAULT_ADMIN_PORT = 1900  # Thespian's own default admin port
 DEFAULT_HTTP_PORT = 8000  # vLLM's default API port
@@ -437,15 +438,17 @@ def cmd_stop(args) -> int:
         from omni_actors.system.member import STOP_WAITS
 
         extra[STOP_WAITS] = True
-    try:
-        sfile.write_text(json.dumps({**state, **extra}))
-    except OSError:
-        pass
+
+    def record() -> None:  # (once its SIGTERM went: a record of a stop never sent would hold the next back)
+        try:
+            sfile.write_text(json.dumps({**state, **extra}))
+        except OSError:
+            pass
     try:
         forced, hurried_after = _terminate(pid, timeout, progress=(
             f"stopping the {'member' if whose == 'member' else 'system'} on admin port {args.admin_port}: its "
             f"{whose} (pid {pid}) drains its requests in flight and stops its replicas (at most {timeout:g} s)"),
-            asked=asked is not None or bool(state.get("stopping")))
+            asked=asked is not None or bool(state.get("stopping")), signalled=record)
     except PermissionError:  # (a traceback; a code review)
         return _fail(f"not allowed to stop the {whose} on admin port {args.admin_port} (pid {pid}): it runs as "
                      "another user; run `stop` as that user (or root)")
@@ -489,11 +492,12 @@ def cmd_stop(args) -> int:
     return 0
 
 
-def _terminate(pid: int, timeout: float, progress: str = "", asked: bool = False) -> tuple[bool, float | None]:
+def _terminate(pid: int, timeout: float, progress: str = "", asked: bool = False,
+               signalled: Callable[[], None] | None = None) -> tuple[bool, float | None]:
     """SIGTERM ``pid`` (a leader or member: it drains, then exits; not when ``asked``, its stop
-    under way already) and wait for it, at most ``timeout`` seconds; a second SIGTERM (no more
-    drain) when the wait is about to run out; SIGKILL at the end. Returns ``(killed, seconds
-    after which the second SIGTERM went, or None)``.
+    under way already), call ``signalled`` (even when ``asked``), and wait for it, at most
+    ``timeout`` seconds; a second SIGTERM (no more drain) when the wait is about to run out;
+    SIGKILL at the end. Returns ``(killed, seconds after which the second SIGTERM went, or None)``.
 
     On a terminal (stderr), a wait longer than :data:`STOP_PROGRESS_AFTER_S` says ``progress``,
     then how long it has waited every :data:`STOP_PROGRESS_EVERY_S` (trial BI: `stop` of a
@@ -502,6 +506,8 @@ def _terminate(pid: int, timeout: float, progress: str = "", asked: bool = False
     if _alive(pid):
         if not asked:
             os.kill(pid, signal.SIGTERM)
+        if signalled is not None:
+            signalled()
         _resume(pid)  # (a stopped leader gets its SIGTERM only once resumed: it was killed undrained)
         started = time.monotonic()
         deadline = started + timeout
