@@ -1617,8 +1617,9 @@ def test_the_watchdog_kills_an_engine_left_frozen_by_its_gone_pool_and_no_other(
     """Trial BS: a replica frozen (SIGSTOP) when its pool was killed (`inject kill-pool`)
     outlived it until `stop`: an orphaned engine drains and exits by itself, a frozen one
     cannot, and nothing else killed one without devices. The host's watchdog kills an
-    EngineActor whose parent is no pool, stopped for FROZEN_ORPHAN_KILL_S; not a running
-    orphan, nor a stopped process of another title."""
+    EngineActor handed to the host's main process (its parent died), stopped for
+    FROZEN_ORPHAN_KILL_S; not a running orphan, nor a stopped process of another title, nor
+    one whose parent is another process (its pool; a member's admin)."""
     from omni_actors.system.watchdog import FROZEN_ORPHAN_KILL_S, reap_frozen_orphans
 
     script = "import sys, time, setproctitle; setproctitle.setproctitle(sys.argv[1]); print('up', flush=True); " \
@@ -1633,10 +1634,13 @@ def test_the_watchdog_kills_an_engine_left_frozen_by_its_gone_pool_and_no_other(
         for proc in (frozen, other):
             os.kill(proc.pid, signal.SIGSTOP)
         time.sleep(0.2)  # (stopped: its state says so)
-        sessions, since = [os.getsid(p.pid) for p in procs.values()], {}
-        assert reap_frozen_orphans("no-such-id", sessions, since, now=100.0) == []  # (first seen)
-        assert reap_frozen_orphans("no-such-id", sessions, since, now=100.0 + FROZEN_ORPHAN_KILL_S - 1) == []
-        killed = reap_frozen_orphans("no-such-id", sessions, since, now=100.0 + FROZEN_ORPHAN_KILL_S)
+        sessions, since, main = [os.getsid(p.pid) for p in procs.values()], {}, os.getpid()  # (their parent)
+        elsewhere: dict = {}  # (another process's children: not judged, however long)
+        assert reap_frozen_orphans("no-such-id", sessions, main + 1, elsewhere, now=0.0) == []
+        assert reap_frozen_orphans("no-such-id", sessions, main + 1, elsewhere, now=FROZEN_ORPHAN_KILL_S * 9) == []
+        assert reap_frozen_orphans("no-such-id", sessions, main, since, now=100.0) == []  # (first seen)
+        assert reap_frozen_orphans("no-such-id", sessions, main, since, now=100.0 + FROZEN_ORPHAN_KILL_S - 1) == []
+        killed = reap_frozen_orphans("no-such-id", sessions, main, since, now=100.0 + FROZEN_ORPHAN_KILL_S)
         assert killed == ["EngineActor ActorAddr-(T|:1)"], killed
         assert frozen.wait(10) == -signal.SIGKILL and running.poll() is None and other.poll() is None
     finally:

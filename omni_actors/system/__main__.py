@@ -428,7 +428,8 @@ def cmd_stop(args) -> int:
     # (trial BR: a second `stop` while the first waited was the second SIGTERM, which ends the
     # requests in flight at once, and the member said "second Ctrl-C"; it now waits for that stop)
     asked = state.get(STOP_ASKED) if isinstance(state.get(STOP_ASKED), (int, float)) else None
-    if asked is not None or state.get("stopping"):
+    already = asked is not None or bool(state.get("stopping"))
+    if already:
         since = f" {max(0.0, time.time() - asked):.0f} s ago" if asked is not None else ""
         print(f"the {whose} on admin port {args.admin_port} is stopping already (asked{since}): waiting for "
               f"it, at most {timeout:g} s (a second SIGTERM would end its requests in flight at once)",
@@ -448,7 +449,7 @@ def cmd_stop(args) -> int:
         forced, hurried_after = _terminate(pid, timeout, progress=(
             f"stopping the {'member' if whose == 'member' else 'system'} on admin port {args.admin_port}: its "
             f"{whose} (pid {pid}) drains its requests in flight and stops its replicas (at most {timeout:g} s)"),
-            asked=asked is not None or bool(state.get("stopping")), signalled=record)
+            asked=already, signalled=record)
     except PermissionError:  # (a traceback; a code review)
         return _fail(f"not allowed to stop the {whose} on admin port {args.admin_port} (pid {pid}): it runs as "
                      "another user; run `stop` as that user (or root)")
@@ -463,11 +464,14 @@ def cmd_stop(args) -> int:
         record = drain_record(args.admin_port)
         try:
             said = json.loads(record.read_text())
-            record.unlink()
+            if not already:  # (left for the stop that asked first, which removes it)
+                record.unlink()
             drained, warnings = said["drained"] is True, [str(w) for w in said.get("warnings", ())]
             undrained = "; ".join(str(w) for w in said.get("undrained", ()))
         except (OSError, ValueError, TypeError, KeyError):
-            drained, warnings, undrained = False, [], ""
+            # (a review: a second `stop` read "did not all drain" when the first had taken the record)
+            drained, warnings = False, []
+            undrained = "the stop that asked first says how its drain went" if already else ""
         # (trial AY: "it left the convention at ..." of a member whose leader was gone, which said
         # itself "leaving without a drain: no convention leader answers at ...")
         without = "leaving without a drain: "

@@ -143,6 +143,10 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         threading.Thread(target=_say_if_drained, args=(stopping, host, port, node, log), name="drained-check",
                          daemon=True).start()
         _serve(stopping, host, port, log)
+        try:  # (`stop` then waits for this stop, as a leader's: a review saw it hurry a Ctrl-C'd member)
+            sfile.write_text(json.dumps({**json.loads(sfile.read_text()), "stopping": True}))
+        except (OSError, ValueError):
+            pass
         warnings: list[str] = []
         undrained: list[str] = []
         drained = drain_node(host, port, node, hurry, log, data_service=data.address, warnings=warnings,

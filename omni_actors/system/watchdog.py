@@ -332,18 +332,21 @@ def remove_state_file(path: Path, pid: int) -> None:
 FROZEN_ORPHAN_KILL_S, ORPHAN_CHECK_S = 10.0, 1.0
 
 
-def reap_frozen_orphans(system_id: str, sessions: list[int], stopped_since: dict, now: float) -> list[str]:
-    """Kill (SIGKILL) this host's EngineActors whose pool is gone (their parent is no
-    ``StagePoolActor`` any more) and that have been stopped for :data:`FROZEN_ORPHAN_KILL_S`.
-    ``stopped_since``: ``(pid, start time) -> now`` when each was first seen so, kept by the
-    caller between calls. Returns the titles of those killed."""
+def reap_frozen_orphans(system_id: str, sessions: list[int], main_pid: int, stopped_since: dict,
+                        now: float) -> list[str]:
+    """Kill (SIGKILL) this host's EngineActors whose pool is gone (their parent died: they
+    were handed to the host's main process, ``main_pid``, its subreaper) and that have been
+    stopped for :data:`FROZEN_ORPHAN_KILL_S`. Not one whose parent is its pool, nor one a
+    member's admin started for a pool on another host (its parent, whether that pool lives
+    or not: a review). ``stopped_since``: ``(pid, start time) -> now`` when each was first
+    seen so, kept by the caller between calls. Returns the titles of those killed."""
     frozen = {}
     for pid in system_pids(system_id, sessions=sessions):
         fields = proc_stat(Path(f"/proc/{pid}"))
         if not fields or fields[0] not in ("T", "t") or not process_title(pid).startswith("EngineActor "):
             continue
-        if process_title(int(fields[1])).startswith("StagePoolActor "):
-            continue  # (its pool judges it)
+        if int(fields[1]) != main_pid:
+            continue  # (its pool, or a member's admin for a pool elsewhere, judges it)
         frozen[(pid, start_time(pid))] = stopped_since.get((pid, start_time(pid)), now)
     stopped_since.clear()
     stopped_since.update(frozen)
@@ -360,7 +363,7 @@ def reap_frozen_orphans(system_id: str, sessions: list[int], stopped_since: dict
 
 
 def _reap(args, stopped_since: dict) -> None:
-    killed = reap_frozen_orphans(args.system_id, args.session, stopped_since, time.monotonic())
+    killed = reap_frozen_orphans(args.system_id, args.session, args.pid, stopped_since, time.monotonic())
     if killed:
         from omni_actors.logs import configure_logging, get_logger
 
