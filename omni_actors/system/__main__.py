@@ -434,16 +434,20 @@ def cmd_stop(args) -> int:
         print(f"the {whose} on admin port {args.admin_port} is stopping already (asked{since}): waiting for "
               f"it, at most {timeout:g} s (a second SIGTERM would end its requests in flight at once)",
               file=sys.stderr, flush=True)
-    extra = {STOP_ASKED: asked if asked is not None else time.time()}
     if state.get("role") == "member":  # (it says how its drain went, for us: see member.drain_record)
         from omni_actors.system.member import STOP_WAITS
 
-        extra[STOP_WAITS] = True
+        try:  # (before the signal: the member reads it as it leaves)
+            state = {**state, STOP_WAITS: True}
+            sfile.write_text(json.dumps(state))
+        except OSError:
+            pass
 
     def record() -> None:  # (once its SIGTERM went: a record of a stop never sent would hold the next back)
         try:
-            sfile.write_text(json.dumps({**state, **extra}))
-        except OSError:
+            now = json.loads(sfile.read_text())  # (the host may have added that it stops)
+            sfile.write_text(json.dumps({**now, STOP_ASKED: asked if asked is not None else time.time()}))
+        except (OSError, ValueError):
             pass
     try:
         forced, hurried_after = _terminate(pid, timeout, progress=(
