@@ -1375,32 +1375,33 @@ def _with_cli(text: str) -> str:
 def test_orphan_multiprocessing_semaphores_are_removed_and_used_or_older_ones_kept():
     """A system stopped while its vLLM engines loaded left a ``/dev/shm/sem.mp-*`` for good
     (the spawning parent unlinks it only once done, and it was killed first). The leader,
-    a member and the watchdog remove those made since they started that no process maps."""
-    import multiprocessing
+    a member and the watchdog remove those made since they started that no process maps.
+    (In a directory of its own: a system of another test stopping meanwhile removed this
+    test's orphan from /dev/shm first, as it should, and CI failed.)"""
+    import mmap
+    import tempfile
     import uuid
 
     from omni_actors.system.processes import SEM_DIR, SEM_PREFIX, remove_orphan_semaphores
 
-    if not os.path.isdir(SEM_DIR):
-        pytest.skip(f"no {SEM_DIR} here")
     started = time.time()
-    orphan = f"{SEM_PREFIX}test-{uuid.uuid4().hex[:8]}"
-    with open(os.path.join(SEM_DIR, orphan), "wb") as f:
-        f.write(b"\0" * 32)  # (what a semaphore's file holds; nobody maps this one)
-    in_use = multiprocessing.get_context("spawn").Lock()  # a real one, named and mapped by this process
-    name = in_use._semlock.name.lstrip("/")
-    assert os.path.exists(os.path.join(SEM_DIR, "sem." + name))
+    directory = tempfile.mkdtemp(dir=SEM_DIR if os.path.isdir(SEM_DIR) else None)
+    orphan, used = f"{SEM_PREFIX}test-{uuid.uuid4().hex[:8]}", f"{SEM_PREFIX}used-{uuid.uuid4().hex[:8]}"
+    for name in (orphan, used):
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(b"\0" * mmap.PAGESIZE)  # (what a semaphore's file holds)
+    f = open(os.path.join(directory, used), "r+b")
+    mapped = mmap.mmap(f.fileno(), mmap.PAGESIZE)  # in use: mapped by this process, as a semaphore is
     try:
         # made before the system started: not its own, kept
-        assert orphan not in remove_orphan_semaphores(time.time() + 60)
-        assert os.path.exists(os.path.join(SEM_DIR, orphan))
-        removed = remove_orphan_semaphores(started)
-        assert orphan in removed and "sem." + name not in removed, removed
-        assert not os.path.exists(os.path.join(SEM_DIR, orphan))
-        assert os.path.exists(os.path.join(SEM_DIR, "sem." + name))
+        assert remove_orphan_semaphores(time.time() + 60, directory) == []
+        assert os.path.exists(os.path.join(directory, orphan))
+        assert remove_orphan_semaphores(started, directory) == [orphan]
+        assert sorted(os.listdir(directory)) == [used]
     finally:
-        if os.path.exists(os.path.join(SEM_DIR, orphan)):
-            os.unlink(os.path.join(SEM_DIR, orphan))
+        mapped.close()
+        f.close()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_the_ipc_directories_of_systems_killed_outright_are_swept_at_start(monkeypatch, tmp_path):
