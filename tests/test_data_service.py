@@ -520,6 +520,10 @@ def test_a_frozen_service_fails_gets_and_releases_within_their_timeouts(prefix, 
         assert reader.get(ref)["x"][-1] == 99_999  # (a connection to it is open now)
         os.kill(proc.pid, signal.SIGSTOP)
         try:
+            deadline = time.monotonic() + 5  # (stopped once its state says so: a get sent at once was served)
+            while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+                assert time.monotonic() < deadline, "the service did not stop"
+                time.sleep(0.01)
             t0 = time.monotonic()
             with pytest.raises(ds.DataServiceError, match="no (data|answer) within 1 s"):
                 reader.get(ref)
