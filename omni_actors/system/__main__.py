@@ -443,7 +443,7 @@ def cmd_stop(args) -> int:
         except OSError:
             pass
 
-    def record() -> None:  # (once its SIGTERM went: a record of a stop never sent would hold the next back)
+    def note_asked() -> None:  # (once its SIGTERM went: a record of a stop never sent would hold the next back)
         try:
             now = json.loads(sfile.read_text())  # (the host may have added that it stops)
             sfile.write_text(json.dumps({**now, STOP_ASKED: asked if asked is not None else time.time()}))
@@ -453,7 +453,7 @@ def cmd_stop(args) -> int:
         forced, hurried_after = _terminate(pid, timeout, progress=(
             f"stopping the {'member' if whose == 'member' else 'system'} on admin port {args.admin_port}: its "
             f"{whose} (pid {pid}) drains its requests in flight and stops its replicas (at most {timeout:g} s)"),
-            asked=already, signalled=record)
+            asked=already, signalled=note_asked)
     except PermissionError:  # (a traceback; a code review)
         return _fail(f"not allowed to stop the {whose} on admin port {args.admin_port} (pid {pid}): it runs as "
                      "another user; run `stop` as that user (or root)")
@@ -473,15 +473,17 @@ def cmd_stop(args) -> int:
             drained, warnings = said["drained"] is True, [str(w) for w in said.get("warnings", ())]
             undrained = "; ".join(str(w) for w in said.get("undrained", ()))
         except (OSError, ValueError, TypeError, KeyError):
+            drained, warnings, undrained = False, [], ""
             # (a review: a second `stop` read "did not all drain" when the first had taken the record)
-            drained, warnings = False, []
-            undrained = "the stop that asked first says how its drain went" if already else ""
+            said = None if already else {}
         # (trial AY: "it left the convention at ..." of a member whose leader was gone, which said
         # itself "leaving without a drain: no convention leader answers at ...")
         without = "leaving without a drain: "
         how = (f"it had not joined the convention at {state.get('convention')}: it was waiting for its leader"
                if state.get("waiting") else
                "it left without a drain: " + undrained[len(without):] if undrained.startswith(without) else
+               f"it left the convention at {state.get('convention')}; the stop under way says how its drain went"
+               if said is None else
                f"it left the convention at {state.get('convention')}; " + (
                    "its replicas drained first" if drained else "its replicas did not all drain first: "
                    + (undrained or "see its output")))
