@@ -389,7 +389,7 @@ STOP_ASKED = "stop_asked_at"
 
 def cmd_stop(args) -> int:
     from omni_actors.connectors import sweep_segments
-    from omni_actors.system.leader import member_state_file, other_leaders_hint, state_dir, state_file
+    from omni_actors.system.leader import member_state_file, other_leaders_hint, state_dir, state_file, write_state
     from omni_actors.system.processes import kill_system
 
     if args.timeout is not None and not 0 <= args.timeout <= MAX_STOP_TIMEOUT_S:  # (also refuses nan)
@@ -439,14 +439,14 @@ def cmd_stop(args) -> int:
 
         try:  # (before the signal: the member reads it as it leaves)
             state = {**state, STOP_WAITS: True}
-            sfile.write_text(json.dumps(state))
+            write_state(sfile, state)
         except OSError:
             pass
 
     def note_asked() -> None:  # (once its SIGTERM went: a record of a stop never sent would hold the next back)
         try:
             now = json.loads(sfile.read_text())  # (the host may have added that it stops)
-            sfile.write_text(json.dumps({**now, STOP_ASKED: asked if asked is not None else time.time()}))
+            write_state(sfile, {**now, STOP_ASKED: asked if asked is not None else time.time()})
         except (OSError, ValueError):
             pass
     try:

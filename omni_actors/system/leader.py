@@ -46,6 +46,19 @@ def state_file(admin_port: int) -> Path:
     return state_dir() / f"leader-{admin_port}.json"
 
 
+def write_state(path: Path, state: dict) -> None:
+    """Write a state file whole (a temporary file renamed over it): the host and `stop`
+    both update one while the other may read it, and a reader of a file being rewritten
+    in place found it empty (a member then left no drain record for its `stop`).
+
+    Raises:
+        OSError: the directory cannot be written.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, path)
+
+
 def member_state_file(admin_port: int) -> Path:
     """Where a member host records itself (``member-<admin port>.json`` in :func:`state_dir`),
     so that ``stop --admin-port`` finds and stops it as it does a leader."""
@@ -124,6 +137,10 @@ def admin_start_error(admin_port: int, exc: BaseException) -> str:
     return f"the actor system did not start on admin port {admin_port}: {text}"
 
 
+#: Seconds :func:`start_admin` looks for the admin it forked among this process's children.
+OWN_ADMIN_WAIT_S = 5.0
+
+
 def start_admin(admin_port: int, capabilities: dict):
     """This host's Thespian admin on ``admin_port``, forked by this process, and the
     ``ActorSystem`` that talks to it.
@@ -143,9 +160,15 @@ def start_admin(admin_port: int, capabilities: dict):
         asys = ActorSystem(ACTOR_BASE, capabilities, logDefs=thespian_log_defs())
     except Exception as exc:  # noqa: BLE001 - Thespian raises several kinds here
         raise StartError(admin_start_error(admin_port, exc)) from None
-    if find_admin(os.getpid()) is None:  # (not shut down: it is the other system's)
-        raise StartError(f"admin port {admin_port} was taken by another system while this one started: "
-                         "give this one an --admin-port of its own")
+    # (Thespian forks its admin twice: the admin becomes this process's child, as its subreaper,
+    # only once the process between has exited, which a loaded host delays: CI saw a leader
+    # refuse its own admin. So it is looked for a while.)
+    deadline = time.monotonic() + OWN_ADMIN_WAIT_S
+    while find_admin(os.getpid()) is None:
+        if time.monotonic() >= deadline:  # (not shut down: it is the other system's)
+            raise StartError(f"admin port {admin_port} was taken by another system while this one started: "
+                             "give this one an --admin-port of its own")
+        time.sleep(0.05)
     return asys
 
 
@@ -425,7 +448,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                          daemon=True).start()
         def mark_stopping() -> None:  # (`status` then says so, not that the HTTP API is not up yet)
             try:
-                sfile.write_text(json.dumps({**json.loads(sfile.read_text()), "stopping": True}))
+                write_state(sfile, {**json.loads(sfile.read_text()), "stopping": True})
             except (OSError, ValueError):
                 pass
 

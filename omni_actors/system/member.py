@@ -17,7 +17,8 @@ import threading
 import time
 
 from omni_actors.system.leader import (StartError, _become_subreaper, admin_port_claimed, member_state_file,
-                                       node_capabilities, recorded_leaders, start_admin, start_data_service)
+                                       node_capabilities, recorded_leaders, start_admin, start_data_service,
+                                       write_state)
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, handle_stop_signals, kill_system,
                                           port_in_use, remove_ipc_dir,
                                           remove_orphan_semaphores,
@@ -144,7 +145,7 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
                          daemon=True).start()
         _serve(stopping, host, port, log)
         try:  # (`stop` then waits for this stop, as a leader's: a review saw it hurry a Ctrl-C'd member)
-            sfile.write_text(json.dumps({**json.loads(sfile.read_text()), "stopping": True}))
+            write_state(sfile, {**json.loads(sfile.read_text()), "stopping": True})
         except (OSError, ValueError):
             pass
         warnings: list[str] = []
