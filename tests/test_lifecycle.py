@@ -341,6 +341,26 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
             proc.wait(10)
 
 
+def test_state_file_updates_from_two_processes_at_once_keep_both_fields(tmp_path):
+    """The host marks in its state file that it stops while `stop` records its signal
+    there: read, merged and written by each, one of the two fields was lost when the two
+    interleaved (then `status` did not say "stopping", or a second `stop` signalled again).
+    Two processes each add 150 fields of their own at once: all 300 are kept. A file that
+    is gone (its host exited) is not written again."""
+    from omni_actors.system.leader import update_state, write_state
+
+    path = tmp_path / "leader-1.json"
+    write_state(path, {"pid": 1})
+    code = ("import sys; from pathlib import Path; from omni_actors.system.leader import update_state\n"
+            "for i in range(150): assert update_state(Path(sys.argv[1]), **{f'{sys.argv[2]}{i}': i})")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path), tag], cwd=ROOT) for tag in "ab"]
+    assert [p.wait(60) for p in procs] == [0, 0]
+    state = json.loads(path.read_text())
+    assert len(state) == 301 and state["pid"] == 1, sorted(state)
+    path.unlink()
+    assert update_state(path, stopping=True) is None and not path.exists()
+
+
 def test_a_second_stop_waits_for_the_first_instead_of_cutting_the_drain_short():
     """Trial BR: `stop` run again while the first waited was the second SIGTERM, which ends
     the requests in flight at once (a stream cut with "stopped at once"). The second one

@@ -389,7 +389,7 @@ STOP_ASKED = "stop_asked_at"
 
 def cmd_stop(args) -> int:
     from omni_actors.connectors import sweep_segments
-    from omni_actors.system.leader import member_state_file, other_leaders_hint, state_dir, state_file, write_state
+    from omni_actors.system.leader import member_state_file, other_leaders_hint, state_dir, state_file, update_state
     from omni_actors.system.processes import kill_system
 
     if args.timeout is not None and not 0 <= args.timeout <= MAX_STOP_TIMEOUT_S:  # (also refuses nan)
@@ -437,18 +437,11 @@ def cmd_stop(args) -> int:
     if state.get("role") == "member":  # (it says how its drain went, for us: see member.drain_record)
         from omni_actors.system.member import STOP_WAITS
 
-        try:  # (before the signal: the member reads it as it leaves)
-            state = {**state, STOP_WAITS: True}
-            write_state(sfile, state)
-        except OSError:
-            pass
+        state = {**state, STOP_WAITS: True}
+        update_state(sfile, **{STOP_WAITS: True})  # (before the signal: the member reads it as it leaves)
 
     def note_asked() -> None:  # (once its SIGTERM went: a record of a stop never sent would hold the next back)
-        try:
-            now = json.loads(sfile.read_text())  # (the host may have added that it stops)
-            write_state(sfile, {**now, STOP_ASKED: asked if asked is not None else time.time()})
-        except (OSError, ValueError):
-            pass
+        update_state(sfile, **{STOP_ASKED: asked if asked is not None else time.time()})
     try:
         forced, hurried_after = _terminate(pid, timeout, progress=(
             f"stopping the {'member' if whose == 'member' else 'system'} on admin port {args.admin_port}: its "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import signal
@@ -57,6 +58,27 @@ def write_state(path: Path, state: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(state))
     os.replace(tmp, path)
+
+
+def update_state(path: Path, **fields) -> dict | None:
+    """Add ``fields`` to the state file ``path`` (read, merged and written whole under an
+    exclusive lock on its directory, so that two processes updating it at once, the host
+    marking that it stops and `stop` recording its signal, both keep their fields); the
+    state written, or None where the file is gone (its host exited: not written again)
+    or cannot be read or written."""
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(dir_fd, fcntl.LOCK_EX)
+        state = {**json.loads(path.read_text()), **fields}
+        write_state(path, state)
+        return state
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(dir_fd)
 
 
 def member_state_file(admin_port: int) -> Path:
@@ -302,11 +324,12 @@ def http_port_claimed(host: str, port: int, admin_port: int, api: bool = False) 
                 or not _same_interface(str(other.get("host", "")), host, port):
             continue
         who = f"the system on admin port {other_admin} (leader pid {pid})"
+        serving = port_in_use(port)
         if api:  # (trial BR: told to stop the system it was to serve, or to change its --admin-port)
-            return (f"HTTP port {port} on {host} is " + ("in use by " if port_in_use(port) else "taken by ") + who
-                    + ("" if port_in_use(port) else ", which serves there once its replicas are ready")
+            return (f"HTTP port {port} on {host} is " + ("in use by " if serving else "taken by ") + who
+                    + ("" if serving else ", which serves there once its replicas are ready")
                     + ": give this API server another --port")
-        if port_in_use(port):
+        if serving:
             return (f"HTTP port {port} on {host} is in use by {who}: stop it first "
                     f"(`{cli('stop')} --admin-port {other_admin}`), or give other ports (--port"
                     + (", --admin-port)" if other_admin == admin_port else ")"))
@@ -324,9 +347,9 @@ def http_port_problem(host: str, port: int, admin_port: int | None, api: bool = 
     problem = serve_args_error(host, port, admin_port)
     if problem is None or problem.endswith(" is in use"):  # (by which system, where it is one of ours)
         problem = http_port_claimed(host, port, admin_port or 0, api=api) or problem
-    if problem is not None and problem.endswith(" is in use") and member_on_port(port):
-        problem = f"HTTP port {port} on {host} is the admin port of {member_on_port(port)} on this host: " \
-                  "give another --port"
+    member = member_on_port(port) if problem is not None and problem.endswith(" is in use") else None
+    if member:
+        problem = f"HTTP port {port} on {host} is the admin port of {member} on this host: give another --port"
     return problem
 
 
@@ -415,12 +438,12 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
         watchdog = start_watchdog("leader", system_id, sessions, shm_prefix=shm_prefix, state_file=sfile)
         # (before the deployment, which waits for every replica: `stop` finds the leader by it)
         sfile.parent.mkdir(parents=True, exist_ok=True)
-        sfile.write_text(json.dumps({"pid": os.getpid(), **identity(), "admin_port": admin_port, "host": host,
-                                     "watchdog_pid": watchdog.pid if watchdog else None,
-                                     "sessions": sessions, "shm_dir": shm_dir,
-                                     "drain_timeout_s": config.deployment.supervision.drain_timeout_s,
-                                     "port": port, "system_id": system_id, "config": config.source,
-                                     "model": config.deployment.served_model_name}))
+        write_state(sfile, {"pid": os.getpid(), **identity(), "admin_port": admin_port, "host": host,
+                            "watchdog_pid": watchdog.pid if watchdog else None,
+                            "sessions": sessions, "shm_dir": shm_dir,
+                            "drain_timeout_s": config.deployment.supervision.drain_timeout_s,
+                            "port": port, "system_id": system_id, "config": config.source,
+                            "model": config.deployment.served_model_name})
         coordinator = asys.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
         deployed_at = int(time.time())  # (`created` of /v1/models: kept by a recreated coordinator)
         deployed = threading.Event()
@@ -447,10 +470,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                          name="coordinator-watchdog",
                          daemon=True).start()
         def mark_stopping() -> None:  # (`status` then says so, not that the HTTP API is not up yet)
-            try:
-                write_state(sfile, {**json.loads(sfile.read_text()), "stopping": True})
-            except (OSError, ValueError):
-                pass
+            update_state(sfile, stopping=True)
 
         asyncio.run(_serve(asys, coordinator, config, host, port, api_key, stopping, hurry, mark_stopping,
                            admin_port=admin_port))

@@ -18,7 +18,7 @@ import time
 
 from omni_actors.system.leader import (StartError, _become_subreaper, admin_port_claimed, member_state_file,
                                        node_capabilities, recorded_leaders, start_admin, start_data_service,
-                                       write_state)
+                                       update_state, write_state)
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, handle_stop_signals, kill_system,
                                           port_in_use, remove_ipc_dir,
                                           remove_orphan_semaphores,
@@ -75,10 +75,10 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
     waiting = member_state_file(admin_port)
     try:
         waiting.parent.mkdir(parents=True, exist_ok=True)
-        waiting.write_text(json.dumps({"pid": me, **identity(), "role": "member", "node": node,
-                                       "admin_port": admin_port, "convention": f"{host}:{port}",
-                                       "system_id": os.environ.get(ENV_SYSTEM_ID, ""), "sessions": [],
-                                       "waiting": True}))
+        write_state(waiting, {"pid": me, **identity(), "role": "member", "node": node,
+                              "admin_port": admin_port, "convention": f"{host}:{port}",
+                              "system_id": os.environ.get(ENV_SYSTEM_ID, ""), "sessions": [],
+                              "waiting": True})
         problem = _wait_for_leader(host, port, leader_wait_s, stopping)
         if stopping.is_set():
             print("omni-actors member stopped while it waited for its leader", flush=True)
@@ -128,14 +128,14 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
                                   state_file=sfile)
         # (`stop --admin-port` finds it there: a trial had to find the member's pid to stop it)
         sfile.parent.mkdir(parents=True, exist_ok=True)
-        sfile.write_text(json.dumps({"pid": me, **identity(), "role": "member", "node": node, "admin_port": admin_port,
-                                     "convention": f"{host}:{port}", "system_id": os.environ.get(ENV_SYSTEM_ID, ""),
-                                     "sessions": sessions, "shm_dir": shm_dir,
-                                     "watchdog_pid": watchdog.pid if watchdog else None,
-                                     # (`stop` waits for the drain, as long as the leader's: it
-                                     # gave a member 30 s whatever the leader's drain_timeout_s)
-                                     **({"drain_timeout_s": leader.drain_timeout_s}
-                                        if leader is not None and leader.drain_timeout_s else {})}))
+        write_state(sfile, {"pid": me, **identity(), "role": "member", "node": node, "admin_port": admin_port,
+                            "convention": f"{host}:{port}", "system_id": os.environ.get(ENV_SYSTEM_ID, ""),
+                            "sessions": sessions, "shm_dir": shm_dir,
+                            "watchdog_pid": watchdog.pid if watchdog else None,
+                            # (`stop` waits for the drain, as long as the leader's: it
+                            # gave a member 30 s whatever the leader's drain_timeout_s)
+                            **({"drain_timeout_s": leader.drain_timeout_s}
+                               if leader is not None and leader.drain_timeout_s else {})})
         print(f"omni-actors member {node!r} joined the convention at {host}:{port} "
               f"(admin port {admin_port}, devices {','.join(devices) or 'none (CPU)'}, "
               f"stages {','.join(stages) or 'any'}); Ctrl-C to leave", flush=True)
@@ -144,10 +144,8 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         threading.Thread(target=_say_if_drained, args=(stopping, host, port, node, log), name="drained-check",
                          daemon=True).start()
         _serve(stopping, host, port, log)
-        try:  # (`stop` then waits for this stop, as a leader's: a review saw it hurry a Ctrl-C'd member)
-            write_state(sfile, {**json.loads(sfile.read_text()), "stopping": True})
-        except (OSError, ValueError):
-            pass
+        # (`stop` then waits for this stop, as a leader's: a review saw it hurry a Ctrl-C'd member)
+        update_state(sfile, stopping=True)
         warnings: list[str] = []
         undrained: list[str] = []
         drained = drain_node(host, port, node, hurry, log, data_service=data.address, warnings=warnings,
@@ -155,8 +153,8 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
         try:  # (`stop` reads it after: it said "drained first" of a member that could not drain)
             if json.loads(sfile.read_text()).get(STOP_WAITS):  # (Ctrl-C: nobody would read or remove it)
                 # (trial AT: `stop` did not say that the stages it left had no replica any more)
-                drain_record(admin_port).write_text(json.dumps({"drained": drained, "warnings": warnings,
-                                                                "undrained": undrained}))
+                write_state(drain_record(admin_port), {"drained": drained, "warnings": warnings,
+                                                       "undrained": undrained})
         except (OSError, ValueError):
             pass
         return 0
