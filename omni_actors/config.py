@@ -128,6 +128,10 @@ class StageSpec(msgspec.Struct, kw_only=True):
         return str(self.engine_args["model_stage"])
 
 
+#: The least seed the synthetic engine takes (a request's, or a stage's default).
+SEED_MIN = -(2 ** 63)
+
+
 class SyntheticCost(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Cost model of the synthetic engine (all times are simulated with
     ``asyncio.sleep``; defaults are zero cost)."""

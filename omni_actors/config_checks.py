@@ -10,7 +10,7 @@ import importlib
 import inspect
 import re
 
-from omni_actors.config import ConfigError, PipelineConfig, StageSpec
+from omni_actors.config import SEED_MIN, ConfigError, PipelineConfig, StageSpec
 
 
 def _check_cpus(cfg: PipelineConfig, source: str) -> None:
@@ -171,12 +171,14 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
                 need = diffusion_world_size(s.engine_args.get("parallel_config"))
                 how = "parallel_config's world size"
             else:
-                need = s.engine_args.get("tensor_parallel_size") or 1
-                need *= s.engine_args.get("pipeline_parallel_size") or 1
-                how = "tensor_parallel_size x pipeline_parallel_size"
+                need = 1  # (each data-parallel rank is an engine of TP x PP devices: a review)
+                for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+                    need *= s.engine_args.get(key) or 1
+                how = "tensor_parallel_size x pipeline_parallel_size x data_parallel_size"
             if need > dep.devices_per_replica:  # (its engine would get fewer devices than it shards over)
+                # (the stage's engine arguments, not `stage_args[i]`: a deploy-format file has none)
                 raise ConfigError(source, f"deployment.stages.{s.name}.devices_per_replica",
-                                  f"{dep.devices_per_replica}, but stage_args[{i}].engine_args shard the model "
+                                  f"{dep.devices_per_replica}, but the stage's engine arguments shard the model "
                                   f"over {need} devices ({how}): give each replica {need}")
         if dep.backend == "vllm" and not s.engine_args.get("model"):  # (its replicas fail to start without)
             raise ConfigError(source, f"stage_args[{i}].engine_args.model",
@@ -197,27 +199,39 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
                                   f"the synthetic engine has no `{kind}` stage; one of: "
                                   f"{', '.join(SUPPORTED_STAGES)} (or set "
                                   f"deployment.stages.{s.name}.synthetic.kind)")
-            _check_synthetic_stage(s, i, kind, source)
+            _check_synthetic_stage(s, i, kind, dep.synthetic, source)
+        _check_stop(s.default_sampling_params, i, source)
 
 
 #: Synthetic stage kinds that take another stage's outputs (a prompt alone gives them nothing).
 _SYNTHETIC_NEEDS_INPUT = ("talker", "code2wav", "dit")
 
 
-def _check_synthetic_stage(s, i: int, kind: str, source: str) -> None:
-    """What the synthetic engine would refuse on every request, refused here (a code review:
-    a bad ``seed`` in a stage's defaults read as the client's 400 on each request; a Talker
-    with no input source failed every audio request)."""
-    params = s.default_sampling_params
-    seed = params.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ConfigError(source, f"stage_args[{i}].default_sampling_params.seed",
-                          f"expected an integer, got `{seed!r}`")
+def _check_stop(params: dict, i: int, source: str) -> None:
+    """A stage's default ``stop``: a non-empty string or a list of them, as the API takes
+    a request's (a review: a mapping passed, and vLLM's check of it, an assertion with no
+    message, was a traceback in check-config and a replica that could not start)."""
     stop = params.get("stop")
     if stop is not None and not (isinstance(stop, str) and stop or isinstance(stop, list) and all(
             isinstance(x, str) and x for x in stop)):
         raise ConfigError(source, f"stage_args[{i}].default_sampling_params.stop",
                           f"expected a non-empty string or a list of them, got `{stop!r}`")
+
+
+def _check_synthetic_stage(s, i: int, kind: str, synthetic, source: str) -> None:
+    """What the synthetic engine would refuse on every request, refused here (a code review:
+    a bad ``seed`` in a stage's defaults read as the client's 400 on each request; a Talker
+    with no input source failed every audio request; an AR stage whose prior grid fills its
+    context failed every image request)."""
+    seed = s.default_sampling_params.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < SEED_MIN):
+        raise ConfigError(source, f"stage_args[{i}].default_sampling_params.seed",
+                          f"expected an integer >= {SEED_MIN}, got `{seed!r}`")
+    if kind == "ar" and synthetic.prior_grid ** 2 >= synthetic.max_model_len:
+        raise ConfigError(source, f"deployment.stages.{s.name}.synthetic.prior_grid",
+                          f"{synthetic.prior_grid}: its {synthetic.prior_grid ** 2} prior tokens leave no room for "
+                          f"a prompt in synthetic.max_model_len ({synthetic.max_model_len}): every image request "
+                          "would be refused")
     if kind in _SYNTHETIC_NEEDS_INPUT and not s.engine_input_source and not s.custom_process_input_func:
         raise ConfigError(source, f"stage_args[{i}].engine_input_source",
                           f"empty, but the synthetic `{kind}` stage takes another stage's outputs: name the "

@@ -337,8 +337,38 @@ def test_a_replica_with_fewer_devices_than_its_engine_shards_over_is_refused(tmp
     err = refused(tmp_path, data)
     assert (err.path, err.message) == (
         "deployment.stages.thinker.devices_per_replica",
-        "1, but stage_args[0].engine_args shard the model over 2 devices (tensor_parallel_size x "
-        "pipeline_parallel_size): give each replica 2")
+        "1, but the stage's engine arguments shard the model over 2 devices (tensor_parallel_size x "
+        "pipeline_parallel_size x data_parallel_size): give each replica 2")
+    # (a review: data parallelism was not counted, and a replica given TP x PP devices could not start)
+    data["stage_args"][0]["engine_args"]["data_parallel_size"] = 2
+    data["deployment"]["stages"]["thinker"]["devices_per_replica"] = 2
+    assert refused(tmp_path, data).message.startswith("2, but the stage's engine arguments shard the model "
+                                                      "over 4 devices")
+    data["deployment"]["stages"]["thinker"]["devices_per_replica"] = 4
+    assert load_config(write(tmp_path, data))
+
+
+def test_synthetic_settings_that_would_refuse_every_request_are_refused(tmp_path: Path) -> None:
+    """A review: an AR stage whose prior grid fills its context (`prior_grid: 200`, 40,000
+    tokens against 32,768) passed, then every image request got a 400; so did a seed below
+    the engine's least; and a `stop` that is a mapping on a vLLM stage was vLLM's bare
+    assertion, a traceback in check-config."""
+    data = yaml.safe_load((ROOT / "configs" / "cpu_image_demo.yaml").read_text())
+    data["deployment"]["stages"]["ar"]["synthetic"]["prior_grid"] = 200
+    err = refused(tmp_path, data)
+    assert err.path == "deployment.stages.ar.synthetic.prior_grid", err
+    assert "its 40000 prior tokens leave no room for a prompt in synthetic.max_model_len (32768)" in err.message
+    data["deployment"]["stages"]["ar"]["synthetic"]["prior_grid"] = 181  # (32,761 + a prompt of 7 words)
+    assert load_config(write(tmp_path, data))
+    data["stage_args"][0]["default_sampling_params"]["seed"] = -(2 ** 63) - 1
+    err = refused(tmp_path, data)
+    assert (err.path, err.message) == ("stage_args[0].default_sampling_params.seed",
+                                       f"expected an integer >= {-(2 ** 63)}, got `{-(2 ** 63) - 1}`")
+    vllm = yaml.safe_load((ROOT / "configs" / "cpu_vllm_chain.yaml").read_text())
+    vllm["stage_args"][0].setdefault("default_sampling_params", {})["stop"] = {"a": 1}
+    err = refused(tmp_path, vllm)
+    assert (err.path, err.message) == ("stage_args[0].default_sampling_params.stop",
+                                       "expected a non-empty string or a list of them, got `{'a': 1}`")
 
 
 def test_a_vllm_stage_without_a_model_is_refused(tmp_path: Path) -> None:
@@ -1099,7 +1129,7 @@ def test_check_config_warns_of_a_real_engines_local_model_directory_missing_here
 
 @pytest.mark.parametrize(("mutate", "path", "message"), [
     (stage(1, default_sampling_params={"seed": "42"}), "stage_args[1].default_sampling_params.seed",
-     "expected an integer, got `'42'`"),
+     f"expected an integer >= {-(2 ** 63)}, got `'42'`"),
     (stage(0, default_sampling_params={"stop": 5}), "stage_args[0].default_sampling_params.stop",
      "expected a non-empty string or a list of them, got `5`"),
     (stage(1, engine_input_source=[], custom_process_input_func=None), "stage_args[1].engine_input_source",

@@ -1298,6 +1298,9 @@ def test_a_port_out_of_range_is_a_one_line_usage_error(args):
      "error: --replicas: the replica count must be from 1 to 1024 (each replica is a process), got 0"),
     (("inject", "sigkill"), "error: sigkill needs --replica STAGE/N"),
     (("inject", "kill-pool"), "error: kill-pool needs --stage STAGE"),
+    # (a review: `--config "$CFG"` with CFG unset served the CPU demo, and check-config said ok)
+    *[((verb, "--config", ""), "error: --config is empty: give the config file's path (or leave --config out "
+                               "for the CPU demo)") for verb in ("check-config", "start")],
     (("inject", "raise", "--replica", "talker/0", "--count", "0"),
      "error: --count: the count of tasks to raise must be from 1 to 1000000, got 0"),
     (("stage", "--admin-port", "1901", "scale", "--stage", "talker", "--replicas", "2"),

@@ -154,6 +154,16 @@ def test_num_replicas_becomes_replicas_unless_the_deployment_block_says(tmp_path
     assert dep["code2wav"].backend == "synthetic"   # ours wins
 
 
+def test_a_note_of_the_deployment_block_is_kept_beside_the_connectors_notes(tmp_path: Path) -> None:
+    """A review: `cpus` on a vllm_omni stage (which never pins) was noted as not applied in a
+    stage_args config, and the note was lost in a deploy file's (its connectors' notes
+    replaced it): the operator believed the engine pinned."""
+    cfg = load_config(write(tmp_path, variant(lambda d: d["deployment"]["stages"].update(talker={"cpus": "0"}))))
+    assert "deployment.stages.talker.cpus: not applied: only the vllm backend pins its engine (backend: " \
+           "vllm_omni)" in cfg.omni_connectors.notes
+    assert any("replicas" in n for n in cfg.omni_connectors.notes)  # (and the others are still there)
+
+
 def _diffusion_code2wav(parallel_config: dict, ours: dict) -> Callable[[dict], None]:
     def mutate(d: dict) -> None:
         d["topology"]["stages"][2]["execution_type"] = "diffusion"
@@ -332,6 +342,16 @@ def test_shipped_deploy_demo_config_loads() -> None:
     (lambda d: d.update(stage_args=[]), "stage_args", "not both"),
     (lambda d: d.update(env=5), "env", "expected a mapping, got `5`"),  # (a trial's: accepted)
     (lambda d: d.update(platforms=["rocm"]), "platforms", "Expected `object | null`, got `array`"),
+    # (a review: a copied topology stage's id was blamed on the `stages:` entry of the stage it hid)
+    (lambda d: d["topology"]["stages"][1].update(stage_id=0), "topology.stages[1].stage_id",
+     "0 is the id of an earlier stage"),
+    # (a review: named `deployment.stages.talker.devices_per_replica`, which the file does not set)
+    (lambda d: d["stages"][1].update(tensor_parallel_size=2000), "stages[1]",
+     "stage 1 `talker`: its engine arguments shard it over 2000 devices (tensor_parallel_size x "
+     "pipeline_parallel_size x data_parallel_size), more than a replica may have (1024)"),
+    # (a review: "stage_args[1].engine_args shard the model", in a file with no stage_args)
+    (lambda d: d["deployment"]["stages"].update(talker={"devices_per_replica": 1}),
+     "deployment.stages.talker.devices_per_replica", "1, but the stage's engine arguments shard the model over 2"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_bad_deploy_file_is_refused_with_its_yaml_path(tmp_path: Path, mutate, path: str, words: str) -> None:
     err = refused_sample(tmp_path, mutate)

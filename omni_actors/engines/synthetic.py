@@ -52,7 +52,7 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
-from omni_actors.config import StageSpec, SyntheticCost
+from omni_actors.config import SEED_MIN, StageSpec, SyntheticCost
 from omni_actors.logs import get_logger
 from omni_actors.engines.base import (BackendEvent, BackendLoad, BackendTask, OutputChunk, StageFinal, TextDelta,
                                       context_exceeded)
@@ -378,7 +378,7 @@ def _int_param(params: dict, key: str, default: int, lo: int, hi: int | None, st
 
 
 def _seed(task: BackendTask, stage: str) -> int:
-    return _int_param(task.sampling_params, "seed", 0, -(2**63), None, stage)
+    return _int_param(task.sampling_params, "seed", 0, SEED_MIN, None, stage)
 
 
 # -- stages (parse: validate the task; compute: build the plan) --------------

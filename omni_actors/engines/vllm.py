@@ -428,6 +428,9 @@ def _make_sampling_params(sampling_params_cls, output_kind_cls, params: dict[str
     except Exception as exc:  # vLLM raises ValueError, TypeError or VLLMValidationError
         if is_client_error(exc):
             raise ValueError(f"invalid sampling parameters: {one_line(exc)}") from None
+        if isinstance(exc, AssertionError):  # (its type checks: `stop` not a list, no message)
+            raise ValueError(f"invalid sampling parameters: vLLM's SamplingParams refused them "
+                             f"({one_line(exc) or 'a failed assertion, no message'}); the values' types?") from None
         raise
 
 

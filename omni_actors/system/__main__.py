@@ -858,6 +858,9 @@ def _usage_problem(args) -> str | None:
     (a usage error: one line, exit 2, before any admin is reached), or None."""
     from omni_actors.system.admin import ENGINE_FAULTS, SIGNAL_FAULTS, inject_problem, replicas_problem
 
+    if getattr(args, "config", None) is not None and not args.config.strip():
+        # (a review: `--config "$CFG"` with CFG unset served the CPU demo, and check-config said ok)
+        return "--config is empty: give the config file's path (or leave --config out for the CPU demo)"
     if args.verb == "inject":
         # (a trial's `inject stall --count 3` was taken, the count silently ignored)
         for flag, value, fault in (("--factor", args.factor, "slow"), ("--count", args.count, "raise")):

@@ -68,7 +68,7 @@ from typing import Any
 
 import msgspec
 
-from omni_actors.config import ConfigError, OmniConnectors, PipelineConfig, _convert, parse_config
+from omni_actors.config import MAX_REPLICAS, ConfigError, OmniConnectors, PipelineConfig, _convert, parse_config
 from omni_actors.connector_config import omni_connectors
 from omni_actors.vllm_omni_deploy.files import (ConnectorSpec, Edge, check_connectors, deep_merge,
                                                 resolve)
@@ -166,13 +166,15 @@ def parse_deploy_config(data: dict[str, Any], source: str = "<memory>") -> Deplo
     _check_stop_tokens(topo, key, stages, origin, source)
     stage_args = [_stage_args(ts, topo, stages.get(ts.stage_id, {}), merged, data.get("model"))
                   for ts in topo.stages]
-    deployment = _deployment(data.get("deployment"), topo, stages, merged)
+    deployment = _deployment(data.get("deployment"), topo, stages, merged, origin, source)
     try:
         cfg = parse_config({"stage_args": stage_args, "deployment": deployment}, source)
     except ConfigError as exc:
         raise _where(exc, topo, key, origin, stages, merged) from None
+    notes = cfg.omni_connectors.notes  # (parse_config's, such as cpus not applied: a review saw them dropped)
     cfg.omni_connectors = _connectors(merged, stages, topo, origin, cfg, source)
-    cfg.omni_connectors.notes += _replica_notes(data.get("deployment"), topo, stages, origin)
+    cfg.omni_connectors.notes = (notes + cfg.omni_connectors.notes
+                                 + _replica_notes(data.get("deployment"), topo, stages, origin))
 
     names = {ts.stage_id: ts.model_stage for ts in topo.stages}
     kept = VllmOmniDeploy(
@@ -289,8 +291,13 @@ def _replica_notes(raw: Any, topo: Topology, stages: dict[int, dict[str, Any]],
 
 
 def _deployment(raw: Any, topo: Topology, stages: dict[int, dict[str, Any]],
-                merged: dict[str, Any]) -> Any:
-    """Our block, with what the deploy file says filled in where it is silent."""
+                merged: dict[str, Any], origin: dict[int, tuple[str, int]], source: str) -> Any:
+    """Our block, with what the deploy file says filled in where it is silent.
+
+    Raises:
+        ConfigError: a stage's engine arguments shard it over more devices than a replica
+            may have (named at the stage: the block's ``devices_per_replica`` was not
+            written by the user; a review)."""
     if not isinstance(raw, dict) or not isinstance(raw.get("stages", {}), dict):
         return raw  # parse_config names what is wrong
     ours = dict(raw.get("stages") or {})
@@ -310,6 +317,13 @@ def _deployment(raw: Any, topo: Topology, stages: dict[int, dict[str, Any]],
             for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
                 v = engine.get(k, merged.get(k)) or 1
                 size *= v if _is_int(v) else 1
+        if size > MAX_REPLICAS:
+            src, at = origin.get(ts.stage_id, (source, None))
+            how = ("parallel_config's world size" if ts.execution_type == "diffusion"
+                   else "tensor_parallel_size x pipeline_parallel_size x data_parallel_size")
+            raise ConfigError(src, f"stages[{at}]" if at is not None else "stages",
+                              f"stage {ts.stage_id} `{ts.model_stage}`: its engine arguments shard it over {size} "
+                              f"devices ({how}), more than a replica may have ({MAX_REPLICAS})")
         if size > 1:
             filled["devices_per_replica"] = size
         ours[ts.model_stage] = {**filled, **entry}

@@ -72,7 +72,14 @@ def resolve_topology(data: dict[str, Any], merged: dict[str, Any], files: list[s
             saying what to add when no topology can be found.
     """
     if "topology" in data:
-        return _convert(data["topology"], Topology, source, "topology"), None
+        topo = _convert(data["topology"], Topology, source, "topology")
+        seen: set[int] = set()
+        for i, ts in enumerate(topo.stages):  # (a review: a copied stage's id hid the stage it copied)
+            if ts.stage_id in seen:
+                raise ConfigError(source, f"topology.stages[{i}].stage_id",
+                                  f"{ts.stage_id} is the id of an earlier stage: each stage needs its own")
+            seen.add(ts.stage_id)
+        return topo, None
     key = merged.get("pipeline")
     where = "pipeline" if key else "topology"
     wanted = (f"vLLM-Omni pipeline `{key}`" if key else
