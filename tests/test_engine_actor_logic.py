@@ -3486,3 +3486,32 @@ def test_a_replicas_progress_counts_the_tokens_it_made_not_its_events():
              StageFinal({"audio": np.zeros(9600)}, 20)]
     assert progress(audio) == 2  # outputs, where no tokens are counted
     assert progress([StageFinal({"image": b""}, 7)]) == 1
+
+
+def test_at_start_up_a_stage_whose_pool_has_not_reported_is_placed_before_a_second_replica_of_another():
+    """Trial BT: thinker x1, talker x3 and code2wav x1 on three devices: the Talker pool asked
+    for its replicas before Code2Wav's pool had reported anything, the second Talker took the
+    last device, and every audio request waited out queue_timeout_s for a 503. A stage whose
+    pool has not reported yet wants its config's replicas: the last device is kept for it."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import PlaceReplica, Placement, PlacementFailed, PoolState
+    from omni_actors.placement import NodeInfo
+
+    co = CoordinatorActor()
+    co.sent = []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co._inventory.add(NodeInfo("vm", ("0", "1", "2"), ()))
+    co._config = SimpleNamespace(stage_by_name=lambda name: name,  # every stage: TP1, any node
+                                 deployment_of=lambda stage: SimpleNamespace(devices_per_replica=1, nodes=[]))
+    for sid, stage in enumerate(("thinker", "talker", "code2wav")):
+        co._states[sid] = PoolState(sid, stage, ())  # (as deployed: nothing reported yet)
+    for replica, device in (("thinker/0", "0"), ("talker/0", "1")):
+        co.receiveMsg_PlaceReplica(PlaceReplica(replica.split("/")[0], replica, 1, (), ()), "pool")
+        assert co.sent[-1] == ("pool", Placement(replica, "vm", (device,)))
+    co.receiveMsg_PlaceReplica(PlaceReplica("talker", "talker/1", 1, (), ()), "talker-pool")
+    refused = co.sent[-1][1]
+    assert isinstance(refused, PlacementFailed) and "kept for stage code2wav" in refused.reason, refused
+    co.receiveMsg_PlaceReplica(PlaceReplica("code2wav", "code2wav/0", 1, (), ()), "code2wav-pool")
+    assert co.sent[-1] == ("code2wav-pool", Placement("code2wav/0", "vm", ("2",)))

@@ -746,6 +746,12 @@ class CoordinatorActor(ActorTypeDispatcher):
                 continue
             wanting = [r.replica for r in state.replicas
                        if r.state not in (ReplicaState.FAILED, ReplicaState.STOPPED)]
+            if not wanting and not state.replicas and state.stage_id not in self._reported:
+                # Its pool, new, has not reported yet: it starts the config's replicas (trial BT: at
+                # start-up a second Talker took the last device while Code2Wav's pool had not reported).
+                dep = self._config.deployment_of(self._config.stage_by_name(stage))
+                first.append(FirstInLine(stage, dep.devices_per_replica, tuple(dep.nodes)))
+                continue
             if not wanting:
                 continue
             asked = next((self._asks[r] for r in wanting if r in self._asks), None)
