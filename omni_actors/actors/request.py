@@ -267,9 +267,14 @@ class RequestActor(ActorTypeDispatcher):
             self._send_output(make, credit)
 
     def _send_output(self, make, credit: tuple[int, int] | None) -> None:
+        """Send output ``seq`` to the bridge, asking for its answer every few outputs, and on
+        one whose answer would credit its producer (a review: merged chunks took a Code2Wav to
+        its window between two outputs that asked, and the chain waited for the next beat,
+        5 s, with no answer asked for)."""
         seq = self._out_seq
         every = max(1, min(OUTPUT_ACK_EVERY, self._req.chunk_window // 2))
-        self.send(self._req.reply_to, make(seq, self.myAddress if (seq + 1) % every == 0 else None))
+        ask = (seq + 1) % every == 0 or (credit is not None and self._credit_upto(*credit) is not None)
+        self.send(self._req.reply_to, make(seq, self.myAddress if ask else None))
         if credit is not None:
             self._out_credit.append((seq, *credit))
         self._out_seq += 1
@@ -388,13 +393,20 @@ class RequestActor(ActorTypeDispatcher):
 
         ``consumed`` counts chunk messages; credits count the backend's chunks
         (several merge into one message when the producer is busy)."""
-        task = self._running.get(producer)
-        if task is None or producer not in self._producer or consumed <= 0:
-            return
-        upto = self._chunk_last[producer][consumed - 1] + 1
-        if upto - self._acked.get(producer, 0) >= max(1, task.chunk_window // 2):
+        due = self._credit_upto(producer, consumed)
+        if due is not None:
+            task, upto = due
             self._acked[producer] = upto
             self.send(self._producer[producer], ChunkAck(task.request_id, producer, upto, task.attempt))
+
+    def _credit_upto(self, producer: int, consumed: int) -> tuple[StageTask, int] | None:
+        """``(task, backend chunks)`` to credit ``producer`` with once ``consumed`` of its chunk
+        messages are consumed, where that is half a window more than it has; else None."""
+        task = self._running.get(producer)
+        if task is None or producer not in self._producer or consumed <= 0:
+            return None
+        upto = self._chunk_last[producer][consumed - 1] + 1
+        return (task, upto) if upto - self._acked.get(producer, 0) >= max(1, task.chunk_window // 2) else None
 
     def _downstream(self, stage_id: int) -> set[int]:
         """``stage_id`` and every stage that streams from it, transitively."""
