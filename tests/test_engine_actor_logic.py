@@ -5,6 +5,8 @@ import dataclasses
 import time
 import re
 
+import pytest
+
 from omni_actors.actors.outbox import coalesce
 from omni_actors.messages import OutputDelta, TaskFinished
 
@@ -190,6 +192,42 @@ def test_an_earlier_attempt_still_sending_does_not_renumber_the_next_one():
     assert seq.stamp(StageDone("r", 1, "t/0", None, None, attempt=1)).chunks == 3
     seq.stamp(TaskFinished("t/0", "r", 1, True, attempt=1))
     assert chunk(1).seq == 0  # forgotten with its task
+
+
+def test_after_a_chunk_is_lost_its_attempt_sends_no_later_chunk_and_no_stage_done():
+    """A review: a chunk that could not be stored (shared memory full) failed its task, but
+    the next chunk took its number and the StageDone counted without it; a StageDone that
+    overtook the failure looked complete, and the request went on without that chunk's
+    outputs (a 200 with a hole in its audio). That attempt's later chunks and its StageDone
+    are dropped (the StageDone's refs released); another attempt is not touched."""
+    from omni_actors.actors.outbox import PendingChunk, Sequencer
+    from omni_actors.messages import StageDone
+
+    released, full = [], [False]
+
+    def put(outputs):
+        if full[0]:
+            raise OSError(28, "No space left on device")
+        return "ref"
+
+    seq = Sequencer(put=put, release=released.extend)
+
+    def chunk(attempt):
+        return seq.stamp(PendingChunk("r", 1, attempt, [{"codes": [1]}], first=0))
+
+    assert chunk(0).seq == 0
+    full[0] = True
+    with pytest.raises(OSError):
+        chunk(0)
+    seq.lost("r", 1, 0)  # (what the engine does on that error, beside failing the task)
+    full[0] = False
+    assert chunk(0) is None
+    assert seq.stamp(StageDone("r", 1, "t/0", "out", "final", attempt=0)) is None
+    assert released == ["out", "final"]
+    assert chunk(1).seq == 0  # (the retry, on this replica too)
+    finished = TaskFinished("t/0", "r", 1, False, attempt=0)
+    assert seq.stamp(finished) is finished
+    assert chunk(0).seq == 0  # (forgotten with its task)
 
 
 def test_text_deltas_for_one_bridge_travel_in_one_message_in_order():

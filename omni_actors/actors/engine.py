@@ -234,7 +234,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._parent = ParentWatch(msg.pool_pid, msg.pool_host)
         self._log = self._log.bind(stage=msg.stage.name, replica=msg.replica)
         self._connector = connector = make_connector(msg.inline_threshold_bytes, mode=msg.connector_mode)
-        self._sequencer = Sequencer(connector.put)
+        self._sequencer = Sequencer(connector.put, release_all)
         self._deltas = DeltaWindow(self.myAddress, log=self._log)
         func = msg.stage.custom_process_input_func
         # Pinning: set before the backend (and CUDA) is imported in this process. The
@@ -402,9 +402,12 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             stamped = []
             for address, message in coalesce(self._rt.drain(), self._names):
                 try:
-                    stamped.append((address, self._sequencer.stamp(message)))
+                    message = self._sequencer.stamp(message)
                 except Exception as exc:  # noqa: BLE001 - a chunk could not be stored (shm full)
                     self._chunk_lost(address, message, exc)
+                    continue
+                if message is not None:  # (None: a later message of an attempt that lost a chunk)
+                    stamped.append((address, message))
             for address, message in bundle(stamped, self._names):
                 if isinstance(message, OutputDeltas):
                     message = self._deltas.admit(address, self._names[address], message)
@@ -422,6 +425,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
     def _chunk_lost(self, address, chunk: PendingChunk, exc: Exception) -> None:
         """A chunk's outputs could not be stored: its task fails (and is cancelled here)."""
         self._log.error("stage_chunk_lost", request_id=chunk.request_id, error=str(exc))
+        self._sequencer.lost(chunk.request_id, chunk.stage_id, chunk.attempt)
         replica = self._spec.replica
         self.send(address, StageFailed(chunk.request_id, chunk.stage_id, replica, ErrorKind.ENGINE_ERROR,
                                        f"stage {self._spec.stage.name} ({replica}): could not store an output "

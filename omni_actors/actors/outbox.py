@@ -157,11 +157,19 @@ class Sequencer:
     ``StageDone`` with how many deltas and chunks went before it.
 
     ``stamp`` raises what ``put`` raises (``OSError`` when shared memory is
-    full, ``TypeError`` for an unpackable dtype).
+    full, ``TypeError`` for an unpackable dtype). After a chunk of an attempt is
+    lost (:meth:`lost`: its task was failed), that attempt's later chunks and its
+    ``StageDone`` are dropped (``stamp`` returns None; the StageDone's refs are
+    released with ``release``): numbered without the lost chunk, a StageDone that
+    overtook the failure looked complete, and the request went on without that
+    chunk's outputs (a review).
     """
 
-    def __init__(self, put: Callable[[dict[str, Any]], Any]) -> None:
+    def __init__(self, put: Callable[[dict[str, Any]], Any],
+                 release: Callable[[list], None] = lambda refs: None) -> None:
         self._put = put
+        self._release = release
+        self._lost: set[tuple[str, int, int]] = set()  # (request, stage, attempt) that lost a chunk
         #: (request, stage, attempt) -> [deltas sent, chunks sent]. By attempt: a task
         #: started over on this replica can overlap its earlier attempt, whose last
         #: messages must not reset (or take numbers from) the new one's counts.
@@ -173,7 +181,16 @@ class Sequencer:
             counts = self._sent[(request_id, stage_id, attempt)] = [0, 0]
         return counts
 
+    def lost(self, request_id: str, stage_id: int, attempt: int) -> None:
+        """A chunk of that attempt could not be stored: drop what it sends after."""
+        self._lost.add((request_id, stage_id, attempt))
+
     def stamp(self, message: Any) -> Any:
+        if isinstance(message, (PendingChunk, StageDone)) and \
+                (message.request_id, message.stage_id, message.attempt) in self._lost:
+            if isinstance(message, StageDone):
+                self._release([message.output, message.final])
+            return None
         if isinstance(message, OutputDelta):
             counts = self._counts(message.request_id, message.stage_id, message.attempt)
             counts[0] += 1
@@ -189,6 +206,7 @@ class Sequencer:
             return dataclasses.replace(message, deltas=counts[0], chunks=counts[1])
         if isinstance(message, TaskFinished):  # the attempt's last message (an engine's names its attempt)
             self._sent.pop((message.request_id, message.stage_id, message.attempt), None)
+            self._lost.discard((message.request_id, message.stage_id, message.attempt))
         return message
 
 
