@@ -201,6 +201,7 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
                                   f"deployment.stages.{s.name}.synthetic.kind)")
             _check_synthetic_stage(s, i, kind, dep.synthetic, source)
         _check_stop(s.default_sampling_params, i, source)
+        _check_sampling_numbers(s.default_sampling_params, i, source)
 
 
 #: Synthetic stage kinds that take another stage's outputs (a prompt alone gives them nothing).
@@ -216,6 +217,26 @@ def _check_stop(params: dict, i: int, source: str) -> None:
             isinstance(x, str) and x for x in stop)):
         raise ConfigError(source, f"stage_args[{i}].default_sampling_params.stop",
                           f"expected a non-empty string or a list of them, got `{stop!r}`")
+
+
+#: Sampling parameters that are numbers (OpenAI's and vLLM's), and those of them that are integers.
+_SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty")
+_SAMPLING_INTEGERS = ("top_k", "min_tokens", "n", "logprobs")
+
+
+def _check_sampling_numbers(params: dict, i: int, source: str) -> None:
+    """The plain sampling parameters are numbers, on any backend (trial BT: `temperature: hot`
+    passed on a synthetic stage, which ignores it, and read as vLLM's "TypeError: '<' not
+    supported between instances of 'int' and 'str'" on a vLLM one, naming no field)."""
+    for key in _SAMPLING_NUMBERS + _SAMPLING_INTEGERS:
+        value = params.get(key)
+        if value is None:
+            continue
+        integer = key in _SAMPLING_INTEGERS
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            raise ConfigError(source, f"stage_args[{i}].default_sampling_params.{key}",
+                              f"expected {'an integer' if integer else 'a number'}, got `{value!r}`")
 
 
 def _check_synthetic_stage(s, i: int, kind: str, synthetic, source: str) -> None:

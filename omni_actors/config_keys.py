@@ -39,6 +39,15 @@ _ENGINE_KEYS = frozenset({
     "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "trust_remote_code", "dtype",
     "enable_prefix_caching", "enable_chunked_prefill", "distributed_executor_backend",
     "quantization", "worker_cls", "scheduler_cls", "tokenizer", "seed"})
+#: Sampling parameters (vLLM's ``SamplingParams`` and OpenAI's): near misses of these in a
+#: stage's ``default_sampling_params`` are warned about (trial BT: `max_token: 32` on a synthetic
+#: stage, which ignores what it does not know, passed in silence; a vLLM stage refuses it).
+_SAMPLING_KEYS = frozenset({
+    "n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p",
+    "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens", "min_tokens", "logprobs",
+    "prompt_logprobs", "detokenize", "skip_special_tokens", "spaces_between_special_tokens",
+    "include_stop_str_in_output", "bad_words", "logit_bias", "allowed_token_ids", "truncate_prompt_tokens",
+    "structured_outputs", "extra_args"})
 #: Top-level keys of a legacy config: ours, and those vLLM-Omni's legacy stage configs carry.
 _TOP_KEYS = frozenset({"stage_args", "deployment", "runtime", "async_chunk", "env"})
 #: Top-level keys of a deploy-format file: ours, and those vLLM-Omni's deploy files carry
@@ -48,6 +57,7 @@ _DEPLOY_TOP_KEYS = frozenset({
     "stages", "base_config", "pipeline", "topology", "deployment", "model", "env", "async_chunk",
     "connectors", "edges", "platforms", "session_mode", "model_runner", "duplex_session",
     "forced_aligner", "active_stream_window"})
+_SAMPLING_FATE = "vLLM refuses it; the synthetic engine ignores it"
 #: Stage keys of the other format, and this format's key for the same thing.
 _OTHER_FORMAT = {"input_sources": "engine_input_source"}
 
@@ -115,6 +125,8 @@ def unknown_key_warnings(data: Any) -> list[tuple[str, str]]:
             out += _check_keys(entry.get("runtime"), _RUNTIME_KEYS, f"{p}.runtime", "ignored")
             out += _check_keys(entry.get("engine_args"), _ENGINE_KEYS, f"{p}.engine_args",
                                "passed to the engine, which may refuse it")
+            out += _check_keys(entry.get("default_sampling_params"), _SAMPLING_KEYS,
+                               f"{p}.default_sampling_params", _SAMPLING_FATE)
         return out
     if "stages" not in data and "base_config" not in data:
         return out
@@ -139,4 +151,6 @@ def unknown_key_warnings(data: Any) -> list[tuple[str, str]]:
             out += _check_keys(entry.get("runtime"), _RUNTIME_KEYS, f"{p}.runtime", "ignored")
             for sub in ("engine_args", "engine_extras"):
                 out += _check_keys(entry.get(sub), _ENGINE_KEYS, f"{p}.{sub}", "passed to the engine, which may refuse it")
+            out += _check_keys(entry.get("default_sampling_params"), _SAMPLING_KEYS,
+                               f"{p}.default_sampling_params", _SAMPLING_FATE)
     return out

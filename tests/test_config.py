@@ -830,6 +830,28 @@ def test_deploy_format_stage_typos_are_warned_with_the_files_paths() -> None:
         "did you mean `num_replicas`?"]
 
 
+def test_sampling_parameter_typos_are_warned_about_and_numbers_checked_on_any_backend(tmp_path: Path) -> None:
+    """Trial BT: `max_token: 32` and `temperature: hot` on a synthetic stage (which ignores
+    what it does not use) passed in silence; on a vLLM stage the second read "TypeError:
+    '<' not supported between instances of 'int' and 'str'", naming no field."""
+    lines: list[str] = []
+    path = write(tmp_path, variant(stage(0, default_sampling_params={"max_token": 32, "temperature": 0.5})))
+    load_config(path, on_warning=lines.append)
+    assert lines == [f"{path}: stage_args[0].default_sampling_params.max_token: unknown key (vLLM refuses it; "
+                     "the synthetic engine ignores it); did you mean `max_tokens`?"]
+    for key, value, expected in (("temperature", "hot", "a number"), ("top_k", 2.5, "an integer"),
+                                 ("top_p", True, "a number")):
+        err = refused(tmp_path, variant(stage(0, default_sampling_params={key: value})))
+        assert (err.path, err.message) == (f"stage_args[0].default_sampling_params.{key}",
+                                           f"expected {expected}, got `{value!r}`")
+    data = yaml.safe_load((ROOT / "configs" / "cpu_vllm_omni_deploy.yaml").read_text())
+    data["stages"][0]["default_sampling_params"] = {"temprature": 0.0}
+    lines = []
+    parse_config(data, "deploy.yaml", on_warning=lines.append)
+    assert lines == ["deploy.yaml: stages[0].default_sampling_params.temprature: unknown key (vLLM refuses it; the "
+                     "synthetic engine ignores it); did you mean `temperature`?"]
+
+
 def test_deploy_format_top_level_typos_are_warned_about() -> None:
     """A deploy file's top level is vLLM-Omni's and open (``session_mode``, ``model_runner``...):
     near misses of its keys are warned about, other keys kept quietly."""

@@ -629,6 +629,26 @@ def test_stop_command_and_status_command():
         leader.stop()
 
 
+def test_a_leader_given_devices_notes_that_the_stages_runtime_devices_are_not_used(tmp_path):
+    """Trial BT: pinned its stages with `runtime.devices`, started with `--devices`, and found
+    them on other devices, silently (placement gives each replica its own). The leader
+    notes it (here before it finds its HTTP port taken and exits)."""
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    try:
+        out = subprocess.run([sys.executable, "-m", "omni_actors.system", "start", "--convention-leader",
+                              "--config", str(CONFIGS / "cpu_omni_demo.yaml"), "--devices", "0,1,2",
+                              "--port", str(squatter.getsockname()[1]), "--admin-port", str(free_port())],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)})
+    finally:
+        squatter.close()
+    assert out.returncode != 0 and "is in use" in out.stderr, out
+    assert "note: runtime.devices of thinker, talker, code2wav not used: with --devices, placement gives each " \
+           "replica devices of its own (`stage launch --devices` pins a replica)" in out.stderr, out.stderr
+
+
 def test_a_leader_whose_port_is_taken_before_it_binds_starts_again_on_fresh_ports(monkeypatch):
     """The HTTP port first handed to the leader has a listener by the time the leader
     starts (as when another process grabs a picked port): LocalLeader sees the leader's

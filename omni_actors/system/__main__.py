@@ -232,6 +232,10 @@ def cmd_start(args) -> int:
         config = load_config(args.config or DEFAULT_CONFIG, on_warning=warn)
     except ConfigError as exc:
         return _fail(str(exc), 2)
+    pinned = [s.name for s in config.stage_args if s.runtime.devices is not None]
+    if devices and pinned:  # (trial BT: its `runtime.devices` were silently not used)
+        print(f"note: runtime.devices of {', '.join(pinned)} not used: with --devices, placement gives each "
+              "replica devices of its own (`stage launch --devices` pins a replica)", file=sys.stderr, flush=True)
     try:
         return run_leader(config, host=args.host, port=args.port, admin_port=args.admin_port,
                           api_key=args.api_key, node=args.node_name or "", devices=devices)
