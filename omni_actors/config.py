@@ -722,9 +722,16 @@ def read_yaml(path: Path, source: str, field: str, cannot: str) -> Any:
         raise ConfigError(where, f"line {line}", f"not valid YAML: character U+{code:04X} is not allowed "
                           "(YAML allows no control character but tab and line breaks)") from None
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
+        mark, context = getattr(exc, "problem_mark", None), getattr(exc, "context_mark", None)
         line = f"line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(where, line, f"not valid YAML: {getattr(exc, 'problem', exc)}") from None
+        problem = f"not valid YAML: {getattr(exc, 'problem', exc)}"
+        # (trial BT: PyYAML finds a mistake where the parse fails, often the line after it:
+        # an unclosed `[0` was reported on the next line, a key with no colon too)
+        if context is not None and mark is not None and context.line != mark.line and getattr(exc, "context", None):
+            problem += f" ({exc.context} from line {context.line + 1})"
+        if getattr(exc, "problem", "") == "mapping values are not allowed here":
+            problem += " (a key above with no colon after it? a value with `: ` in it, not quoted?)"
+        raise ConfigError(where, line, problem) from None
     except RecursionError:  # (thousands of nested `[`: a traceback; a code review)
         raise ConfigError(where, "", "not valid YAML here: nested too deeply") from None
 

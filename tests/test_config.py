@@ -225,6 +225,12 @@ def test_invalid_yaml_names_the_line(tmp_path: Path) -> None:
     assert err.path.startswith("line ")
     assert int(err.path.split()[1]) in (3, 4)
     assert "not valid YAML" in err.message
+    # (trial BT: the mistake is often on the line before the one PyYAML names: it says where the
+    # construct it was in began, and what a "mapping values" error usually is)
+    assert err.message.endswith("(while parsing a flow mapping from line 3)"), err.message
+    err = refused(tmp_path, "deployment:\n  served_model_name x\n  heartbeat_interval_s: 1.0\n")
+    assert (err.path, err.message) == ("line 3", "not valid YAML: mapping values are not allowed here (a key above "
+                                                 "with no colon after it? a value with `: ` in it, not quoted?)")
 
 
 @pytest.mark.parametrize("doc", ["- a\n- b\n", "just a string\n", "", "42\n"],
