@@ -662,17 +662,40 @@ def _slow_thinker(leader: LocalLeader, factor: int) -> None:
     assert slow.returncode == 0, slow.stderr
 
 
-def test_stopping_the_leader_lets_a_stream_on_an_attached_api_server_finish():
+def _replace_coordinator(leader: LocalLeader) -> None:
+    """`inject kill-coordinator`, then wait until the leader's new coordinator serves again."""
+    from omni_actors.system.faultlab import inject_cli, stages
+
+    before = stages(leader)["coordinator_pid"]
+    assert inject_cli(leader.admin_port, "kill-coordinator").returncode == 0
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            now = stages(leader)
+        except OSError:
+            now = {}
+        if now.get("coordinator_pid") not in (None, before) and now.get("ready"):
+            return
+        assert time.monotonic() < deadline, now
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("replaced", [False, True], ids=["first-coordinator", "after-kill-coordinator"])
+def test_stopping_the_leader_lets_a_stream_on_an_attached_api_server_finish(replaced):
     """Trial AN: the leader's drain counted only its own requests; with none of its own in
     flight, `stop` took the system down in about 1 s and a stream on an attached API server
     ended in a 503. Now the leader waits for the attached servers' requests (within
     ``drain_timeout_s``): the stream ends with its finish reason, `stop` returns after it, and
-    the attached server says the system stops, takes no new request and exits 0."""
+    the attached server says the system stops, takes no new request and exits 0. Trial BV:
+    after `inject kill-coordinator` the stop asked the dead coordinator (the one the leader
+    made at its start) to drain them, got no answer, and the stream was cut."""
     import threading
 
     import openai
 
     with _leader_and_api() as (own, api, port):
+        if replaced:
+            _replace_coordinator(own)
         _slow_thinker(own, 20)  # (4 ms -> 80 ms a token: 24 tokens take about 2 s)
         seen: dict = {"text": "", "finish": None}
 

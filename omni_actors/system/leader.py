@@ -681,7 +681,8 @@ def _drain_api_servers(asys, coordinator, drain_timeout_s: float, exclude) -> No
     wait_s = drain_timeout_s + ABORT_GRACE_S + 1.0
     try:
         with asys.private() as ctx:
-            answer = ctx.ask(coordinator, DrainApiServers(wait_s, drain_timeout_s, exclude), wait_s + 2.0)
+            answer = ctx.ask(_coordinator_now(ctx, coordinator), DrainApiServers(wait_s, drain_timeout_s, exclude),
+                             wait_s + 2.0)
     except Exception as exc:  # noqa: BLE001 - stopping anyway
         answer = exc
     if isinstance(answer, ApiServersDrained):
@@ -704,9 +705,21 @@ def _hurry_api_servers(asys, coordinator, drain_timeout_s: float) -> None:
 
     try:
         with asys.private() as ctx:
-            ctx.tell(coordinator, DrainApiServers(0.0, drain_timeout_s, hurry=True))
+            ctx.tell(_coordinator_now(ctx, coordinator), DrainApiServers(0.0, drain_timeout_s, hurry=True))
     except Exception:  # noqa: BLE001 - stopping anyway
         pass
+
+
+def _coordinator_now(ctx, first):
+    """The coordinator running now (by its ``globalName``): the one the leader made at its start
+    (``first``) may have been replaced (trial BV: after `inject kill-coordinator`, a stop asked
+    the dead one to drain the attached API servers, got no answer, and cut their streams)."""
+    from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
+
+    try:
+        return ctx.createActor(CoordinatorActor, globalName=COORDINATOR_NAME)
+    except Exception:  # noqa: BLE001 - the admin is going: the first one, as before
+        return first
 
 
 async def drain_http(runner, bridge, timeout_s: float, hurry: threading.Event | None = None,
