@@ -1016,6 +1016,34 @@ def test_a_clients_bad_request_is_no_failed_task_of_the_replica():
     assert rep.failed == 1 and rep.in_flight == {}
 
 
+def test_a_failure_reported_after_its_retry_reached_the_same_replica_is_counted():
+    """Trial BV: `inject raise --count 2` on the only Thinker: the request's task failed there
+    twice, yet FAILED (and the circuit breaker) counted one: the retry, sent to the same
+    replica, was in flight there before the first attempt's end came, which was then taken
+    for a stale message and dropped. It counts, as failing before the retry was sent (the
+    retry's success still resets the breaker's count)."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.supervision import ReplicaHealth
+    from omni_actors.messages import ReplicaState, TaskFinished
+
+    pool, rep = _pool_with_one_replica()
+    rep.health = ReplicaHealth(last_heartbeat=0.0)
+    rep.state = ReplicaState.STARTING  # (not ready: the breaker's verdict is not asked)
+    pool._health = SimpleNamespace(heartbeat_interval_s=1.0)
+    rep.in_flight[("r1", 0)] = (SimpleNamespace(request_id="r1", stage_id=0, attempt=1), 10.0)
+    pool.receiveMsg_TaskFinished(TaskFinished("thinker/0", "r1", 0, ok=False, attempt=0), "engine")
+    assert rep.failed == 1 and ("r1", 0) in rep.in_flight  # (the retry stays in flight)
+    assert rep.health.consecutive_failures == 1 and rep.health.last_failure_at < 10.0
+    pool.receiveMsg_TaskFinished(TaskFinished("thinker/0", "r1", 0, ok=False, attempt=1), "engine")
+    assert rep.failed == 2 and rep.in_flight == {} and rep.health.consecutive_failures == 2
+    rep.in_flight[("r2", 0)] = (SimpleNamespace(request_id="r2", stage_id=0, attempt=1), 20.0)
+    for ok, cancelled in ((True, False), (False, True)):  # (an earlier attempt's success or cancel: not counted)
+        pool.receiveMsg_TaskFinished(TaskFinished("thinker/0", "r2", 0, ok=ok, cancelled=cancelled, attempt=0),
+                                     "engine")
+    assert (rep.failed, rep.completed) == (2, 0)
+
+
 def test_tasks_a_replica_lost_by_going_down_count_as_its_failed_tasks():
     """A replica that died, was isolated or failed with tasks in flight lost them: they
     count in its FAILED column (``omni_replica_tasks_failed_total``) and a

@@ -211,6 +211,13 @@ class PoolRoutingMixin:
         if entry is None or (msg.attempt is not None and entry[0].attempt != msg.attempt):
             # (an earlier attempt's end: the one in flight now, a streaming consumer started over
             # on the same replica, stays counted and cancellable there; a code review)
+            if entry is not None and msg.attempt is not None and msg.attempt < entry[0].attempt \
+                    and not (msg.ok or msg.cancelled or msg.rejected):
+                # ... but its failure counts: its retry, sent here again before this end came,
+                # had hidden it from FAILED and from the circuit breaker (trial BV: a replica
+                # that failed a task twice counted one failure). It failed before that retry was
+                # sent (so the retry's success, if it succeeds, still resets the breaker's count).
+                self._task_failed(rep, msg, failed_at=entry[1] - 1e-3, now=time.monotonic())
             return
         del rep.in_flight[(msg.request_id, msg.stage_id)]
         cancelled = (msg.request_id, msg.stage_id) in rep.cancelling
@@ -236,25 +243,34 @@ class PoolRoutingMixin:
             took = now - entry[1]
             rep.latency[next(i for i, b in enumerate(LATENCY_BUCKETS_S) if took <= b)] += 1
             rep.latency_sum += took
-        elif msg.cancelled:
-            pass  # the client went away: says nothing about the replica's health
-        elif not msg.client_error:
-            rep.failed += 1  # (a client's bad request, a 400, is no failure of the replica)
         if rep.health is not None and not rep.in_flight:
             rep.health.went_idle(now, answered=msg.client_error, min_stretch_s=self._health.heartbeat_interval_s)
-        if rep.health is not None and not msg.cancelled and not msg.input_error:
-            rep.health.on_task_done(msg.ok, now, dispatched_at=entry[1])
-            if not msg.ok and rep.state == ReplicaState.READY:
-                # judge now: a success before the next tick would reset the breaker's count
-                why = self._health.verdict(rep.health, now, len(rep.in_flight))
-                if why:
-                    # It answers (it just reported a failure): ask it to exit rather than
-                    # SIGKILL it, so the messages it has sent (the failure itself) are not
-                    # lost in transit with its process.
-                    self._isolate(rep, why, hard=False)
-                    return
+        if msg.ok and rep.health is not None and not msg.cancelled and not msg.input_error:
+            rep.health.on_task_done(True, now, dispatched_at=entry[1])
+        elif not msg.ok and not msg.cancelled:  # (cancelled: the client went away, nothing of the replica's health)
+            if self._task_failed(rep, msg, failed_at=now, now=now):
+                return
         if rep.state == ReplicaState.DRAINING and not rep.in_flight:
             self.send(rep.address, DrainReplica(rep.replica))
+
+    def _task_failed(self, rep, msg: TaskFinished, failed_at: float, now: float) -> bool:
+        """Count a task's failure on ``rep`` (not a client's bad request, a 400) and tell its
+        circuit breaker (not a failure on its input), which may isolate it: True then."""
+        if not msg.client_error:
+            rep.failed += 1
+        if rep.health is None or msg.input_error:
+            return False
+        rep.health.on_task_done(False, failed_at)
+        if rep.state != ReplicaState.READY:
+            return False
+        # judge now: a success before the next tick would reset the breaker's count
+        why = self._health.verdict(rep.health, now, len(rep.in_flight))
+        if why:
+            # It answers (it just reported a failure): ask it to exit rather than SIGKILL it,
+            # so the messages it has sent (the failure itself) are not lost in transit with it.
+            self._isolate(rep, why, hard=False)
+            return True
+        return False
 
     def _cancel_overdue(self, now: float) -> None:
         """Cancel tasks in flight past their request's deadline plus :data:`TASK_OVERDUE_GRACE_S`."""
