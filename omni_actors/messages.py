@@ -460,6 +460,8 @@ class SystemStatus(Message):
     coordinator_pid: int | None = None
     nodes: tuple[NodeStatus, ...] = ()
     coordinator_host: str = ""  #: the machine the coordinator runs on (``supervision.host_identity()``)
+    #: the leader's node name (``--node-name``, or its host's name): where the control plane runs
+    leader_node: str = ""
     #: the config's ``supervision.drain_timeout_s``: how long a drain waits (0: no config yet)
     drain_timeout_s: float = 0.0
     #: config settings accepted but not (or only partly) applied, one line each

@@ -3065,7 +3065,9 @@ def test_a_pool_given_up_is_tried_again_after_failed_retry_s():
         co._start_pool = lambda st, why=None: (co.started.append(st.name), co._pools.__setitem__(1, "pool-2"))
         co._restart = RestartPolicy(max_restarts=2, window_s=60.0)
         now = time.monotonic()
-        co._pools, co._pool_restarts = {1: "pool-1"}, {1: [now - 2, now - 1]}  # (its budget used up)
+        # (its budget used up; and a restart long before, outside the window, which the reason
+        # counted: a review read "gave up after 8 restarts in 60 s" of a budget of 5)
+        co._pools, co._pool_restarts = {1: "pool-1"}, {1: [now - 600, now - 2, now - 1]}
         report = PoolState(1, "code2wav", (ReplicaStatus("code2wav/0", ReplicaState.READY, pid=11),
                                            ReplicaStatus("code2wav/1", ReplicaState.STOPPED, reason="drained")))
         co._states[1] = co._reported[1] = report
@@ -3608,3 +3610,31 @@ def test_an_output_whose_answer_would_credit_its_producer_asks_for_it(monkeypatc
     assert [m.ack_to for a, m in sent if isinstance(m, OutputChunk)] == [None, "ra"]
     ra.receiveMsg_OutputsAck(OutputsAck("r1", 2), "bridge")
     assert [(a, m.upto) for a, m in sent if isinstance(m, ChunkAck)] == [("engine", 16)]
+
+
+def test_a_dead_replica_shows_only_the_devices_still_reserved_for_it():
+    """A review: an unpinned replica killed (SIGKILL) gives its devices back while it waits to
+    restart, yet `status` and `omni_replica_info{devices}` showed them held, beside another
+    replica placed on them meanwhile. One whose pool exited keeps its reservation: shown."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import PoolState, ReplicaState, ReplicaStatus
+    from omni_actors.placement import NodeInfo
+
+    co = CoordinatorActor()
+    co._inventory.add(NodeInfo("m1", ("0", "1", "2"), ()))
+    co._config = SimpleNamespace(stage_args=[SimpleNamespace(stage_id=1)], deployment=SimpleNamespace(
+        served_model_name="m", heartbeat_interval_s=1.0, supervision=SimpleNamespace(drain_timeout_s=10.0)),
+        omni_connectors=SimpleNamespace(notes=[]))
+    for replica in ("talker/0", "talker/1"):
+        co._inventory.place("talker", replica, 1, ("m1",))
+    co._inventory.release("talker/0")  # (its pool's `_gone`: not pinned, its device goes back)
+    co._inventory.place("talker", "talker/2", 1, ("m1",))  # (and is given to another)
+    dead = ReplicaState.DEAD
+    co._states[1] = PoolState(1, "talker", (ReplicaStatus("talker/0", dead, node="m1", devices="0"),
+                                            ReplicaStatus("talker/1", dead, node="m1", devices="1"),
+                                            ReplicaStatus("talker/2", ReplicaState.STARTING, node="m1", devices="0")))
+    co._pool_heard[1] = time.monotonic()
+    rows = {r.replica: r for r in co._status("q").stages[0].replicas}
+    assert (rows["talker/0"].devices, rows["talker/1"].devices, rows["talker/2"].devices) == ("", "1", "0")

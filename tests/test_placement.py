@@ -9,6 +9,8 @@ node holds nothing.
 from __future__ import annotations
 
 import random
+import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -427,6 +429,47 @@ def test_status_and_the_shell_name_a_leaving_node():
     assert "m1 LEFT: 1 replicas, 0 ready, devices 0 (none offered while it is left)" in text, text
     assert "m2 LEAVING: 1 replicas, 0 ready, devices 1 (0 free)" in text, text
     assert "(not placed yet): 1 replicas, 0 ready, waiting for placement (`replicas` says why)" in text, text
+
+
+def test_the_shell_puts_the_control_plane_under_the_leaders_node_and_counts_ready_as_status_does(monkeypatch):
+    """A review: the shell's `nodes` took the leader to be the node named as this machine, else
+    the first by name: with `--node-name leader` beside a member `gpu1`, the coordinator and
+    pools were listed under gpu1. Its `stages` counted a lingering replica READY while the last
+    line said NOT READY, and said "ready" with the leader killed (its `status` said NOT SERVING);
+    a failed replica showed its old devices."""
+    import io
+
+    from omni_actors.messages import PoolState, ReplicaState, ReplicaStatus, SystemStatus
+    from omni_actors.system import admin
+    from omni_actors.system.shell import AdminShell
+
+    inv = inventory(NodeInfo("leader"), NodeInfo("gpu1", ("0", "1")))
+    status = SystemStatus("q", "m", False, (PoolState(1, "talker", (
+        ReplicaStatus("talker/0", ReplicaState.READY, node="gpu1", devices="0", lingering=True),
+        ReplicaStatus("talker/1", ReplicaState.FAILED, node="gpu1", devices="1"))),),
+        coordinator_pid=42, nodes=inv.status(), leader_node="leader")
+
+    class Admin:
+        leader_port = None
+
+        def status(self, timeout_s=5.0):
+            return status
+
+    monkeypatch.setattr(admin, "leader_api", lambda port: SimpleNamespace(down=True, stopping=False, frozen=False))
+    out = io.StringIO()
+    shell = AdminShell(Admin(), 1900, stdout=out)
+    shell.onecmd("nodes")
+    text = out.getvalue()
+    assert text.startswith("leader (admin port 1900, control plane): 0 replicas"), text
+    assert "gpu1: 2 replicas" in text and "coordinator" in text.split("gpu1")[0], text
+    assert re.search(r"talker/1 +failed +- +-\n", text), text  # (its devices are no longer held)
+    out.truncate(0)
+    out.seek(0)
+    shell.onecmd("stages")
+    lines = out.getvalue().splitlines()
+    assert lines[1].split()[:5] == ["talker", "1", "-", "0", "1"], lines  # (READY 0: it lingers; LIVE 1)
+    assert lines[-1] == ("model m: NOT SERVING (its stages are not ready, but its leader is not running: the HTTP "
+                         "API is down)"), lines
 
 
 def test_a_stage_with_no_replica_running_goes_first_for_the_last_devices():

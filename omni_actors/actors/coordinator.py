@@ -462,7 +462,8 @@ class CoordinatorActor(ActorTypeDispatcher):
             old = self._states[stage_id]
             if self._stopping or stage_id in self._pools_down:
                 return  # (a second notice of the same exit: handled, its restart is set)
-            delay = self._restart.next_delay(self._pool_restarts[stage_id], time.monotonic())
+            now = time.monotonic()
+            delay = self._restart.next_delay(self._pool_restarts[stage_id], now)
             self._pool_silent.discard(stage_id)
             killed = self._pool_killed_why.get(stage_id)
             why = "stage pool hung: killed" if killed else "stage pool exited"
@@ -470,7 +471,9 @@ class CoordinatorActor(ActorTypeDispatcher):
             if given_up:
                 # tried again after failed_retry_s, as a FAILED replica is (a code review: it
                 # stayed down for good, and every admin request for its stage was refused)
-                why += f"; gave up after {len(self._pool_restarts[stage_id])} restarts in {self._restart.window_s:g} s"
+                # (those in the window, which decided it: a review read every restart ever, 8 of "5 in 60 s")
+                why += (f"; gave up after {self._restart.recent(self._pool_restarts[stage_id], now)} restarts in "
+                        f"{self._restart.window_s:g} s")
                 delay = self._config.deployment.supervision.restart.failed_retry_s or None
                 why += (f"; next try in {delay:g} s (at "
                         f"{time.strftime('%H:%M:%S UTC', time.gmtime(time.time() + delay))}), or at a `stage "
@@ -1030,8 +1033,24 @@ class CoordinatorActor(ActorTypeDispatcher):
             self.send(drain.asker, ApiServersDrained(told=drain.told, late=len(drain.left), ended=drain.ended,
                                                      silent=drain.silent))
 
+    def _dead_devices(self, state: PoolState) -> PoolState:
+        """``state`` with each DEAD replica's devices cut to those still reserved for it: one that
+        is not pinned gives its devices back while it waits to restart (a review: `status` and
+        ``omni_replica_info`` showed them held, beside another replica placed on them); one whose
+        pool exited keeps them."""
+        nodes = self._inventory.nodes
+
+        def held(r):
+            node = nodes.get(r.node)
+            if r.state != ReplicaState.DEAD or not r.devices or node is None or not node.info.devices:
+                return r
+            return dataclasses.replace(r, devices=",".join(d for d in r.devices.split(",")
+                                                           if node.used.get(d) == r.replica))
+        return dataclasses.replace(state, replicas=tuple(held(r) for r in state.replicas))
+
     def _status(self, query_id: str) -> SystemStatus:
-        stages = tuple(self._aged(self._states[s.stage_id]) for s in self._config.stage_args) if self._config else ()
+        stages = tuple(self._dead_devices(self._aged(self._states[s.stage_id]))
+                       for s in self._config.stage_args) if self._config else ()
         # (a lingering replica takes no new request: trial BK read ready, exit 0, while every
         # Talker lingered on a leaving member and new audio requests waited for a replacement)
         ready = bool(stages) and all(any(r.state == ReplicaState.READY and not r.lingering for r in st.replicas)
@@ -1045,7 +1064,7 @@ class CoordinatorActor(ActorTypeDispatcher):
             if query_id == WATCHDOG_QUERY else ()
         return SystemStatus(query_id=query_id or str(time.time()), model=model, ready=ready, stages=stages,
                             coordinator_pid=os.getpid(), nodes=self._inventory.status(), notes=notes,
-                            coordinator_host=host_identity(),
+                            coordinator_host=host_identity(), leader_node=self._leader_node,
                             drain_timeout_s=self._config.deployment.supervision.drain_timeout_s if self._config else 0.0,
                             subscribers=subscribers)
 

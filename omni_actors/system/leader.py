@@ -130,21 +130,27 @@ def print_status_table(status, out=sys.stdout, api_down: bool = False, stopping:
         print("nodes: " + ", ".join(_node_label(n) for n in status.nodes), file=out)
     for note in getattr(status, "notes", ()):
         print(f"note: {note}", file=out)
+    print(model_line(status, api_down=api_down, stopping=stopping, frozen=frozen), file=out)
+
+
+def model_line(status, *, api_down: bool = False, stopping: bool = False, frozen: bool = False) -> str:
+    """The last line of a status table: whether the model serves (its stages ready, and its
+    leader's HTTP API up: ``api_down``, ``frozen`` and ``stopping`` as ``leader_api`` says)."""
+    stages = 'ready' if status.ready else 'not ready'
     if api_down:
-        print(f"model {status.model}: NOT SERVING (its stages are {'ready' if status.ready else 'not ready'}, "
-              f"but its leader is not running: the HTTP API is down)", file=out)
-    elif frozen:
-        print(f"model {status.model}: NOT SERVING (its stages are {'ready' if status.ready else 'not ready'}, "
-              f"but its leader process is stopped: the HTTP API answers nothing until it is resumed)", file=out)
-    elif stopping:
-        print(f"model {status.model}: STOPPING (the leader takes no new requests while those in flight "
-              f"finish, up to supervision.drain_timeout_s)", file=out)
-    elif not status.model:  # (a trial read an empty table and "model : NOT READY")
+        return (f"model {status.model}: NOT SERVING (its stages are {stages}, but its leader is not running: the "
+                "HTTP API is down)")
+    if frozen:
+        return (f"model {status.model}: NOT SERVING (its stages are {stages}, but its leader process is stopped: "
+                "the HTTP API answers nothing until it is resumed)")
+    if stopping:
+        return (f"model {status.model}: STOPPING (the leader takes no new requests while those in flight "
+                "finish, up to supervision.drain_timeout_s)")
+    if not status.model:  # (a trial read an empty table and "model : NOT READY")
         from omni_actors.messages import NOT_DEPLOYED
 
-        print(f"NOT READY: {NOT_DEPLOYED}", file=out)
-    else:
-        print(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}", file=out)
+        return f"NOT READY: {NOT_DEPLOYED}"
+    return f"model {status.model}: {'ready' if status.ready else 'NOT READY'}"
 
 
 def admin_start_error(admin_port: int, exc: BaseException) -> str:

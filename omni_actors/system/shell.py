@@ -240,18 +240,23 @@ class AdminShell(cmd.Cmd):
         return []
 
     # -- commands -------------------------------------------------------------
+    def _api(self) -> dict[str, bool]:
+        """How the leader's HTTP API is (``leader_api``), as :func:`print_status_table` takes it;
+        nothing to say from a shell attached through a member (`--convention-address`)."""
+        from omni_actors.system.admin import leader_api
+
+        api = None if self.remote else leader_api(self.admin.leader_port or self.admin_port)
+        return {"api_down": bool(api and api.down), "stopping": bool(api and api.stopping),
+                "frozen": bool(api and api.frozen)}
+
     def do_status(self, arg):
         """status: the stage table (as `python -m omni_actors.system status`)."""
         from omni_actors.system.leader import print_status_table
 
-        from omni_actors.system.admin import leader_api
-
         self._args(arg, 0, 0, "status")
         status = self._status()
         # (its last line says NOT SERVING or STOPPING as the command's does: a code review)
-        api = None if self.remote else leader_api(self.admin.leader_port or self.admin_port)
-        print_status_table(status, out=self.stdout, api_down=bool(api and api.down),
-                           stopping=bool(api and api.stopping), frozen=bool(api and api.frozen))
+        print_status_table(status, out=self.stdout, **self._api())
 
     def do_nodes(self, arg):
         """nodes: every host and what runs there: replicas (state, pid, devices) and, on this
@@ -272,8 +277,10 @@ class AdminShell(cmd.Cmd):
         control += [(f"pool {st.stage}", "-", st.pid or "-", "-") for st in status.stages]
         # The coordinator's node inventory: every host, idle or lost ones too.
         inventory = {n.name: n for n in status.nodes}
-        leader = next(iter(inventory), here) if len(inventory) == 1 else (
-            here if here in inventory else next(iter(inventory), here))
+        # (a review: taken to be the node named as this machine, or the first by name, it was a
+        # member's with `--node-name leader` and a member `gpu1`, or from a member's shell)
+        leader = status.leader_node or (next(iter(inventory), here) if len(inventory) == 1 else (
+            here if here in inventory else next(iter(inventory), here)))
         nodes = sorted(set(by_node) | set(inventory), key=lambda n: (n != leader, n))
         for node in nodes:
             reps = by_node.get(node, [])
@@ -296,7 +303,7 @@ class AdminShell(cmd.Cmd):
             rows = [("  WHAT", "STATE", "PID", "DEVICES")]
             if node == leader:
                 rows += [(f"  {w}", s, p, d) for w, s, p, d in control]
-            rows += [(f"  {r.replica}", r.state.value, r.pid or "-", r.devices or "-") for r in reps]
+            rows += [(f"  {r.replica}", r.state.value, r.pid or "-", r.devices_label()) for r in reps]
             _table(rows, self.stdout)
         if stopped:
             self._out(f"({stopped} stopped replicas not shown; `replicas` lists them)")
@@ -305,16 +312,21 @@ class AdminShell(cmd.Cmd):
         """stages: every stage with its pool pid; READY replicas and LIVE ones (with a process: starting,
         ready, draining or isolated); tasks IN_FLIGHT on replicas and PENDING (waiting for a ready one);
         how often the stage's pool was recreated."""
+        from omni_actors.system.leader import model_line
+
         self._args(arg, 0, 0, "stages")
         status = self._status()
         rows = [("STAGE", "ID", "POOL_PID", "READY", "LIVE", "IN_FLIGHT", "PENDING", "POOL_RESTARTS")]
         for st in status.stages:
             live = [r for r in st.replicas if r.state in LIVE_STATES]
+            # (READY as `status` and /v1/stages count it, and the last line as `status` says it: a
+            # review read READY 1 and "NOT READY" with the only Talker lingering on a leaving member,
+            # and "ready" with the leader killed)
             rows.append((st.stage, st.stage_id, st.pid or "-",
-                         sum(1 for r in st.replicas if r.state.value == "ready"), len(live),
+                         sum(1 for r in st.replicas if r.state.value == "ready" and not r.lingering), len(live),
                          sum(r.in_flight for r in st.replicas), st.pending, st.restarts))
         _table(rows, self.stdout)
-        self._out(f"model {status.model}: {'ready' if status.ready else 'NOT READY'}")
+        self._out(model_line(status, **self._api()))
 
     def do_replicas(self, arg):
         """replicas [STAGE]: every replica (of STAGE): state, pid, node, devices, load, counters, reason."""
