@@ -385,7 +385,7 @@ class Inventory:
                         f"join (the nodes now: {there})")
             join = " or join" if NOT_JOINED in state.values() else ""
             return f"{replica} may run only on nodes {gone}: it waits for one of them to come back{join}{undrain}"
-        seen = []
+        seen, takers = [], 0
         for node in self.nodes.values():
             if allowed and node.info.name not in allowed:
                 continue
@@ -394,8 +394,12 @@ class Inventory:
             elif not node.accepts(stage):
                 seen.append(f"{node.info.name}: does not take {stage}")
             else:
+                takers += 1
                 seen.append(f"{node.info.name}: {len(node.free)} of {len(node.info.devices)} devices free")
         where = "; ".join(seen) or ("no node named " + ", ".join(allowed) if allowed else "no nodes")
+        if not takers and seen:  # (trial BV: a drained CPU node read "no node has 1 free device(s)")
+            undrain = "; `node undrain` gives a drained one back" if "drained" in where else ""
+            return f"no node takes a {stage} replica now ({where}{undrain})"
         return f"no node has {devices} free device(s) for a {stage} replica ({where})"
 
     def status(self) -> tuple[NodeStatus, ...]:

@@ -90,6 +90,7 @@ def test_random_place_release_lose_never_overlaps():
                 refused += 1
                 # (no alive node allowed: it says it waits for one)
                 assert (f"no node has {tp} free device(s) for a {stage} replica" in str(exc)
+                        or f"no node takes a {stage} replica now" in str(exc)
                         or f"{replica} may run only on node" in str(exc)), str(exc)
                 # a refused re-placement still released what the replica held
                 given.pop(replica, None)
@@ -429,6 +430,17 @@ def test_status_and_the_shell_name_a_leaving_node():
     assert "m1 LEFT: 1 replicas, 0 ready, devices 0 (none offered while it is left)" in text, text
     assert "m2 LEAVING: 1 replicas, 0 ready, devices 1 (0 free)" in text, text
     assert "(not placed yet): 1 replicas, 0 ready, waiting for placement (`replicas` says why)" in text, text
+
+
+def test_a_refusal_where_no_node_takes_the_stage_says_so_not_that_devices_are_short():
+    """Trial BV: with the only node, a CPU host, drained, a replica waited with "no node has
+    1 free device(s) for a thinker replica (vm: drained)": the node offers no devices at all."""
+    inv = inventory(NodeInfo("vm"))
+    inv.drain("vm", operator=True)
+    with pytest.raises(PlacementError) as err:
+        inv.place("thinker", "thinker/1", 1)
+    assert str(err.value) == ("no node takes a thinker replica now (vm: drained; `node undrain` gives a drained "
+                              "one back)")
 
 
 def test_the_shell_puts_the_control_plane_under_the_leaders_node_and_counts_ready_as_status_does(monkeypatch):
