@@ -30,3 +30,28 @@ def test_task_failed_by_the_backend_is_retried_on_another_replica(leader):
     assert new["pid"] == old["pid"] and new["failed"] == old["failed"] + 1
     assert new["completed"] > old["completed"]  # and it kept serving
     assert wait_no_segments(leader) == []
+
+
+def test_every_failure_of_the_only_replica_of_a_stage_is_counted(leader):
+    """Trials BV and BW: on the only Thinker, `inject raise --count 2` failed one request's
+    task twice there (the retry went to the same replica), yet its FAILED count (and
+    omni_replica_tasks_failed_total) grew by 1: the first failure's report came after the
+    retry had reached the replica, and was dropped as a stale attempt's end."""
+    import json
+    import time
+    import urllib.request
+
+    from omni_actors.system.faultlab import inject_cli, stages
+
+    before = replicas(stages(leader))["thinker/0"]["failed"]
+    out = inject_cli(leader.admin_port, "raise", "--replica", "thinker/0", "--count", "2")
+    assert out.returncode == 0, out.stderr
+    body = json.dumps({"model": "qwen3-omni-cpu-demo", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 4}).encode()
+    with urllib.request.urlopen(urllib.request.Request(leader.base_url + "/chat/completions", body,
+                                                       {"Content-Type": "application/json"}), timeout=60) as r:
+        assert r.status == 200  # (the third attempt, on the same replica, succeeds)
+    deadline = time.monotonic() + 10
+    while (now := replicas(stages(leader))["thinker/0"]["failed"]) != before + 2:
+        assert time.monotonic() < deadline, (before, now)
+        time.sleep(0.2)
