@@ -361,6 +361,24 @@ def test_state_file_updates_from_two_processes_at_once_keep_both_fields(tmp_path
     assert update_state(path, stopping=True) is None and not path.exists()
 
 
+def test_a_state_file_is_still_updated_where_no_lock_can_be_had(tmp_path, monkeypatch):
+    """A review: the first lock (flock on the directory) fails on NFS, and every update was
+    then skipped: no `stopping`, no record of a stop's signal. Without a lock it is written."""
+    import fcntl
+
+    from omni_actors.system.leader import update_state, write_state
+
+    def no_locks(fd, op):
+        raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    path = tmp_path / "member-1.json"
+    write_state(path, {"pid": 1})
+    assert update_state(path, stopping=True) == {"pid": 1, "stopping": True}
+    assert json.loads(path.read_text()) == {"pid": 1, "stopping": True}
+
+
 def test_a_second_stop_waits_for_the_first_instead_of_cutting_the_drain_short():
     """Trial BR: `stop` run again while the first waited was the second SIGTERM, which ends
     the requests in flight at once (a stream cut with "stopped at once"). The second one

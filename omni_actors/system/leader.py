@@ -60,25 +60,33 @@ def write_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)
 
 
+#: The lock file of a state directory's updates (see :func:`update_state`).
+STATE_LOCK = ".state.lock"
+
+
 def update_state(path: Path, **fields) -> dict | None:
     """Add ``fields`` to the state file ``path`` (read, merged and written whole under an
-    exclusive lock on its directory, so that two processes updating it at once, the host
-    marking that it stops and `stop` recording its signal, both keep their fields); the
+    exclusive POSIX lock on the directory's :data:`STATE_LOCK`, which NFS honours too, so that
+    two processes updating it at once, the host marking that it stops and `stop` recording
+    its signal, both keep their fields; where no lock can be had, unlocked, as before); the
     state written, or None where the file is gone (its host exited: not written again)
     or cannot be read or written."""
     try:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
+        lock_fd = os.open(path.parent / STATE_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
-        return None
+        lock_fd = None
     try:
-        fcntl.flock(dir_fd, fcntl.LOCK_EX)
+        if lock_fd is not None:
+            with contextlib.suppress(OSError):  # (no locks there: a review's NFS without a lock daemon)
+                fcntl.lockf(lock_fd, fcntl.LOCK_EX)
         state = {**json.loads(path.read_text()), **fields}
         write_state(path, state)
         return state
     except (OSError, ValueError):
         return None
     finally:
-        os.close(dir_fd)
+        if lock_fd is not None:
+            os.close(lock_fd)
 
 
 def member_state_file(admin_port: int) -> Path:
