@@ -1408,8 +1408,9 @@ def test_a_task_on_a_lost_coordinators_pool_is_waited_for_not_run_again():
     assert sent == [] and ra._pools == {0: "new-pool"}  # waited for; what comes next goes to the new pool
     assert wakeups == [(INHERITED_WAIT_S, (INHERITED, "r1", 0, 0))]
     ra.receiveMsg_WakeupMessage(WakeupMessage(INHERITED_WAIT_S, wakeups[0][1]), "ra-address")
-    # not finished there in time: stopped there (a code review: it ran on) and run again
-    assert [(a, type(m).__name__, m.attempt) for a, m in sent] == [("old-pool", "CancelStage", 0),
+    # not finished there in time: stopped there (a code review: it ran on; every attempt: that pool may
+    # have moved it on its own, as attempt 1, a review) and run again
+    assert [(a, type(m).__name__, m.attempt) for a, m in sent] == [("old-pool", "CancelStage", None),
                                                                    ("new-pool", "StageTask", 1)]
 
     ra, sent, wakeups = request_actor()  # a second coordinator lost meanwhile: the task is still on the first's
@@ -3638,3 +3639,42 @@ def test_a_dead_replica_shows_only_the_devices_still_reserved_for_it():
     co._pool_heard[1] = time.monotonic()
     rows = {r.replica: r for r in co._status("q").stages[0].replicas}
     assert (rows["talker/0"].devices, rows["talker/1"].devices, rows["talker/2"].devices) == ("", "1", "0")
+
+
+def test_a_stage_done_after_its_task_went_out_twice_cancels_the_other_copy(monkeypatch):
+    """A review: a stage's task can run twice (the RequestActor's retry beside its pool's own
+    re-dispatch off a replica its breaker isolated; a killed pool's orphaned engine finishing
+    the task its replacement also got): the first StageDone was taken and the other copy ran
+    to max_tokens for nobody. Once a stage sent again is done, every copy of it left is
+    cancelled; one sent once is not (no cancel for it)."""
+    from omni_actors.messages import CancelStage, ErrorKind, PlannedStage, StageDone, StageFailed, StageTask
+
+    ra, sent = _running_request_actor(monkeypatch, (
+        PlannedStage(0, "thinker", (), "pool-thinker", None, False),
+        PlannedStage(1, "talker", (0,), "pool-talker", "text", False)))
+    ra.receiveMsg_StageFailed(StageFailed("r1", 0, "thinker/0", ErrorKind.ENGINE_ERROR, "boom"), "thinker-engine")
+    assert [m.attempt for a, m in sent if isinstance(m, StageTask) and m.stage_id == 0] == [0, 1]
+    sent.clear()
+    ra.receiveMsg_StageDone(StageDone("r1", 0, "thinker/1", "out0", None, attempt=1), "thinker-engine")
+    assert ("pool-thinker", CancelStage("r1", 0)) in sent, sent
+    sent.clear()
+    ra.receiveMsg_StageDone(StageDone("r1", 1, "talker/0", "out1", "final1"), "talker-engine")
+    assert not [m for _, m in sent if isinstance(m, CancelStage)], sent
+
+
+def test_a_cancel_of_every_attempt_that_found_an_ended_attempt_still_stops_the_retry_on_its_way():
+    """A review: attempt 0 failed on A, whose end had not reached the pool; the client hung
+    up and the request's cancel (every attempt) came before the retry: it found attempt 0's
+    stale entry, was passed to A (where nothing ran) and forgotten, and the retry then ran on
+    B to max_tokens for nobody. Such a cancel is kept: the retry is cancelled when it comes."""
+    from types import SimpleNamespace
+
+    from omni_actors.messages import CancelStage, StageCancelled, StageTask
+
+    pool, rep = _pool_with_one_replica()
+    rep.in_flight[("r1", 0)] = (SimpleNamespace(request_id="r1", stage_id=0, attempt=0), 0.0)
+    pool.receiveMsg_CancelStage(CancelStage("r1", 0), "ra")
+    assert ("engine-address", CancelStage("r1", 0)) in pool.sent
+    pool.sent.clear()
+    pool.receiveMsg_StageTask(StageTask("r1", 0, "hi", (), {}, {}, "text", False, "ra", attempt=1), "ra")
+    assert pool.sent == [("ra", StageCancelled("r1", 0, 1))], pool.sent

@@ -563,6 +563,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                     self._cancel_asked[key] = self._task_attempts.get(key, 0)
                 self._rt.loop.create_task(self._backend.abort(request_id))
                 task.cancel()
+            if asked and attempt is None:  # (its request is over: a later attempt on its way is cancelled too)
+                self._cancelled_early.add(key, attempt)
         elif asked:  # (its task may still be on its way to the loop: see actors.cancels)
             self._cancelled_early.add(key, attempt)
 

@@ -303,5 +303,8 @@ class PoolRoutingMixin:
                 self.send(rep.address, msg)
                 rep.cancelling.add(key)
                 found = True
-        if not found:  # (its task may still be on its way here)
+        if not found or msg.attempt is None:
+            # (its task may still be on its way here; a cancel of every attempt, its request over, is
+            # kept even where it found one: that one may be an earlier attempt's, ended, and the
+            # retry on its way here, to run for nobody: a review)
             self._cancelled_early.add(key, msg.attempt)

@@ -146,6 +146,7 @@ class RequestActor(ActorTypeDispatcher):
         self._restarts: dict[int, tuple[int, int]] = {}
         self._owned = []  # intermediate refs to release at the end
         self._retried = False  # a task was sent again: an earlier attempt may still read its inputs
+        self._resent: set[int] = set()  # stages whose task was sent again: two copies of one may run
         self._tokens = [0, 0]
         self._finish_reason = None
         # Streaming between stages, per stage id:
@@ -443,6 +444,11 @@ class RequestActor(ActorTypeDispatcher):
             return
         del self._running[msg.stage_id]
         self._done[msg.stage_id] = msg
+        if msg.stage_id in self._resent and not task.streaming:
+            # Its task went out twice (a retry, or a pool replaced), and the other copy may still run:
+            # a cancel of every attempt stops it (a review: a copy of a first stage ran to max_tokens
+            # for nobody after the orphaned engine of a killed pool finished first).
+            self.send(self._pools[msg.stage_id], CancelStage(msg.request_id, msg.stage_id))
         if msg.output is not None:
             self._owned.append(msg.output)
         planned = self._plan[msg.stage_id]
@@ -561,6 +567,7 @@ class RequestActor(ActorTypeDispatcher):
 
     def _resend(self, task: StageTask) -> None:
         self._retried = True
+        self._resent.add(task.stage_id)
         task = dataclasses.replace(task, timeout_s=self._left())
         self._running[task.stage_id] = task
         self._left_on.pop(task.stage_id, None)
@@ -760,8 +767,9 @@ class RequestActor(ActorTypeDispatcher):
             task = self._running.get(stage_id) if self._current(request_id) else None
             if task is not None and task.attempt == attempt:  # (still on the lost coordinator's pool)
                 old = self._left_on.get(stage_id)
-                if old is not None:  # (it may still run there: stop it, as it is run again elsewhere)
-                    self.send(old, CancelStage(request_id, stage_id, attempt=attempt))
+                if old is not None:  # (it may still run there: stop it, as it is run again elsewhere; every
+                    # attempt: that pool may have moved it on its own, as attempt + 1: a review)
+                    self.send(old, CancelStage(request_id, stage_id))
                 self._pool_gone(stage_id, f"the pool of stage {self._plan[stage_id].stage} was left by its lost "
                                           f"coordinator and did not finish this stage within {INHERITED_WAIT_S:g} s",
                                 sender)
