@@ -163,6 +163,9 @@ class NodeStatus(Message):
     leaving: bool = False  #: alive, but its member is stopping: its replicas drain, nothing new goes there
     #: alive, but an operator drained it (``node drain``): nothing new goes there until ``node undrain``
     drained: bool = False
+    #: seconds its data service has not answered (its host process frozen or hung; 0: it answers):
+    #: stage outputs made there cannot be fetched from other hosts meanwhile
+    data_service_silent_s: float = 0.0
 
     @property
     def state(self) -> str:
@@ -249,6 +252,8 @@ class NodeHeartbeat(Message):
     free_buffers: int | None = None  #: free (recycled, unclaimed) segments of the host, apart from ``buffers``
     free_bytes: int | None = None  #: their bytes
     join: int = 0  #: the agent's :attr:`StartNodeAgent.join`: heartbeats of an earlier join are stale
+    #: seconds its data service has not answered the agent's probe, once past a few intervals; 0: it answers
+    data_service_silent_s: float = 0.0
 
 
 @dataclass(frozen=True)

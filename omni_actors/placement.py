@@ -98,6 +98,7 @@ class Node:
     free_bytes: int | None = None
     leaving: bool = False  # its member stops (it drains): nothing new is placed here
     drained: bool = False  # an operator drained it (`node drain`): nothing new is placed here
+    data_service_silent_s: float = 0.0  # its data service has not answered for this long (its heartbeats)
 
     @property
     def gone(self) -> str:
@@ -407,7 +408,8 @@ class Inventory:
         return tuple(
             NodeStatus(n.info.name, n.alive, n.info.devices, dict(n.used), n.info.stages,
                        tuple(sorted(n.replicas)), round(now - n.last_seen, 3), n.data_service, n.buffers,
-                       n.free_buffers, n.free_bytes, n.down_reason, n.leaving, n.drained)
+                       n.free_buffers, n.free_bytes, n.down_reason, n.leaving, n.drained,
+                       n.data_service_silent_s if n.alive else 0.0)
             for n in sorted(self.nodes.values(), key=lambda n: n.info.name))
 
 

@@ -3678,3 +3678,19 @@ def test_a_cancel_of_every_attempt_that_found_an_ended_attempt_still_stops_the_r
     pool.sent.clear()
     pool.receiveMsg_StageTask(StageTask("r1", 0, "hi", (), {}, {}, "text", False, "ra", attempt=1), "ra")
     assert pool.sent == [("ra", StageCancelled("r1", 0, 1))], pool.sent
+
+
+def test_request_finished_says_where_a_stage_failed(monkeypatch):
+    """Trial BX: a request that failed mid-stream logged `replicas: {}` (only finished stages
+    are listed), where its replicas were wanted most. It says where each stage last failed."""
+    from structlog.testing import capture_logs
+
+    from omni_actors.messages import ErrorKind, PlannedStage, StageFailed
+
+    ra, sent = _running_request_actor(monkeypatch, (PlannedStage(0, "thinker", (), "pool-thinker", "text", False),),
+                                      max_attempts=1)
+    with capture_logs() as logs:
+        ra.receiveMsg_StageFailed(StageFailed("r1", 0, "thinker/3", ErrorKind.UNAVAILABLE, "went down mid-stream"),
+                                  "thinker-engine")
+    (line,) = [e for e in logs if e["event"] == "request_finished"]
+    assert line["failed_on"] == {"thinker": "thinker/3"} and line["replicas"] == {}, line

@@ -471,6 +471,34 @@ def test_signal_faults_and_logs_work_through_a_members_admin_port_on_the_leaders
     assert status.returncode == 3 and "NOT SERVING" in status.stdout.splitlines()[-1], status.stdout + status.stderr
 
 
+def test_status_says_when_a_members_data_service_does_not_answer(cluster):
+    """Trial BX: a member whose main process (its host's data service) was frozen showed alive,
+    and `status` ready, while every stage output made there could not be fetched. Its node
+    agent asks the data service every heartbeat interval: silent for 3 intervals (0.5 s here),
+    the node says so (a note, `data_service_silent_s`, its label in the table); answering
+    again, no more."""
+    member = cluster.members["m1"]
+    os.kill(member.proc.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            table = cluster.stages()
+            node = next(n for n in table["nodes"] if n["name"] == "m1")
+            if node["data_service_silent_s"]:
+                break
+            assert time.monotonic() < deadline, node
+            time.sleep(0.2)
+    finally:
+        os.kill(member.proc.pid, signal.SIGCONT)
+    assert node["state"] == "alive" and node["data_service_silent_s"] >= 1.5, node
+    assert any(note.startswith("node m1: its data service has not answered for ") for note in table["notes"]), table
+    deadline = time.monotonic() + 10
+    while next(n for n in cluster.stages()["nodes"] if n["name"] == "m1")["data_service_silent_s"]:
+        assert time.monotonic() < deadline, "still silent after it was resumed"
+        time.sleep(0.2)
+    cluster.wait_all_ready(30)
+
+
 def test_a_member_replica_killed_by_sigkill_says_so_in_its_reason(cluster):
     """A replica on a member host is a child of that host's admin, which reaps it: its reason
     read only "process exited" there (trial AN), where a leader-host replica's says how."""

@@ -443,6 +443,21 @@ def test_a_refusal_where_no_node_takes_the_stage_says_so_not_that_devices_are_sh
                               "one back)")
 
 
+def test_the_status_table_labels_a_node_whose_data_service_is_silent():
+    """Trial BX: a node whose data service does not answer looked like any other in `status`."""
+    import dataclasses
+    import io
+
+    from omni_actors.messages import SystemStatus
+    from omni_actors.system.leader import print_status_table
+
+    inv = inventory(NodeInfo("leader"), NodeInfo("m1", ("0",)))
+    nodes = tuple(dataclasses.replace(n, data_service_silent_s=4.2 if n.name == "m1" else 0.0) for n in inv.status())
+    out = io.StringIO()
+    print_status_table(SystemStatus("q", "m", True, (), nodes=nodes), out)
+    assert "nodes: leader, m1 (1 of 1 devices free, DATA SERVICE SILENT 4.2 s)" in out.getvalue(), out.getvalue()
+
+
 def test_the_shell_puts_the_control_plane_under_the_leaders_node_and_counts_ready_as_status_does(monkeypatch):
     """A review: the shell's `nodes` took the leader to be the node named as this machine, else
     the first by name: with `--node-name leader` beside a member `gpu1`, the coordinator and

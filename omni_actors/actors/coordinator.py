@@ -710,6 +710,11 @@ class CoordinatorActor(ActorTypeDispatcher):
         if node is not None:
             node.data_service, node.buffers = msg.data_service, msg.buffers
             node.free_buffers, node.free_bytes = msg.free_buffers, msg.free_bytes
+            if bool(msg.data_service_silent_s) != bool(node.data_service_silent_s):
+                (self._log.warning if msg.data_service_silent_s else self._log.info)(
+                    "node_data_service_silent" if msg.data_service_silent_s else "node_data_service_answers",
+                    node=msg.node, silent_s=msg.data_service_silent_s)
+            node.data_service_silent_s = msg.data_service_silent_s
 
     def receiveMsg_PlaceReplica(self, msg: PlaceReplica, sender):
         self._asks[msg.replica] = msg
@@ -1058,7 +1063,10 @@ class CoordinatorActor(ActorTypeDispatcher):
             and not self._pool_silent  # (a silent pool routes nothing: see _check_pools)
         model = self._config.deployment.served_model_name if self._config else ""
         notes = ((tuple(self._config.omni_connectors.notes) if self._config else ()) + self._pool_notes()
-                 + tuple(self._shared_devices()))
+                 + tuple(self._shared_devices()) + tuple(
+                     f"node {n.info.name}: its data service has not answered for {n.data_service_silent_s:g} s (its "
+                     "host process frozen or hung?): stage outputs made there cannot be fetched from other hosts"
+                     for n in self._inventory.nodes.values() if n.alive and n.data_service_silent_s))
         now = time.monotonic()
         subscribers = tuple(s.address for s in self._subscribers if now - s.renewed_at < SUBSCRIPTION_LEASE_S) \
             if query_id == WATCHDOG_QUERY else ()

@@ -19,6 +19,7 @@ live shared-memory buffer count, free (recycled) ones apart (``status`` shows th
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
@@ -38,6 +39,12 @@ HOST_CAPABILITY = "omni_host"
 ORPHAN_AFTER_INTERVALS = 5
 #: A heartbeat turn this many intervals late: the agent did not run meanwhile.
 LATE_TICK_INTERVALS = 2
+#: The agent asks its host's data service for its ``stats`` every interval, waiting this long for
+#: the answer; unanswered for SILENT_AFTER_INTERVALS, its heartbeats say for how long (trial BX: a
+#: member whose main process, the data service's, was frozen showed alive, and `status` ready,
+#: while every stage output made there could not be fetched).
+PROBE_TIMEOUT_S = 1.0
+SILENT_AFTER_INTERVALS = 3
 
 
 def on_node(capabilities: dict, requirements: dict | None) -> bool:
@@ -67,6 +74,9 @@ class NodeAgentActor(ActorTypeDispatcher):
         self._last_tick = time.monotonic()  # its last heartbeat turn
         self._orphaned = False  # it stops because its coordinator is gone: nobody to tell
         self._system_stops = False  # its coordinator said the whole system stops (PlannedStop)
+        #: when its data service began not to answer the probe (None: it answers); set by the probe,
+        #: so a host frozen whole, probe and all, is not taken on resuming for a silent service
+        self._silent_since: float | None = None
 
     def receiveMsg_StartNodeAgent(self, msg: StartNodeAgent, sender):
         self._spec, self._coordinator = msg, sender
@@ -79,12 +89,28 @@ class NodeAgentActor(ActorTypeDispatcher):
                     "data_service_config_failed", service=service, error=str(exc))
             finally:
                 data_client.close_connections()
+        if service:
+            threading.Thread(target=self._probe, args=(service, msg.interval_s), name="data-service-probe",
+                             daemon=True).start()
         self.send(sender, self._heartbeat())
         self.wakeupAfter(msg.interval_s)
 
+    def _probe(self, service: str, interval_s: float) -> None:
+        """(A thread, for the agent's life) Ask the data service whether it answers, every interval."""
+        while True:
+            asked = time.monotonic()
+            if data_client.answers(service, PROBE_TIMEOUT_S):
+                self._silent_since = None
+            elif self._silent_since is None:
+                self._silent_since = asked
+            time.sleep(interval_s)
+
     def _heartbeat(self) -> NodeHeartbeat:
+        since = self._silent_since
+        silent = 0.0 if since is None else time.monotonic() - since
+        silent = round(silent, 1) if silent > SILENT_AFTER_INTERVALS * self._spec.interval_s else 0.0
         return NodeHeartbeat(self._spec.node, os.environ.get(SERVICE_ENV), *buffer_counts(default_prefix()),
-                             join=self._spec.join)
+                             join=self._spec.join, data_service_silent_s=silent)
 
     def receiveMsg_PlannedStop(self, msg: PlannedStop, sender):
         self._system_stops = True

@@ -147,6 +147,7 @@ class RequestActor(ActorTypeDispatcher):
         self._owned = []  # intermediate refs to release at the end
         self._retried = False  # a task was sent again: an earlier attempt may still read its inputs
         self._resent: set[int] = set()  # stages whose task was sent again: two copies of one may run
+        self._failed_on: dict[int, str] = {}  # stage -> the replica its last failure came from (the log)
         self._tokens = [0, 0]
         self._finish_reason = None
         # Streaming between stages, per stage id:
@@ -483,6 +484,8 @@ class RequestActor(ActorTypeDispatcher):
         task = self._running[msg.stage_id]
         if msg.attempt < task.attempt:
             return  # an attempt that was already retried
+        if msg.replica:
+            self._failed_on[msg.stage_id] = msg.replica
         attempt = msg.attempt + 1  # the pool may have re-dispatched it already (a dead replica)
         moved = max(msg.moved, task.moved)  # (an engine's failure of a chunk does not know them)
         retry = (bool(msg.replica) and msg.kind in RETRYABLE and attempt - moved < self._req.max_attempts
@@ -830,7 +833,10 @@ class RequestActor(ActorTypeDispatcher):
             queued_ms=round(req.queued_s * 1000, 2),
             replicas={names[sid]: d.replica for sid, d in self._done.items()},
             # (stages cut short: cancelled with the request; their replicas are not known here)
-            stages_cancelled=[names[sid] for sid in self._running] or None)
+            stages_cancelled=[names[sid] for sid in self._running] or None,
+            # (where each stage last failed, retried or not: trial BX read `replicas: {}` of a request
+            # that failed mid-stream, the case where it is wanted most)
+            failed_on={names[sid]: r for sid, r in self._failed_on.items()} or None)
         self.send(req.reply_to, RequestFinished(
             req.request_id, error, message, prompt_tokens=self._tokens[0], completion_tokens=self._tokens[1],
             finish_reason=self._finish_reason,

@@ -300,6 +300,22 @@ def release(service: str, names: list[str], *, recycle: bool = False) -> int:
     return removed
 
 
+def answers(service: str, timeout_s: float) -> bool:
+    """Whether ``service`` answers a ``stats`` request within ``timeout_s`` seconds, on a
+    connection of its own (a health probe: the pooled connections and the down marks of
+    :func:`_request` are left alone). A frozen service accepts the connection (its listen
+    backlog) and answers nothing: False."""
+    try:
+        host, port = parse_address(service)
+        payload = json.dumps({"op": "stats"}).encode()
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            sock.sendall(REQUEST_HEADER.pack(len(payload)) + payload)
+            return _recv_exact(sock, REPLY_HEADER.size) is not None
+    except (OSError, ValueError, ConnectionError):
+        return False
+
+
 def stats(service: str) -> dict[str, Any]:
     """The service's ``stats``: segments and bytes in use, free_segments and free_bytes
     (recycled, unclaimed), gets, bytes_served, releases, recycled, reaped, trimmed, ..."""

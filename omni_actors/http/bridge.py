@@ -911,7 +911,8 @@ def status_to_dict(status: SystemStatus) -> dict[str, Any]:
                    "devices": list(n.devices), "used": dict(n.used),
                    "stages": list(n.stages), "replicas": list(n.replicas),
                    "last_seen_age_s": n.last_seen_age_s, "data_service": n.data_service,
-                   "buffers": n.buffers, "free_buffers": n.free_buffers, "free_bytes": n.free_bytes}
+                   "buffers": n.buffers, "free_buffers": n.free_buffers, "free_bytes": n.free_bytes,
+                   "data_service_silent_s": n.data_service_silent_s}
                   for n in status.nodes],
         "stages": [
             {"stage_id": st.stage_id, "stage": st.stage, "pid": st.pid, "pending": st.pending,

@@ -216,6 +216,8 @@ def _node_label(node) -> str:
         parts.append(f"{len(node.devices) - len(node.used)} of {len(node.devices)} devices free")
     if node.alive and node.buffers is not None:
         parts.append(f"{node.buffers} buffers")
+    if node.alive and node.data_service_silent_s:  # (trial BX: its member process frozen, and nothing said)
+        parts.append(f"DATA SERVICE SILENT {node.data_service_silent_s:g} s")
     return node.name + (f" ({', '.join(parts)})" if parts else "")
 
 
