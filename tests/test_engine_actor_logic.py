@@ -3591,21 +3591,11 @@ def test_an_output_whose_answer_would_credit_its_producer_asks_for_it(monkeypatc
     its chunks (1, then 15 in one message) and reached its window of 16 between two outputs
     that asked, and the whole chain waited for the RequestActor's next beat (5 s) for its
     credit. An output that would credit its producer (half a window more) asks too."""
-    from types import SimpleNamespace
+    from omni_actors.messages import ChunkAck, OutputChunk, OutputsAck, PlannedStage, StageChunk
 
-    from omni_actors.actors import request
-    from omni_actors.messages import (ChunkAck, OutputChunk, OutputsAck, PlannedStage, RequestPlan, RunRequest,
-                                      StageChunk)
-
-    monkeypatch.setattr(request, "release_all", lambda refs, recycle=False: None)
-    ra = request.RequestActor()
-    sent = []
-    ra.send = lambda address, message: sent.append((address, message))
-    ra.wakeupAfter = lambda delay, payload=None: None
-    ra._myRef = SimpleNamespace(address="ra")
-    plan = RequestPlan((PlannedStage(2, "code2wav", (), "pool", "audio", False, emits_chunks=True),))
-    ra.receiveMsg_RunRequest(RunRequest("r1", "hi", plan, {}, {}, 60.0, "bridge", stream_outputs=True,
-                                        chunk_window=16), "bridge")
+    ra, sent = _running_request_actor(monkeypatch, (PlannedStage(2, "code2wav", (), "pool", "audio", False,
+                                                                 emits_chunks=True),),
+                                      stream_outputs=True, chunk_window=16)
     ra.receiveMsg_StageChunk(StageChunk("r1", 2, 0, "ref0", 0, last=0), "engine")
     ra.receiveMsg_StageChunk(StageChunk("r1", 2, 1, "ref1", 0, last=15), "engine")  # (15 backend chunks merged)
     assert [m.ack_to for a, m in sent if isinstance(m, OutputChunk)] == [None, "ra"]

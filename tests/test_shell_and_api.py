@@ -662,24 +662,6 @@ def _slow_thinker(leader: LocalLeader, factor: int) -> None:
     assert slow.returncode == 0, slow.stderr
 
 
-def _replace_coordinator(leader: LocalLeader) -> None:
-    """`inject kill-coordinator`, then wait until the leader's new coordinator serves again."""
-    from omni_actors.system.faultlab import inject_cli, stages
-
-    before = stages(leader)["coordinator_pid"]
-    assert inject_cli(leader.admin_port, "kill-coordinator").returncode == 0
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            now = stages(leader)
-        except OSError:
-            now = {}
-        if now.get("coordinator_pid") not in (None, before) and now.get("ready"):
-            return
-        assert time.monotonic() < deadline, now
-        time.sleep(0.3)
-
-
 @pytest.mark.parametrize("replaced", [False, True], ids=["first-coordinator", "after-kill-coordinator"])
 def test_stopping_the_leader_lets_a_stream_on_an_attached_api_server_finish(replaced):
     """Trial AN: the leader's drain counted only its own requests; with none of its own in
@@ -695,7 +677,9 @@ def test_stopping_the_leader_lets_a_stream_on_an_attached_api_server_finish(repl
 
     with _leader_and_api() as (own, api, port):
         if replaced:
-            _replace_coordinator(own)
+            from omni_actors.system.faultlab import replace_coordinator
+
+            replace_coordinator(own)
         _slow_thinker(own, 20)  # (4 ms -> 80 ms a token: 24 tokens take about 2 s)
         seen: dict = {"text": "", "finish": None}
 

@@ -278,6 +278,25 @@ def stages(leader, timeout_s: float = 5.0) -> dict:
         return json.loads(r.read())
 
 
+def replace_coordinator(leader, until=lambda table: table.get("ready"), timeout_s: float = 30.0) -> dict:
+    """``inject kill-coordinator``, then wait until a new coordinator (another pid) reports a
+    ``/v1/stages`` table for which ``until(table)`` holds (default: ready); returns it.
+    Raises AssertionError (the inject failed, or ``timeout_s`` passed)."""
+    before = stages(leader)["coordinator_pid"]
+    out = inject_cli(leader.admin_port, "kill-coordinator")
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            now = stages(leader)
+        except OSError:  # (between two coordinators)
+            now = {}
+        if now.get("coordinator_pid") not in (None, before) and until(now):
+            return now
+        assert time.monotonic() < deadline, now
+        time.sleep(0.3)
+
+
 def wait_ready(leader, timeout_s: float = 30.0) -> dict:
     """Wait until every replica is ready; returns ``/v1/stages``. Raises TimeoutError."""
     deadline, now = time.monotonic() + timeout_s, None
