@@ -148,7 +148,7 @@ def _check_devices(s: StageSpec, source: str, path: str) -> None:
 def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
     """Per-stage settings that only make sense together with the deployment."""
     from omni_actors.engines.synthetic import SUPPORTED_STAGES
-    from omni_actors.vllm_omni_deploy import diffusion_world_size
+    from omni_actors.vllm_omni_deploy import engine_devices
 
     if not cfg.deployment.served_model_name.strip():  # ("  " passed: a model no client could name)
         raise ConfigError(source, "deployment.served_model_name", "blank: give the model name clients ask for")
@@ -167,14 +167,7 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
         if dep.backend in ("vllm", "vllm_omni"):
             _check_engine_args(s.engine_args, source, f"stage_args[{i}].engine_args")
         if dep.backend in ("vllm", "vllm_omni"):
-            if s.engine_args.get("stage_type") == "diffusion":
-                need = diffusion_world_size(s.engine_args.get("parallel_config"))
-                how = "parallel_config's world size"
-            else:
-                need = 1  # (each data-parallel rank is an engine of TP x PP devices: a review)
-                for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-                    need *= s.engine_args.get(key) or 1
-                how = "tensor_parallel_size x pipeline_parallel_size x data_parallel_size"
+            need, how = engine_devices(s.engine_args.get, s.engine_args.get("stage_type") == "diffusion")
             if need > dep.devices_per_replica:  # (its engine would get fewer devices than it shards over)
                 # (the stage's engine arguments, not `stage_args[i]`: a deploy-format file has none)
                 raise ConfigError(source, f"deployment.stages.{s.name}.devices_per_replica",

@@ -62,7 +62,7 @@ _SAMPLING_FATE = "vLLM refuses it; the synthetic engine ignores it"
 _OTHER_FORMAT = {"input_sources": "engine_input_source"}
 
 
-def _near_miss(key: str, known: frozenset[str]) -> str | None:
+def near_miss(key: str, known: frozenset[str]) -> str | None:
     """The known key ``key`` is probably a typo of: close by difflib (ratio >= 0.85) and
     within 2 characters in length (``data_parallel_size_local`` is not a typo of
     ``data_parallel_size``); None when ``key`` is known or close to none."""
@@ -93,7 +93,7 @@ def _check_keys(mapping: Any, known: frozenset[str], path: str, fate: str,
     for key in mapping:
         if not isinstance(key, str):
             continue
-        meant = (aliases or {}).get(key) or _near_miss(key, known)
+        meant = (aliases or {}).get(key) or near_miss(key, known)
         where = f"{path}.{key}" if path else key
         if meant is not None and meant != key:
             out.append((where, f"unknown key ({fate}); did you mean `{meant}`?"))

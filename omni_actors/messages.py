@@ -366,6 +366,8 @@ class ReplicaStatus(Message):
     last_heartbeat_age_s: float | None = None
     pid: int | None = None
     node: str = ""
+    #: its devices: the last ones it had once stopped or failed; a dead one's in a ``SystemStatus``,
+    #: only those still reserved for it (the coordinator's ``_dead_devices``)
     devices: str = ""
     backend: str = ""
     restarts: int = 0
@@ -397,7 +399,8 @@ class ReplicaStatus(Message):
     @property
     def held_devices(self) -> str:
         """The devices it holds now: none once it stopped or failed (``devices`` keeps
-        the last ones it had)."""
+        the last ones it had then; a dead replica's, in a ``SystemStatus``, are only those
+        still reserved for it)."""
         return self.devices if self.state not in (ReplicaState.STOPPED, ReplicaState.FAILED) else ""
 
     def devices_label(self) -> str:

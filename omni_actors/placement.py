@@ -386,11 +386,12 @@ class Inventory:
                         f"join (the nodes now: {there})")
             join = " or join" if NOT_JOINED in state.values() else ""
             return f"{replica} may run only on nodes {gone}: it waits for one of them to come back{join}{undrain}"
-        seen, takers = [], 0
+        seen, takers, drained = [], 0, False
         for node in self.nodes.values():
             if allowed and node.info.name not in allowed:
                 continue
             if not node.open:
+                drained |= node.gone == "drained"
                 seen.append(f"{node.info.name}: {node.gone}")
             elif not node.accepts(stage):
                 seen.append(f"{node.info.name}: does not take {stage}")
@@ -399,7 +400,7 @@ class Inventory:
                 seen.append(f"{node.info.name}: {len(node.free)} of {len(node.info.devices)} devices free")
         where = "; ".join(seen) or ("no node named " + ", ".join(allowed) if allowed else "no nodes")
         if not takers and seen:  # (trial BV: a drained CPU node read "no node has 1 free device(s)")
-            undrain = "; `node undrain` gives a drained one back" if "drained" in where else ""
+            undrain = "; `node undrain` gives a drained one back" if drained else ""
             return f"no node takes a {stage} replica now ({where}{undrain})"
         return f"no node has {devices} free device(s) for a {stage} replica ({where})"
 

@@ -663,8 +663,9 @@ def test_a_leader_given_devices_notes_that_the_stages_runtime_devices_are_not_us
     finally:
         squatter.close()
     assert out.returncode != 0 and "is in use" in out.stderr, out
-    assert "note: runtime.devices of thinker, talker, code2wav not used: with --devices, placement gives each " \
-           "replica devices of its own (`stage launch --devices` pins a replica)" in out.stderr, out.stderr
+    assert "note: runtime.devices of thinker, talker, code2wav not used on hosts started with --devices: " \
+           "placement gives each replica there devices of its own (`stage launch --devices` pins a replica)" \
+           in out.stderr, out.stderr
 
 
 def test_a_leader_whose_port_is_taken_before_it_binds_starts_again_on_fresh_ports(monkeypatch):

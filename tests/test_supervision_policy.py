@@ -378,3 +378,17 @@ def test_the_watchdog_deploys_a_recreated_coordinator_once():
         == [(2, 1)], logs
     assert len(told) == 1 and isinstance(told[0], Deploy)
     assert told[0].drained_nodes == ("vm",) and told[0].subscribers == ("api-1",)
+
+
+def test_a_late_failure_dated_before_a_later_one_does_not_move_the_last_failure_back():
+    """A review: a failure of an earlier attempt reported late is dated before its retry was sent;
+    recorded after a later failure, it moved the last failure back, and a task sent between the
+    two reset the breaker's count by succeeding."""
+    from omni_actors.actors.supervision import ReplicaHealth
+
+    h = ReplicaHealth(last_heartbeat=0.0)
+    h.on_task_done(False, 10.002)
+    h.on_task_done(False, 9.999)
+    assert (h.consecutive_failures, h.last_failure_at) == (2, 10.002)
+    h.on_task_done(True, 10.5, dispatched_at=10.001)  # (sent before the last failure: says nothing)
+    assert h.consecutive_failures == 2

@@ -754,13 +754,9 @@ class CoordinatorActor(ActorTypeDispatcher):
                 continue
             wanting = [r.replica for r in state.replicas
                        if r.state not in (ReplicaState.FAILED, ReplicaState.STOPPED)]
-            if not wanting and not state.replicas and state.stage_id not in self._reported:
-                # Its pool, new, has not reported yet: it starts the config's replicas (trial BT: at
-                # start-up a second Talker took the last device while Code2Wav's pool had not reported).
-                dep = self._config.deployment_of(self._config.stage_by_name(stage))
-                first.append(FirstInLine(stage, dep.devices_per_replica, tuple(dep.nodes)))
-                continue
-            if not wanting:
+            # (a new pool that has not reported yet wants its config's replicas, below: trial BT saw a
+            # second Talker take the last device at start-up while Code2Wav's pool had not reported)
+            if not wanting and (state.replicas or state.stage_id in self._reported):
                 continue
             asked = next((self._asks[r] for r in wanting if r in self._asks), None)
             if asked is not None and asked.pin_devices:

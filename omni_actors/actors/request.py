@@ -145,8 +145,9 @@ class RequestActor(ActorTypeDispatcher):
         #: their next task (a later attempt than the one cancelled: see CancelStage.attempt)
         self._restarts: dict[int, tuple[int, int]] = {}
         self._owned = []  # intermediate refs to release at the end
-        self._retried = False  # a task was sent again: an earlier attempt may still read its inputs
-        self._resent: set[int] = set()  # stages whose task was sent again: two copies of one may run
+        #: stages whose task was sent again: two copies of one may run, and an earlier attempt may
+        #: still read its inputs
+        self._resent: set[int] = set()
         self._failed_on: dict[int, str] = {}  # stage -> the replica its last failure came from (the log)
         self._tokens = [0, 0]
         self._finish_reason = None
@@ -569,7 +570,6 @@ class RequestActor(ActorTypeDispatcher):
         return max(round(self._req.timeout_s - (time.monotonic() - self._started), 3), 0.001)
 
     def _resend(self, task: StageTask) -> None:
-        self._retried = True
         self._resent.add(task.stage_id)
         task = dataclasses.replace(task, timeout_s=self._left())
         self._running[task.stage_id] = task
@@ -812,7 +812,7 @@ class RequestActor(ActorTypeDispatcher):
         # Completed, every stage once (a pool re-dispatches a task on its own: attempt > 0): every
         # engine that read these buffers is done with them, so they are recycled. Otherwise one may
         # still be reading them: unlinked (its mapping keeps the pages).
-        recycle = error is None and not self._running and not self._retried \
+        recycle = error is None and not self._running and not self._resent \
             and all(d.attempt == 0 for d in self._done.values())
         release_all(self._owned, recycle=recycle)
         self._forget_stream(set(self._chunks) | set(self._done_waiting), recycle=recycle)

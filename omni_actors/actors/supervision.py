@@ -314,7 +314,8 @@ class ReplicaHealth:
             self.progress_at, self.stalled_before_s = now, 0.0  # finishing a task is progress
         else:
             self.consecutive_failures += 1
-            self.last_failure_at = now
+            # (never back: a late failure of an earlier attempt is dated before its retry, a review)
+            self.last_failure_at = max(self.last_failure_at, now)
 
     def rate(self) -> float:
         """Progress per second over the last few heartbeats: tokens, or outputs for a stage that

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import difflib
 import os
 import time
 from pathlib import Path
@@ -420,10 +419,12 @@ class VllmEngine:
 def _check_sampling_keys(params: dict[str, Any], fields: frozenset[str], where: str) -> None:
     unknown = sorted(k for k in params if k not in fields or k in _RESERVED_SAMPLING)
     if unknown:
-        meant = {k: difflib.get_close_matches(k, sorted(fields - _RESERVED_SAMPLING), n=1, cutoff=0.8)
-                 for k in unknown}  # (trial BT: `max_token` got no `max_tokens`, as other typos do)
+        from omni_actors.config_keys import near_miss
+
+        # (trial BT: `max_token` got no `max_tokens`, as other typos do; the config's own rule for them)
+        meant = {k: near_miss(k, fields - _RESERVED_SAMPLING) for k in unknown}
         raise ValueError(f"{where}: sampling parameters unknown to vLLM: "
-                         + ", ".join(f"{k} (did you mean `{meant[k][0]}`?)" if meant[k] else k for k in unknown))
+                         + ", ".join(f"{k} (did you mean `{meant[k]}`?)" if meant[k] else k for k in unknown))
 
 
 def _make_sampling_params(sampling_params_cls, output_kind_cls, params: dict[str, Any]):

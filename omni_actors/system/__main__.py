@@ -234,8 +234,9 @@ def cmd_start(args) -> int:
         return _fail(str(exc), 2)
     pinned = [s.name for s in config.stage_args if s.runtime.devices is not None]
     if devices and pinned:  # (trial BT: its `runtime.devices` were silently not used)
-        print(f"note: runtime.devices of {', '.join(pinned)} not used: with --devices, placement gives each "
-              "replica devices of its own (`stage launch --devices` pins a replica)", file=sys.stderr, flush=True)
+        print(f"note: runtime.devices of {', '.join(pinned)} not used on hosts started with --devices: placement "
+              "gives each replica there devices of its own (`stage launch --devices` pins a replica)",
+              file=sys.stderr, flush=True)
     try:
         return run_leader(config, host=args.host, port=args.port, admin_port=args.admin_port,
                           api_key=args.api_key, node=args.node_name or "", devices=devices)
@@ -441,7 +442,6 @@ def cmd_stop(args) -> int:
     if state.get("role") == "member":  # (it says how its drain went, for us: see member.drain_record)
         from omni_actors.system.member import STOP_WAITS
 
-        state = {**state, STOP_WAITS: True}
         update_state(sfile, **{STOP_WAITS: True})  # (before the signal: the member reads it as it leaves)
 
     def note_asked() -> None:  # (once its SIGTERM went: a record of a stop never sent would hold the next back)

@@ -128,14 +128,17 @@ def run_member(convention: tuple[str, int], *, admin_port: int, node: str, devic
                                   state_file=sfile)
         # (`stop --admin-port` finds it there: a trial had to find the member's pid to stop it)
         sfile.parent.mkdir(parents=True, exist_ok=True)
-        write_state(sfile, {"pid": me, **identity(), "role": "member", "node": node, "admin_port": admin_port,
-                            "convention": f"{host}:{port}", "system_id": os.environ.get(ENV_SYSTEM_ID, ""),
-                            "sessions": sessions, "shm_dir": shm_dir,
-                            "watchdog_pid": watchdog.pid if watchdog else None,
-                            # (`stop` waits for the drain, as long as the leader's: it
-                            # gave a member 30 s whatever the leader's drain_timeout_s)
-                            **({"drain_timeout_s": leader.drain_timeout_s}
-                               if leader is not None and leader.drain_timeout_s else {})})
+        joined = {"pid": me, **identity(), "role": "member", "node": node, "admin_port": admin_port,
+                  "convention": f"{host}:{port}", "system_id": os.environ.get(ENV_SYSTEM_ID, ""),
+                  "sessions": sessions, "shm_dir": shm_dir, "waiting": False,
+                  "watchdog_pid": watchdog.pid if watchdog else None,
+                  # (`stop` waits for the drain, as long as the leader's: it
+                  # gave a member 30 s whatever the leader's drain_timeout_s)
+                  **({"drain_timeout_s": leader.drain_timeout_s}
+                     if leader is not None and leader.drain_timeout_s else {})}
+        # (merged over its waiting record: a `stop` meanwhile recorded there that it waits, a review)
+        if update_state(sfile, **joined) is None:
+            write_state(sfile, joined)
         print(f"omni-actors member {node!r} joined the convention at {host}:{port} "
               f"(admin port {admin_port}, devices {','.join(devices) or 'none (CPU)'}, "
               f"stages {','.join(stages) or 'any'}); Ctrl-C to leave", flush=True)

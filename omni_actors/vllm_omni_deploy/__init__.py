@@ -64,7 +64,7 @@ or ``pipeline`` for a topology from vLLM-Omni's registry.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -310,17 +310,10 @@ def _deployment(raw: Any, topo: Topology, stages: dict[int, dict[str, Any]],
         if _own(stage, "num_replicas") is not None:
             filled["replicas"] = _own(stage, "num_replicas")
         engine = _engine_args(stage)
-        if ts.execution_type == "diffusion":  # (a trial's TP-2 DiT got one GPU of its two)
-            size = diffusion_world_size(engine.get("parallel_config"))
-        else:
-            size = 1
-            for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
-                v = engine.get(k, merged.get(k)) or 1
-                size *= v if _is_int(v) else 1
+        # (a trial's TP-2 DiT got one GPU of its two)
+        size, how = engine_devices(lambda k: engine.get(k, merged.get(k)), ts.execution_type == "diffusion")
         if size > MAX_REPLICAS:
             src, at = origin.get(ts.stage_id, (source, None))
-            how = ("parallel_config's world size" if ts.execution_type == "diffusion"
-                   else "tensor_parallel_size x pipeline_parallel_size x data_parallel_size")
             raise ConfigError(src, f"stages[{at}]" if at is not None else "stages",
                               f"stage {ts.stage_id} `{ts.model_stage}`: its engine arguments shard it over {size} "
                               f"devices ({how}), more than a replica may have ({MAX_REPLICAS})")
@@ -352,6 +345,25 @@ def _check_stop_tokens(topo: Topology, key: str | None, stages: dict[int, dict[s
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+#: The engine arguments whose product is an LLM stage's devices per replica (each data-parallel
+#: rank is an engine of tensor x pipeline parallel devices).
+PARALLEL_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
+
+
+def engine_devices(arg: Callable[[str], Any], diffusion: bool) -> tuple[int, str]:
+    """The devices one replica of a stage shards over, from its engine arguments (``arg(name)``:
+    the value of one, or None), and how that is counted: a diffusion stage's
+    :func:`diffusion_world_size`, else the product of :data:`PARALLEL_SIZES` (values that are
+    not integers count as 1: the engine refuses them)."""
+    if diffusion:
+        return diffusion_world_size(arg("parallel_config")), "parallel_config's world size"
+    size = 1
+    for key in PARALLEL_SIZES:
+        v = arg(key) or 1
+        size *= v if _is_int(v) else 1
+    return size, " x ".join(PARALLEL_SIZES)
 
 
 def diffusion_world_size(parallel_config: Any) -> int:
