@@ -945,6 +945,9 @@ def test_three_frozen_api_servers_do_not_silence_the_replica_that_streams_to_the
                 proc.wait(10)
 
 
+# (serial: under the parallel run's load, twice in this suite's life, the RequestActor of the frozen
+# server's request was killed at the shutdown before it logged its end; alone it logs it every time)
+@pytest.mark.serial
 def test_a_stop_does_not_wait_the_drain_timeout_for_a_frozen_api_server(tmp_path):
     """Trial AQ: an attached API server frozen (SIGSTOP) with a stream in flight held the
     leader's stop for its whole drain timeout. The coordinator stops waiting for a server
