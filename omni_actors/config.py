@@ -361,6 +361,18 @@ class PipelineConfig(msgspec.Struct, kw_only=True):
         """Final output types this pipeline can produce."""
         return {s.final_output_type for s in self.stage_args if s.final_output}
 
+    def runner_handover_stages(self) -> list[StageSpec]:
+        """The vllm_omni stages that take their input through vLLM-Omni's model-runner
+        hand-over (``engine_args.requires_full_payload_input``, with upstream stages:
+        Qwen3-Omni's Talker and Code2Wav). That payload (the Thinker's hidden states and
+        embeddings) is sent by vLLM-Omni's own connector between the stage engines of one
+        pipeline, which does not reach another replica's engine: their processors build
+        only placeholder prompts, so requests that need these stages are refused
+        (:func:`omni_actors.planning.plan_request`) rather than run on empty payloads."""
+        return [s for s in self.stage_args
+                if s.engine_input_source and s.engine_args.get("requires_full_payload_input") is True
+                and self.deployment_of(s).backend == "vllm_omni"]
+
     def consumers(self, stage_id: int) -> list[int]:
         return [s.stage_id for s in self.stage_args if stage_id in s.engine_input_source]
 
@@ -629,13 +641,14 @@ def parse_config(data: Any, source: str = "<memory>",
             for name, entry in stages.items()}}
     cfg = _convert({"stage_args": data["stage_args"], "deployment": deployment}, PipelineConfig, source)
     cfg.source = source
-    from omni_actors.config_checks import _check_cpus, _check_graph  # (they need the types above)
+    from omni_actors.config_checks import _check_cpus, _check_graph, _note_runner_handover  # (they need the types above)
 
     _check_graph(cfg, source)
     from omni_actors.connector_config import omni_connectors  # (it needs the types above)
 
     cfg.omni_connectors = omni_connectors(data, cfg, source)
     _check_cpus(cfg, source)
+    _note_runner_handover(cfg)
     if not _CONVERTING.get():
         for path, message in _unlisted_model_warnings(cfg, stages if isinstance(stages, dict) else {}):
             warn(path, message)

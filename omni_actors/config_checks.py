@@ -38,6 +38,31 @@ def _check_cpus(cfg: PipelineConfig, source: str) -> None:
                 cfg.omni_connectors.notes.append(note)
 
 
+def _note_runner_handover(cfg: PipelineConfig) -> None:
+    """A note (``status``, ``check-config``) on the outputs this config cannot serve: those
+    whose stages include one fed by vLLM-Omni's model-runner hand-over
+    (:meth:`~omni_actors.config.PipelineConfig.runner_handover_stages`); their requests get
+    a 400 (:func:`~omni_actors.planning.plan_request`). A review: Qwen3-Omni's Talker ran its
+    processor's placeholder prompt without the Thinker's payload, and its engine failed."""
+    blocked = {s.stage_id for s in cfg.runner_handover_stages()}
+    if not blocked:
+        return
+    from omni_actors.planning import stages_for
+
+    refused, served = [], []
+    for out in sorted(cfg.output_types()):
+        (refused if stages_for(cfg, [out]) & blocked else served).append(out)
+    names = ", ".join(s.name for s in cfg.runner_handover_stages())
+    many = len(blocked) > 1
+    note = (f"stage{'s' if many else ''} {names}: `requires_full_payload_input`: {'their' if many else 'its'} "
+            f"input comes through vLLM-Omni's "
+            f"model-runner hand-over, which omni-actors does not carry between replicas yet: requests "
+            f"for {' or '.join(refused)} output are refused (HTTP 400)"
+            + (f"; {' and '.join(served)} is served" if served else ""))
+    if note not in cfg.omni_connectors.notes:
+        cfg.omni_connectors.notes.append(note)
+
+
 def _check_graph(cfg: PipelineConfig, source: str) -> None:
     ids: dict[int, int] = {}
     names: dict[str, int] = {}

@@ -255,3 +255,25 @@ def test_replicas_in_the_same_state_for_the_same_reason_are_named_together() -> 
     reps.append(SimpleNamespace(replica="talker/7", state=ReplicaState.STOPPED, reason="scaled down"))
     assert describe_replicas(reps) == (f"talker/0, talker/1, talker/2 and 2 more pending: {why}; talker/9 starting; "
                                        "1 stopped")
+
+
+def test_outputs_that_need_vllm_omnis_model_runner_handover_are_refused_and_noted() -> None:
+    """A review: Qwen3-Omni's Talker and Code2Wav take the Thinker's hidden states through
+    vLLM-Omni's model-runner hand-over (`requires_full_payload_input`), which does not reach
+    another replica's engine: the Talker's processor builds only a placeholder prompt, and
+    every audio request ran its engine on an empty payload. Audio is refused with a reason
+    (the API's 400) and noted at load; text, which needs the Thinker only, is planned."""
+    cfg = load_config(ROOT / "configs" / "gpu_qwen3_omni.yaml")
+    pools = {0: "t", 1: "a", 2: "c"}
+    assert [s.stage for s in plan_request(cfg, pools, {"text"}).stages] == ["thinker"]
+    for outputs in ({"text", "audio"}, {"audio"}):
+        with pytest.raises(PlanError, match=r"cannot produce .*audio.* stages talker, code2wav take their input "
+                                            r"through vLLM-Omni's model-runner hand-over"):
+            plan_request(cfg, pools, outputs)
+    assert [n for n in cfg.omni_connectors.notes if "requires_full_payload_input" in n] == [
+        "stages talker, code2wav: `requires_full_payload_input`: their input comes through vLLM-Omni's "
+        "model-runner hand-over, which omni-actors does not carry between replicas yet: requests for audio "
+        "output are refused (HTTP 400); text is served"]
+    # (the CPU twin, synthetic stages with the same graph, serves audio)
+    twin = load_config(ROOT / "configs" / "topologies" / "cpu_qwen3_omni_1_1_1.yaml")
+    assert [s.stage for s in plan_request(twin, pools, {"text", "audio"}).stages] == ["thinker", "talker", "code2wav"]
