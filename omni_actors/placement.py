@@ -84,6 +84,36 @@ def parse_devices(text: str) -> tuple[str, ...]:
     return ids
 
 
+def replica_devices(devices: str | None, index: int, per_replica: int) -> str | None:
+    """The devices of replica ``index`` of a stage that runs without placement (its host
+    was started without ``--devices``): its share of the stage's ``runtime.devices``, as
+    vLLM-Omni splits a stage's devices among its ``num_replicas``. ``per_replica``:
+    ``deployment.stages.<stage>.devices_per_replica`` (P).
+
+    - P x k ids (k > 1), a pool: replica ``index`` takes the ``index % k``-th P of them
+      (``"1,2"``, P 1: replica 0 ``"1"``, replica 1 ``"2"``);
+    - P ids below P, a template: replica ``index`` takes them offset by ``index`` x P
+      (``"0,1"``, P 2: replica 1 ``"2,3"``);
+    - anything else (``"1"`` for P 1, an id list of another length): every replica takes
+      them all, as before (None stays None: the host's own ``CUDA_VISIBLE_DEVICES``).
+
+    A review: a deploy file's ``devices: "1,2"`` with ``num_replicas: 2`` ran both replicas
+    on GPU 1 (vLLM-Omni puts one on each)."""
+    if devices is None:
+        return None
+    try:
+        ids = parse_devices(str(devices))
+    except ValueError:
+        return devices  # (checked at load: not here)
+    p = max(1, per_replica)
+    if len(ids) > p and len(ids) % p == 0:
+        k = (index % (len(ids) // p)) * p
+        return ",".join(ids[k:k + p])
+    if len(ids) == p and all(int(d) < p for d in ids):
+        return ",".join(str(int(d) + index * p) for d in ids)
+    return devices
+
+
 @dataclass
 class Node:
     info: NodeInfo

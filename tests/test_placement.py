@@ -615,3 +615,20 @@ def test_a_drained_node_that_left_says_it_stays_drained_and_a_drain_warning_name
     out = io.StringIO()
     print_status_table(SystemStatus("q", "m", True, (), nodes=inv.status()), out)
     assert "m1 (LEFT, still drained: `node undrain`)" in out.getvalue(), out.getvalue()
+
+
+@pytest.mark.parametrize("devices, per_replica, expected", [
+    ("1,2", 1, ["1", "2", "1"]),            # a pool of 2 x 1: one each (a third wraps round)
+    ("1,2,3,4", 2, ["1,2", "3,4"]),         # a pool of 2 x 2
+    ("0,1", 2, ["0,1", "2,3", "4,5"]),      # a template of 2: offset by the replica's index x 2
+    ("0", 1, ["0", "1", "2"]),              # a template of 1
+    ("1", 1, ["1", "1"]),                   # neither: every replica's (the CPU demo's Talkers)
+    ("0,1,2", 2, ["0,1,2", "0,1,2"]),       # neither
+    (None, 1, [None, None]),                # none: the host's own CUDA_VISIBLE_DEVICES
+])
+def test_a_stages_runtime_devices_are_shared_out_among_its_replicas(devices, per_replica, expected):
+    """A review: a vLLM-Omni deploy file's stage with `devices: "1,2"` and `num_replicas: 2`, on a
+    host started without --devices, ran both replicas on GPU 1; vLLM-Omni gives each one."""
+    from omni_actors.placement import replica_devices
+
+    assert [replica_devices(devices, i, per_replica) for i in range(len(expected))] == expected

@@ -386,3 +386,22 @@ def test_a_node_undrained_before_its_replacements_ran_keeps_each_stage_at_its_si
     assert all(v["state"] == "stopped" and v["reason"].startswith("not needed: ") for v in extra.values()), extra
     reader.join(60)
     assert not reader.is_alive() and len(text) > 100, len(text)  # (the stream finished)
+
+
+def test_replicas_on_a_host_without_devices_share_out_their_stages_runtime_devices(tmp_path):
+    """A review: a stage whose `runtime.devices` list one device per replica (`"1,2"`, two
+    replicas) ran every replica on all of them (CUDA_VISIBLE_DEVICES `1,2`: a one-GPU engine
+    on GPU 1, twice); as vLLM-Omni shares a stage's devices out, each replica has its own."""
+    import yaml
+
+    cfg = yaml.safe_load((CONFIGS / "cpu_omni_demo.yaml").read_text())
+    cfg["stage_args"][1]["runtime"]["devices"] = "1,2"  # the Talker, 2 replicas, 1 device each
+    path = tmp_path / "split.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    leader = LocalLeader(path).start()
+    try:
+        reps = _reps(_wait(leader, lambda st: st.get("ready"), "ready"))
+        assert (reps["talker/0"]["devices"], reps["talker/1"]["devices"], reps["thinker/0"]["devices"]) == \
+            ("1", "2", "0"), reps
+    finally:
+        assert leader.stop() == 0

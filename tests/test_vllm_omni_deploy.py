@@ -578,3 +578,15 @@ def test_stop_token_ids_that_are_not_a_list_of_ids_are_refused(tmp_path: Path, i
         stop_token_ids=ids))
     assert err.path == "topology.stages[1].sampling_constraints.stop_token_ids"
 
+
+
+@pytest.mark.parametrize("devices, replicas, per_replica", [
+    ("1,2", 2, 1), ("1,2,3,4", 2, 2), ("0,1", 3, 2), ("0", 4, 1), ("3", 1, 1), ("0,1", 1, 2)])
+def test_runtime_devices_are_shared_out_as_vllm_omni_shares_them(devices, replicas, per_replica):
+    """Our split of a stage's devices among its replicas (placement.replica_devices, hosts
+    without --devices) is vLLM-Omni's own (split_devices_for_replicas), shape for shape."""
+    split = pytest.importorskip("vllm_omni.engine.stage_init_utils").split_devices_for_replicas
+    from omni_actors.placement import replica_devices
+
+    assert [replica_devices(devices, i, per_replica) for i in range(replicas)] == \
+        split(devices, replicas, per_replica, 1)

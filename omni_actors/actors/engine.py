@@ -42,7 +42,8 @@ from omni_actors.messages import (CancelStage, DeltasAck, DrainReplica, EngineFa
                                   FaultKind, Heartbeat, HeartbeatAck, InjectFault, OutputDelta, OutputDeltas,
                                   StageAccepted,
                                   StageCancelled, StageDone, StageFailed, StageTask, StartEngine, TaskFinished,
-                                  TextStarted, cancels_attempt)
+                                  TextStarted, cancels_attempt, replica_index)
+from omni_actors.placement import replica_devices
 from omni_actors.processors import default_input
 
 #: Missing pool acks for this many heartbeat intervals means the pool is gone (one on this
@@ -240,7 +241,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         # Pinning: set before the backend (and CUDA) is imported in this process. The
         # coordinator's placement decides; without one (a CPU node), vLLM-Omni's own
         # single-host `runtime.devices` still applies.
-        devices = ",".join(msg.devices) if msg.devices else msg.stage.runtime.devices
+        devices = ",".join(msg.devices) if msg.devices else replica_devices(
+            msg.stage.runtime.devices, replica_index(msg.replica), msg.deployment.devices_per_replica)
         if devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(devices)
         # vLLM's own log lines (its engine core's too, a child process) say which replica printed
