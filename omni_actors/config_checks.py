@@ -198,9 +198,11 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
                 raise ConfigError(source, f"deployment.stages.{s.name}.devices_per_replica",
                                   f"{dep.devices_per_replica}, but the stage's engine arguments shard the model "
                                   f"over {need} devices ({how}): give each replica {need}")
-        if dep.backend == "vllm" and not s.engine_args.get("model"):  # (its replicas fail to start without)
+        if dep.backend in ("vllm", "vllm_omni") and not s.engine_args.get("model"):
+            # (its replicas fail to start without; a review: a vLLM-Omni deploy file, which names
+            # no model, loaded, and every replica failed its start every 5 minutes)
             raise ConfigError(source, f"stage_args[{i}].engine_args.model",
-                              "a vllm stage needs `model` (a model directory or a model id)")
+                              f"a {dep.backend} stage needs `model` (a model directory or a model id)")
         if dep.backend == "synthetic":
             kind = dep.synthetic.kind or s.name
             makes = _SYNTHETIC_OUTPUT.get(kind)

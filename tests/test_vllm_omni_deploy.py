@@ -249,7 +249,7 @@ def test_a_stage_the_deploy_file_does_not_list_gets_defaults(tmp_path: Path) -> 
 
 
 def test_base_config_is_merged_by_stage_id(tmp_path: Path) -> None:
-    base = {k: v for k, v in copy.deepcopy(SAMPLE).items() if k not in ("topology", "deployment", "model")}
+    base = {k: v for k, v in copy.deepcopy(SAMPLE).items() if k not in ("topology", "deployment")}
     write(tmp_path, base, "base.yaml")
     overlay = {
         "base_config": "base.yaml",
@@ -257,6 +257,7 @@ def test_base_config_is_merged_by_stage_id(tmp_path: Path) -> None:
         "connectors": {"fast_path": {"extra": {"shm_threshold_bytes": 1}}},
         "stages": [{"stage_id": 1, "num_replicas": 5, "default_sampling_params": {"top_k": 1}}],
         "topology": SAMPLE["topology"], "deployment": {"served_model_name": "overlay"},
+        "model": "org/overlay-model",
     }
     path = write(tmp_path, overlay, "overlay.yaml")
     cfg = load_config(path)
@@ -269,7 +270,7 @@ def test_base_config_is_merged_by_stage_id(tmp_path: Path) -> None:
     assert cfg.vllm_omni.connectors["fast_path"] == ConnectorSpec(
         name="SharedMemoryConnector", extra={"shm_threshold_bytes": 1})
     assert cfg.vllm_omni.files == [str(tmp_path / "base.yaml"), str(path)]
-    assert "model" not in talker.engine_args  # our keys are read from the loaded file only
+    assert talker.engine_args["model"] == "org/overlay-model"  # our keys are read from the loaded file only
 
 
 def test_shipped_deploy_demo_config_loads() -> None:
@@ -448,11 +449,13 @@ needs_package = pytest.mark.skipif(PACKAGE is None,
 needs_registry = pytest.mark.skipif(not _registry_importable(),
                                     reason="needs vllm_omni's pipeline registry (make test-vllm-omni)")
 #: What a minimal deployment block needs for every shipped file: some text stages allow 18k tokens.
-DEPLOYMENT_BLOCK = "\n\ndeployment:\n  served_model_name: shipped\n  max_tokens_limit: 32768\n"
+#: What a shipped deploy file needs to be a config: a model (vLLM-Omni takes it from its command
+#: line) and our deployment block.
+DEPLOYMENT_BLOCK = "\n\nmodel: some-org/some-model\ndeployment:\n  served_model_name: shipped\n  max_tokens_limit: 32768\n"
 
 
 def _shipped_with_deployment(tmp_path: Path) -> list[Path]:
-    """Each shipped deploy YAML, unchanged, with a deployment block appended
+    """Each shipped deploy YAML, unchanged, with a model and a deployment block appended
     (the whole folder is copied, so `base_config` finds its base)."""
     out = []
     for src in sorted((PACKAGE / "deploy").glob("*.yaml")):
@@ -527,7 +530,7 @@ def test_shipped_qwen3_omni_deploy_file_matches_our_hand_written_config(tmp_path
     """vLLM-Omni's deploy/qwen3_omni_moe.yaml plus its registered pipeline give
     the stage_args of configs/gpu_qwen3_omni.yaml (written by hand from both)."""
     text = (PACKAGE / "deploy" / "qwen3_omni_moe.yaml").read_text()
-    cfg = load_config(write(tmp_path, text + "\nmodel: Qwen/Qwen3-Omni-30B-A3B-Instruct" + DEPLOYMENT_BLOCK,
+    cfg = load_config(write(tmp_path, text + DEPLOYMENT_BLOCK.replace("some-org/some-model", "Qwen/Qwen3-Omni-30B-A3B-Instruct"),
                             "qwen3_omni_moe.yaml"))
     ours = load_config(ROOT / "configs" / "gpu_qwen3_omni.yaml")
     assert cfg.vllm_omni.pipeline == "qwen3_omni_moe"
@@ -590,3 +593,31 @@ def test_runtime_devices_are_shared_out_as_vllm_omni_shares_them(devices, replic
 
     assert [replica_devices(devices, i, per_replica) for i in range(replicas)] == \
         split(devices, replicas, per_replica, 1)
+
+
+def test_a_deploy_file_with_no_model_is_refused_at_model(tmp_path: Path) -> None:
+    """A review: vLLM-Omni's deploy files name no model (its server takes it from `vllm serve
+    MODEL`); one loaded as it ships, and every replica then failed its start ("engine_args has
+    no `model`") every 5 minutes. Refused at load, at the top-level `model` it needs; a stage
+    that names its own model, or a stage our block runs on the synthetic engine, needs none."""
+    err = refused_sample(tmp_path, lambda d: d.pop("model"))
+    assert err.path == "model", err
+    assert "the file names no model (vLLM-Omni takes it from `vllm serve MODEL`): add a top-level `model: " \
+           in err.message, err.message
+
+    def own_models(d: dict) -> None:
+        d.pop("model")
+        for stage in d["stages"]:
+            stage.setdefault("engine_args", {})["model"] = "org/own"
+    cfg = load_config(write(tmp_path, variant(own_models)))
+    assert {s.engine_args["model"] for s in cfg.stage_args} == {"org/own"}
+
+
+def test_a_vllm_omni_stage_with_no_model_is_refused_at_its_path(tmp_path: Path) -> None:
+    text = (ROOT / "configs" / "gpu_glm_image.yaml").read_text()
+    doc = yaml.safe_load(text)
+    del doc["stage_args"][1]["engine_args"]["model"]
+    path = write(tmp_path, doc)
+    err = refused(path)
+    assert (err.path, err.message) == ("stage_args[1].engine_args.model",
+                                       "a vllm_omni stage needs `model` (a model directory or a model id)")

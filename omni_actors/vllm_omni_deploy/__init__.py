@@ -422,6 +422,13 @@ def _where(exc: ConfigError, topo: Topology, key: str | None, origin: dict[int, 
         return exc  # deployment.*: our block, same path
     index, rest = m.group(1), m.group(2)
     ts = topo.stages[int(index)] if index is not None else None
+    if rest == "engine_args.model" and merged.get("model") is None and ts is not None \
+            and "model" not in _engine_args(stages.get(ts.stage_id) or {}):
+        # (no model anywhere: vLLM-Omni takes it from its command line, `vllm serve MODEL`)
+        return ConfigError(exc.source, "model", f"required: stage {ts.model_stage} runs a real engine "
+                           "(backend vllm_omni unless `deployment.stages` says otherwise) and the file names no "
+                           "model (vLLM-Omni takes it from `vllm serve MODEL`): add a top-level "
+                           "`model: <model id or directory>`")
     field = re.split(r"\[", rest, maxsplit=1)[0]
     param = rest.removeprefix("default_sampling_params.")
     # (a sampling constraint of the topology, which wins over the stage's own: a review's bad
