@@ -158,6 +158,7 @@ def test_processor_of_an_engine_package_not_installed_here_is_accepted(tmp_path:
 
     def mutate(d):
         d["stage_args"][1]["custom_process_input_func"] = dotted
+        d["stage_args"][1]["engine_args"]["model"] = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
         d["deployment"]["stages"]["talker"]["backend"] = "vllm_omni"
 
     cfg = load_config(write(tmp_path, variant(mutate)))
