@@ -2480,7 +2480,8 @@ def _pool_of_stage(stage_id: int, name: str, *replicas):
     pool.send = lambda address, message: sent.append((address, message))
     pool._coordinator, pool._policy = "coordinator", least_loaded
     pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=stage_id, name=name),
-                                 supervision=SimpleNamespace(max_task_attempts=3, queue_timeout_s=20))
+                                 supervision=SimpleNamespace(max_task_attempts=3, queue_timeout_s=20,
+                                                             max_task_crashes=2))
     pool._replicas = {r.replica: r for r in replicas}
     for r in replicas:
         r.health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
@@ -3684,3 +3685,104 @@ def test_request_finished_says_where_a_stage_failed(monkeypatch):
                                   "thinker-engine")
     (line,) = [e for e in logs if e["event"] == "request_finished"]
     assert line["failed_on"] == {"thinker": "thinker/3"} and line["replicas"] == {}, line
+
+
+def test_a_read_from_another_hosts_data_service_is_no_stall_of_the_replica_that_waits():
+    """A review: a member's frozen main process (its data service) held a consumer's read of
+    an input for the 10 s timeout; the consumer's heartbeats counted that as idle time, and
+    with stall_timeout_s 2 the pool killed it as stalled, then the next one (the request
+    failed as a "poison" input). While a read from another host waits, the task is parked (no
+    idle time reported), as while it waits on a neighbour's chunks; a local read is not."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from omni_actors.actors.engine import EngineActor
+
+    actor = EngineActor()
+    actor._started.set()  # (ends its orphan watchdog thread)
+    parked_during: list[int] = []
+
+    def get(ref):
+        parked_during.append(actor._parked)
+        return {"x": ref.node}
+
+    actor._connector = SimpleNamespace(get=get, reads_remotely=lambda ref: ref.node == "far")
+
+    async def main():
+        await actor._fetch(SimpleNamespace(size=1000, node="far"))
+        await actor._fetch(SimpleNamespace(size=64 << 20, node="here"))  # (large: on a thread too)
+        return actor._parked
+
+    assert asyncio.run(main()) == 0
+    assert parked_during == [1, 0]
+
+
+def test_a_lingering_replica_isolated_ends_stopped_and_a_draining_one_killed_counts_its_lost_tasks():
+    """A review: a replica lingering on a drained node (its replacement launched) that was then
+    isolated (frozen, stalled) was restarted as a crash beside its replacement: the stage ran
+    one replica more than configured for good. It ends `stopped`, as a drained one. Trial BY: a
+    draining replica SIGKILLed with tasks in flight lost them unsaid (FAILED 0, no
+    replica_tasks_lost, its reason "drained on request"): counted and said as a ready one's."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.actors.thespian_fixes import EXIT_CODE_ATTR
+    from omni_actors.messages import DrainNode, ReplicaState, StageTask
+
+    rep = Replica("talker/0", "e0", state=ReplicaState.READY, node="m1")
+    pool, sent, launched = _pool_of_stage(1, "talker", rep)
+    pool.receiveMsg_DrainNode(DrainNode("m1", operator=True), "coordinator")
+    assert launched == ["talker/1"] and rep.linger and rep.replaced_by == "talker/1"
+    pool._kill = lambda r: True
+    pool._isolate(rep, "no heartbeat for 3 s")
+    pool.receiveMsg_ChildActorExited(SimpleNamespace(childAddress="e0"), "e0")
+    assert rep.state == ReplicaState.STOPPED and launched == ["talker/1"], (rep, launched)
+    assert rep.reason.startswith("no heartbeat for 3 s") and rep.reason.endswith("(replaced by talker/1)"), rep.reason
+
+    draining = Replica("talker/0", "e0", state=ReplicaState.DRAINING, reason="drained on request")
+    pool, sent, launched = _pool_of_stage(1, "talker", draining)
+    task = StageTask("r1", 1, "hi", (), {}, {}, "audio", False, "ra-1")
+    draining.in_flight[("r1", 1)] = (task, time.monotonic())
+    pool._finished_window_s = 60.0
+    pool.receiveMsg_ChildActorExited(SimpleNamespace(childAddress="e0", **{EXIT_CODE_ATTR: -9}), "e0")
+    assert draining.state == ReplicaState.STOPPED and draining.failed == 1, draining
+    assert draining.reason == "drained on request; then process exited (killed by SIGKILL)", draining.reason
+    # (one that drains and exits by itself, its tasks done, is not)
+    done = Replica("talker/0", "e0", state=ReplicaState.DRAINING, reason="drained on request")
+    pool, sent, launched = _pool_of_stage(1, "talker", done)
+    pool.receiveMsg_ChildActorExited(SimpleNamespace(childAddress="e0"), "e0")
+    assert (done.state, done.reason, done.failed) == (ReplicaState.STOPPED, "drained on request", 0)
+
+
+def test_a_task_held_back_for_a_starting_replica_goes_to_the_ready_one_when_its_wait_ends():
+    """A review: tasks kept back for replicas still starting (their share of a backlog, for
+    up to an interval) whose queue_timeout_s ended meanwhile were refused "no ready replica
+    ... (thinker/0 ready; thinker/1 starting)". The ready one takes them; a task no replica
+    may take (a lingering one takes only requests begun before) still gets its 503."""
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.actors.supervision import HealthPolicy
+    from omni_actors.messages import ReplicaState, StageFailed, StageTask
+
+    ready = Replica("thinker/0", "e0", state=ReplicaState.READY)
+    pool, sent, launched = _pool_of_stage(0, "thinker", ready, Replica("thinker/1", "e1", state=ReplicaState.STARTING))
+    pool._health = HealthPolicy(heartbeat_interval_s=1.0, missed_heartbeats=3)
+    pool._spec.heartbeat_interval_s = 1.0
+    for name in ("_run_lost_timers", "_cancel_overdue", "_retry_placements", "_wind_down_if_orphaned", "_publish"):
+        setattr(pool, name, lambda *a: None)
+    ready.health.last_heartbeat = ready.health.progress_at = time.monotonic()
+    now = time.monotonic()
+    held = StageTask("r1", 0, "hi", (), {}, {}, "text", False, "ra-1", began_at=now - 30)
+    pool._pending = [(held, now - 0.1)]
+    pool._hold_until = now + 0.9
+    pool._tick()
+    assert [(a, m.request_id) for a, m in sent if isinstance(m, StageTask)] == [("e0", "r1")], sent
+    assert not [m for _, m in sent if isinstance(m, StageFailed)] and pool._pending == []
+
+    sent.clear()
+    ready.linger, ready.linger_since = "node m1 drained", now - 10  # (began after: not its to take)
+    late = StageTask("r2", 0, "hi", (), {}, {}, "text", False, "ra-2", began_at=now - 5)
+    pool._pending = [(late, now - 0.1)]
+    pool._tick()
+    failed = [m for _, m in sent if isinstance(m, StageFailed)]
+    assert len(failed) == 1 and failed[0].message.startswith("no ready replica of stage thinker within 20 s"), sent
+    assert pool._pending == []

@@ -68,9 +68,16 @@ class StreamingMixin:
             ConnectorError: the data was released (its request ended).
         """
         try:
-            if ref.size < FETCH_ON_THREAD_BYTES and not self._connector.reads_remotely(ref):
+            remote = self._connector.reads_remotely(ref)
+            if ref.size < FETCH_ON_THREAD_BYTES and not remote:
                 return self._connector.get(ref)
-            return await asyncio.to_thread(self._connector.get, ref)
+            if not remote:
+                return await asyncio.to_thread(self._connector.get, ref)
+            # waiting on another host's data service is no stall of ours (a review: one whose
+            # process was frozen held the read for its 10 s timeout, and the pool's stall
+            # watchdog killed the healthy replica that waited, then the next one)
+            with self._parked_while():
+                return await asyncio.to_thread(self._connector.get, ref)
         except DataServiceError as exc:
             raise InputLost(ref.node or ref.service or "?", str(exc)) from None
 

@@ -135,14 +135,18 @@ class PoolRoutingMixin:
             return
         self._route(msg)
 
+    def _takers(self, task: StageTask) -> list:
+        """The replicas that may take ``task`` now (a lingering replica takes only the tasks
+        of requests begun before it lingered)."""
+        return [r for r in self._replicas.values() if r.state in ROUTABLE
+                and not (r.linger and task.began_at > r.linger_since)]
+
     def _route(self, task: StageTask, why: str = "") -> None:
         if task.counted_attempts >= self._spec.supervision.max_task_attempts or task.moved > MAX_TASK_MOVES:
             self._reject(task, f"stage {self._spec.stage.name}: gave up after {task.counted_attempts} attempts"
                                + (f" and {task.moved} moves" if task.moved else "") + f" ({why})")
             return
-        # (a lingering replica takes only the tasks of requests begun before it lingered)
-        takers = [r for r in self._replicas.values() if r.state in ROUTABLE
-                  and not (r.linger and task.began_at > r.linger_since)]
+        takers = self._takers(task)
         ready = [r for r in takers if r.replica not in task.exclude] or takers
         chosen = self._policy([ReplicaLoad(r.replica, len(r.in_flight), r.last_dispatch) for r in ready])
         if chosen is None:

@@ -452,9 +452,14 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         expired = [(t, d) for t, d in self._pending if now >= d]
         if expired:
             self._pending = [(t, d) for t, d in self._pending if now < d]
+            # (held back for replicas still starting while one was ready: that one takes them
+            # now; a review saw them refused "no ready replica" beside a ready one)
             for task, _ in expired:
-                self._reject(task, f"no ready replica of stage {self._spec.stage.name} within "
-                                   f"{self._spec.supervision.queue_timeout_s:g} s ({self._describe()})")
+                if self._takers(task):
+                    self._route(task)
+                else:
+                    self._reject(task, f"no ready replica of stage {self._spec.stage.name} within "
+                                       f"{self._spec.supervision.queue_timeout_s:g} s ({self._describe()})")
         if self._hold_until and now >= self._hold_until:
             self._drain_pending()  # the backlog kept for replicas that are still starting
         self._wind_down_if_orphaned(now)
@@ -554,6 +559,12 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         ``exited_cleanly``: it exited by itself (status 0, or not known), so the results of
         the tasks it finished went out before it did."""
         rep.address = None  # a late ChildActorExited for it changes nothing
+        if rep.state == ReplicaState.ISOLATED and (rep.linger or rep.replaced_by):
+            # Lingering on a drained node, its replacement launched, then isolated (frozen,
+            # stalled, its circuit breaker): it ends as a drained one, not restarted (a review:
+            # restarted as a crash, the stage ran one replica more than configured for good).
+            rep.state, rep.linger = ReplicaState.DRAINING, ""
+            rep.reason = f"{cause} (replaced by {rep.replaced_by})" if rep.replaced_by else cause
         if rep.linger and rep.state == ReplicaState.READY:
             # A lingering replica (see PoolPlacementMixin.receiveMsg_DrainNode) whose node left
             # before it was released (steady load until the member's drain timeout): it was being
@@ -569,8 +580,13 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             return
         if rep.state == ReplicaState.DRAINING:
             self._release(rep)
-            rep.state, rep.reason = ReplicaState.STOPPED, rep.reason or "drained"
-            self._redispatch(rep)
+            died = not exited_cleanly and not self._exiting
+            reason = rep.reason or "drained"
+            if died and cause not in reason:  # (trial BY: SIGKILLed while it drained, it said "drained on request")
+                reason = f"{reason}; then {cause}"
+            rep.state, rep.reason = ReplicaState.STOPPED, reason
+            # (died with tasks in flight: lost as a ready replica's are, in FAILED and the log; trial BY)
+            self._redispatch(rep, crashed=crashed and died)
             if exited_cleanly or self._exiting:
                 rep.finished.clear()
             else:  # (killed, or lost with its node, while it drained: a code review)
