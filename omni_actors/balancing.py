@@ -65,6 +65,14 @@ def lingers(replica) -> bool:
     return replica.state in ROUTABLE and bool(getattr(replica, "lingering", False) or getattr(replica, "linger", ""))
 
 
+def comes_back(replica) -> bool:
+    """Whether ``replica`` (a pool's record, or a ``ReplicaStatus``), pinned to a node that was
+    drained or left, is draining or lingering there and starts again on that node once it is
+    undrained or back: requests wait for it as for one pending there (trial BY: they got a 503
+    at once while it drained, and waited once it was pending, as the drain's warning said)."""
+    return bool(getattr(replica, "relaunch", False)) and replica.state in (ReplicaState.READY, ReplicaState.DRAINING)
+
+
 def no_replica_reason(stage: str, replicas: Iterable, queue_timeout_s: float,
                       new_request: bool = False) -> str | None:
     """Why a task of ``stage`` gets a 503 at once; None if it is routed now or may wait.
@@ -82,7 +90,7 @@ def no_replica_reason(stage: str, replicas: Iterable, queue_timeout_s: float,
     """
     replicas = list(replicas)
     if any(r.state in ROUTABLE and not (new_request and lingers(r)) for r in replicas) or (
-            queue_timeout_s > 0 and any(r.state in ON_ITS_WAY for r in replicas)):
+            queue_timeout_s > 0 and any(r.state in ON_ITS_WAY or comes_back(r) for r in replicas)):
         return None
     if new_request and any(lingers(r) for r in replicas):
         return f"no replica of stage {stage} takes new requests ({describe_replicas(replicas)})"
@@ -158,6 +166,7 @@ def stages_left_without_replicas(status, node: str, before=None, drained: bool =
                 for r in stage.replicas):
             continue
         others = [r for r in stage.replicas if r.node != node]
+        elsewhere = describe_replicas(others) if others else f"none on another node than {node}"
         # (trial BK: with m1 drained before, the drain of m2 said "while node m2 is drained")
         names = [node] + [n.name for n in status.nodes if n.drained and n.name != node]
         when, until = ((f"while node{'s' if len(names) > 1 else ''} {', '.join(names)} "
@@ -165,6 +174,6 @@ def stages_left_without_replicas(status, node: str, before=None, drained: bool =
                         "`node undrain` or a node that can run it joins")
                        if drained else (f"once node {node} has left", "a node that can run it joins"))
         out.append((stage.stage, f"stage {stage.stage} has no replica running {when}"
-                                 f" ({describe_replicas(others)}); requests that need it wait up to its"
+                                 f" ({elsewhere}); requests that need it wait up to its"
                                  f" queue_timeout_s, then get a 503, until {until}"))
     return out

@@ -277,3 +277,30 @@ def test_outputs_that_need_vllm_omnis_model_runner_handover_are_refused_and_note
     # (the CPU twin, synthetic stages with the same graph, serves audio)
     twin = load_config(ROOT / "configs" / "topologies" / "cpu_qwen3_omni_1_1_1.yaml")
     assert [s.stage for s in plan_request(twin, pools, {"text", "audio"}).stages] == ["thinker", "talker", "code2wav"]
+
+
+def test_a_new_request_waits_for_replicas_pinned_to_a_drained_node_as_the_drains_warning_says() -> None:
+    """Trial BY: with a stage's replicas pinned to node vm (`stage launch --node vm`), `node
+    drain --node vm` warned that requests wait up to queue_timeout_s; they got a 503 at once
+    while the pinned replicas lingered or drained, and waited once those were pending for the
+    node. A replica that starts again on its node when it is undrained (`relaunch`) counts as
+    on its way throughout; without a queue timeout, or unpinned, as before."""
+    from omni_actors.balancing import stages_left_without_replicas
+    from omni_actors.messages import NodeStatus, PoolState, SystemStatus
+
+    why = "node vm drained (`node drain`); it starts again when the node is undrained"
+    lingering = ReplicaStatus("code2wav/5", ReplicaState.READY, why, lingering=True, lingering_since=1.0,
+                              relaunch=True, node="vm", pin=("vm", ()))
+    draining = ReplicaStatus("code2wav/6", ReplicaState.DRAINING, why, relaunch=True, node="vm", pin=("vm", ()))
+    for reps in ([lingering], [draining], [lingering, draining]):
+        assert no_replica_reason("code2wav", reps, 30.0, new_request=True) is None, reps
+    assert no_replica_reason("code2wav", [draining], 0.0, new_request=True).startswith("no ready replica")
+    unpinned = ReplicaStatus("code2wav/7", ReplicaState.DRAINING, "drained on request", node="vm")
+    assert no_replica_reason("code2wav", [unpinned], 30.0, new_request=True).startswith("no ready replica")
+    # (and the warning says there is none elsewhere, not "no replicas")
+    before = SystemStatus("q", "m", False, (PoolState(2, "code2wav", (lingering, draining)),),
+                          nodes=(NodeStatus("vm", True, (), {}, ("code2wav",), ("code2wav/5", "code2wav/6"),
+                                            drained=True),))
+    ((stage, warning),) = stages_left_without_replicas(before, "vm", drained=True)
+    assert stage == "code2wav" and "has no replica running while node vm is drained (none on another node " \
+                                   "than vm); requests that need it wait up to its queue_timeout_s" in warning, warning
