@@ -639,3 +639,32 @@ def test_a_killed_replica_leaves_no_engine_core_behind(tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+@needs_omni
+def test_a_vllm_omni_processor_gets_the_model_configs_it_asks_for():
+    """A review: vLLM-Omni's stage client hands a processor its stage's HF config
+    (`next_stage_hf_config`) and vLLM model config (keyword-only `target_model_config`) when
+    it asks for them by name; JoyAI's `joyai_action_to_tts` requires the latter, and every
+    such request failed with a TypeError. They are handed as vLLM-Omni hands them."""
+    from types import SimpleNamespace
+
+    from omni_actors.engines.base import StageInputError
+
+    seen = {}
+
+    def processor(sources, prompt, requires_mm, next_stage_hf_config=None, *, target_model_config):
+        seen.update(hf=next_stage_hf_config, model=target_model_config)
+        return {"prompt_token_ids": [1]}
+
+    eng = _prompt_builder(processor)
+    eng._omni = SimpleNamespace(model_config=SimpleNamespace(hf_config="the-hf-config"))
+    upstream = {0: {"text": "x", "token_ids": np.array([5, 6]), "finish_reason": "stop"}}
+    assert eng._engine_prompt(BackendTask("r1", stage_inputs(upstream, "hi", {}), {})) == {"prompt_token_ids": [1]}
+    assert seen == {"hf": "the-hf-config", "model": eng._omni.model_config}
+
+    def positional(sources, prompt, requires_mm, target_model_config=None):
+        return {"prompt_token_ids": [1]}
+    eng._processor = positional
+    with pytest.raises(StageInputError, match="`target_model_config` must be a keyword-only parameter"):
+        eng._engine_prompt(BackendTask("r2", stage_inputs(upstream, "hi", {}), {}))

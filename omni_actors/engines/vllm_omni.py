@@ -430,13 +430,14 @@ class VllmOmniEngine:
         except (TypeError, ValueError):
             sig = {}
         requires_mm = bool(self.stage.engine_args.get("requires_multimodal_data"))
+        extra = self._processor_context(sig, name)
         try:
             if "streaming_context" in sig or "_streaming_context" in sig:
-                built = fn(sources, prompt, requires_mm, None)
+                built = fn(sources, prompt, requires_mm, None, **extra)
             elif "sampling_params" in sig:  # e.g. Ming's thinker2imagegen reads its stage's params
-                built = fn(sources, prompt, requires_mm, sampling_params=params)
+                built = fn(sources, prompt, requires_mm, sampling_params=params, **extra)
             else:
-                built = fn(sources, prompt, requires_mm)
+                built = fn(sources, prompt, requires_mm, **extra)
         except Exception as exc:  # noqa: BLE001 - the pipeline's fault, as the EngineActor's processors'
             # (a code review: a KeyError read as the client's 400, an AttributeError counted
             # against a healthy replica by its circuit breaker)
@@ -452,6 +453,23 @@ class VllmOmniEngine:
             # (as vLLM-Omni's Qwen3-Omni processors copy it onto the Talker's prompt)
             built = _with_request_params(built, {}, speaker)
         return built
+
+    def _processor_context(self, sig, name: str) -> dict[str, Any]:
+        """The context a processor asks for by name, as vLLM-Omni's stage client hands it:
+        ``next_stage_hf_config`` (this stage's HF config: the processor builds its prompt)
+        and the keyword-only ``target_model_config`` (this stage's vLLM model config; JoyAI's
+        ``joyai_action_to_tts`` sizes the Talker's prompt from it: a review saw every such
+        request fail with a TypeError)."""
+        extra: dict[str, Any] = {}
+        model_config = getattr(self._omni, "model_config", None)
+        if "next_stage_hf_config" in sig:
+            extra["next_stage_hf_config"] = getattr(model_config, "hf_config", None)
+        target = sig.get("target_model_config")
+        if target is not None:
+            if target.kind is not inspect.Parameter.KEYWORD_ONLY:
+                raise StageInputError(f"{name}: `target_model_config` must be a keyword-only parameter")
+            extra["target_model_config"] = model_config
+        return extra
 
     def _request_output(self, request_id: str, sid: int, out: dict[str, Any]):
         v = self._v
