@@ -815,6 +815,10 @@ def test_protocol_pure_functions():
     with pytest.raises(ApiError) as e:
         render_prompt([{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}])
     assert e.value.param == "messages[0].content[0].type"
+    with pytest.raises(ApiError) as e:  # (trial BZ: "Invalid value for '...type': None")
+        render_prompt([{"role": "user", "content": [{"text": "hi"}]}])
+    assert (str(e.value), e.value.param) == ("Missing required parameter: 'messages[0].content[0].type'.",
+                                             "messages[0].content[0].type")
     bridge = FakeBridge()
     creq = parse_chat_request(chat(max_tokens=5, max_completion_tokens=7), bridge)
     assert creq.sampling_params() == {"max_tokens": 7}
@@ -907,11 +911,53 @@ def test_a_body_that_stalls_midway_gets_408_and_the_server_serves_on(monkeypatch
     async def body(client):
         head, err = await _raw_post(client, b"Content-Length: 100\r\n\r\n" + b'{"model": ')
         assert head.startswith(b"HTTP/1.1 408"), head
-        assert err["message"] == "The request body did not arrive within 0.5 s.", err
+        assert err["message"] == ("The request body did not arrive within 0.5 s (or its chunked transfer "
+                                  "encoding could not be read)."), err
         resp = await client.post("/v1/chat/completions", json=chat())
         assert resp.status == 200, await resp.text()
 
     serve(FakeBridge(), body)
+
+
+def test_a_body_with_a_malformed_chunked_encoding_gets_a_400_or_a_408_that_says_so(monkeypatch):
+    """A review: a chunked body with a bad chunk-size line got a 500 and a traceback from
+    aiohttp's pure-Python parser (its TransferEncodingError is no RequestPayloadError), and
+    the C parser's queued 400 left the body's reader waiting: a 408 that said the body "did
+    not arrive". The first is a 400 now; the second's 408 names the likely cause."""
+    from aiohttp.http_exceptions import TransferEncodingError
+
+    from omni_actors.http import app as app_module
+
+    monkeypatch.setattr(app_module, "BODY_READ_TIMEOUT_S", 0.5)
+
+    async def body(client):
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.2)  # (the handler reads the body by now: the bad chunk comes later)
+        writer.write(b"zz\r\nxx\r\n0\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        err = json.loads(await asyncio.wait_for(reader.readexactly(length), 10))["error"]
+        writer.close()
+        assert head.startswith((b"HTTP/1.1 408", b"HTTP/1.1 400")), head
+        assert "chunked transfer encoding" in err["message"], err
+
+    serve(FakeBridge(), body)
+
+    class Request:  # (the pure-Python parser's error, as its reader raises it)
+        content_length = None
+        app = {app_module._MAX_BODY: 1 << 20}
+
+        async def read(self):
+            raise TransferEncodingError("zz")
+
+    with pytest.raises(ApiError) as info:
+        asyncio.run(app_module._read_json(Request()))
+    assert info.value.status == 400 and "its chunked transfer encoding is malformed (at 'zz')" in str(info.value)
 
 
 def test_a_gzip_body_that_does_not_decompress_gets_a_json_400_and_the_server_serves_on():
@@ -958,6 +1004,17 @@ def test_a_body_declared_over_the_limit_gets_413_at_once_without_being_sent():
         assert head.startswith(b"HTTP/1.1 413"), head
         assert err["message"] == "Request body too large: the limit is 2048 bytes.", err
         assert (await client.post(CHAT, json=chat())).status == 200
+        # Trial BZ: with `Expect: 100-continue` (curl's, for bodies over 1 MB) the server said
+        # "100 Continue", took the whole body, then refused it: the 413 comes instead.
+        head, err = await _raw_post(client, b"Content-Length: 5000000\r\nExpect: 100-continue\r\n\r\n", wait_s=5)
+        assert head.startswith(b"HTTP/1.1 413"), head
+        assert err["message"] == "Request body too large: the limit is 2048 bytes.", err
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n"
+                     b"Expect: 100-continue\r\n\r\n")
+        await writer.drain()
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.close()
 
     serve(FakeBridge(), body, max_body_bytes=2048)
 
@@ -1004,8 +1061,11 @@ def test_a_long_streamed_audio_part_goes_out_in_parts_of_at_most_a_second():
 
 
 @pytest.mark.parametrize("body, why", [
-    (b'{"a": "x\\ud800"}', "an unpaired utf-16 surrogate"),  # (msgspec itself says "truncated")
-    (b'{"a": "\\udc00x"}', "invalid utf-16 surrogate pair"),
+    (b'{"a": "x\\ud800"}', "an unpaired utf-16 surrogate escape"),  # (msgspec itself says "truncated")
+    # (trial BZ: msgspec says "unexpected end of escaped utf-16 surrogate pair", read as malformed JSON)
+    (b'{"messages": [{"content": "\\ud800 x"}], "max_tokens": 3}', "an unpaired utf-16 surrogate escape"),
+    (b'{"a": "\\udc00x"}', "an unpaired utf-16 surrogate escape"),
+    (b'{"a": "\\udc00x", }', "JSON is malformed"),  # (not JSON anyway: msgspec's own words)
     (b'{"a": "x', "truncated"),
     (b"", "the body is empty"),  # (msgspec says "truncated" here too)
     (b" \n", "the body is empty"),

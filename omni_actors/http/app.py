@@ -20,6 +20,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_urldispatcher import _default_expect_handler  # (100 Continue, as aiohttp answers)
 
 from omni_actors.http import metrics as M
 from omni_actors.http import protocol as P
@@ -181,18 +183,24 @@ async def _read_json(request: web.Request) -> Any:
     try:  # raises HTTPRequestEntityTooLarge over client_max_size
         body = await within(request.read(), BODY_READ_TIMEOUT_S)
     except asyncio.TimeoutError:
-        raise P.ApiError(408, f"The request body did not arrive within {BODY_READ_TIMEOUT_S:g} s.",
-                         code="request_timeout") from None
+        # (or it came with a malformed chunked encoding: aiohttp's C parser then queues its own
+        # 400 and leaves the body's reader waiting; a review)
+        raise P.ApiError(408, f"The request body did not arrive within {BODY_READ_TIMEOUT_S:g} s (or its "
+                              f"chunked transfer encoding could not be read).", code="request_timeout") from None
     except asyncio.CancelledError:
         # The client left mid-body and aiohttp cancelled us (when the read fails first, aiohttp
         # logs its ConnectionResetError, which logs.py turns into this same one line).
         _log().info("client_connection_lost", message="the client left while its request body was being read")
         raise
-    except web.RequestPayloadError as exc:
+    except (web.RequestPayloadError, HttpProcessingError) as exc:
+        # (HttpProcessingError: a malformed chunked body, from aiohttp's pure-Python parser; it
+        # was a 500 with a traceback, a review)
         # A body that cannot be decoded (a Content-Encoding: gzip body that is not gzip): the
         # client's mistake, a 400 (aiohttp then closes the connection: reading on through the
         # rest of that body fails again, logged as one bad_http_request event).
         why = str(exc).split("message:", 1)[-1].strip() or "it could not be decoded"
+        if isinstance(exc, HttpProcessingError):
+            why = f"its chunked transfer encoding is malformed (at {why[:40]!r})"
         raise P.ApiError(400, f"We could not read the body of your request: {why}") from None
     return decode_json(body)
 
@@ -209,9 +217,12 @@ def decode_json(body: bytes) -> Any:
         why = str(e)
         if not body.strip():
             why = "the body is empty (send a JSON object)"
-        elif "truncated" in why and _whole_but_a_lone_surrogate(body):
-            # (msgspec's word for a \ud800-\udbff escape with no low surrogate after it)
-            why = "JSON is malformed: a string has an unpaired utf-16 surrogate (\\ud800-\\udbff)"
+        elif ("truncated" in why or "surrogate" in why) and _whole_but_a_lone_surrogate(body):
+            # (msgspec's words for a \ud800-\udfff escape with no partner: "Input data was truncated"
+            # at the body's end, "unexpected end of escaped utf-16 surrogate pair" before more
+            # text, "invalid utf-16 surrogate pair"; trial BZ read the second as malformed JSON)
+            why = ("a string has an unpaired utf-16 surrogate escape (\\ud800-\\udfff with no partner), "
+                   "which is no text: send the character, or its pair")
         raise P.ApiError(400, f"We could not parse the JSON body of your request: {why}") from None
     except RecursionError:
         raise P.ApiError(400, "We could not parse the JSON body of your request: nested too deeply") from None
@@ -747,9 +758,23 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=m.render(table), headers={"Content-Type": M.CONTENT_TYPE_LATEST})
 
 
+async def _expect_handler(request: web.Request) -> web.StreamResponse | None:
+    """``Expect: 100-continue``: a body its ``Content-Length`` declares over the limit gets
+    its 413 (OpenAI error JSON) instead of ``100 Continue`` (trial BZ: curl, which asks so for
+    bodies over 1 MB, uploaded the whole body to be refused); otherwise aiohttp's own answer."""
+    limit = request.app[_MAX_BODY]
+    if request.content_length is not None and request.content_length > limit \
+            and request.headers.get("Expect", "").lower() == "100-continue":
+        response = _http_error(request, web.HTTPRequestEntityTooLarge(max_size=limit,
+                                                                      actual_size=request.content_length))
+        response.force_close()  # (the body it may send anyway is not read)
+        return response
+    return await _default_expect_handler(request)
+
+
 ROUTES = [
-    web.post(CHAT_PATH, M.timed(CHAT_PATH, chat_completions)),
-    web.post(IMAGES_PATH, M.timed(IMAGES_PATH, images_generations)),
+    web.post(CHAT_PATH, M.timed(CHAT_PATH, chat_completions), expect_handler=_expect_handler),
+    web.post(IMAGES_PATH, M.timed(IMAGES_PATH, images_generations), expect_handler=_expect_handler),
     web.get("/v1/models", list_models),
     web.get("/v1/models/{model:.+}", get_model),  # (ids such as zai-org/GLM-Image: a slash, unescaped)
     web.get("/v1/stages", stages),

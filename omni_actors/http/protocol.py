@@ -201,6 +201,8 @@ def _message_text(content: Any, i: int, role: str) -> str:
             raise _bad(f"Invalid type for '{pp}': expected an object.", pp)
         # (an assistant turn replayed from OpenAI may hold a `refusal` part: its words are the turn's)
         key = "refusal" if role == "assistant" and part.get("type") == "refusal" else "text"
+        if "type" not in part:  # (trial BZ read "Invalid value ...: None")
+            raise _bad(f"Missing required parameter: '{pp}.type'.", f"{pp}.type")
         if part.get("type") != key:
             raise _bad(f"Invalid value for '{pp}.type': {part.get('type')!r}; only 'text' content parts "
                        "(and 'refusal' in an assistant message) are supported.", f"{pp}.type")
