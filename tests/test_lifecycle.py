@@ -1795,7 +1795,7 @@ def test_a_hangup_stops_a_host_unless_it_runs_under_nohup():
         assert signal.getsignal(signal.SIGTERM) is handler and signal.getsignal(signal.SIGINT) is handler
         signal.signal(signal.SIGHUP, signal.SIG_DFL)  # (a terminal's)
         handle_stop_signals(handler)
-        assert signal.getsignal(signal.SIGHUP) is handler
+        assert signal.getsignal(signal.SIGHUP).handler is handler  # (behind leave_terminal)
     finally:
         for sig, was in saved.items():
             signal.signal(sig, was)
@@ -1830,3 +1830,399 @@ def test_a_dead_hosts_watchdog_leaves_alone_the_segments_of_a_new_one_on_its_por
     assert not successor_runs(record, os.getpid())  # (its own record)
     record.write_text(json.dumps({"pid": os.getpid(), **{**identity(), "pid_start": 1}}))  # (a stale one)
     assert not successor_runs(record, 12345)
+
+
+def _record_of(pid: int, **fields) -> str:
+    """A state file's text naming running process ``pid`` (with its identity), plus ``fields``."""
+    from omni_actors.system.watchdog import boot_id, start_time
+
+    return json.dumps({"pid": pid, "pid_start": start_time(pid), "boot_id": boot_id(), **fields})
+
+
+_HUNG_UP = """
+import os, signal, sys, time
+from omni_actors.system.processes import handle_stop_signals
+got = []
+handle_stop_signals(lambda signum, frame: got.append(signum))
+print("ready", flush=True)
+while not got:
+    time.sleep(0.01)
+print("draining: a plain print after the hang-up", flush=True)
+print("draining: and one to stderr", file=sys.stderr, flush=True)
+with open(sys.argv[1], "w") as f:
+    f.write("survived")
+"""
+
+
+def test_prints_after_a_hangup_do_not_raise(tmp_path):
+    """A code review: after SIGHUP (its terminal closed) a host's first plain print raised
+    (EIO): the leader's drain stopped early and cut its requests, a member exited right after
+    asking for its node's drain (killing the replicas it had just drained), exit status 1.
+    At SIGHUP its stdout and stderr, a terminal, now go to /dev/null first."""
+    master, slave = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", _HUNG_UP, str(tmp_path / "out")], stdin=subprocess.DEVNULL,
+                            stdout=slave, stderr=slave, cwd=ROOT)
+    os.close(slave)
+    try:
+        seen = b""
+        while b"ready" not in seen:
+            chunk = os.read(master, 1024)
+            assert chunk, seen
+            seen += chunk
+        os.close(master)  # (the terminal closes: its slave is hung up)
+        master = None
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(30) == 0
+        assert (tmp_path / "out").read_text() == "survived"
+    finally:
+        if master is not None:
+            os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    # (where the output is a file, it is kept: only a terminal is left)
+    out = tmp_path / "plain.out"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", _HUNG_UP, str(tmp_path / "out2")], stdin=subprocess.DEVNULL,
+                                stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 30
+        while "ready" not in out.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(30) == 0
+        assert "draining: a plain print after the hang-up" in out.read_text()
+        assert "draining: and one to stderr" in out.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_leader_whose_terminal_closes_drains_its_stream_and_exits_0(tmp_path):
+    """A code review: a leader whose terminal was closed (SIGHUP, README: it drains as Ctrl-C
+    does) raised at its drain's first print (EIO): its stream in flight was cut, and it exited
+    with status 1. Its stream now ends with [DONE] and it exits 0."""
+    import threading
+
+    from omni_actors.system.processes import kill_system, system_pids
+
+    held = [local.reserve_port(), local.reserve_port()]
+    admin_port, http_port = (s.getsockname()[1] for s in held)
+    env = {**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)}
+    master, slave = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "start", "--convention-leader", "--config",
+                             str(CONFIGS / "cpu_omni_demo.yaml"), "--port", str(http_port), "--admin-port",
+                             str(admin_port)], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=ROOT, env=env)
+    os.close(slave)
+    said, hang_up, closed = bytearray(), threading.Event(), threading.Event()
+
+    def terminal() -> None:  # (reads what the leader writes, until the terminal closes)
+        import select
+
+        try:
+            while not hang_up.is_set():
+                if select.select([master], [], [], 0.05)[0]:
+                    try:
+                        chunk = os.read(master, 65536)
+                    except OSError:
+                        break
+                    if not chunk:
+                        break
+                    said.extend(chunk)
+        finally:
+            os.close(master)
+            closed.set()
+
+    reader = threading.Thread(target=terminal, daemon=True)
+    reader.start()
+    state, system_id, sessions, watchdog = tmp_path / f"leader-{admin_port}.json", None, [], None
+    try:
+        deadline = time.monotonic() + 60
+        while b"serving model" not in said:
+            assert proc.poll() is None and time.monotonic() < deadline, bytes(said[-3000:]).decode(errors="replace")
+            time.sleep(0.1)
+        for s in held:
+            s.close()
+        recorded = json.loads(state.read_text())
+        system_id, sessions, watchdog = recorded["system_id"], recorded["sessions"], recorded["watchdog_pid"]
+
+        async def run():
+            body = {"model": "qwen3-omni-cpu-demo", "messages": MESSAGES, "max_tokens": 300, "stream": True}
+            events = []
+            try:
+                async with aiohttp.ClientSession() as s:
+                    async with s.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", json=body) as r:
+                        async for line in r.content:
+                            if line.startswith(b"data: "):
+                                events.append(line.strip())
+                                if len(events) == 3:  # mid-stream (300 tokens x 4 ms): the terminal closes
+                                    hang_up.set()
+                                    assert closed.wait(5)
+                                    proc.send_signal(signal.SIGHUP)
+            except aiohttp.ClientError as exc:
+                events.append(repr(exc).encode())
+            return events
+
+        events = asyncio.run(run())
+        assert events[-1] == b"data: [DONE]", events[-3:]
+        assert proc.wait(30) == 0
+    finally:
+        hang_up.set()
+        reader.join(10)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        for s in held:
+            s.close()
+        left = system_pids(system_id, sessions=sessions) if system_id else []
+        if system_id:
+            kill_system(system_id, sessions=sessions)
+        if watchdog:
+            deadline = time.monotonic() + 8
+            while is_watchdog(watchdog) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if is_watchdog(watchdog):
+                os.kill(watchdog, signal.SIGKILL)
+    assert left == [] and not state.exists()
+
+
+_LOSES_THE_RACE = """
+import sys
+import omni_actors.system.leader as leader
+leader.port_in_use = lambda *args, **kwargs: False  # (it checked the admin port as the other one took it)
+from omni_actors.system.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_leader_that_loses_its_admin_port_leaves_the_winners_record_and_segments(tmp_path):
+    """A code review: two `start` on one admin port within a second both found it free; the
+    one whose admin lost ("taken by another system", after 5 s) removed the winner's state
+    file and swept its shared-memory segments as it cleaned up. It leaves both now: the
+    record names another running process."""
+    admin_port, shm = free_port(), tmp_path / "shm"
+    shm.mkdir()
+    winner = _bare_admin(admin_port)  # (the admin of the leader that won the port)
+    try:
+        record = tmp_path / f"leader-{admin_port}.json"
+        record.write_text(_record_of(winner.pid, admin_port=admin_port, port=free_port(), host="127.0.0.1",
+                                     system_id="the-winner", sessions=[]))
+        segment = shm / f"oa-{admin_port}-winner-0"
+        segment.write_bytes(b"x" * 64)
+        env = {**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path), "OMNI_ACTORS_SYSTEM_ID": "the-loser-0123456789"}
+        out = subprocess.run([sys.executable, "-c", _LOSES_THE_RACE, "start", "--convention-leader", "--port",
+                              str(free_port()), "--admin-port", str(admin_port), "--shm-dir", str(shm)],
+                             capture_output=True, text=True, timeout=90, cwd=ROOT, env=env)
+        assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == (
+            f"error: admin port {admin_port} was taken by another system while this one started: give this one an "
+            "--admin-port of its own"), out.stderr[-2000:]
+        assert record.exists() and json.loads(record.read_text())["pid"] == winner.pid
+        assert segment.exists()
+        assert winner.poll() is None
+    finally:
+        _end(winner)
+
+
+def test_a_member_waiting_for_its_leader_keeps_its_admin_port_from_a_second_member_and_a_leader(tmp_path):
+    """A code review: a member waiting for its leader has no admin listening yet, so a second
+    member given its admin port was accepted (and wrote its record over the first's), and so
+    was a leader. Both are refused, naming the member (README: such a leader "names the
+    member"); the waiting member's own check after the wait is not refused by its own record."""
+    leader_port, admin = free_port(), free_port()
+    env = {**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)}
+    member = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "start", "--convention-address",
+                               f"127.0.0.1:{leader_port}", "--admin-port", str(admin), "--node-name", "m1",
+                               "--leader-wait", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT, env=env)
+    second = leader = None
+    try:
+        assert "waiting up to 60 s" in member.stdout.readline()
+        named = f"member 'm1' (pid {member.pid}, waiting for its leader)"
+        second = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "start", "--convention-address",
+                                   f"127.0.0.1:{leader_port}", "--admin-port", str(admin), "--node-name", "m2",
+                                   "--leader-wait", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, cwd=ROOT, env=env)
+        out, err = second.communicate(timeout=30)
+        assert second.returncode == 1 and err.strip().splitlines()[-1] == (
+            f"error: admin port {admin} is the admin port of {named} on this host: give this one an --admin-port "
+            "of its own"), (out, err)
+        record = json.loads((tmp_path / f"member-{admin}.json").read_text())
+        assert record["pid"] == member.pid and record["node"] == "m1", record
+        for how, line in ((["--port", str(free_port()), "--admin-port", str(admin)],
+                           f"error: admin port {admin} is the admin port of {named} on this host: give another "
+                           "--admin-port"),
+                          (["--port", str(admin), "--admin-port", str(free_port())],
+                           f"error: HTTP port {admin} on 127.0.0.1 is the admin port of {named} on this host: give "
+                           "another --port")):
+            leader = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "start", "--convention-leader",
+                                       *how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                      env=env)
+            out, err = leader.communicate(timeout=30)
+            assert leader.returncode == 1 and err.strip().splitlines()[-1] == line, (out, err)
+        assert member.poll() is None  # (still waiting, its record its own)
+        member.send_signal(signal.SIGINT)
+        out, err = member.communicate(timeout=30)
+        assert member.returncode == 130 and "stopped while it waited for its leader" in out, (out, err)
+    finally:
+        for proc in (member, second, leader):
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGINT)  # (a leader that started: it cleans up its system)
+                try:
+                    proc.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.communicate(timeout=10)
+
+
+def test_the_port_checks_say_that_a_leader_recorded_there_is_stopping(tmp_path, monkeypatch):
+    """A code review: a second `start` (or `api`) on the ports of a leader that drains read that
+    the port "is taken by ... which serves there once its replicas are ready"; it is stopping."""
+    from omni_actors.system.leader import admin_port_claimed, http_port_claimed
+
+    monkeypatch.setenv("OMNI_ACTORS_STATE_DIR", str(tmp_path))
+    other = subprocess.Popen(["sleep", "60"])  # (the leader recorded: a process that runs, not this one)
+    try:
+        admin_port, port = free_port(), free_port()
+        record = tmp_path / f"leader-{admin_port}.json"
+        who = f"the system on admin port {admin_port} (leader pid {other.pid})"
+        record.write_text(_record_of(other.pid, admin_port=admin_port, port=port, host="127.0.0.1"))
+        assert "which serves there once its replicas are ready" in http_port_claimed("127.0.0.1", port, 1)
+        for stops in ({"stopping": True}, {"stop_asked_at": time.time()}):
+            record.write_text(_record_of(other.pid, admin_port=admin_port, port=port, host="127.0.0.1", **stops))
+            assert http_port_claimed("127.0.0.1", port, free_port()) == (
+                f"HTTP port {port} on 127.0.0.1 is taken by {who}, which is stopping; try again once it has exited")
+            assert http_port_claimed("127.0.0.1", port, free_port(), api=True) == (
+                f"HTTP port {port} on 127.0.0.1 is taken by {who}, which is stopping; try again once it has "
+                "exited (or give this API server another --port)")
+            assert admin_port_claimed(port) == (
+                f"admin port {port} is the HTTP port of {who}, which is stopping; try again once it has exited "
+                "(or give another --admin-port)")
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_a_leader_interrupted_during_start_up_records_that_it_stops(tmp_path):
+    """A code review: a leader interrupted while its replicas started never recorded that it
+    stopped, so a start on its ports during its clean-up read that it would serve there."""
+    import threading
+
+    import yaml
+
+    cfg = yaml.safe_load((CONFIGS / "cpu_omni_demo.yaml").read_text())
+    cfg["deployment"]["stages"]["talker"]["synthetic"].update(startup_s=60, startup_blocks=True)
+    cfg["deployment"]["ready_timeout_s"] = 120
+    config = tmp_path / "slow_start.yaml"
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    held = [local.reserve_port(), local.reserve_port()]
+    admin_port, http_port = (s.getsockname()[1] for s in held)
+    env = {**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)}
+    with open(tmp_path / "leader.err", "wb") as err, open(tmp_path / "leader.out", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "start", "--convention-leader",
+                                 "--config", str(config), "--port", str(http_port), "--admin-port", str(admin_port)],
+                                stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=ROOT, env=env)
+    state = tmp_path / f"leader-{admin_port}.json"
+    seen: list[dict] = []
+    done = threading.Event()
+
+    def watch() -> None:  # (every version of its record, until it is gone)
+        while not done.is_set():
+            try:
+                seen.append(json.loads(state.read_text()))
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not state.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "leader.err").read_text()[-2000:]
+            time.sleep(0.1)
+        time.sleep(1.0)  # (its replicas are starting)
+        watcher.start()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+        time.sleep(0.1)
+    finally:
+        done.set()
+        for s in held:
+            s.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert "interrupted during start-up" in (tmp_path / "leader.err").read_text()
+    assert any(record.get("stopping") is True for record in seen), seen[-1:]
+    assert not state.exists()
+
+
+_IGNORES_SIGTERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
+                   "time.sleep(120)"
+
+
+@pytest.mark.parametrize("role", ["leader", "member"])
+def test_ctrl_c_on_a_waiting_stop_is_one_line_and_the_stop_goes_on(tmp_path, role):
+    """A code review: Ctrl-C on `stop` while it waited for a draining host printed a
+    KeyboardInterrupt traceback, and one stopping a member left its stop_waits flag set, so the
+    member wrote a drain record nobody would read or remove. One line, exit 130, flag cleared."""
+    host = subprocess.Popen([sys.executable, "-c", _IGNORES_SIGTERM], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline() == "up\n"
+        admin_port = free_port()
+        record = tmp_path / f"{role}-{admin_port}.json"
+        record.write_text(_record_of(host.pid, role=role, admin_port=admin_port, node="m1", port=free_port(),
+                                     system_id="no-such-system", sessions=[], drain_timeout_s=60))
+        stop = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port", str(admin_port)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)})
+        try:
+            deadline = time.monotonic() + 30
+            while "stop_asked_at" not in record.read_text():  # (its SIGTERM went: it waits)
+                assert stop.poll() is None and time.monotonic() < deadline, stop.communicate()
+                time.sleep(0.05)
+            if role == "member":
+                assert json.loads(record.read_text())["stop_waits"] is True
+            stop.send_signal(signal.SIGINT)
+            out, err = stop.communicate(timeout=30)
+        finally:
+            if stop.poll() is None:
+                stop.kill()
+                stop.communicate()
+        assert stop.returncode == 130, (out, err)
+        assert err.strip() == (
+            f"interrupted: the stop goes on without this command (the {role} on admin port {admin_port}, pid "
+            f"{host.pid}, drains and exits by itself; `{cli('stop')} --admin-port {admin_port}` waits for it "
+            "again)"), err
+        after = json.loads(record.read_text())
+        assert not after.get("stop_waits") and after["pid"] == host.pid, after
+        assert host.poll() is None  # (signalled, not killed)
+    finally:
+        host.kill()
+        host.wait()
+
+
+def test_ctrl_c_on_a_command_waiting_for_a_busy_admin_is_one_line():
+    """A code review: Ctrl-C on `status` (or `stage`, `node`) waiting for an admin that does not
+    answer printed a KeyboardInterrupt traceback."""
+    with socket.socket() as busy:  # (accepts connections, answers nothing)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        proc = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "status", "--admin-port",
+                                 str(busy.getsockname()[1])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=ROOT)
+        try:
+            time.sleep(2.5)  # (imported, asking: the admin answers nothing for 5 s)
+            assert proc.poll() is None, proc.communicate()
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert proc.returncode == 130 and err.strip() == "interrupted", (out, err)

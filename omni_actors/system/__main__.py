@@ -395,7 +395,7 @@ STOP_ASKED = "stop_asked_at"
 def cmd_stop(args) -> int:
     from omni_actors.connectors import sweep_segments
     from omni_actors.system.leader import member_state_file, other_leaders_hint, state_dir, state_file, update_state
-    from omni_actors.system.processes import kill_system
+    from omni_actors.system.processes import cli, kill_system
 
     if args.timeout is not None and not 0 <= args.timeout <= MAX_STOP_TIMEOUT_S:  # (also refuses nan)
         return _fail(f"--timeout must be from 0 to {MAX_STOP_TIMEOUT_S:g} s, got {args.timeout:g}", 2)
@@ -454,6 +454,16 @@ def cmd_stop(args) -> int:
     except PermissionError:  # (a traceback; a code review)
         return _fail(f"not allowed to stop the {whose} on admin port {args.admin_port} (pid {pid}): it runs as "
                      "another user; run `stop` as that user (or root)")
+    except KeyboardInterrupt:  # (Ctrl-C while it waited: a traceback, a code review)
+        if state.get("role") == "member" and not already:  # (its drain record would be left to nobody)
+            from omni_actors.system.member import STOP_WAITS, drain_record
+
+            update_state(sfile, **{STOP_WAITS: False})
+            drain_record(args.admin_port).unlink(missing_ok=True)
+        print(f"interrupted: the stop goes on without this command (the {whose} on admin port {args.admin_port}, "
+              f"pid {pid}, drains and exits by itself; `{cli('stop')} --admin-port {args.admin_port}` waits for "
+              "it again)", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT
     killed = kill_system(state["system_id"], sessions=state.get("sessions", ()))
     sweep_segments(f"oa-{args.admin_port}-", state.get("shm_dir"))
     sfile.unlink(missing_ok=True)
@@ -944,7 +954,15 @@ def main(argv: list[str] | None = None) -> int:
             return _fail(f"--devices: {exc}", 2)
     verbs = {"start": cmd_start, "stop": cmd_stop, "status": cmd_status, "inject": cmd_inject, "stage": cmd_stage,
              "node": cmd_node, "api": cmd_api, "shell": cmd_shell, "check-config": cmd_check_config}
-    return verbs[args.verb](args)
+    try:
+        return verbs[args.verb](args)
+    except KeyboardInterrupt:  # (Ctrl-C: a traceback, a code review; `stop` says more while it waits)
+        print("interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED_EXIT
+
+
+#: The exit status of a command interrupted by Ctrl-C (128 + SIGINT, as a shell's).
+INTERRUPTED_EXIT = 130
 
 
 def _main_piped() -> int:

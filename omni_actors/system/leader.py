@@ -28,7 +28,7 @@ from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, cli, ha
                                           remove_ipc_dir, remove_orphan_semaphores, resume_stopped, sweep_stale_ipc_dirs,
                                           serve_args_error)
 from omni_actors.system.watchdog import (admin_stops, exit_if_host_gone, identity, is_watchdog, mark_host_process,
-                                         recorded_process_runs, start_watchdog, stop_watchdog)
+                                         recorded_process_runs, start_watchdog, stop_watchdog, successor_runs)
 
 ACTOR_BASE = "multiprocTCPBase"
 PR_SET_CHILD_SUBREAPER = 36
@@ -253,14 +253,17 @@ def start_data_service(node: str, default_host: str, reap_after_s: float):
 
 def member_on_port(port: int) -> str | None:
     """``member 'm1' (pid 4711)`` when a member recorded in :func:`state_dir` whose process
-    runs has its admin on ``port``; else None."""
+    runs, other than this process, has its admin on ``port`` (``(pid 4711, waiting for its
+    leader)`` while its admin is not up yet: a code review's second member, and a leader,
+    took the port of one waiting, as nothing listened there yet); else None."""
     try:
         state = json.loads(member_state_file(port).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(state, dict) or not recorded_process_runs(state):
+    if not isinstance(state, dict) or state.get("pid") == os.getpid() or not recorded_process_runs(state):
         return None
-    return f"member {state.get('node')!r} (pid {state.get('pid')})"
+    waiting = ", waiting for its leader" if state.get("waiting") else ""
+    return f"member {state.get('node')!r} (pid {state.get('pid')}{waiting})"
 
 
 def _admin_port_taken(admin_port: int) -> str:
@@ -326,6 +329,16 @@ def other_leaders_hint(admin_port: int, flag: str = "--admin-port {}") -> str:
             f"(give {flag.split()[0]})")
 
 
+def _is_stopping(state: dict) -> bool:
+    """Whether a leader's record says that it stops: it drains (``stopping``), `stop` asked it
+    (``stop_asked_at``), or its start-up was interrupted."""
+    return bool(state.get("stopping")) or state.get("stop_asked_at") is not None
+
+
+#: How the port checks name a leader that stops (see :func:`_is_stopping`).
+STOPPING_HINT = "which is stopping; try again once it has exited"
+
+
 def http_port_claimed(host: str, port: int, admin_port: int, api: bool = False) -> str | None:
     """Why ``host:port`` is taken by a leader recorded in :func:`state_dir`, or None.
 
@@ -333,7 +346,9 @@ def http_port_claimed(host: str, port: int, admin_port: int, api: bool = False) 
     connect finds nothing there yet (a trial started a second leader on the port of one
     still loading: the second served there, and the first, after its whole start-up,
     could not bind and exited). One serving there: the answer says how to stop it (a
-    trial ran `make run` twice and read only "HTTP port 8000 on 127.0.0.1 is in use")."""
+    trial ran `make run` twice and read only "HTTP port 8000 on 127.0.0.1 is in use").
+    One that stops: that it does (a code review read "serves there once its replicas are
+    ready" of a leader draining)."""
     for other in recorded_leaders():
         pid, other_admin = other["pid"], other["admin_port"]
         if other.get("port") != port or pid == os.getpid() \
@@ -341,6 +356,9 @@ def http_port_claimed(host: str, port: int, admin_port: int, api: bool = False) 
             continue
         who = f"the system on admin port {other_admin} (leader pid {pid})"
         serving = port_in_use(port)
+        if _is_stopping(other):
+            return (f"HTTP port {port} on {host} is " + ("in use by " if serving else "taken by ") + who
+                    + f", {STOPPING_HINT}" + (" (or give this API server another --port)" if api else ""))
         if api:  # (trial BR: told to stop the system it was to serve, or to change its --admin-port)
             return (f"HTTP port {port} on {host} is " + ("in use by " if serving else "taken by ") + who
                     + ("" if serving else ", which serves there once its replicas are ready")
@@ -363,7 +381,8 @@ def http_port_problem(host: str, port: int, admin_port: int | None, api: bool = 
     problem = serve_args_error(host, port, admin_port)
     if problem is None or problem.endswith(" is in use"):  # (by which system, where it is one of ours)
         problem = http_port_claimed(host, port, admin_port or 0, api=api) or problem
-    member = member_on_port(port) if problem is not None and problem.endswith(" is in use") else None
+    # (None too: a member waiting for its leader has no admin listening yet, a code review)
+    member = member_on_port(port) if problem is None or problem.endswith(" is in use") else None
     if member:
         problem = f"HTTP port {port} on {host} is the admin port of {member} on this host: give another --port"
     return problem
@@ -375,6 +394,10 @@ def admin_port_claimed(admin_port: int) -> str | None:
     nothing listens there yet); None otherwise."""
     for other in recorded_leaders():
         if other.get("port") == admin_port and other["pid"] != os.getpid():
+            if _is_stopping(other):
+                return (f"admin port {admin_port} is the HTTP port of the system on admin port "
+                        f"{other['admin_port']} (leader pid {other['pid']}), {STOPPING_HINT} (or give another "
+                        "--admin-port)")
             return (f"admin port {admin_port} is the HTTP port of the system on admin port {other['admin_port']} "
                     f"(leader pid {other['pid']})" + ("" if port_in_use(admin_port)
                                                       else ", which serves there once its replicas are ready")
@@ -398,7 +421,7 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     problem = http_port_problem(host, port, admin_port) or admin_port_claimed(admin_port)
     if problem:
         raise StartError(problem)
-    if port_in_use(admin_port):
+    if port_in_use(admin_port) or member_on_port(admin_port):  # (a member waiting for its leader: not listening)
         raise StartError(_admin_port_taken(admin_port))
     try:
         shm_dir = check_segment_dir()  # $OMNI_ACTORS_SHM_DIR (--shm-dir), inherited by every actor
@@ -409,7 +432,9 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     os.environ[ENV_SYSTEM_ID] = system_id
     shm_prefix = f"oa-{admin_port}-"
     os.environ["OMNI_ACTORS_SHM_PREFIX"] = shm_prefix
-    sweep_segments(shm_prefix)  # what a killed predecessor on this port left
+    sfile = state_file(admin_port)
+    if not successor_runs(sfile, os.getpid()):  # (not another leader's, started on this port meanwhile)
+        sweep_segments(shm_prefix)  # what a killed predecessor on this port left
     log = get_logger(actor="leader")
     _become_subreaper()
     stale = sweep_stale_ipc_dirs()
@@ -441,7 +466,6 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
     from omni_actors.actors.supervision import host_identity
 
     leader_node = NodeInfo(node or socket.gethostname(), tuple(devices), host=host_identity())
-    sfile = state_file(admin_port)
     device_leases.sweep_stale()  # (of leaders and members killed outright on this host)
     leases = device_leases.use_scope(admin_port, leader_node.name)
     asys = data = watchdog = None
@@ -492,6 +516,8 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
                            admin_port=admin_port))
         return 0
     except KeyboardInterrupt:
+        if not successor_runs(sfile, os.getpid()):  # (its own record: a start on its ports says it stops)
+            update_state(sfile, stopping=True)
         print("interrupted during start-up", file=sys.stderr)
         return 130
     finally:
@@ -509,12 +535,16 @@ def run_leader(config: PipelineConfig, *, host: str, port: int, admin_port: int,
             left = kill_system(system_id, sessions=sessions, titles=killed, settle_s=1.0 if asys is not None else 0.0)
             remove_ipc_dir(system_id)
             device_leases.sweep(leases)
-            removed = sweep_segments(shm_prefix)
+            # (a code review: a leader that lost its admin port to another one started at the same
+            # moment, "taken by another system", removed that one's record and segments)
+            theirs = successor_runs(sfile, os.getpid())
+            removed = 0 if theirs else sweep_segments(shm_prefix)
             semaphores = remove_orphan_semaphores(started_at)
             if data is not None:
                 data.stop()
             try:
-                sfile.unlink(missing_ok=True)
+                if not theirs:
+                    sfile.unlink(missing_ok=True)
             except OSError:
                 pass  # (an unusable state directory: nothing was recorded there)
             stop_watchdog(watchdog)

@@ -16,9 +16,9 @@ import socket
 import threading
 import time
 
-from omni_actors.system.leader import (StartError, _become_subreaper, admin_port_claimed, member_state_file,
-                                       node_capabilities, recorded_leaders, start_admin, start_data_service,
-                                       update_state, write_state)
+from omni_actors.system.leader import (StartError, _become_subreaper, admin_port_claimed, member_on_port,
+                                       member_state_file, node_capabilities, recorded_leaders, start_admin,
+                                       start_data_service, update_state, write_state)
 from omni_actors.system.processes import (ENV_SYSTEM_ID, child_sessions, handle_stop_signals, kill_system,
                                           port_in_use, remove_ipc_dir,
                                           remove_orphan_semaphores,
@@ -285,8 +285,9 @@ def drain_node(host: str, port: int, node: str, hurry: threading.Event, log,
 
 
 def _check_admin_port(admin_port: int, host: str, port: int) -> None:
-    """Raise StartError when something listens on this member's ``admin_port`` already, or a
-    leader recorded here that is still starting will serve HTTP there."""
+    """Raise StartError when something listens on this member's ``admin_port`` already, another
+    member recorded here has it (one waiting for its leader too, whose admin is not up yet), or
+    a leader recorded here that is still starting will serve HTTP there."""
     claimed = admin_port_claimed(admin_port)
     if claimed:
         raise StartError(claimed)
@@ -298,6 +299,10 @@ def _check_admin_port(admin_port: int, host: str, port: int) -> None:
             raise StartError(f"{host}:{port} is the HTTP port of the system on admin port {other['admin_port']} "
                              f"(leader pid {other['pid']}): give --convention-address its admin port, "
                              f"{host}:{other['admin_port']}")
+    member = member_on_port(admin_port)  # (another one waiting for its leader listens nowhere yet: a code review)
+    if member:
+        raise StartError(f"admin port {admin_port} is the admin port of {member} on this host: give this one an "
+                         "--admin-port of its own")
     if port_in_use(admin_port):
         raise StartError(f"admin port {admin_port} is in use (another system, or a member already running "
                          "on this host: give this one an --admin-port of its own)")

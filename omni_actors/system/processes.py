@@ -248,11 +248,41 @@ def child_sessions(pid: int | None = None) -> list[int]:
 def handle_stop_signals(handler) -> None:
     """Install ``handler`` for SIGINT, SIGTERM and SIGHUP (its terminal was closed); SIGHUP
     not where it is ignored already (``nohup``: a code review's `nohup ... start &` stopped
-    the whole system at logout)."""
+    the whole system at logout). At SIGHUP, :func:`leave_terminal` first: the drain that
+    follows prints to a terminal that is gone."""
+    def hung_up(signum, frame):
+        leave_terminal()
+        return handler(signum, frame)
+
+    hung_up.handler = handler  # (what it calls: for a reader of signal.getsignal)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
             continue
-        signal.signal(sig, handler)
+        signal.signal(sig, hung_up if sig == signal.SIGHUP else handler)
+
+
+def leave_terminal() -> None:
+    """Point this process's stdout and stderr, where they are a terminal (a character
+    device), at /dev/null. After a hang-up (SIGHUP: the terminal closed) every write there
+    fails (EIO): log lines are dropped quietly (``logs._Tolerant``), but a plain ``print`` raised
+    and cut a drain short (a code review: a leader cut its requests in flight and exited
+    with status 1; a member exited right after asking for its node's drain, killing the
+    replicas it had just drained). Files and pipes are kept."""
+    import stat
+
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        for fd in (1, 2):
+            try:
+                if stat.S_ISCHR(os.fstat(fd).st_mode):
+                    os.dup2(null, fd)
+            except OSError:  # (closed: nothing to point anywhere)
+                pass
+    finally:
+        os.close(null)
 
 
 def system_pids(system_id: str, *, exclude_self: bool = True, sessions: tuple[int, ...] | list[int] = ()) -> list[int]:
