@@ -34,7 +34,7 @@ _ENGINE_KEYS = frozenset({
     "model_stage", "model", "model_arch", "worker_type", "stage_type", "hf_config_name",
     "engine_output_type", "model_subdir", "tokenizer_subdir", "requires_multimodal_data",
     "custom_process_next_stage_input_func", "requires_full_payload_input", "is_comprehension",
-    "omni_kv_config", "stage_id", "final_output", "final_output_type", "tensor_parallel_size",
+    "omni_kv_config", "stage_id", "final_output", "final_output_type", "vllm_omni_pipeline", "tensor_parallel_size",
     "pipeline_parallel_size", "data_parallel_size", "gpu_memory_utilization", "max_model_len",
     "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "trust_remote_code", "dtype",
     "enable_prefix_caching", "enable_chunked_prefill", "distributed_executor_backend",

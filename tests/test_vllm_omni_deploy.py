@@ -626,3 +626,42 @@ def test_a_vllm_omni_stage_with_no_model_is_refused_at_its_path(tmp_path: Path) 
     err = refused(path)
     assert (err.path, err.message) == ("stage_args[1].engine_args.model",
                                        "a vllm_omni stage needs `model` (a model directory or a model id)")
+
+
+@needs_registry
+def test_the_registrys_other_stage_fields_reach_each_stages_pipeline(tmp_path: Path) -> None:
+    """A review: a registered pipeline's stage fields beyond the graph (IndexTTS2's and the TTS
+    models' `extras`, Ming-Image's `model_path_resolver`, VoxCPM2's `scheduler_cls`, the CFG
+    hooks...) were dropped without a word. Each shipped deploy file's stages now carry them,
+    and a replica's one-stage pipeline (`VllmOmniEngine._pipeline`) has them as the registry
+    does."""
+    import dataclasses
+
+    from omni_actors.config import StageSpec
+    from omni_actors.engines.vllm_omni import VllmOmniEngine
+    from omni_actors.vllm_omni_deploy.topology import PASSED_ON, PIPELINE_EXTRA
+
+    registry = importlib.import_module("vllm_omni.config.pipeline_registry")
+    checked = 0
+    for path in _shipped_with_deployment(tmp_path):
+        try:
+            cfg = load_config(path)
+        except ConfigError:
+            continue  # (those that do not load: test_every_shipped_deploy_file_loads)
+        pipe = registry.OMNI_PIPELINES.get(cfg.vllm_omni.pipeline)
+        if not hasattr(pipe, "stages"):
+            continue  # (behind a resolver)
+        theirs = {ps.model_stage: ps for ps in pipe.stages}
+        for s in cfg.stage_args:
+            ps = theirs[s.name]
+            want = {f: getattr(ps, f) for f in PASSED_ON if getattr(ps, f) not in (None, False, (), {})}
+            if not want:
+                continue
+            checked += 1
+            eng = VllmOmniEngine(StageSpec(stage_id=s.stage_id, engine_args=s.engine_args), f"{s.name}/0")
+            eng._import()
+            mine = eng._pipeline("p", dict(s.engine_args), "m").stages[0]
+            assert {f: getattr(mine, f) for f in want} == want, (path.name, s.name)
+            assert dataclasses.asdict(mine)["extras"] == ps.extras
+            assert PIPELINE_EXTRA in s.engine_args
+    assert checked >= 5, checked

@@ -65,6 +65,7 @@ __all__ = ["VllmEngine", "OMNI_ONLY_KEYS", "split_engine_args"]
 
 #: vLLM-Omni ``OmniEngineArgs`` fields that plain vLLM does not have: dropped.
 OMNI_ONLY_KEYS = frozenset({
+    "vllm_omni_pipeline",  # (vllm_omni_deploy.topology.PIPELINE_EXTRA)
     "stage_id", "model_stage", "model_arch", "engine_output_type", "final_output",
     "hf_config_name", "custom_process_next_stage_input_func", "requires_full_payload_input",
     "stage_connector_spec", "subtalker_sampling_params", "silence_ban_frames", "async_chunk",

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import os
 import tempfile
@@ -78,6 +79,7 @@ from omni_actors.engines.vllm_core import CoreWatch, is_client_error, one_line
 from omni_actors.engines.vllm_requests import VllmRequests
 from omni_actors.logs import get_logger
 from omni_actors.system.processes import release_ipc_dir, use_ipc_dir, use_ipc_dir_for_temp_files
+from omni_actors.vllm_omni_deploy.topology import PIPELINE_EXTRA
 
 __all__ = ["VllmOmniEngine", "stage_inputs", "multimodal_inputs", "client_audio", "PIPELINE_KEYS",
            "TOKEN_FIELDS", "DEFAULT_SAMPLE_RATE"]
@@ -88,7 +90,7 @@ PIPELINE_KEYS = frozenset({
     "model", "model_stage", "model_arch", "worker_type", "stage_type", "hf_config_name",
     "engine_output_type", "model_subdir", "tokenizer_subdir", "requires_multimodal_data",
     "custom_process_next_stage_input_func", "requires_full_payload_input", "is_comprehension",
-    "omni_kv_config", "stage_id", "final_output", "final_output_type"})
+    "omni_kv_config", "stage_id", "final_output", "final_output_type", PIPELINE_EXTRA})
 _INSTALL_HINT = "pip install -e '.[vllm-omni]' (see the README: vLLM-Omni needs vLLM 0.30)"
 _CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 _DEFAULT_PROCESSOR = "vllm_omni.engine.stage_engine_core_client._default_process_engine_inputs"
@@ -331,6 +333,10 @@ class VllmOmniEngine:
             model_subdir=args.get("model_subdir"), tokenizer_subdir=args.get("tokenizer_subdir"),
             omni_kv_config=args.get("omni_kv_config"),
             requires_full_payload_input=bool(args.get("requires_full_payload_input")))
+        # (the rest of the registry's stage fields, as they are: lists back to vLLM-Omni's tuples)
+        known = {f.name for f in dataclasses.fields(v["StagePipelineConfig"])}
+        fields.update({k: tuple(val) if isinstance(val, list) else val
+                       for k, val in (args.get(PIPELINE_EXTRA) or {}).items() if k in known})
         return v["PipelineConfig"](model_type=name, model_arch=arch or "",
                                    stages=(v["StagePipelineConfig"](**fields),))
 

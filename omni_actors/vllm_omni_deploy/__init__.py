@@ -72,7 +72,7 @@ from omni_actors.config import MAX_REPLICAS, ConfigError, OmniConnectors, Pipeli
 from omni_actors.connector_config import omni_connectors
 from omni_actors.vllm_omni_deploy.files import (ConnectorSpec, Edge, check_connectors, deep_merge,
                                                 resolve)
-from omni_actors.vllm_omni_deploy.topology import Topology, TopologyStage, resolve_topology
+from omni_actors.vllm_omni_deploy.topology import PASSED_ON, PIPELINE_EXTRA, Topology, TopologyStage, resolve_topology
 
 __all__ = ["ConnectorSpec", "Edge", "TopologyStage", "Topology", "StageDeploySettings",
            "VllmOmniDeploy", "DeployPipelineConfig", "is_deploy_format", "parse_deploy_config"]
@@ -235,6 +235,9 @@ def _stage_args(ts: TopologyStage, topo: Topology, stage: dict[str, Any],
               "omni_kv_config", "custom_process_next_stage_input_func"):
         if getattr(ts, f) is not None:
             engine[f] = getattr(ts, f)
+    passed = {f: getattr(ts, f) for f in PASSED_ON if getattr(ts, f) not in (None, False, [], {})}
+    if passed:
+        engine[PIPELINE_EXTRA] = passed
     for f, name in (("requires_multimodal_data", "requires_multimodal_data"),
                     ("requires_full_payload_input", "requires_full_payload_input"),
                     ("owns_tokenizer", "is_comprehension")):

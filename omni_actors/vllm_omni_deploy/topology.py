@@ -22,7 +22,7 @@ import msgspec
 
 from omni_actors.config import ConfigError, _convert
 
-__all__ = ["TopologyStage", "Topology", "resolve_topology"]
+__all__ = ["PASSED_ON", "PIPELINE_EXTRA", "TopologyStage", "Topology", "resolve_topology"]
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Name = Annotated[str, msgspec.Meta(min_length=1)]
@@ -52,6 +52,30 @@ class TopologyStage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     sync_process_input_func: str | None = None
     custom_process_next_stage_input_func: str | None = None
     async_chunk_process_next_stage_input_func: str | None = None
+    # The rest of ``StagePipelineConfig``: handed on to the stage's own (one-stage) pipeline
+    # as they are (:data:`PASSED_ON`; a review: registry pipelines lost them, IndexTTS2's
+    # `extras`, Ming-Image's `model_path_resolver`, VoxCPM2's `scheduler_cls`...)
+    retains_state_across_chunks: bool = False
+    supports_native_mrv2_data_plane: bool = False
+    prompt_transform_func: str | None = None
+    prompt_expand_func: str | None = None
+    cfg_kv_collect_func: str | None = None
+    stage_input_payload_keys: list[str] = []
+    stage_output_payload_keys: list[str] = []
+    scheduler_cls: str | None = None
+    model_path_resolver: str | None = None
+    inline_diffusion: bool = False
+    extras: dict[str, Any] = {}
+
+
+#: The ``engine_args`` key that carries :data:`PASSED_ON` fields (a mapping) to the stage's replicas.
+PIPELINE_EXTRA = "vllm_omni_pipeline"
+#: The :class:`TopologyStage` fields handed on to a stage's pipeline (``StagePipelineConfig``)
+#: as they are, under the stage's ``engine_args.vllm_omni_pipeline`` (not vLLM engine arguments:
+#: ``scheduler_cls`` is one of vLLM's too, with another meaning).
+PASSED_ON = ("retains_state_across_chunks", "supports_native_mrv2_data_plane", "prompt_transform_func",
+             "prompt_expand_func", "cfg_kv_collect_func", "stage_input_payload_keys", "stage_output_payload_keys",
+             "scheduler_cls", "model_path_resolver", "inline_diffusion", "extras")
 
 
 class Topology(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
