@@ -1056,9 +1056,12 @@ def test_status_shows_a_fault_injected_into_a_replica_until_it_is_cleared(fanin_
         wait_fault("thinker/0", "raise x2")  # (the last injected replaces the one before)
     finally:
         out = inject_cli(port, "clear", "--replica", "thinker/0")
-    assert out.returncode == 0 and json.loads(out.stdout)["message"] == "cleared faults of thinker/0", out  # (it said
-    # "clear injected into thinker/0")
+    assert out.returncode == 0 and json.loads(out.stdout)["message"] == "cleared faults of thinker/0 (raise x2)", \
+        out  # (it said "clear injected into thinker/0")
     wait_fault("thinker/0", "")
+    out = inject_cli(port, "clear", "--replica", "thinker/0")  # (trial BY: "cleared faults of" again)
+    assert out.returncode == 0 and json.loads(out.stdout)["message"] == \
+        "no fault injected into thinker/0: nothing to clear", out
 
 
 def test_a_second_start_on_the_ports_of_a_running_system_says_which_and_how_to_stop_it(image_leader):

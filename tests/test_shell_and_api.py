@@ -487,9 +487,11 @@ def test_the_shells_drain_takes_node_with_an_equals_sign_and_refuses_other_flags
 
     shell = AdminShell(Recording(asys=None, coordinator=None), 1900, stdout=io.StringIO())
     shell._status = lambda: None
-    for line in ("drain --node=m1", "drain --node m2", "drain --nod m3", "drain talker/0"):
+    for line in ("drain --node=m1", "drain --node m2", "drain --nod m3", "drain talker/0",
+                 "drain talker/1 talker/2 talker/1", "drain talker/3 --node m4"):  # (several: trial BY)
         shell.onecmd(line)
-    assert asked == [("node", "m1"), ("node", "m2"), ("replica", "talker/0")] and shell.failed
+    assert asked == [("node", "m1"), ("node", "m2"), ("replica", "talker/0"), ("replica", "talker/1"),
+                     ("replica", "talker/2")] and shell.failed
 
 
 def test_the_shells_live_column_counts_replicas_with_a_process():

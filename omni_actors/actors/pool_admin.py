@@ -32,12 +32,14 @@ class PoolAdminMixin:
                                                          else f"{msg.replica} is {rep.state.value}, not running "
                                                               "(see `status`)"))
             return
+        had = rep.fault
         self.send(rep.address, msg)
         rep.fault = msg.describe()  # (shown at once: its engine's heartbeats said it up to an interval later)
         self._publish()
         self._log.warning("fault_injected", replica=msg.replica, **msg.log_fields())
-        done = (f"cleared faults of {msg.replica}" if msg.kind == FaultKind.CLEAR
-                else f"injected {msg.describe()} into {msg.replica}")
+        done = (f"injected {msg.describe()} into {msg.replica}" if msg.kind != FaultKind.CLEAR
+                else f"cleared faults of {msg.replica} ({had})" if had
+                else f"no fault injected into {msg.replica}: nothing to clear")  # (trial BY: "cleared" twice)
         self.send(msg.reply_to or sender, AdminReply(True, done))
 
     def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):

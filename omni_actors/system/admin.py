@@ -178,9 +178,8 @@ class Admin:
             return {"fault": fault, "target": target, "pid": pid, "at": at, "note": note}
         at = time.time()
         inject = InjectFault(replica, ENGINE_FAULTS[fault], factor, count)
-        self._ask(inject)  # (its pool's reply, worded its own way, says only that it was done)
-        message = (f"cleared faults of {replica}" if fault == "clear"
-                   else f"injected {inject.describe()} into {replica}")
+        answer = self._ask(inject)  # (its pool's reply: for a clear, what there was to clear)
+        message = answer if fault == "clear" else f"injected {inject.describe()} into {replica}"
         return {"fault": fault, "target": replica, "at": at, "message": message}
 
     def _pid_of(self, fault: str, replica: str, stage: str) -> tuple[int, str, str]:
@@ -362,7 +361,7 @@ def inject_reply(done: dict) -> str:
     """What :meth:`Admin.inject` did (its dict), as the one line the CLI and the shell print,
     in one form for every fault (a trial met three): ``injected sigstop into talker/0 (pid
     4711)``, ``injected kill-pool into pool talker (pid 812)``, ``injected slow x5 into
-    talker/0``, ``cleared faults of talker/0``."""
+    talker/0``, ``cleared faults of talker/0 (slow x5)``."""
     if done.get("message"):
         return done["message"]
     pid = f" (pid {done['pid']})" if "pid" in done else ""

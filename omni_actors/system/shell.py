@@ -161,7 +161,7 @@ class AdminShell(cmd.Cmd):
     def _stage(self, status, name: str):
         st = next((s for s in status.stages if s.stage == name), None)
         if st is None:
-            raise AdminError(f"no stage named {name!r}; stages: {', '.join(self._stage_names(status))}")
+            raise AdminError(f"no stage named {name!r} (stages: {', '.join(self._stage_names(status))})")
         return st
 
     @staticmethod
@@ -369,11 +369,11 @@ class AdminShell(cmd.Cmd):
             self._out(f"warning: {line}")
 
     def do_drain(self, arg):
-        """drain REPLICA | drain --node NODE: stop routing to REPLICA (STAGE/N), let its work
-        finish, then stop it; --node: so for every replica on NODE, each replaced where there
-        is room, and place nothing new on NODE until `undrain NODE` (its member runs on)."""
-        usage = "drain REPLICA | drain --node NODE"
-        words = self._args(arg, 1, 2, usage)
+        """drain REPLICA... | drain --node NODE: stop routing to each REPLICA (STAGE/N), let its
+        work finish, then stop it; --node: so for every replica on NODE, each replaced where
+        there is room, and place nothing new on NODE until `undrain NODE` (its member runs on)."""
+        usage = "drain REPLICA... | drain --node NODE"
+        words = self._args(arg, 1, 64, usage)
         if words[0].startswith("--node="):  # (as `launch` takes it; it was taken for a replica's name)
             words = ["--node", words[0].partition("=")[2], *words[1:]]
         if words[0].startswith("-") and words[0] != "--node":
@@ -386,9 +386,10 @@ class AdminShell(cmd.Cmd):
             for line in self.admin.left_without_replicas(words[1], before):
                 self._out(f"warning: {line}")
             return
-        if len(words) != 1:
+        if any(w.startswith("-") for w in words):
             raise AdminError(f"usage: {usage}")
-        self._out(self.admin.drain(words[0]))
+        for replica in dict.fromkeys(words):  # (several, as `stage drain --replica A --replica B`: trial BY)
+            self._out(self.admin.drain(replica))
 
     def do_undrain(self, arg):
         """undrain NODE: let NODE, drained with `drain --node`, take new replicas again."""
