@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -289,10 +290,53 @@ def test_an_idle_engine_reports_no_kv_cache_in_use_whatever_its_last_stats_said(
     aborted mid-way) stayed in `status` and the metrics until the next request (a code review)."""
     kept = engine._stats
     try:
-        engine._stats = (3, 1, 0.8)  # (as an engine step with requests running reported)
+        engine._stats = {0: (3, 1, 0.8)}  # (as an engine step with requests running reported)
         assert engine.load().kv_cache_usage == 0.0 and (engine.load().running, engine.load().waiting) == (0, 0)
     finally:
         engine._stats = kept
+
+
+def test_a_data_parallel_replicas_load_adds_up_its_engine_cores(engine):
+    """A review: with data_parallel_size 2 each engine core's stat logger overwrote the other's
+    figures: `status` jumped between the two ranks' counts. Running and waiting add up; the KV
+    usage is the fullest rank's."""
+    from omni_actors.engines.vllm import _LoadRecorder
+
+    kept, requests = engine._stats, engine._requests
+    try:
+        engine._requests = [object()]  # (a task of ours in flight: the figures are shown)
+        engine._stats = {}
+        for index, (running, waiting, usage) in enumerate([(3, 1, 0.5), (2, 0, 0.75)]):
+            _LoadRecorder(engine, index).record(SimpleNamespace(num_running_reqs=running, num_waiting_reqs=waiting,
+                                                                kv_cache_usage=usage), None)
+        load = engine.load()
+        assert (load.running, load.waiting, load.kv_cache_usage) == (5, 1, 0.75)
+    finally:
+        engine._stats, engine._requests = kept, requests
+
+
+def test_a_request_vllm_ends_with_an_error_fails_its_task(engine, loop_thread):
+    """A review: vLLM ends a request it failed itself (its core could not add it, a grammar
+    that did not compile, a KV load that failed) with finish_reason `error`, which its own
+    server answers with a 500; we took the text so far for the whole answer (a 200 with
+    `stop`). It fails the task."""
+    real = engine._llm.generate
+
+    def failing(*args, **kwargs):
+        async def outputs():
+            async for out in real(*args, **kwargs):
+                if out.finished:
+                    out.outputs[0].finish_reason = "error"
+                yield out
+        return outputs()
+
+    engine._llm.generate = failing
+    try:
+        with pytest.raises(RuntimeError, match=r"vLLM failed the request in engine .*finish_reason `error`"):
+            loop_thread.run(collect(engine, BackendTask("err", {"prompt": "hi"}, {"max_tokens": 3})))
+    finally:
+        del engine._llm.generate
+    assert loop_thread.run(collect(engine, BackendTask("after-err", {"prompt": "hi"}, {"max_tokens": 1})))[1]
 
 
 # -- the real chain: Thinker -> Talker (vLLM) -> Code2Wav (synthetic) --------------

@@ -115,16 +115,18 @@ class _LoadRecorder:
     another thread.
     """
 
-    def __init__(self, owner: "VllmEngine"):
-        self._owner = owner
+    def __init__(self, owner: "VllmEngine", engine_index: int = 0):
+        self._owner, self._index = owner, engine_index
 
     def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
         if scheduler_stats is not None:
             if scheduler_stats.num_running_reqs:  # an engine step ran (a prefill one too)
                 self._owner.active_at = time.monotonic()
-            self._owner._stats = (scheduler_stats.num_running_reqs,
-                                  scheduler_stats.num_waiting_reqs,
-                                  float(scheduler_stats.kv_cache_usage))
+            # (one per engine core: with data_parallel_size > 1 each rank's overwrote the others',
+            # a review; the replica's load adds them up)
+            self._owner._stats = {**self._owner._stats, self._index: (
+                scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
+                float(scheduler_stats.kv_cache_usage))}
 
     def log_engine_initialized(self):
         pass
@@ -157,7 +159,9 @@ class VllmEngine:
         self._vllm: dict[str, Any] = {}  # the vLLM names we use, imported by start()
         self._sampling_fields: frozenset[str] = frozenset()
         self._requests = VllmRequests(stage.stage_id)  # our tasks' requests in the engine
-        self._stats: tuple[int, int, float] | None = None
+        #: engine core index -> (running, waiting, KV-cache usage) of its last report (a new dict
+        #: each time: ``load()`` reads it from another thread)
+        self._stats: dict[int, tuple[int, int, float]] = {}
         self.active_at = 0.0  #: monotonic time of the last engine step with running requests
         self._watch: CoreWatch | None = None
         self._ipc: str | None = None  # (this replica's directory for vLLM's IPC sockets)
@@ -239,7 +243,7 @@ class VllmEngine:
         self.start_phase = "loading the vLLM engine (model weights, memory profile, KV cache)"
         with self._watch.spawning(v["EngineCoreProc"]), pinned(cpus):
             self._llm = v["AsyncLLM"].from_engine_args(
-                engine_args, stat_loggers=[lambda vllm_config, engine_index=0: _LoadRecorder(self)])
+                engine_args, stat_loggers=[lambda vllm_config, engine_index=0: _LoadRecorder(self, engine_index)])
         self._watch.note_cores()
         keep_off(cpus)  # the replica's own threads (actor, vLLM's output handling) stay off those CPUs
         self.start_phase = "warming up (one token)"
@@ -312,10 +316,12 @@ class VllmEngine:
         last request was aborted). Before the first report: our in-flight task
         count as running, usage unknown."""
         busy = len(self._requests)
-        stats = self._stats
-        if stats is None:
+        stats = list(self._stats.values())
+        if not stats:
             return BackendLoad(running=busy, waiting=0, kv_cache_usage=None)
-        running, waiting, usage = stats
+        # (data-parallel ranks: the replica's requests are theirs together; its KV usage, the fullest's)
+        running, waiting = sum(s[0] for s in stats), sum(s[1] for s in stats)
+        usage = max(s[2] for s in stats)
         if not busy:
             running = waiting = 0
             usage = 0.0
@@ -398,6 +404,12 @@ class VllmEngine:
         if aborted or last is None or not last.finished or comp is None \
                 or comp.finish_reason == "abort":
             return
+        if str(comp.finish_reason) == "error":
+            # vLLM ended it with an internal error of its own (the core failed to add it, a grammar
+            # that did not compile, a KV load that failed), which its server answers with a 500:
+            # a failed task, not a result (a review: a cut or empty text read as a success)
+            raise RuntimeError(f"vLLM failed the request in engine {self.replica} (finish_reason "
+                               f"`error`, after {len(token_ids)} token(s)): see its log")
         if task.emit_chunks and (len(token_ids) > chunked[1] or len(texts) > chunked[0]):
             yield _chunk(texts, token_ids, chunked)
         prompt_arr = np.asarray(prompt_ids or [], dtype=np.int32)
