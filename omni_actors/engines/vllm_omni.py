@@ -587,6 +587,9 @@ class VllmOmniEngine:
             raise ValueError(too_long)
         if aborted or not finished or finish == "abort":
             return
+        if str(finish) == "error":  # (vLLM's own failure of the request: a 500 on its server, as in VllmEngine)
+            raise RuntimeError(f"vLLM-Omni failed the request in engine {self.replica} (finish_reason `error`, "
+                               f"after {len(token_ids)} token(s)): see its log")
         prompt_arr = np.asarray(prompt_ids or [], dtype=np.int32)
         if self.stage.final_output_type == "audio":
             extra.update(client_audio(last_mm, extra))
