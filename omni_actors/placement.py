@@ -29,6 +29,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Iterable, Mapping
 
 from omni_actors.messages import NodeInfo, NodeStatus
 
@@ -207,7 +208,7 @@ class Inventory:
 
     def place(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...] = (),
               pin: tuple[str, ...] = (), first: tuple[FirstInLine, ...] = (),
-              prefer: tuple = ()) -> tuple[str, tuple[str, ...]]:
+              prefer: tuple = (), reserved: Mapping[tuple[str, str], str] = {}) -> tuple[str, tuple[str, ...]]:
         """Choose ``(node, devices)`` for ``replica``; releases what it held before.
 
         With ``pin`` (device ids), the replica takes exactly those devices of
@@ -215,7 +216,10 @@ class Inventory:
         running, whose devices this one may not take (a pinned replica ignores it).
         ``prefer``: ``(node, devices)`` where the replica ran before; chosen when that
         node would be a candidate anyway and those devices (``devices`` of them) are
-        all free, over the usual order.
+        all free, over the usual order. ``reserved``: ``(node, device) -> replica``, the
+        devices pinned to other replicas that are not placed now (:func:`pinned_devices`):
+        an unpinned replica does not take them (a review: one took a pinned replica's
+        device while that one was down, and it waited for it for good).
 
         Raises:
             PlacementError: no alive node that accepts the stage has enough free devices
@@ -225,21 +229,22 @@ class Inventory:
         self.release(replica)
         if pin:
             return self._place_pinned(stage, replica, allowed[0] if allowed else "", pin)
-        fits = []
+        fits, free = [], {}
         for node in self.nodes.values():
             if not node.open or not node.accepts(stage) or (allowed and node.info.name not in allowed):
                 continue
-            if node.info.devices and len(node.free) < devices:
+            free[node.info.name] = [d for d in node.free if reserved.get((node.info.name, d), replica) == replica]
+            if node.info.devices and len(free[node.info.name]) < devices:
                 continue
             same_stage = sum(1 for s in node.replicas.values() if s == stage)
-            fits.append((same_stage, -len(node.free), node.info.name, node))
+            fits.append((same_stage, -len(free[node.info.name]), node.info.name, node))
         if not fits:
             raise PlacementError(self._why_not(stage, replica, devices, allowed))
         if first:
             fits = self._leave_room(fits, devices, first)
         node = min(fits, key=lambda f: f[:3])[3]
-        chosen = tuple(node.free[:devices]) if node.info.devices else ()
-        again = self._again(fits, devices, prefer)
+        chosen = tuple(free[node.info.name][:devices]) if node.info.devices else ()
+        again = self._again(fits, devices, prefer, free)
         if again is not None:
             node, chosen = again
         for d in chosen:
@@ -248,9 +253,10 @@ class Inventory:
         return node.info.name, chosen
 
     @staticmethod
-    def _again(fits: list, devices: int, prefer: tuple):
+    def _again(fits: list, devices: int, prefer: tuple, free_of: dict[str, list[str]]):
         """``(node, devices)`` of ``prefer`` if its node is among ``fits`` (candidate rows)
-        and, on a node with devices, exactly ``devices`` of them, all free; else None."""
+        and, on a node with devices, exactly ``devices`` of them, all free (``free_of``: the
+        devices free for it, by node); else None."""
         if len(prefer) != 2:
             return None
         name, wanted = prefer[0], tuple(prefer[1])
@@ -259,7 +265,7 @@ class Inventory:
             return None
         if not node.info.devices:
             return node, ()
-        free = set(node.free)
+        free = set(free_of.get(name, ()))
         if len(wanted) != devices or len(set(wanted)) != devices or not free.issuperset(wanted):
             return None
         return node, wanted
@@ -312,8 +318,8 @@ class Inventory:
         return name, tuple(pin)
 
     def plan_launch(self, stage: str, replicas: int | None, devices_per_replica: int, *,
-                    allowed: tuple[str, ...] = (), node: str = "",
-                    devices: tuple[str, ...] = ()) -> tuple[tuple[str, tuple[str, ...]], ...]:
+                    allowed: tuple[str, ...] = (), node: str = "", devices: tuple[str, ...] = (),
+                    reserved: Mapping[tuple[str, str], str] = {}) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """Check a ``stage launch`` that names a node and/or devices; return one
         ``(node, devices)`` pin per new replica (in order; ``devices`` empty when
         only the node is pinned). Nothing is taken yet: each replica takes its pin
@@ -321,6 +327,8 @@ class Inventory:
 
         ``replicas`` None means ``len(devices) / devices_per_replica`` (1 without devices).
         ``allowed`` is the stage's own node rule (``deployment.stages.<stage>.nodes``).
+        ``reserved``: as :meth:`place`'s; such devices are taken (a review: two launches
+        pinned to one device at once were both accepted).
 
         Raises:
             PlacementError: the count does not divide, a device is given twice, is not on the
@@ -362,6 +370,8 @@ class Inventory:
             if not n.info.devices:
                 raise PlacementError(f"node {node} offers no devices (a CPU node): drop --devices")
             missing, held = _missing_and_held(n, devices)
+            held += [f"{d} (kept for {reserved[(node, d)]}, pinned to it)" for d in devices
+                     if d not in n.used and (node, d) in reserved]
             if missing:
                 raise PlacementError(f"device(s) {','.join(missing)} not on node {node} "
                                      f"(it offers {','.join(n.info.devices)})")
@@ -381,6 +391,9 @@ class Inventory:
             fit = [name for name in offering if self.nodes[name].accepts(stage) and (not allowed or name in allowed)]
             offering = fit if len(fit) == 1 else offering
         if not offering:
+            closed = [n for n in self.nodes.values() if n.alive and all(d in n.info.devices for d in devices)]
+            if len(closed) == 1:  # (a review: "no node offers device(s) 6 (...; m2: 4,5,6,7)" of a drained m2)
+                raise PlacementError(f"node {closed[0].info.name} {_is(closed[0].gone)}")
             where = "; ".join(f"{n.info.name}: {','.join(n.info.devices) or 'none'}"
                               for n in self.nodes.values() if n.alive) or "no nodes"
             raise PlacementError(f"no node offers device(s) {','.join(devices)} ({where})")
@@ -446,6 +459,19 @@ class Inventory:
 
 #: How :meth:`Inventory._why_not` names an allowed node that has never joined.
 NOT_JOINED = "not joined"
+
+
+def pinned_devices(pins: Iterable[tuple[str, tuple, str]]) -> dict[tuple[str, str], str]:
+    """``(node, device) -> replica`` from ``(replica, (node, devices), state)`` rows: the
+    devices pinned to replicas (``stage launch --devices``) that are not stopped, for
+    :meth:`Inventory.place`'s ``reserved`` (a failed or dead one keeps them while it waits
+    to start again)."""
+    out: dict[tuple[str, str], str] = {}
+    for replica, pin, state in pins:
+        if len(pin) == 2 and pin[1] and state != "stopped":
+            for d in pin[1]:
+                out[(pin[0], d)] = replica
+    return out
 
 
 def _is(gone: str) -> str:

@@ -3786,3 +3786,69 @@ def test_a_task_held_back_for_a_starting_replica_goes_to_the_ready_one_when_its_
     failed = [m for _, m in sent if isinstance(m, StageFailed)]
     assert len(failed) == 1 and failed[0].message.startswith("no ready replica of stage thinker within 20 s"), sent
     assert pool._pending == []
+
+
+def test_an_undrain_retires_a_replacement_that_failed_its_start():
+    """A review: a lingering replica kept by `node undrain` had its replacement retired only if
+    that one was pending, starting or dead; one that had failed to load was tried again
+    failed_retry_s later, and the stage ran one replica more than configured. It is retired."""
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.messages import DrainNode, NodesChanged, ReplicaState
+
+    rep = Replica("talker/0", "e0", state=ReplicaState.READY, node="m1")
+    pool, sent, launched = _pool_of_stage(1, "talker", rep)
+    pool.receiveMsg_DrainNode(DrainNode("m1", operator=True), "coordinator")
+    assert launched == ["talker/1"]
+    new = pool._replicas["talker/1"]
+    new.state, new.reason = ReplicaState.FAILED, "engine failed to load; next try in 300 s"
+    pool._retry_placements = lambda: None
+    pool.receiveMsg_NodesChanged(NodesChanged(undrained="m1"), "coordinator")
+    assert rep.state == ReplicaState.READY and not rep.linger
+    assert new.state == ReplicaState.STOPPED and new.reason.startswith("not needed: talker/0"), new
+
+
+def test_a_pinned_replicas_devices_are_kept_for_it_while_it_is_down_and_while_its_launch_is_planned():
+    """A review: (1) a replica pinned to device 4 of m2, down (drained with its node, failed,
+    restarting), had its device taken by an unpinned replica placed meanwhile, and then waited
+    for it for good while m2's other devices were free; (2) two `stage launch --devices 6` at
+    once were both accepted (the first's replica takes its pin only when it asks), and the
+    second's replica waited for good. Pinned devices are kept for their replica; a launch's
+    until its replicas ask (then as theirs)."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import (AdminReply, LaunchReplicas, PlaceReplica, Placement, PoolState,
+                                      ReplicaState, ReplicaStatus)
+    from omni_actors.placement import NodeInfo
+
+    co = CoordinatorActor()
+    co.sent = []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co._inventory.add(NodeInfo("m2", ("4", "5", "6", "7"), ()))
+    co._config = SimpleNamespace(stage_args=[SimpleNamespace(stage_id=1, name="talker"),
+                                             SimpleNamespace(stage_id=2, name="code2wav")],
+                                 stage_by_name=lambda name: name,
+                                 deployment_of=lambda stage: SimpleNamespace(devices_per_replica=1, nodes=[]))
+    co._pools = {1: "talker-pool", 2: "code2wav-pool"}
+    co._states[1] = PoolState(1, "talker", (ReplicaStatus("talker/3", ReplicaState.DEAD, "restarting", node="m2",
+                                                          pin=("m2", ("4",))),))
+    co._states[2] = PoolState(2, "code2wav", ())
+    co.receiveMsg_PlaceReplica(PlaceReplica("code2wav", "code2wav/5", 1, (), ()), "code2wav-pool")
+    assert co.sent[-1] == ("code2wav-pool", Placement("code2wav/5", "m2", ("5",))), co.sent[-1]
+    co.receiveMsg_PlaceReplica(PlaceReplica("talker", "talker/3", 1, ("m2",), ("4",)), "talker-pool")
+    assert co.sent[-1] == ("talker-pool", Placement("talker/3", "m2", ("4",))), co.sent[-1]
+    # (stopped for good, it keeps nothing)
+    co._inventory.release("talker/3")
+    co._states[1] = PoolState(1, "talker", (ReplicaStatus("talker/3", ReplicaState.STOPPED, "scaled down",
+                                                          node="m2", pin=("m2", ("4",))),))
+    co.receiveMsg_PlaceReplica(PlaceReplica("code2wav", "code2wav/6", 1, (), ()), "code2wav-pool")
+    assert co.sent[-1] == ("code2wav-pool", Placement("code2wav/6", "m2", ("4",))), co.sent[-1]
+
+    co.sent.clear()
+    co.receiveMsg_LaunchReplicas(LaunchReplicas("talker", node="m2", devices=("6",)), "cli-1")
+    assert co.sent[-1][0] == "talker-pool" and co.sent[-1][1].pins == (("m2", ("6",)),)
+    co.receiveMsg_LaunchReplicas(LaunchReplicas("code2wav", node="m2", devices=("6",)), "cli-2")
+    assert co.sent[-1] == ("cli-2", AdminReply(False, "device(s) already taken on node m2: 6 (kept for a talker "
+                                                      "replica being launched, pinned to it)")), co.sent[-1]
+    co.receiveMsg_PlaceReplica(PlaceReplica("code2wav", "code2wav/7", 1, (), ()), "code2wav-pool")
+    assert co.sent[-1] == ("code2wav-pool", Placement("code2wav/7", "m2", ("7",))), co.sent[-1]

@@ -632,3 +632,12 @@ def test_a_stages_runtime_devices_are_shared_out_among_its_replicas(devices, per
     from omni_actors.placement import replica_devices
 
     assert [replica_devices(devices, i, per_replica) for i in range(len(expected))] == expected
+
+
+def test_a_launch_on_a_drained_nodes_devices_says_the_node_is_drained():
+    """A review: `stage launch --devices 6` with m2 drained read "no node offers device(s) 6
+    (m1: 0,1; m2: 4,5,6,7)"."""
+    inv = inventory(NodeInfo("m1", ("0", "1")), NodeInfo("m2", ("4", "5", "6", "7")))
+    inv.drain("m2", operator=True)
+    with pytest.raises(PlacementError, match=r"^node m2 is drained$"):
+        inv.plan_launch("talker", None, 1, devices=("6",))

@@ -37,11 +37,11 @@ from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, ApiServerDra
                                   GetStatus, InjectFault, LaunchReplicas, NodeHeartbeat, NodeLeaving,
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, NOT_DEPLOYED, PlaceReplica,
                                   Placement, PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
-                                  PlannedStop, PlannedStopNoted, PublicationsReceived, ReplicaStatus, Routes,
+                                  PlannedStop, PlannedStopNoted, PublicationsReceived, Routes,
                                   ScaleStage, ShutdownDone, ShutdownSystem, SignalFault,
                                   StartNodeAgent, StartPool, Subscribe, SUBSCRIPTION, SystemStatus, SystemStopping,
                                   UndrainNode, Unsubscribe, WATCHDOG_QUERY, WhoAmI, YouAre)
-from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, PlacementError
+from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, PlacementError, pinned_devices
 
 #: A member node whose agent has been silent this many heartbeat intervals is lost.
 NODE_MISSED_HEARTBEATS = 3
@@ -83,6 +83,9 @@ API_DRAIN_SILENT_S = 6.0
 #: Seconds a stop waits for the pools to note it (``PlannedStopNoted``) before it tells them to
 #: exit anyway; under the leader's STOP_POOLS_TIMEOUT_S (3 s) for the whole exchange.
 PLANNED_STOP_WAIT_S = 2.0
+#: Seconds a pinned launch's devices are kept for its replicas before they ask to be placed
+#: (the pool sends their asks at once; a lost launch frees them after this).
+PLANNED_PIN_S = 30.0
 
 _SETTLED = (ReplicaState.READY, ReplicaState.FAILED, ReplicaState.DEAD, ReplicaState.STOPPED,
             ReplicaState.PENDING)
@@ -125,6 +128,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         #: stage id -> why the coordinator killed its pool: the reason its recreated replicas give
         self._pool_killed_why: dict[int, str] = {}
         self._asks: dict[str, PlaceReplica] = {}  #: replica -> its latest placement request (nodes, devices)
+        #: ``(time.monotonic(), stage, node, devices)`` of pinned launches whose replicas have not asked yet
+        self._planned_pins: list[tuple[float, str, str, tuple[str, ...]]] = []
         self._routes_version = 0
         self._deployed_at = 0  # (Unix seconds: when it took its config)
         self._deploy_waiters: list[object] = []
@@ -718,10 +723,14 @@ class CoordinatorActor(ActorTypeDispatcher):
 
     def receiveMsg_PlaceReplica(self, msg: PlaceReplica, sender):
         self._asks[msg.replica] = msg
+        if msg.pin_devices:  # (its launch's plan is its ask now)
+            self._planned_pins = [p for p in self._planned_pins
+                                  if (p[2], p[3]) != ((msg.nodes or ("",))[0], tuple(msg.pin_devices))]
         try:
             node, devices = self._inventory.place(msg.stage, msg.replica, msg.devices, msg.nodes,
                                                   pin=msg.pin_devices, prefer=msg.prefer,
-                                                  first=() if msg.pin_devices else self._first_in_line(msg))
+                                                  first=() if msg.pin_devices else self._first_in_line(msg),
+                                                  reserved={} if msg.pin_devices else self._reserved_pins())
         except PlacementError as exc:
             self.send(sender, PlacementFailed(msg.replica, str(exc)))
             return
@@ -767,6 +776,21 @@ class CoordinatorActor(ActorTypeDispatcher):
             else:
                 first.append(FirstInLine(stage, asked.devices, asked.nodes))
         return tuple(first)
+
+    def _reserved_pins(self) -> dict[tuple[str, str], str]:
+        """``(node, device) -> replica``: the devices pinned to replicas that are not stopped
+        (as their pools report them, and as they last asked), and those of launches planned
+        in the last :data:`PLANNED_PIN_S` whose replicas have not asked yet: no other replica
+        takes them (see :func:`~omni_actors.placement.pinned_devices`)."""
+        states = {r.replica: r.state for st in self._states.values() for r in st.replicas}
+        rows = [(r.replica, r.pin, r.state.value) for st in self._states.values() for r in st.replicas]
+        rows += [(r, ((a.nodes or ("",))[0], a.pin_devices), "asked") for r, a in self._asks.items()
+                 if a.pin_devices and states.get(r) != ReplicaState.STOPPED]
+        now = time.monotonic()
+        self._planned_pins = [p for p in self._planned_pins if now - p[0] < PLANNED_PIN_S]
+        rows += [(f"a {stage} replica being launched", (node, devices), "planned")
+                 for _, stage, node, devices in self._planned_pins]
+        return pinned_devices(rows)
 
     def receiveMsg_ReleasePlacement(self, msg: ReleasePlacement, sender):
         self._inventory.release(msg.replica)
@@ -928,10 +952,13 @@ class CoordinatorActor(ActorTypeDispatcher):
         dep = self._config.deployment_of(self._config.stage_by_name(msg.stage))
         try:
             pins = self._inventory.plan_launch(msg.stage, msg.replicas, dep.devices_per_replica,
-                                               allowed=tuple(dep.nodes), node=msg.node, devices=msg.devices)
+                                               allowed=tuple(dep.nodes), node=msg.node, devices=msg.devices,
+                                               reserved=self._reserved_pins())
         except PlacementError as exc:
             self.send(reply_to, AdminReply(False, str(exc)))
             return
+        now = time.monotonic()  # (kept until their replicas ask: a second launch at once may not take them)
+        self._planned_pins += [(now, msg.stage, node, tuple(devices)) for node, devices in pins if devices]
         self.send(pool, dataclasses.replace(msg, pins=pins, reply_to=reply_to))
 
     # -- shutdown ---------------------------------------------------------

@@ -150,7 +150,8 @@ class PoolPlacementMixin:
         replace it is retired if it is not ready yet, so that the stage keeps its size (trial AW:
         a drain and an undrain 0.5 s apart left every stage with twice its replicas)."""
         new, rep.replaced_by = self._replicas.get(rep.replaced_by), ""
-        if new is None or new.state not in (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.DEAD):
+        if new is None or new.state not in (ReplicaState.PENDING, ReplicaState.STARTING, ReplicaState.DEAD,
+                                            ReplicaState.FAILED):  # (failed: its retry would grow the stage)
             return
         self._log.info("replacement_retired", replica=new.replica, kept=rep.replica, state=new.state.value)
         if new.state == ReplicaState.STARTING:
