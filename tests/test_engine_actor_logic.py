@@ -3852,3 +3852,42 @@ def test_a_pinned_replicas_devices_are_kept_for_it_while_it_is_down_and_while_it
                                                       "replica being launched, pinned to it)")), co.sent[-1]
     co.receiveMsg_PlaceReplica(PlaceReplica("code2wav", "code2wav/7", 1, (), ()), "code2wav-pool")
     assert co.sent[-1] == ("code2wav-pool", Placement("code2wav/7", "m2", ("7",))), co.sent[-1]
+
+
+def test_a_lost_member_resumed_after_another_took_its_node_name_is_not_taken():
+    """A review: member A of node m1, frozen past its heartbeats, was lost; member B joined as
+    m1 and got replicas; A, resumed, was announced by Thespian again: its new agent made B's
+    stale, and on its answer m1 was added afresh (every device free under B's replicas). The
+    registration of another member of a node that is alive is not taken."""
+    from types import SimpleNamespace
+
+    from thespian.actors import ActorSystemConventionUpdate
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import NodeHeartbeat, StartNodeAgent
+
+    coord = CoordinatorActor()
+    coord.sent = []
+    coord.send = lambda address, message: coord.sent.append((address, message))
+    coord.createActor = lambda cls, **kw: "agent-address"
+    coord._publish_status = lambda: None
+    coord._config = SimpleNamespace(deployment=SimpleNamespace(heartbeat_interval_s=0.5, request_timeout_s=60))
+    b = {"omni_node": "m1", "omni_devices": "0,1", "omni_member": "member-b"}
+    coord.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-b", b, True), None)
+    start = next(m for _, m in coord.sent if isinstance(m, StartNodeAgent))
+    coord.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=start.join), "agent-address")
+    coord._inventory.place("talker", "talker/0", 1, ("m1",))
+    coord.sent.clear()
+    a = {**b, "omni_member": "member-a"}
+    coord.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-a", a, True), None)
+    assert not [m for _, m in coord.sent if isinstance(m, StartNodeAgent)]  # (no agent for A)
+    coord.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=start.join), "agent-address")  # (B's still counts)
+    m1 = coord._inventory.nodes["m1"]
+    assert m1.alive and m1.info.member == "member-b" and m1.used == {"0": "talker/0"}
+    # (and if the running member is lost after all, the other is taken: a member restarted at once
+    # after its process died registers before the dead one's heartbeats are missed)
+    coord._lose_node("m1", "missed 3 node heartbeats")
+    start_a = next(m for _, m in coord.sent if isinstance(m, StartNodeAgent))
+    coord.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=start_a.join), "agent-address")
+    m1 = coord._inventory.nodes["m1"]
+    assert m1.alive and m1.info.member == "member-a", m1.info

@@ -128,6 +128,8 @@ class CoordinatorActor(ActorTypeDispatcher):
         #: stage id -> why the coordinator killed its pool: the reason its recreated replicas give
         self._pool_killed_why: dict[int, str] = {}
         self._asks: dict[str, PlaceReplica] = {}  #: replica -> its latest placement request (nodes, devices)
+        #: node -> a member that registered under its name while another ran as it (taken if that one goes)
+        self._waiting_members: dict[str, NodeInfo] = {}
         #: ``(time.monotonic(), stage, node, devices)`` of pinned launches whose replicas have not asked yet
         self._planned_pins: list[tuple[float, str, str, tuple[str, ...]]] = []
         self._routes_version = 0
@@ -520,6 +522,10 @@ class CoordinatorActor(ActorTypeDispatcher):
         if not name or self._config is None:
             return
         if not msg.remoteAdded:
+            waiting = self._waiting_members.get(name)
+            if waiting is not None and waiting.admin == msg.remoteAdminAddress:  # (it went before it was taken)
+                del self._waiting_members[name]
+                return
             node = self._inventory.nodes.get(name)
             # (the member whose agent has not answered yet, if one joined since: a review saw an old
             # member's registration lapse right after a new one joined under its name)
@@ -535,11 +541,24 @@ class CoordinatorActor(ActorTypeDispatcher):
             return
         # The node takes work once its agent's first heartbeat comes: Thespian may report a member
         # that has just stopped as joining again (CI saw one 9 s after it left), with nobody there.
+        member = str(caps.get(MEMBER_CAPABILITY) or "")
+        info = NodeInfo(name, _split(caps.get("omni_devices")), _split(caps.get("omni_stages")),
+                        msg.remoteAdminAddress, member, str(caps.get(HOST_CAPABILITY) or ""))
+        node = self._inventory.nodes.get(name)
+        if node is not None and node.alive and member and node.info.member and node.info.member != member:
+            # Another member runs as this node: either this one was lost (frozen past its heartbeats),
+            # a new one joined under its name and Thespian announced the old one again as it resumed
+            # (a review: its agent replaced the new one's, and the node was added afresh, every device
+            # free under the new member's replicas), or the running one just died and this is its
+            # restart. Kept until the running one is lost or leaves, then taken.
+            self._log.warning("node_name_taken", node=name, member=member, running_member=node.info.member,
+                              admin=str(msg.remoteAdminAddress))
+            self._waiting_members[name] = info
+            return
+        self._waiting_members.pop(name, None)
         self._registered.add(name)
         self._rejoin_at.pop(name, None)  # (its agent is on its way: a probe would make it stale)
-        member = str(caps.get(MEMBER_CAPABILITY) or "")
-        self._start_agent(NodeInfo(name, _split(caps.get("omni_devices")), _split(caps.get("omni_stages")),
-                                   msg.remoteAdminAddress, member, str(caps.get(HOST_CAPABILITY) or "")))
+        self._start_agent(info)
 
     def _start_agent(self, info: NodeInfo) -> None:
         """A node agent on ``info``'s member, as its join number next: the node takes work
@@ -617,6 +636,12 @@ class CoordinatorActor(ActorTypeDispatcher):
         for pool in self._pools.values():
             self.send(pool, NodeLost(name, reason))
         self._publish_status()
+        waiting = self._waiting_members.pop(name, None)
+        if waiting is not None:  # (another member registered under its name meanwhile: see node_name_taken)
+            self._log.info("node_member_taken_after_loss", node=name, member=waiting.member)
+            self._registered.add(name)
+            self._rejoin_at.pop(name, None)
+            self._start_agent(waiting)
 
     def receiveMsg_DrainNode(self, msg: DrainNode, sender):
         """A member that stops cleanly asks first: nothing new goes to its node, and every
