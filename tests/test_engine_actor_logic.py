@@ -1491,18 +1491,12 @@ def test_a_busy_request_actor_tells_its_bridge_it_is_alive_until_it_is_free():
     assert sent == [] and wakeups == []
 
 
-def test_a_member_reported_joining_takes_work_only_once_its_node_agent_answers():
-    """Thespian reported a member that had just stopped as joining again, 9 s after it
-    left (CI; nobody was there): it was alive at once, then lost for missed heartbeats.
-    Now a joining member is alive from its new agent's first heartbeat; heartbeats of
-    an earlier join's agent do not count."""
+def _coordinator_taking_members():
+    """A CoordinatorActor whose sends are recorded (``.sent``) and whose node agents are made
+    at ``agent-address``, with the config figures a member's join reads."""
     from types import SimpleNamespace
 
-    from thespian.actors import ActorSystemConventionUpdate
-
     from omni_actors.actors.coordinator import CoordinatorActor
-    from omni_actors.messages import NodeHeartbeat, NodeLeaving, StartNodeAgent
-    from omni_actors.placement import LEFT_REASON
 
     coord = CoordinatorActor()
     coord.sent = []
@@ -1510,6 +1504,20 @@ def test_a_member_reported_joining_takes_work_only_once_its_node_agent_answers()
     coord.createActor = lambda cls, **kw: "agent-address"
     coord._publish_status = lambda: None
     coord._config = SimpleNamespace(deployment=SimpleNamespace(heartbeat_interval_s=0.5, request_timeout_s=60))
+    return coord
+
+
+def test_a_member_reported_joining_takes_work_only_once_its_node_agent_answers():
+    """Thespian reported a member that had just stopped as joining again, 9 s after it
+    left (CI; nobody was there): it was alive at once, then lost for missed heartbeats.
+    Now a joining member is alive from its new agent's first heartbeat; heartbeats of
+    an earlier join's agent do not count."""
+    from thespian.actors import ActorSystemConventionUpdate
+
+    from omni_actors.messages import NodeHeartbeat, NodeLeaving, StartNodeAgent
+    from omni_actors.placement import LEFT_REASON
+
+    coord = _coordinator_taking_members()
     caps = {"omni_node": "m1", "omni_devices": "0,1"}
     coord.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-m1", caps, True), None)
     assert "m1" not in coord._inventory.nodes  # not until its agent answers
@@ -3859,19 +3867,11 @@ def test_a_lost_member_resumed_after_another_took_its_node_name_is_not_taken():
     m1 and got replicas; A, resumed, was announced by Thespian again: its new agent made B's
     stale, and on its answer m1 was added afresh (every device free under B's replicas). The
     registration of another member of a node that is alive is not taken."""
-    from types import SimpleNamespace
-
     from thespian.actors import ActorSystemConventionUpdate
 
-    from omni_actors.actors.coordinator import CoordinatorActor
     from omni_actors.messages import NodeHeartbeat, StartNodeAgent
 
-    coord = CoordinatorActor()
-    coord.sent = []
-    coord.send = lambda address, message: coord.sent.append((address, message))
-    coord.createActor = lambda cls, **kw: "agent-address"
-    coord._publish_status = lambda: None
-    coord._config = SimpleNamespace(deployment=SimpleNamespace(heartbeat_interval_s=0.5, request_timeout_s=60))
+    coord = _coordinator_taking_members()
     b = {"omni_node": "m1", "omni_devices": "0,1", "omni_member": "member-b"}
     coord.receiveMsg_ActorSystemConventionUpdate(ActorSystemConventionUpdate("admin-b", b, True), None)
     start = next(m for _, m in coord.sent if isinstance(m, StartNodeAgent))

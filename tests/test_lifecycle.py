@@ -2191,12 +2191,10 @@ def test_ctrl_c_on_a_waiting_stop_is_one_line_and_the_stop_goes_on(tmp_path, rol
                 time.sleep(0.05)
             if role == "member":
                 assert json.loads(record.read_text())["stop_waits"] is True
-            stop.send_signal(signal.SIGINT)
-            out, err = stop.communicate(timeout=30)
-        finally:
-            if stop.poll() is None:
-                stop.kill()
-                stop.communicate()
+        except BaseException:
+            _interrupt(stop)
+            raise
+        out, err = _interrupt(stop)
         assert stop.returncode == 130, (out, err)
         assert err.strip() == (
             f"interrupted: the stop goes on without this command (the {role} on admin port {admin_port}, pid "
@@ -2219,13 +2217,18 @@ def test_ctrl_c_on_a_command_waiting_for_a_busy_admin_is_one_line():
         proc = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "status", "--admin-port",
                                  str(busy.getsockname()[1])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, cwd=ROOT)
-        try:
-            time.sleep(2.5)  # (imported, asking: the admin answers nothing for 5 s)
-            assert proc.poll() is None, proc.communicate()
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=30)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        time.sleep(2.5)  # (imported, asking: the admin answers nothing for 5 s)
+        assert proc.poll() is None, _interrupt(proc)
+        out, err = _interrupt(proc)
     assert proc.returncode == 130 and err.strip() == "interrupted", (out, err)
+
+
+def _interrupt(proc: subprocess.Popen) -> tuple[str, str]:
+    """Ctrl-C ``proc`` and return its output (killed if it has not ended 30 s later)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        return proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
