@@ -540,6 +540,10 @@ class StartEngine(Message):
     #: Longest its engine's start waits for an old engine still holding its devices to exit
     #: (``actors.device_leases``), in seconds, before it kills it (``pool_placement.device_wait_s``).
     device_wait_s: float = 30.0
+    #: Its place among the stage's live replicas (0, 1, ...: the lowest no other one has), by
+    #: which a replica with no placed devices takes its share of the stage's ``runtime.devices``
+    #: (``placement.replica_devices``; its name's index grows with every replacement)
+    slot: int = 0
 
 
 @dataclass(frozen=True)

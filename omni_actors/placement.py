@@ -86,9 +86,11 @@ def parse_devices(text: str) -> tuple[str, ...]:
 
 
 def replica_devices(devices: str | None, index: int, per_replica: int) -> str | None:
-    """The devices of replica ``index`` of a stage that runs without placement (its host
-    was started without ``--devices``): its share of the stage's ``runtime.devices``, as
-    vLLM-Omni splits a stage's devices among its ``num_replicas``. ``per_replica``:
+    """The devices of the replica in slot ``index`` (its place among the stage's live
+    replicas, 0, 1, ...: ``StartEngine.slot``; not its name's index, which grows with every
+    replacement) of a stage that runs without placement (its host was started without
+    ``--devices``): its share of the stage's ``runtime.devices``, as vLLM-Omni splits a
+    stage's devices among its ``num_replicas``. ``per_replica``:
     ``deployment.stages.<stage>.devices_per_replica`` (P).
 
     - P x k ids (k > 1), a pool: replica ``index`` takes the ``index % k``-th P of them
@@ -229,19 +231,21 @@ class Inventory:
         self.release(replica)
         if pin:
             return self._place_pinned(stage, replica, allowed[0] if allowed else "", pin)
-        fits, free = [], {}
+        # (the devices free for this replica: not those kept for pinned replicas that are down)
+        free = {name: [d for d in node.free if reserved.get((name, d), replica) == replica]
+                for name, node in self.nodes.items()}
+        fits = []
         for node in self.nodes.values():
             if not node.open or not node.accepts(stage) or (allowed and node.info.name not in allowed):
                 continue
-            free[node.info.name] = [d for d in node.free if reserved.get((node.info.name, d), replica) == replica]
             if node.info.devices and len(free[node.info.name]) < devices:
                 continue
             same_stage = sum(1 for s in node.replicas.values() if s == stage)
             fits.append((same_stage, -len(free[node.info.name]), node.info.name, node))
         if not fits:
-            raise PlacementError(self._why_not(stage, replica, devices, allowed))
+            raise PlacementError(self._why_not(stage, replica, devices, allowed, free))
         if first:
-            fits = self._leave_room(fits, devices, first)
+            fits = self._leave_room(fits, devices, first, free)
         node = min(fits, key=lambda f: f[:3])[3]
         chosen = tuple(free[node.info.name][:devices]) if node.info.devices else ()
         again = self._again(fits, devices, prefer, free)
@@ -270,21 +274,24 @@ class Inventory:
             return None
         return node, wanted
 
-    def _leave_room(self, fits: list, devices: int, first: tuple[FirstInLine, ...]) -> list:
+    def _leave_room(self, fits: list, devices: int, first: tuple[FirstInLine, ...],
+                    free: dict[str, list[str]]) -> list:
         """The candidate nodes (``fits`` rows) whose taking ``devices`` still lets every
-        stage of ``first`` that can be placed now be placed."""
-        could = self._placeable(first)
-        ok = [f for f in fits if self._placeable(first, f[3].info.name, devices) >= could]
+        stage of ``first`` that can be placed now be placed (``free``: the devices free by
+        node, less those kept for pinned replicas)."""
+        could = self._placeable(first, free)
+        ok = [f for f in fits if self._placeable(first, free, f[3].info.name, devices) >= could]
         if ok:
             return ok
         names = ", ".join(sorted({need.stage for need in first}))
         raise PlacementError(f"the free devices are kept for stage {names}, which has no replica running "
                              f"(a stage with none goes first); waiting for more")
 
-    def _placeable(self, first: tuple[FirstInLine, ...], taken_on: str = "", taken: int = 0) -> int:
-        """How many of ``first`` fit at once (greedily, in order) in the free devices,
-        less ``taken`` of them on node ``taken_on``."""
-        free = {name: len(n.free) - (taken if name == taken_on else 0)
+    def _placeable(self, first: tuple[FirstInLine, ...], free_of: dict[str, list[str]], taken_on: str = "",
+                   taken: int = 0) -> int:
+        """How many of ``first`` fit at once (greedily, in order) in the free devices
+        (``free_of``, by node), less ``taken`` of them on node ``taken_on``."""
+        free = {name: len(free_of[name]) - (taken if name == taken_on else 0)
                 for name, n in self.nodes.items() if n.open and n.info.devices}
         placed = 0
         for need in first:
@@ -407,7 +414,8 @@ class Inventory:
             if node.replicas.pop(replica, None) is not None:
                 node.used = {d: r for d, r in node.used.items() if r != replica}
 
-    def _why_not(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...]) -> str:
+    def _why_not(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...],
+                 free: dict[str, list[str]] | None = None) -> str:
         if allowed and all(n not in self.nodes or not self.nodes[n].open for n in allowed):
             # (a replica pinned to its node, or a stage's `nodes` rule: it waits for them, which
             # "no node has N free devices" hid; trials AT, AV: also where they never joined)
@@ -440,7 +448,10 @@ class Inventory:
                 seen.append(f"{node.info.name}: does not take {stage}")
             else:
                 takers += 1
-                seen.append(f"{node.info.name}: {len(node.free)} of {len(node.info.devices)} devices free")
+                mine = node.free if free is None else free[node.info.name]
+                kept = len(node.free) - len(mine)  # (kept for pinned replicas that are down)
+                seen.append(f"{node.info.name}: {len(mine)} of {len(node.info.devices)} devices free"
+                            + (f", {kept} more kept for pinned replicas" if kept else ""))
         where = "; ".join(seen) or ("no node named " + ", ".join(allowed) if allowed else "no nodes")
         if not takers and seen:  # (trial BV: a drained CPU node read "no node has 1 free device(s)")
             undrain = "; `node undrain` gives a drained one back" if drained else ""

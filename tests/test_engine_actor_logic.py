@@ -3891,3 +3891,50 @@ def test_a_lost_member_resumed_after_another_took_its_node_name_is_not_taken():
     coord.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1", join=start_a.join), "agent-address")
     m1 = coord._inventory.nodes["m1"]
     assert m1.alive and m1.info.member == "member-a", m1.info
+
+
+def test_a_replica_takes_the_lowest_slot_no_live_replica_has():
+    """A diff review: a replica's share of its stage's runtime.devices (a host without
+    --devices) was keyed to its name's index, which grows with every replacement: talker/2,
+    replacing talker/1 of `devices: "1,2"`, went to GPU 1 beside talker/0. Each replica
+    takes the lowest place (slot) that no live replica of the stage holds."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.messages import Placement, ReplicaState, StartEngine
+
+    ready = Replica("talker/0", "e0", state=ReplicaState.READY, node="n")
+    gone = Replica("talker/1", None, state=ReplicaState.STOPPED, node="n")
+    gone.slot = 1  # (stopped: its place is free again)
+    new = Replica("talker/2", None, state=ReplicaState.PENDING)
+    pool, sent, _ = _pool_of_stage(1, "talker", ready, gone, new)
+    pool._spec.deployment = SimpleNamespace(devices_per_replica=1)
+    pool._spec.heartbeat_interval_s = pool._spec.inline_threshold_bytes = 1
+    pool._spec.connector_mode, pool._spec.ready_timeout_s = None, 60
+    pool._spec.supervision.missed_heartbeats = 3
+    pool.createActor = lambda *a, **kw: "e2"
+    pool.wakeupAfter = lambda *a, **kw: None
+    pool._publish = lambda: None
+    pool.receiveMsg_Placement(Placement("talker/2", "n", ()), "coordinator")
+    start = next(m for a, m in sent if isinstance(m, StartEngine))
+    assert (start.replica, start.slot, new.slot) == ("talker/2", 1, 1)
+
+
+def test_a_task_waiting_for_a_pinned_lingering_replica_is_routed_when_its_node_is_undrained():
+    """A diff review: a new request's task waits for a replica pinned to a drained node (it
+    starts again there when the node is undrained); `node undrain` kept the lingering replica
+    but left the task waiting out queue_timeout_s beside it. It is routed at the undrain."""
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.messages import DrainNode, NodesChanged, ReplicaState, StageTask
+
+    rep = Replica("code2wav/5", "e5", state=ReplicaState.READY, node="vm")
+    pool, sent, launched = _pool_of_stage(2, "code2wav", rep)
+    pool._pins["code2wav/5"] = ("vm", ())
+    pool.receiveMsg_DrainNode(DrainNode("vm", operator=True), "coordinator")
+    assert rep.linger and rep.relaunch and launched == []
+    task = StageTask("r9", 2, "", (), {}, {}, "audio", False, "ra", began_at=rep.linger_since + 1)
+    pool.receiveMsg_StageTask(task, "ra")
+    assert len(pool._pending) == 1 and not [m for _, m in sent if isinstance(m, StageTask)]
+    pool._retry_placements = lambda: None
+    pool.receiveMsg_NodesChanged(NodesChanged(undrained="vm"), "coordinator")
+    assert [a for a, m in sent if isinstance(m, StageTask)] == ["e5"] and pool._pending == []

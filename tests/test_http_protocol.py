@@ -1009,6 +1009,7 @@ def test_a_body_declared_over_the_limit_gets_413_at_once_without_being_sent():
         head, err = await _raw_post(client, b"Content-Length: 5000000\r\nExpect: 100-continue\r\n\r\n", wait_s=5)
         assert head.startswith(b"HTTP/1.1 413"), head
         assert err["message"] == "Request body too large: the limit is 2048 bytes.", err
+        assert b"x-request-id:" in head.lower(), head  # (through the middlewares: logged and counted)
         reader, writer = await asyncio.open_connection(client.host, client.port)
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 20\r\n"
                      b"Expect: 100-continue\r\n\r\n")

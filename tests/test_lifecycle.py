@@ -1901,6 +1901,20 @@ def test_prints_after_a_hangup_do_not_raise(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+    # (a pipe whose reader died with the terminal, `start ... | tee run.log`: a diff review saw
+    # the first print raise BrokenPipeError)
+    proc = subprocess.Popen([sys.executable, "-c", _HUNG_UP, str(tmp_path / "out3")], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        proc.stdout.close()  # (its reader is gone)
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(30) == 0
+        assert (tmp_path / "out3").read_text() == "survived"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
 
 
 def test_a_leader_whose_terminal_closes_drains_its_stream_and_exits_0(tmp_path):

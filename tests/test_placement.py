@@ -641,3 +641,20 @@ def test_a_launch_on_a_drained_nodes_devices_says_the_node_is_drained():
     inv.drain("m2", operator=True)
     with pytest.raises(PlacementError, match=r"^node m2 is drained$"):
         inv.plan_launch("talker", None, 1, devices=("6",))
+
+
+def test_devices_kept_for_a_pinned_replica_are_not_counted_free_for_a_stage_first_in_line():
+    """A diff review: with GPU 2 kept for a pinned Talker that is down, an unpinned Talker
+    took GPU 1, the last device free for Code2Wav (which had none running and is first in
+    line), because the first-in-line count took the kept device for free; and the refusal
+    said "1 of 3 devices free" of a node with none free for it."""
+    inv = inventory(NodeInfo("m1", ("0", "1", "2")))
+    inv.place("thinker", "thinker/0", 1)
+    kept = {("m1", "2"): "talker/0"}
+    with pytest.raises(PlacementError, match="kept for stage code2wav"):
+        inv.place("talker", "talker/1", 1, first=(FirstInLine("code2wav", 1, ()),), reserved=kept)
+    assert inv.place("code2wav", "code2wav/0", 1, reserved=kept) == ("m1", ("1",))
+    with pytest.raises(PlacementError) as err:
+        inv.place("talker", "talker/1", 1, reserved=kept)
+    assert "(m1: 0 of 3 devices free, 1 more kept for pinned replicas)" in str(err.value), err.value
+    assert inv.place("talker", "talker/0", 1, pin=("2",), allowed=("m1",)) == ("m1", ("2",))

@@ -84,8 +84,9 @@ API_DRAIN_SILENT_S = 6.0
 #: exit anyway; under the leader's STOP_POOLS_TIMEOUT_S (3 s) for the whole exchange.
 PLANNED_STOP_WAIT_S = 2.0
 #: Seconds a pinned launch's devices are kept for its replicas before they ask to be placed
-#: (the pool sends their asks at once; a lost launch frees them after this).
-PLANNED_PIN_S = 30.0
+#: (the pool sends their asks at once; a launch its pool refused, at its replica limit, or
+#: lost frees them after this, and a corrected launch of those devices is refused meanwhile).
+PLANNED_PIN_S = 10.0
 
 _SETTLED = (ReplicaState.READY, ReplicaState.FAILED, ReplicaState.DEAD, ReplicaState.STOPPED,
             ReplicaState.PENDING)

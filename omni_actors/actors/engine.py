@@ -42,7 +42,7 @@ from omni_actors.messages import (CancelStage, DeltasAck, DrainReplica, EngineFa
                                   FaultKind, Heartbeat, HeartbeatAck, InjectFault, OutputDelta, OutputDeltas,
                                   StageAccepted,
                                   StageCancelled, StageDone, StageFailed, StageTask, StartEngine, TaskFinished,
-                                  TextStarted, cancels_attempt, replica_index)
+                                  TextStarted, cancels_attempt)
 from omni_actors.placement import replica_devices
 from omni_actors.processors import default_input
 
@@ -242,7 +242,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         # coordinator's placement decides; without one (a CPU node), vLLM-Omni's own
         # single-host `runtime.devices` still applies.
         devices = ",".join(msg.devices) if msg.devices else replica_devices(
-            msg.stage.runtime.devices, replica_index(msg.replica), msg.deployment.devices_per_replica)
+            msg.stage.runtime.devices, msg.slot, msg.deployment.devices_per_replica)
         if devices is not None:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(devices)
         # vLLM's own log lines (its engine core's too, a child process) say which replica printed

@@ -110,6 +110,8 @@ class PoolPlacementMixin:
             return
         rep.address, rep.node, rep.devices = address, msg.node, ",".join(msg.devices)
         rep.placed = (msg.node, tuple(msg.devices))
+        taken = {r.slot for r in self._replicas.values() if r is not rep and r.state in LIVE_STATES}
+        rep.slot = next(i for i in range(len(self._replicas) + 1) if i not in taken)
         rep.state, rep.device_wait, rep.start_phase = ReplicaState.STARTING, "", ""
         rep.reason = starting_reason(rep)
         self.send(address, StartEngine(rep.replica, spec.stage, spec.deployment, spec.heartbeat_interval_s,
@@ -117,7 +119,7 @@ class PoolPlacementMixin:
                                        connector_mode=spec.connector_mode,
                                        orphan_after_s=spec.supervision.missed_heartbeats * spec.heartbeat_interval_s,
                                        pool_pid=os.getpid(), pool_host=socket.gethostname(),
-                                       device_wait_s=device_wait_s(spec)))
+                                       device_wait_s=device_wait_s(spec), slot=rep.slot))
         self.wakeupAfter(spec.ready_timeout_s, payload=("ready_deadline", rep.replica, address))
         self._log.info("replica_launched", replica=rep.replica, node=msg.node, devices=rep.devices)
         self._publish()
@@ -142,6 +144,7 @@ class PoolPlacementMixin:
             self._retire_replacement(rep, f"not needed: {rep.replica}, which it was to replace, stays "
                                           f"(node {msg.undrained} undrained)")
         if kept:
+            self._drain_pending()  # (tasks of new requests waited for them: they take those now, a review)
             self._publish()
         self._retry_placements()
 

@@ -87,6 +87,7 @@ class Replica:
     finished: dict[tuple[str, int], tuple[StageTask, float]] = field(default_factory=dict)
     dispatched: int = 0
     last_dispatch: float = 0.0  #: (monotonic) when it was last sent a task; 0.0 none since it (re)started
+    slot: int = 0  #: its place among the live replicas when it was last started (``StartEngine.slot``)
     completed: int = 0
     failed: int = 0
     running: int = 0

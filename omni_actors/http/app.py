@@ -758,17 +758,14 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=m.render(table), headers={"Content-Type": M.CONTENT_TYPE_LATEST})
 
 
-async def _expect_handler(request: web.Request) -> web.StreamResponse | None:
-    """``Expect: 100-continue``: a body its ``Content-Length`` declares over the limit gets
-    its 413 (OpenAI error JSON) instead of ``100 Continue`` (trial BZ: curl, which asks so for
-    bodies over 1 MB, uploaded the whole body to be refused); otherwise aiohttp's own answer."""
-    limit = request.app[_MAX_BODY]
-    if request.content_length is not None and request.content_length > limit \
-            and request.headers.get("Expect", "").lower() == "100-continue":
-        response = _http_error(request, web.HTTPRequestEntityTooLarge(max_size=limit,
-                                                                      actual_size=request.content_length))
-        response.force_close()  # (the body it may send anyway is not read)
-        return response
+async def _expect_handler(request: web.Request) -> None:
+    """``Expect: 100-continue``: no ``100 Continue`` for a body its ``Content-Length``
+    declares over the limit; the handler then refuses it at once (413, :func:`_read_json`),
+    through the middlewares (logged, counted, after the key check) (trial BZ: curl, which
+    asks so for bodies over 1 MB, uploaded the whole body to be refused); otherwise
+    aiohttp's own answer."""
+    if request.content_length is not None and request.content_length > request.app[_MAX_BODY]:
+        return None
     return await _default_expect_handler(request)
 
 

@@ -267,22 +267,60 @@ def leave_terminal() -> None:
     fails (EIO): log lines are dropped quietly (``logs._Tolerant``), but a plain ``print`` raised
     and cut a drain short (a code review: a leader cut its requests in flight and exited
     with status 1; a member exited right after asking for its node's drain, killing the
-    replicas it had just drained). Files and pipes are kept."""
+    replicas it had just drained). Files and pipes are kept, but a write there that fails
+    from now on (a pipe whose reader died with the terminal: ``start ... | tee run.log``, a
+    diff review) points that one at /dev/null too and is dropped (:class:`_HungUp`)."""
     import stat
 
+    for fd in (1, 2):
+        try:
+            if stat.S_ISCHR(os.fstat(fd).st_mode):
+                _to_null(fd)
+        except OSError:  # (closed: nothing to point anywhere)
+            pass
+    if not isinstance(sys.stdout, _HungUp):
+        sys.stdout = _HungUp(sys.stdout)
+    if not isinstance(sys.stderr, _HungUp):
+        sys.stderr = _HungUp(sys.stderr)
+
+
+def _to_null(fd: int) -> None:
+    null = os.open(os.devnull, os.O_WRONLY)
     try:
-        null = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        return
-    try:
-        for fd in (1, 2):
-            try:
-                if stat.S_ISCHR(os.fstat(fd).st_mode):
-                    os.dup2(null, fd)
-            except OSError:  # (closed: nothing to point anywhere)
-                pass
+        os.dup2(null, fd)
     finally:
         os.close(null)
+
+
+class _HungUp:
+    """``sys.stdout`` / ``sys.stderr`` after a hang-up (:func:`leave_terminal`): a write or
+    flush that fails points the stream's descriptor at /dev/null and is dropped."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError):
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            self._drop()
+
+    def _drop(self) -> None:
+        try:
+            _to_null(self._stream.fileno())
+            self._stream.flush()  # (what it held goes to /dev/null now)
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def system_pids(system_id: str, *, exclude_self: bool = True, sessions: tuple[int, ...] | list[int] = ()) -> list[int]:
