@@ -44,6 +44,16 @@ def _note_runner_handover(cfg: PipelineConfig) -> None:
     (:meth:`~omni_actors.config.PipelineConfig.runner_handover_stages`); their requests get
     a 400 (:func:`~omni_actors.planning.plan_request`). A review: Qwen3-Omni's Talker ran its
     processor's placeholder prompt without the Thinker's payload, and its engine failed."""
+    for s in cfg.stage_args:  # (a KV cache handed over the same way: not refused, said; trial CA)
+        kv = s.engine_args.get("omni_kv_config")
+        if isinstance(kv, dict) and kv.get("need_recv_cache") is True and s.engine_input_source \
+                and cfg.deployment_of(s).backend == "vllm_omni":
+            note = (f"stage {s.name}: `omni_kv_config.need_recv_cache`: the KV cache vLLM-Omni hands to it "
+                    f"from stage(s) {', '.join(cfg.stage(i).name for i in s.engine_input_source)} between its "
+                    "own stage engines does not reach another replica's engine: it runs without it (not tried "
+                    "on a GPU here)")
+            if note not in cfg.omni_connectors.notes:
+                cfg.omni_connectors.notes.append(note)
     blocked = {s.stage_id for s in cfg.runner_handover_stages()}
     if not blocked:
         return
@@ -58,7 +68,8 @@ def _note_runner_handover(cfg: PipelineConfig) -> None:
             f"input comes through vLLM-Omni's "
             f"model-runner hand-over, which omni-actors does not carry between replicas yet: requests "
             f"for {' or '.join(refused)} output are refused (HTTP 400)"
-            + (f"; {' and '.join(served)} is served" if served else ""))
+            # (trial CA: qwen3_tts's only output refused, and nothing said the config served nothing)
+            + (f"; {' and '.join(served)} is served" if served else ": this config serves no request here"))
     if note not in cfg.omni_connectors.notes:
         cfg.omni_connectors.notes.append(note)
 

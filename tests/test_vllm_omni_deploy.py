@@ -41,7 +41,7 @@ SAMPLE: dict[str, Any] = {
          "env": {"SOME_FLAG": "1"},
          "input_connectors": {"from_stage_0": "fast_path"},
          "default_sampling_params": {"stop_token_ids": [5], "top_k": 20}},
-        {"stage_id": 2, "runtime": {"devices": "2", "num_replicas": 2},
+        {"stage_id": 2, "runtime": {"devices": "2,3", "num_replicas": 2},
          "input_connectors": {"from_stage_1": {"name": "SharedMemoryConnector"}}},
     ],
     "platforms": {"rocm": {"stages": [{"stage_id": 2, "enforce_eager": True}]}},
@@ -120,7 +120,7 @@ def test_sample_becomes_stage_args_and_deployment(tmp_path: Path) -> None:
     assert talker.engine_args["tensor_parallel_size"] == 2
     assert talker.engine_args["dtype"] == "bfloat16"
     assert code2wav.engine_args["worker_type"] == "generation"
-    assert thinker.runtime.devices == "0" and code2wav.runtime.devices == "2"
+    assert thinker.runtime.devices == "0" and code2wav.runtime.devices == "2,3"
     assert talker.runtime.devices is None
 
 
@@ -168,6 +168,7 @@ def _diffusion_code2wav(parallel_config: dict, ours: dict) -> Callable[[dict], N
     def mutate(d: dict) -> None:
         d["topology"]["stages"][2]["execution_type"] = "diffusion"
         d["stages"][2]["parallel_config"] = parallel_config
+        d["stages"][2]["runtime"].pop("devices")  # (placement decides: its count is what is tested)
         d["deployment"]["stages"]["code2wav"] = ours
     return mutate
 
@@ -665,3 +666,35 @@ def test_the_registrys_other_stage_fields_reach_each_stages_pipeline(tmp_path: P
             assert dataclasses.asdict(mine)["extras"] == ps.extras
             assert PIPELINE_EXTRA in s.engine_args
     assert checked >= 5, checked
+
+
+@pytest.mark.parametrize("devices, replicas", [("1,2,3", 2), ("1,2", 3), ("1", 2)])
+def test_devices_that_do_not_split_among_the_replicas_are_refused_as_vllm_omni_refuses_them(tmp_path: Path,
+                                                                                         devices, replicas):
+    """Trial CA: `devices: "1,2,3"` for 2 replicas left GPU 3 out, `"1,2"` for 3 put two on GPU
+    1, without a word (vLLM-Omni's split_devices_for_replicas refuses both); refused at the
+    stage's devices. A template (ids below the count per replica) and one id list per replica
+    load."""
+    def mutate(d: dict) -> None:
+        d["stages"][0].update(devices=devices, num_replicas=replicas)
+    err = refused_sample(tmp_path, mutate)
+    assert err.path == "stages[0].devices" and "as vLLM-Omni splits them" in err.message, err
+
+    for ok in ("0", "4,5"):
+        def fine(d: dict, ok=ok) -> None:
+            d["stages"][0].update(devices=ok, num_replicas=2)
+        load_config(write(tmp_path, variant(fine)))
+
+
+def test_a_kv_cache_handed_over_inside_vllm_omni_and_what_a_deploy_file_keeps_are_noted(tmp_path: Path) -> None:
+    """Trial CA: nothing said that HunyuanImage-3.0's DiT gets no KV cache from its AR stage
+    here (vLLM-Omni hands it over between its own stage engines), nor that a deploy file's
+    `platforms` overlays and `async_chunk: true` are kept, not applied."""
+    cfg = load_config(ROOT / "configs" / "gpu_hunyuan_image3.yaml")
+    assert any(n.startswith("stage dit: `omni_kv_config.need_recv_cache`: the KV cache vLLM-Omni hands to it from "
+                            "stage(s) AR") for n in cfg.omni_connectors.notes), cfg.omni_connectors.notes
+    def overlay(d: dict) -> None:
+        d["platforms"] = {"cuda": {"stages": [{"stage_id": 0, "compilation_config": {"custom_ops": ["+x"]}}]}}
+    notes = load_config(write(tmp_path, variant(overlay))).omni_connectors.notes
+    assert any(n.startswith("platforms (cuda): kept, not applied") for n in notes), notes
+    assert any(n.startswith("async_chunk: true: not applied") for n in notes), notes  # (SAMPLE's)

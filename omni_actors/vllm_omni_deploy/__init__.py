@@ -70,6 +70,7 @@ import msgspec
 
 from omni_actors.config import MAX_REPLICAS, ConfigError, OmniConnectors, PipelineConfig, _convert, parse_config
 from omni_actors.connector_config import omni_connectors
+from omni_actors.placement import parse_devices
 from omni_actors.vllm_omni_deploy.files import (ConnectorSpec, Edge, check_connectors, deep_merge,
                                                 resolve)
 from omni_actors.vllm_omni_deploy.topology import PASSED_ON, PIPELINE_EXTRA, Topology, TopologyStage, resolve_topology
@@ -174,7 +175,8 @@ def parse_deploy_config(data: dict[str, Any], source: str = "<memory>") -> Deplo
     notes = cfg.omni_connectors.notes  # (parse_config's, such as cpus not applied: a review saw them dropped)
     cfg.omni_connectors = _connectors(merged, stages, topo, origin, cfg, source)
     cfg.omni_connectors.notes = (notes + cfg.omni_connectors.notes
-                                 + _replica_notes(data.get("deployment"), topo, stages, origin))
+                                 + _replica_notes(data.get("deployment"), topo, stages, origin)
+                                 + _kept_notes(merged))
 
     names = {ts.stage_id: ts.model_stage for ts in topo.stages}
     kept = VllmOmniDeploy(
@@ -323,7 +325,50 @@ def _deployment(raw: Any, topo: Topology, stages: dict[int, dict[str, Any]],
         if size > 1:
             filled["devices_per_replica"] = size
         ours[ts.model_stage] = {**filled, **entry}
+        _check_devices_split(stage, filled.get("devices_per_replica", 1), origin.get(ts.stage_id, (source, None)))
     return {**raw, "stages": ours}
+
+
+def _kept_notes(merged: dict[str, Any]) -> list[str]:
+    """Notes on what the file sets that is kept and not applied (trial CA read none: a
+    CUDA overlay that fixes audio, and async chunks, dropped without a word)."""
+    notes = []
+    platforms = merged.get("platforms")
+    if isinstance(platforms, dict) and platforms:
+        notes.append(f"platforms ({', '.join(sorted(map(str, platforms)))}): kept, not applied: copy what a "
+                     "platform needs into its stages (for example `platforms.cuda`'s into `stages` on CUDA hosts)")
+    if merged.get("async_chunk", True) is True and any(
+            isinstance(s, dict) and s.get("stage_id") is not None for s in merged.get("stages") or []):
+        notes.append("async_chunk: true: not applied: stages hand over whole outputs, or stream where "
+                     "`deployment.streaming` says")
+    return notes
+
+
+def _check_devices_split(stage: dict[str, Any], per: int, where: tuple[str, Any]) -> None:
+    """A stage's ``devices`` splits among its ``num_replicas`` (the file's) as vLLM-Omni
+    requires (``split_devices_for_replicas``): with k > 1 replicas of ``per`` (P) devices,
+    either P ids below P (a template) or k x P (one P each); a trial's ``"1,2,3"`` for 2
+    replicas left GPU 3 out, and ``"1,2"`` for 3 put two on GPU 1, without a word, where
+    vLLM-Omni refuses both.
+
+    Raises:
+        ConfigError: at the stage's ``devices``."""
+    devices, replicas = _own(stage, "devices"), _own(stage, "num_replicas")
+    if devices is None or not isinstance(replicas, int) or not isinstance(per, int) or replicas <= 1:
+        return
+    try:
+        ids = parse_devices(str(devices))
+    except ValueError:
+        return  # (parse_config names it)
+    if (len(ids) == per and all(int(d) < per for d in ids)) or len(ids) == replicas * per:
+        return
+    src, at = where
+    key = "runtime.devices" if isinstance(stage.get("runtime"), dict) and "devices" in stage["runtime"] else "devices"
+    raise ConfigError(src, f"stages[{at}].{key}" if at is not None else "stages",
+                      f"`{devices}` has {len(ids)} device id(s): {replicas} replicas of {per} device(s) each take "
+                      f"either {per} id(s) below {per} (a template, each replica's offset by its place) or "
+                      f"{replicas * per} (the next {per} each), as vLLM-Omni splits them (or start hosts with "
+                      "--devices: placement gives each replica its own)")
 
 
 def _check_stop_tokens(topo: Topology, key: str | None, stages: dict[int, dict[str, Any]],
