@@ -1570,3 +1570,28 @@ def test_netns_members_in_network_namespaces_serve_1nm(request, tmp_path):
     assert_placement(reps)
     assert {r["node"] for r in reps if r["stage"] in MEMBER_STAGES} <= {"m1", "m2"}
     assert sum(r["completed"] for r in reps if r["stage"] == "code2wav") >= 32
+
+
+def test_the_leaders_admin_answers_while_a_frozen_member_is_lost_and_after_it_resumes(request, tmp_path):
+    """Trial CB: a member frozen past its heartbeats (lost), then resumed: from about 20 s
+    into the freeze the leader's admin answered no status request for good (a node agent
+    asked for on the frozen member left a local address among the admin's children, and
+    Thespian held every status answer that listed it), so `status`, the shell, `node drain`
+    and a new member all read "not a Thespian admin". It answers throughout."""
+    from omni_actors.system.remote import admin_status
+
+    cluster = start_cluster(request, tmp_path)
+    member = cluster.members["m1"]
+    port = cluster.leader.admin_port
+    unanswered = []
+    t0 = time.monotonic()
+    with _frozen(member.pids()):
+        while time.monotonic() - t0 < 30:
+            time.sleep(3)
+            if admin_status("127.0.0.1", port) is None:
+                unanswered.append(round(time.monotonic() - t0))
+        assert not _nodes(cluster)["m1"]["alive"]
+    assert unanswered == [], f"the leader's admin did not answer at {unanswered} s into the freeze"
+    _wait_node(cluster, "m1", True, 30, member.tail())
+    out = cluster.cli("status")
+    assert out.returncode == 0 and "m1" in out.stdout, out

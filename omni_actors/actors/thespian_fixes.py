@@ -194,6 +194,49 @@ def apply() -> None:
 
     MultiProcReplicator._childExited = _child_exited
     _stamp_admin_notices()
+    _status_without_local_addresses()
+
+
+def _status_without_local_addresses() -> None:
+    """An admin's answer to ``Thespian_StatusReq`` lists its children, the messages it
+    holds, global names and notification handlers: among them, the local address of an
+    actor whose creation waits on another host (a node agent asked for on a member that is
+    frozen). Such an address cannot be sent until it is resolved, so Thespian held the whole
+    answer, for good: every later status request went unanswered, and with it our check
+    that a port is a Thespian admin, so no CLI command, shell or new member could reach the
+    leader (trial CB: a member frozen past its heartbeats, then resumed; the admin itself
+    ran on). The answer leaves such addresses out (a message's sender or target is kept as
+    its name)."""
+    try:
+        from thespian.system.addressManager import ActorLocalAddress
+        from thespian.system.admin.adminCore import AdminCore
+    except ImportError:
+        return
+    get_status = getattr(AdminCore, "getStatus", None)
+    if get_status is None:
+        return
+
+    def local(address) -> bool:
+        return isinstance(getattr(address, "addressDetails", None), ActorLocalAddress)
+
+    def named(address):
+        return str(address) if local(address) else address
+
+    def _get_status(self):
+        resp = get_status(self)
+        resp.childActors = [a for a in resp.childActors if not local(a)]
+        resp.receivedMessages = [(named(f), named(t), m) for f, t, m in resp.receivedMessages]
+        resp.pendingMessages = [(named(f), named(t), m) for f, t, m in resp.pendingMessages]
+        resp.pendingWakeups = [w for w in resp.pendingWakeups if not (isinstance(w, tuple) and local(w[0]))]
+        if hasattr(resp, "globalActors"):
+            resp.globalActors = {n: a for n, a in resp.globalActors.items() if not local(a)}
+            resp.notifyAddresses = [a for a in resp.notifyAddresses if not local(a)]
+            resp.deadLetterAddresses = [a for a in resp.deadLetterAddresses if not local(a)]
+            if local(resp.deadLetterHandler):
+                resp.deadLetterHandler = None
+        return resp
+
+    AdminCore.getStatus = _get_status
 
 
 #: Transmits one actor keeps in flight at once (Thespian's MAX_PENDING_TRANSMITS, 20 by
