@@ -1842,6 +1842,14 @@ def _record_of(pid: int, **fields) -> str:
     return json.dumps({"pid": pid, "pid_start": start_time(pid), "boot_id": boot_id(), **fields})
 
 
+def _as_from_a_terminal() -> None:
+    """(A child's ``preexec_fn``) SIGINT and SIGHUP as a process started from a terminal gets
+    them: a test run in the background (`cmd &`, `nohup`) hands its children both ignored,
+    and a Ctrl-C or a hang-up then did nothing (a CI run of this session's, started so)."""
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 _HUNG_UP = """
 import os, signal, sys, time
 from omni_actors.system.processes import handle_stop_signals
@@ -1864,7 +1872,7 @@ def test_prints_after_a_hangup_do_not_raise(tmp_path):
     At SIGHUP its stdout and stderr, a terminal, now go to /dev/null first."""
     master, slave = os.openpty()
     proc = subprocess.Popen([sys.executable, "-c", _HUNG_UP, str(tmp_path / "out")], stdin=subprocess.DEVNULL,
-                            stdout=slave, stderr=slave, cwd=ROOT)
+                            stdout=slave, stderr=slave, cwd=ROOT, preexec_fn=_as_from_a_terminal)
     os.close(slave)
     try:
         seen = b""
@@ -1887,7 +1895,7 @@ def test_prints_after_a_hangup_do_not_raise(tmp_path):
     out = tmp_path / "plain.out"
     with open(out, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-c", _HUNG_UP, str(tmp_path / "out2")], stdin=subprocess.DEVNULL,
-                                stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+                                stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=_as_from_a_terminal)
     try:
         deadline = time.monotonic() + 30
         while "ready" not in out.read_text():
@@ -1904,7 +1912,7 @@ def test_prints_after_a_hangup_do_not_raise(tmp_path):
     # (a pipe whose reader died with the terminal, `start ... | tee run.log`: a diff review saw
     # the first print raise BrokenPipeError)
     proc = subprocess.Popen([sys.executable, "-c", _HUNG_UP, str(tmp_path / "out3")], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT, preexec_fn=_as_from_a_terminal)
     try:
         assert proc.stdout.readline() == b"ready\n"
         proc.stdout.close()  # (its reader is gone)
@@ -1931,7 +1939,8 @@ def test_a_leader_whose_terminal_closes_drains_its_stream_and_exits_0(tmp_path):
     master, slave = os.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "start", "--convention-leader", "--config",
                              str(CONFIGS / "cpu_omni_demo.yaml"), "--port", str(http_port), "--admin-port",
-                             str(admin_port)], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=ROOT, env=env)
+                             str(admin_port)], stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, cwd=ROOT, env=env,
+                            preexec_fn=_as_from_a_terminal)
     os.close(slave)
     said, hang_up, closed = bytearray(), threading.Event(), threading.Event()
 
@@ -2197,7 +2206,8 @@ def test_ctrl_c_on_a_waiting_stop_is_one_line_and_the_stop_goes_on(tmp_path, rol
                                      system_id="no-such-system", sessions=[], drain_timeout_s=60))
         stop = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port", str(admin_port)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)})
+                                env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)},
+                                preexec_fn=_as_from_a_terminal)
         try:
             deadline = time.monotonic() + 30
             while "stop_asked_at" not in record.read_text():  # (its SIGTERM went: it waits)
@@ -2230,7 +2240,7 @@ def test_ctrl_c_on_a_command_waiting_for_a_busy_admin_is_one_line():
         busy.listen()
         proc = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "status", "--admin-port",
                                  str(busy.getsockname()[1])], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, cwd=ROOT)
+                                text=True, cwd=ROOT, preexec_fn=_as_from_a_terminal)
         time.sleep(2.5)  # (imported, asking: the admin answers nothing for 5 s)
         assert proc.poll() is None, _interrupt(proc)
         out, err = _interrupt(proc)
