@@ -54,16 +54,17 @@ def _note_runner_handover(cfg: PipelineConfig) -> None:
                     "on a GPU here)")
             if note not in cfg.omni_connectors.notes:
                 cfg.omni_connectors.notes.append(note)
-    blocked = {s.stage_id for s in cfg.runner_handover_stages()}
-    if not blocked:
+    handover = cfg.runner_handover_stages()
+    if not handover:
         return
     from omni_actors.planning import stages_for
 
+    blocked = {s.stage_id for s in handover}
     refused, served = [], []
     for out in sorted(cfg.output_types()):
         (refused if stages_for(cfg, [out]) & blocked else served).append(out)
-    names = ", ".join(s.name for s in cfg.runner_handover_stages())
-    many = len(blocked) > 1
+    names = ", ".join(s.name for s in handover)
+    many = len(handover) > 1
     note = (f"stage{'s' if many else ''} {names}: `requires_full_payload_input`: {'their' if many else 'its'} "
             f"input comes through vLLM-Omni's "
             f"model-runner hand-over, which omni-actors does not carry between replicas yet: requests "

@@ -112,9 +112,15 @@ def replica_devices(devices: str | None, index: int, per_replica: int) -> str | 
     if len(ids) > p and len(ids) % p == 0:
         k = (index % (len(ids) // p)) * p
         return ",".join(ids[k:k + p])
-    if len(ids) == p and all(int(d) < p for d in ids):
+    if is_device_template(ids, p):
         return ",".join(str(int(d) + index * p) for d in ids)
     return devices
+
+
+def is_device_template(ids: tuple[str, ...], per_replica: int) -> bool:
+    """Whether a stage's device ids are one replica's template (vLLM-Omni's): ``per_replica``
+    ids, each below that count, offset by each replica's place (see :func:`replica_devices`)."""
+    return len(ids) == per_replica and all(int(d) < per_replica for d in ids)
 
 
 @dataclass
@@ -415,7 +421,7 @@ class Inventory:
                 node.used = {d: r for d, r in node.used.items() if r != replica}
 
     def _why_not(self, stage: str, replica: str, devices: int, allowed: tuple[str, ...],
-                 free: dict[str, list[str]] | None = None) -> str:
+                 free: dict[str, list[str]]) -> str:
         if allowed and all(n not in self.nodes or not self.nodes[n].open for n in allowed):
             # (a replica pinned to its node, or a stage's `nodes` rule: it waits for them, which
             # "no node has N free devices" hid; trials AT, AV: also where they never joined)
@@ -448,7 +454,7 @@ class Inventory:
                 seen.append(f"{node.info.name}: does not take {stage}")
             else:
                 takers += 1
-                mine = node.free if free is None else free[node.info.name]
+                mine = free[node.info.name]
                 kept = len(node.free) - len(mine)  # (kept for pinned replicas that are down)
                 seen.append(f"{node.info.name}: {len(mine)} of {len(node.info.devices)} devices free"
                             + (f", {kept} more kept for pinned replicas" if kept else ""))

@@ -557,8 +557,12 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._waiting_members[name] = info
             return
         self._waiting_members.pop(name, None)
-        self._registered.add(name)
-        self._rejoin_at.pop(name, None)  # (its agent is on its way: a probe would make it stale)
+        self._take_member(info)
+
+    def _take_member(self, info: NodeInfo) -> None:
+        """A member registered as node ``info.name``: its agent is started (see :meth:`_start_agent`)."""
+        self._registered.add(info.name)
+        self._rejoin_at.pop(info.name, None)  # (its agent is on its way: a probe would make it stale)
         self._start_agent(info)
 
     def _start_agent(self, info: NodeInfo) -> None:
@@ -640,9 +644,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         waiting = self._waiting_members.pop(name, None)
         if waiting is not None:  # (another member registered under its name meanwhile: see node_name_taken)
             self._log.info("node_member_taken_after_loss", node=name, member=waiting.member)
-            self._registered.add(name)
-            self._rejoin_at.pop(name, None)
-            self._start_agent(waiting)
+            self._take_member(waiting)
 
     def receiveMsg_DrainNode(self, msg: DrainNode, sender):
         """A member that stops cleanly asks first: nothing new goes to its node, and every

@@ -71,12 +71,10 @@ class StreamingMixin:
             remote = self._connector.reads_remotely(ref)
             if ref.size < FETCH_ON_THREAD_BYTES and not remote:
                 return self._connector.get(ref)
-            if not remote:
-                return await asyncio.to_thread(self._connector.get, ref)
             # waiting on another host's data service is no stall of ours (a review: one whose
             # process was frozen held the read for its 10 s timeout, and the pool's stall
             # watchdog killed the healthy replica that waited, then the next one)
-            with self._parked_while():
+            with self._parked_while() if remote else contextlib.nullcontext():
                 return await asyncio.to_thread(self._connector.get, ref)
         except DataServiceError as exc:
             raise InputLost(ref.node or ref.service or "?", str(exc)) from None

@@ -356,18 +356,16 @@ def http_port_claimed(host: str, port: int, admin_port: int, api: bool = False) 
             continue
         who = f"the system on admin port {other_admin} (leader pid {pid})"
         serving = port_in_use(port)
+        taken = f"HTTP port {port} on {host} is {'in use' if serving else 'taken'} by {who}"
         if _is_stopping(other):
-            return (f"HTTP port {port} on {host} is " + ("in use by " if serving else "taken by ") + who
-                    + f", {STOPPING_HINT}" + (" (or give this API server another --port)" if api else ""))
+            return f"{taken}, {STOPPING_HINT}" + (" (or give this API server another --port)" if api else "")
         if api:  # (trial BR: told to stop the system it was to serve, or to change its --admin-port)
-            return (f"HTTP port {port} on {host} is " + ("in use by " if serving else "taken by ") + who
-                    + ("" if serving else ", which serves there once its replicas are ready")
+            return (taken + ("" if serving else ", which serves there once its replicas are ready")
                     + ": give this API server another --port")
         if serving:
-            return (f"HTTP port {port} on {host} is in use by {who}: stop it first "
-                    f"(`{cli('stop')} --admin-port {other_admin}`), or give other ports (--port"
-                    + (", --admin-port)" if other_admin == admin_port else ")"))
-        return f"HTTP port {port} on {host} is taken by {who}, which serves there once its replicas are ready"
+            return (f"{taken}: stop it first (`{cli('stop')} --admin-port {other_admin}`), or give other ports "
+                    "(--port" + (", --admin-port)" if other_admin == admin_port else ")"))
+        return f"{taken}, which serves there once its replicas are ready"
     return None
 
 

@@ -70,7 +70,7 @@ import msgspec
 
 from omni_actors.config import MAX_REPLICAS, ConfigError, OmniConnectors, PipelineConfig, _convert, parse_config
 from omni_actors.connector_config import omni_connectors
-from omni_actors.placement import parse_devices
+from omni_actors.placement import is_device_template, parse_devices
 from omni_actors.vllm_omni_deploy.files import (ConnectorSpec, Edge, check_connectors, deep_merge,
                                                 resolve)
 from omni_actors.vllm_omni_deploy.topology import PASSED_ON, PIPELINE_EXTRA, Topology, TopologyStage, resolve_topology
@@ -360,7 +360,7 @@ def _check_devices_split(stage: dict[str, Any], per: int, where: tuple[str, Any]
         ids = parse_devices(str(devices))
     except ValueError:
         return  # (parse_config names it)
-    if (len(ids) == per and all(int(d) < per for d in ids)) or len(ids) == replicas * per:
+    if is_device_template(ids, per) or len(ids) == replicas * per:
         return
     src, at = where
     key = "runtime.devices" if isinstance(stage.get("runtime"), dict) and "devices" in stage["runtime"] else "devices"
