@@ -2,8 +2,9 @@
 
 import collections
 import dataclasses
-import time
 import re
+import time
+from pathlib import Path
 
 import pytest
 
@@ -3938,3 +3939,62 @@ def test_a_task_waiting_for_a_pinned_lingering_replica_is_routed_when_its_node_i
     pool._retry_placements = lambda: None
     pool.receiveMsg_NodesChanged(NodesChanged(undrained="vm"), "coordinator")
     assert [a for a, m in sent if isinstance(m, StageTask)] == ["e5"] and pool._pending == []
+
+
+def test_a_task_that_reaches_a_pool_before_its_start_is_routed_once_it_starts():
+    """A recreated pool's address reaches the RequestActors (routes published by the
+    coordinator, relayed by the API server) on other connections than the pool's own
+    StartPool, so a task re-sent there can come first: routing it raised, Thespian gave it
+    back to its RequestActor, and the request hung. It waits, and is routed at StartPool
+    (queued for the replicas the pool launches, then taken by the first ready one)."""
+    from omni_actors.actors.stage_pool import StagePoolActor
+    from omni_actors.actors.supervision import ReplicaHealth
+    from omni_actors.config import load_config
+    from omni_actors.messages import ReplicaState, StageTask, StartPool
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "cpu_omni_demo.yaml")
+    stage, dep = cfg.stage_args[1], cfg.deployment
+    pool = StagePoolActor()
+    sent, placed = [], []
+    pool.send = lambda address, message: sent.append((address, message))
+    pool.wakeupAfter = lambda delay, payload=None: None
+    pool._place = placed.append
+    pool._publish = lambda: None
+    task = StageTask("r1", stage.stage_id, "hi", (), {}, {}, None, False, "ra-1", attempt=1)
+    pool.receiveMsg_StageTask(task, "ra-1")
+    assert sent == []
+    pool.receiveMsg_StartPool(StartPool(stage, cfg.deployment_of(stage), dep.heartbeat_interval_s,
+                                        dep.ready_timeout_s, 65536, dep.load_balancing, dep.supervision), "coord")
+    assert len(placed) == cfg.deployment_of(stage).replicas == 2
+    assert [t for t, _ in pool._pending] == [task] and sent == []  # (no 503: its replicas are on their way)
+    rep = placed[0]
+    rep.address, rep.state, rep.health = "engine-0", ReplicaState.READY, ReplicaHealth(0.0)
+    for other in placed[1:]:
+        other.state = ReplicaState.FAILED  # (none other on its way: the ready one takes all)
+    pool._drain_pending()
+    assert sent == [("engine-0", task)]
+
+
+def test_a_stage_task_a_pool_gave_back_as_poison_is_retried_not_left_waiting(monkeypatch):
+    """A pool that raised on a task (Thespian retries once, then returns it to its sender as
+    a PoisonMessage) never runs it: the RequestActor ignored that and waited for its
+    deadline. It is a failure of the stage: tried again, then the request's error."""
+    from thespian.actors import PoisonMessage
+
+    from omni_actors.messages import ErrorKind, PlannedStage, RequestFinished, StageTask
+
+    ra, sent = _running_request_actor(monkeypatch, (PlannedStage(0, "thinker", (), "pool-thinker", "text", True),),
+                                      max_attempts=2)
+    first = [m for _, m in sent if isinstance(m, StageTask)]
+    assert len(first) == 1
+    ra.receiveMsg_PoisonMessage(PoisonMessage(first[0], "Traceback ...\nAttributeError: 'NoneType' object"),
+                                "pool-thinker")
+    tasks = [m for _, m in sent if isinstance(m, StageTask)]
+    assert [t.attempt for t in tasks] == [0, 1]
+    # a stale attempt's poison changes nothing; the last attempt's ends the request, saying why
+    ra.receiveMsg_PoisonMessage(PoisonMessage(first[0], "again"), "pool-thinker")
+    assert len([m for _, m in sent if isinstance(m, StageTask)]) == 2
+    ra.receiveMsg_PoisonMessage(PoisonMessage(tasks[1], "Traceback ...\nAttributeError: boom"), "pool-thinker")
+    done = [m for _, m in sent if isinstance(m, RequestFinished)]
+    assert len(done) == 1 and done[0].error == ErrorKind.ENGINE_ERROR
+    assert "pool of stage thinker failed to take the task (AttributeError: boom)" in done[0].message

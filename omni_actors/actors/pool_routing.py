@@ -133,7 +133,21 @@ class PoolRoutingMixin:
         if self._cancelled_early.take((msg.request_id, msg.stage_id), msg.attempt):
             self.send(msg.reply_to, StageCancelled(msg.request_id, msg.stage_id, msg.attempt))
             return
+        if self._spec is None:
+            # Before its StartPool: a recreated pool's address reaches the RequestActors (the
+            # coordinator's routes, through the API server) on other connections than its own
+            # StartPool, and a task re-sent there can come first. Routed once it has started
+            # (routing it raised: Thespian returned it to its RequestActor as a PoisonMessage,
+            # and the request waited for its deadline).
+            self._before_start.append(msg)
+            return
         self._route(msg)
+
+    def _route_before_start(self) -> None:
+        """StartPool came: route the tasks that came before it (see receiveMsg_StageTask)."""
+        kept, self._before_start = self._before_start, []
+        for task in kept:
+            self.receiveMsg_StageTask(task, None)
 
     def _takers(self, task: StageTask) -> list:
         """The replicas that may take ``task`` now (a lingering replica takes only the tasks

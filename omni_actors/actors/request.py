@@ -45,7 +45,7 @@ import dataclasses
 import os
 import time
 
-from thespian.actors import ActorExitRequest, ActorTypeDispatcher, WakeupMessage
+from thespian.actors import ActorExitRequest, ActorTypeDispatcher, PoisonMessage, WakeupMessage
 
 from omni_actors.actors.supervision import WAKEUP_LOST_AFTER_S, WakeupChain, refuses_connections
 from omni_actors.connectors import make_connector, release_all
@@ -660,6 +660,23 @@ class RequestActor(ActorTypeDispatcher):
                               stages=sorted(names.get(sid, str(sid)) for sid in unconfirmed))
         self._heard_at = time.monotonic()
         self.send(bridge, RequestActorFree(request_id, self.myAddress, confirmed))
+
+    def receiveMsg_PoisonMessage(self, msg: PoisonMessage, sender):
+        """A pool raised on one of our tasks (twice: Thespian retries a message once) and
+        Thespian returned it: that pool will never run it, so the stage fails as a pool's
+        refusal would, retried while attempts are left (it was ignored: the request waited
+        for its deadline with nothing running it)."""
+        task = msg.poisonMessage
+        if not isinstance(task, StageTask) or not self._current(task.request_id):
+            return
+        details = str(msg.details).strip().splitlines()
+        self._log.error("stage_task_poisoned", request_id=task.request_id, stage_id=task.stage_id,
+                        error=details[-1] if details else "")
+        name = self._plan[task.stage_id].stage if task.stage_id in self._plan else str(task.stage_id)
+        self.receiveMsg_StageFailed(StageFailed(
+            task.request_id, task.stage_id, "pool", ErrorKind.ENGINE_ERROR,
+            f"the pool of stage {name} failed to take the task ({details[-1] if details else 'no details'})",
+            task.attempt, task.crashed, task.moved), sender)
 
     def receiveMsg_CancelRequest(self, msg: CancelRequest, sender):
         if self._current(msg.request_id):

@@ -144,6 +144,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         self._coordinator = None
         self._replicas: dict[str, Replica] = {}
         self._pending: list[tuple[StageTask, float]] = []
+        self._before_start: list[StageTask] = []  # tasks that came before StartPool (see _route_before_start)
         #: cancels that came before their task (see actors.cancels)
         self._cancelled_early = CancelledStages()
         self._hold_until = 0.0  # the backlog kept for replicas still starting goes out by then
@@ -206,6 +207,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                     rep.latency = list(buckets)
         self._start_ticks()
         self._publish()
+        self._route_before_start()
 
     def _start_ticks(self) -> None:
         """Start a (new) chain of health ticks; a tick of an older chain is ignored."""
