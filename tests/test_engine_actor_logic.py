@@ -3998,3 +3998,33 @@ def test_a_stage_task_a_pool_gave_back_as_poison_is_retried_not_left_waiting(mon
     done = [m for _, m in sent if isinstance(m, RequestFinished)]
     assert len(done) == 1 and done[0].error == ErrorKind.ENGINE_ERROR
     assert "pool of stage thinker failed to take the task (AttributeError: boom)" in done[0].message
+
+
+def test_a_replica_whose_ready_deadline_wake_up_was_lost_fails_at_the_next_tick():
+    """A review: only the ready deadline's wake-up failed a replica that never got ready,
+    and Thespian drops wake-ups while an actor drains a long transmit queue: the replica
+    stayed STARTING for good, holding its devices, its stage's tasks waiting for it. The
+    tick fails it once that deadline is past by WAKEUP_LOST_AFTER_S; not before, and not a
+    replica that got ready."""
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.actors.supervision import WAKEUP_LOST_AFTER_S, HealthPolicy, RestartPolicy
+    from omni_actors.messages import ReplicaState
+
+    stuck = Replica("talker/0", "e0", state=ReplicaState.STARTING, reason="starting")
+    pool, sent, launched = _pool_of_stage(1, "talker", stuck)
+    stuck.health = None  # (it never sent a heartbeat)
+    pool._health = HealthPolicy(heartbeat_interval_s=1.0, missed_heartbeats=3)
+    pool._restart = RestartPolicy(1.0, 30.0, 5, 300.0, 60.0)
+    pool._spec.heartbeat_interval_s, pool._spec.ready_timeout_s = 1.0, 30.0
+    for name in ("_cancel_overdue", "_retry_placements", "_refuse_pending_if_none_comes",
+                 "_wind_down_if_orphaned", "_publish", "_after"):
+        setattr(pool, name, lambda *a: None)
+    killed = []
+    pool._kill = lambda rep: killed.append(rep.replica) or True
+    stuck.ready_by = time.monotonic() - WAKEUP_LOST_AFTER_S + 0.5  # (its wake-up may still come)
+    pool._tick()
+    assert stuck.state == ReplicaState.STARTING and killed == []
+    stuck.ready_by = time.monotonic() - WAKEUP_LOST_AFTER_S - 0.5
+    pool._tick()
+    assert stuck.state == ReplicaState.FAILED and killed == ["talker/0"], stuck
+    assert "did not become ready within 30 s" in stuck.reason

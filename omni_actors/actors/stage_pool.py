@@ -133,6 +133,9 @@ class Replica:
     #: (a restart, or a recreated pool's layout): its placement asks for that again first
     placed: tuple = ()
     was_on: tuple = ()
+    #: when (``time.monotonic()``) its ready timeout ends, from its Placement (0: not started);
+    #: the tick checks it where the wake-up set for it was lost
+    ready_by: float = 0.0
 
 
 class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, ActorTypeDispatcher):
@@ -425,7 +428,18 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 if rep.health is not None:
                     rep.health.last_heartbeat = min(now, rep.health.last_heartbeat + late)
                     rep.health.progress_at = min(now, rep.health.progress_at + late)
+                if rep.ready_by:  # (its EngineReady may be among the unread)
+                    rep.ready_by += late
         self._run_lost_timers(now)
+        for rep in list(self._replicas.values()):
+            if rep.ready_by and now > rep.ready_by + WAKEUP_LOST_AFTER_S and (
+                    rep.state == ReplicaState.STARTING or (rep.state == ReplicaState.DRAINING and rep.health is None)):
+                # Its ready deadline's wake-up was lost (its payload holds an address, so _after does
+                # not track it): a replica that never got ready stayed STARTING for good, holding its
+                # devices, and its stage's tasks waited for it (a review)
+                self._log.warning("wakeup_lost", payload=f"ready_deadline {rep.replica}")
+                rep.ready_by = 0.0
+                self._on_timer(("ready_deadline", rep.replica, rep.address))
         if self._ticks % TICKS_PER_INTERVAL == 0:
             self._cancel_overdue(now)
             self._publish()  # load figures once per interval; state changes publish at once
