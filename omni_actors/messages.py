@@ -1170,6 +1170,9 @@ class StageFailed(Message):
     crashed: tuple[str, ...] = ()  #: the task's ``crashed`` with this failure (a replica that died running it)
     moved: int = 0  #: the task's ``moved`` with this failure (one more when it was not the task's fault)
     lost_on: str | None = None  #: with INPUT_LOST: the node (or data service address) the input was on
+    #: refused by a pool whose coordinator was lost (it only drains): the task waits for the new
+    #: coordinator's pool of its stage (RoutesChanged), not run by this one, not a failure of the stage
+    coordinator_lost: bool = False
 
 
 @dataclass(frozen=True)

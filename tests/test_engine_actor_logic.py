@@ -4028,3 +4028,54 @@ def test_a_replica_whose_ready_deadline_wake_up_was_lost_fails_at_the_next_tick(
     pool._tick()
     assert stuck.state == ReplicaState.FAILED and killed == ["talker/0"], stuck
     assert "did not become ready within 30 s" in stuck.reason
+
+
+def test_a_task_refused_by_a_lost_coordinators_pool_waits_for_the_new_pool(monkeypatch):
+    """A review: a pool whose coordinator was lost drains, and refuses what it is sent; its
+    refusal came before the new routes, so the retry went to the same pool (or, a refusal
+    naming no replica, was not made) and the request got a 503. The task waits for the new
+    pool of its stage and goes there when the routes say which; one refused after the routes
+    moved on goes to the new pool at once; none coming within NEW_POOL_WAIT_S: a 503."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.request import NEW_POOL_WAIT_S, PARKED
+    from omni_actors.messages import (ErrorKind, PlannedStage, RequestFinished, RoutesChanged, StageFailed,
+                                      StageTask)
+
+    def start():
+        ra, sent = _running_request_actor(monkeypatch, (
+            PlannedStage(0, "thinker", (), "old-thinker", "text", True),))
+        woken = []
+        ra.wakeupAfter = lambda delay, payload=None: woken.append((delay, payload))
+        return ra, sent, woken
+
+    def tasks(sent):
+        return [(a, m.attempt) for a, m in sent if isinstance(m, StageTask)]
+
+    routes = SimpleNamespace(pools={0: "new-thinker"}, inherited=(), given_up=())
+    ra, sent, woken = start()
+    refused = StageFailed("r1", 0, "", ErrorKind.UNAVAILABLE, "no ready replica of stage thinker; its pool's "
+                          "coordinator was lost", 0, coordinator_lost=True)
+    ra.receiveMsg_StageFailed(refused, "old-thinker")
+    assert tasks(sent) == [("old-thinker", 0)] and woken[-1][0] == NEW_POOL_WAIT_S  # (waits: not sent again)
+    assert not [m for _, m in sent if isinstance(m, RequestFinished)]
+    ra.receiveMsg_RoutesChanged(RoutesChanged(routes), "bridge")
+    assert tasks(sent) == [("old-thinker", 0), ("new-thinker", 1)]
+    ra.receiveMsg_WakeupMessage(SimpleNamespace(payload=woken[-1][1]), "ra")  # (sent: the wait's end does nothing)
+    assert not [m for _, m in sent if isinstance(m, RequestFinished)]
+
+    ra, sent, woken = start()  # refused after the routes moved on (a replica named): to the new pool at once
+    ra.receiveMsg_RoutesChanged(RoutesChanged(SimpleNamespace(pools={0: "new-thinker"}, inherited=(0,),
+                                                              given_up=())), "bridge")
+    ra.receiveMsg_StageFailed(StageFailed("r1", 0, "thinker/0", ErrorKind.UNAVAILABLE, "replica thinker/0 is "
+                                          "draining; its pool's coordinator was lost", 0, moved=1,
+                                          coordinator_lost=True), "old-thinker")
+    assert tasks(sent) == [("old-thinker", 0), ("new-thinker", 1)]
+
+    ra, sent, woken = start()  # no new pool comes
+    ra.receiveMsg_StageFailed(refused, "old-thinker")
+    (payload,) = [p for _, p in woken if isinstance(p, tuple) and p[0] == PARKED]
+    ra.receiveMsg_WakeupMessage(SimpleNamespace(payload=payload), "ra")
+    (done,) = [m for _, m in sent if isinstance(m, RequestFinished)]
+    assert done.error == ErrorKind.UNAVAILABLE and done.message == (
+        f"stage thinker: its pool's coordinator was lost, and no new pool of it came within {NEW_POOL_WAIT_S:g} s")

@@ -110,7 +110,7 @@ class PoolRoutingMixin:
             # coordinator's pool (a code review: routed here, it ended refused, a 503).
             self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, replica, ErrorKind.UNAVAILABLE,
                                                  f"replica {replica} {why}; its pool's coordinator was lost",
-                                                 task.attempt, task.crashed, task.moved))
+                                                 task.attempt, task.crashed, task.moved, coordinator_lost=True))
             return
         self._log.warning("task_redispatched", request_id=task.request_id, replica=replica,
                           attempt=task.attempt + 1)
@@ -215,8 +215,11 @@ class PoolRoutingMixin:
         self._pending = pending[take:] + self._pending
 
     def _reject(self, task: StageTask, message: str) -> None:
-        self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, "", ErrorKind.UNAVAILABLE, message,
-                                             task.attempt, task.crashed, task.moved))
+        # (by a pool whose coordinator was lost: its replicas drain, and are not restarted)
+        lost = self._orphaned and not self._exiting
+        self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, "", ErrorKind.UNAVAILABLE,
+                                             message + ("; its pool's coordinator was lost" if lost else ""),
+                                             task.attempt, task.crashed, task.moved, coordinator_lost=lost))
 
     def _describe(self) -> str:
         return describe_replicas(self._replicas.values())

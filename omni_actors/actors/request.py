@@ -78,6 +78,12 @@ INHERITED = "inherited"
 #: Seconds a task on a lost coordinator's pool is waited for before it is treated as lost
 #: with its pool (that pool drains: its replicas finish what they run, then exit).
 INHERITED_WAIT_S = 30.0
+#: Wake-up payload: a task refused by a lost coordinator's pool (StageFailed.coordinator_lost)
+#: has waited :data:`NEW_POOL_WAIT_S` for the new coordinator's pool of its stage.
+PARKED = "parked"
+#: Seconds such a task waits for the new coordinator's pool (the leader recreates a lost
+#: coordinator within a few heartbeat intervals) before its request fails with a 503.
+NEW_POOL_WAIT_S = 30.0
 #: Wake-up payload: a request's deadline may have passed. One such wake-up is pending at a
 #: time (see :meth:`RequestActor._arm_deadline`), not one per request.
 DEADLINE = "request_deadline"
@@ -141,6 +147,9 @@ class RequestActor(ActorTypeDispatcher):
         self._pools: dict[int, object] = {}
         #: stage -> the lost coordinator's pool its running task was left on (its cancel goes there)
         self._left_on: dict[int, object] = {}
+        #: stage -> its next task, refused by a lost coordinator's pool before the new pools were
+        #: known: sent to the new pool of its stage when RoutesChanged comes (see _wait_for_new_pool)
+        self._parked: dict[int, StageTask] = {}
         #: streaming consumers cancelled to start over with their producer: (attempt, moved) of
         #: their next task (a later attempt than the one cancelled: see CancelStage.attempt)
         self._restarts: dict[int, tuple[int, int]] = {}
@@ -483,10 +492,13 @@ class RequestActor(ActorTypeDispatcher):
         if not self._current(msg.request_id) or msg.stage_id not in self._running:
             return
         task = self._running[msg.stage_id]
-        if msg.attempt < task.attempt:
+        if msg.attempt < task.attempt or msg.stage_id in self._parked:
             return  # an attempt that was already retried
         if msg.replica:
             self._failed_on[msg.stage_id] = msg.replica
+        if msg.coordinator_lost and msg.kind == ErrorKind.UNAVAILABLE:
+            self._wait_for_new_pool(task, msg, sender)
+            return
         attempt = msg.attempt + 1  # the pool may have re-dispatched it already (a dead replica)
         moved = max(msg.moved, task.moved)  # (an engine's failure of a chunk does not know them)
         retry = (bool(msg.replica) and msg.kind in RETRYABLE and attempt - moved < self._req.max_attempts
@@ -517,6 +529,29 @@ class RequestActor(ActorTypeDispatcher):
             return
         del self._running[msg.stage_id]
         self._finish(msg.kind, message, lost_on=msg.lost_on, output_sent=output_sent)
+
+    def _wait_for_new_pool(self, task: StageTask, msg: StageFailed, sender) -> None:
+        """``task`` was refused by a pool whose coordinator was lost (it only drains): send
+        it to the new coordinator's pool of its stage, now if the routes already name another
+        pool, else once they do (RoutesChanged), at most :data:`NEW_POOL_WAIT_S`. A review:
+        a coordinator frozen and then killed by the leader's watchdog left its pools orphaned
+        at once, before the new routes came; their refusals were retried on the same pool, or
+        not at all, and every request that reached a stage in that second got a 503."""
+        moved = max(msg.moved, task.moved) + (0 if msg.replica else 1)  # (a move, not an attempt)
+        if moved > MAX_TASK_MOVES:
+            del self._running[msg.stage_id]
+            self._finish(msg.kind, msg.message)
+            return
+        retry = dataclasses.replace(task, attempt=msg.attempt + 1, moved=moved)
+        if sender != self._pools.get(msg.stage_id):  # (the routes already moved on)
+            self._log.warning("stage_retry", request_id=msg.request_id, stage_id=msg.stage_id,
+                              replica=msg.replica, error=msg.message)
+            self._resend(retry)
+            return
+        self._log.warning("stage_waits_for_new_pool", request_id=msg.request_id, stage_id=msg.stage_id,
+                          error=msg.message)
+        self._running[msg.stage_id] = self._parked[msg.stage_id] = retry
+        self.wakeupAfter(NEW_POOL_WAIT_S, payload=(PARKED, msg.request_id, msg.stage_id, retry.attempt))
 
     def _relay_state(self, dst: int, src: int) -> str:
         """What this RequestActor got from stream source ``src`` and relayed to consumer
@@ -587,6 +622,10 @@ class RequestActor(ActorTypeDispatcher):
             if stage_id not in self._pools or pool == self._pools[stage_id]:
                 continue
             old, self._pools[stage_id] = self._pools[stage_id], pool  # (what it sends next goes to the new pool)
+            parked = self._parked.pop(stage_id, None)
+            if parked is not None:  # (refused by the lost coordinator's pool: see _wait_for_new_pool)
+                self._resend(parked)
+                continue
             task = self._running.get(stage_id)
             if task is not None and stage_id in msg.routes.inherited:
                 self._left_on.setdefault(stage_id, old)  # (a cancel of its task goes there: where it runs, if
@@ -793,6 +832,13 @@ class RequestActor(ActorTypeDispatcher):
                 self._pool_gone(stage_id, f"the pool of stage {self._plan[stage_id].stage} was left by its lost "
                                           f"coordinator and did not finish this stage within {INHERITED_WAIT_S:g} s",
                                 sender)
+        elif isinstance(msg.payload, tuple) and msg.payload[0] == PARKED:
+            _, request_id, stage_id, attempt = msg.payload
+            parked = self._parked.get(stage_id) if self._current(request_id) else None
+            if parked is not None and parked.attempt == attempt:
+                del self._parked[stage_id], self._running[stage_id]
+                self._finish(ErrorKind.UNAVAILABLE, f"stage {self._plan[stage_id].stage}: its pool's coordinator was "
+                                                    f"lost, and no new pool of it came within {NEW_POOL_WAIT_S:g} s")
         elif msg.payload == DEADLINE:
             self._deadline_wake = None
             req = self._req
@@ -822,6 +868,8 @@ class RequestActor(ActorTypeDispatcher):
     def _finish(self, error: ErrorKind | None, message: str, lost_on: str | None = None,
                 output_sent: bool = False) -> None:
         req = self._req
+        for stage_id in self._parked:  # (not sent anywhere: nothing to cancel)
+            self._running.pop(stage_id, None)
         for stage_id in self._running:
             self.send(self._left_on.get(stage_id, self._pools[stage_id]), CancelStage(req.request_id, stage_id))
         # Stages to hear from before the next request (one done but short of its chunks has ended)
