@@ -400,7 +400,11 @@ def test_a_second_stop_waits_for_the_first_instead_of_cutting_the_drain_short():
         first = subprocess.Popen([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port",
                                   str(leader.admin_port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True, cwd=ROOT, env=env)
-        time.sleep(1.0)
+        # (once its SIGTERM went and is recorded: a fixed second was too short on a slow machine)
+        record, deadline = leader.log_path.parent / f"leader-{leader.admin_port}.json", time.monotonic() + 30
+        while "stop_asked_at" not in (record.read_text() if record.exists() else ""):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
         second = subprocess.run([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port",
                                  str(leader.admin_port)], capture_output=True, text=True, timeout=60, cwd=ROOT,
                                 env=env)
@@ -443,7 +447,7 @@ def test_stop_with_a_timeout_shorter_than_the_drain_ends_requests_with_a_clear_e
         terminal, tty = pty.openpty()  # (its stderr: a terminal)
         try:
             stop = subprocess.run([sys.executable, "-m", "omni_actors.system", "stop", "--admin-port",
-                                   str(leader.admin_port), "--timeout", "6"], stdout=subprocess.PIPE, stderr=tty,
+                                   str(leader.admin_port), "--timeout", "10"], stdout=subprocess.PIPE, stderr=tty,
                                   text=True, timeout=60, cwd=ROOT, env={**os.environ, **env})
             took = time.monotonic() - t0
             os.close(tty)
@@ -460,14 +464,16 @@ def test_stop_with_a_timeout_shorter_than_the_drain_ends_requests_with_a_clear_e
             os.close(terminal)
         assert said.decode().replace("\r", "").splitlines() == [
             f"stopping the system on admin port {leader.admin_port}: its leader (pid {leader.proc.pid}) drains its "
-            "requests in flight and stops its replicas (at most 6 s) ..."], said
+            "requests in flight and stops its replicas (at most 10 s) ..."], said
         client.join(10)
         assert stop.returncode == 0 and "killed" not in stop.stdout, stop.stdout
         # it says it ended them, and when (a trial read the leader's "up to 10 s" as the time taken)
         assert re.fullmatch(rf"stopped the system on admin port {leader.admin_port} \(its leader had not exited "
-                            r"after 3\.\d s of --timeout 6, draining its requests or stopping its replicas: told to "
+                            r"after 5\.\d s of --timeout 10, draining its requests or stopping its replicas: told to "
                             r"hurry, which ends any request still running\)", stop.stdout.strip()), stop.stdout
-        assert took < 6 + 2, took  # (the CLI's own start included)
+        # (the CLI's own start included; 10 s, not 6: the 3 s from the hurry to the timeout were
+        # short for the leader's exit on a slow machine, a review)
+        assert took < 10 + 2, took
         status, body = got["stream"]  # a 503 before the stream began, else an SSE error event and [DONE]
         assert status in (200, 503) and "the server is shutting down" in body and "stopped at once" in body, got
         assert status == 503 or body.rstrip().endswith("data: [DONE]"), body[-300:]
@@ -803,11 +809,13 @@ def test_a_replica_frozen_with_work_in_flight_is_isolated_as_silent_not_stalled(
         while busy is None and time.monotonic() < deadline:
             with urllib.request.urlopen(leader.base_url + "/stages", timeout=10) as r:
                 talker = next(s for s in json.loads(r.read())["stages"] if s["stage"] == "talker")
-            busy = next((rep["replica"] for rep in talker["replicas"] if rep["in_flight"]), None)
+            busy, pid = next(((rep["replica"], rep["pid"]) for rep in talker["replicas"] if rep["in_flight"]),
+                             (None, None))
             time.sleep(0.05)
         assert busy is not None, "no Talker took the request"
         since = time.time()
-        assert inject_cli(leader.admin_port, "sigstop", "--replica", busy).returncode == 0
+        # (the signal itself, at once: the CLI's start-up can outlast the 2 s task on a slow machine)
+        os.kill(pid, signal.SIGSTOP)
         client.join(60)
         assert got["audio"][0] == 200, got
         isolated = [e for e in read_events(leader.log_path, since)

@@ -1290,8 +1290,11 @@ def test_a_member_whose_node_agent_gave_up_on_a_stalled_coordinator_comes_back(r
     cluster = start_cluster(request, tmp_path)
     coordinator = json.loads(cluster.cli("status", "--json").stdout)["coordinator_pid"]
     t0 = time.time()
-    with _frozen([coordinator]):
-        time.sleep(7 * 0.5)  # past the agents' 5 intervals, short of the leader's watchdog (3 asks of 1 s)
+    # (the leader's main process too, where its watchdog of the coordinator runs: its third
+    # unanswered ask could come 0.5 s after the resume on a slow machine, and kill the coordinator;
+    # the members' agents need nothing there)
+    with _frozen([coordinator, cluster.leader.proc.pid]):
+        time.sleep(7 * 0.5)  # past the agents' 5 intervals
     lost = _wait_node(cluster, "m2", False, 10, "the agents exited: the nodes are lost")
     assert "missed 3 node heartbeats" in lost["down_reason"], lost
     _wait_node(cluster, "m2", True, 15, cluster.leader.tail())

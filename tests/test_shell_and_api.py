@@ -682,7 +682,9 @@ def test_stopping_the_leader_lets_a_stream_on_an_attached_api_server_finish(repl
             from omni_actors.system.faultlab import replace_coordinator
 
             replace_coordinator(own)
-        _slow_thinker(own, 20)  # (4 ms -> 80 ms a token: 24 tokens take about 2 s)
+        # (4 ms -> 160 ms a token: 24 tokens take about 4 s; 2 s left too little past the leader's
+        # 1 s wait for the attached servers on a slow machine, a review)
+        _slow_thinker(own, 40)
         seen: dict = {"text": "", "finish": None}
 
         def stream() -> None:

@@ -281,8 +281,11 @@ def test_a_stalled_thinker_ends_the_request_at_the_chunk_timeout(leader):
     wait_ready(leader)
     s = Stream(leader, max_tokens=LONG_STREAM_TOKENS)
     assert s.first_audio.wait(10), s.events
-    stalled = time.monotonic()
-    assert inject_cli(leader.admin_port, "stall", "--replica", "thinker/0").returncode == 0
+    out = inject_cli(leader.admin_port, "stall", "--replica", "thinker/0")
+    assert out.returncode == 0, out.stderr
+    # (from when the fault went in, not from before the CLI started: on a slow machine its start-up
+    # alone can take seconds; a review)
+    stalled = time.monotonic() - (time.time() - json.loads(out.stdout)["at"])
     try:
         assert s.done.wait(15)
         errors = [(t, e) for t, k, e in s.events if k == "error"]
@@ -359,9 +362,11 @@ def test_a_stream_running_when_the_coordinator_is_killed_finishes_on_the_old_poo
     leader = LocalLeader(CONFIG).start()
     try:
         wait_ready(leader)
-        reference = Stream(leader, max_tokens=300)
+        # (long enough to outlast the CLI, the watchdog's tick and the new pools on a slow machine: a
+        # review found 300 tokens, 2.4 s, too close)
+        reference = Stream(leader, max_tokens=LONG_STREAM_TOKENS)
         assert reference.done.wait(30) and reference.kinds()[-1] == "done", reference.kinds()
-        s = Stream(leader, max_tokens=300)
+        s = Stream(leader, max_tokens=LONG_STREAM_TOKENS)
         assert s.first_audio.wait(10), s.events
         t0 = time.time()
         assert inject_cli(leader.admin_port, "kill-coordinator").returncode == 0

@@ -35,14 +35,13 @@ def test_backend_raising_on_every_task_trips_the_breaker_and_the_replica_is_rest
     assert wait_no_segments(leader) == []
 
 
-#: Seen here; reported, not fixed in this change.
 def test_five_failures_in_a_row_trip_the_breaker(leader):
-    """talker/0 raises on exactly its next 5 tasks (``circuit_breaker_failures``): it must be isolated.
-
-    Users must see 200s whatever happens (checked first); the isolation part
-    """
+    """talker/0 raises on exactly its next 5 tasks (``circuit_breaker_failures``): it must be
+    isolated and restarted. Users see 200s whatever happens (checked first)."""
+    # (the scenario ends once capacity is back, plus a second: a wait of at most 4 s for the five
+    # failures, the isolation, the back-off and the restart was short on a slow machine, a review)
     r = run_scenario(leader, "raise", target="talker/0", count=5, clients=CLIENTS,
-                     request_timeout_s=REQUEST_TIMEOUT_S, max_wait_s=4)
+                     request_timeout_s=REQUEST_TIMEOUT_S)
     assert_no_request_lost(r)
     assert r.retried >= 5
     _assert_broken_replica_isolated_and_restarted(r)
