@@ -2264,3 +2264,51 @@ def _interrupt(proc: subprocess.Popen) -> tuple[str, str]:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.communicate()
+
+
+_COUNTS_SIGTERMS = "import signal, sys, time; out = open(sys.argv[1], 'a', buffering=1); " \
+                   "signal.signal(signal.SIGTERM, lambda *a: out.write('term\\n')); print('up', flush=True); " \
+                   "time.sleep(120)"
+
+
+def test_two_stops_at_once_signal_the_host_once(tmp_path):
+    """A review: `stop` read the state file, signalled, and only then recorded its signal there,
+    so two run together could both read no stop under way and both send SIGTERM: the second
+    SIGTERM ends the requests in flight at once (trial BR's symptom). From its read to that
+    record a `stop` holds the state directory's stop lock: while another holds it, it waits,
+    then reads the other's signal and waits for that stop instead of signalling again."""
+    import fcntl
+
+    terms = tmp_path / "terms"
+    host = subprocess.Popen([sys.executable, "-c", _COUNTS_SIGTERMS, str(terms)], stdout=subprocess.PIPE,
+                            text=True)
+    stops = []
+    try:
+        assert host.stdout.readline() == "up\n"  # (its file of SIGTERMs made, empty)
+        admin_port = free_port()
+        (tmp_path / f"leader-{admin_port}.json").write_text(_record_of(
+            host.pid, role="leader", admin_port=admin_port, port=free_port(), system_id="no-such-system",
+            sessions=[], drain_timeout_s=60))
+        lock = os.open(tmp_path / ".stop.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.lockf(lock, fcntl.LOCK_EX)  # (as a `stop` between its read and its record)
+        try:
+            for _ in range(2):
+                stops.append(subprocess.Popen(
+                    [sys.executable, "-m", "omni_actors.system", "stop", "--admin-port", str(admin_port),
+                     "--timeout", "30"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                    env={**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)}))
+            time.sleep(2.0)  # (both started, and wait)
+            assert terms.read_text() == "" and all(s.poll() is None for s in stops), "signalled past the lock"
+        finally:
+            os.close(lock)
+        deadline = time.monotonic() + 20
+        while not terms.read_text():
+            assert time.monotonic() < deadline, [s.poll() for s in stops]
+            time.sleep(0.05)
+        time.sleep(1.5)  # (the other one's SIGTERM, were it sent, would have come by now)
+        assert terms.read_text() == "term\n"
+    finally:
+        host.kill()
+        host.wait()
+        outs = [s.communicate(timeout=30) for s in stops]
+    assert sum("is stopping already" in err for _, err in outs) == 1, outs

@@ -8,6 +8,8 @@ that ``check-config`` refuses).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -392,6 +394,30 @@ def _alive(pid: int) -> bool:
 STOP_ASKED = "stop_asked_at"
 
 
+def _stop_lock(sfile) -> list[int]:
+    """An exclusive lock (``lockf``, which NFS honours too) on the state directory's
+    ``.stop.lock``, waited for: held by a `stop` from its read of the state file until its
+    signal is recorded there (:func:`_unlock`); ``[fd]``, or ``[]`` where none can be had (as
+    before: unlocked)."""
+    try:
+        fd = os.open(sfile.parent / ".stop.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return []
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        return []
+    return [fd]
+
+
+def _unlock(held: list[int]) -> None:
+    """Release a :func:`_stop_lock` (the first call only: its descriptor is closed once)."""
+    while held:
+        with contextlib.suppress(OSError):
+            os.close(held.pop())  # (closing it releases the lock)
+
+
 def cmd_stop(args) -> int:
     from omni_actors.connectors import sweep_segments
     from omni_actors.system.leader import member_state_file, other_leaders_hint, state_dir, state_file, update_state
@@ -431,7 +457,12 @@ def cmd_stop(args) -> int:
         float(state.get("drain_timeout_s", DEFAULT_DRAIN_TIMEOUT_S)) + STOP_GRACE_S
     whose = "member" if state.get("role") == "member" else "leader"
     # (trial BR: a second `stop` while the first waited was the second SIGTERM, which ends the
-    # requests in flight at once, and the member said "second Ctrl-C"; it now waits for that stop)
+    # requests in flight at once, and the member said "second Ctrl-C"; it now waits for that stop.
+    # From this read to the record of its signal one `stop` at a time: two started together both
+    # read no stop and both signalled, a review)
+    stop_lock = _stop_lock(sfile)
+    with contextlib.suppress(OSError, ValueError):
+        state = {**state, **json.loads(sfile.read_text())}
     asked = state.get(STOP_ASKED) if isinstance(state.get(STOP_ASKED), (int, float)) else None
     already = asked is not None or bool(state.get("stopping"))
     if already:
@@ -446,6 +477,7 @@ def cmd_stop(args) -> int:
 
     def note_asked() -> None:  # (once its SIGTERM went: a record of a stop never sent would hold the next back)
         update_state(sfile, **{STOP_ASKED: asked if asked is not None else time.time()})
+        _unlock(stop_lock)
     try:
         forced, hurried_after = _terminate(pid, timeout, progress=(
             f"stopping the {'member' if whose == 'member' else 'system'} on admin port {args.admin_port}: its "
@@ -464,6 +496,8 @@ def cmd_stop(args) -> int:
               f"pid {pid}, drains and exits by itself; `{cli('stop')} --admin-port {args.admin_port}` waits for "
               "it again)", file=sys.stderr, flush=True)
         return INTERRUPTED_EXIT
+    finally:
+        _unlock(stop_lock)  # (where it was not signalled: gone meanwhile, or not ours to signal)
     killed = kill_system(state["system_id"], sessions=state.get("sessions", ()))
     sweep_segments(f"oa-{args.admin_port}-", state.get("shm_dir"))
     sfile.unlink(missing_ok=True)
