@@ -322,6 +322,36 @@ def test_a_recorded_leader_whose_admin_does_not_answer_is_not_called_another_pro
         server.server_close()
 
 
+def test_a_stopped_thespian_admin_with_no_record_here_is_named_not_called_the_http_port(tmp_path, monkeypatch):
+    """Trial CC: a leader's Thespian admin stopped (SIGSTOP), looked up from a shell whose
+    OMNI_ACTORS_STATE_DIR did not have the leader's record, read "port N is in use, but not by
+    an omni-actors admin (the HTTP port? see --admin-port)": the right port, called the wrong
+    one. An admin process (found by its process title) is named, stopped or not."""
+    import signal
+
+    from omni_actors.system.admin import AdminError, attach
+
+    monkeypatch.setenv("OMNI_ACTORS_STATE_DIR", str(tmp_path))  # (nothing recorded there)
+    port = free_port()
+    code = (f"import socket, time; s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(); "
+            "print('up', flush=True); time.sleep(120)")
+    # (a listener that never answers, under the title Thespian gives its admin)
+    admin = subprocess.Popen(["bash", "-c", f'exec -a "MultiProcAdmin ActorAddr-(T|:{port})" {sys.executable} '
+                              f'-c "{code}"'], stdout=subprocess.PIPE, text=True)
+    try:
+        assert admin.stdout.readline() == "up\n"
+        os.kill(admin.pid, signal.SIGSTOP)
+        with pytest.raises(AdminError) as raised:
+            attach(port)
+    finally:
+        admin.kill()
+        admin.wait()
+    assert str(raised.value) == (
+        f"the Thespian admin on port {port} (pid {admin.pid}) did not answer within 5 s (stopped: SIGSTOP; "
+        f"`kill -CONT {admin.pid}` resumes it); no leader or member is recorded on that port in {tmp_path} "
+        "(started with another OMNI_ACTORS_STATE_DIR or HOME?)")
+
+
 # -- several API servers ------------------------------------------------------
 
 @pytest.fixture(scope="module")

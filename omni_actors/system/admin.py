@@ -302,6 +302,21 @@ class Admin:
 
 
 
+def thespian_admin_pid(admin_port: int) -> int | None:
+    """The pid of this host's Thespian admin process on ``admin_port`` (its process title is
+    ``MultiProcAdmin ActorAddr-(T|:PORT)``), where one of this user's is found; else None."""
+    title = f"MultiProcAdmin ActorAddr-(T|:{admin_port})".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "cmdline").read_bytes().split(b"\0", 1)[0].strip() == title:
+                return int(entry.name)
+        except OSError:  # (gone meanwhile, or not ours to read)
+            continue
+    return None
+
+
 def _stopped(pid: int) -> bool:
     """Whether process ``pid`` (on this machine) is stopped (SIGSTOP: state ``T``)."""
     from omni_actors.system.processes import proc_stat
@@ -409,9 +424,20 @@ def attach(admin_port: int) -> Admin:
         status = None
     if status is None:  # (checked first: Thespian takes about 15 s to give up on such a port)
         api = leader_api(admin_port)
+        admin = thespian_admin_pid(admin_port)
+        stopped = admin is not None and _stopped(admin)
         if api is not None and not api.down:  # (trial BO: a busy leader's admin read as not one of ours)
-            raise AdminError(f"the leader's admin on port {admin_port} did not answer within 5 s (busy or stuck; "
-                             f"its HTTP API may still serve; `stop --admin-port {admin_port}` stops it)")
+            raise AdminError(f"the leader's admin on port {admin_port} did not answer within 5 s ("
+                             + (f"its process, pid {admin}, is stopped: SIGSTOP; `kill -CONT {admin}` resumes it"
+                                if stopped else "busy or stuck")
+                             + f"; its HTTP API may still serve; `stop --admin-port {admin_port}` stops it)")
+        if admin is not None:  # (trial CC: a frozen admin read as "not ... an omni-actors admin (the HTTP port?)")
+            from omni_actors.system.leader import state_dir
+
+            raise AdminError(f"the Thespian admin on port {admin_port} (pid {admin}) did not answer within 5 s ("
+                             + (f"stopped: SIGSTOP; `kill -CONT {admin}` resumes it" if stopped
+                                else "busy or stuck") + f"); no leader or member is recorded on that port in "
+                             f"{state_dir()} (started with another OMNI_ACTORS_STATE_DIR or HOME?)")
         raise AdminError(f"port {admin_port} is in use, but not by an omni-actors admin (the HTTP port? see "
                          "--admin-port)")
     return attach_remote("127.0.0.1", admin_port)
