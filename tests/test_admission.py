@@ -86,6 +86,19 @@ def test_the_pool_makes_up_to_its_maximum_then_queues_first_come_first_served_th
     asyncio.run(main())
 
 
+def test_a_fresh_acquire_makes_a_new_request_actor_while_one_more_may_be_made():
+    """Trial CC: the rerun of a request that its RequestActor never took (stopped) went to
+    another idle RequestActor, stopped too, and failed: a rerun asks for a new one."""
+    async def main():
+        pool = RequestActorPool(maximum=2, minimum=0, queue_limit=2, idle_exit_s=30)
+        assert await pool.acquire(1) is None
+        pool.release("a")
+        assert await pool.acquire(1, fresh=True) is None and pool.total == 2 and pool.idle == 1  # a new one
+        assert await pool.acquire(1, fresh=True) == "a"  # (at the maximum: the idle one after all)
+
+    asyncio.run(main())
+
+
 def test_a_waiter_that_leaves_or_times_out_leaves_the_queue_and_passes_on_what_it_was_given():
     async def main():
         pool = RequestActorPool(maximum=1, minimum=0, queue_limit=2, idle_exit_s=30)

@@ -1214,11 +1214,13 @@ def test_a_run_cancelled_while_it_cancels_its_request_still_closes_its_events():
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_request_its_request_actor_never_took_runs_on_another(stream):
     """Trial BM: a request handed to a stopped idle RequestActor got a 500 after 3 s, though
-    nothing of it had run. It runs again (once), on another RequestActor."""
+    nothing of it had run. It runs again (once), on another RequestActor: a new one (trial CC:
+    the rerun went to another idle one, stopped as the first was, and failed)."""
     bridge = FakeBridge(output_types=("text",))
     status, text = serve(bridge, lambda client: _post_text(client, chat("[notstarted]", stream=stream)))
     assert status == 200 and "world" in text and "lost" not in text and '"error"' not in text, text
     assert [r.request_id for r in bridge.submitted][1].endswith("-rerun1")
+    assert [r.fresh_actor for r in bridge.submitted] == [False, True]
 
 
 def test_a_stage_table_with_a_lone_surrogate_is_served():

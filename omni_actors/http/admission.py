@@ -60,15 +60,16 @@ class RequestActorPool:
         then comes in through :meth:`release`, or :meth:`lost` if it could not be made)."""
         self.total += n
 
-    async def acquire(self, timeout_s: float | None) -> Any:
-        """A free RequestActor's address, or ``None``: make one (it is counted).
+    async def acquire(self, timeout_s: float | None, fresh: bool = False) -> Any:
+        """A free RequestActor's address, or ``None``: make one (it is counted). ``fresh``:
+        ``None`` while fewer than ``maximum`` exist, before any free one.
 
         Raises:
             QueueFull: none free, ``maximum`` exist and ``queue_limit`` requests wait.
             asyncio.TimeoutError: none came free within ``timeout_s``.
         """
         if not self._waiters:
-            if self._idle:
+            if self._idle and not (fresh and self.total < self.maximum):
                 return self._idle.pop()[0]
             if self.total < self.maximum:
                 self.total += 1

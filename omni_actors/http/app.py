@@ -474,8 +474,11 @@ class _Run:
                     _log().info("http_rerun_waited_for_node", request_id=self.preq.request_id,
                                 node=event.lost_on, down=down, waited_s=round(loop.time() - t0, 2))
                 left = None if deadline is None else deadline - loop.time() - DEADLINE_GRACE_S
+                # (one its RequestActor never took goes to a new one: trial CC's rerun went to another
+                # idle RequestActor, stopped as the first was, and failed with a 500)
                 old, self.preq = self.preq, dataclasses.replace(
-                    self.preq, request_id=f"{self.preq.request_id}-rerun{self.reruns}", timeout_s=left)
+                    self.preq, request_id=f"{self.preq.request_id}-rerun{self.reruns}", timeout_s=left,
+                    fresh_actor=event.not_started)
                 _log().warning("http_request_rerun", request_id=old.request_id, rerun_id=self.preq.request_id,
                                why=event.message)
                 await self._close_events()

@@ -315,7 +315,7 @@ class ActorBridge(RequestActorKeeping):
         started = finished = False
         try:
             try:
-                actor = await self._pool.acquire(timeout)
+                actor = await self._pool.acquire(timeout, fresh=request.fresh_actor)
             except QueueFull:
                 pool = self._pool
                 closing = (f" ({len(self._closing)} of them waiting for the engines to confirm the cancels "

@@ -38,6 +38,9 @@ class PipelineRequest:
         timeout_s: deadline for the whole request, seconds.
         stream: the client reads a stream (SSE): final audio may arrive in
             parts (:class:`OutputPart`) when the pipeline streams between stages.
+        fresh_actor: run it on a new RequestActor, not an idle one (where one more may be
+            made): a rerun of a request that its first RequestActor never took (stopped or
+            hung), as the idle ones may be too.
     """
 
     request_id: str
@@ -47,6 +50,7 @@ class PipelineRequest:
     params: dict[str, Any] = field(default_factory=dict)
     timeout_s: float | None = None
     stream: bool = False
+    fresh_actor: bool = False
 
 
 @dataclass
