@@ -4079,3 +4079,32 @@ def test_a_task_refused_by_a_lost_coordinators_pool_waits_for_the_new_pool(monke
     (done,) = [m for _, m in sent if isinstance(m, RequestFinished)]
     assert done.error == ErrorKind.UNAVAILABLE and done.message == (
         f"stage thinker: its pool's coordinator was lost, and no new pool of it came within {NEW_POOL_WAIT_S:g} s")
+
+
+def test_a_draining_replica_found_silent_with_tasks_counts_them_failed_as_a_ready_one_does():
+    """Trial CC: talker/1 frozen with 2 tasks in flight went FAILED 0 -> 2 when it was isolated;
+    talker/5 frozen and then drained, with 2 tasks in flight too, stayed at FAILED 0 when it was
+    found silent while it drained and killed: the same loss, counted the same."""
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.actors.supervision import HealthPolicy, ReplicaHealth
+    from omni_actors.messages import ReplicaState, StageTask
+
+    frozen = Replica("talker/5", "e5", state=ReplicaState.DRAINING, reason="drained on request")
+    ready = Replica("talker/0", "e0", state=ReplicaState.READY)
+    pool, sent, launched = _pool_of_stage(1, "talker", frozen, ready)
+    pool._health = HealthPolicy(heartbeat_interval_s=1.0, missed_heartbeats=3, stall_timeout_s=2.0)
+    pool._spec.heartbeat_interval_s = 1.0
+    for name in ("_run_lost_timers", "_cancel_overdue", "_retry_placements", "_refuse_pending_if_none_comes",
+                 "_wind_down_if_orphaned", "_publish"):
+        setattr(pool, name, lambda *a: None)
+    pool._finished_window_s = 60.0
+    pool._kill = lambda rep: True
+    now = time.monotonic()
+    for i in range(2):
+        frozen.in_flight[(f"r{i}", 1)] = (StageTask(f"r{i}", 1, "hi", (), {}, {}, "audio", False, f"ra-{i}"), now - 9)
+    frozen.health = ReplicaHealth(last_heartbeat=now - 9, progress_at=now - 9)
+    ready.health = ReplicaHealth(last_heartbeat=now, progress_at=now)
+    pool._tick()
+    assert frozen.killed and "while draining" in frozen.reason, frozen.reason
+    assert frozen.failed == 2 and not frozen.in_flight
+    assert sorted(m.request_id for a, m in sent if a == "e0" and isinstance(m, StageTask)) == ["r0", "r1"]

@@ -35,21 +35,22 @@ _LOST_TASKS_STATES = (ReplicaState.ISOLATED, ReplicaState.DEAD, ReplicaState.FAI
 
 
 class PoolRoutingMixin:
-    def _redispatch(self, rep, crashed: bool = False) -> None:
+    def _redispatch(self, rep, crashed: bool = False, lost: bool = False) -> None:
         """Send the replica's tasks elsewhere; ``crashed``: it died running them
         (not drained or stopped on purpose), which counts against each task.
 
         Tasks lost by a replica that went down unplanned (crashed, isolated, dead,
-        failed; not drained, stopped, or with the system) count as its failed tasks
-        (``failed``, ``omni_replica_tasks_failed_total``), retried elsewhere or not: a
-        trial's alert on that counter missed every replica crash."""
+        failed, ``lost``: hung while it drained; not drained, stopped, or with the
+        system) count as its failed tasks (``failed``,
+        ``omni_replica_tasks_failed_total``), retried elsewhere or not: a trial's alert on
+        that counter missed every replica crash."""
         tasks, rep.in_flight = [t for t, _ in rep.in_flight.values()], {}
         cancelling, rep.cancelling = rep.cancelling, set()
         for task in tasks:  # (its request no longer wants it: a code review saw it run again elsewhere)
             if (task.request_id, task.stage_id) in cancelling:
                 self.send(task.reply_to, StageCancelled(task.request_id, task.stage_id, task.attempt))
         tasks = [t for t in tasks if (t.request_id, t.stage_id) not in cancelling]
-        if tasks and not self._exiting and (crashed or rep.state in _LOST_TASKS_STATES):
+        if tasks and not self._exiting and (crashed or lost or rep.state in _LOST_TASKS_STATES):
             rep.failed += len(tasks)
             self._log.warning("replica_tasks_lost", replica=rep.replica, tasks=len(tasks),
                               request_ids=sorted({t.request_id for t in tasks}))

@@ -407,7 +407,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         self._log.error("replica_isolated", replica=rep.replica, reason=why, draining=True)
         rep.reason = f"{why} while draining ({rep.reason})"
         rep.killed = True  # (not again at the next tick, before its exit is heard of)
-        self._redispatch(rep, crashed=crashed)
+        # (lost, as an isolated ready replica's are: trial CC read FAILED 2 for one frozen replica,
+        # 0 for one frozen and then drained, both with 2 tasks moved)
+        self._redispatch(rep, crashed=crashed, lost=True)
         self._hand_back_finished(rep, rep.reason)
         if not self._kill(rep):
             self._gone(rep, rep.reason)
