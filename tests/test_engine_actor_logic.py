@@ -4108,3 +4108,27 @@ def test_a_draining_replica_found_silent_with_tasks_counts_them_failed_as_a_read
     assert frozen.killed and "while draining" in frozen.reason, frozen.reason
     assert frozen.failed == 2 and not frozen.in_flight
     assert sorted(m.request_id for a, m in sent if a == "e0" and isinstance(m, StageTask)) == ["r0", "r1"]
+
+
+def test_a_lost_wake_up_of_a_stage_waiting_for_a_new_pool_is_run_by_the_beat(monkeypatch):
+    """A review: the wait of a stage on a lost coordinator's pool (INHERITED) had only its
+    wake-up, which Thespian drops under a long transmit queue: the request then waited for its
+    deadline (a 504). The PARKED wait is the same. The request's beat runs such a wake-up once
+    it is WAKEUP_LOST_AFTER_S late."""
+    from omni_actors.actors.request import NEW_POOL_WAIT_S
+    from omni_actors.actors.supervision import WAKEUP_LOST_AFTER_S
+    from omni_actors.messages import ErrorKind, PlannedStage, RequestFinished, StageFailed
+
+    ra, sent = _running_request_actor(monkeypatch, (PlannedStage(0, "thinker", (), "old-thinker", "text", True),))
+    monkeypatch.setattr("omni_actors.actors.request.refuses_connections", lambda address: False)
+    ra.receiveMsg_StageFailed(StageFailed("r1", 0, "", ErrorKind.UNAVAILABLE, "refused; its pool's coordinator "
+                                          "was lost", 0, coordinator_lost=True), "old-thinker")
+    (payload,) = ra._stage_wakeups  # (its wake-up never comes)
+    ra._stage_wakeups[payload] = time.monotonic() - WAKEUP_LOST_AFTER_S + 0.5
+    ra._beat()
+    assert not [m for _, m in sent if isinstance(m, RequestFinished)]
+    ra._stage_wakeups[payload] = time.monotonic() - WAKEUP_LOST_AFTER_S - 0.5
+    ra._beat()
+    (done,) = [m for _, m in sent if isinstance(m, RequestFinished)]
+    assert done.error == ErrorKind.UNAVAILABLE and f"no new pool of it came within {NEW_POOL_WAIT_S:g} s" in \
+        done.message

@@ -150,6 +150,8 @@ class RequestActor(ActorTypeDispatcher):
         #: stage -> its next task, refused by a lost coordinator's pool before the new pools were
         #: known: sent to the new pool of its stage when RoutesChanged comes (see _wait_for_new_pool)
         self._parked: dict[int, StageTask] = {}
+        #: INHERITED and PARKED wake-ups asked for -> when due (monotonic): run by the beat if lost
+        self._stage_wakeups: dict[tuple, float] = {}
         #: streaming consumers cancelled to start over with their producer: (attempt, moved) of
         #: their next task (a later attempt than the one cancelled: see CancelStage.attempt)
         self._restarts: dict[int, tuple[int, int]] = {}
@@ -551,7 +553,13 @@ class RequestActor(ActorTypeDispatcher):
         self._log.warning("stage_waits_for_new_pool", request_id=msg.request_id, stage_id=msg.stage_id,
                           error=msg.message)
         self._running[msg.stage_id] = self._parked[msg.stage_id] = retry
-        self.wakeupAfter(NEW_POOL_WAIT_S, payload=(PARKED, msg.request_id, msg.stage_id, retry.attempt))
+        self._stage_wakeup(NEW_POOL_WAIT_S, (PARKED, msg.request_id, msg.stage_id, retry.attempt))
+
+    def _stage_wakeup(self, delay: float, payload: tuple) -> None:
+        """``wakeupAfter`` for a stage's INHERITED or PARKED wait, run by the beat where it is
+        lost (see :meth:`_run_lost_wakeups`)."""
+        self._stage_wakeups[payload] = time.monotonic() + delay
+        self.wakeupAfter(delay, payload=payload)
 
     def _relay_state(self, dst: int, src: int) -> str:
         """What this RequestActor got from stream source ``src`` and relayed to consumer
@@ -630,7 +638,7 @@ class RequestActor(ActorTypeDispatcher):
             if task is not None and stage_id in msg.routes.inherited:
                 self._left_on.setdefault(stage_id, old)  # (a cancel of its task goes there: where it runs, if
                 # a second coordinator was lost meanwhile, not the pool of the one in between)
-                self.wakeupAfter(INHERITED_WAIT_S, payload=(INHERITED, task.request_id, stage_id, task.attempt))
+                self._stage_wakeup(INHERITED_WAIT_S, (INHERITED, task.request_id, stage_id, task.attempt))
                 continue
             # (it said "the stage's pool": a trial could not tell which, nor why)
             self._pool_gone(stage_id, f"the pool of stage {self._plan[stage_id].stage} was replaced (it, or the "
@@ -788,6 +796,11 @@ class RequestActor(ActorTypeDispatcher):
         if self._closing is not None and now - self._closing_since > self._confirm_s + WAKEUP_LOST_AFTER_S:
             self._log.warning("wakeup_lost", payload=CANCEL_CONFIRM, request_id=self._closing[0])
             self._free(confirmed=False)
+        for payload in [p for p, due in self._stage_wakeups.items() if now > due + WAKEUP_LOST_AFTER_S]:
+            # (a stage's wait on a lost coordinator's pool, or for the new one: a review saw it
+            # last until the request's deadline, a 504, where its wake-up was lost)
+            self._log.warning("wakeup_lost", payload=payload[0], request_id=payload[1], stage_id=payload[2])
+            self.receiveMsg_WakeupMessage(WakeupMessage(0, payload=payload), self.myAddress)
 
     def _deadline_passed(self) -> None:
         req = self._req
@@ -822,6 +835,7 @@ class RequestActor(ActorTypeDispatcher):
             if self._alive_beats.current(msg.payload):
                 self._beat()
         elif isinstance(msg.payload, tuple) and msg.payload[0] == INHERITED:
+            self._stage_wakeups.pop(msg.payload, None)
             _, request_id, stage_id, attempt = msg.payload
             task = self._running.get(stage_id) if self._current(request_id) else None
             if task is not None and task.attempt == attempt:  # (still on the lost coordinator's pool)
@@ -833,6 +847,7 @@ class RequestActor(ActorTypeDispatcher):
                                           f"coordinator and did not finish this stage within {INHERITED_WAIT_S:g} s",
                                 sender)
         elif isinstance(msg.payload, tuple) and msg.payload[0] == PARKED:
+            self._stage_wakeups.pop(msg.payload, None)
             _, request_id, stage_id, attempt = msg.payload
             parked = self._parked.get(stage_id) if self._current(request_id) else None
             if parked is not None and parked.attempt == attempt:
