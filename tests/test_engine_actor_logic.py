@@ -4029,6 +4029,18 @@ def test_a_replica_whose_ready_deadline_wake_up_was_lost_fails_at_the_next_tick(
     assert stuck.state == ReplicaState.FAILED and killed == ["talker/0"], stuck
     assert "did not become ready within 30 s" in stuck.reason
 
+    # One drained while it started, whose wake-up came (it is killed): not stopped again by the
+    # tick while its exit is on its way (a review: a second replica_isolated, a nested reason)
+    drained = Replica("talker/1", "e1", state=ReplicaState.DRAINING, reason="drained on request")
+    drained.health, pool._replicas["talker/1"] = None, drained
+    pool._finished_window_s = 60.0
+    drained.ready_by = time.monotonic() - 0.1
+    pool._on_timer(("ready_deadline", "talker/1", "e1"))
+    assert killed == ["talker/0", "talker/1"] and drained.reason.count("did not become ready") == 1
+    drained.ready_by = time.monotonic() - WAKEUP_LOST_AFTER_S - 0.5  # (as if it had not been cleared)
+    pool._tick()
+    assert killed == ["talker/0", "talker/1"] and drained.reason.count("did not become ready") == 1, drained.reason
+
 
 def test_a_task_refused_by_a_lost_coordinators_pool_waits_for_the_new_pool(monkeypatch):
     """A review: a pool whose coordinator was lost drains, and refuses what it is sent; its
@@ -4039,12 +4051,12 @@ def test_a_task_refused_by_a_lost_coordinators_pool_waits_for_the_new_pool(monke
     from types import SimpleNamespace
 
     from omni_actors.actors.request import NEW_POOL_WAIT_S, PARKED
-    from omni_actors.messages import (ErrorKind, PlannedStage, RequestFinished, RoutesChanged, StageFailed,
-                                      StageTask)
+    from omni_actors.messages import (ErrorKind, PlannedStage, RequestFinished, RoutesChanged, StageDone,
+                                      StageFailed, StageTask)
 
-    def start():
+    def start(*more):
         ra, sent = _running_request_actor(monkeypatch, (
-            PlannedStage(0, "thinker", (), "old-thinker", "text", True),))
+            PlannedStage(0, "thinker", (), "old-thinker", "text", True), *more))
         woken = []
         ra.wakeupAfter = lambda delay, payload=None: woken.append((delay, payload))
         return ra, sent, woken
@@ -4079,6 +4091,20 @@ def test_a_task_refused_by_a_lost_coordinators_pool_waits_for_the_new_pool(monke
     (done,) = [m for _, m in sent if isinstance(m, RequestFinished)]
     assert done.error == ErrorKind.UNAVAILABLE and done.message == (
         f"stage thinker: its pool's coordinator was lost, and no new pool of it came within {NEW_POOL_WAIT_S:g} s")
+
+    # A review: the refused task finished after all (its replica's StageDone came after the refusal
+    # of its pool, which had given it up): done, not run again on the new pool, and the end of the
+    # wait does nothing (it raised a KeyError). The crash its pool counted goes with a resend.
+    ra, sent, woken = start(PlannedStage(1, "talker", (0,), "talker-pool", "audio", False))
+    ra.receiveMsg_StageFailed(dataclasses.replace(refused, crashed=("thinker/0",)), "old-thinker")
+    assert ra._parked[0].crashed == ("thinker/0",)
+    ra.receiveMsg_StageDone(StageDone("r1", 0, "thinker/0", output=None, final=None, attempt=0), "thinker-engine")
+    assert tasks(sent) == [("old-thinker", 0), ("talker-pool", 0)]  # (the request goes on)
+    ra.receiveMsg_RoutesChanged(RoutesChanged(routes), "bridge")
+    (payload,) = [p for _, p in woken if isinstance(p, tuple) and p[0] == PARKED]
+    ra.receiveMsg_WakeupMessage(SimpleNamespace(payload=payload), "ra")
+    assert tasks(sent) == [("old-thinker", 0), ("talker-pool", 0)], tasks(sent)
+    assert not [m for _, m in sent if isinstance(m, RequestFinished)]
 
 
 def test_a_draining_replica_found_silent_with_tasks_counts_them_failed_as_a_ready_one_does():

@@ -330,6 +330,7 @@ def test_a_stopped_thespian_admin_with_no_record_here_is_named_not_called_the_ht
     import signal
 
     from omni_actors.system.admin import AdminError, attach
+    from omni_actors.system.leader import member_state_file
 
     monkeypatch.setenv("OMNI_ACTORS_STATE_DIR", str(tmp_path))  # (nothing recorded there)
     port = free_port()
@@ -343,6 +344,10 @@ def test_a_stopped_thespian_admin_with_no_record_here_is_named_not_called_the_ht
         os.kill(admin.pid, signal.SIGSTOP)
         with pytest.raises(AdminError) as raised:
             attach(port)
+        # (a member's admin, recorded here: not "no ... member is recorded", a review)
+        member_state_file(port).write_text(json.dumps({"pid": os.getpid(), "role": "member"}))
+        with pytest.raises(AdminError) as member:
+            attach(port)
     finally:
         admin.kill()
         admin.wait()
@@ -350,6 +355,9 @@ def test_a_stopped_thespian_admin_with_no_record_here_is_named_not_called_the_ht
         f"the Thespian admin on port {port} (pid {admin.pid}) did not answer within 5 s (stopped: SIGSTOP; "
         f"`kill -CONT {admin.pid}` resumes it); no leader or member is recorded on that port in {tmp_path} "
         "(started with another OMNI_ACTORS_STATE_DIR or HOME?)")
+    assert str(member.value) == (
+        f"the Thespian admin on port {port} (pid {admin.pid}) did not answer within 5 s (stopped: SIGSTOP; "
+        f"`kill -CONT {admin.pid}` resumes it); the member recorded on that port has it")
 
 
 # -- several API servers ------------------------------------------------------

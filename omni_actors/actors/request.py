@@ -452,6 +452,7 @@ class RequestActor(ActorTypeDispatcher):
         if task is None or (task.streaming and msg.attempt != task.attempt):
             release_all([msg.output, msg.final])
             return
+        self._parked.pop(msg.stage_id, None)  # (done after all: not sent to the new pool; a review)
         if self._incomplete(msg):
             self._done_waiting[msg.stage_id] = msg  # it overtook its last chunks or text: wait for them
             return
@@ -544,7 +545,7 @@ class RequestActor(ActorTypeDispatcher):
             del self._running[msg.stage_id]
             self._finish(msg.kind, msg.message)
             return
-        retry = dataclasses.replace(task, attempt=msg.attempt + 1, moved=moved)
+        retry = dataclasses.replace(task, attempt=msg.attempt + 1, moved=moved, crashed=msg.crashed or task.crashed)
         if sender != self._pools.get(msg.stage_id):  # (the routes already moved on)
             self._log.warning("stage_retry", request_id=msg.request_id, stage_id=msg.stage_id,
                               replica=msg.replica, error=msg.message)
@@ -552,7 +553,9 @@ class RequestActor(ActorTypeDispatcher):
             return
         self._log.warning("stage_waits_for_new_pool", request_id=msg.request_id, stage_id=msg.stage_id,
                           error=msg.message)
-        self._running[msg.stage_id] = self._parked[msg.stage_id] = retry
+        # (its refused task stays the running one, so that a late StageDone of it, from a replica
+        # of that pool that finished it after all, is taken: it then is no longer parked)
+        self._parked[msg.stage_id] = retry
         self._stage_wakeup(NEW_POOL_WAIT_S, (PARKED, msg.request_id, msg.stage_id, retry.attempt))
 
     def _stage_wakeup(self, delay: float, payload: tuple) -> None:
@@ -851,7 +854,8 @@ class RequestActor(ActorTypeDispatcher):
             _, request_id, stage_id, attempt = msg.payload
             parked = self._parked.get(stage_id) if self._current(request_id) else None
             if parked is not None and parked.attempt == attempt:
-                del self._parked[stage_id], self._running[stage_id]
+                del self._parked[stage_id]
+                self._running.pop(stage_id, None)
                 self._finish(ErrorKind.UNAVAILABLE, f"stage {self._plan[stage_id].stage}: its pool's coordinator was "
                                                     f"lost, and no new pool of it came within {NEW_POOL_WAIT_S:g} s")
         elif msg.payload == DEADLINE:

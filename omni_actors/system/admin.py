@@ -432,12 +432,16 @@ def attach(admin_port: int) -> Admin:
                                 if stopped else "busy or stuck")
                              + f"; its HTTP API may still serve; `stop --admin-port {admin_port}` stops it)")
         if admin is not None:  # (trial CC: a frozen admin read as "not ... an omni-actors admin (the HTTP port?)")
-            from omni_actors.system.leader import state_dir
+            from omni_actors.system.leader import member_state_file, state_dir
 
+            # (what is recorded on that port here: a member's, or a leader whose process is gone)
+            recorded = ("; the member recorded on that port has it" if member_state_file(admin_port).exists() else
+                        f"; the leader recorded on that port (pid {api.state.get('pid')}) is gone" if api is not None
+                        else f"; no leader or member is recorded on that port in {state_dir()} (started with "
+                             "another OMNI_ACTORS_STATE_DIR or HOME?)")
             raise AdminError(f"the Thespian admin on port {admin_port} (pid {admin}) did not answer within 5 s ("
                              + (f"stopped: SIGSTOP; `kill -CONT {admin}` resumes it" if stopped
-                                else "busy or stuck") + f"); no leader or member is recorded on that port in "
-                             f"{state_dir()} (started with another OMNI_ACTORS_STATE_DIR or HOME?)")
+                                else "busy or stuck") + f"){recorded}")
         raise AdminError(f"port {admin_port} is in use, but not by an omni-actors admin (the HTTP port? see "
                          "--admin-port)")
     return attach_remote("127.0.0.1", admin_port)
