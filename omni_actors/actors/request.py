@@ -78,6 +78,9 @@ INHERITED = "inherited"
 #: Seconds a task on a lost coordinator's pool is waited for before it is treated as lost
 #: with its pool (that pool drains: its replicas finish what they run, then exit).
 INHERITED_WAIT_S = 30.0
+#: Seconds past its due time after which an overdue beat of a RequestActor says it did not run
+#: (see RequestActor._own_silence).
+OWN_SILENCE_S = 2.0
 #: Wake-up payload: a task refused by a lost coordinator's pool (StageFailed.coordinator_lost)
 #: has waited :data:`NEW_POOL_WAIT_S` for the new coordinator's pool of its stage.
 PARKED = "parked"
@@ -129,6 +132,7 @@ class RequestActor(ActorTypeDispatcher):
         self._bridge_checks = WakeupChain(BRIDGE_CHECK)  # (gen 0: not started)
         self._alive_beats = WakeupChain(ALIVE_BEAT)  # RequestActorAlive while busy
         self._alive_every_s = 5.0  # (the last request's RunRequest.alive_every_s)
+        self._beat_at = time.monotonic()  # when it last beat (see _own_silence)
         #: (request id, stages whose cancel is not confirmed yet, its bridge) after an end
         #: with stages still running; None: free (see CANCEL_CONFIRM_S)
         self._closing: tuple[str, set[int], object] | None = None
@@ -208,6 +212,7 @@ class RequestActor(ActorTypeDispatcher):
         self._arm_deadline()
         self._alive_every_s = msg.alive_every_s
         self._alive_beats.ensure(self, msg.alive_every_s)
+        self._beat_at = time.monotonic()
         self._dispatch_ready()
 
     def _dispatch_ready(self) -> None:
@@ -508,7 +513,7 @@ class RequestActor(ActorTypeDispatcher):
                  and moved <= MAX_TASK_MOVES)
         message = msg.message
         if msg.kind == ErrorKind.TIMEOUT and task.stream_source is not None:
-            message += self._relay_state(msg.stage_id, task.stream_source)
+            message += self._relay_state(msg.stage_id, task.stream_source) + self._own_silence()
         output_sent = False
         if task.streaming:
             affected = self._downstream(msg.stage_id)
@@ -563,6 +568,16 @@ class RequestActor(ActorTypeDispatcher):
         lost (see :meth:`_run_lost_wakeups`)."""
         self._stage_wakeups[payload] = time.monotonic() + delay
         self.wakeupAfter(delay, payload=payload)
+
+    def _own_silence(self) -> str:
+        """Where this actor itself did not run for a while (its beat overdue by over
+        :data:`OWN_SILENCE_S`: stopped, starved of CPU), says so: the chunks it relays between
+        stages stopped with it, and a consumer's timeout blamed the producer (trial CC: "its
+        replica died or stalled" of a healthy Talker, after the RequestActor was stopped 25 s)."""
+        overdue = time.monotonic() - self._beat_at - self._alive_every_s
+        return (f"; this request's RequestActor itself did not run for at least {overdue:.0f} s (stopped or "
+                "starved of CPU), and the chunks it relays between the stages stopped with it"
+                if overdue > OWN_SILENCE_S else "")
 
     def _relay_state(self, dst: int, src: int) -> str:
         """What this RequestActor got from stream source ``src`` and relayed to consumer
@@ -758,6 +773,7 @@ class RequestActor(ActorTypeDispatcher):
         how many it has instead: :data:`OUTPUT_PROBES` beats, then one every
         :data:`OUTPUT_PROBE_SLOW_S` (it may be frozen)."""
         now = time.monotonic()
+        self._beat_at = now
         self._run_lost_wakeups(now)
         if self._req is not None and now - self._started >= self._req.alive_every_s \
                 and refuses_connections(self._req.reply_to):
