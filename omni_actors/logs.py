@@ -115,6 +115,9 @@ def get_logger(**fields):
 #: In Thespian's "Pending Actor create for ... failed (3585): ..." (3585 is its
 #: ``ERROR_ActorSystem_Shutting_Down``): a child asked for while the system stops.
 SHUTTING_DOWN_CREATE = "failed (3585)"
+#: ... "failed (3586)" (``ERROR_No_Compatible_ActorSystem``): no host of the convention offers the
+#: capabilities the actor requires (an agent asked for on a member that has gone).
+NO_HOST_CREATE = "failed (3586)"
 
 
 class ThespianJsonFormatter(logging.Formatter):
@@ -133,6 +136,12 @@ class ThespianJsonFormatter(logging.Formatter):
             # An actor asked for a child while the system stopped (a pool placing a replica):
             # Thespian logs it as an error at every clean stop with member replicas (trial AP).
             level = "info"
+        elif NO_HOST_CREATE in message:
+            # (trial CD: a bare error line after each member SIGKILLed, from the agent asked for there;
+            # an error still: an actor no host can take may be a replica that never starts)
+            message = message.rstrip()
+            message += (" " if message.endswith(":") else "; ") + (
+                "no host of the convention offers what the actor requires (a member it was asked for on has gone?)")
         event = {"event": "thespian", "level": level, "message": message,
                  "pid": record.process, "timestamp": when.isoformat().replace("+00:00", "Z")}
         if record.exc_info:

@@ -202,9 +202,14 @@ def test_thespians_own_log_records_are_json_events_like_ours():
     # 3585: the system was shutting down (at every clean stop with member replicas; trial AP):
     # no error, or it would set off alerts. Any other failure stays an error.
     assert event["level"] == "info"
-    other = logging.LogRecord("thespian", logging.ERROR, __file__, 1, "Pending Actor create for %s failed (%d)",
+    other = logging.LogRecord("thespian", logging.ERROR, __file__, 1, "Pending Actor create for %s failed (%d): ",
                               ("ActorAddr-(T|:35313)", 3586), None)
-    assert json.loads(ThespianJsonFormatter().format(other))["level"] == "error"
+    event = json.loads(ThespianJsonFormatter().format(other))
+    # 3586 (no compatible actor system): said in words (trial CD read a bare line after each member
+    # was SIGKILLed: the node agent asked for there)
+    assert event["level"] == "error" and event["message"] == (
+        "Pending Actor create for ActorAddr-(T|:35313) failed (3586): no host of the convention offers what the "
+        "actor requires (a member it was asked for on has gone?)")
 
 
 def test_an_admin_that_does_not_answer_at_start_is_said_in_words():
