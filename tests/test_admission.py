@@ -1272,3 +1272,43 @@ def test_a_receiver_held_up_does_not_make_the_messages_it_had_not_read_anyones_s
             bridge._tick_handle.cancel()
 
     asyncio.run(main())
+
+
+def test_an_output_made_on_a_node_whose_data_service_answers_again_is_fetched_not_refused(prefix,
+                                                                                          segments_not_slots):
+    """Trial CD: a member frozen 10 s made the API server's fetch from its data service time
+    out, and that service was then taken for down for a few seconds; the request's rerun ran on
+    the member just resumed, and its output was refused without a try ("not tried again for
+    2.3 s"): a 500. Where the coordinator's last status has the node alive and its data service
+    answering, the fetch is tried; where it does not, it is still refused at once."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from omni_actors.connectors import NodeConnector, data_client
+    from omni_actors.connectors.data_client import close_connections
+    from omni_actors.connectors.data_service import DataService
+    from omni_actors.messages import NodeStatus, OutputReady
+
+    def node(silent_s: float) -> NodeStatus:
+        return NodeStatus("far", True, (), {}, (), (), data_service=svc.address, data_service_silent_s=silent_s)
+
+    with DataService("127.0.0.1", 0, prefix, node="far") as svc:
+        try:
+            producer = NodeConnector(0, prefix, node="far", service=svc.address)
+            bridge = _bridge()
+            bridge._connector = NodeConnector(node="near")
+            failed = []
+            bridge._fail_here = lambda request_id, event: failed.append(event)
+            for silent_s, fetched in ((3.0, False), (0.0, True)):
+                ref = producer.put({"pcm": np.arange(64, dtype=np.int16)})
+                data_client._mark_down(svc.address)  # (its fetches had timed out)
+                bridge._published = SimpleNamespace(nodes=(node(silent_s),))
+                out = bridge._take(OutputReady("r1", 2, "audio", ref), "final output")
+                if fetched:
+                    assert out is not None and np.array_equal(out["pcm"], np.arange(64, dtype=np.int16)), failed
+                else:  # (still silent: refused at once, as before)
+                    assert out is None and "not tried again" in failed[-1].message, failed
+        finally:
+            data_client._down.pop(svc.address, None)
+            close_connections()

@@ -79,6 +79,8 @@ class DataServiceError(ConnectionError):
     """The data service could not be reached, or broke the protocol."""
 
 
+
+
 def parse_address(service: str) -> tuple[str, int]:
     """``"host:port"`` (or ``"[v6]:port"``) -> ``(host, port)``. Raises ValueError."""
     host, sep, port = service.rpartition(":")
@@ -107,6 +109,19 @@ def _mark_down(service: str) -> None:
         return
     failures += 1
     _down[service] = (now + min(DOWN_FOR_S * 2 ** (failures - 1), DOWN_FOR_MAX_S), failures)
+
+
+def taken_for_down(service: str) -> bool:
+    """Whether requests to ``service`` fail without being tried now (failures in a row; see
+    :data:`DOWN_FOR_S`)."""
+    down = _down.get(service)
+    return down is not None and time.monotonic() < down[0]
+
+
+def forget_down(service: str) -> None:
+    """Take ``service`` for up again, before its time as down is over (its host is heard
+    from again): the next request to it is tried."""
+    _down.pop(service, None)
 
 
 def _connection(service: str, quick: bool = False) -> tuple[socket.socket, bool]:

@@ -62,7 +62,7 @@ from thespian.actors import ActorExitRequest
 from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
 from omni_actors.balancing import no_replica_reason
 from omni_actors.connectors import make_connector
-from omni_actors.connectors.data_client import DataServiceError
+from omni_actors.connectors.data_client import DataServiceError, forget_down, taken_for_down
 from omni_actors.http.types import (CONTEXT_LENGTH_CODE, BridgeEvent, OutputFinal, OutputPart, OutputText,
                                     PipelineRequest, RequestDone, RequestFailed, within)
 from omni_actors.logs import get_logger
@@ -819,6 +819,11 @@ class ActorBridge(RequestActorKeeping):
         would map in place, so the segment can be recycled while the event is still
         to be encoded. On failure (the ref is unlinked) the request fails with a 500
         that says what was lost, and None is returned."""
+        if msg.ref.service and taken_for_down(msg.ref.service) and self._data_service_answers(msg.ref):
+            # Taken for down after it timed out (its host frozen), and its node's data service answers
+            # the coordinator again: tried now (trial CD: the rerun of a request, made on the member
+            # just resumed, failed with a 500 "not tried again for 2.3 s")
+            forget_down(msg.ref.service)
         try:
             return self._connector.take(msg.ref)
         except Exception as exc:  # noqa: BLE001
@@ -828,6 +833,14 @@ class ActorBridge(RequestActorKeeping):
             self._fail_here(msg.request_id, RequestFailed(500, f"{what} lost{where}: {exc}", lost_output=lost,
                                                           lost_on=(msg.ref.node or msg.ref.service) if lost else None))
             return None
+
+    def _data_service_answers(self, ref) -> bool:
+        """Whether the coordinator's last published status has ``ref``'s node alive and its
+        data service answering (``NodeStatus.data_service_silent_s`` 0)."""
+        published = self._published
+        return published is not None and any(
+            n.alive and not n.data_service_silent_s and (n.name == ref.node or n.data_service == ref.service)
+            for n in published.nodes)
 
     def _fail_here(self, request_id: str, event: RequestFailed) -> None:
         """Receiver thread: the bridge itself ends the request with ``event`` (an output it
