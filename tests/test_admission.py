@@ -1279,8 +1279,11 @@ def test_an_output_made_on_a_node_whose_data_service_answers_again_is_fetched_no
     """Trial CD: a member frozen 10 s made the API server's fetch from its data service time
     out, and that service was then taken for down for a few seconds; the request's rerun ran on
     the member just resumed, and its output was refused without a try ("not tried again for
-    2.3 s"): a 500. Where the coordinator's last status has the node alive and its data service
-    answering, the fetch is tried; where it does not, it is still refused at once."""
+    2.3 s"): a 500. Such a service is asked once whether it answers now (at most
+    DATA_SERVICE_PROBE_S) and tried if it does. One still frozen is probed once, not per output
+    (each would hold the receiver thread); one on a node the coordinator has lost, not at all."""
+    import dataclasses
+    import socket
     from types import SimpleNamespace
 
     import numpy as np
@@ -1288,11 +1291,13 @@ def test_an_output_made_on_a_node_whose_data_service_answers_again_is_fetched_no
     from omni_actors.connectors import NodeConnector, data_client
     from omni_actors.connectors.data_client import close_connections
     from omni_actors.connectors.data_service import DataService
+    from omni_actors.http.bridge import DATA_SERVICE_PROBE_S
     from omni_actors.messages import NodeStatus, OutputReady
 
-    def node(silent_s: float) -> NodeStatus:
-        return NodeStatus("far", True, (), {}, (), (), data_service=svc.address, data_service_silent_s=silent_s)
-
+    frozen = socket.socket()  # (accepts connections, answers nothing: a stopped host)
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)
+    silent = "127.0.0.1:%d" % frozen.getsockname()[1]
     with DataService("127.0.0.1", 0, prefix, node="far") as svc:
         try:
             producer = NodeConnector(0, prefix, node="far", service=svc.address)
@@ -1300,15 +1305,34 @@ def test_an_output_made_on_a_node_whose_data_service_answers_again_is_fetched_no
             bridge._connector = NodeConnector(node="near")
             failed = []
             bridge._fail_here = lambda request_id, event: failed.append(event)
-            for silent_s, fetched in ((3.0, False), (0.0, True)):
-                ref = producer.put({"pcm": np.arange(64, dtype=np.int16)})
-                data_client._mark_down(svc.address)  # (its fetches had timed out)
-                bridge._published = SimpleNamespace(nodes=(node(silent_s),))
-                out = bridge._take(OutputReady("r1", 2, "audio", ref), "final output")
-                if fetched:
-                    assert out is not None and np.array_equal(out["pcm"], np.arange(64, dtype=np.int16)), failed
-                else:  # (still silent: refused at once, as before)
-                    assert out is None and "not tried again" in failed[-1].message, failed
+
+            def nodes(far_alive: bool):
+                bridge._published = SimpleNamespace(nodes=(
+                    NodeStatus("far", far_alive, (), {}, (), (), data_service=svc.address),
+                    NodeStatus("stopped", True, (), {}, (), (), data_service=silent)))
+
+            def take(ref):
+                t0 = time.monotonic()
+                return bridge._take(OutputReady("r1", 2, "audio", ref), "final output"), time.monotonic() - t0
+
+            ref = producer.put({"pcm": np.arange(64, dtype=np.int16)})
+            data_client._mark_down(svc.address)  # (its fetches had timed out)
+            nodes(far_alive=False)  # (lost: not probed, refused at once)
+            out, _ = take(ref)
+            assert out is None and "not tried again" in failed[-1].message, failed
+            ref = producer.put({"pcm": np.arange(64, dtype=np.int16)})
+            nodes(far_alive=True)  # (back: it answers the probe, and is fetched)
+            out, _ = take(ref)
+            assert out is not None and np.array_equal(out["pcm"], np.arange(64, dtype=np.int16)), failed
+
+            data_client._mark_down(silent)
+            gone = dataclasses.replace(ref, node="stopped", service=silent)
+            out, took = take(gone)
+            assert out is None and "not tried again" in failed[-1].message and took >= DATA_SERVICE_PROBE_S * 0.9
+            out, took = take(gone)  # (probed already for this outage: refused at once)
+            assert out is None and "not tried again" in failed[-1].message and took < DATA_SERVICE_PROBE_S / 2
         finally:
-            data_client._down.pop(svc.address, None)
+            for service in (svc.address, silent):
+                data_client._down.pop(service, None)
             close_connections()
+            frozen.close()

@@ -4163,22 +4163,28 @@ def test_a_lost_wake_up_of_a_stage_waiting_for_a_new_pool_is_run_by_the_beat(mon
 def test_a_consumer_timeout_says_when_the_request_actor_itself_did_not_run(monkeypatch):
     """Trial CC: with a request's RequestActor stopped for 25 s, the Code2Wav waiting for the
     chunks it relays timed out, and the request's error read "no chunk from upstream stage 1
-    within 10 s ...: its replica died or stalled" of a healthy Talker. Its own overdue beat says
-    that it did not run; a timeout while it ran as it should says nothing of it."""
+    within 10 s ...: its replica died or stalled" of a healthy Talker. Its beat, which Thespian
+    runs first when it resumes (its wake-up fell due meanwhile), came that late: the error says
+    it did not run. A beat on time, or none (its wake-up lost), says nothing of it."""
     from omni_actors.messages import ErrorKind, PlannedStage, RequestFinished, StageChunk, StageFailed
 
-    def timed_out(silent_s: float) -> str:
+    monkeypatch.setattr("omni_actors.actors.request.refuses_connections", lambda address: False)
+
+    def timed_out(beat_late_s: float | None) -> str:
         ra, sent = _running_request_actor(monkeypatch, (
             PlannedStage(1, "talker", (), "pool-talker", None, False, emits_chunks=True),
             PlannedStage(2, "code2wav", (1,), "pool-code2wav", "audio", False, stream_source=1, emits_chunks=True)))
         ra.receiveMsg_StageChunk(StageChunk("r1", 1, 0, "ref0", 0), "talker-engine")
-        ra._beat_at = time.monotonic() - ra._alive_every_s - silent_s
+        ra._alive_beats.due = time.monotonic() - (beat_late_s or 30.0)
+        if beat_late_s is not None:  # (None: its wake-up was lost, and no beat came)
+            ra._beat()
         ra.receiveMsg_StageFailed(StageFailed("r1", 2, "code2wav/0", ErrorKind.TIMEOUT, "stage code2wav "
                                               "(code2wav/0): no chunk from upstream stage 1 within 10 s"), "c2w")
         (done,) = [m for _, m in sent if isinstance(m, RequestFinished)]
         assert done.error == ErrorKind.TIMEOUT
         return done.message
 
-    assert "this request's RequestActor itself did not run for at least 25 s (stopped or starved of CPU)" in \
+    assert "this request's RequestActor itself did not run for about 25 s (stopped or starved of CPU)" in \
         timed_out(25.0)
     assert "RequestActor itself" not in timed_out(0.5)
+    assert "RequestActor itself" not in timed_out(None)

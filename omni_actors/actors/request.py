@@ -132,7 +132,6 @@ class RequestActor(ActorTypeDispatcher):
         self._bridge_checks = WakeupChain(BRIDGE_CHECK)  # (gen 0: not started)
         self._alive_beats = WakeupChain(ALIVE_BEAT)  # RequestActorAlive while busy
         self._alive_every_s = 5.0  # (the last request's RunRequest.alive_every_s)
-        self._beat_at = time.monotonic()  # when it last beat (see _own_silence)
         #: (request id, stages whose cancel is not confirmed yet, its bridge) after an end
         #: with stages still running; None: free (see CANCEL_CONFIRM_S)
         self._closing: tuple[str, set[int], object] | None = None
@@ -154,6 +153,8 @@ class RequestActor(ActorTypeDispatcher):
         #: stage -> its next task, refused by a lost coordinator's pool before the new pools were
         #: known: sent to the new pool of its stage when RoutesChanged comes (see _wait_for_new_pool)
         self._parked: dict[int, StageTask] = {}
+        #: (seconds, when: monotonic) of the last time this actor did not run, by its beat's lateness
+        self._paused: tuple[float, float] | None = None
         #: INHERITED and PARKED wake-ups asked for -> when due (monotonic): run by the beat if lost
         self._stage_wakeups: dict[tuple, float] = {}
         #: streaming consumers cancelled to start over with their producer: (attempt, moved) of
@@ -212,7 +213,6 @@ class RequestActor(ActorTypeDispatcher):
         self._arm_deadline()
         self._alive_every_s = msg.alive_every_s
         self._alive_beats.ensure(self, msg.alive_every_s)
-        self._beat_at = time.monotonic()
         self._dispatch_ready()
 
     def _dispatch_ready(self) -> None:
@@ -570,14 +570,20 @@ class RequestActor(ActorTypeDispatcher):
         self.wakeupAfter(delay, payload=payload)
 
     def _own_silence(self) -> str:
-        """Where this actor itself did not run for a while (its beat overdue by over
-        :data:`OWN_SILENCE_S`: stopped, starved of CPU), says so: the chunks it relays between
-        stages stopped with it, and a consumer's timeout blamed the producer (trial CC: "its
-        replica died or stalled" of a healthy Talker, after the RequestActor was stopped 25 s)."""
-        overdue = time.monotonic() - self._beat_at - self._alive_every_s
-        return (f"; this request's RequestActor itself did not run for at least {overdue:.0f} s (stopped or "
-                "starved of CPU), and the chunks it relays between the stages stopped with it"
-                if overdue > OWN_SILENCE_S else "")
+        """Where this actor itself did not run for a while lately (its last beat came over
+        :data:`OWN_SILENCE_S` late, within the chunk timeout before now: stopped, starved of
+        CPU), says so: the chunks it relays between stages stopped with it, and a consumer's
+        timeout blamed the producer (trial CC: "its replica died or stalled" of a healthy
+        Talker, after the RequestActor was stopped 25 s). Thespian runs the wake-ups that fell
+        due while it was stopped before the messages that came meanwhile, so the beat comes
+        first; a beat whose wake-up was lost says nothing."""
+        if self._paused is None:
+            return ""
+        late, at = self._paused
+        if time.monotonic() - at > self._req.chunk_timeout_s + OWN_SILENCE_S:
+            return ""
+        return (f"; this request's RequestActor itself did not run for about {late:.0f} s (stopped or starved "
+                "of CPU) just before, and the chunks it relays between the stages stopped with it")
 
     def _relay_state(self, dst: int, src: int) -> str:
         """What this RequestActor got from stream source ``src`` and relayed to consumer
@@ -773,7 +779,9 @@ class RequestActor(ActorTypeDispatcher):
         how many it has instead: :data:`OUTPUT_PROBES` beats, then one every
         :data:`OUTPUT_PROBE_SLOW_S` (it may be frozen)."""
         now = time.monotonic()
-        self._beat_at = now
+        due = self._alive_beats.due
+        if due is not None and now - due > OWN_SILENCE_S:  # (this actor did not run: see _own_silence)
+            self._paused = (now - due, now)
         self._run_lost_wakeups(now)
         if self._req is not None and now - self._started >= self._req.alive_every_s \
                 and refuses_connections(self._req.reply_to):

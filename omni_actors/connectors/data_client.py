@@ -98,6 +98,8 @@ class _Connections(threading.local):
 _conns = _Connections()
 #: service -> (until when it is taken for down (monotonic), failures in a row)
 _down: dict[str, tuple[float, int]] = {}
+#: service -> the ``_down`` entry it was last probed for (see probe_down)
+_probed: dict[str, tuple[float, int]] = {}
 
 
 def _mark_down(service: str) -> None:
@@ -111,17 +113,19 @@ def _mark_down(service: str) -> None:
     _down[service] = (now + min(DOWN_FOR_S * 2 ** (failures - 1), DOWN_FOR_MAX_S), failures)
 
 
-def taken_for_down(service: str) -> bool:
-    """Whether requests to ``service`` fail without being tried now (failures in a row; see
-    :data:`DOWN_FOR_S`)."""
+def probe_down(service: str, timeout_s: float) -> bool:
+    """Whether ``service``, taken for down, answers now (:func:`answers`, at most
+    ``timeout_s``): then it is taken for up again and the next request to it is tried.
+    Probed once per time it is taken for down (a frozen host would otherwise cost each caller
+    the probe); False while it is not taken for down too (nothing to probe)."""
     down = _down.get(service)
-    return down is not None and time.monotonic() < down[0]
-
-
-def forget_down(service: str) -> None:
-    """Take ``service`` for up again, before its time as down is over (its host is heard
-    from again): the next request to it is tried."""
+    if down is None or time.monotonic() >= down[0] or _probed.get(service) == down:
+        return False
+    _probed[service] = down
+    if not answers(service, timeout_s):
+        return False
     _down.pop(service, None)
+    return True
 
 
 def _connection(service: str, quick: bool = False) -> tuple[socket.socket, bool]:

@@ -62,7 +62,7 @@ from thespian.actors import ActorExitRequest
 from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
 from omni_actors.balancing import no_replica_reason
 from omni_actors.connectors import make_connector
-from omni_actors.connectors.data_client import DataServiceError, forget_down, taken_for_down
+from omni_actors.connectors.data_client import DataServiceError, probe_down
 from omni_actors.http.types import (CONTEXT_LENGTH_CODE, BridgeEvent, OutputFinal, OutputPart, OutputText,
                                     PipelineRequest, RequestDone, RequestFailed, within)
 from omni_actors.logs import get_logger
@@ -100,6 +100,9 @@ TEXT_GAP_S = 3.0
 RECEIVER_PAUSED_S = 2.0
 #: Seconds between two looks for such requests (the receiver turns on every message).
 TEXT_GAP_CHECK_S = 0.25
+#: Seconds the receiver thread waits for a data service taken for down to answer a probe, once
+#: per time it is taken for down, before it fetches an output made there (see ActorBridge._take).
+DATA_SERVICE_PROBE_S = 1.0
 #: The coordinator's publications (routes, status) the bridge says it has, every this many
 #: (:class:`PublicationsReceived`: half the coordinator's ``SUBSCRIBER_BACKLOG``).
 PUBLICATIONS_ACK_EVERY = 4
@@ -819,11 +822,12 @@ class ActorBridge(RequestActorKeeping):
         would map in place, so the segment can be recycled while the event is still
         to be encoded. On failure (the ref is unlinked) the request fails with a 500
         that says what was lost, and None is returned."""
-        if msg.ref.service and taken_for_down(msg.ref.service) and self._data_service_answers(msg.ref):
-            # Taken for down after it timed out (its host frozen), and its node's data service answers
-            # the coordinator again: tried now (trial CD: the rerun of a request, made on the member
-            # just resumed, failed with a 500 "not tried again for 2.3 s")
-            forget_down(msg.ref.service)
+        if msg.ref.service and self._node_alive(msg.ref):
+            # Taken for down after it timed out (its host frozen), it is asked once whether it answers
+            # now (at most 1 s, on this thread), and tried if so (trial CD: the rerun of a request, made
+            # on the member just resumed, failed with a 500 "not tried again for 2.3 s"). (Not what the
+            # coordinator says of its data service: that is published only with other changes.)
+            probe_down(msg.ref.service, DATA_SERVICE_PROBE_S)
         try:
             return self._connector.take(msg.ref)
         except Exception as exc:  # noqa: BLE001
@@ -834,13 +838,12 @@ class ActorBridge(RequestActorKeeping):
                                                           lost_on=(msg.ref.node or msg.ref.service) if lost else None))
             return None
 
-    def _data_service_answers(self, ref) -> bool:
-        """Whether the coordinator's last published status has ``ref``'s node alive and its
-        data service answering (``NodeStatus.data_service_silent_s`` 0)."""
+    def _node_alive(self, ref) -> bool:
+        """Whether the coordinator's last published status has ``ref``'s node alive (a lost
+        one is not probed)."""
         published = self._published
         return published is not None and any(
-            n.alive and not n.data_service_silent_s and (n.name == ref.node or n.data_service == ref.service)
-            for n in published.nodes)
+            n.alive and (n.name == ref.node or n.data_service == ref.service) for n in published.nodes)
 
     def _fail_here(self, request_id: str, event: RequestFailed) -> None:
         """Receiver thread: the bridge itself ends the request with ``event`` (an output it
