@@ -47,7 +47,7 @@ import time
 
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, PoisonMessage, WakeupMessage
 
-from omni_actors.actors.supervision import WAKEUP_LOST_AFTER_S, WakeupChain, refuses_connections
+from omni_actors.actors.supervision import WAKEUP_LOST_AFTER_S, WakeupChain, pop_overdue, refuses_connections
 from omni_actors.connectors import make_connector, release_all
 from omni_actors.logs import get_logger
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, MAX_TASK_MOVES, BridgeAlive, CancelRequest, CancelStage,
@@ -740,14 +740,13 @@ class RequestActor(ActorTypeDispatcher):
         task = msg.poisonMessage
         if not isinstance(task, StageTask) or not self._current(task.request_id):
             return
-        details = str(msg.details).strip().splitlines()
-        self._log.error("stage_task_poisoned", request_id=task.request_id, stage_id=task.stage_id,
-                        error=details[-1] if details else "")
+        last = (str(msg.details).strip().splitlines() or ["no details"])[-1]  # (a traceback's last line)
+        self._log.error("stage_task_poisoned", request_id=task.request_id, stage_id=task.stage_id, error=last)
         name = self._plan[task.stage_id].stage if task.stage_id in self._plan else str(task.stage_id)
         self.receiveMsg_StageFailed(StageFailed(
             task.request_id, task.stage_id, "pool", ErrorKind.ENGINE_ERROR,
-            f"the pool of stage {name} failed to take the task ({details[-1] if details else 'no details'})",
-            task.attempt, task.crashed, task.moved), sender)
+            f"the pool of stage {name} failed to take the task ({last})", task.attempt, task.crashed,
+            task.moved), sender)
 
     def receiveMsg_CancelRequest(self, msg: CancelRequest, sender):
         if self._current(msg.request_id):
@@ -823,7 +822,7 @@ class RequestActor(ActorTypeDispatcher):
         if self._closing is not None and now - self._closing_since > self._confirm_s + WAKEUP_LOST_AFTER_S:
             self._log.warning("wakeup_lost", payload=CANCEL_CONFIRM, request_id=self._closing[0])
             self._free(confirmed=False)
-        for payload in [p for p, due in self._stage_wakeups.items() if now > due + WAKEUP_LOST_AFTER_S]:
+        for payload in pop_overdue(self._stage_wakeups, now):
             # (a stage's wait on a lost coordinator's pool, or for the new one: a review saw it
             # last until the request's deadline, a 504, where its wake-up was lost)
             self._log.warning("wakeup_lost", payload=payload[0], request_id=payload[1], stage_id=payload[2])

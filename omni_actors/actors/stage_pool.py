@@ -40,7 +40,7 @@ from omni_actors.actors.pool_placement import PoolPlacementMixin, down_phrase, m
 from omni_actors.actors.pool_routing import TASK_OVERDUE_GRACE_S, PoolRoutingMixin  # noqa: F401 (re-exported)
 from omni_actors.actors.supervision import (TICK_LOST_AFTER_INTERVALS, WAKEUP_LOST_AFTER_S, HealthPolicy, host_identity,
                                             ParentWatch, ReplicaHealth, RestartPolicy, WakeupChain,
-                                            exit_hard_after, exit_if_orphaned_before_start)
+                                            exit_hard_after, exit_if_orphaned_before_start, pop_overdue)
 from omni_actors.actors.thespian_fixes import describe_exit, exit_code
 from omni_actors.balancing import POLICIES
 from omni_actors.logs import get_logger
@@ -229,9 +229,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
 
     def _run_lost_timers(self, now: float) -> None:
         """Run the wake-ups asked for with _after that are over WAKEUP_LOST_AFTER_S late."""
-        for payload in [p for p, due in self._timers.items() if now > due + WAKEUP_LOST_AFTER_S]:
+        for payload in pop_overdue(self._timers, now):
             self._log.warning("wakeup_lost", payload=str(payload))
-            del self._timers[payload]
             self._on_timer(payload)
 
     def _new_replica_id(self) -> str:

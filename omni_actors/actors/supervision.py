@@ -85,6 +85,16 @@ WAKEUP_LOST_AFTER_S = 2.0
 TICK_LOST_AFTER_INTERVALS = 3
 
 
+def pop_overdue(due_by_payload: dict, now: float) -> list:
+    """The payloads of ``due_by_payload`` (payload -> when due, monotonic) over
+    :data:`WAKEUP_LOST_AFTER_S` late at ``now``, taken out of it: wake-ups that Thespian
+    dropped (see :class:`WakeupChain`), for their actor to run late."""
+    lost = [p for p, due in due_by_payload.items() if now > due + WAKEUP_LOST_AFTER_S]
+    for payload in lost:
+        del due_by_payload[payload]
+    return lost
+
+
 class WakeupChain:
     """A repeating wake-up (``wakeupAfter`` re-armed by its own handler) that can be
     started afresh: its payload is ``(name, generation)`` and only the latest

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -395,20 +394,13 @@ STOP_ASKED = "stop_asked_at"
 
 
 def _stop_lock(sfile) -> list[int]:
-    """An exclusive lock (``lockf``, which NFS honours too) on the state directory's
-    ``.stop.lock``, waited for: held by a `stop` from its read of the state file until its
-    signal is recorded there (:func:`_unlock`); ``[fd]``, or ``[]`` where none can be had (as
-    before: unlocked)."""
-    try:
-        fd = os.open(sfile.parent / ".stop.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError:
-        return []
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-    except OSError:
-        os.close(fd)
-        return []
-    return [fd]
+    """The state directory's ``.stop.lock`` (``leader.hold_lock``), waited for: held by a
+    `stop` from its read of the state file until its signal is recorded there
+    (:func:`_unlock`); ``[fd]``, or ``[]`` where it cannot be opened (as before: unlocked)."""
+    from omni_actors.system.leader import hold_lock
+
+    fd = hold_lock(sfile.parent / ".stop.lock")
+    return [] if fd is None else [fd]
 
 
 def _unlock(held: list[int]) -> None:

@@ -304,17 +304,13 @@ class Admin:
 
 def thespian_admin_pid(admin_port: int) -> int | None:
     """The pid of this host's Thespian admin process on ``admin_port`` (its process title is
-    ``MultiProcAdmin ActorAddr-(T|:PORT)``), where one of this user's is found; else None."""
-    title = f"MultiProcAdmin ActorAddr-(T|:{admin_port})".encode()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if (entry / "cmdline").read_bytes().split(b"\0", 1)[0].strip() == title:
-                return int(entry.name)
-        except OSError:  # (gone meanwhile, or not ours to read)
-            continue
-    return None
+    ``MultiProcAdmin ActorAddr-(T|:PORT)``), where one is found; else None."""
+    from omni_actors.system.processes import process_title
+    from omni_actors.system.watchdog import ADMIN_TITLE
+
+    title = f"{ADMIN_TITLE} ActorAddr-(T|:{admin_port})"
+    return next((int(entry.name) for entry in Path("/proc").iterdir()
+                 if entry.name.isdigit() and process_title(int(entry.name)).startswith(title)), None)
 
 
 def _stopped(pid: int) -> bool:

@@ -64,6 +64,20 @@ def write_state(path: Path, state: dict) -> None:
 STATE_LOCK = ".state.lock"
 
 
+def hold_lock(path: Path) -> int | None:
+    """An open descriptor of lock file ``path`` (made if need be) holding an exclusive POSIX
+    lock (``lockf``, which NFS honours too), waited for; closing it releases the lock. None
+    where the file cannot be opened; where no lock can be had (a review's NFS without a lock
+    daemon) the descriptor comes unlocked, as before."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return None
+    with contextlib.suppress(OSError):
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+    return fd
+
+
 def update_state(path: Path, **fields) -> dict | None:
     """Add ``fields`` to the state file ``path`` (read, merged and written whole under an
     exclusive POSIX lock on the directory's :data:`STATE_LOCK`, which NFS honours too, so that
@@ -71,14 +85,8 @@ def update_state(path: Path, **fields) -> dict | None:
     its signal, both keep their fields; where no lock can be had, unlocked, as before); the
     state written, or None where the file is gone (its host exited: not written again)
     or cannot be read or written."""
+    lock_fd = hold_lock(path.parent / STATE_LOCK)
     try:
-        lock_fd = os.open(path.parent / STATE_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError:
-        lock_fd = None
-    try:
-        if lock_fd is not None:
-            with contextlib.suppress(OSError):  # (no locks there: a review's NFS without a lock daemon)
-                fcntl.lockf(lock_fd, fcntl.LOCK_EX)
         state = {**json.loads(path.read_text()), **fields}
         write_state(path, state)
         return state
