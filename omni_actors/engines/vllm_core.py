@@ -10,7 +10,9 @@ that vLLM does not give:
   makes the child ask the kernel for SIGKILL when the *thread* that spawned it
   exits (``PR_SET_PDEATHSIG``, Linux only; elsewhere nothing changes), so the
   engine must be started from the thread that keeps serving it (the
-  backend's loop thread).
+  backend's loop thread). A core that replaces that signal (vLLM-Omni's asks
+  for SIGTERM) is killed by a thread of its own once its parent has been gone
+  ``ORPHANED_CORE_GRACE_S``.
 - **The root cause.** A start-up or fatal engine error reaches the parent as
   "Engine core initialization failed. See root cause above" or
   ``EngineDeadError``; the cause is only in the child's log. The child writes
@@ -337,6 +339,7 @@ class _CoreLauncher:
         _set_parent_death_signal()
         if os.getppid() != self.parent_pid:  # the parent died before prctl took effect
             os._exit(1)
+        _exit_when_orphaned(self.parent_pid)
         from omni_actors.system.processes import use_ipc_dir_for_temp_files
 
         use_ipc_dir_for_temp_files()  # (vLLM's FileStore: removed with the system)
@@ -384,6 +387,30 @@ class _CoreLauncher:
                 path.write_text(one_line(exc))
         except OSError:
             pass
+
+
+#: Seconds an engine core whose replica process is gone may take to end on its own before it
+#: is killed (:func:`_exit_when_orphaned`); a tiny model's core tears down in about 0.2 s here.
+ORPHANED_CORE_GRACE_S = 2.0
+#: How often an engine core checks that its replica process is still there, in seconds.
+PARENT_POLL_S = 0.25
+
+
+def _exit_when_orphaned(parent_pid: int, grace_s: float = ORPHANED_CORE_GRACE_S,
+                        poll_s: float = PARENT_POLL_S) -> None:
+    """Start a daemon thread that SIGKILLs this process ``grace_s`` seconds after its parent
+    ``parent_pid`` is gone (this process re-parented). The backstop of the parent-death
+    signal: vLLM-Omni's ``run_stage_core`` replaces it with SIGTERM, for its own tear-down,
+    which did not always end (CI: a SIGKILLed replica's core still ran 10 s later)."""
+    import threading
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        time.sleep(grace_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="omni-actors-parent-watch", daemon=True).start()
 
 
 def _set_parent_death_signal() -> None:
