@@ -665,8 +665,6 @@ def test_an_engine_core_that_replaced_its_parent_death_signal_still_ends_with_it
     import subprocess
     import sys
 
-    import psutil
-
     from omni_actors.engines.vllm_core import ORPHANED_CORE_GRACE_S
 
     replica = subprocess.Popen(
@@ -680,23 +678,81 @@ def test_an_engine_core_that_replaced_its_parent_death_signal_still_ends_with_it
         core = int(line.split()[1])
         replica.send_signal(signal.SIGKILL)
         replica.wait(10)
-
-        def running() -> bool:
-            try:
-                return psutil.Process(core).status() != psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                return False
-
-        deadline = time.monotonic() + ORPHANED_CORE_GRACE_S + 5
-        while time.monotonic() < deadline and running():
-            time.sleep(0.1)
-        assert not running(), "the engine core outlived its replica"
+        assert _gone_within(core, ORPHANED_CORE_GRACE_S + 5), "the engine core outlived its replica"
     finally:
         replica.kill()
         replica.wait()
         if core:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(core, signal.SIGKILL)
+
+
+_DP_REPLICA = """
+import time
+from vllm.config import ParallelConfig
+from vllm.v1.engine.coordinator import DPCoordinator
+from omni_actors.engines.vllm_core import CoreWatch
+
+if __name__ == "__main__":  # (vLLM spawns its coordinator)
+    watch = CoreWatch("test")
+    with watch.spawning_all():  # (as a replica starts AsyncLLM with data_parallel_size: 2)
+        coordinator = DPCoordinator(ParallelConfig(data_parallel_size=2))
+    watch.note_cores()
+    print("RUNNING", coordinator.proc.pid, *sorted(watch.cores), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_vllms_data_parallel_coordinator_ends_with_its_replica(tmp_path):
+    """A review: with ``data_parallel_size > 1`` AsyncLLM starts a coordinator process of
+    its own beside the engine cores; a SIGKILLed replica's lived on, re-parented to init,
+    until the system stopped. It ends with its replica now, and is not taken for an engine
+    core (whose end names the engine's failure)."""
+    _vllm()
+    import signal
+    import subprocess
+    import sys
+
+    from omni_actors.engines.vllm_core import ORPHANED_CORE_GRACE_S
+
+    script = tmp_path / "replica.py"
+    script.write_text(_DP_REPLICA)
+    replica = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                               text=True, cwd=str(Path(__file__).resolve().parent.parent))
+    coordinator = 0
+    try:
+        line = ""
+        for line in replica.stdout:  # (vLLM logs to stdout too)
+            if line.startswith("RUNNING"):
+                break
+        assert line.startswith("RUNNING"), line
+        coordinator, *cores = map(int, line.split()[1:])
+        assert cores == [], "the coordinator was taken for an engine core"
+        replica.send_signal(signal.SIGKILL)
+        replica.wait(10)
+        assert _gone_within(coordinator, ORPHANED_CORE_GRACE_S + 5), "the coordinator outlived its replica"
+    finally:
+        replica.kill()
+        replica.wait()
+        if coordinator:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(coordinator, signal.SIGKILL)
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` has ended (or is a zombie) within ``seconds``."""
+    import psutil
+
+    def running() -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and running():
+        time.sleep(0.1)
+    return not running()
 
 
 def test_an_engine_core_killed_while_it_loads_is_named_from_vllms_exit_codes():

@@ -241,7 +241,7 @@ class VllmEngine:
         cpus = parse_cpus(self.cpus) if cpu else frozenset()  # (ValueError: not on this node)
         self._watch = CoreWatch(self.replica)
         self.start_phase = "loading the vLLM engine (model weights, memory profile, KV cache)"
-        with self._watch.spawning(v["EngineCoreProc"]), pinned(cpus):
+        with self._watch.spawning_all(v["EngineCoreProc"]), pinned(cpus):
             self._llm = v["AsyncLLM"].from_engine_args(
                 engine_args, stat_loggers=[lambda vllm_config, engine_index=0: _LoadRecorder(self, engine_index)])
         self._watch.note_cores()

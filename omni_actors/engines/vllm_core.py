@@ -160,14 +160,21 @@ def is_client_error(exc: BaseException) -> bool:
     return False
 
 
+#: vLLM's data-parallel coordinator's process name (``VLLM::DPCoordinator``) as /proc/PID/comm
+#: gives it (15 characters): a process of vLLM's beside the engine cores, not one of them.
+_DP_COORDINATOR_COMM = "VLLM::DPCoordin"
+
+
 def _core_pids() -> set[int]:
-    """Pids of this process's descendants named ``VLLM::...`` (vLLM's engine cores)."""
+    """Pids of this process's descendants named ``VLLM::...`` (vLLM's engine cores), but
+    for vLLM's data-parallel coordinator."""
     from omni_actors.system.processes import descendants
 
     pids = set()
     for pid in descendants():
         try:
-            if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::"):
+            comm = Path(f"/proc/{pid}/comm").read_text()
+            if comm.startswith("VLLM::") and not comm.startswith(_DP_COORDINATOR_COMM):
                 pids.add(pid)
         except OSError:
             pass
@@ -215,12 +222,32 @@ class CoreWatch:
         if original is None:
             yield
             return
-        setattr(engine_core_proc, entry, staticmethod(_CoreLauncher(
-            self.error_file, os.getpid(), (engine_core_proc.__module__, engine_core_proc.__qualname__, entry))))
+        launcher = _CoreLauncher(self.error_file, os.getpid(),
+                                 (engine_core_proc.__module__, engine_core_proc.__qualname__, entry))
+        launcher.original = getattr(engine_core_proc, entry)
+        setattr(engine_core_proc, entry, staticmethod(launcher))
         try:
             yield
         finally:
             setattr(engine_core_proc, entry, original)
+
+    @contextlib.contextmanager
+    def spawning_all(self, engine_core_proc: type | None = None, entry: str = "run_engine_core"):
+        """:meth:`spawning` for every process an engine starts: its engine cores
+        (``engine_core_proc.<entry>``, vLLM's ``EngineCoreProc`` where None) and, with
+        ``data_parallel_size > 1``, vLLM's data-parallel coordinator (``DPCoordinatorProc``;
+        SIGKILLed with its replica, it lived on, re-parented to init, a review)."""
+        if engine_core_proc is None:
+            from vllm.v1.engine.core import EngineCoreProc as engine_core_proc
+        try:
+            from vllm.v1.engine.coordinator import DPCoordinatorProc
+        except ImportError:  # (another vLLM: the cores are still watched)
+            DPCoordinatorProc = None  # noqa: N806
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.spawning(engine_core_proc, entry))
+            if DPCoordinatorProc is not None:
+                stack.enter_context(self.spawning(DPCoordinatorProc, "run_coordinator"))
+            yield
 
     def note_cores(self) -> None:
         """Remember the engine core processes this engine started (this process's
@@ -334,6 +361,13 @@ class _CoreLauncher:
         self.error_file = error_file
         self.parent_pid = parent_pid
         self.entry = entry
+        #: the entry point itself, for a child that vLLM forks (``VLLM_WORKER_MULTIPROC_METHOD``
+        #: fork, its default where nothing forces spawn): its class is still patched there, and
+        #: the launcher found itself by name (a recursion). Not pickled (spawn: looked up by name).
+        self.original = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "original": None}
 
     def __call__(self, *args, **kwargs):
         _set_parent_death_signal()
@@ -358,6 +392,8 @@ class _CoreLauncher:
 
         module, cls, attr = self.entry
         run = getattr(getattr(importlib.import_module(module), cls), attr)
+        if isinstance(run, _CoreLauncher):  # forked while the class was patched
+            run = self.original
         try:
             return run(*args, **kwargs)
         except SystemExit as exc:

@@ -217,7 +217,7 @@ class VllmOmniEngine:
         try:
             # (its engine core dies with the thread that spawned it, vLLM-Omni's orchestrator,
             # which lives as long as the engine: a SIGKILLed replica's core lived on, a review)
-            with self._watch.spawning(core_proc, "run_stage_core") if core_proc else contextlib.nullcontext():
+            with self._watch.spawning_all(core_proc, "run_stage_core") if core_proc else contextlib.nullcontext():
                 self._omni = v["AsyncOmni"](model=model, deploy_config=path)
             self._watch.note_cores()
             self._speakers = self._model_speakers(model)
