@@ -310,13 +310,15 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
             assert out.returncode == 1 and out.stderr.strip().splitlines()[-1] == claimed, out.stderr
         # Every 10 s while replicas start, the leader says which it waits for (it printed
         # nothing of its own for the minute real engines take)
-        deadline = time.monotonic() + 20
+        # (counted from the leader's start, before its admin and coordinator were made; an ask
+        # that its 5 s timeout ends is skipped, so a loaded host can make it the line at 20+ s)
+        deadline = time.monotonic() + 30
         while "starting (" not in (tmp_path / "leader.out").read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
         progress = re.search(r"^starting \((\d+) s\): (\d+) of (\d+) replicas ready; waiting for (.*)$",
                              (tmp_path / "leader.out").read_text(), re.M)
         assert progress, (tmp_path / "leader.out").read_text()
-        assert 9 <= int(progress[1]) <= 15 and int(progress[2]) < int(progress[3]), progress[0]
+        assert 9 <= int(progress[1]) <= 35 and int(progress[2]) < int(progress[3]), progress[0]
         # (replicas in the same state for the same reason are named together)
         assert re.match(r"talker/0(, talker/1)? starting", progress[4]) and "thinker/0" not in progress[4], \
             progress[0]
