@@ -597,6 +597,12 @@ def test_both_talker_replicas_get_work_under_concurrent_audio_requests(chain, cl
     assert got["talker/0"] > 0 and got["talker/1"] > 0, got
 
 
+#: Seconds a client's leaving may take to reach the request's RequestActor (the API server's
+#: handler is cancelled, it tells the RequestActor): a request that ends within this of the
+#: client's leaving may have been done before the cancel came.
+CANCEL_REACH_S = 0.5
+
+
 def test_cancelling_a_stream_aborts_it_inside_the_vllm_engines(chain, client):
     """A client leaves a long stream (380 tokens, about 1 s) once the thinker's vLLM engine
     has it: vLLM aborts it there, the talkers never get it, the engines still serve.
@@ -613,7 +619,7 @@ def test_cancelling_a_stream_aborts_it_inside_the_vllm_engines(chain, client):
             "modalities": ["text", "audio"]}
     added = re.compile(rb"Added request (chatcmpl-[0-9a-f]+):0:")
 
-    async def leave_once_the_thinker_has_it() -> tuple[str, float, float]:
+    async def leave_once_the_thinker_has_it() -> tuple[str, float, float, float]:
         import aiohttp
 
         with open(chain.stdout_path, "rb") as log:
@@ -636,9 +642,9 @@ def test_cancelling_a_stream_aborts_it_inside_the_vllm_engines(chain, client):
                         await post
                     except asyncio.CancelledError:
                         pass
-                return found.group(1).decode(), posted_at, time.monotonic()
+                return found.group(1).decode(), posted_at, time.monotonic(), time.time()
 
-    rid, posted_at, closed_at = asyncio.run(leave_once_the_thinker_has_it())
+    rid, posted_at, closed_at, closed_wall = asyncio.run(leave_once_the_thinker_has_it())
     found = _thinker_abort(chain, rid, before["thinker/0"]["completed"])
     if found is None:
         # Seen only with the CPUs overloaded (more busy processes than cores): this process and
@@ -652,6 +658,15 @@ def test_cancelling_a_stream_aborts_it_inside_the_vllm_engines(chain, client):
             return next((ev for ev in events if ev.get("event") == "request_finished"), None)
 
         ended = _wait_for(request_finished, 5, 0.05)
+        if ended is not None and ended.get("error") is None:
+            # (CI: this process, starved, read vLLM's line only once the whole request had ended,
+            # 1 s after it was posted: nothing was left to cancel. The log's time says when.)
+            from datetime import datetime
+
+            finished = datetime.fromisoformat(ended["timestamp"].replace("Z", "+00:00")).timestamp()
+            if finished < closed_wall + CANCEL_REACH_S:
+                pytest.skip(f"{rid} ended {finished - closed_wall:+.2f} s from the client's leaving (before "
+                            f"it, or less than {CANCEL_REACH_S} s after): nothing was left to cancel")
         assert ended is not None and ended.get("error") == "cancelled", \
             f"the thinker finished {rid} and the client's cancel did not end the request: {ended}"
         pytest.skip(f"the thinker finished {rid} inside vLLM before the client's cancel reached it "
