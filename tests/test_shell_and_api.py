@@ -720,9 +720,9 @@ def test_stopping_the_leader_lets_a_stream_on_an_attached_api_server_finish(repl
             from omni_actors.system.faultlab import replace_coordinator
 
             replace_coordinator(own)
-        # (4 ms -> 160 ms a token: 24 tokens take about 4 s; 2 s left too little past the leader's
-        # 1 s wait for the attached servers on a slow machine, a review)
-        _slow_thinker(own, 40)
+        # (4 ms -> 200 ms a token: 24 tokens take about 5 s, within the 10 s drain; 2 s, then 4 s,
+        # left too little past the leader's 1 s wait for the attached servers on a slow machine)
+        _slow_thinker(own, 50)
         seen: dict = {"text": "", "finish": None}
 
         def stream() -> None:

@@ -218,18 +218,20 @@ def test_seeded_sampling_is_reproducible(engine, loop_thread):
 def test_abort_mid_stream_ends_the_task_and_running_returns_to_zero(engine, loop_thread):
     seen = {}
 
-    async def scenario():
+    async def scenario(rid: str):
         events = []
         async for ev in engine.generate(BackendTask(
-                "abort-me", {"prompt_token_ids": [5, 6, 7]},
+                rid, {"prompt_token_ids": [5, 6, 7]},
                 {"max_tokens": 200, "ignore_eos": True})):
             events.append(ev)
             if len(events) == 3:
                 seen["running_mid"] = engine.load().running
-                await engine.abort("abort-me")
+                await engine.abort(rid)
         return events
 
-    events = loop_thread.run(scenario())
+    events = loop_thread.run(scenario("abort-me"))
+    if _finished_before_the_abort(events):
+        events = loop_thread.run(scenario("abort-me-again"))
     assert 3 <= len(events) < 200 and all(isinstance(e, TextDelta) for e in events)
     assert seen["running_mid"] == 1
     assert _settles(lambda: engine.load().running == 0)
@@ -237,6 +239,15 @@ def test_abort_mid_stream_ends_the_task_and_running_returns_to_zero(engine, loop
     _, final = loop_thread.run(collect(engine, BackendTask("after", {"prompt": "hi"},
                                                            {"max_tokens": 2})))
     assert final is not None
+
+
+def _finished_before_the_abort(events: list) -> bool:
+    """Whether a stream aborted mid-way ended with all its tokens (``finish_reason``
+    "length"): the engine core, a process of its own, generated them all while this process
+    was starved (with ``-n 2`` beside a benchmark), and vLLM merged them into the outputs
+    read: nothing was left to abort (the test runs it once more)."""
+    final = next((e for e in events if isinstance(e, StageFinal)), None)
+    return final is not None and final.outputs.get("finish_reason") == "length"
 
 
 def test_cancelling_the_consumer_aborts_inside_vllm(engine, loop_thread):

@@ -202,16 +202,21 @@ def test_first_stage_streams_and_aborts(rt):
         assert again.outputs["token_ids"].tolist() == ids
 
         # Abort mid-stream: the task ends without StageFinal and nothing stays running.
-        async def abort_after_first():
+        async def abort_after_first(rid: str):
             events = []
-            long = BackendTask("r3", {"prompt": "hello"}, {"max_tokens": 200, "ignore_eos": True,
-                                                            "temperature": 0.0})
+            long = BackendTask(rid, {"prompt": "hello"}, {"max_tokens": 200, "ignore_eos": True,
+                                                           "temperature": 0.0})
             async for ev in eng.generate(long):
                 events.append(ev)
                 if len(events) == 1:
-                    await eng.abort("r3")
+                    await eng.abort(rid)
             return events
-        events = rt.run(abort_after_first())
+        events = rt.run(abort_after_first("r3"))
+        final = next((e for e in events if isinstance(e, StageFinal)), None)
+        if final is not None and final.outputs.get("finish_reason") == "length":
+            # Once more: the engine core, a process of its own, generated all 200 tokens while
+            # this process was starved (vLLM merged them into the output read), nothing to abort.
+            events = rt.run(abort_after_first("r3-again"))
         assert events and not any(isinstance(e, StageFinal) for e in events)
         assert eng.load().running == 0
 
