@@ -22,22 +22,27 @@ TEST_CONFIGS = Path(__file__).resolve().parent / "configs"
 #: (``make test``) they go to one worker, one after the other (two vLLM engines at once on 2 cores
 #: starve each other and any timing around them), and first, as the longest share of the run.
 HEAVY_MODULES = ("test_vllm_backend.py", "test_vllm_chain.py", "test_models.py")
+#: Single tests of other modules that run real vLLM engines, in the same unit (CI: the vLLM
+#: benchmark's two engines beside the vLLM chain's starved a chain test into a false failure).
+HEAVY_TESTS = ("test_benchmarks.py::test_vllm_overhead_runs",)
 
 
-def _heavy(path: str) -> bool:
-    return path.rsplit("/", 1)[-1] in HEAVY_MODULES
+def _heavy(nodeid: str) -> bool:
+    """Whether the test ``nodeid`` (``tests/x.py::name[...]``) or module (``tests/x.py``) is heavy."""
+    path, _, name = nodeid.partition("::")
+    module = path.rsplit("/", 1)[-1]
+    return module in HEAVY_MODULES or f"{module}::{name.split('[', 1)[0]}" in HEAVY_TESTS
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Whole modules per worker (their tests share module-scoped leaders and some follow
-    on from each other), :data:`HEAVY_MODULES` as one unit."""
+    on from each other), :data:`HEAVY_MODULES` and :data:`HEAVY_TESTS` as one unit."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "heavy" if _heavy(path) else path
+            return "heavy" if _heavy(nodeid) else nodeid.split("::", 1)[0]
 
     return ModuleScheduling(config, log)
 
@@ -45,7 +50,7 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist, :data:`HEAVY_MODULES` first (every worker collects in this order)."""
     if hasattr(config, "workerinput"):
-        items.sort(key=lambda item: not _heavy(item.path.name))  # (stable: the order is kept within)
+        items.sort(key=lambda item: not _heavy(item.nodeid))  # (stable: the order is kept within)
 
 
 #: Why a vLLM-Omni test is skipped where vllm_omni does not import.

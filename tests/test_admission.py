@@ -425,6 +425,7 @@ def leader(tmp_path_factory):
     path = tmp_path_factory.mktemp("admission") / "admission.yaml"
     path.write_text(CONFIG)
     leader = LocalLeader(path).start()
+    _wait_request_actors_made(leader.base_url)
     yield leader
     assert leader.stop() == 0
     assert leader.left_after_exit == []
@@ -452,6 +453,7 @@ class ApiServer:
             held.close()
         assert f"at http://127.0.0.1:{self.port}/v1" in line, (line, self.log.read_text()[-2000:])
         self.url = f"http://127.0.0.1:{self.port}/v1"
+        _wait_request_actors_made(self.url, bridge_kw.get("min_request_actors"))
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -545,6 +547,25 @@ def _chat(url: str, max_tokens: int) -> tuple[int, str]:
 def _gauge(text: str, name: str) -> float | None:
     m = re.search(rf"^{name} (\S+)$", text, re.M)
     return float(m.group(1)) if m else None
+
+
+def _wait_request_actors_made(url: str, minimum: int | None = None, timeout_s: float = 30) -> None:
+    """Wait until the API server at ``url`` (``.../v1``) has made its first ``minimum``
+    RequestActors (the bridge's default where None) and has them idle
+    (``omni_request_actors_busy`` 0: one being made counts busy). It prints its address
+    before it makes them, in the background: a count of the system's processes 0.3 s apart
+    (:func:`_settle`) could settle before they came on a loaded machine (CI)."""
+    from omni_actors.http.bridge import DEFAULT_MIN_REQUEST_ACTORS
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = _get(url.removesuffix("/v1") + "/metrics")
+        want = minimum if minimum is not None else min(DEFAULT_MIN_REQUEST_ACTORS,
+                                                       int(_gauge(text, "omni_request_actors_max") or 1))
+        if (_gauge(text, "omni_request_actors") or 0) >= want and _gauge(text, "omni_request_actors_busy") == 0:
+            return
+        assert time.monotonic() < deadline, f"no idle RequestActor within {timeout_s:g} s:\n{text}"
+        time.sleep(0.1)
 
 
 def _settle(baseline_of) -> set[int]:
@@ -996,7 +1017,9 @@ def test_a_stream_goes_on_once_a_killed_supervisor_is_replaced(leader, tmp_path)
         killed_at = -next(t for t in arrivals if t < 0)
         after = [killed_at] + [t for t in arrivals if t > killed_at]
         gap = max(b - a for a, b in zip(after, after[1:]))
-        assert gap < SUPERVISOR_ALIVE_EVERY_S * SUPERVISOR_MISSED + 4, f"the text stopped for {gap:.1f} s"
+        # (the loss is noticed after 5 s; the bug held the rest until 3 s after the stage ended,
+        # 17 s: 7 s leaves a loaded machine room to make the new supervisor, a review)
+        assert gap < SUPERVISOR_ALIVE_EVERY_S * SUPERVISOR_MISSED + 7, f"the text stopped for {gap:.1f} s"
         assert '"request_supervisor_lost"' in api.log.read_text()
     finally:
         assert api.stop() == 0, api.log.read_text()[-2000:]

@@ -55,8 +55,10 @@ MEMBER_STAGES = ("talker", "code2wav")
 #: what the replicas of each stage may run on (tests/configs/multihost.yaml)
 NODES_OF = {"thinker": {"leader"}, "talker": {"m1", "m2"}, "code2wav": {"m1", "m2"}}
 LIVE = ("starting", "ready", "draining", "isolated")
-#: node loss to every lost replica ready elsewhere (target: under 5 s)
-REPLACE_WITHIN_S = 5.0
+#: node loss to every lost replica ready elsewhere: measured 2.0-2.6 s here (README); the
+#: bound leaves a loaded CI machine room (a review) and is still well short of the 20 s
+#: queue_timeout_s a request waiting for the stage would run into
+REPLACE_WITHIN_S = 10.0
 
 
 # -- processes ----------------------------------------------------------------------------------
@@ -753,13 +755,18 @@ def test_no_member_joins_a_request_gets_a_clear_503_after_queue_timeout(request,
 
 
 # -- host loss -------------------------------------------------------------------------------------
+#: Seconds ``kill_busiest_member``'s ``around_kill`` holds (what it returns is called then):
+#: less than the 1.5 s of silence (3 heartbeats of 0.5 s) that isolates a replica held stopped.
+AROUND_KILL_S = 0.6
+
+
 def kill_busiest_member(cluster: Cluster, clients: int = 4, extra=None, process_only: bool = False,
                         around_kill=None) -> dict:
     """Under a steady load: SIGKILL the member host holding most replicas (``process_only``: only
     its main process, as the OOM killer would: its watchdog stops the rest); wait until all of
     them are ready elsewhere, keep the load on a moment, then ``extra(cluster, victim)`` (under
     load too). ``around_kill(cluster)``, called just before the kill, returns what to call
-    0.3 s after it."""
+    ``AROUND_KILL_S`` after that."""
     reps = cluster.replicas()
     counts = collections.Counter(r["node"] for r in reps if r["stage"] in MEMBER_STAGES)
     victim = counts.most_common(1)[0][0]
@@ -774,14 +781,18 @@ def kill_busiest_member(cluster: Cluster, clients: int = 4, extra=None, process_
         try:
             await asyncio.sleep(1.5)
             after_kill = around_kill(cluster) if around_kill else None
+            # (undone on a timer, not after the kill returns: the kill scans /proc for the host's
+            # processes first and reaps it after, seconds on a loaded machine, a review)
+            undo = threading.Timer(AROUND_KILL_S, after_kill) if after_kill else None
+            if undo:
+                undo.start()
             if process_only:
                 killed_at = time.time()
                 member.proc.kill()
             else:
                 killed_at = await asyncio.to_thread(member.kill)
-            if after_kill:
-                await asyncio.sleep(0.3)
-                after_kill()
+            if undo:
+                await asyncio.to_thread(undo.join)
 
             def replaced(rs):
                 assert_placement(rs, devices_of=devices_of)
@@ -840,7 +851,7 @@ def test_a_member_process_killed_under_load_loses_no_request(request, tmp_path):
 def test_a_member_killed_while_the_leader_reads_its_outputs_loses_no_request(request, tmp_path, monkeypatch):
     """Talkers on the members, Code2Wav on the leader, streaming between them through the
     members' data services: at the kill, Code2Wav has chunks to read from the dead host
-    (it is held with SIGSTOP for 0.3 s around the kill, less than its heartbeat allows).
+    (it is held with SIGSTOP for 0.6 s around the kill, less than its heartbeats allow).
     Those requests end with their input lost (INPUT_LOST) and run again once the node is
     reported down; Code2Wav, healthy, is neither retried against the dead service nor
     isolated. (A trial: 2 requests failed with 500 "data service ... unreachable", and the

@@ -795,7 +795,9 @@ def test_an_attached_api_server_whose_system_is_killed_ends_its_requests_at_once
         assert "is gone (its admin stopped listening): the request cannot finish" in message or message in (
             "the omni-actors system stopped before this request finished",
             "the omni-actors system is stopping: replica thinker/0 stopped with it"), message
-        assert answer["at"] - killed < 5, answer["at"] - killed  # (the server looks every second)
+        # (the server looks every second; the drain's 10 s, which the trial's 503 blamed, is the
+        # bound: 5 s was short of a loaded machine's watchdog, imports and teardown, a review)
+        assert answer["at"] - killed < 8, answer["at"] - killed
         _, err = api.communicate(timeout=30)
         assert api.returncode == 1 and "is gone; stopping this API server" in err, err
 
