@@ -19,6 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -124,10 +125,11 @@ def test_a_replica_that_hangs_while_it_drains_has_its_work_moved_not_waited_for(
 
     cfg = yaml.safe_load((CONFIGS / "cpu_omni_demo.yaml").read_text())
     cfg["deployment"]["heartbeat_interval_s"] = 0.5
-    # 50 tokens: 5 s, long enough for the drain command to find the replica still at work on a
+    # 50 tokens: 10 s, long enough for the drain command to find the replica still at work on a
     # loaded machine (it was 3 s, frozen first: then the replica could be isolated as silent
-    # before the drain command reached it, and there was nothing to drain)
-    cfg["deployment"]["stages"]["talker"]["synthetic"]["decode_ms_per_token"] = 100
+    # before the drain command reached it, and there was nothing to drain; then 5 s, short of a
+    # heartbeat's lag and a CLI start-up on a loaded machine, a review)
+    cfg["deployment"]["stages"]["talker"]["synthetic"]["decode_ms_per_token"] = 200
     path = tmp_path / "slow_talker.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     leader = LocalLeader(path).start()
@@ -147,13 +149,13 @@ def test_a_replica_that_hangs_while_it_drains_has_its_work_moved_not_waited_for(
         assert out.returncode == 0, out.stderr
         os.kill(rep["pid"], signal.SIGSTOP)  # (`kill -STOP`, at once: `inject` is a process to start)
         t0 = time.monotonic()
-        client.join(30)
+        client.join(60)
         took = time.monotonic() - t0
         status, body = got["audio"]
         assert status == 200 and json.loads(body)["choices"][0]["message"]["audio"]["data"], got
-        # isolated as silent (3 heartbeats of 0.5 s), then its task runs again elsewhere (5 s);
+        # isolated as silent (3 heartbeats of 0.5 s), then its task runs again elsewhere (10 s);
         # unmoved, the request would wait for the chunk timeout (10 s) and fail
-        assert took < 15, f"the request waited {took:.1f} s for the frozen replica"
+        assert took < 25, f"the request waited {took:.1f} s for the frozen replica"
         rep = replicas(stages(leader))[busy]
         assert rep["state"] == "stopped" and "while draining (drained on request)" in rep["reason"], rep
         # (no process: no devices held, no heartbeat age; a trial read both as if it still ran)
@@ -327,13 +329,14 @@ def test_stop_command_stops_a_leader_that_is_still_starting(tmp_path):
         took = time.monotonic() - t0
         assert stop.returncode == 0, stop.stderr
         assert stop.stdout.strip() == f"stopped the system on admin port {admin_port}", stop.stdout
-        assert proc.wait(10) == 130 and took < 8, took
+        assert proc.wait(10) == 130 and took < 15, took  # (with the `stop` CLI's start-up)
         log = (tmp_path / "leader.err").read_text()
         assert "interrupted during start-up" in log
         assert any(line.startswith(f"warning: {config}: stage_args[1].final_ouput: unknown key")
                    for line in log.splitlines()), log[:3000]
         stopped = [json.loads(line) for line in log.splitlines() if '"leader_stopped"' in line]
-        assert stopped and stopped[0]["killed"] == [], stopped
+        # (the leader's own shutdown: 10 s for each loading replica with the bug)
+        assert stopped and stopped[0]["killed"] == [] and stopped[0]["shutdown_s"] < 8, stopped
         assert system_pids(system_id) == [] and not state.exists()
     finally:
         for s in held:
@@ -472,11 +475,12 @@ def test_stop_with_a_timeout_shorter_than_the_drain_ends_requests_with_a_clear_e
         assert stop.returncode == 0 and "killed" not in stop.stdout, stop.stdout
         # it says it ended them, and when (a trial read the leader's "up to 10 s" as the time taken)
         assert re.fullmatch(rf"stopped the system on admin port {leader.admin_port} \(its leader had not exited "
-                            r"after 5\.\d s of --timeout 10, draining its requests or stopping its replicas: told to "
+                            r"after [5-7]\.\d s of --timeout 10, draining its requests or stopping its replicas: told to "
                             r"hurry, which ends any request still running\)", stop.stdout.strip()), stop.stdout
-        # (the CLI's own start included; 10 s, not 6: the 3 s from the hurry to the timeout were
-        # short for the leader's exit on a slow machine, a review)
-        assert took < 10 + 2, took
+        # (the CLI's own start included, seconds on a loaded machine; 10 s, not 6: the 3 s from the
+        # hurry to the timeout were short for the leader's exit on a slow machine, a review; the
+        # hurry is said at 5 s, or a little later where the CLI itself was starved)
+        assert took < 10 + 5, took
         status, body = got["stream"]  # a 503 before the stream began, else an SSE error event and [DONE]
         assert status in (200, 503) and "the server is shutting down" in body and "stopped at once" in body, got
         assert status == 503 or body.rstrip().endswith("data: [DONE]"), body[-300:]
@@ -1711,7 +1715,10 @@ def test_the_watchdog_kills_an_engine_left_frozen_by_its_gone_pool_and_no_other(
         frozen, running, other = procs.values()
         for proc in (frozen, other):
             os.kill(proc.pid, signal.SIGSTOP)
-        time.sleep(0.2)  # (stopped: its state says so)
+        deadline = time.monotonic() + 10  # (stopped once its state says so, not after a fixed moment)
+        while any(Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T" for p in (frozen, other)):
+            assert time.monotonic() < deadline, "not stopped"
+            time.sleep(0.01)
         sessions, since, main = [os.getsid(p.pid) for p in procs.values()], {}, os.getpid()  # (their parent)
         elsewhere: dict = {}  # (another process's children: not judged, however long)
         assert reap_frozen_orphans("no-such-id", sessions, main + 1, elsewhere, now=0.0) == []

@@ -344,8 +344,11 @@ def test_a_node_undrained_before_its_replacements_ran_keeps_each_stage_at_its_si
 
     live = ("pending", "starting", "ready")
     before = _reps(_wait(leader, lambda st: all(r["state"] == "ready" for r in _reps(st).values()), "ready"))
-    # A stream in flight (about 8 s of Thinker) keeps the node's replicas lingering, as the
-    # trial's clients did: with none, they drain at once and their replacements are needed.
+    # A stream in flight (about 16 s of Thinker, slowed 2x: 8 s was short of three CLI start-ups
+    # on a loaded machine, a review) keeps the node's replicas lingering, as the trial's
+    # clients did: with none, they drain at once and their replacements are needed.
+    slowed = _cli(leader, "inject", "slow", "--replica", "thinker/0", "--factor", "2")
+    assert slowed.returncode == 0, slowed.stderr
     client = openai.OpenAI(base_url=leader.base_url, api_key="x", max_retries=0, timeout=60)
     first, text = threading.Event(), []
 
@@ -366,12 +369,12 @@ def test_a_node_undrained_before_its_replacements_ran_keeps_each_stage_at_its_si
         assert f"warning: stage {stage} has no replica running while node solo is drained (" in drained.stdout, \
             drained.stdout
     assert any("the last ready replica" in v["reason"] for v in _reps(_status(leader)).values())
-    wrong = _cli(leader, "shell", "-c", "undrain talker/1")  # (trial BB: "no alive node named 'talker/1'")
-    assert "error: undrain takes a node, not a replica: a drained replica stops for good; `scale talker N` or " \
-           "`launch talker` starts new ones" in wrong.stdout + wrong.stderr, wrong
     undrained = _cli(leader, "node", "undrain", "--node", "solo")
     assert undrained.returncode == 0, undrained.stderr
     assert "replacements not ready yet are stopped" in undrained.stdout, undrained.stdout
+    wrong = _cli(leader, "shell", "-c", "undrain talker/1")  # (trial BB: "no alive node named 'talker/1'")
+    assert "error: undrain takes a node, not a replica: a drained replica stops for good; `scale talker N` or " \
+           "`launch talker` starts new ones" in wrong.stdout + wrong.stderr, wrong
 
     def settled(st):
         reps = _reps(st)
