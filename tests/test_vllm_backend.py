@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -672,11 +674,7 @@ def test_an_engine_core_that_replaced_its_parent_death_signal_still_ends_with_it
     of its own, which did not always end. The core is killed once its replica has been gone
     ``ORPHANED_CORE_GRACE_S``, whatever signal it asked the kernel for."""
     _vllm()
-    import signal
-    import subprocess
     import sys
-
-    from omni_actors.engines.vllm_core import ORPHANED_CORE_GRACE_S
 
     replica = subprocess.Popen(
         [sys.executable, "-c", "import subprocess, sys, time\n"
@@ -687,15 +685,9 @@ def test_an_engine_core_that_replaced_its_parent_death_signal_still_ends_with_it
         line = replica.stdout.readline()
         assert line.startswith("RUNNING"), line
         core = int(line.split()[1])
-        replica.send_signal(signal.SIGKILL)
-        replica.wait(10)
-        assert _gone_within(core, ORPHANED_CORE_GRACE_S + 5), "the engine core outlived its replica"
+        assert not _outlives_its_killed_replica(core, replica), "the engine core outlived its replica"
     finally:
-        replica.kill()
-        replica.wait()
-        if core:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(core, signal.SIGKILL)
+        _end(replica, core)
 
 
 _DP_REPLICA = """
@@ -720,11 +712,7 @@ def test_vllms_data_parallel_coordinator_ends_with_its_replica(tmp_path):
     until the system stopped. It ends with its replica now, and is not taken for an engine
     core (whose end names the engine's failure)."""
     _vllm()
-    import signal
-    import subprocess
     import sys
-
-    from omni_actors.engines.vllm_core import ORPHANED_CORE_GRACE_S
 
     script = tmp_path / "replica.py"
     script.write_text(_DP_REPLICA)
@@ -739,20 +727,30 @@ def test_vllms_data_parallel_coordinator_ends_with_its_replica(tmp_path):
         assert line.startswith("RUNNING"), line
         coordinator, *cores = map(int, line.split()[1:])
         assert cores == [], "the coordinator was taken for an engine core"
-        replica.send_signal(signal.SIGKILL)
-        replica.wait(10)
-        assert _gone_within(coordinator, ORPHANED_CORE_GRACE_S + 5), "the coordinator outlived its replica"
+        assert not _outlives_its_killed_replica(coordinator, replica), "the coordinator outlived its replica"
     finally:
-        replica.kill()
-        replica.wait()
-        if coordinator:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(coordinator, signal.SIGKILL)
+        _end(replica, coordinator)
 
 
-def _gone_within(pid: int, seconds: float) -> bool:
-    """Whether process ``pid`` has ended (or is a zombie) within ``seconds``."""
+def _end(replica: subprocess.Popen, child: int) -> None:
+    """A test's clean-up: SIGKILL the replica process and its child ``child`` (0: none known)."""
+    replica.kill()
+    replica.wait()
+    if child:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+def _outlives_its_killed_replica(pid: int, replica: subprocess.Popen) -> bool:
+    """SIGKILL ``replica``; whether its child ``pid`` still runs (not a zombie)
+    ``ORPHANED_CORE_GRACE_S`` + 5 s later."""
     import psutil
+
+    from omni_actors.engines.vllm_core import ORPHANED_CORE_GRACE_S
+
+    replica.send_signal(signal.SIGKILL)
+    replica.wait(10)
+    seconds = ORPHANED_CORE_GRACE_S + 5
 
     def running() -> bool:
         try:
@@ -763,7 +761,7 @@ def _gone_within(pid: int, seconds: float) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and running():
         time.sleep(0.1)
-    return not running()
+    return running()
 
 
 def test_an_engine_core_killed_while_it_loads_is_named_from_vllms_exit_codes():
