@@ -40,9 +40,9 @@ def service(prefix):
 
 
 @contextlib.contextmanager
-def data_service_process(prefix: str, *args: str):
+def data_service_popen(prefix: str, *args: str):
     """A data service of node "far" in a process of its own (as on another host),
-    with extra command-line ``args``: its address. Stopped on exit."""
+    with extra command-line ``args``: ``(its address, its process)``. Stopped on exit."""
     proc = subprocess.Popen([sys.executable, "-m", "omni_actors.connectors.data_service", "--host", "127.0.0.1",
                              "--port", "0", "--prefix", prefix, "--node", "far", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -50,10 +50,17 @@ def data_service_process(prefix: str, *args: str):
     try:
         line = proc.stdout.readline()
         assert line.startswith("READY "), line
-        yield line.split()[1]
+        yield line.split()[1], proc
     finally:
         ds.close_connections()
         stop_process(proc)
+
+
+@contextlib.contextmanager
+def data_service_process(prefix: str, *args: str):
+    """As :func:`data_service_popen`: its address."""
+    with data_service_popen(prefix, *args) as (address, _):
+        yield address
 
 
 @pytest.fixture

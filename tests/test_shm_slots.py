@@ -12,13 +12,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from omni_actors.connectors import ConnectorError, DataService, NodeConnector, free_usage, list_segments, \
     segment_dir, slots
-from omni_actors.connectors.shm import list_segment_files
+from omni_actors.connectors.shm import MAP_CHECK_S, list_segment_files
 
 from test_connectors import assert_same_outputs, sample_outputs
 
@@ -140,6 +141,43 @@ def test_through_the_data_service_a_far_reader_gets_and_recycles_slots(prefix):
         assert _file(again) == _file(ref)
         assert_same_outputs(reader.get(again), sample_outputs())
         reader.release(again)  # (unrecycled: unlinked there)
+        assert list_segment_files(prefix) == []
+
+
+def test_a_service_in_another_process_sends_a_rewritten_slot_from_its_mapping_and_lets_go_once_unlinked(prefix):
+    """From a slot's second generation on, the data service sends it from a mapping it
+    keeps (no copy through a buffer of its own): each generation's bytes arrive, a
+    released one is refused, and once the slot is unlinked the service unmaps it
+    within a few seconds (it would hold the file's memory)."""
+    from test_data_service import data_service_popen
+
+    with data_service_popen(prefix) as (address, proc):
+        producer, reader = NodeConnector(0, prefix, node="far", service=address), NodeConnector(node="near")
+
+        def payload_mapped(name: str) -> bool:
+            """Whether the service maps the slot to read it (a releaser maps its header page read-write)."""
+            return any(line.split()[1] == "r--s" and line.endswith(name)
+                       for line in Path(f"/proc/{proc.pid}/maps").read_text().splitlines())
+        refs = []
+        for step in range(1, 5):
+            ref = producer.put(_payload(step))
+            assert_same_outputs(reader.get(ref), _payload(step))
+            refs.append(ref)
+            if step == 1:
+                assert not payload_mapped(_file(ref))  # (a first generation is copied out)
+            reader.release(ref, recycle=True)
+        assert {_file(r) for r in refs} == {_file(refs[0])}  # (one slot, generations 1-4)
+        assert payload_mapped(_file(refs[0]))
+        with pytest.raises(ConnectorError, match="already released"):
+            reader.get(refs[-1])
+        last = producer.put(_payload(9))
+        assert _file(last) == _file(refs[0])
+        assert_same_outputs(reader.get(last), _payload(9))
+        reader.release(last)  # (not recycled: retired and unlinked there)
+        deadline = time.monotonic() + 5 + MAP_CHECK_S
+        while payload_mapped(_file(last)):
+            assert time.monotonic() < deadline, "the data service still maps an unlinked slot"
+            time.sleep(0.1)
         assert list_segment_files(prefix) == []
 
 

@@ -232,6 +232,22 @@ def open_payload(name: str, size: int) -> tuple[int, int]:
     return fd, 0
 
 
+def read_kept(name: str, size: int) -> memoryview | None:
+    """The first ``size`` (> 0) bytes of slot location ``name``, read-only, in place,
+    from a mapping this process keeps (made and kept here from the slot's second
+    generation on, see :func:`omni_actors.connectors.slots.read_kept`); None where
+    there is none to keep (a slot's first generation; a segment that is no slot):
+    :func:`open_payload` then.
+
+    Raises:
+        ConnectorError: the slot generation is gone or smaller than ``size``.
+    """
+    if "@" not in name:
+        return None
+    file, gen = slots.split(name)
+    return slots.read_kept(segment_dir(), file, gen, size)
+
+
 def read_segment(name: str, size: int) -> memoryview | mmap.mmap:
     """The first ``size`` (> 0) bytes of segment ``name``, read-only, in place: a
     view on the mapping this process keeps of its file (see

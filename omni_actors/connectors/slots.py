@@ -383,6 +383,11 @@ class _SlotReads(_Cache):
     ENTRIES = SLOT_READ_ENTRIES
     THREAD = "shm-slot-reads"
 
+    def holds(self, directory: str, name: str) -> bool:
+        """Whether a mapping of slot ``name`` is kept here."""
+        with self._lock:
+            return (directory, name) in self._entries
+
     def view(self, directory: str, name: str, gen: int, size: int) -> memoryview:
         """The payload's first ``size`` bytes of generation ``gen`` of slot ``name``, read-only.
 
@@ -443,6 +448,19 @@ _reads = _SlotReads()
 
 def read(directory: str, name: str, gen: int, size: int) -> memoryview:
     """See :meth:`_SlotReads.view` (this process's mappings)."""
+    return _reads.view(directory, name, gen, size)
+
+
+def read_kept(directory: str, name: str, gen: int, size: int) -> memoryview | None:
+    """As :func:`read`, but None where that would map the slot for this read alone (its
+    first generation, not mapped here yet): for a reader that can copy the bytes out
+    instead (the data service, :func:`open_payload`), cheaper than a mapping's page faults.
+
+    Raises:
+        as :meth:`_SlotReads.view`.
+    """
+    if gen == 1 and not _reads.holds(directory, name):
+        return None
     return _reads.view(directory, name, gen, size)
 
 
