@@ -224,6 +224,43 @@ def test_a_full_tmpfs_gives_back_slots_unlinked_under_a_reader_and_a_releaser(pr
     assert list_segments(prefix) == []
 
 
+def test_a_full_tmpfs_gives_back_slots_that_a_data_service_in_another_process_maps(prefix, tiny_tmpfs, monkeypatch):
+    """The data service keeps mappings of the slots it serves (from their second
+    generation on). Slots it unlinks itself (an unrecycled release through it) are
+    unmapped at once; a producer's free slots that it maps are unlinked by the
+    producer's give-back when the tmpfs is full, and the put waits for the service
+    to let go of them (it failed: their pages stayed mapped there)."""
+    from omni_actors.connectors import DIR_ENV
+    from test_data_service import data_service_popen
+
+    monkeypatch.setenv(DIR_ENV, str(tiny_tmpfs("4m")))
+    monkeypatch.setenv(slots.SLOT_BYTES_ENV, str(64 * MB))  # (not the small tmpfs's free budget)
+    with data_service_popen(prefix) as (address, _):
+        producer, reader = NodeConnector(0, prefix, node="far", service=address), NodeConnector(node="near")
+
+        def served_twice(step: int, count: int = 1) -> list:
+            """The second generation of ``count`` slots of 1 MB (files of 1.1 MB), read through the
+            service (which keeps them mapped)."""
+            for ref in [producer.put(_payload(step)) for _ in range(count)]:
+                reader.release(ref, recycle=True)
+            refs = [producer.put(_payload(step + i)) for i in range(count)]
+            for i, ref in enumerate(refs):
+                np.testing.assert_array_equal(reader.get(ref)["x"], _payload(step + i)["x"])
+            return refs
+
+        for step in range(8):  # unlinked by the service: 9 MB through a 4 MB tmpfs
+            reader.release(served_twice(step)[0])
+        assert list_segment_files(prefix) == []
+        for ref in served_twice(0, count=3):  # 3.4 MB of free slots, mapped by the service
+            reader.release(ref, recycle=True)
+        assert len(list_segment_files(prefix)) == 3
+        t0 = time.monotonic()
+        big = producer.put(_payload(9, n=3 * MB // 8))  # (1.5 MB, another size class: no free slot fits)
+        assert time.monotonic() - t0 < 5
+        np.testing.assert_array_equal(reader.get(big)["x"], _payload(9, n=3 * MB // 8)["x"])
+        reader.release(big)
+
+
 def test_the_producer_unlinks_its_slots_idle_past_free_idle_s(prefix, monkeypatch):
     monkeypatch.setenv("OMNI_ACTORS_SHM_FREE_IDLE_S", "0.2")
     conn = NodeConnector(0, prefix)

@@ -48,6 +48,7 @@ import errno
 import mmap
 import os
 import stat
+import time
 from typing import Any, Iterable
 
 import numpy as np
@@ -293,7 +294,9 @@ class ShmConnector:
         Raises:
             TypeError: an array's dtype cannot be packed (object, structured).
             SegmentDirError: the segment directory is unusable.
-            OSError: the segment cannot be created (its tmpfs is full).
+            OSError: the segment cannot be created (its tmpfs is full: after giving back
+                this process's free segments and slots, and, where that was not enough,
+                MAP_CHECK_S + 0.25 s for other processes to let go of the slots given back).
         """
         return self.put_planned(*plan(outputs))
 
@@ -316,7 +319,15 @@ class ShmConnector:
                 raise
             # The tmpfs is full, and free segments (or our mappings of unlinked ones, kept to write
             # or to read) held some of it: give them back, try once more.
-            create_segment(name, size, layout, arrays)
+            try:
+                create_segment(name, size, layout, arrays)
+            except OSError as again:
+                if again.errno != errno.ENOSPC:
+                    raise
+                # Other processes of this node (its data service, consumers) may still map the slots
+                # just unlinked: each drops its mappings of unlinked files within MAP_CHECK_S.
+                time.sleep(MAP_CHECK_S + 0.25)
+                create_segment(name, size, layout, arrays)
         return ConnectorRef(kind=self.kind, size=size, layout=layout, location=name,
                             node=self.node, service=self.service)
 

@@ -173,7 +173,7 @@ class _Slot:
         """Forget the slot; with ``unlink``, mark it retired and unlink its file first."""
         if unlink:
             self.hdr[W_RETIRED] = self.hdr[W_GEN]
-            _unlink_in(os.path.dirname(self.path), self.name)
+            _unlink_slot(os.path.dirname(self.path), self.name)
         self.hdr.release()
         self.hdr = None
         try:
@@ -383,6 +383,13 @@ class _SlotReads(_Cache):
     ENTRIES = SLOT_READ_ENTRIES
     THREAD = "shm-slot-reads"
 
+    def forget(self, directory: str, name: str) -> None:
+        """Close the mapping kept of slot ``name``, if any (this process unlinks it)."""
+        with self._lock:
+            entry = self._pop((directory, name))
+        if entry is not None:
+            entry.close()
+
     def holds(self, directory: str, name: str) -> bool:
         """Whether a mapping of slot ``name`` is kept here."""
         with self._lock:
@@ -459,8 +466,8 @@ def read_kept(directory: str, name: str, gen: int, size: int) -> memoryview | No
     Raises:
         as :meth:`_SlotReads.view`.
     """
-    if gen == 1 and not _reads.holds(directory, name):
-        return None
+    if gen == 1 and not _reads.holds(directory, name) or _reads.max_bytes < HEADER + size:
+        return None  # (nor where the mapping could not be kept: the read cache is off or too small)
     return _reads.view(directory, name, gen, size)
 
 
@@ -581,8 +588,16 @@ class _SlotHeaders(_Cache):
                 self._pop(key)
         entry.close()
         if done:
-            _unlink_in(directory, name)
+            _unlink_slot(directory, name)
         return done
+
+
+def _unlink_slot(directory: str, name: str) -> bool:
+    """Unlink slot file ``name``, closing first this process's read mapping of it (kept,
+    it would hold the file's pages until the next drop of unlinked mappings, up to
+    MAP_CHECK_S: a data service maps the slots it serves)."""
+    _reads.forget(directory, name)
+    return _unlink_in(directory, name)
 
 
 def _release_in(h: memoryview, gen: int, recycle: bool) -> bool:
@@ -626,7 +641,7 @@ def retire_and_unlink(directory: str, name: str, gen: int | None = None) -> bool
                 os.close(fd)
         except OSError:
             pass
-    return _unlink_in(directory, name)
+    return _unlink_slot(directory, name)
 
 
 def reap_slots(names: list[str], directory: str, *, reap_after_s: float | None = None,
@@ -650,7 +665,7 @@ def reap_slots(names: list[str], directory: str, *, reap_after_s: float | None =
             continue
         st = state(h)
         if st == RETIRED:
-            trimmed += _unlink_in(directory, name)
+            trimmed += _unlink_slot(directory, name)
         elif st == IN_USE:
             age = (now_ns - h[W_CLAIMED_NS]) / 1e9
             if reap_after_s is not None and age > reap_after_s and retire_and_unlink(directory, name, h[W_GEN]):
