@@ -8,7 +8,7 @@ prefix (``$OMNI_ACTORS_SHM_PREFIX``, in ``$OMNI_ACTORS_SHM_DIR``, default
 
 - ``get``: the raw bytes of a segment (a slot's while its generation is in
   use), sent from the mapping the service keeps of a slot written more than
-  once, else read from its file into a buffer of the connection's thread at
+  once (up to :data:`KEPT_SEND_MAX` bytes), else read from its file into a buffer of the connection's thread at
   most :data:`SEND_CHUNK` bytes at a time and sent from there (the reply's
   header held back with ``MSG_MORE`` to leave with the first bytes), nothing
   pickled;
@@ -378,7 +378,7 @@ class DataService:
             return
         view = fd = None
         try:
-            view = read_kept(name, size) if size else None
+            view = read_kept(name, size) if 0 < size <= KEPT_SEND_MAX else None
             if view is None:
                 fd, offset = open_payload(name, size)
         except SegmentNotFound:
@@ -526,15 +526,18 @@ class DataService:
 
 _MSG_MORE = getattr(socket, "MSG_MORE", 0)
 
-#: A get of a slot the service keeps a mapping of (from the slot's second generation on, as a
-#: producer writes its slots again and again: :func:`omni_actors.connectors.slots.read_kept`) is
-#: sent from that mapping; any other get's bytes are copied from the segment's file (``preadv``)
-#: into a buffer of the handler thread's, at most SEND_CHUNK bytes at a time, and sent from it,
-#: as a mapping made for one get pays a page fault per page. Measured here with the service and
-#: its client pinned to different CPUs, as they always are across hosts (median per get, two
-#: runs): 1 MB 250 / 225 us from the kept mapping against 404 / 376 us copied (a raw socket's
-#: 314 / 262 us), 16 MB 7.5 / 5.8 against 8.4 / 7.0 ms. (An earlier session, before slots,
-#: measured sending from a mapping slower: 1 MB 610 against 250 us copied.)
+#: A get of at most KEPT_SEND_MAX bytes of a slot the service keeps a mapping of (from the
+#: slot's second generation on, as a producer writes its slots again and again:
+#: :func:`omni_actors.connectors.slots.read_kept`) is sent from that mapping; any other get's
+#: bytes are copied from the segment's file (``preadv``) into a buffer of the handler thread's,
+#: at most SEND_CHUNK bytes at a time, and sent from it (a mapping made for one get pays a page
+#: fault per page). Measured here, median per get: with the service and its client pinned to
+#: different CPUs, as they always are across hosts (two runs), 1 MB 250 / 225 us from the kept
+#: mapping against 404 / 376 us copied (a raw socket's 314 / 262 us); unpinned, two services side
+#: by side with gets alternated, 1 MB 543 against 986 us, 4 MB 1.9 against 3.1 ms, but 16 MB
+#: 8.8 against 7.8 ms and 64 MB 30.9 against 29.2 ms (an earlier session's A/B: 16 MB 15-17
+#: against 12-15 ms), hence the bound.
+KEPT_SEND_MAX = 4 << 20
 SEND_CHUNK = 4 << 20
 #: Bytes of send buffer a connection's thread keeps between gets (a larger get's buffer, up to
 #: SEND_CHUNK, is made for it and dropped after): kept at SEND_CHUNK, each client thread that
