@@ -210,6 +210,13 @@ def _check_stage_settings(cfg: PipelineConfig, source: str) -> None:
                 raise ConfigError(source, f"deployment.stages.{s.name}.devices_per_replica",
                                   f"{dep.devices_per_replica}, but the stage's engine arguments shard the model "
                                   f"over {need} devices ({how}): give each replica {need}")
+        ids = s.runtime.devices.split(",") if s.runtime.devices else []
+        if ids and len(ids) < dep.devices_per_replica:
+            # (trial CE: `"1"` with 2 per replica gave every "two-device" replica device 1 alone)
+            raise ConfigError(source, f"stage_args[{i}].runtime.devices",
+                              f"`{s.runtime.devices}` is {len(ids)} device id{'s' if len(ids) > 1 else ''}, "
+                              f"fewer than deployment.stages.{s.name}.devices_per_replica "
+                              f"({dep.devices_per_replica}): give each replica's ids, or all replicas' ids")
         if dep.backend in ("vllm", "vllm_omni") and not s.engine_args.get("model"):
             # (its replicas fail to start without; a review: a vLLM-Omni deploy file, which names
             # no model, loaded, and every replica failed its start every 5 minutes)

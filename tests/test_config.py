@@ -352,7 +352,26 @@ def test_a_replica_with_fewer_devices_than_its_engine_shards_over_is_refused(tmp
     assert refused(tmp_path, data).message.startswith("2, but the stage's engine arguments shard the model "
                                                       "over 4 devices")
     data["deployment"]["stages"]["thinker"]["devices_per_replica"] = 4
+    data["stage_args"][0]["runtime"]["devices"] = "0,1,2,3"  # (not "0": one id for four)
     assert load_config(write(tmp_path, data))
+
+
+def test_a_device_list_shorter_than_one_replicas_devices_is_refused(tmp_path: Path) -> None:
+    """Trial CE: `runtime.devices: "1"` with `devices_per_replica: 2` passed check-config, and
+    every replica of the stage ran on device 1 alone. A template (`"0,1"`) and a pool of several
+    replicas' ids (`"0,1,2,3"`) pass."""
+    data = yaml.safe_load((ROOT / "configs" / "cpu_omni_demo.yaml").read_text())
+    talker = next(i for i, s in enumerate(data["stage_args"]) if s["engine_args"]["model_stage"] == "talker")
+    data["deployment"]["stages"]["talker"]["devices_per_replica"] = 2
+    data["stage_args"][talker].setdefault("runtime", {})["devices"] = "1"
+    err = refused(tmp_path, data)
+    assert (err.path, err.message) == (
+        f"stage_args[{talker}].runtime.devices",
+        "`1` is 1 device id, fewer than deployment.stages.talker.devices_per_replica (2): give each replica's "
+        "ids, or all replicas' ids"), err
+    for devices in ("0,1", "0,1,2,3", [2, 3]):
+        data["stage_args"][talker]["runtime"]["devices"] = devices
+        assert load_config(write(tmp_path, data))
 
 
 def test_synthetic_settings_that_would_refuse_every_request_are_refused(tmp_path: Path) -> None:

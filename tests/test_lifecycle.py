@@ -1398,6 +1398,15 @@ def test_a_port_out_of_range_is_a_one_line_usage_error(args):
      f"for an API server on this host run `{cli('api')} --convention-address 127.0.0.1:59991 --port P [--host H]`"),
     (("start", "--convention-leader", "--stages", "talker"),
      "error: --stages: only a member host (--convention-address HOST:PORT) takes --stages"),
+    # (trial CE: an empty key, as `--api-key "$KEY"` with KEY unset gives, served every client)
+    (("start", "--convention-leader", "--api-key", ""),
+     "error: --api-key is empty (or $OMNI_ACTORS_API_KEY is set to an empty string): give the key clients "
+     "must send, or set neither to serve every client"),
+    (("api", "--port", "59993", "--api-key", " "),
+     "error: --api-key is empty (or $OMNI_ACTORS_API_KEY is set to an empty string): give the key clients "
+     "must send, or set neither to serve every client"),
+    (("api", "--port", "59993", "--api-key", "s3 cret"),
+     "error: --api-key has white space in it: a client's `Authorization: Bearer KEY` never matches it"),
 ])
 def test_a_bad_argument_is_a_usage_error_before_any_system_is_asked(args, error):
     """Counts and targets that no system would take are refused in one line with exit 2,

@@ -197,6 +197,17 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
+def _api_key_problem(key: str | None) -> str | None:
+    """Why ``--api-key`` (or ``$OMNI_ACTORS_API_KEY``) cannot be used, or None. An empty
+    one is refused: it served every client, unnoticed (a ``--api-key "$KEY"`` with KEY unset)."""
+    if key is not None and not key.strip():
+        return ("--api-key is empty (or $OMNI_ACTORS_API_KEY is set to an empty string): give the key "
+                "clients must send, or set neither to serve every client")
+    if key is not None and any(c.isspace() for c in key):
+        return "--api-key has white space in it: a client's `Authorization: Bearer KEY` never matches it"
+    return None
+
+
 def cmd_start(args) -> int:
     from omni_actors.config import DEFAULT_CONFIG, ConfigError, load_config
     from omni_actors.logs import configure_logging
@@ -210,6 +221,9 @@ def cmd_start(args) -> int:
         return _fail(problem, 2)
     if args.convention_address:
         return _start_member(args, devices)
+    problem = _api_key_problem(args.api_key)
+    if problem:
+        return _fail(problem, 2)
     if args.admin_port is None:
         args.admin_port = DEFAULT_ADMIN_PORT
     problem = _state_dir_problem()
@@ -715,6 +729,10 @@ def cmd_node(admin, args) -> int:
 def cmd_api(args) -> int:
     from omni_actors.logs import configure_logging
     from omni_actors.system.api_server import ApiServerError, run_api
+
+    problem = _api_key_problem(args.api_key)
+    if problem:
+        return _fail(problem, 2)
 
     convention = None
     if args.convention_address is not None:
