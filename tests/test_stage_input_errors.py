@@ -88,3 +88,22 @@ def test_a_processor_failing_on_upstream_outputs_is_a_500_and_spares_the_replica
         assert (replica["state"], replica["restarts"], replica["failed"]) == ("ready", 0, 5), replica
     finally:
         leader.stop()
+
+
+def test_a_stage_whose_engine_does_not_fit_its_inputs_is_a_500_not_a_400(tmp_path):
+    """Trial CE: a Talker given the synthetic `dit` kind (it reads `prior_token_ids`; the
+    Talker's processor makes `hidden_states` and `token_ids`) passed check-config, and every
+    audio request got a 400 `invalid_request_error`, blaming the client for the config.
+    It is a 500 naming what the stage lacks; text-only requests are served."""
+    config = (CONFIG.replace("broken_processor.thinker2talker", "omni_actors.processors.thinker2talker")
+              .replace("talker: {replicas: 1}", "talker: {replicas: 1, synthetic: {kind: dit}}"))
+    (tmp_path / "config.yaml").write_text(config)
+    leader = LocalLeader(tmp_path / "config.yaml").start()
+    try:
+        status, answer = _chat(leader, ["text", "audio"])
+        assert status == 500 and answer["error"]["type"] == "server_error", answer
+        assert "dit: engine_input has no `prior_token_ids`" in answer["error"]["message"], answer
+        status, answer = _chat(leader, ["text"])
+        assert status == 200 and answer["choices"][0]["message"]["content"], answer
+    finally:
+        leader.stop()

@@ -54,8 +54,8 @@ import numpy as np
 
 from omni_actors.config import SEED_MIN, StageSpec, SyntheticCost
 from omni_actors.logs import get_logger
-from omni_actors.engines.base import (BackendEvent, BackendLoad, BackendTask, OutputChunk, StageFinal, TextDelta,
-                                      context_exceeded)
+from omni_actors.engines.base import (BackendEvent, BackendLoad, BackendTask, OutputChunk, StageFinal,
+                                      StageInputError, TextDelta, context_exceeded)
 
 __all__ = ["SyntheticEngine", "SUPPORTED_STAGES", "SAMPLE_RATE", "token_id", "CHUNK_INPUT_STAGES",
            "CHUNK_OUTPUT_STAGES"]
@@ -342,17 +342,23 @@ class SyntheticEngine:
 
 # -- input validation ------------------------------------------------------
 
+# A stage's engine_input is what its input processor made (of the client's prompt, or of the
+# upstream stages' outputs), never the client's own fields: one without the fields this stage
+# reads, or of the wrong shape, is the pipeline's fault (a processor or a synthetic `kind` that
+# does not fit the stage before: trial CE's Talker of kind `dit`), a StageInputError (500), not
+# the client's (it was a 400 saying `invalid_request_error`).
+
 def _field(task: BackendTask, key: str, stage: str) -> Any:
     if key not in task.engine_input:
-        raise ValueError(f"{stage}: engine_input has no `{key}` "
-                         f"(got fields: {sorted(task.engine_input)})")
+        raise StageInputError(f"{stage}: engine_input has no `{key}` "
+                              f"(got fields: {sorted(task.engine_input)})")
     return task.engine_input[key]
 
 
 def _str_field(task: BackendTask, key: str, stage: str) -> str:
     value = _field(task, key, stage)
     if not isinstance(value, str):
-        raise ValueError(f"{stage}: engine_input `{key}` must be a str, got {type(value).__name__}")
+        raise StageInputError(f"{stage}: engine_input `{key}` must be a str, got {type(value).__name__}")
     return value
 
 
@@ -360,8 +366,8 @@ def _array_field(task: BackendTask, key: str, stage: str, ndim: int, kind: str) 
     value = np.asarray(_field(task, key, stage))
     kinds = {"int": "iu", "float": "f"}[kind]
     if value.ndim != ndim or value.dtype.kind not in kinds:
-        raise ValueError(f"{stage}: engine_input `{key}` must be a {ndim}-D {kind} array, "
-                         f"got shape {value.shape} dtype {value.dtype}")
+        raise StageInputError(f"{stage}: engine_input `{key}` must be a {ndim}-D {kind} array, "
+                              f"got shape {value.shape} dtype {value.dtype}")
     return value
 
 
@@ -499,8 +505,8 @@ class _TalkerState:
 def _parse_code2wav(task: BackendTask) -> tuple:
     codes = _array_field(task, "codes", "code2wav", 2, "int")
     if codes.shape[1] == 0:
-        raise ValueError("code2wav: engine_input `codes` has no codebooks (shape "
-                         f"{codes.shape}); expected [frames, codebooks >= 1]")
+        raise StageInputError("code2wav: engine_input `codes` has no codebooks (shape "
+                              f"{codes.shape}); expected [frames, codebooks >= 1]")
     return (codes,)
 
 
