@@ -1092,6 +1092,16 @@ def test_a_second_start_on_the_ports_of_a_running_system_says_which_and_how_to_s
                            f"port {image_leader.admin_port} (leader pid {image_leader.proc.pid}): stop it first (`")
     assert line.endswith(f"python -m omni_actors.system stop --admin-port {image_leader.admin_port}`), "
                          "or give other ports (--port, --admin-port)"), line
+    # (trial CE: with another HTTP port, the admin port's line only guessed "another system?")
+    out = _cli("start", "--convention-leader", "--config", str(CONFIGS / "cpu_image_demo.yaml"),
+               "--port", str(local.free_port()), "--admin-port", str(image_leader.admin_port), env=env)
+    assert out.returncode != 0
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith(
+        f"error: admin port {image_leader.admin_port} is in use by the system on admin port "
+        f"{image_leader.admin_port} (leader pid {image_leader.proc.pid}, HTTP port {image_leader.port}): give "
+        "another --admin-port, or `"), line
+    assert line.endswith(f"python -m omni_actors.system stop --admin-port {image_leader.admin_port}` stops it"), line
     with urllib.request.urlopen(image_leader.base_url + "/models", timeout=10) as r:
         assert r.status == 200
 
@@ -1407,6 +1417,11 @@ def test_a_port_out_of_range_is_a_one_line_usage_error(args):
      "must send, or set neither to serve every client"),
     (("api", "--port", "59993", "--api-key", "s3 cret"),
      "error: --api-key has white space in it: a client's `Authorization: Bearer KEY` never matches it"),
+    # (trial CE: the second --config was checked alone; `--stages ','` read as any stage)
+    (("check-config", "--config", "a.yaml", "--config=b.yaml"),
+     "error: --config is given twice: it takes one value (give it once)"),
+    (("start", "--convention-address", "127.0.0.1:59991", "--admin-port", "59992", "--stages", ","),
+     "error: --stages ',' names no stage: give stage names (talker,code2wav), or leave it out for any"),
 ])
 def test_a_bad_argument_is_a_usage_error_before_any_system_is_asked(args, error):
     """Counts and targets that no system would take are refused in one line with exit 2,
@@ -1421,6 +1436,7 @@ def test_a_bad_argument_is_a_usage_error_before_any_system_is_asked(args, error)
 @pytest.mark.parametrize("args, error", [
     (("inject", "bogus"), "error: argument fault: invalid choice: 'bogus' (choose from 'sigkill', "),
     (("stage", "scale", "--stage", "talker", "--replicas", "x"), "error: argument --replicas: invalid int value: 'x'"),
+    (("check-config", "bad.yaml"), "error: unrecognized arguments: bad.yaml"),  # (trial CE: the top-level help)
 ])
 def test_argparses_own_usage_errors_are_one_line_too(args, error):
     """Trial AW: `inject bogus` printed argparse's five-line usage block, where the CLI's own
@@ -1447,6 +1463,11 @@ def test_an_unusable_state_directory_is_refused_before_anything_starts(tmp_path,
                                   "default ~/.omni-actors) is not usable: Not a directory"), out.stderr
     with socket.socket() as probe:
         assert probe.connect_ex(("127.0.0.1", admin)) != 0  # (no admin was started)
+    # (trial CE: the state directory itself a file read "File exists")
+    out = _cli("start", *how, "--admin-port", str(admin), env={"OMNI_ACTORS_STATE_DIR": str(blocker)})
+    assert out.returncode == 2, out
+    assert out.stderr.strip() == (f"error: state directory {str(blocker)!r} ($OMNI_ACTORS_STATE_DIR, "
+                                  "default ~/.omni-actors) is not usable: it is not a directory"), out.stderr
 
 
 def _with_cli(text: str) -> str:

@@ -609,6 +609,19 @@ def test_the_shells_inject_says_where_its_value_goes_when_given_a_flag(leader):
         "`inject slow talker/0 2`)")
 
 
+def test_the_shell_runs_commands_separated_by_semicolons_and_piped_commands_fail_as_a_script(leader):
+    """Trial CE: `shell -c 'scale dit 2; stages'` answered scale's usage line (the rest read as
+    its arguments), and commands piped in exited 0 after an error line."""
+    argv = [sys.executable, "-m", "omni_actors.system", "shell", "--admin-port", str(leader.admin_port)]
+    out = subprocess.run([*argv, "-c", "scale nosuch 2; stages"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=60)
+    assert out.returncode == 1 and out.stderr.strip().startswith("error: ") and "usage" not in out.stderr, out
+    assert "talker" in out.stdout, out  # (then the stage table)
+    for script, code in (("nosuch\nstages\n", 1), ("stages\n", 0)):
+        out = subprocess.run(argv, input=script, capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert out.returncode == code and "talker" in out.stdout, (script, out)
+
+
 def test_the_shells_kill_coordinator_refuses_a_target(leader):
     """Trial BF: `inject kill-coordinator talker` (a kill-pool mistyped) killed the coordinator,
     its target ignored. It is refused; the coordinator runs on."""

@@ -59,6 +59,15 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"error: {message} (`{self.prog} --help` for usage)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        # (trial CE: `check-config bad.yaml` pointed at the top-level --help, not the verb's)
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            verb = getattr(parsed, "verb", None)
+            prog = f"{self.prog} {verb}" if verb else self.prog
+            self.exit(2, f"error: unrecognized arguments: {' '.join(extras)} (`{prog} --help` for usage)\n")
+        return parsed
+
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m omni_actors.system",
@@ -300,8 +309,10 @@ def _state_dir_problem() -> str | None:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
+        # (trial CE: a path that is a file read "File exists": mkdir's own words)
+        why = "it is not a directory" if path.exists() and not path.is_dir() else exc.strerror or exc
         return (f"state directory {str(path)!r} ($OMNI_ACTORS_STATE_DIR, default ~/.omni-actors) is not usable: "
-                f"{exc.strerror or exc}")
+                f"{why}")
     return None
 
 
@@ -961,6 +972,9 @@ def _start_flags_problem(args) -> str | None:
             return (f"{', '.join(given)}: a member host takes no {' or '.join(given)} (the leader serves the HTTP "
                     f"API and holds the config); for an API server on this host run `{cli('api')} "
                     f"--convention-address {args.convention_address} --port P [--host H]`")
+        if args.stages and not any(s.strip() for s in args.stages.split(",")):
+            # (trial CE: `--stages ','` was taken as "any stage")
+            return f"--stages {args.stages!r} names no stage: give stage names (talker,code2wav), or leave it out for any"
         return None
     given = [flag for flag, value in (("--stages", args.stages or None), ("--leader-wait", args.leader_wait))
              if value is not None]
@@ -968,6 +982,27 @@ def _start_flags_problem(args) -> str | None:
         return f"{', '.join(given)}: only a member host (--convention-address HOST:PORT) takes {' or '.join(given)}"
     args.host = "127.0.0.1" if args.host is None else args.host
     args.port = DEFAULT_HTTP_PORT if args.port is None else args.port
+    return None
+
+
+#: Flags a verb takes more than once (the others: argparse keeps the last, silently).
+REPEATABLE_FLAGS = {("shell",): ("-c", "--command"), ("stage", "drain"): ("--replica",)}
+
+
+def _repeated_flag(argv: list[str]) -> str | None:
+    """A flag given twice where only one value is used (trial CE: `check-config --config A
+    --config B` checked B alone); what to say, or None."""
+    seen = set()
+    repeatable = next((flags for verb, flags in REPEATABLE_FLAGS.items() if tuple(argv[:len(verb)]) == verb), ())
+    for token in argv:
+        if token == "--":
+            break
+        flag = token.split("=", 1)[0]
+        if not flag.startswith("--") or flag in repeatable:
+            continue
+        if flag in seen:
+            return f"{flag} is given twice: it takes one value (give it once)"
+        seen.add(flag)
     return None
 
 
@@ -982,7 +1017,8 @@ def _verb_first(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    problem = _verb_first(sys.argv[1:] if argv is None else argv)
+    argv_ = sys.argv[1:] if argv is None else argv
+    problem = _verb_first(argv_) or _repeated_flag(argv_)
     if problem:
         return _fail(problem, 2)
     args = _parser().parse_args(argv)

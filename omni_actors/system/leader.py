@@ -291,6 +291,11 @@ def _admin_port_taken(admin_port: int) -> str:
         return (f"admin port {admin_port} is still held by what the leader (pid {pid}) that died there left: "
                 + ("its watchdog is stopping it; try again in a few seconds"
                    if isinstance(watchdog, int) and is_watchdog(watchdog) else f"{stop} stops it"))
+    if isinstance(pid, int):  # (trial CE: a running leader recorded there was not named)
+        port = state.get("port")
+        return (f"admin port {admin_port} is in use by the system on admin port {admin_port} (leader pid {pid}"
+                + (f", HTTP port {port}" if isinstance(port, int) else "")
+                + f"): give another --admin-port, or {stop} stops it")
     return f"admin port {admin_port} is in use (another system? {stop})"
 
 

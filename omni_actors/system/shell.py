@@ -21,7 +21,7 @@ stage names and replica ids:
 
 Every error prints one line and the shell goes on. ``-c LINE`` (repeatable)
 runs lines without the interactive loop; the exit status is then 1 if any of
-them failed.
+them failed, as it is for commands piped in. ``;`` separates commands on a line.
 
 ``logs`` needs the leader's log as a file: the leader logs to its stderr, so
 it reads ``$OMNI_ACTORS_LOG_FILE`` if set, else a ``log_file`` recorded in the
@@ -91,6 +91,12 @@ class AdminShell(cmd.Cmd):
         print(f"error: {message}", file=sys.stderr, flush=True)
 
     def onecmd(self, line: str):
+        if ";" in line:  # (`a; b` runs a, then b, as a shell does: trial CE's `-c 'scale dit 2; stages'`
+            # was read as scale's arguments)
+            for part in line.split(";"):
+                if part.strip() and self.onecmd(part.strip()):
+                    return True
+            return False
         try:
             return super().onecmd(line)
         except AdminError as exc:
@@ -570,7 +576,8 @@ def run_shell(admin_port: int, commands: list[str] | tuple[str, ...] = (), *, ad
     while True:
         try:
             shell.cmdloop(intro)
-            return 0
+            # (commands piped in are a script: one that failed fails it, as with -c; trial CE)
+            return 1 if shell.failed and not sys.stdin.isatty() else 0
         except KeyboardInterrupt:  # Ctrl-C drops the line being typed, as a shell does
             print("^C", file=shell.stdout)
             intro = ""
