@@ -55,6 +55,11 @@ class FirstInLine:
 MAX_DEVICE_ID = 1023
 
 
+def _a(word: str) -> str:
+    """``word`` after its indefinite article: ``a talker``, ``an ar`` (trial CE read "a ar")."""
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
+
+
 def parse_devices(text: str) -> tuple[str, ...]:
     """A device id list (``--devices``, ``runtime.devices``): ``"0, 2,3"`` ->
     ``("0", "2", "3")``, the ids as ``CUDA_VISIBLE_DEVICES`` takes them; blank is
@@ -289,8 +294,10 @@ class Inventory:
         ok = [f for f in fits if self._placeable(first, free, f[3].info.name, devices) >= could]
         if ok:
             return ok
-        names = ", ".join(sorted({need.stage for need in first}))
-        raise PlacementError(f"the free devices are kept for stage {names}, which has no replica running "
+        stages = sorted({need.stage for need in first})
+        which = (f"stage {stages[0]}, which has" if len(stages) == 1
+                 else f"stages {', '.join(stages)}, which have")
+        raise PlacementError(f"the free devices are kept for {which} no replica running "
                              f"(a stage with none goes first); waiting for more")
 
     def _placeable(self, first: tuple[FirstInLine, ...], free_of: dict[str, list[str]], taken_on: str = "",
@@ -461,8 +468,8 @@ class Inventory:
         where = "; ".join(seen) or ("no node named " + ", ".join(allowed) if allowed else "no nodes")
         if not takers and seen:  # (trial BV: a drained CPU node read "no node has 1 free device(s)")
             undrain = "; `node undrain` gives a drained one back" if drained else ""
-            return f"no node takes a {stage} replica now ({where}{undrain})"
-        return f"no node has {devices} free device(s) for a {stage} replica ({where})"
+            return f"no node takes {_a(stage)} replica now ({where}{undrain})"
+        return f"no node has {devices} free device(s) for {_a(stage)} replica ({where})"
 
     def status(self) -> tuple[NodeStatus, ...]:
         now = time.monotonic()

@@ -89,8 +89,9 @@ def test_random_place_release_lose_never_overlaps():
             except PlacementError as exc:
                 refused += 1
                 # (no alive node allowed: it says it waits for one)
-                assert (f"no node has {tp} free device(s) for a {stage} replica" in str(exc)
-                        or f"no node takes a {stage} replica now" in str(exc)
+                article = "an" if stage[0] in "aeiou" else "a"
+                assert (f"no node has {tp} free device(s) for {article} {stage} replica" in str(exc)
+                        or f"no node takes {article} {stage} replica now" in str(exc)
                         or f"{replica} may run only on node" in str(exc)), str(exc)
                 # a refused re-placement still released what the replica held
                 given.pop(replica, None)
@@ -525,7 +526,7 @@ def test_a_stage_with_no_replica_running_goes_first_for_the_last_devices():
     # Two first stages and two free devices: the second-last is not given away either.
     inv = inventory(NodeInfo("m1", ("0", "1", "2")))
     inv.place("talker", "talker/0", 1)
-    with pytest.raises(PlacementError, match="kept for stage code2wav, thinker"):
+    with pytest.raises(PlacementError, match="kept for stages code2wav, thinker"):
         inv.place("talker", "talker/1", 1, first=(FirstInLine("thinker", 1), FirstInLine("code2wav", 1)))
     # A CPU node takes any number: nothing to keep.
     inv = inventory(NodeInfo("cpu"))
