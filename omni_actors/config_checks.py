@@ -88,11 +88,12 @@ def _check_graph(cfg: PipelineConfig, source: str) -> None:
         if not isinstance(stage, str) or not stage:
             raise ConfigError(source, f"{p}.engine_args.model_stage",
                               "required: the stage name as a non-empty string (e.g. `thinker`)")
-        if "/" in stage or not stage.isprintable() or stage != stage.strip() or " " in stage:
+        if "/" in stage or ";" in stage or not stage.isprintable() or stage != stage.strip() or " " in stage:
             # (a trial's `a b/c` was taken, then blamed on deployment.stages: replica names
-            # are `<stage>/<index>`, and the CLI and shell split them on the slash)
+            # are `<stage>/<index>`, and the CLI and shell split them on the slash; the shell
+            # splits its commands on `;`)
             raise ConfigError(source, f"{p}.engine_args.model_stage",
-                              f"`{stage}` is no usable stage name: no `/`, spaces or control characters")
+                              f"`{stage}` is no usable stage name: no `/`, `;`, spaces or control characters")
         model = s.engine_args.get("model")
         if model is not None and (not isinstance(model, str) or not model.strip()):
             raise ConfigError(source, f"{p}.engine_args.model",

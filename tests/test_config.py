@@ -294,12 +294,12 @@ def test_duplicate_stage_name(tmp_path: Path) -> None:
     assert "duplicate stage name `talker`" in err.message
 
 
-@pytest.mark.parametrize("name", ["a b/c", "talker/x", " talker", "tal\tker"])
+@pytest.mark.parametrize("name", ["a b/c", "talker/x", " talker", "tal\tker", "a;b"])
 def test_a_stage_name_that_replica_names_cannot_carry_is_refused_where_it_is_given(tmp_path: Path, name: str) -> None:
     """A trial's `model_stage: 'a b/c'` was taken, then blamed on `deployment.stages.thinker`."""
     err = refused(tmp_path, variant(stage(0, engine_args={"model_stage": name})))
     assert err.path == "stage_args[0].engine_args.model_stage"
-    assert err.message == f"`{name}` is no usable stage name: no `/`, spaces or control characters"
+    assert err.message == f"`{name}` is no usable stage name: no `/`, `;`, spaces or control characters"
 
 
 @pytest.mark.parametrize("model", [5, "", ["a"]], ids=["int", "empty", "list"])

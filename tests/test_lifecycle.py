@@ -1420,6 +1420,8 @@ def test_a_port_out_of_range_is_a_one_line_usage_error(args):
     # (trial CE: the second --config was checked alone; `--stages ','` read as any stage)
     (("check-config", "--config", "a.yaml", "--config=b.yaml"),
      "error: --config is given twice: it takes one value (give it once)"),
+    (("check-config", "--config", "a.yaml", "--conf", "b.yaml"),  # (argparse takes a unique prefix)
+     "error: --config is given twice: it takes one value (give it once)"),
     (("start", "--convention-address", "127.0.0.1:59991", "--admin-port", "59992", "--stages", ","),
      "error: --stages ',' names no stage: give stage names (talker,code2wav), or leave it out for any"),
 ])

@@ -226,10 +226,11 @@ def test_a_full_tmpfs_gives_back_slots_unlinked_under_a_reader_and_a_releaser(pr
 
 def test_a_full_tmpfs_gives_back_slots_that_a_data_service_in_another_process_maps(prefix, tiny_tmpfs, monkeypatch):
     """The data service keeps mappings of the slots it serves (from their second
-    generation on). Slots it unlinks itself (an unrecycled release through it) are
-    unmapped at once; a producer's free slots that it maps are unlinked by the
-    producer's give-back when the tmpfs is full, and the put waits for the service
-    to let go of them (it failed: their pages stayed mapped there)."""
+    generation on) and of the header pages of those it releases. Slots it unlinks itself
+    (an unrecycled release through it) are unmapped at once; a producer's free slots
+    that it maps are unlinked by the producer's give-back when the tmpfs is full, and
+    the put waits (0.3 s at most) for the service to let go of them (it failed: their
+    pages stayed mapped there, for up to a second)."""
     from omni_actors.connectors import DIR_ENV
     from test_data_service import data_service_popen
 

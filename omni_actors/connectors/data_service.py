@@ -292,6 +292,7 @@ class DataService:
             OSError: the address cannot be bound.
         """
         check_segment_dir()
+        slots.check_unlinked_every(SLOT_MAPS_CHECK_S)
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         self._server = _Server((self.host, self.port), self, family)
         serve = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
@@ -538,6 +539,11 @@ _MSG_MORE = getattr(socket, "MSG_MORE", 0)
 #: 8.8 against 7.8 ms and 64 MB 30.9 against 29.2 ms (an earlier session's A/B: 16 MB 15-17
 #: against 12-15 ms), hence the bound.
 KEPT_SEND_MAX = 4 << 20
+#: How often the service drops its mappings of slots unlinked meanwhile: those it reads from and
+#: the header pages it releases through, either of which keeps the whole file's pages (a producer
+#: that finds its tmpfs full unlinks its free slots and waits up to GIVE_BACK_WAIT_S for them; an
+#: fstat per kept mapping, at most 256 of each).
+SLOT_MAPS_CHECK_S = 0.1
 SEND_CHUNK = 4 << 20
 #: Bytes of send buffer a connection's thread keeps between gets (a larger get's buffer, up to
 #: SEND_CHUNK, is made for it and dropped after): kept at SEND_CHUNK, each client thread that

@@ -120,6 +120,7 @@ class _Cache:
     DEFAULT_BYTES = 0
     ENTRIES = 0
     THREAD = ""
+    check_s = MAP_CHECK_S  #: how often this cache drops its mappings of files unlinked meanwhile
 
     def __init__(self) -> None:
         self._reset()
@@ -201,7 +202,7 @@ class _Cache:
 
     def _watch(self) -> None:
         while True:
-            time.sleep(MAP_CHECK_S)
+            time.sleep(self.check_s)
             with self._lock:
                 if self._thread is not threading.current_thread():
                     return  # (a forked child reset the cache)

@@ -69,6 +69,10 @@ from omni_actors.connectors.recycling import (  # noqa: F401 - re-exported for t
 PREFIX_ENV = "OMNI_ACTORS_SHM_PREFIX"
 DEFAULT_PREFIX = "omni-actors-"
 NAME_MAX = 255
+#: How long a put that found the tmpfs full, and gave back its free slots, waits for their pages
+#: (the node's data service may map them: it lets go within its SLOT_MAPS_CHECK_S, 0.1 s). Other
+#: processes that read the slots (consumers) let go within MAP_CHECK_S; they are not waited for.
+GIVE_BACK_WAIT_S = 0.3
 
 
 def default_prefix() -> str:
@@ -296,7 +300,7 @@ class ShmConnector:
             SegmentDirError: the segment directory is unusable.
             OSError: the segment cannot be created (its tmpfs is full: after giving back
                 this process's free segments and slots, and, where that was not enough,
-                MAP_CHECK_S + 0.25 s for other processes to let go of the slots given back).
+                GIVE_BACK_WAIT_S for the data service to let go of the slots given back).
         """
         return self.put_planned(*plan(outputs))
 
@@ -319,15 +323,18 @@ class ShmConnector:
                 raise
             # The tmpfs is full, and free segments (or our mappings of unlinked ones, kept to write
             # or to read) held some of it: give them back, try once more.
-            try:
-                create_segment(name, size, layout, arrays)
-            except OSError as again:
-                if again.errno != errno.ENOSPC:
-                    raise
-                # Other processes of this node (its data service, consumers) may still map the slots
-                # just unlinked: each drops its mappings of unlinked files within MAP_CHECK_S.
-                time.sleep(MAP_CHECK_S + 0.25)
-                create_segment(name, size, layout, arrays)
+            deadline = time.monotonic() + GIVE_BACK_WAIT_S
+            while True:
+                try:
+                    create_segment(name, size, layout, arrays)
+                    break
+                except OSError as again:
+                    # The node's data service may still map the slots just unlinked (it drops such
+                    # mappings every SLOT_MAPS_CHECK_S): wait that long, not more, on this thread
+                    # (an engine's actor thread, which heartbeats, or its loop).
+                    if again.errno != errno.ENOSPC or time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.05)
         return ConnectorRef(kind=self.kind, size=size, layout=layout, location=name,
                             node=self.node, service=self.service)
 

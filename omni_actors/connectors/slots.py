@@ -458,6 +458,15 @@ def read(directory: str, name: str, gen: int, size: int) -> memoryview:
     return _reads.view(directory, name, gen, size)
 
 
+def check_unlinked_every(seconds: float) -> None:
+    """Drop this process's mappings of slots unlinked meanwhile (read mappings, and the
+    header pages a releaser maps, each of which keeps the whole file's pages) every
+    ``seconds`` (default MAP_CHECK_S): a data service, which maps the slots it serves
+    and releases, lets go of those a producer gave back within that time (a put on a
+    full tmpfs waits for it)."""
+    _reads.check_s = _headers.check_s = seconds
+
+
 def read_kept(directory: str, name: str, gen: int, size: int) -> memoryview | None:
     """As :func:`read`, but None where that would map the slot for this read alone (its
     first generation, not mapped here yet): for a reader that can copy the bytes out
@@ -594,8 +603,8 @@ class _SlotHeaders(_Cache):
 
 def _unlink_slot(directory: str, name: str) -> bool:
     """Unlink slot file ``name``, closing first this process's read mapping of it (kept,
-    it would hold the file's pages until the next drop of unlinked mappings, up to
-    MAP_CHECK_S: a data service maps the slots it serves)."""
+    it would hold the file's pages until the next drop of unlinked mappings: a data
+    service maps the slots it serves)."""
     _reads.forget(directory, name)
     return _unlink_in(directory, name)
 

@@ -363,7 +363,10 @@ def _str_field(task: BackendTask, key: str, stage: str) -> str:
 
 
 def _array_field(task: BackendTask, key: str, stage: str, ndim: int, kind: str) -> np.ndarray:
-    value = np.asarray(_field(task, key, stage))
+    try:
+        value = np.asarray(_field(task, key, stage))
+    except ValueError as exc:  # (a ragged list: numpy's "inhomogeneous shape")
+        raise StageInputError(f"{stage}: engine_input `{key}` is no array: {exc}") from None
     kinds = {"int": "iu", "float": "f"}[kind]
     if value.ndim != ndim or value.dtype.kind not in kinds:
         raise StageInputError(f"{stage}: engine_input `{key}` must be a {ndim}-D {kind} array, "
@@ -579,7 +582,7 @@ def _compute_ar(cost: SyntheticCost, prompt: str, seed: int) -> _Plan:
 def _parse_dit(task: BackendTask) -> tuple:
     prior = _array_field(task, "prior_token_ids", "dit", 1, "int")
     if prior.size == 0:
-        raise ValueError("dit: engine_input `prior_token_ids` is empty")
+        raise StageInputError("dit: engine_input `prior_token_ids` is empty")
     return (prior, _str_field(task, "prompt", "dit"),
             _int_param(task.params, "width", 256, 1, _MAX_IMAGE_SIDE, "dit"),
             _int_param(task.params, "height", 256, 1, _MAX_IMAGE_SIDE, "dit"))

@@ -310,7 +310,8 @@ def _state_dir_problem() -> str | None:
         probe.unlink()
     except OSError as exc:
         # (trial CE: a path that is a file read "File exists": mkdir's own words)
-        why = "it is not a directory" if path.exists() and not path.is_dir() else exc.strerror or exc
+        why = ("it is not a directory" if os.path.exists(path) and not os.path.isdir(path)  # (False on any
+               else exc.strerror or exc)  # OSError: Path.exists() raised EACCES under an unreadable parent)
         return (f"state directory {str(path)!r} ($OMNI_ACTORS_STATE_DIR, default ~/.omni-actors) is not usable: "
                 f"{why}")
     return None
@@ -985,24 +986,35 @@ def _start_flags_problem(args) -> str | None:
     return None
 
 
-#: Flags a verb takes more than once (the others: argparse keeps the last, silently).
-REPEATABLE_FLAGS = {("shell",): ("-c", "--command"), ("stage", "drain"): ("--replica",)}
-
-
-def _repeated_flag(argv: list[str]) -> str | None:
-    """A flag given twice where only one value is used (trial CE: `check-config --config A
-    --config B` checked B alone); what to say, or None."""
-    seen = set()
-    repeatable = next((flags for verb, flags in REPEATABLE_FLAGS.items() if tuple(argv[:len(verb)]) == verb), ())
-    for token in argv:
+def _repeated_flag(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """A flag that takes one value given twice (or as two spellings of it: argparse takes
+    unique prefixes), where argparse keeps the last silently (trial CE: `check-config
+    --config A --config B` checked B alone); what to say, or None. Flags that collect
+    every value (``append``: the shell's ``-c``, ``stage drain --replica``) may repeat."""
+    i = 0
+    while True:  # (down to the verb's own parser: `stage drain`, `check-config`)
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is None or i >= len(argv) or argv[i] not in sub.choices:
+            break
+        parser, i = sub.choices[argv[i]], i + 1
+    options = parser._option_string_actions
+    seen: dict[str, str] = {}
+    for token in argv[i:]:
         if token == "--":
             break
         flag = token.split("=", 1)[0]
-        if not flag.startswith("--") or flag in repeatable:
+        if not flag.startswith("--"):
             continue
-        if flag in seen:
-            return f"{flag} is given twice: it takes one value (give it once)"
-        seen.add(flag)
+        action = options.get(flag)
+        if action is None:
+            prefixed = {a for opt, a in options.items() if opt.startswith("--") and opt.startswith(flag)}
+            action = prefixed.pop() if len(prefixed) == 1 else None
+        if action is None or action.nargs == 0 or isinstance(action, argparse._AppendAction):
+            continue
+        name = next(o for o in action.option_strings if o.startswith("--"))
+        if action.dest in seen:
+            return f"{name} is given twice: it takes one value (give it once)"
+        seen[action.dest] = name
     return None
 
 
@@ -1017,11 +1029,12 @@ def _verb_first(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv_ = sys.argv[1:] if argv is None else argv
-    problem = _verb_first(argv_) or _repeated_flag(argv_)
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser()
+    problem = _verb_first(argv) or _repeated_flag(parser, argv)
     if problem:
         return _fail(problem, 2)
-    args = _parser().parse_args(argv)
+    args = parser.parse_args(argv)
     problem = _usage_problem(args)
     if problem:
         return _fail(problem, 2)
