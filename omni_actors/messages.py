@@ -581,6 +581,9 @@ class Heartbeat(Message):
     idle_s: float | None = None  #: seconds since the last progress, as the engine measured it
     #: the fault injected into it that is in force (``"slow x20"``, ``"stall"``, ``"raise x2"``); "" none
     fault: str = ""
+    #: the ``InjectFault.seq`` that ``fault`` follows (the pool ignores a heartbeat's ``fault``
+    #: from before the fault it passed on last: `status` lost a fault injected just then)
+    fault_seq: int = 0
     #: while it starts: the devices its engine waits for (held by an old engine), ``device_leases.describe``
     waiting_for: str = ""
     #: while it starts: its process and machine (``status`` showed no PID until it was ready,
@@ -632,6 +635,9 @@ class InjectFault(Message):
     factor: float = 1.0  #: SLOW: how many times slower
     count: int = 1  #: RAISE_NEXT: how many of the next tasks raise
     reply_to: ActorAddress = None  #: who gets the :class:`AdminReply` (default: the sender)
+    #: set by the pool: how many faults it has passed to this replica, this one included
+    #: (the engine's heartbeats echo it: :attr:`Heartbeat.fault_seq`)
+    seq: int = 0
 
     def log_fields(self) -> dict:
         """``kind``, and ``factor`` or ``count`` where the kind has one (for the log)."""

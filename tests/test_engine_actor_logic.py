@@ -4188,3 +4188,34 @@ def test_a_consumer_timeout_says_when_the_request_actor_itself_did_not_run(monke
         timed_out(25.0)
     assert "RequestActor itself" not in timed_out(0.5)
     assert "RequestActor itself" not in timed_out(None)
+
+
+def test_a_heartbeat_sent_before_its_engine_applied_an_injected_fault_does_not_hide_it():
+    """CI: `status` right after `inject slow` showed no fault: the replica's heartbeat sent
+    before it applied the fault reached the pool after the pool had recorded the fault, and
+    overwrote it until the next heartbeat. Heartbeats now say which fault they follow."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.stage_pool import Replica, StagePoolActor
+    from omni_actors.actors.supervision import ReplicaHealth
+    from omni_actors.messages import AdminReply, FaultKind, Heartbeat, InjectFault, ReplicaState
+
+    pool = StagePoolActor()
+    pool._started.set()
+    sent = []
+    pool.send = lambda address, message: sent.append((address, message))
+    pool._publish = lambda: None
+    pool._spec = SimpleNamespace(heartbeat_interval_s=1.0, stage=SimpleNamespace(stage_id=0, name="thinker"))
+    pool._last_tick = 0
+    rep = Replica("thinker/0", "a0", state=ReplicaState.READY)
+    rep.health = ReplicaHealth(last_heartbeat=0.0, progress_at=0.0)
+    pool._replicas = {"thinker/0": rep}
+    pool.receiveMsg_InjectFault(InjectFault("thinker/0", FaultKind.SLOW, factor=3.0), "cli")
+    (_, passed), (_, reply) = sent
+    assert passed.seq == 1 and isinstance(reply, AdminReply) and rep.fault == "slow x3"
+    pool.receiveMsg_Heartbeat(Heartbeat("thinker/0", 0, 0, 0, 0, fault="", fault_seq=0), "a0")  # (sent before)
+    assert rep.fault == "slow x3"
+    pool.receiveMsg_Heartbeat(Heartbeat("thinker/0", 0, 0, 0, 0, fault="slow x3", fault_seq=1), "a0")
+    assert rep.fault == "slow x3"
+    pool.receiveMsg_Heartbeat(Heartbeat("thinker/0", 0, 0, 0, 0, fault="", fault_seq=1), "a0")  # (a raise used up)
+    assert rep.fault == ""

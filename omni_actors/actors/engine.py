@@ -206,6 +206,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._orphaned = False  # the pool is gone (no ack for orphan_after_s; see ParentWatch.lost)
         self._parent = ParentWatch(0, "")
         self._fault: InjectFault | None = None
+        self._fault_seq = 0  # (the InjectFault.seq of the fault set last: its heartbeats say it)
         self._stalled: asyncio.Event | None = None
         #: what its engine's start waits for: devices still held by an old engine (see device_leases)
         self._waiting_for = ""
@@ -362,6 +363,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 completed=self._completed, failed=self._failed,
                 kv_cache_usage=load.kv_cache_usage if load else None, progress=self._progress,
                 idle_s=self._idle_s(), fault=self._fault.describe() if self._fault else "",
+                fault_seq=self._fault_seq,
                 waiting_for=self._waiting_for, pid=0 if self._ready else os.getpid(),
                 host="" if self._ready else host_identity(),
                 phase="" if self._ready else getattr(self._backend, "start_phase", "")))
@@ -477,6 +479,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             self._stalled.set()  # release tasks held by an earlier stall
             self._stalled = None
         self._fault = None if msg.kind == FaultKind.CLEAR else msg
+        self._fault_seq = msg.seq
         if hasattr(self._backend, "slowdown"):
             # A backend that paces itself (the synthetic engine keeps to deadlines: it would make
             # up for any delay added between its events) is slowed from inside.

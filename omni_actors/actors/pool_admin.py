@@ -7,6 +7,8 @@ pool's replica table and helpers); each request is answered with an
 
 from __future__ import annotations
 
+import dataclasses
+
 from omni_actors.config import MAX_REPLICAS
 from omni_actors.messages import LIVE_STATES as _ALIVE
 from omni_actors.messages import (AdminReply, DrainReplica, FaultKind, InjectFault, LaunchReplicas, ReplicaState,
@@ -33,7 +35,8 @@ class PoolAdminMixin:
                                                               "(see `status`)"))
             return
         had = rep.fault
-        self.send(rep.address, msg)
+        rep.fault_seq += 1
+        self.send(rep.address, dataclasses.replace(msg, seq=rep.fault_seq))
         rep.fault = msg.describe()  # (shown at once: its engine's heartbeats said it up to an interval later)
         self._publish()
         self._log.warning("fault_injected", replica=msg.replica, **msg.log_fields())

@@ -94,6 +94,7 @@ class Replica:
     waiting: int = 0
     kv_cache_usage: float | None = None
     fault: str = ""  # the injected fault in force, as its engine's heartbeats say
+    fault_seq: int = 0  # how many faults were passed to its engine (InjectFault.seq)
     pid: int | None = None
     node: str = ""
     host: str = ""
@@ -334,7 +335,9 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             self._tick()
         if rep is not None and rep.health is not None:
             rep.running, rep.waiting, rep.kv_cache_usage = msg.running, msg.waiting, msg.kv_cache_usage
-            if msg.fault != rep.fault:
+            # (a heartbeat sent before its engine applied the fault passed on last says the one
+            # before: `status` showed no fault just after an `inject`, until the next heartbeat)
+            if msg.fault != rep.fault and msg.fault_seq >= rep.fault_seq:
                 rep.fault = msg.fault
                 self._publish()  # (status shows an injected fault within a heartbeat)
             rep.health.on_heartbeat(time.monotonic(), msg.progress, msg.idle_s)
