@@ -105,6 +105,17 @@ async def collect_events(engine, task) -> tuple[list, object]:
     return deltas, final
 
 
+def marker_line(proc: subprocess.Popen, marker: str) -> list[str]:
+    """Read ``proc``'s stdout (text) until a line that starts with ``marker`` (vLLM logs to
+    stdout too): the words after it. Fails the test if the stream ends first."""
+    line = ""
+    for line in proc.stdout:
+        if line.startswith(marker):
+            break
+    assert line.startswith(marker), line
+    return line.split()[1:]
+
+
 def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
     """SIGTERM ``proc`` and reap it; SIGKILL if it has not exited within ``timeout_s``."""
     proc.terminate()

