@@ -8,10 +8,10 @@ prefix (``$OMNI_ACTORS_SHM_PREFIX``, in ``$OMNI_ACTORS_SHM_DIR``, default
 
 - ``get``: the raw bytes of a segment (a slot's while its generation is in
   use), sent from the mapping the service keeps of a slot written more than
-  once (up to :data:`KEPT_SEND_MAX` bytes), else read from its file into a buffer of the connection's thread at
-  most :data:`SEND_CHUNK` bytes at a time and sent from there (the reply's
-  header held back with ``MSG_MORE`` to leave with the first bytes), nothing
-  pickled;
+  once (up to :data:`KEPT_SEND_MAX` bytes), else read from its file into a
+  buffer of the connection's thread at most :data:`SEND_CHUNK` bytes at a
+  time and sent from there (the reply's header held back with ``MSG_MORE``
+  to leave with the first bytes), nothing pickled;
 - ``release``: unlink segments (the request owner, on another node, is done),
   or with ``"recycle": true`` keep them as free segments of this node for
   later puts (:func:`omni_actors.connectors.shm.release_segments`);
@@ -401,7 +401,7 @@ class DataService:
             # one wakeup of the client less).
             sock.sendall(REPLY_HEADER.pack(OK, size), _MSG_MORE if size else 0)
             if view is not None:
-                sock.sendall(view)  # (from the slot's kept mapping: see SEND_CHUNK)
+                sock.sendall(view)  # (from the slot's kept mapping: see KEPT_SEND_MAX)
             else:
                 _send_range(sock, fd, offset, size)
         finally:

@@ -475,7 +475,7 @@ def read_kept(directory: str, name: str, gen: int, size: int) -> memoryview | No
     Raises:
         as :meth:`_SlotReads.view`.
     """
-    if gen == 1 and not _reads.holds(directory, name) or _reads.max_bytes < HEADER + size:
+    if (gen == 1 and not _reads.holds(directory, name)) or _reads.max_bytes < HEADER + size:
         return None  # (nor where the mapping could not be kept: the read cache is off or too small)
     return _reads.view(directory, name, gen, size)
 

@@ -209,10 +209,12 @@ def _fail(message: str, code: int = 1) -> int:
 def _api_key_problem(key: str | None) -> str | None:
     """Why ``--api-key`` (or ``$OMNI_ACTORS_API_KEY``) cannot be used, or None. An empty
     one is refused: it served every client, unnoticed (a ``--api-key "$KEY"`` with KEY unset)."""
-    if key is not None and not key.strip():
+    if key is None:
+        return None
+    if not key.strip():
         return ("--api-key is empty (or $OMNI_ACTORS_API_KEY is set to an empty string): give the key "
                 "clients must send, or set neither to serve every client")
-    if key is not None and any(c.isspace() for c in key):
+    if any(c.isspace() for c in key):
         return "--api-key has white space in it: a client's `Authorization: Bearer KEY` never matches it"
     return None
 
@@ -310,8 +312,8 @@ def _state_dir_problem() -> str | None:
         probe.unlink()
     except OSError as exc:
         # (trial CE: a path that is a file read "File exists": mkdir's own words)
-        why = ("it is not a directory" if os.path.exists(path) and not os.path.isdir(path)  # (False on any
-               else exc.strerror or exc)  # OSError: Path.exists() raised EACCES under an unreadable parent)
+        # (os.path.exists, not Path.exists: that raised EACCES under an unreadable parent)
+        why = "it is not a directory" if os.path.exists(path) and not os.path.isdir(path) else exc.strerror or exc
         return (f"state directory {str(path)!r} ($OMNI_ACTORS_STATE_DIR, default ~/.omni-actors) is not usable: "
                 f"{why}")
     return None
@@ -975,7 +977,8 @@ def _start_flags_problem(args) -> str | None:
                     f"--convention-address {args.convention_address} --port P [--host H]`")
         if args.stages and not any(s.strip() for s in args.stages.split(",")):
             # (trial CE: `--stages ','` was taken as "any stage")
-            return f"--stages {args.stages!r} names no stage: give stage names (talker,code2wav), or leave it out for any"
+            return (f"--stages {args.stages!r} names no stage: give stage names (talker,code2wav), "
+                    "or leave it out for any")
         return None
     given = [flag for flag, value in (("--stages", args.stages or None), ("--leader-wait", args.leader_wait))
              if value is not None]
