@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import textwrap
 import time
 import urllib.error
 import urllib.request
 
-from omni_actors.system.local import LocalLeader
+import pytest
+
+from omni_actors.system.local import LeaderStartError, LocalLeader
 
 CONFIG = """
 stage_args:
@@ -38,9 +42,15 @@ deployment:
     code2wav: {}
 """
 
+# Fails on 4-token texts only: the dry run at start (8 tokens) passes it, these requests (4) do not.
 PROCESSOR = '''
+from omni_actors.processors import thinker2talker as shipped
+
+
 def thinker2talker(upstream, prompt, params):
-    raise ValueError("wants hidden states of width 4096")
+    if len(upstream[0]["token_ids"]) == 4:
+        raise ValueError("wants hidden states of width 4096")
+    return shipped(upstream, prompt, params)
 '''
 
 
@@ -56,7 +66,7 @@ def _chat(leader: LocalLeader, modalities: list[str]) -> tuple[int, dict]:
 
 
 def test_a_processor_failing_on_upstream_outputs_is_a_500_and_spares_the_replica(tmp_path):
-    """The Talker's processor raises ValueError on the Thinker's outputs for every request.
+    """The Talker's processor raises ValueError on the Thinker's outputs of these requests (4 tokens).
 
     That is not the client's input: each request gets a 500 naming the processor and the
     upstream stage (it was a 400 before), it is not retried on another replica, and the
@@ -90,20 +100,27 @@ def test_a_processor_failing_on_upstream_outputs_is_a_500_and_spares_the_replica
         leader.stop()
 
 
-def test_a_stage_whose_engine_does_not_fit_its_inputs_is_a_500_not_a_400(tmp_path):
+def test_a_stage_whose_engine_does_not_fit_its_inputs_is_refused_at_start_and_by_check_config(tmp_path):
     """Trial CE: a Talker given the synthetic `dit` kind (it reads `prior_token_ids`; the
-    Talker's processor makes `hidden_states` and `token_ids`) passed check-config, and every
-    audio request got a 400 `invalid_request_error`, blaming the client for the config.
-    It is a 500 naming what the stage lacks; text-only requests are served."""
+    Talker's processor makes `hidden_states` and `token_ids`) passed check-config and
+    started, and every audio request failed. Both now run one small request through the
+    synthetic stages first (omni_actors.config_dry_run) and refuse the config: one line
+    naming the field to fix and what the stage lacks (start: exit 2, as for any config error)."""
     config = (CONFIG.replace("broken_processor.thinker2talker", "omni_actors.processors.thinker2talker")
               .replace("talker: {replicas: 1}", "talker: {replicas: 1, synthetic: {kind: dit}}"))
     (tmp_path / "config.yaml").write_text(config)
-    leader = LocalLeader(tmp_path / "config.yaml").start()
+    want = (f"error: {tmp_path / 'config.yaml'}: deployment.stages.talker.synthetic.kind: stage talker's "
+            "synthetic `dit` engine cannot take what omni_actors.processors.thinker2talker makes of the "
+            "outputs of stage(s) [0] (thinker), as for every request through it: dit: engine_input has no "
+            "`prior_token_ids`")
+    env = {**os.environ, "OMNI_ACTORS_STATE_DIR": str(tmp_path)}
+    check = subprocess.run([sys.executable, "-m", "omni_actors.system", "check-config", "--config",
+                            str(tmp_path / "config.yaml")], capture_output=True, text=True, timeout=60, env=env)
+    assert check.returncode == 1 and check.stderr.startswith(want), check
+    leader = LocalLeader(tmp_path / "config.yaml")
     try:
-        status, answer = _chat(leader, ["text", "audio"])
-        assert status == 500 and answer["error"]["type"] == "server_error", answer
-        assert "dit: engine_input has no `prior_token_ids`" in answer["error"]["message"], answer
-        status, answer = _chat(leader, ["text"])
-        assert status == 200 and answer["choices"][0]["message"]["content"], answer
+        with pytest.raises(LeaderStartError, match="leader exited with 2") as err:
+            leader.start()
+        assert want in str(err.value), err.value
     finally:
-        leader.stop()
+        leader.stop()  # (were it served)

@@ -221,6 +221,7 @@ def _api_key_problem(key: str | None) -> str | None:
 
 def cmd_start(args) -> int:
     from omni_actors.config import DEFAULT_CONFIG, ConfigError, load_config
+    from omni_actors.config_dry_run import dry_run_problem
     from omni_actors.logs import configure_logging
     from omni_actors.system.leader import StartError, run_leader
 
@@ -258,6 +259,9 @@ def cmd_start(args) -> int:
         config = load_config(args.config or DEFAULT_CONFIG, on_warning=warn)
     except ConfigError as exc:
         return _fail(str(exc), 2)
+    problem = dry_run_problem(config)  # (trial CE: a stage no request could pass was served)
+    if problem:
+        return _fail(str(problem), 2)
     pinned = [s.name for s in config.stage_args if s.runtime.devices is not None]
     if devices and pinned:  # (trial BT: its `runtime.devices` were silently not used)
         print(f"note: runtime.devices of {', '.join(pinned)} not used on hosts started with --devices: placement "
@@ -802,11 +806,13 @@ def _missing_model_dirs(config) -> list[str]:
 
 
 def cmd_check_config(args) -> int:
-    """Load and validate a config as ``start`` would (processor imports included):
+    """Load and validate a config as ``start`` would (processor imports included, and the
+    dry run of its synthetic stages: :mod:`omni_actors.config_dry_run`):
     ``ok: N stages (NAME xREPLICAS, ...)`` and exit 0, or the one-line error and
     exit 1. Warnings (misspelt stage keys) and the config's notes go to stderr,
     one line each."""
     from omni_actors.config import DEFAULT_CONFIG, ConfigError, load_config
+    from omni_actors.config_dry_run import dry_run_problem
     from omni_actors.logs import configure_logging
 
     configure_logging("error")  # the config's own warnings are printed below, not logged
@@ -818,7 +824,7 @@ def cmd_check_config(args) -> int:
                              on_warning=lambda text: print(f"warning: {text}", file=sys.stderr))
     except ConfigError as exc:
         return _fail(str(exc))
-    problem = _check_omni_connector_names(config)  # (before the notes, which call it applied)
+    problem = dry_run_problem(config) or _check_omni_connector_names(config)  # (before the notes, which call it applied)
     if problem:
         return _fail(problem)
     for note in config.omni_connectors.notes:

@@ -1,0 +1,152 @@
+"""One small request through a config's synthetic stages, in this process, before any is served.
+
+A synthetic stage whose input processor, or whose synthetic ``kind``, does not fit
+what the stage before it makes fails every request that reaches it (trial CE: a
+Talker given the ``dit`` kind read ``prior_token_ids`` that no Thinker makes; each
+audio request was a 500, and check-config had said ok). Which fields a processor
+makes and a kind reads is only known by running them, so ``check-config`` and
+``start`` run them: every synthetic stage whose sources are synthetic too, in graph
+order, at zero cost (the cost model's sleeps off), on :data:`DRY_RUN_PROMPT` with
+:data:`DRY_RUN_MAX_TOKENS` text tokens, the stage's processor on its sources' outputs
+as a replica runs it (on each chunk, for an edge that streams). Stages of other
+backends, and those downstream of them, are not run (their outputs need their engines).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+
+from omni_actors.config import ConfigError, PipelineConfig
+
+__all__ = ["DRY_RUN_MAX_TOKENS", "DRY_RUN_PROMPT", "dry_run_problem"]
+
+#: The dry run's prompt (a chat's rendered text would do as well: the synthetic
+#: stages read words).
+DRY_RUN_PROMPT = "Describe the sea in one short sentence."
+#: Text tokens the dry run asks of its final text stages (the client's ``max_tokens``).
+DRY_RUN_MAX_TOKENS = 8
+#: Request parameters of the dry run (an image request's, the API's smallest side:
+#: text stages ignore them).
+DRY_RUN_PARAMS = {"width": 64, "height": 64}
+#: Seconds the whole dry run may take before it is given up (no verdict: the config
+#: passes); at zero cost it takes milliseconds.
+DRY_RUN_TIMEOUT_S = 10.0
+
+
+class _Failure(Exception):
+    """A dry-run stage failed: ``path`` is the YAML path to blame."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(message)
+        self.path, self.message = path, message
+
+
+def dry_run_problem(cfg: PipelineConfig) -> ConfigError | None:
+    """The first synthetic stage that fails the dry run (see the module), as the error
+    ``start`` and ``check-config`` refuse the config with; None when every stage run
+    passed, none could run, or the run took over :data:`DRY_RUN_TIMEOUT_S`.
+
+    Must be called with no event loop running in this thread (it runs its own).
+    """
+    try:
+        asyncio.run(asyncio.wait_for(_run(cfg), DRY_RUN_TIMEOUT_S))
+    except _Failure as failure:
+        return ConfigError(cfg.source, failure.path, failure.message)
+    except asyncio.TimeoutError:
+        return None
+    return None
+
+
+def _order(cfg: PipelineConfig) -> list:
+    """The stages, each after its sources (the graph is acyclic: checked at load)."""
+    done: set[int] = set()
+    out, left = [], list(cfg.stage_args)
+    while left:
+        ready = [s for s in left if set(s.engine_input_source) <= done]
+        if not ready:  # (a source that is no stage: refused at load; nothing more to run)
+            break
+        for s in ready:
+            out.append(s)
+            done.add(s.stage_id)
+            left.remove(s)
+    return out
+
+
+async def _run(cfg: PipelineConfig) -> None:
+    from omni_actors.config_checks import resolve_processor
+    from omni_actors.engines import stream_edges
+    from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal
+    from omni_actors.engines.synthetic import SyntheticEngine
+    from omni_actors.processors import default_input
+
+    streams = stream_edges(cfg)
+    finals: dict[int, dict[str, Any]] = {}  # stage id -> its outputs, for the stages that ran
+    chunks: dict[int, list[dict[str, Any]]] = {}  # stage id -> the chunks it made
+    for i, s in ((cfg.stage_args.index(s), s) for s in _order(cfg)):
+        dep = cfg.deployment_of(s)
+        if dep.backend != "synthetic" or any(src not in finals for src in s.engine_input_source):
+            continue
+        func = s.custom_process_input_func
+        processor = resolve_processor(func) if func else default_input
+        name = func or "the default input processor"
+        # (the cost model's sleeps and test faults off: what is left is what the stage computes)
+        cost = msgspec.structs.replace(dep.synthetic, startup_s=0.0, prefill_ms_per_token=0.0,
+                                       decode_ms_per_token=0.0, startup_blocks=False, fail_startup=None,
+                                       crash_on=None)
+        engine = SyntheticEngine(s, cost, f"{s.name}/dry-run")
+        kind = cost.kind or str(s.engine_args.get("model_stage", ""))
+        kind_path = (f"deployment.stages.{s.name}.synthetic.kind" if dep.synthetic.kind
+                     else f"stage_args[{i}].engine_args.model_stage")
+        src = streams.get(s.stage_id)
+        upstream = {sid: finals[sid] for sid in s.engine_input_source}
+        from_what = (f"the outputs of stage(s) {sorted(upstream)} ({', '.join(_names(cfg, upstream))})"
+                     if upstream else "the prompt")
+
+        def process(up: dict, _p=processor, _name=name, _what=from_what, _i=i) -> dict:
+            try:
+                return _p(up, DRY_RUN_PROMPT, dict(DRY_RUN_PARAMS))
+            except Exception as exc:  # noqa: BLE001 - what any request through it would meet
+                path = f"stage_args[{_i}].custom_process_input_func" if func else f"stage_args[{_i}]"
+                raise _Failure(path, f"{_name} fails on {_what}, as it would for every request through "
+                                     f"stage {s.name}: {type(exc).__name__}: {exc}") from None
+
+        if src is not None:
+            pieces = [process({src: c}) for c in chunks.get(src, [])]
+            task_input, stream = {}, _aiter(pieces)
+        else:
+            task_input, stream = process(upstream), None
+        # (only a Thinker reads max_tokens; a stage's own default, if smaller, as a request gets it)
+        sampling = {**s.default_sampling_params,
+                    "max_tokens": min(s.default_sampling_params.get("max_tokens", DRY_RUN_MAX_TOKENS),
+                                      DRY_RUN_MAX_TOKENS)}
+        task = BackendTask(f"dry-run-{s.name}", task_input, sampling, dict(DRY_RUN_PARAMS),
+                           input_stream=stream, emit_chunks=True, chunk_tokens=cfg.deployment.streaming.chunk_tokens)
+        await engine.start()
+        made: list[dict[str, Any]] = []
+        final = None
+        try:
+            async for ev in engine.generate(task):
+                if isinstance(ev, OutputChunk):
+                    made.append(ev.outputs)
+                elif isinstance(ev, StageFinal):
+                    final = ev
+        except Exception as exc:  # noqa: BLE001 - StageInputError and the like: every request's
+            raise _Failure(kind_path, f"stage {s.name}'s synthetic `{kind}` engine cannot take what {name} "
+                                      f"makes of {from_what}, as for every request through it: {exc}") from None
+        finally:
+            await engine.shutdown()
+        if final is not None:
+            finals[s.stage_id], chunks[s.stage_id] = final.outputs, made
+
+
+def _names(cfg: PipelineConfig, upstream: dict) -> list[str]:
+    by_id = {s.stage_id: s.name for s in cfg.stage_args}
+    return [by_id[sid] for sid in sorted(upstream)]
+
+
+async def _aiter(items: list):
+    for item in items:
+        yield item
