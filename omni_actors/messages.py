@@ -217,7 +217,8 @@ class ReleasePlacement(Message):
 
 @dataclass(frozen=True)
 class NodesChanged(Message):
-    """Coordinator -> pools: a node joined or came back; retry pending placements."""
+    """Coordinator -> pools: a node joined or came back, or devices kept for other stages
+    may be free now (a refused pool's); retry pending placements."""
 
     #: the node an operator undrained (``node undrain``), if that is the change: its lingering
     #: replicas (``ReplicaStatus.lingering``) stay, as ready ones

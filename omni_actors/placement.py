@@ -38,6 +38,11 @@ class PlacementError(RuntimeError):
     """No node can take the replica; the message says what was free."""
 
 
+class KeptForOthers(PlacementError):
+    """The free devices are kept for stages that have no replica running (``first``):
+    the replica may be placed once one of those has one, or wants none."""
+
+
 @dataclass(frozen=True)
 class FirstInLine:
     """A stage that has no replica running and wants one: until it has, its
@@ -297,7 +302,7 @@ class Inventory:
         stages = sorted({need.stage for need in first})
         which = (f"stage {stages[0]}, which has" if len(stages) == 1
                  else f"stages {', '.join(stages)}, which have")
-        raise PlacementError(f"the free devices are kept for {which} no replica running "
+        raise KeptForOthers(f"the free devices are kept for {which} no replica running "
                              f"(a stage with none goes first); waiting for more")
 
     def _placeable(self, first: tuple[FirstInLine, ...], free_of: dict[str, list[str]], taken_on: str = "",

@@ -1220,8 +1220,8 @@ def test_after_a_host_loss_the_stage_left_with_no_replica_is_placed_before_a_sec
     from types import SimpleNamespace
 
     from omni_actors.actors.coordinator import CoordinatorActor
-    from omni_actors.messages import (PlaceReplica, Placement, PlacementFailed, PoolState, ReplicaState,
-                                      ReplicaStatus)
+    from omni_actors.messages import (NodesChanged, PlaceReplica, Placement, PlacementFailed, PoolState,
+                                      ReplicaState, ReplicaStatus)
     from omni_actors.placement import NodeInfo
 
     co = CoordinatorActor()
@@ -1244,7 +1244,8 @@ def test_after_a_host_loss_the_stage_left_with_no_replica_is_placed_before_a_sec
     assert isinstance(refused, PlacementFailed) and refused.replica == "talker/2"
     assert "kept for stage code2wav, which has no replica running" in refused.reason
     co.receiveMsg_PlaceReplica(PlaceReplica("code2wav", "code2wav/1", 1, (), ()), "code2wav-pool")
-    assert co.sent[-1] == ("code2wav-pool", Placement("code2wav/1", "m1", ("2",)))
+    assert co.sent[-2:] == [("code2wav-pool", Placement("code2wav/1", "m1", ("2",))),
+                            ("talker-pool", NodesChanged())]  # (it retries: no longer kept for code2wav)
     co._inventory.add(NodeInfo("m3", ("0",), ()))  # a device comes free: the Talker takes it
     co.receiveMsg_PlaceReplica(PlaceReplica("talker", "talker/2", 1, (), ()), "talker-pool")
     assert co.sent[-1] == ("talker-pool", Placement("talker/2", "m3", ("0",)))
@@ -3575,7 +3576,7 @@ def test_at_start_up_a_stage_whose_pool_has_not_reported_is_placed_before_a_seco
     from types import SimpleNamespace
 
     from omni_actors.actors.coordinator import CoordinatorActor
-    from omni_actors.messages import PlaceReplica, Placement, PlacementFailed, PoolState
+    from omni_actors.messages import NodesChanged, PlaceReplica, Placement, PlacementFailed, PoolState
     from omni_actors.placement import NodeInfo
 
     co = CoordinatorActor()
@@ -3593,7 +3594,49 @@ def test_at_start_up_a_stage_whose_pool_has_not_reported_is_placed_before_a_seco
     refused = co.sent[-1][1]
     assert isinstance(refused, PlacementFailed) and "kept for stage code2wav" in refused.reason, refused
     co.receiveMsg_PlaceReplica(PlaceReplica("code2wav", "code2wav/0", 1, (), ()), "code2wav-pool")
-    assert co.sent[-1] == ("code2wav-pool", Placement("code2wav/0", "vm", ("2",)))
+    # (the refused pool retries at once, no longer refused for code2wav: trial CE's start-up table
+    # showed such a reason beside the stage's ready replica until the pool's own retry, 8 ticks on)
+    assert co.sent[-2:] == [("code2wav-pool", Placement("code2wav/0", "vm", ("2",))),
+                            ("talker-pool", NodesChanged())]
+    co.receiveMsg_PlaceReplica(PlaceReplica("talker", "talker/1", 1, (), ()), "talker-pool")
+    assert co.sent[-1] == ("talker-pool", PlacementFailed(
+        "talker/1", "no node has 1 free device(s) for a talker replica (vm: 0 of 3 devices free)"))
+
+
+def test_a_pool_refused_for_a_stage_that_then_wants_no_replica_retries_when_that_stage_reports():
+    """The devices kept for Code2Wav (no replica running) go to the Talker's pending replica once
+    Code2Wav's pool reports its replica failed (it wants none now): the coordinator tells the
+    refused pool to retry at that report, not at the pool's own retry 8 heartbeat intervals on."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.messages import (NodesChanged, PlaceReplica, PlacementFailed, PoolState, ReplicaState,
+                                      ReplicaStatus)
+    from omni_actors.placement import NodeInfo
+
+    co = CoordinatorActor()
+    co.sent = []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co._publish_status = lambda: None
+    co._inventory.add(NodeInfo("vm", ("0", "1"), ()))
+    co._config = SimpleNamespace(stage_by_name=lambda name: name,  # every stage: TP1, any node
+                                 deployment_of=lambda stage: SimpleNamespace(devices_per_replica=1, nodes=[]))
+    co._node_checks_lost = co._answer_deploy_waiters = co._end_lingering = lambda: None  # (not these)
+    co._pools = {0: "talker-pool", 1: "code2wav-pool"}
+    co._states[1] = PoolState(1, "code2wav", (ReplicaStatus("code2wav/0", ReplicaState.STARTING),))
+    co._states[0] = PoolState(0, "talker", ())
+    co.receiveMsg_PlaceReplica(PlaceReplica("talker", "talker/0", 1, (), ()), "talker-pool")
+    co._states[0] = PoolState(0, "talker", (ReplicaStatus("talker/0", ReplicaState.STARTING, node="vm"),))
+    co._states[1] = PoolState(1, "code2wav", (ReplicaStatus("code2wav/0", ReplicaState.PENDING),))
+    co.receiveMsg_PlaceReplica(PlaceReplica("talker", "talker/1", 1, (), ()), "talker-pool")
+    assert isinstance(co.sent[-1][1], PlacementFailed) and "kept for stage code2wav" in co.sent[-1][1].reason
+    co.receiveMsg_PoolState(PoolState(1, "code2wav", (ReplicaStatus("code2wav/0", ReplicaState.FAILED),)),
+                            "code2wav-pool")
+    assert ("talker-pool", NodesChanged()) in co.sent
+    sent = len(co.sent)
+    co.receiveMsg_PoolState(PoolState(1, "code2wav", (ReplicaStatus("code2wav/0", ReplicaState.FAILED,
+                                                                    reason="again"),)), "code2wav-pool")
+    assert ("talker-pool", NodesChanged()) not in co.sent[sent:]  # (told once per refusal)
 
 
 def test_an_output_whose_answer_would_credit_its_producer_asks_for_it(monkeypatch):

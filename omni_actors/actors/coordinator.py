@@ -41,7 +41,7 @@ from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, ApiServerDra
                                   ScaleStage, ShutdownDone, ShutdownSystem, SignalFault,
                                   StartNodeAgent, StartPool, Subscribe, SUBSCRIPTION, SystemStatus, SystemStopping,
                                   UndrainNode, Unsubscribe, WATCHDOG_QUERY, WhoAmI, YouAre)
-from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, PlacementError, pinned_devices
+from omni_actors.placement import LEFT_REASON, FirstInLine, Inventory, KeptForOthers, PlacementError, pinned_devices
 
 #: A member node whose agent has been silent this many heartbeat intervals is lost.
 NODE_MISSED_HEARTBEATS = 3
@@ -129,6 +129,9 @@ class CoordinatorActor(ActorTypeDispatcher):
         #: stage id -> why the coordinator killed its pool: the reason its recreated replicas give
         self._pool_killed_why: dict[int, str] = {}
         self._asks: dict[str, PlaceReplica] = {}  #: replica -> its latest placement request (nodes, devices)
+        #: pools refused a placement because the free devices were kept for stages with no replica
+        #: running (:class:`~omni_actors.placement.KeptForOthers`): told to retry when that may have changed
+        self._kept_from: set = set()
         #: node -> a member that registered under its name while another ran as it (taken if that one goes)
         self._waiting_members: dict[str, NodeInfo] = {}
         #: ``(time.monotonic(), stage, node, devices)`` of pinned launches whose replicas have not asked yet
@@ -294,6 +297,7 @@ class CoordinatorActor(ActorTypeDispatcher):
                     self._log.info("instance_update", stage=msg.stage, replica=r.replica, state=r.state.value,
                                    reason=r.reason or None)
             self._publish_status()
+            self._retry_kept()
         self._answer_deploy_waiters()
         self._end_lingering()
 
@@ -760,10 +764,23 @@ class CoordinatorActor(ActorTypeDispatcher):
                                                   first=() if msg.pin_devices else self._first_in_line(msg),
                                                   reserved={} if msg.pin_devices else self._reserved_pins())
         except PlacementError as exc:
+            if isinstance(exc, KeptForOthers):
+                self._kept_from.add(sender)
             self.send(sender, PlacementFailed(msg.replica, str(exc)))
             return
         known = self._inventory.nodes.get(node)
         self.send(sender, Placement(msg.replica, node, devices, known.info.member if known else ""))
+        self._retry_kept()
+
+    def _retry_kept(self) -> None:
+        """The pools refused while devices were kept for other stages retry now: a replica was
+        placed or a stage's replicas changed state, so those stages may run (or want none) now.
+        Trial CE's start-up table showed talker/1 `pending` "the free devices are kept for stage
+        thinker, which has no replica running" beside thinker/0 ready, until the pool's own
+        retry (every 8 heartbeat intervals). A pool refused again is told again at the next change."""
+        kept, self._kept_from = self._kept_from, set()
+        for pool in kept:
+            self.send(pool, NodesChanged())
 
     def _first_in_line(self, ask: PlaceReplica) -> tuple[FirstInLine, ...]:
         """The other stages that have no replica running (placed, or reported starting
