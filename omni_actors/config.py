@@ -631,14 +631,20 @@ def parse_config(data: Any, source: str = "<memory>",
                                                 "(a `stages:` list with a `topology:` block or a `pipeline:` key)")
     if "deployment" not in data:
         raise ConfigError(source, "deployment", "required field is missing")
-    # vLLM-Omni deploy YAMLs carry more top-level keys (runtime, async_chunk...): keep quiet.
     deployment = data["deployment"]
     stages = deployment.get("stages") if isinstance(deployment, dict) else None
+    counts, kept = ({}, []) if _CONVERTING.get() else _vllm_omni_stage_keys(data, stages, source)
     if isinstance(stages, dict):
         # One entry at a time, so an error names the stage (msgspec writes dict keys as `[...]`).
         deployment = {**deployment, "stages": {
             str(name): msgspec.to_builtins(_convert(entry, StageDeployment, source, f"deployment.stages.{name}"))
             for name, entry in stages.items()}}
+    if counts and isinstance(deployment, dict) and isinstance(deployment.get("stages", {}), dict):
+        ours = dict(deployment.get("stages") or {})
+        for name, n in counts.items():
+            entry = ours.get(name, {})
+            ours[name] = {"replicas": n, **entry} if isinstance(entry, dict) else entry
+        deployment = {**deployment, "stages": ours}
     cfg = _convert({"stage_args": data["stage_args"], "deployment": deployment}, PipelineConfig, source)
     cfg.source = source
     from omni_actors.config_checks import _check_cpus, _check_graph, _note_runner_handover  # (they need the types above)
@@ -647,6 +653,7 @@ def parse_config(data: Any, source: str = "<memory>",
     from omni_actors.connector_config import omni_connectors  # (it needs the types above)
 
     cfg.omni_connectors = omni_connectors(data, cfg, source)
+    cfg.omni_connectors.notes[:0] = kept
     _check_cpus(cfg, source)
     _note_runner_handover(cfg)
     if not _CONVERTING.get():
@@ -655,6 +662,55 @@ def parse_config(data: Any, source: str = "<memory>",
         for path, message in _replica_count_warnings(cfg):
             warn(path, message)
     return cfg
+
+
+def _vllm_omni_stage_keys(data: dict, ours: Any, source: str) -> tuple[dict[str, int], list[str]]:
+    """What a ``stage_args`` config sets in vLLM-Omni's keys that this project reads
+    elsewhere or not at all (trial CH: each passed in silence):
+
+    - a stage's ``runtime.num_replicas`` is its replica count where
+      ``deployment.stages.<stage>.replicas`` (``ours``, raw) is not given, as a deploy
+      file's ``num_replicas`` is; where both are and differ, ours is used;
+    - the top-level ``env``, a stage's ``runtime.env`` and ``async_chunk: true`` are not
+      applied.
+
+    Returns:
+        ``({stage name: replicas}, notes)``: the counts to fill in, one note per key above.
+
+    Raises:
+        ConfigError: a ``num_replicas`` that is not an integer from 1 to :data:`MAX_REPLICAS`.
+    """
+    counts: dict[str, int] = {}
+    notes: list[str] = []
+    entries = data.get("stage_args")
+    for i, entry in enumerate(entries if isinstance(entries, list) else []):
+        runtime = entry.get("runtime") if isinstance(entry, dict) else None
+        engine = entry.get("engine_args") if isinstance(entry, dict) else None
+        name = engine.get("model_stage") if isinstance(engine, dict) else None
+        if not isinstance(runtime, dict) or name is None:
+            continue  # (the conversion names what is wrong)
+        n = runtime.get("num_replicas")
+        if n is not None:
+            path = f"stage_args[{i}].runtime.num_replicas"
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_REPLICAS:
+                raise ConfigError(source, path, f"expected an integer from 1 to {MAX_REPLICAS}, got `{_show(n)}`")
+            mine = ours.get(str(name)) if isinstance(ours, dict) else None
+            given = mine.get("replicas") if isinstance(mine, dict) else None
+            if given is None:
+                counts[str(name)] = n
+                notes.append(f"{path} ({n}): applied as deployment.stages.{name}.replicas")
+            elif given != n:
+                notes.append(f"deployment.stages.{name}.replicas ({_show(given)}) is used, not {path} ({n})")
+        if runtime.get("env") is not None:
+            notes.append(f"stage_args[{i}].runtime.env: not applied: set the variables in the environment of "
+                         "the processes that start the stage's replicas")
+    if data.get("env") is not None:
+        notes.append("env: not applied: set the variables in the environment of the processes that start "
+                     "the replicas")
+    if data.get("async_chunk") is True:
+        notes.append("async_chunk: true: not applied: stages hand over whole outputs, or stream where "
+                     "`deployment.streaming` says")
+    return counts, notes
 
 
 #: Replicas in all per CPU of this host above which a config is warned about (each replica

@@ -57,6 +57,10 @@ _DEPLOY_TOP_KEYS = frozenset({
     "stages", "base_config", "pipeline", "topology", "deployment", "model", "env", "async_chunk",
     "connectors", "edges", "platforms", "session_mode", "model_runner", "duplex_session",
     "forced_aligner", "active_stream_window"})
+#: Keys of a legacy config's top-level ``runtime`` block (vLLM-Omni's stage configs).
+_LEGACY_RUNTIME_KEYS = frozenset({"enabled", "defaults", "connectors", "edges"})
+#: Keys of a ``SharedMemoryConnector``'s ``extra`` that this project reads.
+_SHM_EXTRA_KEYS = frozenset({"shm_threshold_bytes"})
 _SAMPLING_FATE = "vLLM refuses it; the synthetic engine ignores it"
 #: Stage keys of the other format, and this format's key for the same thing.
 _OTHER_FORMAT = {"input_sources": "engine_input_source"}
@@ -81,6 +85,16 @@ def _one_swap(a: str, b: str) -> bool:
         return False
     diff = [i for i in range(len(a)) if a[i] != b[i]]
     return len(diff) == 2 and diff[1] == diff[0] + 1 and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]]
+
+
+def _connector_extras(connectors: Any, path: str) -> list[tuple[str, str]]:
+    """Near misses in the ``extra`` of each ``SharedMemoryConnector`` of ``connectors``
+    (name -> ``{name, extra}``): a misspelt ``shm_threshold_bytes`` left the default."""
+    out: list[tuple[str, str]] = []
+    for key, spec in (connectors.items() if isinstance(connectors, dict) else ()):
+        if isinstance(spec, dict) and spec.get("name") == "SharedMemoryConnector":
+            out += _check_keys(spec.get("extra"), _SHM_EXTRA_KEYS, f"{path}.{key}.extra", "ignored")
+    return out
 
 
 def _check_keys(mapping: Any, known: frozenset[str], path: str, fate: str,
@@ -115,6 +129,10 @@ def unknown_key_warnings(data: Any) -> list[tuple[str, str]]:
         # (every unknown key of a legacy config's; a document without `stage_args` is none:
         # vLLM-Omni ships YAMLs of other settings, such as its forced aligner's)
         out += _check_keys(data, _TOP_KEYS, "", "ignored", every="stage_args" in data)
+        runtime = data.get("runtime")  # (trial CH: `conectors:`, `edgs:` there passed in silence)
+        out += _check_keys(runtime, _LEGACY_RUNTIME_KEYS, "runtime", "ignored")
+        out += _connector_extras(runtime.get("connectors") if isinstance(runtime, dict) else None,
+                                 "runtime.connectors")
     stage_args = data.get("stage_args")
     if isinstance(stage_args, list) and "stages" not in data:
         for i, entry in enumerate(stage_args):
@@ -139,6 +157,10 @@ def unknown_key_warnings(data: Any) -> list[tuple[str, str]]:
 
     # (a deploy file's `async_chunks:` or `conectors:` at the top passed in silence)
     out += _check_keys(data, _DEPLOY_TOP_KEYS | frozenset(PIPELINE_WIDE), "", "ignored")
+    out += _connector_extras(data.get("connectors"), "connectors")
+    if "runtime" in data:  # (trial CH: a legacy config's `runtime.connectors` here went unread, unsaid)
+        out.append(("runtime", "ignored: the `stage_args` format's block; a deploy file names its connectors "
+                               "and edges at the top level (`connectors:`, `edges:`)"))
 
     for where, stages in lists:
         if not isinstance(stages, list):

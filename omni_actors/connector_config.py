@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from omni_actors.config import ConfigError, OmniConnectors, PipelineConfig, StageConnector, _convert
+from omni_actors.config import ConfigError, OmniConnectors, PipelineConfig, StageConnector, _convert, _show
 
 #: vLLM-Omni connector classes with an equivalent here (see :class:`OmniConnectors`).
 SHARED_MEMORY_CONNECTORS = ("SharedMemoryConnector",)
@@ -41,6 +41,24 @@ def _check_shm_threshold(spec: ConnectorSpec, source: str, named: str) -> None:
         raise ConfigError(source, f"{named}.extra.shm_threshold_bytes",
                           f"expected an integer >= 0 and <= {MAX_SHM_THRESHOLD_BYTES} (as "
                           f"deployment.inline_threshold_bytes), got `{value!r}`")
+
+
+#: vLLM-Omni 0.30's connector classes (its ``OmniConnectorFactory``), for telling a misspelt
+#: name where vLLM-Omni is not installed to ask (check-config asks it where it is).
+VLLM_OMNI_CONNECTORS = frozenset({
+    "SharedMemoryConnector", "MooncakeStoreConnector", "MooncakeConnector", "MooncakeTransferEngineConnector",
+    "YuanrongConnector", "YuanrongTransferEngineConnector", "MoriTransferEngineConnector", "NixlConnector"})
+
+
+def _check_connector_name(spec: ConnectorSpec, source: str, named: str) -> None:
+    """Refuse a connector class that is a near miss of one of :data:`VLLM_OMNI_CONNECTORS`
+    (trial CH: `SharedMemoryConector` was noted as "needs vLLM-Omni's own connector")."""
+    from omni_actors.config_keys import near_miss
+
+    meant = near_miss(spec.name, VLLM_OMNI_CONNECTORS)
+    if meant is not None:
+        raise ConfigError(source, f"{named}.name", f"`{spec.name}` is no vLLM-Omni connector; did you mean "
+                                                   f"`{meant}`?")
 
 
 def _omni_not_applied(name: str, cfg: PipelineConfig) -> str | None:
@@ -78,6 +96,7 @@ def omni_connectors(data: dict[str, Any], cfg: PipelineConfig, source: str) -> O
                                                         "`{name, extra}`")
     specs = {str(k): _convert(v, ConnectorSpec, source, f"runtime.connectors.{k}") for k, v in defined.items()}
     for k, spec in specs.items():  # (each one, named by a stage or not: a bad value is a mistake either way)
+        _check_connector_name(spec, source, f"runtime.connectors.{k}")
         _check_shm_threshold(spec, source, f"runtime.connectors.{k}")
     ids = {st.stage_id: st for st in cfg.stage_args}
     raw_edges = runtime.get("edges")
@@ -87,7 +106,7 @@ def omni_connectors(data: dict[str, Any], cfg: PipelineConfig, source: str) -> O
             if isinstance(value, str):
                 named = next((st.stage_id for st in cfg.stage_args if st.name == value), None)
                 raise ConfigError(source, f"runtime.edges[{j}].{end}",
-                                  f"expected a stage_id (an integer), got `{value}`"
+                                  f"expected a stage_id (an integer), got `{_show(value)}`"
                                   + (f": stage {value} has stage_id {named}" if named is not None else
                                      f"; known: {sorted(ids)}"))
     edges = _convert(runtime.get("edges") or [], list[Edge], source, "runtime.edges")
@@ -122,6 +141,7 @@ def omni_connectors(data: dict[str, Any], cfg: PipelineConfig, source: str) -> O
                     spec, named = specs[ref], f"runtime.connectors.{ref}"
                 else:
                     spec, named = _convert(ref, ConnectorSpec, source, path), path
+                    _check_connector_name(spec, source, path)
                 edge = (other, me) if field == "input_connectors" else (me, other)
                 if edge in by_edge and by_edge[edge][0].name != spec.name:
                     raise ConfigError(source, path, f"edge {edge[0]}->{edge[1]} has connector `{spec.name}` "

@@ -889,6 +889,58 @@ def test_deploy_format_top_level_typos_are_warned_about() -> None:
     assert lines == [f"deploy.yaml: {key}: unknown key (ignored); did you mean `{meant}`?" for key, meant in
                      [("async_chunks", "async_chunk"), ("conectors", "connectors"),
                       ("trust_remote_cod", "trust_remote_code")]]
+    # (trial CH: a legacy config's `runtime` block in a deploy file was dropped without a word)
+    data = yaml.safe_load((ROOT / "configs" / "cpu_vllm_omni_deploy.yaml").read_text())
+    data["runtime"] = {"connectors": {"x": {"name": "SharedMemoryConnector"}}}
+    lines = []
+    parse_config(data, "deploy.yaml", on_warning=lines.append)
+    assert lines == ["deploy.yaml: runtime: ignored: the `stage_args` format's block; a deploy file names its "
+                     "connectors and edges at the top level (`connectors:`, `edges:`)"]
+
+
+def test_typos_in_the_top_level_runtime_and_a_shared_memory_connectors_extra_are_warned_about(
+        tmp_path: Path) -> None:
+    """Trial CH: `conectors:` and `edgs:` under the top-level `runtime`, and `shm_threshold_byte`
+    in a SharedMemoryConnector's `extra`, each left a setting out without a word."""
+    def mutate(d: dict) -> None:
+        d["runtime"] = {"enabled": True, "conectors": {}, "edgs": [],
+                        "connectors": {"c1": {"name": "SharedMemoryConnector",
+                                              "extra": {"shm_threshold_byte": 1024}}}}
+    lines: list[str] = []
+    path = write(tmp_path, variant(mutate))
+    cfg = load_config(path, on_warning=lines.append)
+    assert cfg.inline_threshold_of(cfg.stage(0)) == cfg.deployment.inline_threshold_bytes
+    assert lines == [f"{path}: {key}: unknown key (ignored); did you mean `{meant}`?" for key, meant in [
+        ("runtime.conectors", "connectors"), ("runtime.edgs", "edges"),
+        ("runtime.connectors.c1.extra.shm_threshold_byte", "shm_threshold_bytes")]]
+
+
+def test_a_stages_runtime_num_replicas_is_its_replica_count_unless_the_deployment_says(tmp_path: Path) -> None:
+    """vLLM-Omni's per-stage `runtime.num_replicas` in a `stage_args` config was ignored without
+    a word (trial CH: 3 asked, 1 ran). It counts as a deploy file's does: where
+    `deployment.stages.<stage>.replicas` is not given; where both are and differ, ours, noted."""
+    def mutate(d: dict) -> None:
+        d["stage_args"][0]["runtime"] = {"num_replicas": 3}
+        d["stage_args"][1]["runtime"] = {"num_replicas": 5}  # (deployment: talker replicas 2)
+    cfg = load_config(write(tmp_path, variant(mutate)))
+    assert [cfg.deployment_of(s).replicas for s in cfg.stage_args] == [3, 2, 1]
+    assert cfg.deployment_of(cfg.stage(1)).synthetic.max_concurrency == 4  # (the rest of its entry kept)
+    assert cfg.omni_connectors.notes == [
+        "stage_args[0].runtime.num_replicas (3): applied as deployment.stages.thinker.replicas",
+        "deployment.stages.talker.replicas (2) is used, not stage_args[1].runtime.num_replicas (5)"]
+    for bad in (0, "3", True, 2000):
+        err = refused(tmp_path, variant(stage(0, runtime={"num_replicas": bad})))
+        assert err.path == "stage_args[0].runtime.num_replicas" and "from 1 to 1024" in err.message, err
+
+
+def test_vllm_omni_keys_not_applied_in_a_stage_args_config_are_noted(tmp_path: Path) -> None:
+    """Trial CH: a top-level `env` and `async_chunk: true` passed in silence (a deploy file's got a note)."""
+    def mutate(d: dict) -> None:
+        d.update(env={"FOO": "1"}, async_chunk=True)
+        d["stage_args"][2]["runtime"] = {"env": {"A": "b"}}
+    notes = load_config(write(tmp_path, variant(mutate))).omni_connectors.notes
+    assert [n.split(":")[0] for n in notes] == ["stage_args[2].runtime.env", "env", "async_chunk"], notes
+    assert all("not applied" in n for n in notes)
 
 
 @pytest.mark.parametrize("path", EVERY_CONFIG, ids=lambda p: f"{p.parent.name}/{p.name}")

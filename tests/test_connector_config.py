@@ -241,7 +241,10 @@ def test_edge_outside_the_graph_is_ignored_with_a_note(tmp_path):
     ({"edges": [{"from": 0, "to": 7}]}, {}, "runtime.edges[0].to", "unknown stage_id 7"),
     ({"edges": [{"from": 0}]}, {}, "runtime.edges[0].to", "required field is missing"),
     ({"edges": [{"from": "thinker", "to": 1}]}, {}, "runtime.edges[0].from",
-     "expected a stage_id (an integer), got `thinker`: stage thinker has stage_id 0"),
+     "expected a stage_id (an integer), got `'thinker'`: stage thinker has stage_id 0"),
+    # (trial CH: a quoted number read "got `0`", as if 0 were refused)
+    ({"edges": [{"from": "0", "to": 1}]}, {}, "runtime.edges[0].from",
+     "expected a stage_id (an integer), got `'0'`; known: [0, 1, 2]"),
     ({}, {"s0": {"output_connectors": {"to_stage_1": "nope"}}}, "stage_args[0].output_connectors.to_stage_1",
      "no connector `nope` under `runtime.connectors`"),
     ({}, {"s0": {"output_connectors": {"stage_1": "shm"}}}, "stage_args[0].output_connectors.stage_1",
@@ -262,6 +265,11 @@ def test_edge_outside_the_graph_is_ignored_with_a_note(tmp_path):
      {"s0": {"output_connectors": {"to_stage_1": "shm"}}, "s1": {"input_connectors": {"from_stage_0": "rdma"}}},
      "stage_args[1].input_connectors.from_stage_0",
      "edge 0->1 has connector `MooncakeStoreConnector` here but `SharedMemoryConnector`"),
+    # (trial CH: a misspelt class was noted as "needs vLLM-Omni's own connector", with vllm_omni or not)
+    ({"connectors": {"shm": {"name": "SharedMemoryConector"}}}, {}, "runtime.connectors.shm.name",
+     "`SharedMemoryConector` is no vLLM-Omni connector; did you mean `SharedMemoryConnector`?"),
+    ({}, {"s0": {"output_connectors": {"to_stage_1": {"name": "MooncakeStoreConector"}}}},
+     "stage_args[0].output_connectors.to_stage_1.name", "did you mean `MooncakeStoreConnector`?"),
 ])
 def test_bad_connector_settings_name_the_yaml_path(tmp_path, runtime, per_stage, path, message):
     data = with_connectors(runtime, **per_stage)

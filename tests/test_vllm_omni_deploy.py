@@ -147,7 +147,7 @@ def test_num_replicas_becomes_replicas_unless_the_deployment_block_says(tmp_path
     assert dep["talker"].replicas == 3          # num_replicas
     assert dep["code2wav"].replicas == 4        # ours wins over runtime.num_replicas: 2
     # ... and says so (a trial's 5 over 2 went unsaid); none for the stages where only one is set
-    assert [n for n in cfg.omni_connectors.notes if "replicas" in n] == [
+    assert [n for n in cfg.omni_connectors.notes if "num_replicas" in n] == [
         "deployment.stages.code2wav.replicas (4) is used, not stages[2].num_replicas (2)"]
     assert dep["talker"].devices_per_replica == 2   # tensor_parallel_size
     assert dep["thinker"].backend == "vllm_omni"    # the default for a deploy file
@@ -328,6 +328,9 @@ def test_shipped_deploy_demo_config_loads() -> None:
     (lambda d: d["topology"]["stages"][1].update(input_sources=[4]),
      "topology.stages[1].input_sources[0]", "unknown stage_id 4"),
     (lambda d: d["topology"]["stages"][0].update(input_sources=[2]), "topology.stages", "cycle"),
+    # (trial CH: read "stages[1].", the deploy stages' list, with a trailing dot)
+    (lambda d: d["topology"]["stages"][2].update(input_sources=[0]), "topology.stages[1]",
+     "stage `talker` is not a final output"),
     (lambda d: d["topology"]["stages"][1].update(model_stage="thinker"),
      "topology.stages[1].model_stage", "duplicate stage name"),
     (lambda d: d["topology"]["stages"][1].update(sync_process_input_func="omni_actors.processors.nope"),
@@ -698,3 +701,10 @@ def test_a_kv_cache_handed_over_inside_vllm_omni_and_what_a_deploy_file_keeps_ar
     notes = load_config(write(tmp_path, variant(overlay))).omni_connectors.notes
     assert any(n.startswith("platforms (cuda): kept, not applied") for n in notes), notes
     assert any(n.startswith("async_chunk: true: not applied") for n in notes), notes  # (SAMPLE's)
+
+    def env(d: dict) -> None:  # (trial CH: the README said a note tells `env` is not applied; none did)
+        d["env"] = {"FOO": "1"}
+        d["stages"][1]["runtime"] = {"env": {"A": "b"}}
+    notes = load_config(write(tmp_path, variant(env))).omni_connectors.notes
+    assert any(n.startswith("env: kept, not applied") for n in notes), notes
+    assert any(n.startswith("stages[1].runtime.env (stage 1): kept, not applied") for n in notes), notes

@@ -176,7 +176,7 @@ def parse_deploy_config(data: dict[str, Any], source: str = "<memory>") -> Deplo
     cfg.omni_connectors = _connectors(merged, stages, topo, origin, cfg, source)
     cfg.omni_connectors.notes = (notes + cfg.omni_connectors.notes
                                  + _replica_notes(data.get("deployment"), topo, stages, origin)
-                                 + _kept_notes(merged))
+                                 + _kept_notes(merged, stages, origin))
 
     names = {ts.stage_id: ts.model_stage for ts in topo.stages}
     kept = VllmOmniDeploy(
@@ -329,10 +329,20 @@ def _deployment(raw: Any, topo: Topology, stages: dict[int, dict[str, Any]],
     return {**raw, "stages": ours}
 
 
-def _kept_notes(merged: dict[str, Any]) -> list[str]:
+def _kept_notes(merged: dict[str, Any], stages: dict[int, dict[str, Any]],
+                origin: dict[int, tuple[str, int]]) -> list[str]:
     """Notes on what the file sets that is kept and not applied (trial CA read none: a
-    CUDA overlay that fixes audio, and async chunks, dropped without a word)."""
+    CUDA overlay that fixes audio, and async chunks, dropped without a word; trial CH
+    none for `env`, which the README said had one)."""
     notes = []
+    if merged.get("env"):
+        notes.append("env: kept, not applied: set the variables in the environment of the processes that "
+                     "start the replicas")
+    for sid, stage in sorted(stages.items()):
+        if _own(stage, "env"):
+            key = "runtime.env" if isinstance(stage.get("runtime"), dict) and "env" in stage["runtime"] else "env"
+            notes.append(f"stages[{origin.get(sid, ('', '?'))[1]}].{key} (stage {sid}): kept, not applied: set "
+                         "the variables in the environment of the processes that start the stage's replicas")
     platforms = merged.get("platforms")
     if isinstance(platforms, dict) and platforms:
         notes.append(f"platforms ({', '.join(sorted(map(str, platforms)))}): kept, not applied: copy what a "
@@ -483,7 +493,7 @@ def _where(exc: ConfigError, topo: Topology, key: str | None, origin: dict[int, 
     # constraint was blamed on the file's stage)
     constraint = (ts is not None and param != rest
                   and re.split(r"[.\[]", param, maxsplit=1)[0] in ts.sampling_constraints)
-    if ts is None or field in _FROM_TOPOLOGY or constraint:
+    if ts is None or field in _FROM_TOPOLOGY or constraint or not rest:  # (no field: the stage in the graph)
         if key is not None:  # from vLLM-Omni's registry: no YAML path to name
             stage = f", stage {ts.stage_id} `{ts.model_stage}`" if ts else ""
             return ConfigError(exc.source, "pipeline",
@@ -494,7 +504,8 @@ def _where(exc: ConfigError, topo: Topology, key: str | None, origin: dict[int, 
         if field == "custom_process_input_func" and ts.sync_process_input_func:
             there = "sync_process_input_func"  # the one chosen
         tail = f"sampling_constraints.{param}" if constraint else rest.replace(field, there, 1)
-        return ConfigError(exc.source, f"topology.stages[{index}].{tail}", exc.message)
+        # (trial CH: a stage that feeds none read "stages[1].:", the deploy stages' list, with a dot)
+        return ConfigError(exc.source, f"topology.stages[{index}]" + (f".{tail}" if tail else ""), exc.message)
     stage = stages.get(ts.stage_id) or {}
     arg = rest.removeprefix("engine_args.")
     name = re.split(r"[.\[]", arg, maxsplit=1)[0]
