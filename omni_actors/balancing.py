@@ -5,6 +5,7 @@ Kept free of actors so they are unit-tested on their own.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -111,7 +112,8 @@ def describe_replicas(replicas: Iterable) -> str:
     drained) are counted, not listed, beside any other (a trial's 503 listed five); with
     no other they say why the stage has nothing: ``"talker/0, talker/1, talker/2 and 1
     more stopped: drained on request; talker/4 stopped: scaled down"`` (a trial's 503 named
-    the two scaled down long before and folded the three just drained into "3 more").
+    the two scaled down long before and folded the three just drained into "3 more"); a
+    stopped one whose reason ends ``(replaced by R)``, R among them, is left out (history).
     """
     reps = list(replicas)
     others = [r for r in reps if r.state.value != "stopped"]
@@ -120,8 +122,16 @@ def describe_replicas(replicas: Iterable) -> str:
     if others and stopped:
         parts.append(f"{len(stopped)} stopped")
     elif stopped:
-        parts = _grouped(stopped)
+        # (trial CG: after `stage stop`, the 503 began with replicas replaced long before, each
+        # with its node's story, and the cause came last: those whose replacement is listed go)
+        names = {r.replica for r in stopped}
+        parts = _grouped([r for r in stopped if _REPLACED_BY.search(r.reason or "") is None
+                          or _REPLACED_BY.search(r.reason).group(1) not in names] or stopped)
     return "; ".join(parts) or "no replicas"
+
+
+#: The end of a stopped replica's reason that names the replica launched in its place.
+_REPLACED_BY = re.compile(r"\(replaced by ([^()\s]+)\)$")
 
 
 def _grouped(replicas: list) -> list[str]:

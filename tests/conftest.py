@@ -126,6 +126,16 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
         proc.wait()
 
 
+@pytest.fixture(autouse=True)
+def _no_release_retries_left_over():
+    """Releases a test sent to a data service it had stopped are tried again for minutes
+    (omni_actors.connectors._Unreleased): not in the next test of this process."""
+    yield
+    from omni_actors.connectors import _unreleased
+
+    _unreleased.clear()
+
+
 @pytest.fixture(scope="module")
 def vllm_ipc_in_a_temp_dir(tmp_path_factory):
     """For a module whose vLLM engines run in the test's process (outside any system, whose

@@ -1336,7 +1336,7 @@ def test_an_output_made_on_a_node_whose_data_service_answers_again_is_fetched_no
 
             def take(ref):
                 t0 = time.monotonic()
-                return bridge._take(OutputReady("r1", 2, "audio", ref), "final output"), time.monotonic() - t0
+                return bridge._take(OutputReady("r1", 2, "audio", ref)), time.monotonic() - t0
 
             ref = producer.put({"pcm": np.arange(64, dtype=np.int16)})
             data_client._mark_down(svc.address)  # (its fetches had timed out)

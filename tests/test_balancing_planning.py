@@ -141,6 +141,17 @@ def test_the_refusal_names_each_replica_and_why() -> None:
         "no ready replica of stage talker (talker/0, talker/1, talker/2 stopped: drained on request; "
         "talker/3 stopped: scaled down)")
     assert no_replica_reason("dit", [], 30.0) == "no ready replica of stage dit (no replicas)"
+    # Those replaced by one listed are history (trial CG: after `stage stop`, the 503 began with
+    # replicas of nodes left and drained long before, and the cause came last).
+    history = [ReplicaStatus("code2wav/1", ReplicaState.STOPPED, "node m1 left the convention (replaced by code2wav/3)"),
+               ReplicaStatus("code2wav/3", ReplicaState.STOPPED, "node m2 drained (replaced by code2wav/4)"),
+               ReplicaStatus("code2wav/4", ReplicaState.STOPPED, "stage stopped"),
+               ReplicaStatus("code2wav/5", ReplicaState.STOPPED, "stage stopped")]
+    assert no_replica_reason("code2wav", history, 30.0) == (
+        "no ready replica of stage code2wav (code2wav/4, code2wav/5 stopped: stage stopped)")
+    # (one replaced by a replica not listed, gone since, is kept: it is the stage's story)
+    assert no_replica_reason("code2wav", history[:2], 30.0) == (
+        "no ready replica of stage code2wav (code2wav/3 stopped: node m2 drained (replaced by code2wav/4))")
 
 
 def test_a_new_request_is_not_taken_by_replicas_that_linger_on_a_leaving_node() -> None:

@@ -382,3 +382,38 @@ def test_a_written_off_requests_cancels_go_to_the_new_pools_too_and_closing_does
     b._held["r3"] = object()
     b._on_message(RequestFinished("r3", error=None, free=False, request_actor="ra-3"))
     assert b.request_actors()["closing"] == 1
+
+
+def test_an_output_fetched_from_another_host_holds_up_only_its_own_request(bridge):
+    """Trial CG froze a member's process: each fetch of an output made there waited out the
+    data service's 10 s timeout on the receiver thread, and every other request (text-only
+    ones, ``/ready``) waited behind it. Such a fetch runs on a fetch thread now: another
+    request's messages go through meanwhile, and this request's end waits for its output."""
+    import threading
+
+    import numpy as np
+
+    release = threading.Event()
+    ref = make_connector().put({"text": np.array("hi")}, final=True)
+    fetched = bridge._fetch
+
+    def slow_fetch(r):
+        assert release.wait(10)
+        return fetched(r)
+
+    bridge._connector.reads_remotely = lambda r: r is ref  # (as made on another host)
+    bridge._fetch = slow_fetch
+    far, near = _open(bridge, "far"), _open(bridge, "near")
+    bridge._on_message(deltas("far", (0, "h")))
+    bridge._on_message(OutputReady("far", 0, "text", ref, seq=0, after_text=(0, 1)))
+    bridge._on_message(RequestFinished("far", sent=1, request_actor="ra"))
+    bridge._on_message(deltas("near", (0, "ok")))  # (the receiver is not held up)
+    bridge._on_message(RequestFinished("near", request_actor="rb"))
+    assert seen(near) == ["ok", "done"]
+    assert seen(far) == ["h"]  # its end waits for its output
+    release.set()
+    deadline = time.monotonic() + 5
+    while len(far) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen(far) == ["h", ("final", "hi"), "done"]
+    bridge._fetcher.shutdown(wait=True)

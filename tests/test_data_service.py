@@ -527,9 +527,10 @@ def test_a_frozen_service_fails_gets_and_releases_within_their_timeouts(prefix, 
         assert reader.get(ref)["x"][-1] == 99_999  # (a connection to it is open now)
         tried, real = [], socket.create_connection
 
-        def connect(address, *args, **kwargs):
-            tried.append(address)
-            return real(address, *args, **kwargs)
+        def connect(to, *args, **kwargs):
+            if f"{to[0]}:{to[1]}" == address:  # (not another test's service: a release retried, say)
+                tried.append(to)
+            return real(to, *args, **kwargs)
 
         monkeypatch.setattr(data_client.socket, "create_connection", connect)
         os.kill(proc.pid, signal.SIGSTOP)
@@ -564,3 +565,32 @@ def test_a_frozen_service_fails_gets_and_releases_within_their_timeouts(prefix, 
     finally:
         ds.close_connections()
         stop_process(proc)
+
+
+def test_a_release_that_finds_its_service_down_is_tried_again_once_it_answers(prefix):
+    """Trial CG froze a member for a few seconds: the releases sent meanwhile failed and were
+    dropped, and its buffers stayed for the reaper's 15 minutes. A failed remote release is
+    kept and tried again (here: a service restarted on the same port)."""
+    from omni_actors.connectors import _unreleased, data_client, unreleased
+
+    svc = DataService("127.0.0.1", 0, prefix, node="far").start()
+    address, port = svc.address, ds.parse_address(svc.address)[1]
+    refs = [producer(prefix, address).put({"x": np.full(100, i)}) for i in range(3)]
+    svc.stop()  # (down: refused)
+    try:
+        consumer().release(refs[0])
+        release_all(refs[1:])
+        assert unreleased().get(address) == 3
+        assert len(list_segments(prefix)) == 3
+        _unreleased.retry()  # (still down: kept)
+        assert unreleased().get(address) == 3
+        with DataService("127.0.0.1", port, prefix, node="far"):
+            data_client._down.pop(address, None)  # (its down mark, seconds long, has passed)
+            deadline = time.monotonic() + 10  # (the retry thread's next round, every second)
+            while unreleased().get(address) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert unreleased().get(address) is None
+            assert list_segments(prefix) == []
+    finally:
+        ds.close_connections()
+        release_all(refs)

@@ -1164,6 +1164,10 @@ def test_every_api_request_gets_one_access_log_line_with_its_status():
     # the id is always ours (clients' ids may collide): a refused request's too (a trial found the
     # client's id as request_id for a 404, and ours for a 200)
     assert lines[2]["request_id"].startswith("req-") and lines[2]["request_id"] == refused_id
+    # from 400 up, the message the client got (trial CG: a stream failed after its 200 header was
+    # logged with no reason, and its request_finished said "error": null)
+    assert lines[0]["error"] is None and "messages" in lines[1]["error"] and "nope" in lines[2]["error"]
+    assert lines[3]["error"] and lines[4]["error"] and lines[5]["error"], lines
 
 
 def test_a_run_cancelled_while_it_cancels_its_request_still_closes_its_events():

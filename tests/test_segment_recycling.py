@@ -148,13 +148,13 @@ def test_the_bridge_copies_outputs_before_recycling_their_segment(prefix):
     bridge._deliver = lambda request_id, event: events.append((request_id, event))
     audio = np.arange(100_000, dtype=np.float32)
     ref = bridge._connector.put({"audio": audio})
-    data = bridge._take(OutputReady("r1", 2, "audio", ref), "final output")
+    data = bridge._take(OutputReady("r1", 2, "audio", ref))
     assert list_segments(prefix) == [] and len(list_free_segments(prefix)) == 1  # recycled
     bridge._connector.put({"audio": np.zeros(100_000, dtype=np.float32)})  # another request's output
     np.testing.assert_array_equal(data["audio"], audio)
     assert events == []
     # A ref that is gone: the request fails with a 500 that says so.
-    assert bridge._take(OutputReady("r2", 2, "audio", ref), "final output") is None
+    assert bridge._take(OutputReady("r2", 2, "audio", ref)) is None
     assert events[0][0] == "r2" and isinstance(events[0][1], RequestFailed) and events[0][1].status == 500
     assert bridge._outboxes[0].get_nowait() == ("cancel", "r2")  # (its pipeline is cancelled)
 

@@ -45,6 +45,8 @@ _CREATED: web.AppKey[int] = web.AppKey("created", int)
 _MAX_BODY: web.AppKey[int] = web.AppKey("max_body_bytes", int)
 _STOPPING: web.AppKey[Any] = web.AppKey("stopping", object)
 _RID: web.RequestKey[str] = web.RequestKey("request_id", str)
+#: the message of the error a request was answered with, or that ended its stream (logged)
+_ERROR: web.RequestKey[str] = web.RequestKey("error_message", str)
 # Only /health and /ready (which names stages, nothing more) are open. /metrics needs the
 # key when one is set: it shows pids, nodes, devices, failure reasons and traffic volume,
 # and Prometheus sends a bearer token per scrape job (``authorization: {credentials: ...}``),
@@ -257,6 +259,7 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
     else:
         msg = exc.text or exc.reason
     etype = _HTTP_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    request[_ERROR] = msg
     headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
     return _error(P.ApiError(status, msg, etype), headers)
 
@@ -272,7 +275,8 @@ async def request_id_middleware(request: web.Request, handler: _Handler) -> web.
     Also the access log: one ``http_request`` event per request (every POST; a GET only
     when it fails: monitors poll them) with ``method``, ``path``, ``status`` (a stream's
     outcome when it failed after its 200 header; 499: the client left), ``duration_ms``,
-    ``request_id`` and the client's ``client_request_id``; a warning for a 5xx. (A trial
+    ``request_id``, the client's ``client_request_id`` and, from 400 up, ``error`` (the
+    message the client got); a warning for a 5xx. (A trial
     found 400s, 404s, 429s and 503s in no log, and ``request_finished`` without a status.)"""
     incoming = request.headers.get("X-Request-Id", "")
     request[_RID] = f"req-{uuid.uuid4().hex}"
@@ -297,7 +301,7 @@ async def request_id_middleware(request: web.Request, handler: _Handler) -> web.
             (_log().warning if status >= 500 else _log().info)(
                 "http_request", method=request.method, path=request.path, status=status,
                 duration_ms=round((time.perf_counter() - t0) * 1000, 2), request_id=request[_RID],
-                client_request_id=incoming[:128] or None)
+                client_request_id=incoming[:128] or None, error=request.get(_ERROR) if status >= 400 else None)
 
 
 class _Stopping:
@@ -344,6 +348,7 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
     try:
         return await handler(request)
     except P.ApiError as e:
+        request[_ERROR] = e.message
         return _error(e)
     except web.HTTPException as e:
         if e.status < 400:
@@ -649,6 +654,7 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                     done = ev
                 elif isinstance(ev, RequestFailed):
                     M.set_outcome(request, ev.status)  # the 200 is sent; count the failure
+                    request[_ERROR] = ev.message
                     await send(P.error_body(ev.message, ev.type, code=ev.code))
             if done is not None:
                 if audio is not None:
@@ -672,6 +678,7 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                 _log().exception("http_stream_error", request_id=rid)
                 err = P.ApiError(500, "The server had an error while streaming.", "server_error")
             M.set_outcome(request, err.status)
+            request[_ERROR] = err.message
             await send(err.body())
     await write(b"data: [DONE]\n\n")
     await _send_within(request, resp.write_eof(), limit_s, "stream")

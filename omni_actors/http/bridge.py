@@ -14,7 +14,10 @@ threads, each owning its own ``private()`` context:
   ``request_id`` and is handed to the event loop with
   ``loop.call_soon_threadsafe``. Final outputs are fetched from their
   connector and released on this thread, so a buffer is freed even when the
-  client has gone.
+  client has gone; those on another host, from its data service, on a
+  **fetch** thread (:data:`FETCH_THREADS`), the request's later messages held
+  until it is in: a member whose process was frozen held each fetch for
+  10 s, and every other request, ``/ready`` too, waited behind it (trial CG).
 
 A request's messages come from two senders: its RequestActor (audio parts,
 final outputs, the end) and the replica of its final text stage (text
@@ -49,6 +52,7 @@ RequestActors.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import queue
@@ -103,6 +107,9 @@ TEXT_GAP_CHECK_S = 0.25
 #: Seconds the receiver thread waits for a data service taken for down to answer a probe, once
 #: per time it is taken for down, before it fetches an output made there (see ActorBridge._take).
 DATA_SERVICE_PROBE_S = 1.0
+#: Threads that fetch outputs from other hosts' data services (and send releases there):
+#: each may wait a data service's timeouts (10 s a get, from a host frozen or cut off).
+FETCH_THREADS = 8
 #: The coordinator's publications (routes, status) the bridge says it has, every this many
 #: (:class:`PublicationsReceived`: half the coordinator's ``SUBSCRIBER_BACKLOG``).
 PUBLICATIONS_ACK_EVERY = 4
@@ -152,6 +159,8 @@ class _Inbox:
     #: (monotonic) since when its end has waited for text deltas that have not come (see
     #: ``ActorBridge.check_text_gaps``); None: it does not wait for any
     gap_since: float | None = None
+    #: an output is being fetched from another host on a fetch thread: what follows waits
+    fetching: bool = False
 
     def after(self, after_text: tuple[int, int] | None) -> bool:
         """Whether the text deltas a message must follow are all delivered."""
@@ -219,6 +228,10 @@ class ActorBridge(RequestActorKeeping):
         self._queries: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
         self._connector = make_connector()
+        #: held by the receiver thread for each message it handles, and by a fetch thread while it
+        #: delivers what it fetched: the inboxes (``_inbox``, ``_ended``) are theirs alone
+        self._boxes_lock = threading.RLock()
+        self._fetcher = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="bridge-fetch")
         self._stop = threading.Event()
         self._log = get_logger(actor="bridge")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -286,6 +299,7 @@ class ActorBridge(RequestActorKeeping):
         for t in (*self._senders, getattr(self, "_receiver", None)):
             if t is not None:
                 t.join(timeout=3)
+        self._fetcher.shutdown(wait=False, cancel_futures=True)  # (one may wait out a frozen host's timeout)
 
     def _outbox(self, request_id: str | None = None) -> queue.SimpleQueue:
         """The queue of the sender thread that owns ``request_id`` (None: any, the first)."""
@@ -568,14 +582,15 @@ class ActorBridge(RequestActorKeeping):
                     # (held up: what came meanwhile is still queued, unread; see _tick)
                     self._receiver_stalled_s += now - self._receiver_turn_at
                 self._receiver_turn_at = now
-                if msg is not None:
-                    try:
-                        self._on_message(msg)
-                    except Exception:  # noqa: BLE001 - one message, not every request after it
-                        self._log.exception("bridge_message_failed", message=type(msg).__name__)
-                else:
-                    self._quiet_at = time.monotonic()
-                self.check_text_gaps()
+                with self._boxes_lock:
+                    if msg is not None:
+                        try:
+                            self._on_message(msg)
+                        except Exception:  # noqa: BLE001 - one message, not every request after it
+                            self._log.exception("bridge_message_failed", message=type(msg).__name__)
+                    else:
+                        self._quiet_at = time.monotonic()
+                    self.check_text_gaps()
 
     async def inbound_settled(self, timeout_s: float = 2 * RECEIVE_LISTEN_S + 0.2) -> bool:
         """Wait until the receiver has read everything that had come (a whole listen of
@@ -630,7 +645,8 @@ class ActorBridge(RequestActorKeeping):
                 self._loop.call_soon_threadsafe(self._closing_begins, msg.request_id)
             box = self._inbox.get(msg.request_id)
             live = msg.request_id in self._streams and msg.request_id not in self._ended
-            if live and msg.error is None and ((box.seq if box else 0) < msg.sent or msg.after_text is not None):
+            if live and msg.error is None and ((box.seq if box else 0) < msg.sent or msg.after_text is not None
+                                               or (box is not None and box.fetching)):
                 box = box or self._inbox.setdefault(msg.request_id, _Inbox())
                 box.finished = msg  # (ends now if nothing is on its way)
                 self._pump(box)
@@ -679,12 +695,14 @@ class ActorBridge(RequestActorKeeping):
         return self._inbox.setdefault(request_id, _Inbox())
 
     def _pump(self, box: _Inbox) -> None:
-        """Deliver a request's RequestActor messages whose turn came, then its end."""
-        while box.seq in box.early and box.after(getattr(box.early[box.seq], "after_text", None)):
-            self._output(box.early.pop(box.seq))
+        """Deliver a request's RequestActor messages whose turn came, then its end
+        (none while an output of it is being fetched from another host)."""
+        while not box.fetching and box.seq in box.early \
+                and box.after(getattr(box.early[box.seq], "after_text", None)):
+            self._output(box.early.pop(box.seq), box)
             box.seq += 1
         done = box.finished
-        if done is not None and box.seq >= done.sent and box.after(done.after_text):
+        if done is not None and not box.fetching and box.seq >= done.sent and box.after(done.after_text):
             self._end(done)
 
     def check_text_gaps(self, now: float | None = None) -> None:
@@ -764,11 +782,36 @@ class ActorBridge(RequestActorKeeping):
         except (AttributeError, KeyError):
             return str(stage_id)
 
-    def _output(self, msg: OutputChunk | OutputReady) -> None:
-        """Deliver one RequestActor output of a request, in order."""
-        data = self._take(msg, "streamed output" if isinstance(msg, OutputChunk) else "final output")
-        if data is None:
+    def _output(self, msg: OutputChunk | OutputReady, box: _Inbox) -> None:
+        """Deliver one RequestActor output of a request, in order: fetched here, or, from
+        another host, on a fetch thread (``box.fetching`` until it is delivered)."""
+        if self._connector.reads_remotely(msg.ref):
+            box.fetching = True
+            self._fetcher.submit(self._fetch_output, msg, box)
             return
+        data = self._take(msg)
+        if data is not None:
+            self._deliver_output(msg, data)
+
+    def _fetch_output(self, msg: OutputChunk | OutputReady, box: _Inbox) -> None:
+        """Fetch thread: ``msg``'s output from its host's data service, then, under the
+        receiver's lock, deliver it and what waited behind it (dropped if the request
+        ended meanwhile: its client went, or it failed)."""
+        try:
+            data, failure = self._fetch(msg.ref), None
+        except Exception as exc:  # noqa: BLE001 - told to the client, as on the receiver thread
+            data, failure = None, exc
+        with self._boxes_lock:
+            box.fetching = False
+            if self._inbox.get(msg.request_id) is not box or msg.request_id in self._ended:
+                return
+            if failure is not None:
+                self._lost(msg, failure)
+                return
+            self._deliver_output(msg, data)
+            self._pump(box)
+
+    def _deliver_output(self, msg: OutputChunk | OutputReady, data: dict[str, Any]) -> None:
         missing = [k for k in _FINAL_KEYS.get(msg.output_type, ()) if k not in data]
         if missing:  # (a trial's `final_output_type: text` on a stage making prior tokens: a KeyError, a bare 500)
             self._fail_here(msg.request_id, RequestFailed(
@@ -781,7 +824,9 @@ class ActorBridge(RequestActorKeeping):
 
     def _drop(self, msg: OutputChunk | OutputReady) -> None:
         ref = getattr(msg, "ref", None)
-        if ref is not None:
+        if ref is not None and self._connector.reads_remotely(ref):
+            self._fetcher.submit(self._connector.release, ref)  # (a frozen host holds it seconds)
+        elif ref is not None:
             self._connector.release(ref)
 
     def _actor_free(self, request_id: str, actor: Any) -> None:
@@ -817,26 +862,35 @@ class ActorBridge(RequestActorKeeping):
                                   output_sent=msg.output_sent, code=code)
         self._deliver(msg.request_id, event)
 
-    def _take(self, msg: OutputChunk | OutputReady, what: str) -> dict[str, Any] | None:
+    def _take(self, msg: OutputChunk | OutputReady) -> dict[str, Any] | None:
         """Fetch ``msg.ref`` and release it (the bridge owns it): ``take`` copies what it
         would map in place, so the segment can be recycled while the event is still
         to be encoded. On failure (the ref is unlinked) the request fails with a 500
         that says what was lost, and None is returned."""
-        if msg.ref.service and self._node_alive(msg.ref):
-            # Taken for down after it timed out (its host frozen), it is asked once whether it answers
-            # now (at most 1 s, on this thread), and tried if so (trial CD: the rerun of a request, made
-            # on the member just resumed, failed with a 500 "not tried again for 2.3 s"). (Not what the
-            # coordinator says of its data service: that is published only with other changes.)
-            probe_down(msg.ref.service, DATA_SERVICE_PROBE_S)
         try:
-            return self._connector.take(msg.ref)
+            return self._fetch(msg.ref)
         except Exception as exc:  # noqa: BLE001
-            lost = isinstance(exc, DataServiceError)
-            # (the host by name: the service's address alone left a client to guess which one)
-            where = f" (made on node {msg.ref.node})" if lost and msg.ref.node else ""
-            self._fail_here(msg.request_id, RequestFailed(500, f"{what} lost{where}: {exc}", lost_output=lost,
-                                                          lost_on=(msg.ref.node or msg.ref.service) if lost else None))
+            self._lost(msg, exc)
             return None
+
+    def _fetch(self, ref) -> dict[str, Any]:
+        """``ref``'s outputs, taken (:meth:`NodeConnector.take`). Raises as that does."""
+        if ref.service and self._node_alive(ref):
+            # Taken for down after it timed out (its host frozen), it is asked once whether it answers
+            # now (at most 1 s), and tried if so (trial CD: the rerun of a request, made on the member
+            # just resumed, failed with a 500 "not tried again for 2.3 s"). (Not what the coordinator
+            # says of its data service: that is published only with other changes.)
+            probe_down(ref.service, DATA_SERVICE_PROBE_S)
+        return self._connector.take(ref)
+
+    def _lost(self, msg: OutputChunk | OutputReady, exc: Exception) -> None:
+        """The request fails with a 500 that says which of its outputs was lost, and where."""
+        what = "streamed output" if isinstance(msg, OutputChunk) else "final output"
+        lost = isinstance(exc, DataServiceError)
+        # (the host by name: the service's address alone left a client to guess which one)
+        where = f" (made on node {msg.ref.node})" if lost and msg.ref.node else ""
+        self._fail_here(msg.request_id, RequestFailed(500, f"{what} lost{where}: {exc}", lost_output=lost,
+                                                      lost_on=(msg.ref.node or msg.ref.service) if lost else None))
 
     def _node_alive(self, ref) -> bool:
         """Whether the coordinator's last published status has ``ref``'s node alive (a lost
