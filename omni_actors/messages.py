@@ -216,6 +216,16 @@ class ReleasePlacement(Message):
 
 
 @dataclass(frozen=True)
+class DataServicesSilent(Message):
+    """Coordinator -> pools: the nodes whose data service does not answer now (their host
+    process frozen or hung: what replicas there make cannot be fetched from other hosts);
+    a pool sends new tasks to replicas elsewhere while any is ready. Sent whenever the set
+    changes, and to a new pool."""
+
+    nodes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class NodesChanged(Message):
     """Coordinator -> pools: a node joined or came back, or devices kept for other stages
     may be free now (a refused pool's); retry pending placements."""

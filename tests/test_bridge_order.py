@@ -169,6 +169,9 @@ def test_a_rerun_waits_until_the_host_that_lost_its_output_is_reported_down():
         bridge._published = SystemStatus("subscription", "m", True, (), nodes=(node,))
 
     async def main():
+        node = NodeStatus("m1", True, ("0",), {}, (), (), data_service="127.0.0.1:4100", data_service_silent_s=4.0)
+        bridge._published = SystemStatus("subscription", "m", True, (), nodes=(node,))
+        assert await bridge.wait_node_down("m1", 5.0) is True  # (its data service silent: tasks go elsewhere)
         publish(True)
         assert await bridge.wait_node_down("m1", 0.1) is False  # still up: the wait ends at its timeout
         asyncio.get_running_loop().call_later(0.1, publish, False)

@@ -1092,6 +1092,55 @@ def _pool_with_one_replica():
     return pool, rep
 
 
+def test_a_pool_sends_new_tasks_past_replicas_whose_nodes_data_service_is_silent():
+    """Trial CG froze a member's process (its data service with it): new requests kept going to
+    its replicas, and each waited out the API server's 10 s fetch of their output, or failed.
+    The coordinator tells the pools which nodes' data services are silent; a replica there gets
+    a task only while no other is ready. It tells them again when the set changes."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.balancing import POLICIES
+    from omni_actors.messages import DataServicesSilent, NodeHeartbeat, ReplicaState, StageTask
+    from omni_actors.placement import NodeInfo
+
+    pool, frozen = _pool_with_one_replica()
+    pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=1, name="talker"), supervision=SimpleNamespace(
+        max_task_crashes=3, max_task_attempts=5, queue_timeout_s=0.0))
+    pool._policy = POLICIES["least_loaded"]
+    frozen.state, frozen.node = ReplicaState.READY, "m2"
+    other = pool._replicas["thinker/1"] = Replica("thinker/1", "engine-1", state=ReplicaState.READY, node="m1")
+    other.in_flight = {(f"busy{i}", 1): (None, 0.0) for i in range(5)}  # (the least loaded: the frozen node's)
+    for r in (frozen, other):
+        r.health = SimpleNamespace(on_dispatch=lambda *a, **k: None)
+
+    def route(rid: str) -> str:
+        pool._route(StageTask(rid, 1, "hi", (), {}, {}, "audio", False, f"ra-{rid}"))
+        return pool.sent[-1][0]
+
+    assert route("r1") == "engine-address"
+    pool.receiveMsg_DataServicesSilent(DataServicesSilent(("m2",)), "coordinator")
+    assert route("r2") == "engine-1"
+    other.state = ReplicaState.DEAD  # (with none other ready, it still takes them)
+    assert route("r3") == "engine-address"
+
+    co = CoordinatorActor()
+    co.sent = []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co._publish_status = lambda: None
+    co._pools = {1: "talker-pool"}
+    for name in ("m1", "m2"):
+        co._inventory.add(NodeInfo(name, ("0",), ()))
+    co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m2", data_service_silent_s=4.0), "agent-m2")
+    assert ("talker-pool", DataServicesSilent(("m2",))) in co.sent
+    co.sent.clear()
+    co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1"), "agent-m1")
+    assert not any(isinstance(m, DataServicesSilent) for _, m in co.sent)  # (no change: nothing sent)
+    co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m2"), "agent-m2")
+    assert ("talker-pool", DataServicesSilent(())) in co.sent
+
+
 def test_a_pool_confirms_the_cancel_of_a_task_still_in_its_queue():
     """A cancelled task that never left the pool's queue is dropped and its cancel
     confirmed to the RequestActor at once (no engine will); one in flight is passed on."""

@@ -33,7 +33,7 @@ from omni_actors.actors.supervision import (POOL_HUNG_INTERVALS, TICK_LOST_AFTER
 from omni_actors.connectors import buffer_counts, data_service, default_prefix
 from omni_actors.logs import get_logger
 from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, ApiServerDrained, ApiServersDrained,
-                                  Deploy, DrainApiServers, DrainNode, DrainReplica, GetRoutes, NoRequestsInFlight,
+                                  DataServicesSilent, Deploy, DrainApiServers, DrainNode, DrainReplica, GetRoutes, NoRequestsInFlight,
                                   GetStatus, InjectFault, LaunchReplicas, NodeHeartbeat, NodeLeaving,
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, NOT_DEPLOYED, PlaceReplica,
                                   Placement, PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,
@@ -132,6 +132,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         #: pools refused a placement because the free devices were kept for stages with no replica
         #: running (:class:`~omni_actors.placement.KeptForOthers`): told to retry when that may have changed
         self._kept_from: set = set()
+        self._silent_sent: tuple[str, ...] = ()  #: the nodes last sent to the pools as DataServicesSilent
         #: node -> a member that registered under its name while another ran as it (taken if that one goes)
         self._waiting_members: dict[str, NodeInfo] = {}
         #: ``(time.monotonic(), stage, node, devices)`` of pinned launches whose replicas have not asked yet
@@ -234,6 +235,9 @@ class CoordinatorActor(ActorTypeDispatcher):
                                   next_index=getattr(self._reported.get(stage.stage_id), "next_index", 0),
                                   coordinator_pid=os.getpid(), coordinator_host=socket.gethostname(),
                                   **({"recreated_why": why} if why else {})))
+        silent = self._silent_data_services()
+        if silent.nodes:
+            self.send(pool, silent)
 
     def _layout(self, stage_id: int) -> tuple[tuple[str, tuple, tuple[float, ...], tuple, str, bool, tuple], ...] | None:
         """``(replica id, pin, restart times, counters, failed, ran, was on)`` of each replica the stage's pool last
@@ -747,11 +751,24 @@ class CoordinatorActor(ActorTypeDispatcher):
         if node is not None:
             node.data_service, node.buffers = msg.data_service, msg.buffers
             node.free_buffers, node.free_bytes = msg.free_buffers, msg.free_bytes
-            if bool(msg.data_service_silent_s) != bool(node.data_service_silent_s):
+            flipped = bool(msg.data_service_silent_s) != bool(node.data_service_silent_s)
+            if flipped:
                 (self._log.warning if msg.data_service_silent_s else self._log.info)(
                     "node_data_service_silent" if msg.data_service_silent_s else "node_data_service_answers",
                     node=msg.node, silent_s=msg.data_service_silent_s)
             node.data_service_silent_s = msg.data_service_silent_s
+            if flipped:
+                self._publish_status()  # (an API server about to run a request again waits for this)
+        silent = self._silent_data_services()
+        if silent.nodes != self._silent_sent:  # (also a silent node lost, or back)
+            self._silent_sent = silent.nodes
+            for pool in self._pools.values():
+                self.send(pool, silent)
+
+    def _silent_data_services(self) -> DataServicesSilent:
+        """The live nodes whose data service does not answer now (their node agents' heartbeats say)."""
+        return DataServicesSilent(tuple(sorted(n.info.name for n in self._inventory.nodes.values()
+                                               if n.alive and n.data_service_silent_s)))
 
     def receiveMsg_PlaceReplica(self, msg: PlaceReplica, sender):
         self._asks[msg.replica] = msg

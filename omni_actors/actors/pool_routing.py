@@ -163,6 +163,7 @@ class PoolRoutingMixin:
             return
         takers = self._takers(task)
         ready = [r for r in takers if r.replica not in task.exclude] or takers
+        ready = [r for r in ready if r.node not in self._silent_nodes] or ready  # (see DataServicesSilent)
         chosen = self._policy([ReplicaLoad(r.replica, len(r.in_flight), r.last_dispatch) for r in ready])
         if chosen is None:
             wait_s = self._spec.supervision.queue_timeout_s

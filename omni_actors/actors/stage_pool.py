@@ -46,7 +46,8 @@ from omni_actors.balancing import POLICIES
 from omni_actors.logs import get_logger
 from omni_actors.placement import LEAVING, LEFT_REASON
 from omni_actors.system.processes import process_ipc_dir, release_ipc_dir
-from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, DrainReplica, EngineFailed, EngineReady,
+from omni_actors.messages import (LATENCY_BUCKETS_S, LIVE_STATES, PLACING, DataServicesSilent, DrainReplica,
+                                  EngineFailed, EngineReady,
                                   Heartbeat, HeartbeatAck, PlannedStop, PlannedStopNoted, PoolState, ReleasePlacement,
                                   ReplicaState, ReplicaStatus, StageTask, StartPool, replica_index)
 
@@ -154,6 +155,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         self._hold_until = 0.0  # the backlog kept for replicas still starting goes out by then
         self._next_index = 0
         self._pins: dict[str, tuple[str, tuple[str, ...]]] = {}  # replica -> (node, devices) it is pinned to
+        self._silent_nodes: frozenset[str] = frozenset()  # (DataServicesSilent: avoided while others serve)
         self._last_ack = time.monotonic()
         self._orphaned = False
         self._planned_stop = False  # (PlannedStop: the system stops; replicas exiting now are not failures)
@@ -167,6 +169,14 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         self._log = get_logger(actor="pool")
 
     # -- set-up -----------------------------------------------------------
+    def receiveMsg_DataServicesSilent(self, msg: DataServicesSilent, sender):
+        """Replicas on these nodes get new tasks only when no other is ready (trial CG: with a
+        member's process frozen, new requests went on to its replicas, and each waited out
+        the API server's 10 s fetch of the output, or failed)."""
+        if frozenset(msg.nodes) != self._silent_nodes:
+            self._log.info("data_services_silent", nodes=sorted(msg.nodes))
+        self._silent_nodes = frozenset(msg.nodes)
+
     def receiveMsg_StartPool(self, msg: StartPool, sender):
         if self._spec is not None:
             return

@@ -942,12 +942,14 @@ class ActorBridge(RequestActorKeeping):
 
     async def wait_node_down(self, node: str, timeout_s: float) -> bool:
         """See :meth:`omni_actors.http.types.Bridge.wait_node_down`: watches the status the
-        coordinator publishes on every change (a node lost, left)."""
+        coordinator publishes on every change (a node lost, left, its data service silent:
+        its pools then send new tasks elsewhere, trial CG's reruns waited 5 s for a member
+        frozen, which its node agent had reported)."""
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
             published = self._published
-            if published is not None and any(not n.alive and node in (n.name, n.data_service)
-                                             for n in published.nodes):
+            if published is not None and any((not n.alive or n.data_service_silent_s)
+                                             and node in (n.name, n.data_service) for n in published.nodes):
                 return True
             if asyncio.get_running_loop().time() >= deadline:
                 return False

@@ -155,5 +155,6 @@ class Bridge(Protocol):
 
     async def wait_node_down(self, node: str, timeout_s: float) -> bool:
         """Wait until the coordinator reports ``node`` (a node name or data service
-        address) down, at most ``timeout_s``; whether it did (False: still up, or unknown)."""
+        address) down, or its data service silent (new tasks then go elsewhere), at most
+        ``timeout_s``; whether it did (False: still up, or unknown)."""
         ...
