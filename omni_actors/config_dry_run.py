@@ -106,12 +106,16 @@ async def _run(cfg: PipelineConfig) -> None:
                      if upstream else "the prompt")
 
         def process(up: dict, _p=processor, _name=name, _what=from_what, _i=i) -> dict:
+            path = f"stage_args[{_i}].custom_process_input_func" if func else f"stage_args[{_i}]"
             try:
-                return _p(up, DRY_RUN_PROMPT, dict(DRY_RUN_PARAMS))
+                made = _p(up, DRY_RUN_PROMPT, dict(DRY_RUN_PARAMS))
             except Exception as exc:  # noqa: BLE001 - what any request through it would meet
-                path = f"stage_args[{_i}].custom_process_input_func" if func else f"stage_args[{_i}]"
                 raise _Failure(path, f"{_name} fails on {_what}, as it would for every request through "
                                      f"stage {s.name}: {type(exc).__name__}: {exc}") from None
+            if not isinstance(made, dict):
+                raise _Failure(path, f"{_name} returns {type(made).__name__} on {_what}, not a dict (the stage's "
+                                     "engine input)")
+            return made
 
         if src is not None:
             pieces = [process({src: c}) for c in chunks.get(src, [])]

@@ -70,3 +70,12 @@ def test_stages_after_a_real_engine_are_not_run():
     assert _problem(data) is None
     del data["deployment"]["stages"]["talker"]["backend"]
     assert _problem(data) is not None
+
+
+def test_a_processor_that_returns_no_dict_is_named(tmp_path, monkeypatch):
+    (tmp_path / "list_processor.py").write_text("def f(upstream, prompt, params):\n    return []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = _demo(streaming=False)
+    data["stage_args"][1]["custom_process_input_func"] = "list_processor.f"
+    assert _problem(data) == ("c.yaml: stage_args[1].custom_process_input_func: list_processor.f returns list on "
+                              "the outputs of stage(s) [0] (thinker), not a dict (the stage's engine input)")

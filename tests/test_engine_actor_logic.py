@@ -1141,6 +1141,28 @@ def test_a_pool_sends_new_tasks_past_replicas_whose_nodes_data_service_is_silent
     assert ("talker-pool", DataServicesSilent(())) in co.sent
 
 
+def test_a_processor_that_returns_no_dict_is_the_pipelines_fault_naming_it():
+    """A processor's `[]` reached the engine, whose error was about missing fields (or a
+    TypeError): it is a StageInputError (a 500 naming the processor) before the engine."""
+    from types import SimpleNamespace
+
+    import pytest as _pytest
+
+    from omni_actors.actors.engine import EngineActor
+    from omni_actors.engines.base import StageInputError
+    from omni_actors.messages import StageTask
+
+    actor = EngineActor()
+    actor._started.set()  # (ends its orphan watchdog thread)
+    actor._spec = SimpleNamespace(stage=SimpleNamespace(custom_process_input_func="mine.to_talker"))
+    actor._processor = lambda upstream, prompt, params: []
+    task = StageTask("r1", 1, "hi", (), {}, {}, "audio", False, "ra")
+    with _pytest.raises(StageInputError, match=r"^mine.to_talker returned list, not a dict"):
+        actor._process_input({0: {"text": "x"}}, task)
+    actor._processor = lambda upstream, prompt, params: {"token_ids": [1]}
+    assert actor._process_input({0: {"text": "x"}}, task) == {"token_ids": [1]}
+
+
 def test_a_pool_confirms_the_cancel_of_a_task_still_in_its_queue():
     """A cancelled task that never left the pool's queue is dropped and its cancel
     confirmed to the RequestActor at once (no engine will); one in flight is passed on."""
