@@ -643,7 +643,7 @@ def parse_config(data: Any, source: str = "<memory>",
         ours = dict(deployment.get("stages") or {})
         for name, n in counts.items():
             entry = ours.get(name, {})
-            ours[name] = {"replicas": n, **entry} if isinstance(entry, dict) else entry
+            ours[name] = {**entry, "replicas": n} if isinstance(entry, dict) else entry  # (entry: with defaults)
         deployment = {**deployment, "stages": ours}
     cfg = _convert({"stage_args": data["stage_args"], "deployment": deployment}, PipelineConfig, source)
     cfg.source = source

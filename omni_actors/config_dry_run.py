@@ -6,10 +6,16 @@ Talker given the ``dit`` kind read ``prior_token_ids`` that no Thinker makes; ea
 audio request was a 500, and check-config had said ok). Which fields a processor
 makes and a kind reads is only known by running them, so ``check-config`` and
 ``start`` run them: every synthetic stage whose sources are synthetic too, in graph
-order, at zero cost (the cost model's sleeps off), on :data:`DRY_RUN_PROMPT` with
-:data:`DRY_RUN_MAX_TOKENS` text tokens, the stage's processor on its sources' outputs
-as a replica runs it (on each chunk, for an edge that streams). Stages of other
-backends, and those downstream of them, are not run (their outputs need their engines).
+order, at zero cost (the cost model's sleeps off), on :data:`DRY_RUN_PROMPT` (as a
+chat's one user message renders it, for a pipeline with text or audio outputs; as an
+image request's prompt otherwise) with :data:`DRY_RUN_MAX_TOKENS` text tokens, the
+stage's processor on its sources' outputs as a replica runs it (on each chunk, for an
+edge that streams). A config is refused when a processor fails on the stages' outputs
+(or returns no dict) or a stage's engine cannot take what its processor made
+(:class:`~omni_actors.engines.base.StageInputError`); an engine that refuses the
+request itself (a context too small for the prompt: the client's 400) stops the run
+there, with no verdict. Stages of other backends, and those downstream of them, are not
+run (their outputs need their engines).
 """
 
 from __future__ import annotations
@@ -23,8 +29,8 @@ from omni_actors.config import ConfigError, PipelineConfig
 
 __all__ = ["DRY_RUN_MAX_TOKENS", "DRY_RUN_PROMPT", "dry_run_problem"]
 
-#: The dry run's prompt (a chat's rendered text would do as well: the synthetic
-#: stages read words).
+#: The dry run's prompt: a chat's one user message (rendered as the API renders it), or an
+#: image request's prompt.
 DRY_RUN_PROMPT = "Describe the sea in one short sentence."
 #: Text tokens the dry run asks of its final text stages (the client's ``max_tokens``).
 DRY_RUN_MAX_TOKENS = 8
@@ -78,11 +84,14 @@ def _order(cfg: PipelineConfig) -> list:
 async def _run(cfg: PipelineConfig) -> None:
     from omni_actors.config_checks import resolve_processor
     from omni_actors.engines import stream_edges
-    from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal
+    from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal, StageInputError
+    from omni_actors.http.protocol import render_prompt
     from omni_actors.engines.synthetic import SyntheticEngine
     from omni_actors.processors import default_input
 
     streams = stream_edges(cfg)
+    chat = bool(cfg.output_types() & {"text", "audio"})
+    prompt = render_prompt([{"role": "user", "content": DRY_RUN_PROMPT}]) if chat else DRY_RUN_PROMPT
     finals: dict[int, dict[str, Any]] = {}  # stage id -> its outputs, for the stages that ran
     chunks: dict[int, list[dict[str, Any]]] = {}  # stage id -> the chunks it made
     for i, s in ((cfg.stage_args.index(s), s) for s in _order(cfg)):
@@ -108,7 +117,7 @@ async def _run(cfg: PipelineConfig) -> None:
         def process(up: dict, _p=processor, _name=name, _what=from_what, _i=i) -> dict:
             path = f"stage_args[{_i}].custom_process_input_func" if func else f"stage_args[{_i}]"
             try:
-                made = _p(up, DRY_RUN_PROMPT, dict(DRY_RUN_PARAMS))
+                made = _p(up, prompt, dict(DRY_RUN_PARAMS))
             except Exception as exc:  # noqa: BLE001 - what any request through it would meet
                 raise _Failure(path, f"{_name} fails on {_what}, as it would for every request through "
                                      f"stage {s.name}: {type(exc).__name__}: {exc}") from None
@@ -137,9 +146,11 @@ async def _run(cfg: PipelineConfig) -> None:
                     made.append(ev.outputs)
                 elif isinstance(ev, StageFinal):
                     final = ev
-        except Exception as exc:  # noqa: BLE001 - StageInputError and the like: every request's
+        except StageInputError as exc:  # (what the stage before makes: every request's)
             raise _Failure(kind_path, f"stage {s.name}'s synthetic `{kind}` engine cannot take what {name} "
                                       f"makes of {from_what}, as for every request through it: {exc}") from None
+        except Exception:  # noqa: BLE001 - the request's own (a context too small for this prompt): no verdict
+            final = None
         finally:
             await engine.shutdown()
         if final is not None:

@@ -419,4 +419,4 @@ def test_an_output_fetched_from_another_host_holds_up_only_its_own_request(bridg
     while len(far) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert seen(far) == ["h", ("final", "hi"), "done"]
-    bridge._fetcher.shutdown(wait=True)
+    bridge._fetcher.close()

@@ -922,12 +922,16 @@ def test_a_stages_runtime_num_replicas_is_its_replica_count_unless_the_deploymen
     def mutate(d: dict) -> None:
         d["stage_args"][0]["runtime"] = {"num_replicas": 3}
         d["stage_args"][1]["runtime"] = {"num_replicas": 5}  # (deployment: talker replicas 2)
+        d["stage_args"][2]["runtime"] = {"num_replicas": 4}  # (an entry without replicas: a review's)
+        d["deployment"]["stages"]["code2wav"] = {"synthetic": {"max_concurrency": 2}}
     cfg = load_config(write(tmp_path, variant(mutate)))
-    assert [cfg.deployment_of(s).replicas for s in cfg.stage_args] == [3, 2, 1]
+    assert [cfg.deployment_of(s).replicas for s in cfg.stage_args] == [3, 2, 4]
     assert cfg.deployment_of(cfg.stage(1)).synthetic.max_concurrency == 4  # (the rest of its entry kept)
+    assert cfg.deployment_of(cfg.stage(2)).synthetic.max_concurrency == 2
     assert cfg.omni_connectors.notes == [
         "stage_args[0].runtime.num_replicas (3): applied as deployment.stages.thinker.replicas",
-        "deployment.stages.talker.replicas (2) is used, not stage_args[1].runtime.num_replicas (5)"]
+        "deployment.stages.talker.replicas (2) is used, not stage_args[1].runtime.num_replicas (5)",
+        "stage_args[2].runtime.num_replicas (4): applied as deployment.stages.code2wav.replicas"]
     for bad in (0, "3", True, 2000):
         err = refused(tmp_path, variant(stage(0, runtime={"num_replicas": bad})))
         assert err.path == "stage_args[0].runtime.num_replicas" and "from 1 to 1024" in err.message, err

@@ -79,3 +79,26 @@ def test_a_processor_that_returns_no_dict_is_named(tmp_path, monkeypatch):
     data["stage_args"][1]["custom_process_input_func"] = "list_processor.f"
     assert _problem(data) == ("c.yaml: stage_args[1].custom_process_input_func: list_processor.f returns list on "
                               "the outputs of stage(s) [0] (thinker), not a dict (the stage's engine input)")
+
+
+def test_processors_get_the_prompt_as_a_chat_renders_it(tmp_path, monkeypatch):
+    """A review: a processor that reads the chat's `user: ...` line (every chat prompt has one)
+    was refused, the dry run's prompt being a bare sentence."""
+    (tmp_path / "chat_processor.py").write_text(
+        "from omni_actors.processors import thinker2talker\n"
+        "def f(upstream, prompt, params):\n"
+        "    [line] = [x for x in prompt.splitlines() if x.startswith('user: ')]\n"
+        "    return thinker2talker(upstream, prompt, params)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = _demo(streaming=False)
+    data["stage_args"][1]["custom_process_input_func"] = "chat_processor.f"
+    assert _problem(data) is None
+
+
+def test_an_engine_that_refuses_the_request_itself_gives_no_verdict():
+    """A review: an AR stage whose context holds its 256 prior tokens and a short prompt (260)
+    was refused for the dry run's prompt; what a stage refuses of a request is the client's
+    400, not the config's fault. Only a stage that cannot take its input is refused."""
+    data = yaml.safe_load((REPO / "configs" / "cpu_image_demo.yaml").read_text())
+    data["deployment"]["stages"]["ar"].setdefault("synthetic", {}).update(prior_grid=16, max_model_len=260)
+    assert _problem(data) is None

@@ -594,3 +594,21 @@ def test_a_release_that_finds_its_service_down_is_tried_again_once_it_answers(pr
     finally:
         ds.close_connections()
         release_all(refs)
+
+
+def test_a_service_taken_for_down_is_not_asked_on_a_connection_already_open(prefix, service):
+    """A review: each thread with an open connection to a frozen host waited out its own 10 s
+    after the first had timed out (the down mark was checked only for new connections)."""
+    from omni_actors.connectors import data_client
+
+    ref = producer(prefix, service.address).put({"x": np.arange(10)})
+    reader = consumer()
+    assert reader.get(ref)["x"].tolist() == list(range(10))  # (this thread's connection is open)
+    data_client._mark_down(service.address)
+    try:
+        with pytest.raises(ds.DataServiceError, match="not tried again"):
+            reader.get(ref)
+    finally:
+        data_client._down.pop(service.address, None)
+    assert reader.get(ref)["x"].tolist() == list(range(10))
+    release_all([ref])

@@ -136,13 +136,15 @@ def _connection(service: str, quick: bool = False) -> tuple[socket.socket, bool]
         for sock in _conns.by_service.values():
             sock.close()
         _conns.by_service, _conns.pid = {}, os.getpid()
+    down = _down.get(service)
+    if down is not None and time.monotonic() < down[0]:
+        # (before this thread's open connection too: a review saw each thread that had one wait out
+        # its own 10 s on a frozen host, after the first had timed out)
+        raise DataServiceError(f"data service {service} unreachable ({down[1]} time(s) in a row); "
+                               f"not tried again for {down[0] - time.monotonic():.1f} s")
     sock = _conns.by_service.get(service)
     if sock is not None:
         return sock, True
-    down = _down.get(service)
-    if down is not None and time.monotonic() < down[0]:
-        raise DataServiceError(f"data service {service} unreachable ({down[1]} time(s) in a row); "
-                               f"not tried again for {down[0] - time.monotonic():.1f} s")
     try:
         host, port = parse_address(service)
         sock = socket.create_connection((host, port),

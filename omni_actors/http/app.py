@@ -331,9 +331,11 @@ async def stopping_middleware(request: web.Request, handler: _Handler) -> web.St
     """See :func:`refuse_new_requests`."""
     stopping = request.app[_STOPPING]
     if stopping.set and request.path not in _WHILE_STOPPING:
-        resp = _error(P.ApiError(503, "The server is shutting down and takes no new requests; "
-                                 "send them to another server, or again once it is back.", "server_error",
-                                 code="service_unavailable"))
+        err = P.ApiError(503, "The server is shutting down and takes no new requests; "
+                         "send them to another server, or again once it is back.", "server_error",
+                         code="service_unavailable")
+        request[_ERROR] = err.message
+        resp = _error(err)
         resp.force_close()
         return resp
     resp = await handler(request)
@@ -359,6 +361,7 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
     except Exception:
         _log().exception("http_unhandled_error", method=request.method, path=request.path,
                          request_id=request.get(_RID))
+        request[_ERROR] = "The server had an error while processing your request. (http_unhandled_error)"
         return _error(P.ApiError(500, "The server had an error while processing your "
                                  "request.", "server_error"))
 

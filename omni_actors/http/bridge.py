@@ -17,7 +17,9 @@ threads, each owning its own ``private()`` context:
   client has gone; those on another host, from its data service, on a
   **fetch** thread (:data:`FETCH_THREADS`), the request's later messages held
   until it is in: a member whose process was frozen held each fetch for
-  10 s, and every other request, ``/ready`` too, waited behind it (trial CG).
+  10 s, and every other request, ``/ready`` too, waited behind it (trial CG);
+  each host has threads of its own, so that one frozen host holds up only
+  the outputs made there.
 
 A request's messages come from two senders: its RequestActor (audio parts,
 final outputs, the end) and the replica of its final text stage (text
@@ -52,7 +54,6 @@ RequestActors.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import itertools
 import queue
@@ -107,9 +108,9 @@ TEXT_GAP_CHECK_S = 0.25
 #: Seconds the receiver thread waits for a data service taken for down to answer a probe, once
 #: per time it is taken for down, before it fetches an output made there (see ActorBridge._take).
 DATA_SERVICE_PROBE_S = 1.0
-#: Threads that fetch outputs from other hosts' data services (and send releases there):
-#: each may wait a data service's timeouts (10 s a get, from a host frozen or cut off).
-FETCH_THREADS = 8
+#: Threads per other host that fetch outputs from its data service (and send releases
+#: there): each may wait its timeouts (10 s a get, from a host frozen or cut off).
+FETCH_THREADS = 4
 #: The coordinator's publications (routes, status) the bridge says it has, every this many
 #: (:class:`PublicationsReceived`: half the coordinator's ``SUBSCRIBER_BACKLOG``).
 PUBLICATIONS_ACK_EVERY = 4
@@ -169,6 +170,49 @@ class _Inbox:
 
 #: What each final output type must hold (see :class:`~omni_actors.http.types.OutputFinal`).
 _FINAL_KEYS = {"text": ("text",), "audio": ("audio",), "image": ("image",)}
+
+
+def _lane(ref) -> str:
+    """Where ``ref`` is read from: its host's data service (a vLLM-Omni connector's: its kind)."""
+    return ref.service or ref.kind
+
+
+class _FetchLanes:
+    """:data:`FETCH_THREADS` daemon threads per lane (another host's data service), started
+    on its first use: a host frozen or cut off holds up the fetches and releases of what was
+    made there only (a review: 8 threads for all hosts, each waiting out a frozen one's 10 s,
+    held up every other host's outputs as well). Daemon: one that waits does not hold up the
+    API server's exit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lanes: dict[str, queue.SimpleQueue] = {}
+        self._log = get_logger(actor="bridge")
+
+    def submit(self, lane: str, fn, *args) -> None:
+        with self._lock:
+            work = self._lanes.get(lane)
+            if work is None:
+                work = self._lanes[lane] = queue.SimpleQueue()
+                for i in range(FETCH_THREADS):
+                    threading.Thread(target=self._run, args=(work,), name=f"bridge-fetch-{lane}-{i}",
+                                     daemon=True).start()
+        work.put((fn, args))
+
+    def _run(self, work: queue.SimpleQueue) -> None:
+        while (item := work.get()) is not None:
+            fn, args = item
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - one fetch, not the lane
+                self._log.exception("bridge_fetch_failed")
+
+    def close(self) -> None:
+        """Tell every thread to end once it is done with what it has."""
+        with self._lock:
+            for work in self._lanes.values():
+                for _ in range(FETCH_THREADS):
+                    work.put(None)
 
 
 class ActorBridge(RequestActorKeeping):
@@ -231,7 +275,7 @@ class ActorBridge(RequestActorKeeping):
         #: held by the receiver thread for each message it handles, and by a fetch thread while it
         #: delivers what it fetched: the inboxes (``_inbox``, ``_ended``) are theirs alone
         self._boxes_lock = threading.RLock()
-        self._fetcher = concurrent.futures.ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="bridge-fetch")
+        self._fetcher = _FetchLanes()
         self._stop = threading.Event()
         self._log = get_logger(actor="bridge")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -299,7 +343,7 @@ class ActorBridge(RequestActorKeeping):
         for t in (*self._senders, getattr(self, "_receiver", None)):
             if t is not None:
                 t.join(timeout=3)
-        self._fetcher.shutdown(wait=False, cancel_futures=True)  # (one may wait out a frozen host's timeout)
+        self._fetcher.close()  # (its threads end once what they have is sent or fails: daemons)
 
     def _outbox(self, request_id: str | None = None) -> queue.SimpleQueue:
         """The queue of the sender thread that owns ``request_id`` (None: any, the first)."""
@@ -787,7 +831,7 @@ class ActorBridge(RequestActorKeeping):
         another host, on a fetch thread (``box.fetching`` until it is delivered)."""
         if self._connector.reads_remotely(msg.ref):
             box.fetching = True
-            self._fetcher.submit(self._fetch_output, msg, box)
+            self._fetcher.submit(_lane(msg.ref), self._fetch_output, msg, box)
             return
         data = self._take(msg)
         if data is not None:
@@ -825,7 +869,7 @@ class ActorBridge(RequestActorKeeping):
     def _drop(self, msg: OutputChunk | OutputReady) -> None:
         ref = getattr(msg, "ref", None)
         if ref is not None and self._connector.reads_remotely(ref):
-            self._fetcher.submit(self._connector.release, ref)  # (a frozen host holds it seconds)
+            self._fetcher.submit(_lane(ref), self._connector.release, ref)  # (a frozen host holds it seconds)
         elif ref is not None:
             self._connector.release(ref)
 
