@@ -420,3 +420,48 @@ def test_an_output_fetched_from_another_host_holds_up_only_its_own_request(bridg
         time.sleep(0.01)
     assert seen(far) == ["h", ("final", "hi"), "done"]
     bridge._fetcher.close()
+
+
+def test_a_data_service_said_to_answer_again_is_tried_at_once_and_a_rerun_is_judged_by_where_replicas_are():
+    """Trial CI: resumed after a long freeze, a member's outputs were refused for 7 s more (3
+    failures in a row had its data service skipped for 12 s) though the coordinator said it
+    answered. And a rerun went back to the frozen member that held every Code2Wav."""
+    from pathlib import Path
+
+    from omni_actors.config import load_config
+    from omni_actors.connectors import data_client
+    from omni_actors.http.types import PipelineRequest
+    from omni_actors.logs import get_logger
+    from omni_actors.messages import NodeStatus, PoolState, ReplicaState, ReplicaStatus, Routes, SystemStatus
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "cpu_omni_demo.yaml")
+    bridge = ActorBridge.__new__(ActorBridge)
+    bridge._routes, bridge._published = Routes(cfg, {s.stage_id: f"pool-{s.name}" for s in cfg.stage_args}), None
+    bridge._log = get_logger(actor="bridge")
+
+    def status(silent: float, code2wav_nodes: tuple[str, ...]) -> SystemStatus:
+        nodes = (NodeStatus("m1", True, (), {}, (), (), data_service="127.0.0.1:4101"),
+                 NodeStatus("m2", True, (), {}, (), (), data_service="127.0.0.1:4102", data_service_silent_s=silent))
+        stages = tuple(PoolState(s.stage_id, s.name, tuple(
+            ReplicaStatus(f"{s.name}/{i}", ReplicaState.READY, node=n)
+            for i, n in enumerate(code2wav_nodes if s.name == "code2wav" else ("m1",)))) for s in cfg.stage_args)
+        return SystemStatus("subscription", "m", True, stages, nodes=nodes)
+
+    audio = PipelineRequest("r1", "hi", frozenset({"text", "audio"}), {}, {}, 30.0)
+    text = PipelineRequest("r2", "hi", frozenset({"text"}), {}, {}, 30.0)
+    bridge._published = status(5.0, ("m2",))
+    assert bridge.rerun_goes_back("m2", audio) and bridge.rerun_goes_back("127.0.0.1:4102", audio)
+    assert not bridge.rerun_goes_back("m2", text)  # (it needs no Code2Wav)
+    bridge._published = status(5.0, ("m2", "m1"))
+    assert not bridge.rerun_goes_back("m2", audio)  # (the pools send it to m1's)
+    bridge._published = status(0.0, ("m2",))
+    assert not bridge.rerun_goes_back("m2", audio)  # (it answers: worth a try)
+
+    data_client._down["127.0.0.1:4102"] = (time.monotonic() + 12, 3)
+    try:
+        bridge._answering_again(status(0.0, ("m2",)), status(0.0, ("m2",)))
+        assert "127.0.0.1:4102" in data_client._down  # (not said silent before: our own view stands)
+        bridge._answering_again(status(5.0, ("m2",)), status(0.0, ("m2",)))
+        assert "127.0.0.1:4102" not in data_client._down
+    finally:
+        data_client._down.pop("127.0.0.1:4102", None)

@@ -154,6 +154,14 @@ def test_a_request_whose_output_was_lost_with_its_host_runs_once_more(stream):
     assert status == 500 and len(bridge.submitted) == 2
     assert "after the request ran again: an output of its first run was lost with its host" in text, text
 
+    # not run again where that would only go back to the host (up, its data service silent,
+    # the only ready replicas of a stage there): trial CI waited 21 s for a 500, 10 s of it again
+    bridge = FakeBridge(output_types=("text",))
+    bridge.rerun_goes_back = lambda node, request: node == "m9"
+    status, text = serve(bridge, lambda client: _post_text(client, chat("[lost][lostonce]")))
+    assert status == 500 and len(bridge.submitted) == 1
+    assert "(not run again: node m9's data service does not answer" in text, text
+
 
 MID_STREAM = ("replica thinker/0 went down mid-stream (dead: process exited); part of the output had already "
               "reached the client, so it was not retried")

@@ -204,6 +204,9 @@ def test_admin_shell_in_a_pty(tmp_path):
             assert re.search(r"^\(all\)\s+\d+\s+\d+", requests, re.M), requests
 
             assert re.search(r"^error: unknown command 'frobnicate'", shell.command("frobnicate"), re.M)
+            # (trial CI typed the command line's `stage stop` here)
+            assert re.search(r"^error: `stage \.\.\.` is the command line's verb .*`scale STAGE 0` stops a stage",
+                             shell.command("stage stop --stage code2wav"), re.M)
             assert re.search(r"^error: no stage named 'nosuch'", shell.command("replicas nosuch"), re.M)
             assert re.search(r"^error: usage: scale STAGE N", shell.command("scale talker"), re.M)
             # the shell went on after those errors

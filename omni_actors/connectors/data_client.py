@@ -128,6 +128,15 @@ def probe_down(service: str, timeout_s: float) -> bool:
     return True
 
 
+def forget_down(service: str) -> bool:
+    """Take ``service`` for up again (its host's node agent says it answers: the coordinator
+    publishes that): the next request to it is tried. Whether it was taken for down. (A
+    trial's API server refused a member's outputs for 7 s after it was resumed from a long
+    freeze: 3 failures in a row had it skipped for 12 s, and its one probe had failed.)"""
+    _probed.pop(service, None)
+    return _down.pop(service, None) is not None
+
+
 def _connection(service: str, quick: bool = False) -> tuple[socket.socket, bool]:
     """This thread's connection to ``service``: ``(socket, reused)``; none is tried
     while the service is taken for down (see DOWN_FOR_S). ``quick`` (releases):

@@ -481,6 +481,15 @@ class _Run:
                     down = await self.bridge.wait_node_down(event.lost_on, wait)
                     _log().info("http_rerun_waited_for_node", request_id=self.preq.request_id,
                                 node=event.lost_on, down=down, waited_s=round(loop.time() - t0, 2))
+                    goes_back = getattr(self.bridge, "rerun_goes_back", None)
+                    if goes_back is not None and goes_back(event.lost_on, self.preq):
+                        _log().warning("http_request_not_rerun", request_id=self.preq.request_id,
+                                       node=event.lost_on, why=event.message)
+                        self.finished = True
+                        yield dataclasses.replace(event, message=(
+                            f"{event.message} (not run again: node {event.lost_on}'s data service does not "
+                            "answer, and a stage this request needs has its ready replicas there alone)"))
+                        return
                 left = None if deadline is None else deadline - loop.time() - DEADLINE_GRACE_S
                 # (one its RequestActor never took goes to a new one: trial CC's rerun went to another
                 # idle RequestActor, stopped as the first was, and failed with a 500)

@@ -67,7 +67,7 @@ from thespian.actors import ActorExitRequest
 from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
 from omni_actors.balancing import no_replica_reason
 from omni_actors.connectors import make_connector
-from omni_actors.connectors.data_client import DataServiceError, probe_down
+from omni_actors.connectors.data_client import DataServiceError, forget_down, probe_down
 from omni_actors.http.types import (CONTEXT_LENGTH_CODE, BridgeEvent, OutputFinal, OutputPart, OutputText,
                                     PipelineRequest, RequestDone, RequestFailed, within)
 from omni_actors.logs import get_logger
@@ -75,7 +75,7 @@ from omni_actors.messages import (LATENCY_BUCKETS_S, CancelRequest, CancelStage,
                                   GetStatus, OutputChunk, OutputDelta, OutputDeltas, OutputReady, OutputsAck, Relay,
                                   RequestActorAlive, RequestActorExited, RequestActorFree, RequestFinished, Routes,
                                   RoutesChanged,
-                                  PublicationsReceived, RunRequest, Subscribe, SUBSCRIPTION, SupervisorAlive,
+                                  PublicationsReceived, ReplicaState, RunRequest, Subscribe, SUBSCRIPTION, SupervisorAlive,
                                   SystemStatus, SystemStopping, Unsubscribe, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
 from omni_actors.http.request_actors import (LOST_AFTER_S, REQUEST_ACTOR_SILENT_S,  # noqa: F401 - (tests)
@@ -703,6 +703,7 @@ class ActorBridge(RequestActorKeeping):
             self.system_stopping.set()
         elif isinstance(msg, SystemStatus):
             if msg.query_id == SUBSCRIPTION:
+                self._answering_again(self._published, msg)
                 self._published = msg
                 self._publication_came()
             self._loop.call_soon_threadsafe(self._resolve_query, msg)
@@ -718,6 +719,37 @@ class ActorBridge(RequestActorKeeping):
                                           if before.get(sid) != pool])
                 for outbox in self._outboxes:  # every sender tells its requests
                     outbox.put(("routes", msg))
+
+    def _answering_again(self, before: SystemStatus | None, now: SystemStatus) -> None:
+        """Receiver thread: the data services the coordinator said were silent and now says
+        answer are tried again at once (see :func:`~omni_actors.connectors.data_client.forget_down`)."""
+        silent = {n.data_service for n in (before.nodes if before else ()) if n.data_service_silent_s}
+        for n in now.nodes:
+            if n.data_service in silent and n.alive and not n.data_service_silent_s and forget_down(n.data_service):
+                self._log.info("data_service_answers_again", node=n.name, service=n.data_service)
+
+    def rerun_goes_back(self, node: str, request: PipelineRequest) -> bool:
+        """Whether running ``request`` again would only meet ``node`` again: it is up but its
+        data service silent (not lost: its replicas are not replaced) and a stage the request
+        needs has its ready replicas there alone (a trial's rerun went back to the frozen
+        member that held every Code2Wav and waited its 10 s again, 21 s for a 500)."""
+        published = self._published
+        if published is None or self._routes is None:
+            return False
+        here = [n for n in published.nodes if node in (n.name, n.data_service)]
+        if not here or not here[0].alive or not here[0].data_service_silent_s:
+            return False
+        try:
+            plan = plan_request(self._routes.config, self._routes.pools, request.output_types)
+        except PlanError:
+            return False
+        states = {st.stage_id: st for st in published.stages}
+        for planned in plan.stages:
+            ready = [r for r in getattr(states.get(planned.stage_id), "replicas", ())
+                     if r.state == ReplicaState.READY]
+            if ready and all(r.node == here[0].name for r in ready):
+                return True
+        return False
 
     def _publication_came(self) -> None:
         """Receiver thread: count one of the coordinator's publications; tell it every

@@ -117,7 +117,13 @@ class AdminShell(cmd.Cmd):
         return False  # never repeat the last command (it may be `scale` or `inject`)
 
     def default(self, line: str):
-        self._error(f"unknown command {line.split()[0]!r}; `help` lists the commands")
+        word = line.split()[0]
+        if word == "stage":  # (trial CI: `stage stop --stage code2wav`, the command line's verb)
+            self._error("`stage ...` is the command line's verb (python -m omni_actors.system stage ...); here: "
+                        "`scale STAGE N` (`scale STAGE 0` stops a stage), `launch STAGE`, `drain REPLICA`; "
+                        "`help` lists the commands")
+            return
+        self._error(f"unknown command {word!r}; `help` lists the commands")
         return False
 
     def get_names(self):
