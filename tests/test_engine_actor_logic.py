@@ -2460,7 +2460,7 @@ def test_a_bridge_says_every_few_publications_that_they_came():
 
     b = bridge_module.ActorBridge.__new__(bridge_module.ActorBridge)
     b._publications, b._address, b._outboxes = 0, "me", [queue.SimpleQueue()]
-    b._routes = Routes(None, {})
+    b._routes, b._published = Routes(None, {}), None
     b._loop = SimpleNamespace(call_soon_threadsafe=lambda *a: None)
     for _ in range(3):
         b._on_message(SystemStatus(SUBSCRIPTION, "m", True, ()))

@@ -703,17 +703,20 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             StageInputError: the processor failed on upstream outputs (none: on the
                 client's prompt, whose ValueError stays a bad request).
         """
-        name = self._spec.stage.custom_process_input_func or "the default input processor"
         try:
             made = self._processor(upstream, msg.prompt, msg.params)
         except Exception as exc:  # noqa: BLE001 - reported with the processor's name
             if not upstream:
                 raise
-            raise StageInputError(f"{name} failed on the outputs of stage(s) {sorted(upstream)}: "
+            raise StageInputError(f"{self._processor_name()} failed on the outputs of stage(s) {sorted(upstream)}: "
                                   f"{type(exc).__name__}: {exc}") from exc
         if not isinstance(made, dict):  # (a processor's `[]` read as the engine's error about its fields)
-            raise StageInputError(f"{name} returned {type(made).__name__}, not a dict (the stage's engine input)")
+            raise StageInputError(f"{self._processor_name()} returned {type(made).__name__}, not a dict (the "
+                                  "stage's engine input)")
         return made
+
+    def _processor_name(self) -> str:
+        return self._spec.stage.custom_process_input_func or "the default input processor"
 
     async def _execute(self, msg: StageTask) -> StageDone:
         key = (msg.request_id, msg.stage_id)
