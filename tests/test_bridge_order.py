@@ -457,11 +457,21 @@ def test_a_data_service_said_to_answer_again_is_tried_at_once_and_a_rerun_is_jud
     bridge._published = status(0.0, ("m2",))
     assert not bridge.rerun_goes_back("m2", audio)  # (it answers: worth a try)
 
+    from omni_actors.http import bridge as bridge_module
+
+    given_up: list[str] = []
+    real_give_up, bridge_module.give_up = bridge_module.give_up, given_up.append
+    try:
+        bridge._data_services_changed(status(0.0, ("m2",)), status(5.0, ("m2",)))
+        bridge._data_services_changed(status(5.0, ("m2",)), status(6.0, ("m2",)))  # (once per silence)
+        assert given_up == ["127.0.0.1:4102"]  # (its fetches waiting now end at once)
+    finally:
+        bridge_module.give_up = real_give_up
     data_client._down["127.0.0.1:4102"] = (time.monotonic() + 12, 3)
     try:
-        bridge._answering_again(status(0.0, ("m2",)), status(0.0, ("m2",)))
+        bridge._data_services_changed(status(0.0, ("m2",)), status(0.0, ("m2",)))
         assert "127.0.0.1:4102" in data_client._down  # (not said silent before: our own view stands)
-        bridge._answering_again(status(5.0, ("m2",)), status(0.0, ("m2",)))
+        bridge._data_services_changed(status(5.0, ("m2",)), status(0.0, ("m2",)))
         assert "127.0.0.1:4102" not in data_client._down
     finally:
         data_client._down.pop("127.0.0.1:4102", None)

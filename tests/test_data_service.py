@@ -612,3 +612,50 @@ def test_a_service_taken_for_down_is_not_asked_on_a_connection_already_open(pref
         data_client._down.pop(service.address, None)
     assert reader.get(ref)["x"].tolist() == list(range(10))
     release_all([ref])
+
+
+def test_giving_up_on_a_frozen_service_ends_the_gets_waiting_on_it_at_once(prefix, monkeypatch):
+    """Trial CG: requests whose outputs were fetched from a member just frozen each waited out
+    the get's 10 s, though its node agent reported the host's data service silent after ~3 s.
+    ``give_up`` (the API server calls it when the coordinator says so) ends those waits."""
+    import signal
+    import threading
+
+    from omni_actors.connectors import data_client
+
+    with data_service_popen(prefix) as (address, proc):
+        ref = producer(prefix, address).put({"x": np.arange(100_000, dtype=np.float32)})
+        reader = consumer()
+        assert reader.get(ref)["x"][-1] == 99_999  # (its connection is open)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 5
+            while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+                assert time.monotonic() < deadline, "the service did not stop"
+                time.sleep(0.01)
+            failed: list[BaseException] = []
+
+            def get() -> None:
+                try:
+                    reader.get(ref)
+                except BaseException as exc:  # noqa: BLE001 - what the test looks at
+                    failed.append(exc)
+
+            t0 = time.monotonic()
+            thread = threading.Thread(target=get)
+            thread.start()
+            while not data_client._waiting.get(address):  # (its request sent, its answer awaited)
+                assert time.monotonic() - t0 < 5
+                time.sleep(0.01)
+            assert data_client.give_up(address) == 1
+            thread.join(5)
+            took = time.monotonic() - t0
+            assert not thread.is_alive() and took < 3, took  # (not the get's 10 s)
+            assert isinstance(failed[0], ds.DataServiceError) and "not waited for" in str(failed[0]), failed
+            with pytest.raises(ds.DataServiceError, match="not tried again"):
+                reader.get(ref)  # (taken for down meanwhile)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+            data_client._down.pop(address, None)
+        assert reader.get(ref)["x"][-1] == 99_999
+        release_all([ref])

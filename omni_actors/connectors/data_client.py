@@ -96,6 +96,11 @@ class _Connections(threading.local):
 
 
 _conns = _Connections()
+#: service -> the sockets of requests to it waiting for their answer now (any thread's), so
+#: that :func:`give_up` can end those waits
+_waiting: dict[str, set[socket.socket]] = {}
+_gave_up: set[socket.socket] = set()  #: those of them :func:`give_up` ended
+_waiting_lock = threading.Lock()
 #: service -> (until when it is taken for down (monotonic), failures in a row)
 _down: dict[str, tuple[float, int]] = {}
 #: service -> the ``_down`` entry it was last probed for (see probe_down)
@@ -126,6 +131,23 @@ def probe_down(service: str, timeout_s: float) -> bool:
         return False
     _down.pop(service, None)
     return True
+
+
+def give_up(service: str) -> int:
+    """Take ``service`` for down and end the requests waiting on it now (their sockets shut
+    down: each fails at once with a DataServiceError instead of waiting out its timeout, 10 s
+    for a get): its host's node agent says it does not answer (a frozen host; trial CG's
+    requests begun just before the freeze was seen each waited 10 s). How many were ended."""
+    _mark_down(service)
+    with _waiting_lock:
+        socks = list(_waiting.get(service, ()))
+        _gave_up.update(socks)
+    for sock in socks:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # (its request just ended)
+    return len(socks)
 
 
 def forget_down(service: str) -> bool:
@@ -185,41 +207,71 @@ def _request(service: str, req: dict, into: np.ndarray | None = None,
     message = REQUEST_HEADER.pack(len(payload)) + payload
     for attempt in (0, 1):
         sock, reused = _connection(service, quick)
+        with _waiting_lock:
+            _waiting.setdefault(service, set()).add(sock)
         try:
-            sock.settimeout(RELEASE_IO_TIMEOUT_S if quick else IO_TIMEOUT_S)
-            sock.sendall(message)
-            head = _recv_exact(sock, REPLY_HEADER.size)
-            if head is None:
-                raise ConnectionError("closed by the data service")
-        except (OSError, ConnectionError) as exc:
-            _drop(service)
-            if isinstance(exc, TimeoutError):  # (no answer: not a stale connection, which fails at once)
-                _mark_down(service)
-                raise DataServiceError(f"data service {service}: no answer within "
-                                       f"{RELEASE_IO_TIMEOUT_S if quick else IO_TIMEOUT_S:g} s") from None
-            if reused and attempt == 0:
-                continue
-            raise DataServiceError(f"data service {service}: {exc}") from None
-        status, length = REPLY_HEADER.unpack(head)
-        if service in _down:  # (it answers: whatever another thread saw of it is over)
-            _down.pop(service, None)
-        try:
-            if status == OK and into is not None:
-                if length != into.nbytes:
-                    raise ConnectionError(f"sent {length} bytes, {into.nbytes} were asked")
-                _recv_into(sock, memoryview(into))
-                return status, into
-            if length > MAX_REQUEST:
-                raise ConnectionError(f"a reply of {length} bytes (status {status}) is not a reply")
-            body = _recv_exact(sock, length) if length else b""
-            return status, body or b""
-        except (OSError, ConnectionError) as exc:
-            _drop(service)
-            if isinstance(exc, TimeoutError):
-                _mark_down(service)
-                exc = f"no data within {IO_TIMEOUT_S:g} s"
-            raise DataServiceError(f"data service {service}: {exc}") from None
+            return _exchange(service, sock, reused, attempt, message, into, quick)
+        except _Again:
+            continue
+        finally:
+            with _waiting_lock:
+                _waiting.get(service, set()).discard(sock)
+                _gave_up.discard(sock)
     raise AssertionError("unreachable")
+
+
+class _Again(Exception):
+    """A reused connection turned out dead: try once more on a new one."""
+
+
+def _exchange(service: str, sock: socket.socket, reused: bool, attempt: int, message: bytes,
+              into: np.ndarray | None, quick: bool) -> tuple[int, bytes | np.ndarray]:
+    """One try of :func:`_request` on ``sock``."""
+    try:
+        sock.settimeout(RELEASE_IO_TIMEOUT_S if quick else IO_TIMEOUT_S)
+        sock.sendall(message)
+        head = _recv_exact(sock, REPLY_HEADER.size)
+        if head is None:
+            raise ConnectionError("closed by the data service")
+    except (OSError, ConnectionError) as exc:
+        _drop(service)
+        _if_given_up(service, sock)
+        if isinstance(exc, TimeoutError):  # (no answer: not a stale connection, which fails at once)
+            _mark_down(service)
+            raise DataServiceError(f"data service {service}: no answer within "
+                                   f"{RELEASE_IO_TIMEOUT_S if quick else IO_TIMEOUT_S:g} s") from None
+        if reused and attempt == 0:
+            raise _Again() from None
+        raise DataServiceError(f"data service {service}: {exc}") from None
+    status, length = REPLY_HEADER.unpack(head)
+    if service in _down:  # (it answers: whatever another thread saw of it is over)
+        _down.pop(service, None)
+    try:
+        if status == OK and into is not None:
+            if length != into.nbytes:
+                raise ConnectionError(f"sent {length} bytes, {into.nbytes} were asked")
+            _recv_into(sock, memoryview(into))
+            return status, into
+        if length > MAX_REQUEST:
+            raise ConnectionError(f"a reply of {length} bytes (status {status}) is not a reply")
+        body = _recv_exact(sock, length) if length else b""
+        return status, body or b""
+    except (OSError, ConnectionError) as exc:
+        _drop(service)
+        _if_given_up(service, sock)
+        if isinstance(exc, TimeoutError):
+            _mark_down(service)
+            exc = f"no data within {IO_TIMEOUT_S:g} s"
+        raise DataServiceError(f"data service {service}: {exc}") from None
+
+
+def _if_given_up(service: str, sock: socket.socket) -> None:
+    """Raises DataServiceError when :func:`give_up` ended the wait on ``sock``."""
+    with _waiting_lock:
+        ended = sock in _gave_up
+    if ended:
+        raise DataServiceError(f"data service {service}: not waited for: its host's node agent says it does not "
+                               "answer (its process frozen or hung?)") from None
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:

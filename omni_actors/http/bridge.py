@@ -67,7 +67,7 @@ from thespian.actors import ActorExitRequest
 from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
 from omni_actors.balancing import no_replica_reason
 from omni_actors.connectors import make_connector
-from omni_actors.connectors.data_client import DataServiceError, forget_down, probe_down
+from omni_actors.connectors.data_client import DataServiceError, forget_down, give_up, probe_down
 from omni_actors.http.types import (CONTEXT_LENGTH_CODE, BridgeEvent, OutputFinal, OutputPart, OutputText,
                                     PipelineRequest, RequestDone, RequestFailed, within)
 from omni_actors.logs import get_logger
@@ -703,7 +703,7 @@ class ActorBridge(RequestActorKeeping):
             self.system_stopping.set()
         elif isinstance(msg, SystemStatus):
             if msg.query_id == SUBSCRIPTION:
-                self._answering_again(self._published, msg)
+                self._data_services_changed(self._published, msg)
                 self._published = msg
                 self._publication_came()
             self._loop.call_soon_threadsafe(self._resolve_query, msg)
@@ -720,12 +720,20 @@ class ActorBridge(RequestActorKeeping):
                 for outbox in self._outboxes:  # every sender tells its requests
                     outbox.put(("routes", msg))
 
-    def _answering_again(self, before: SystemStatus | None, now: SystemStatus) -> None:
-        """Receiver thread: the data services the coordinator said were silent and now says
-        answer are tried again at once (see :func:`~omni_actors.connectors.data_client.forget_down`)."""
+    def _data_services_changed(self, before: SystemStatus | None, now: SystemStatus) -> None:
+        """Receiver thread: a data service the coordinator now says is silent has the fetches
+        waiting on it ended at once (:func:`~omni_actors.connectors.data_client.give_up`: each
+        waited out its 10 s, trial CG); one it said was silent and now says answers is tried
+        again at once (:func:`~omni_actors.connectors.data_client.forget_down`)."""
         silent = {n.data_service for n in (before.nodes if before else ()) if n.data_service_silent_s}
         for n in now.nodes:
-            if n.data_service in silent and n.alive and not n.data_service_silent_s and forget_down(n.data_service):
+            if not n.data_service or not n.alive:
+                continue
+            if n.data_service_silent_s and n.data_service not in silent:
+                ended = give_up(n.data_service)
+                self._log.warning("data_service_given_up", node=n.name, service=n.data_service,
+                                  fetches_ended=ended)
+            elif n.data_service in silent and not n.data_service_silent_s and forget_down(n.data_service):
                 self._log.info("data_service_answers_again", node=n.name, service=n.data_service)
 
     def rerun_goes_back(self, node: str, request: PipelineRequest) -> bool:
