@@ -475,3 +475,26 @@ def test_a_data_service_said_to_answer_again_is_tried_at_once_and_a_rerun_is_jud
         assert "127.0.0.1:4102" not in data_client._down
     finally:
         data_client._down.pop("127.0.0.1:4102", None)
+
+
+def test_a_fetch_from_a_node_said_silent_takes_its_data_service_for_down_again(monkeypatch):
+    """A review: the API server's own down mark of a frozen host's data service runs out after
+    3 s, and each fetch after that waited its 10 s again, though the coordinator still said the
+    service was silent. The mark is renewed from what it says (then probed once per mark)."""
+    from types import SimpleNamespace
+
+    from omni_actors.http import bridge as bridge_module
+    from omni_actors.messages import NodeStatus, SystemStatus
+
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(bridge_module, "mark_down", lambda service: calls.append(("mark", service)))
+    monkeypatch.setattr(bridge_module, "probe_down", lambda service, timeout_s: calls.append(("probe", service)))
+    bridge = ActorBridge.__new__(ActorBridge)
+    bridge._connector = SimpleNamespace(take=lambda ref: {"x": 1})
+    ref = SimpleNamespace(node="m2", service="127.0.0.1:4102")
+    for silent, expected in ((4.0, [("mark", ref.service), ("probe", ref.service)]), (0.0, [("probe", ref.service)])):
+        node = NodeStatus("m2", True, (), {}, (), (), data_service=ref.service, data_service_silent_s=silent)
+        bridge._published = SystemStatus("subscription", "m", True, (), nodes=(node,))
+        calls.clear()
+        assert bridge._fetch(ref) == {"x": 1}
+        assert calls == expected

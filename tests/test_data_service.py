@@ -641,13 +641,17 @@ def test_giving_up_on_a_frozen_service_ends_the_gets_waiting_on_it_at_once(prefi
                 except BaseException as exc:  # noqa: BLE001 - what the test looks at
                     failed.append(exc)
 
+            monkeypatch.setattr(data_client, "GIVE_UP_QUIET_S", 0.3)
             t0 = time.monotonic()
             thread = threading.Thread(target=get)
             thread.start()
             while not data_client._waiting.get(address):  # (its request sent, its answer awaited)
                 assert time.monotonic() - t0 < 5
                 time.sleep(0.01)
-            assert data_client.give_up(address) == 1
+            assert data_client.give_up(address) == 0  # (sent just now: it may yet be answered)
+            data_client._down.pop(address, None)
+            time.sleep(0.4)
+            assert data_client.give_up(address) == 1  # (silent for longer)
             thread.join(5)
             took = time.monotonic() - t0
             assert not thread.is_alive() and took < 3, took  # (not the get's 10 s)

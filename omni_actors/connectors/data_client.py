@@ -72,6 +72,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
                 return None
             raise ConnectionError(f"peer closed after {got} of {n} bytes")
         got += k
+        if sock in _heard:  # (a request's, not a probe's)
+            _heard[sock] = time.monotonic()
     return bytes(buf)
 
 
@@ -100,7 +102,13 @@ _conns = _Connections()
 #: that :func:`give_up` can end those waits
 _waiting: dict[str, set[socket.socket]] = {}
 _gave_up: set[socket.socket] = set()  #: those of them :func:`give_up` ended
+#: socket -> when its request was sent or its last bytes came (monotonic), while it waits
+_heard: dict[socket.socket, float] = {}
 _waiting_lock = threading.Lock()
+#: A request that has heard from its service within this many seconds is not ended by
+#: :func:`give_up`: the service answers (the coordinator's word that it is silent can lag
+#: its resume by a probe: a review).
+GIVE_UP_QUIET_S = 1.0
 #: service -> (until when it is taken for down (monotonic), failures in a row)
 _down: dict[str, tuple[float, int]] = {}
 #: service -> the ``_down`` entry it was last probed for (see probe_down)
@@ -139,15 +147,23 @@ def give_up(service: str) -> int:
     for a get): its host's node agent says it does not answer (a frozen host; trial CG's
     requests begun just before the freeze was seen each waited 10 s). How many were ended."""
     _mark_down(service)
-    with _waiting_lock:
-        socks = list(_waiting.get(service, ()))
+    now = time.monotonic()
+    with _waiting_lock:  # (shut down here: once its request ends, its thread may reuse the socket)
+        socks = [s for s in _waiting.get(service, ()) if now - _heard.get(s, now) >= GIVE_UP_QUIET_S]
         _gave_up.update(socks)
-    for sock in socks:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # (its request just ended)
+        for sock in socks:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # (closed meanwhile)
     return len(socks)
+
+
+def mark_down(service: str) -> None:
+    """Take ``service`` for down (again, if its last mark has run out): requests to it fail at
+    once until :func:`probe_down` finds it answers, once per mark. For a caller that knows it
+    does not answer (the coordinator says so) while its own mark ran out."""
+    _mark_down(service)
 
 
 def forget_down(service: str) -> bool:
@@ -209,6 +225,7 @@ def _request(service: str, req: dict, into: np.ndarray | None = None,
         sock, reused = _connection(service, quick)
         with _waiting_lock:
             _waiting.setdefault(service, set()).add(sock)
+            _heard[sock] = time.monotonic()
         try:
             return _exchange(service, sock, reused, attempt, message, into, quick)
         except _Again:
@@ -217,6 +234,7 @@ def _request(service: str, req: dict, into: np.ndarray | None = None,
             with _waiting_lock:
                 _waiting.get(service, set()).discard(sock)
                 _gave_up.discard(sock)
+                _heard.pop(sock, None)
     raise AssertionError("unreachable")
 
 
@@ -281,6 +299,8 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise ConnectionError(f"closed after {got} of {total} bytes")
         got += n
+        if sock in _heard:
+            _heard[sock] = time.monotonic()
 
 
 def _error(status: int, body: bytes, service: str) -> ConnectorError | DataServiceError:

@@ -67,7 +67,7 @@ from thespian.actors import ActorExitRequest
 from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
 from omni_actors.balancing import no_replica_reason
 from omni_actors.connectors import make_connector
-from omni_actors.connectors.data_client import DataServiceError, forget_down, give_up, probe_down
+from omni_actors.connectors.data_client import DataServiceError, forget_down, give_up, mark_down, probe_down
 from omni_actors.http.types import (CONTEXT_LENGTH_CODE, BridgeEvent, OutputFinal, OutputPart, OutputText,
                                     PipelineRequest, RequestDone, RequestFailed, within)
 from omni_actors.logs import get_logger
@@ -960,6 +960,8 @@ class ActorBridge(RequestActorKeeping):
     def _fetch(self, ref) -> dict[str, Any]:
         """``ref``'s outputs, taken (:meth:`NodeConnector.take`). Raises as that does."""
         if ref.service and self._node_alive(ref):
+            if self._data_service_silent(ref):  # (our own mark may have run out: 3 s; a review saw each
+                mark_down(ref.service)          # fetch after that wait its 10 s on a host still frozen)
             # Taken for down after it timed out (its host frozen), it is asked once whether it answers
             # now (at most 1 s), and tried if so (trial CD: the rerun of a request, made on the member
             # just resumed, failed with a 500 "not tried again for 2.3 s"). (Not what the coordinator
@@ -975,6 +977,12 @@ class ActorBridge(RequestActorKeeping):
         where = f" (made on node {msg.ref.node})" if lost and msg.ref.node else ""
         self._fail_here(msg.request_id, RequestFailed(500, f"{what} lost{where}: {exc}", lost_output=lost,
                                                       lost_on=(msg.ref.node or msg.ref.service) if lost else None))
+
+    def _data_service_silent(self, ref) -> bool:
+        """Whether the coordinator's last published status has ``ref``'s node's data service silent."""
+        published = self._published
+        return published is not None and any(
+            n.data_service_silent_s and (n.name == ref.node or n.data_service == ref.service) for n in published.nodes)
 
     def _node_alive(self, ref) -> bool:
         """Whether the coordinator's last published status has ``ref``'s node alive (a lost
