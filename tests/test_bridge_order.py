@@ -6,6 +6,7 @@ arrive in."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -454,6 +455,11 @@ def test_a_data_service_said_to_answer_again_is_tried_at_once_and_a_rerun_is_jud
     assert not bridge.rerun_goes_back("m2", text)  # (it needs no Code2Wav)
     bridge._published = status(5.0, ("m2", "m1"))
     assert not bridge.rerun_goes_back("m2", audio)  # (the pools send it to m1's)
+    both = status(5.0, ("m2", "m1"))  # (trial CJ froze both members: the rerun went to the other)
+    both = dataclasses.replace(both, nodes=tuple(dataclasses.replace(n, data_service_silent_s=3.0)
+                                                 for n in both.nodes))
+    bridge._published = both
+    assert bridge.rerun_goes_back("m2", audio)
     bridge._published = status(0.0, ("m2",))
     assert not bridge.rerun_goes_back("m2", audio)  # (it answers: worth a try)
 

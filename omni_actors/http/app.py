@@ -505,6 +505,10 @@ class _Run:
                 continue
             if isinstance(event, (RequestDone, RequestFailed)):
                 self.finished = True
+                if isinstance(event, RequestFailed) and event.lost_output and not self.reruns \
+                        and not self.can_rerun():  # (trial CJ: a stream's error did not say why)
+                    event = dataclasses.replace(event, message=f"{event.message} (not run again: part of "
+                                                               "the reply had reached the client)")
                 if isinstance(event, RequestFailed) and self.reruns:
                     why = ("an output of its first run was lost with its host" if self._first_failure.lost_output
                            else "its first RequestActor never took it" if self._first_failure.not_started

@@ -737,16 +737,19 @@ class ActorBridge(RequestActorKeeping):
                 self._log.info("data_service_answers_again", node=n.name, service=n.data_service)
 
     def rerun_goes_back(self, node: str, request: PipelineRequest) -> bool:
-        """Whether running ``request`` again would only meet ``node`` again: it is up but its
-        data service silent (not lost: its replicas are not replaced) and a stage the request
-        needs has its ready replicas there alone (a trial's rerun went back to the frozen
-        member that held every Code2Wav and waited its 10 s again, 21 s for a 500)."""
+        """Whether running ``request`` again would only meet ``node`` again, or another like it:
+        it is up but its data service silent (not lost: its replicas are not replaced) and a
+        stage the request needs has its ready replicas on such nodes alone (a trial's rerun went
+        back to the frozen member that held every Code2Wav and waited its 10 s again, 21 s for a 500)."""
         published = self._published
         if published is None or self._routes is None:
             return False
         here = [n for n in published.nodes if node in (n.name, n.data_service)]
         if not here or not here[0].alive or not here[0].data_service_silent_s:
             return False
+        # (any node whose data service is silent: trial CJ froze both members, and the rerun went
+        # from one to the other)
+        silent = {n.name for n in published.nodes if n.alive and n.data_service_silent_s}
         try:
             plan = plan_request(self._routes.config, self._routes.pools, request.output_types)
         except PlanError:
@@ -755,7 +758,7 @@ class ActorBridge(RequestActorKeeping):
         for planned in plan.stages:
             ready = [r for r in getattr(states.get(planned.stage_id), "replicas", ())
                      if r.state == ReplicaState.READY]
-            if ready and all(r.node == here[0].name for r in ready):
+            if ready and all(r.node in silent for r in ready):
                 return True
         return False
 
