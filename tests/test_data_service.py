@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -663,3 +664,18 @@ def test_giving_up_on_a_frozen_service_ends_the_gets_waiting_on_it_at_once(prefi
             data_client._down.pop(address, None)
         assert reader.get(ref)["x"][-1] == 99_999
         release_all([ref])
+
+
+def test_releases_kept_for_a_retry_are_bounded_the_oldest_going_first(monkeypatch):
+    """At most RELEASE_RETRY_MAX names wait for a retry in a process; past that the oldest are
+    left to their hosts' reapers."""
+    import omni_actors.connectors as connectors
+
+    monkeypatch.setattr(connectors, "RELEASE_RETRY_MAX", 5)
+    kept = connectors._Unreleased()
+    monkeypatch.setattr(kept, "_thread", SimpleNamespace(is_alive=lambda: True))  # (no retry thread)
+    kept.add("svc-a", ["a1", "a2", "a3"])
+    time.sleep(0.01)
+    kept.add("svc-b", ["b1", "b2", "b3", "b4"])
+    assert kept.pending() == {"svc-a": 1, "svc-b": 4}
+    assert list(kept._names["svc-a"]) == ["a3"]

@@ -345,10 +345,11 @@ class _Unreleased:
             kept = self._names.setdefault(service, {})
             for name in names:
                 kept.setdefault(name, now)
-            while sum(len(v) for v in self._names.values()) > RELEASE_RETRY_MAX:
-                oldest = min(self._names, key=lambda svc: min(self._names[svc].values(), default=now))
-                kept_there = self._names[oldest]
-                del kept_there[min(kept_there, key=kept_there.get)]
+            over = sum(len(v) for v in self._names.values()) - RELEASE_RETRY_MAX
+            for _ in range(max(0, over)):  # (each service's names are in the order they failed)
+                oldest = min((svc for svc in self._names if self._names[svc]),
+                             key=lambda svc: next(iter(self._names[svc].values())))
+                del self._names[oldest][next(iter(self._names[oldest]))]
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="connector-release-retry", daemon=True)
                 self._thread.start()
