@@ -33,7 +33,8 @@ from omni_actors.actors.supervision import (POOL_HUNG_INTERVALS, TICK_LOST_AFTER
 from omni_actors.connectors import buffer_counts, data_service, default_prefix
 from omni_actors.logs import get_logger
 from omni_actors.messages import (LIVE_STATES, PLACING, AdminReply, ApiServerDrained, ApiServersDrained,
-                                  DataServicesSilent, Deploy, DrainApiServers, DrainNode, DrainReplica, GetRoutes, NoRequestsInFlight,
+                                  DataServicesSilent, Deploy, DrainApiServers, DrainNode, DrainReplica, GetRoutes,
+                                  NoRequestsInFlight,
                                   GetStatus, InjectFault, LaunchReplicas, NodeHeartbeat, NodeLeaving,
                                   NodeHeartbeatAck, NodeInfo, NodeLost, NodesChanged, NOT_DEPLOYED, PlaceReplica,
                                   Placement, PlacementFailed, PoolState, PoolStateAck, ReleasePlacement, ReplicaState,

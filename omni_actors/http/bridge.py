@@ -75,7 +75,8 @@ from omni_actors.messages import (LATENCY_BUCKETS_S, CancelRequest, CancelStage,
                                   GetStatus, OutputChunk, OutputDelta, OutputDeltas, OutputReady, OutputsAck, Relay,
                                   RequestActorAlive, RequestActorExited, RequestActorFree, RequestFinished, Routes,
                                   RoutesChanged,
-                                  PublicationsReceived, ReplicaState, RunRequest, Subscribe, SUBSCRIPTION, SupervisorAlive,
+                                  PublicationsReceived, ReplicaState, RunRequest, Subscribe, SUBSCRIPTION,
+                                  SupervisorAlive,
                                   SystemStatus, SystemStopping, Unsubscribe, WhoAmI, YouAre)
 from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
 from omni_actors.http.request_actors import (LOST_AFTER_S, REQUEST_ACTOR_SILENT_S,  # noqa: F401 - (tests)

@@ -824,7 +824,8 @@ def cmd_check_config(args) -> int:
                              on_warning=lambda text: print(f"warning: {text}", file=sys.stderr))
     except ConfigError as exc:
         return _fail(str(exc))
-    problem = dry_run_problem(config) or _check_omni_connector_names(config)  # (before the notes, which call it applied)
+    # (the connector names before the notes, which call them applied)
+    problem = dry_run_problem(config) or _check_omni_connector_names(config)
     if problem:
         return _fail(problem)
     for note in config.omni_connectors.notes:
