@@ -966,10 +966,9 @@ class ActorBridge(RequestActorKeeping):
         if ref.service and self._node_alive(ref):
             if self._data_service_silent(ref):  # (our own mark may have run out: 3 s; a review saw each
                 mark_down(ref.service)          # fetch after that wait its 10 s on a host still frozen)
-            # Taken for down after it timed out (its host frozen), it is asked once whether it answers
-            # now (at most 1 s), and tried if so (trial CD: the rerun of a request, made on the member
-            # just resumed, failed with a 500 "not tried again for 2.3 s"). (Not what the coordinator
-            # says of its data service: that is published only with other changes.)
+            # Taken for down (it timed out, or the coordinator says it is silent), it is asked once per
+            # mark whether it answers now (at most 1 s), and tried if so (trial CD: the rerun of a
+            # request, made on the member just resumed, failed with a 500 "not tried again for 2.3 s").
             probe_down(ref.service, DATA_SERVICE_PROBE_S)
         return self._connector.take(ref)
 
