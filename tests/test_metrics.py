@@ -322,9 +322,15 @@ def test_client_gone_mid_stream_counts_as_499():
             await asyncio.sleep(0.01)
         return f
 
-    f = serve(FakeBridge(), body)
+    from structlog.testing import capture_logs
+
+    with capture_logs() as logs:
+        f = serve(FakeBridge(), body)
     assert value(f, "omni_requests", "omni_requests_total", endpoint=CHAT, status="499") == 1
     assert not samples(f, "omni_requests", "omni_requests_total", status="200")
+    # (trial CK: its access log line read `"error": null`)
+    (line,) = [e for e in logs if e["event"] == "http_request" and e["status"] == 499]
+    assert line["error"] == "the client closed the connection", line
     _, count, _ = histogram(f, "omni_request_ttft_seconds", endpoint=CHAT, stream="true")
     assert count == 1
 

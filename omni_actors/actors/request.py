@@ -530,8 +530,8 @@ class RequestActor(ActorTypeDispatcher):
                 self._forget_stream(affected)
         if retry:
             # An engine failed this task: try another replica of the stage.
-            self._log.warning("stage_retry", request_id=msg.request_id, stage_id=msg.stage_id,
-                              replica=msg.replica, error=msg.message)
+            self._log.warning("stage_retry", request_id=msg.request_id, stage=self._stage_of(msg.stage_id),
+                              stage_id=msg.stage_id, replica=msg.replica, error=msg.message)
             self._resend(dataclasses.replace(task, attempt=attempt, exclude=task.exclude + (msg.replica,),
                                              crashed=msg.crashed or task.crashed, moved=moved))
             return
@@ -552,8 +552,8 @@ class RequestActor(ActorTypeDispatcher):
             return
         retry = dataclasses.replace(task, attempt=msg.attempt + 1, moved=moved, crashed=msg.crashed or task.crashed)
         if sender != self._pools.get(msg.stage_id):  # (the routes already moved on)
-            self._log.warning("stage_retry", request_id=msg.request_id, stage_id=msg.stage_id,
-                              replica=msg.replica, error=msg.message)
+            self._log.warning("stage_retry", request_id=msg.request_id, stage=self._stage_of(msg.stage_id),
+                              stage_id=msg.stage_id, replica=msg.replica, error=msg.message)
             self._resend(retry)
             return
         self._log.warning("stage_waits_for_new_pool", request_id=msg.request_id, stage_id=msg.stage_id,
@@ -677,6 +677,10 @@ class RequestActor(ActorTypeDispatcher):
                 self._finish(ErrorKind.UNAVAILABLE, f"stage {name}: {why}")
                 return
 
+    def _stage_of(self, stage_id: int) -> str:
+        """The stage's name, as other events give it (trial CK: `stage_retry` had only the id)."""
+        return getattr(self._plan.get(stage_id), "stage", str(stage_id))
+
     def _pool_gone(self, stage_id: int, why: str, sender) -> None:
         """The pool running stage ``stage_id``'s task is gone: fail a streaming task
         (its chunks went out; see StageFailed), re-send any other."""
@@ -685,7 +689,8 @@ class RequestActor(ActorTypeDispatcher):
             self.receiveMsg_StageFailed(StageFailed(task.request_id, stage_id, "pool", ErrorKind.UNAVAILABLE,
                                                     why, task.attempt, task.crashed, task.moved + 1), sender)
         elif task is not None:
-            self._log.warning("stage_retry", request_id=task.request_id, stage_id=stage_id, error=why)
+            self._log.warning("stage_retry", request_id=task.request_id, stage=self._stage_of(stage_id),
+                              stage_id=stage_id, error=why)
             self._resend(dataclasses.replace(task, attempt=task.attempt + 1, moved=task.moved + 1))
 
     def receiveMsg_StageCancelled(self, msg: StageCancelled, sender):

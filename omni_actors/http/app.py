@@ -292,6 +292,7 @@ async def request_id_middleware(request: web.Request, handler: _Handler) -> web.
         raise
     except (ConnectionResetError, asyncio.CancelledError):
         status = M.CLIENT_CLOSED
+        request[_ERROR] = "the client closed the connection"  # (trial CK read `"error": null` for a 499)
         raise
     finally:
         status = request.get(M.OUTCOME_KEY, status)
