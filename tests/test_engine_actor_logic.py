@@ -3451,6 +3451,8 @@ def test_a_dead_pools_replicas_show_no_load_and_a_silent_pools_replicas_age():
     busy = ReplicaStatus("talker/0", ReplicaState.READY, pid=11, rate=150.0, kv_cache_usage=0.8,
                          last_heartbeat_age_s=0.4)
     co._states[1] = co._reported[1] = PoolState(1, "talker", (busy,))
+    co._pool_heard[1] = time.monotonic() - 0.5  # (between two reports: trial CK read the same age at each scrape)
+    assert 0.9 <= co._status("q").stages[0].replicas[0].last_heartbeat_age_s < 2.0
     co._pool_heard[1] = time.monotonic() - 5.0  # (frozen 5 s)
     assert co._status("q").stages[0].replicas[0].last_heartbeat_age_s >= 5.0
     co.receiveMsg_ChildActorExited(ChildActorExited("pool-1"), None)
@@ -3468,6 +3470,23 @@ def test_a_reason_with_a_lone_surrogate_does_not_fail_the_scrape():
         {"replica": "talker/0", "state": "failed", "reason": "cannot open /models/bad\udc80name"}]}]}
     text = Metrics().render(table).decode()
     assert 'reason="cannot open /models/bad\\\\udc80name"' in text, text
+
+
+def test_a_replicas_info_label_has_no_clock_times_or_countdowns():
+    """Trial CK: `omni_replica_info`'s reason carried "restarted at 17:53:48 UTC" and "restarting
+    in 8 s": a new series at each restart and each second of a back-off. `status` keeps them."""
+    from omni_actors.http.metrics import Metrics
+
+    reasons = {"talker/0": "restarted at 17:53:48 UTC; it was down: process exited (killed by SIGKILL)",
+               "talker/1": "process exited (exit status 1); restarting in 8 s",
+               "talker/2": "engine failed: no such model; next try in 60 s (at 17:54:48 UTC)"}
+    table = {"stages": [{"stage": "talker", "pending": 0, "restarts": 0, "replicas": [
+        {"replica": name, "state": "dead", "reason": reason} for name, reason in reasons.items()]}]}
+    text = Metrics().render(table).decode()
+    for label in ('reason="restarted; it was down: process exited (killed by SIGKILL)"',
+                  'reason="process exited (exit status 1); restarting"',
+                  'reason="engine failed: no such model; next try"'):
+        assert label in text, text
 
 
 def test_a_request_actor_asks_for_the_answer_that_credits_its_producers_when_none_was_asked(monkeypatch):

@@ -1044,9 +1044,10 @@ def test_stage_scale_and_drain_at_runtime(fanin_leader):
 def test_status_shows_a_fault_injected_into_a_replica_until_it_is_cleared(fanin_leader):
     """`inject slow` (or stall, raise) left no trace in `status` or /v1/stages: a trial could not
     tell which replica was slowed, nor whether a fault was still in force."""
-    from omni_actors.system.faultlab import inject_cli
+    from omni_actors.system.faultlab import inject_cli, read_events
 
     port, env = fanin_leader.admin_port, {"OMNI_ACTORS_STATE_DIR": str(fanin_leader.log_path.parent)}
+    began = time.time()
 
     def fault_of(replica: str) -> str:
         with urllib.request.urlopen(fanin_leader.base_url + "/stages", timeout=10) as r:
@@ -1077,6 +1078,19 @@ def test_status_shows_a_fault_injected_into_a_replica_until_it_is_cleared(fanin_
     out = inject_cli(port, "clear", "--replica", "thinker/0")  # (trial BY: "cleared faults of" again)
     assert out.returncode == 0 and json.loads(out.stdout)["message"] == \
         "no fault injected into thinker/0: nothing to clear", out
+    # The leader's log has one `fault_injected` per injection, with its target as a signal's has (trial
+    # CK: two each, the pool's and the engine's, and only the signals' said `target`)
+    deadline = time.monotonic() + 5
+    while True:
+        events = read_events(fanin_leader.log_path, began - 1)
+        noted = [(e["kind"], e.get("target")) for e in events if e["event"] == "fault_injected"]
+        applied = [e["kind"] for e in events if e["event"] == "fault_applied" and e.get("replica") == "thinker/0"]
+        if len(applied) >= 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert noted == [("slow", "thinker/0"), ("raise", "thinker/0"), ("clear", "thinker/0"),
+                     ("clear", "thinker/0")], noted
+    assert applied == ["slow", "raise", "clear", "clear"], applied
 
 
 def test_a_second_start_on_the_ports_of_a_running_system_says_which_and_how_to_stop_it(image_leader):

@@ -1107,12 +1107,13 @@ class CoordinatorActor(ActorTypeDispatcher):
             self._answer_api_drain()
 
     def _aged(self, state: PoolState) -> PoolState:
-        """``state`` with its replicas' heartbeat ages grown by the time its pool has not
-        reported, past a heartbeat interval (a code review: a frozen pool's last report
-        served every scrape, its replicas' ages near 0, until the pool was killed; one on
-        another host, never)."""
+        """``state`` with its replicas' heartbeat ages as of now: grown by the time since its
+        pool reported them (a code review: a frozen pool's last report served every scrape,
+        its replicas' ages near 0, until the pool was killed; trial CK: between two reports
+        every scrape read the same age, a flat line, and an alert on it fired up to a report
+        late)."""
         silent = time.monotonic() - self._pool_heard.get(state.stage_id, time.monotonic())
-        if silent <= 2 * self._config.deployment.heartbeat_interval_s or state.stage_id in self._pools_down:
+        if silent <= 0 or state.stage_id in self._pools_down:
             return state
         return dataclasses.replace(state, replicas=tuple(
             dataclasses.replace(r, last_heartbeat_age_s=round(r.last_heartbeat_age_s + silent, 3))

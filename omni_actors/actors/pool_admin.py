@@ -39,7 +39,7 @@ class PoolAdminMixin:
         self.send(rep.address, dataclasses.replace(msg, seq=rep.fault_seq))
         rep.fault = msg.describe()  # (shown at once: its engine's heartbeats said it up to an interval later)
         self._publish()
-        self._log.warning("fault_injected", replica=msg.replica, **msg.log_fields())
+        self._log.warning("fault_injected", target=msg.replica, replica=msg.replica, **msg.log_fields())
         done = (f"injected {msg.describe()} into {msg.replica}" if msg.kind != FaultKind.CLEAR
                 else f"cleared faults of {msg.replica} ({had})" if had
                 else f"no fault injected into {msg.replica}: nothing to clear")  # (trial BY: "cleared" twice)

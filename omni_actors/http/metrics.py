@@ -22,6 +22,8 @@ Metric names:
 ``omni_replica_state``                  gauge      ``stage``, ``replica``, ``state``: 1 or 0
 ``omni_replica_info``                   gauge (1)  ``stage``, ``replica``, ``state``, ``reason``,
                                                    ``pid``, ``node``, ``devices``, ``backend``
+                                                   (``reason`` without clock times and countdowns:
+                                                   :func:`label_reason`)
 ``omni_replica_in_flight``              gauge      ``stage``, ``replica``
 ``omni_replica_queue_depth``            gauge      (engine's waiting requests)
 ``omni_replica_running``                gauge
@@ -53,6 +55,7 @@ Metric names:
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from typing import Any, Awaitable, Callable, Iterable
@@ -69,7 +72,7 @@ from omni_actors.http.types import within
 from omni_actors.messages import LATENCY_BUCKETS_S, ReplicaState
 
 __all__ = ["CONTENT_TYPE_LATEST", "METRICS_KEY", "REQUEST_BUCKETS_S", "STAGES_TIMEOUT_S", "Metrics",
-           "StageCollector", "first_text", "set_outcome", "timed"]
+           "StageCollector", "first_text", "label_reason", "set_outcome", "timed"]
 
 #: Request latency / TTFT histogram bounds (seconds): 1 ms .. 300 s (the default
 #: ``request_timeout_s``: long audio and image requests, and timeouts, fell in +Inf), then +Inf.
@@ -114,6 +117,20 @@ def _s(value: Any) -> str:
     # (a lone surrogate, as Python decodes a file name's bad bytes in an engine's error, made the
     # whole scrape a 500: a code review)
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+#: What :func:`label_reason` cuts: a clock time (``at 17:53:48 UTC``, ``(at 17:54:48 UTC)``) and a
+#: countdown (``in 8 s``).
+_VOLATILE = re.compile(r" ?\(at \d{1,2}:\d{2}(?::\d{2})?(?: UTC)?\)| at \d{1,2}:\d{2}(?::\d{2})?(?: UTC)?"
+                       r"| in \d+(?:\.\d+)? s\b")
+
+
+def label_reason(reason: str) -> str:
+    """A replica's reason as the ``omni_replica_info`` label: without the clock times and
+    countdowns that ``status`` shows (``restarted at 17:53:48 UTC``, ``restarting in 8 s``:
+    trial CK, a new series at each restart and each second of a back-off), cut to
+    :data:`MAX_REASON_CHARS`."""
+    return _VOLATILE.sub("", reason)[:MAX_REASON_CHARS]
 
 
 class StageCollector:
@@ -189,7 +206,7 @@ def stage_families(table: dict[str, Any]) -> list[Metric]:
                 state.add_metric([*labels, s], 1.0 if s == current else 0.0)
             fault = _s(r.get("fault"))  # (as the status table's REASON: a trial's info said "" meanwhile)
             reason = "; ".join(filter(None, (_s(r.get("reason")), fault and f"fault injected: {fault}")))
-            reason = reason[:MAX_REASON_CHARS]
+            reason = label_reason(reason)
             info.add_metric([*labels, current, reason, _s(r.get("pid")), _s(r.get("node")),
                              _s(r.get("devices")), _s(r.get("backend"))], {})
             in_flight.add_metric(labels, float(r.get("in_flight") or 0))
