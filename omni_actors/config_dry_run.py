@@ -85,8 +85,8 @@ async def _run(cfg: PipelineConfig) -> None:
     from omni_actors.config_checks import resolve_processor
     from omni_actors.engines import stream_edges
     from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal, StageInputError
-    from omni_actors.http.protocol import render_prompt
     from omni_actors.engines.synthetic import SyntheticEngine
+    from omni_actors.http.protocol import render_prompt
     from omni_actors.processors import default_input
 
     streams = stream_edges(cfg)

@@ -129,11 +129,11 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
 @pytest.fixture(autouse=True)
 def _no_release_retries_left_over():
     """Releases a test sent to a data service it had stopped are tried again for minutes
-    (omni_actors.connectors._Unreleased): not in the next test of this process."""
+    (omni_actors.connectors.release_retry): not in the next test of this process."""
     yield
-    from omni_actors.connectors import _unreleased
+    from omni_actors.connectors.release_retry import release_retries
 
-    _unreleased.clear()
+    release_retries.clear()
 
 
 @pytest.fixture(scope="module")

@@ -572,7 +572,8 @@ def test_a_release_that_finds_its_service_down_is_tried_again_once_it_answers(pr
     """Trial CG froze a member for a few seconds: the releases sent meanwhile failed and were
     dropped, and its buffers stayed for the reaper's 15 minutes. A failed remote release is
     kept and tried again (here: a service restarted on the same port)."""
-    from omni_actors.connectors import _unreleased, data_client, unreleased
+    from omni_actors.connectors import data_client, unreleased
+    from omni_actors.connectors.release_retry import release_retries
 
     svc = DataService("127.0.0.1", 0, prefix, node="far").start()
     address, port = svc.address, ds.parse_address(svc.address)[1]
@@ -583,7 +584,7 @@ def test_a_release_that_finds_its_service_down_is_tried_again_once_it_answers(pr
         release_all(refs[1:])
         assert unreleased().get(address) == 3
         assert len(list_segments(prefix)) == 3
-        _unreleased.retry()  # (still down: kept)
+        release_retries.retry()  # (still down: kept)
         assert unreleased().get(address) == 3
         with DataService("127.0.0.1", port, prefix, node="far"):
             data_client._down.pop(address, None)  # (its down mark, seconds long, has passed)
@@ -646,7 +647,7 @@ def test_giving_up_on_a_frozen_service_ends_the_gets_waiting_on_it_at_once(prefi
             t0 = time.monotonic()
             thread = threading.Thread(target=get)
             thread.start()
-            while not data_client._waiting.get(address):  # (its request sent, its answer awaited)
+            while not any(w.service == address for w in list(data_client._waits.values())):  # (its request sent)
                 assert time.monotonic() - t0 < 5
                 time.sleep(0.01)
             assert data_client.give_up(address) == 0  # (sent just now: it may yet be answered)
@@ -669,10 +670,10 @@ def test_giving_up_on_a_frozen_service_ends_the_gets_waiting_on_it_at_once(prefi
 def test_releases_kept_for_a_retry_are_bounded_the_oldest_going_first(monkeypatch):
     """At most RELEASE_RETRY_MAX names wait for a retry in a process; past that the oldest are
     left to their hosts' reapers."""
-    import omni_actors.connectors as connectors
+    from omni_actors.connectors import release_retry
 
-    monkeypatch.setattr(connectors, "RELEASE_RETRY_MAX", 5)
-    kept = connectors._Unreleased()
+    monkeypatch.setattr(release_retry, "RELEASE_RETRY_MAX", 5)
+    kept = release_retry.ReleaseRetries()
     monkeypatch.setattr(kept, "_thread", SimpleNamespace(is_alive=lambda: True))  # (no retry thread)
     kept.add("svc-a", ["a1", "a2", "a3"])
     time.sleep(0.01)

@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import collections
 import os
-import threading
-import time
 from typing import Any, Iterable
 
 import numpy as np
@@ -55,6 +53,7 @@ from omni_actors.connectors.data_client import DataServiceError
 from omni_actors.connectors.data_service import NODE_ENV, SERVICE_ENV, DataService
 from omni_actors.connectors.inline import ConnectorError, InlineConnector, plan, read_outputs
 from omni_actors.connectors.recycling import list_free_segments, size_class, trim_free_segments
+from omni_actors.connectors.release_retry import release_retries, unreleased
 from omni_actors.connectors.shm import DIR_ENV, SegmentDirError, ShmConnector, buffer_counts, \
     check_segment_dir, default_prefix, free_usage, list_segments, read_segment, release_segments, segment_dir, segment_usage, sweep_segments
 
@@ -205,7 +204,7 @@ class NodeConnector:
             data_client.release(ref.service, [ref.location], recycle=recycle)
         except DataServiceError as exc:
             log.warning("connector_release_failed", location=ref.location, error=str(exc), retried=True)
-            _unreleased.add(ref.service, [ref.location])
+            release_retries.add(ref.service, [ref.location])
 
     def take(self, ref: ConnectorRef) -> dict[str, Any]:
         """``get`` for the ref's one and last reader, which then releases it: the
@@ -308,102 +307,6 @@ def release_all(refs: Iterable[ConnectorRef | None], *, recycle: bool = False) -
         except DataServiceError as exc:
             log.warning("connector_release_failed", service=service, segments=len(names), error=str(exc),
                         retried=True)
-            _unreleased.add(service, names)
+            release_retries.add(service, names)
         except Exception:  # noqa: BLE001
             log.warning("connector_release_failed", service=service, segments=len(names), exc_info=True)
-
-
-#: Seconds between tries of the releases that found their data service unreachable.
-RELEASE_RETRY_EVERY_S = 1.0
-#: How long (seconds) a failed release is tried again: by then the owner's reaper has
-#: unlinked the segment (its ``reap_after_s``, 900 s by default: data_service.DEFAULT_REAP_AFTER_S).
-RELEASE_RETRY_FOR_S = 900.0
-#: Most segment names kept for a retry in a process (the oldest go first, to the reaper).
-RELEASE_RETRY_MAX = 100_000
-
-
-class _Unreleased:
-    """Remote releases that failed (the owning host's data service frozen, cut off or
-    restarting), tried again every :data:`RELEASE_RETRY_EVERY_S` on a thread of their own
-    until the service answers or :data:`RELEASE_RETRY_FOR_S` has passed. They were dropped
-    before: trial CG froze a member for a few seconds and its 11 released buffers stayed
-    for the reaper's 15 minutes, in the host's shared memory and in ``omni_node_buffers``.
-    Unlinked, not recycled: the releaser's reader may have mapped them long ago. A
-    generation already claimed again by its producer is not touched (see ``slots``)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._names: dict[str, dict[str, float]] = {}  # service -> segment name -> when it first failed
-        self._thread: threading.Thread | None = None
-        self._pid = os.getpid()
-
-    def add(self, service: str, names: Iterable[str]) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if self._pid != os.getpid():  # forked: the parent's retries are not ours
-                self._names, self._thread, self._pid = {}, None, os.getpid()
-            kept = self._names.setdefault(service, {})
-            for name in names:
-                kept.setdefault(name, now)
-            over = sum(len(v) for v in self._names.values()) - RELEASE_RETRY_MAX
-            for _ in range(max(0, over)):  # (each service's names are in the order they failed)
-                oldest = min((svc for svc in self._names if self._names[svc]),
-                             key=lambda svc: next(iter(self._names[svc].values())))
-                del self._names[oldest][next(iter(self._names[oldest]))]
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="connector-release-retry", daemon=True)
-                self._thread.start()
-
-    def clear(self) -> None:
-        """Give up every retry (tests: one test's dead services are not another's business)."""
-        with self._lock:
-            self._names = {}
-
-    def pending(self) -> dict[str, int]:
-        """Segment names waiting for a retry, by data service."""
-        with self._lock:
-            return {svc: len(names) for svc, names in self._names.items() if names}
-
-    def retry(self, now: float | None = None) -> None:
-        """One round: each service's names in one request; those given up are dropped."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            for svc in list(self._names):
-                self._names[svc] = {n: t for n, t in self._names[svc].items() if now - t < RELEASE_RETRY_FOR_S}
-                if not self._names[svc]:
-                    del self._names[svc]
-            batches = {svc: list(names) for svc, names in self._names.items()}
-        for svc, names in batches.items():
-            try:
-                released = data_client.release(svc, names)
-            except DataServiceError:
-                continue  # (taken for down: it costs nothing until it may answer again)
-            except Exception:  # noqa: BLE001 - a bad name: nothing to retry
-                log.warning("connector_release_retry_failed", service=svc, segments=len(names), exc_info=True)
-                released = None
-            with self._lock:
-                kept = self._names.get(svc, {})
-                for name in names:
-                    kept.pop(name, None)
-                if not kept:
-                    self._names.pop(svc, None)
-            if released is not None:
-                log.info("connector_release_retried", service=svc, segments=len(names), released=released)
-
-    def _loop(self) -> None:
-        while True:
-            time.sleep(RELEASE_RETRY_EVERY_S)
-            self.retry()
-            with self._lock:
-                if not self._names:
-                    self._thread = None
-                    return
-
-
-_unreleased = _Unreleased()
-
-
-def unreleased() -> dict[str, int]:
-    """The segment names whose release this process is still trying, by data service
-    (their service did not answer; see ``_Unreleased``)."""
-    return _unreleased.pending()

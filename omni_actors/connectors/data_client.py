@@ -24,6 +24,7 @@ import struct
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -72,15 +73,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
                 return None
             raise ConnectionError(f"peer closed after {got} of {n} bytes")
         got += k
-        if sock in _heard:  # (a request's, not a probe's)
-            _heard[sock] = time.monotonic()
+        _heard_on(sock)
     return bytes(buf)
 
 
 class DataServiceError(ConnectionError):
     """The data service could not be reached, or broke the protocol."""
-
-
 
 
 def parse_address(service: str) -> tuple[str, int]:
@@ -98,13 +96,27 @@ class _Connections(threading.local):
 
 
 _conns = _Connections()
-#: service -> the sockets of requests to it waiting for their answer now (any thread's), so
-#: that :func:`give_up` can end those waits
-_waiting: dict[str, set[socket.socket]] = {}
-_gave_up: set[socket.socket] = set()  #: those of them :func:`give_up` ended
-#: socket -> when its request was sent or its last bytes came (monotonic), while it waits
-_heard: dict[socket.socket, float] = {}
+
+
+@dataclass
+class _Wait:
+    """A request waiting for its answer on a socket (any thread's), so that :func:`give_up`
+    can end the wait."""
+
+    service: str
+    heard: float  #: when the request was sent or its last bytes came (monotonic)
+    given_up: bool = False  #: :func:`give_up` ended it
+
+
+#: socket -> its request's wait, while it waits (not a probe's)
+_waits: dict[socket.socket, _Wait] = {}
 _waiting_lock = threading.Lock()
+
+
+def _heard_on(sock: socket.socket) -> None:
+    wait = _waits.get(sock)
+    if wait is not None:
+        wait.heard = time.monotonic()
 #: A request that has heard from its service within this many seconds is not ended by
 #: :func:`give_up`: the service answers (the coordinator's word that it is silent can lag
 #: its resume by a probe: a review).
@@ -149,9 +161,9 @@ def give_up(service: str) -> int:
     _mark_down(service)
     now = time.monotonic()
     with _waiting_lock:  # (shut down here: once its request ends, its thread may reuse the socket)
-        socks = [s for s in _waiting.get(service, ()) if now - _heard.get(s, now) >= GIVE_UP_QUIET_S]
-        _gave_up.update(socks)
+        socks = [s for s, w in _waits.items() if w.service == service and now - w.heard >= GIVE_UP_QUIET_S]
         for sock in socks:
+            _waits[sock].given_up = True
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -224,17 +236,14 @@ def _request(service: str, req: dict, into: np.ndarray | None = None,
     for attempt in (0, 1):
         sock, reused = _connection(service, quick)
         with _waiting_lock:
-            _waiting.setdefault(service, set()).add(sock)
-            _heard[sock] = time.monotonic()
+            _waits[sock] = _Wait(service, time.monotonic())
         try:
             return _exchange(service, sock, reused, attempt, message, into, quick)
         except _Again:
             continue
         finally:
             with _waiting_lock:
-                _waiting.get(service, set()).discard(sock)
-                _gave_up.discard(sock)
-                _heard.pop(sock, None)
+                _waits.pop(sock, None)
     raise AssertionError("unreachable")
 
 
@@ -286,8 +295,8 @@ def _exchange(service: str, sock: socket.socket, reused: bool, attempt: int, mes
 def _if_given_up(service: str, sock: socket.socket) -> None:
     """Raises DataServiceError when :func:`give_up` ended the wait on ``sock``."""
     with _waiting_lock:
-        ended = sock in _gave_up
-    if ended:
+        wait = _waits.get(sock)
+    if wait is not None and wait.given_up:
         raise DataServiceError(f"data service {service}: not waited for: its host's node agent says it does not "
                                "answer (its process frozen or hung?)") from None
 
@@ -299,8 +308,7 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         if n == 0:
             raise ConnectionError(f"closed after {got} of {total} bytes")
         got += n
-        if sock in _heard:
-            _heard[sock] = time.monotonic()
+        _heard_on(sock)
 
 
 def _error(status: int, body: bytes, service: str) -> ConnectorError | DataServiceError:
