@@ -217,12 +217,15 @@ class ReleasePlacement(Message):
 
 @dataclass(frozen=True)
 class DataServicesSilent(Message):
-    """Coordinator -> pools: the nodes whose data service does not answer now (their host
-    process frozen or hung: what replicas there make cannot be fetched from other hosts);
-    a pool sends new tasks to replicas elsewhere while any is ready. Sent whenever the set
-    changes, and to a new pool."""
+    """Coordinator -> pools -> replicas: the nodes whose data service does not answer now
+    (their host process frozen or hung: what replicas there make cannot be fetched from other
+    hosts); a pool sends new tasks to replicas elsewhere while any is ready, and passes this
+    on to its replicas, which end their fetches waiting on those services. Sent whenever the
+    set changes, and to a new pool (by a pool: to a replica once ready)."""
 
     nodes: tuple[str, ...] = ()
+    #: those nodes' data services (``host:port``)
+    services: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1141,6 +1141,58 @@ def test_a_pool_sends_new_tasks_past_replicas_whose_nodes_data_service_is_silent
     assert ("talker-pool", DataServicesSilent(())) in co.sent
 
 
+def test_replicas_end_their_fetches_from_a_data_service_said_silent(monkeypatch):
+    """Trial CG: replicas reading their inputs from a frozen member each waited the fetch's
+    10 s (only the API server ended its fetches when the coordinator said the member's data
+    service was silent). The coordinator now names the services; a pool passes them on to its
+    live replicas (and to one once ready), which end their fetches waiting on them."""
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.actors.engine import EngineActor
+    from omni_actors.actors.stage_pool import Replica
+    from omni_actors.connectors import data_client
+    from omni_actors.messages import DataServicesSilent, EngineReady, NodeHeartbeat, ReplicaState
+    from omni_actors.placement import NodeInfo
+
+    co = CoordinatorActor()
+    co.sent = []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co._publish_status = lambda: None
+    co._pools = {1: "talker-pool"}
+    for name in ("m1", "m2"):
+        co._inventory.add(NodeInfo(name, ("0",), ()))
+    co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m2", data_service="127.0.0.1:7002", data_service_silent_s=4.0),
+                                "agent-m2")
+    silent = DataServicesSilent(("m2",), ("127.0.0.1:7002",))
+    assert ("talker-pool", silent) in co.sent
+
+    pool, ready = _pool_with_one_replica()
+    ready.state = ReplicaState.READY
+    dead = pool._replicas["thinker/1"] = Replica("thinker/1", "engine-1", state=ReplicaState.DEAD)
+    starting = pool._replicas["thinker/2"] = Replica("thinker/2", "engine-2", state=ReplicaState.STARTING)
+    pool.receiveMsg_DataServicesSilent(silent, "coordinator")
+    assert [a for a, m in pool.sent if m == silent] == ["engine-address"], pool.sent
+    pool.sent.clear()
+    pool.receiveMsg_DataServicesSilent(silent, "coordinator")  # (no change: nothing passed on)
+    assert not pool.sent
+    pool._spec = None
+    monkeypatch.setattr(pool, "_publish", lambda: None)
+    monkeypatch.setattr(pool, "_drain_pending", lambda: None)
+    pool.receiveMsg_EngineReady(EngineReady("thinker/2", pid=5, node="m1"), "engine-2")
+    assert starting.state == ReplicaState.READY and ("engine-2", silent) in pool.sent, pool.sent
+    assert dead.address not in [a for a, _ in pool.sent]
+
+    calls = []
+    monkeypatch.setattr(data_client, "give_up", lambda service: calls.append(("give_up", service)) or 2)
+    monkeypatch.setattr(data_client, "forget_down", lambda service: calls.append(("forget_down", service)) or True)
+    engine = EngineActor()
+    engine._started.set()  # (ends its orphan watchdog thread)
+    engine.receiveMsg_DataServicesSilent(silent, "pool")
+    engine.receiveMsg_DataServicesSilent(silent, "pool")  # (once per service said silent)
+    assert calls == [("give_up", "127.0.0.1:7002")]
+    engine.receiveMsg_DataServicesSilent(DataServicesSilent(), "pool")
+    assert calls[1:] == [("forget_down", "127.0.0.1:7002")]
+
+
 def test_a_processor_that_returns_no_dict_is_the_pipelines_fault_naming_it():
     """A processor's `[]` reached the engine, whose error was about missing fields (or a
     TypeError): it is a StageInputError (a 500 naming the processor) before the engine."""

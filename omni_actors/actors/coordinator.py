@@ -133,7 +133,7 @@ class CoordinatorActor(ActorTypeDispatcher):
         #: pools refused a placement because the free devices were kept for stages with no replica
         #: running (:class:`~omni_actors.placement.KeptForOthers`): told to retry when that may have changed
         self._kept_from: set = set()
-        self._silent_sent: tuple[str, ...] = ()  #: the nodes last sent to the pools as DataServicesSilent
+        self._silent_sent = DataServicesSilent()  #: what the pools were last told
         #: node -> a member that registered under its name while another ran as it (taken if that one goes)
         self._waiting_members: dict[str, NodeInfo] = {}
         #: ``(time.monotonic(), stage, node, devices)`` of pinned launches whose replicas have not asked yet
@@ -761,15 +761,17 @@ class CoordinatorActor(ActorTypeDispatcher):
             if flipped:
                 self._publish_status()  # (an API server about to run a request again waits for this)
         silent = self._silent_data_services()
-        if silent.nodes != self._silent_sent:  # (also a silent node lost, or back)
-            self._silent_sent = silent.nodes
+        if silent != self._silent_sent:  # (also a silent node lost, or back)
+            self._silent_sent = silent
             for pool in self._pools.values():
                 self.send(pool, silent)
 
     def _silent_data_services(self) -> DataServicesSilent:
         """The live nodes whose data service does not answer now (their node agents' heartbeats say)."""
-        return DataServicesSilent(tuple(sorted(n.info.name for n in self._inventory.nodes.values()
-                                               if n.alive and n.data_service_silent_s)))
+        silent = sorted((n.info.name, n.data_service) for n in self._inventory.nodes.values()
+                        if n.alive and n.data_service_silent_s)
+        return DataServicesSilent(tuple(name for name, _ in silent),
+                                  tuple(service for _, service in silent if service))
 
     def receiveMsg_PlaceReplica(self, msg: PlaceReplica, sender):
         self._asks[msg.replica] = msg

@@ -32,15 +32,15 @@ from omni_actors.actors.supervision import (POOL_HUNG_INTERVALS, ParentWatch, Wa
                                           host_identity)
 from omni_actors.actors.node_agent import on_node
 from omni_actors.config_checks import resolve_processor
-from omni_actors.connectors import ConnectorError, make_connector, release_all
+from omni_actors.connectors import ConnectorError, data_client, make_connector, release_all
 from omni_actors.connectors.omni import OmniDataMissing
 from omni_actors.engines import create_backend
 from omni_actors.engines.base import (REPLICA_PROCESS_NAME, BackendEvent, BackendTask, InputLost, OutputChunk,
                                      StageFinal, StageInputError, TextDelta, UpstreamTimeout, replica_log_prefix)
 from omni_actors.logs import get_logger
-from omni_actors.messages import (CancelStage, DeltasAck, DrainReplica, EngineFailed, EngineReady, ErrorKind,
-                                  FaultKind, Heartbeat, HeartbeatAck, InjectFault, OutputDelta, OutputDeltas,
-                                  StageAccepted,
+from omni_actors.messages import (CancelStage, DataServicesSilent, DeltasAck, DrainReplica, EngineFailed,
+                                  EngineReady, ErrorKind, FaultKind, Heartbeat, HeartbeatAck, InjectFault,
+                                  OutputDelta, OutputDeltas, StageAccepted,
                                   StageCancelled, StageDone, StageFailed, StageTask, StartEngine, TaskFinished,
                                   TextStarted, cancels_attempt)
 from omni_actors.placement import replica_devices
@@ -210,6 +210,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._stalled: asyncio.Event | None = None
         #: what its engine's start waits for: devices still held by an old engine (see device_leases)
         self._waiting_for = ""
+        self._silent_services: frozenset[str] = frozenset()  # (DataServicesSilent)
         self._device_note = ""  # what its start did about an old engine on its devices (EngineReady.note)
         self._leases: str | None = None  # the lease directory where it took its devices' leases
         self._log = get_logger(actor="engine")
@@ -451,6 +452,20 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             self._log.error("engine_dead", reason=failure)
             self._ready = False
             self.send(self._pool, EngineFailed(self._spec.replica, failure))
+
+    def receiveMsg_DataServicesSilent(self, msg: DataServicesSilent, sender):
+        """Fetches of this replica's inputs waiting on a data service that its node agent says
+        does not answer end at once (the task fails as its input lost, and its request runs
+        again or fails: trial CG's replicas each waited the fetch's 10 s on a frozen member);
+        one said to answer again is tried again at once."""
+        now = frozenset(msg.services)
+        for service in sorted(now - self._silent_services):
+            self._log.warning("data_service_given_up", service=service, fetches_ended=data_client.give_up(service))
+        for service in sorted(self._silent_services - now):
+            if data_client.forget_down(service):
+                self._log.info("data_service_answers_again", service=service)
+        self._silent_services = now
+        return self._watch()
 
     def receiveMsg_DrainReplica(self, msg: DrainReplica, sender):
         self._start_drain()

@@ -156,6 +156,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         self._next_index = 0
         self._pins: dict[str, tuple[str, tuple[str, ...]]] = {}  # replica -> (node, devices) it is pinned to
         self._silent_nodes: frozenset[str] = frozenset()  # (DataServicesSilent: avoided while others serve)
+        self._silent = DataServicesSilent()  # (the last one: passed on to each replica once ready)
         self._last_ack = time.monotonic()
         self._orphaned = False
         self._planned_stop = False  # (PlannedStop: the system stops; replicas exiting now are not failures)
@@ -176,6 +177,13 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         if frozenset(msg.nodes) != self._silent_nodes:
             self._log.info("data_services_silent", nodes=sorted(msg.nodes))
         self._silent_nodes = frozenset(msg.nodes)
+        if msg.services != self._silent.services:
+            # (their fetches from those services end at once: trial CG's replicas reading inputs
+            # from the frozen member each waited the fetch's 10 s)
+            for rep in self._replicas.values():
+                if rep.state == ReplicaState.READY or rep.state == ReplicaState.DRAINING:
+                    self.send(rep.address, msg)
+        self._silent = msg
 
     def receiveMsg_StartPool(self, msg: StartPool, sender):
         if self._spec is not None:
@@ -286,6 +294,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             rep.health = ReplicaHealth(last_heartbeat=now, progress_at=now)
             rep.loaded, rep.load_failures = True, 0
             self._log.info("replica_ready", replica=msg.replica, engine_pid=msg.pid, node=msg.node)
+            if self._silent.services:
+                self.send(sender, self._silent)
             for other in self._replicas.values():  # the last ones on a leaving node can go now
                 if other is not rep:
                     self._end_linger(other, f"{msg.replica} is ready")
