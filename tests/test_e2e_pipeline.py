@@ -96,8 +96,8 @@ def test_text_and_audio_returns_playable_wav(openai_client):
 
 def test_streaming_sends_text_deltas_and_audio_parts_as_they_are_made(omni_leader):
     """The demo streams between stages: audio arrives as base64 PCM16 parts
-    (one id), the last audio delta carries the transcript, and the parts
-    joined are the PCM of the non-streamed WAV."""
+    (the id in the first only, as OpenAI streams it), the last audio delta carries the
+    transcript, and the parts joined are the PCM of the non-streamed WAV."""
     async def run():
         body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 16, "stream": True,
                 "modalities": ["text", "audio"]}
@@ -130,11 +130,55 @@ def test_streaming_sends_text_deltas_and_audio_parts_as_they_are_made(omni_leade
             pcm += base64.b64decode(delta["audio"].get("data", ""))
     assert kinds.count("text") > 1
     assert sum(1 for a in audio if a.get("data")) > 1
-    assert len({a["id"] for a in audio}) == 1
+    assert [a for a in audio if "id" in a] == audio[:1] and audio[0]["id"].startswith("audio_")
     assert audio[-1]["transcript"] == text and "data" not in audio[-1]
     wav = base64.b64decode(whole["choices"][0]["message"]["audio"]["data"])
     with wave.open(io.BytesIO(wav)) as w:
         assert w.readframes(w.getnframes()) == pcm
+
+
+def _streamed_with_helper(client, **kwargs):
+    """The completion the `openai` package's stream helper puts together from a streamed audio
+    reply (its snapshot: `get_final_completion` refuses a reply cut at max_tokens)."""
+    with client.chat.completions.stream(model=MODEL, messages=MESSAGES, modalities=["text", "audio"],
+                                        **kwargs) as stream:
+        for _ in stream:
+            pass
+        return stream.current_completion_snapshot
+
+
+def test_the_openai_stream_helper_gives_a_streamed_audios_id_and_transcript(openai_client):
+    """Trial CL: every audio delta carried the id, and the `openai` package's stream helper,
+    which joins each string field across deltas, gave it five times over."""
+    final = _streamed_with_helper(openai_client, max_tokens=16, seed=3)
+    message = final.choices[0].message
+    assert re.fullmatch(r"audio_[0-9a-f]{32}", message.audio.id), message.audio.id
+    assert message.audio.transcript == message.content and message.content
+    assert message.audio.expires_at > final.created
+
+
+def test_an_audio_reply_can_be_replayed_by_its_id_in_the_next_turn(openai_client):
+    """Trial CL: OpenAI's way to carry an audio turn forward, an assistant message holding only
+    `audio: {"id"}`, was taken and the turn left out of the prompt (a made-up id too). It is
+    now the reply's transcript; an id the server does not know is a 400 naming it."""
+    import openai
+
+    first = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, seed=4,
+                                                  modalities=["text", "audio"])
+    streamed = _streamed_with_helper(openai_client, max_tokens=8, seed=5).choices[0].message
+    for reply in (first.choices[0].message, streamed):
+        follow = {"role": "user", "content": "And the sky?"}
+        by_id = openai_client.chat.completions.create(model=MODEL, max_tokens=8, seed=6, messages=[
+            *MESSAGES, {"role": "assistant", "audio": {"id": reply.audio.id}}, follow])
+        by_text = openai_client.chat.completions.create(model=MODEL, max_tokens=8, seed=6, messages=[
+            *MESSAGES, {"role": "assistant", "content": reply.audio.transcript}, follow])
+        assert by_id.usage.prompt_tokens == by_text.usage.prompt_tokens, (by_id.usage, by_text.usage)
+        assert by_id.choices[0].message.content == by_text.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as caught:
+        openai_client.chat.completions.create(model=MODEL, max_tokens=8, messages=[
+            *MESSAGES, {"role": "assistant", "audio": {"id": "audio_doesnotexist"}}, follow])
+    assert caught.value.body["param"] == f"messages[{len(MESSAGES)}].audio.id", caught.value.body
+    assert "audio_doesnotexist" in caught.value.body["message"], caught.value.body
 
 
 def test_streaming_with_openai_client_matches_non_streaming(openai_client):

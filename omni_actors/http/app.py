@@ -44,6 +44,7 @@ _API_KEY: web.AppKey[Any] = web.AppKey("api_key", object)
 _CREATED: web.AppKey[int] = web.AppKey("created", int)
 _MAX_BODY: web.AppKey[int] = web.AppKey("max_body_bytes", int)
 _STOPPING: web.AppKey[Any] = web.AppKey("stopping", object)
+_TRANSCRIPTS: web.AppKey[P.AudioTranscripts] = web.AppKey("audio_transcripts", P.AudioTranscripts)
 _RID: web.RequestKey[str] = web.RequestKey("request_id", str)
 #: the message of the error a request was answered with, or that ended its stream (logged)
 _ERROR: web.RequestKey[str] = web.RequestKey("error_message", str)
@@ -568,7 +569,8 @@ async def _wav(ev: OutputFinal, fmt: str = "wav") -> bytes:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions`` (JSON or SSE with ``stream: true``)."""
     bridge: Bridge = request.app[BRIDGE_KEY]
-    creq = P.parse_chat_request(await _read_json(request), bridge)
+    transcripts = request.app[_TRANSCRIPTS]
+    creq = P.parse_chat_request(await _read_json(request), bridge, transcripts)
     preq = _pipeline_request(request, "chatcmpl", creq.prompt, creq.output_types,
                              creq.sampling_params(), creq.params(), creq.stream)
     if creq.stream:
@@ -596,6 +598,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     payload = None
     if audio is not None:
         payload = P.audio_payload(await _wav(audio, creq.audio_format), text, created)
+        transcripts.keep(payload["id"], text, payload["expires_at"])
     elif "audio" in creq.output_types:
         _log().warning("http_no_audio", request_id=preq.request_id)
     finish = done.finish_reason or P.finish_reason(done.completion_tokens, creq.max_tokens)
@@ -609,7 +612,7 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
     """SSE: role chunk, content deltas, audio delta(s), finish chunk, usage, [DONE].
 
     Audio goes out as deltas of base64 PCM16 (mono, little-endian, at the
-    stage's sample rate, at most 1 s each), all with one ``id``: as the last
+    stage's sample rate, at most 1 s each), the first with the audio's ``id``: as the last
     stage makes them when the pipeline streams between stages, else all at
     once when the whole audio is done; then a last audio delta with the
     transcript and ``expires_at``. A whole audio at another sample rate than
@@ -664,8 +667,9 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                 elif isinstance(ev, OutputPart | OutputFinal) and ev.output_type == "audio":
                     # (a whole audio too, as parts: one delta of it, tens of MB of base64 in one SSE
                     # line with long replies, was over some clients' line limits: a trial)
+                    first = audio_id is None
                     audio_id = audio_id or P.audio_id()
-                    for part in P.audio_parts(audio_id, ev.data["audio"]):
+                    for part in P.audio_parts(audio_id if first else None, ev.data["audio"]):
                         await send(chunk({"audio": part}))
                 elif isinstance(ev, RequestDone):
                     done = ev
@@ -676,9 +680,12 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
             if done is not None:
                 if audio is not None:
                     payload = P.audio_payload(await _wav(audio, creq.audio_format), "".join(streamed), created)
+                    request.app[_TRANSCRIPTS].keep(payload["id"], payload["transcript"], payload["expires_at"])
                     await send(chunk({"audio": payload}))
                 elif audio_id is not None:
-                    await send(chunk({"audio": P.audio_end(audio_id, "".join(streamed), created)}))
+                    end = P.audio_end("".join(streamed), created)
+                    request.app[_TRANSCRIPTS].keep(audio_id, end["transcript"], end["expires_at"])
+                    await send(chunk({"audio": end}))
                 finish = done.finish_reason or P.finish_reason(done.completion_tokens, creq.max_tokens)
                 await send(chunk({}, finish))
                 if iu:
@@ -823,6 +830,7 @@ def create_app(bridge: Bridge, *, max_body_bytes: int = 1 << 20,
     app[_CREATED] = getattr(bridge, "created", 0) or P.now()  # (the pipeline's deploy time: one for all servers)
     app[_MAX_BODY] = max_body_bytes
     app[_STOPPING] = _Stopping()
+    app[_TRANSCRIPTS] = P.AudioTranscripts()
     app[M.METRICS_KEY] = M.Metrics()
     app[M.METRICS_KEY].registry.register(M.RequestActorCollector(bridge))
     app.add_routes(ROUTES)

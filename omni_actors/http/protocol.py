@@ -8,6 +8,7 @@ every response is a plain dict ready to be JSON-encoded.
 from __future__ import annotations
 
 import base64
+import collections
 import json
 import re
 import sys
@@ -20,6 +21,7 @@ from omni_actors.http.types import Bridge
 
 __all__ = [
     "ApiError",
+    "AudioTranscripts",
     "ChatRequest",
     "ImageRequest",
     "error_body",
@@ -44,7 +46,9 @@ MAX_STOP = 4
 AUDIO_FORMATS = frozenset({"wav", "pcm16"})  #: pcm16: raw int16 little-endian samples, as streamed parts are
 DEFAULT_SIZE = "256x256"
 MIN_SIDE, MAX_SIDE, SIDE_MULTIPLE = 64, 1024, 8
-AUDIO_TTL_S = 3600
+AUDIO_TTL_S = 3600  #: seconds an audio reply's id can be replayed (its ``expires_at``), as OpenAI's
+#: Most audio replies' transcripts an API server keeps for replays by id (the oldest go first).
+MAX_KEPT_AUDIO = 10_000
 _SIZE_RE = re.compile(r"([1-9]\d{0,4})x([1-9]\d{0,4})", re.ASCII)  # (fullmatch: no trailing newline; ASCII digits, no leading 0)
 
 
@@ -182,6 +186,50 @@ class ChatRequest:
         return {"voice": self.voice} if self.voice is not None and "audio" in self.output_types else {}
 
 
+class AudioTranscripts:
+    """The transcripts of this API server's audio replies by audio id, so that a conversation
+    can replay an audio turn as OpenAI's API takes it (an assistant message
+    ``{"role": "assistant", "audio": {"id": ...}}``): until its ``expires_at``
+    (:data:`AUDIO_TTL_S` after the reply), at most :data:`MAX_KEPT_AUDIO` of them, the
+    oldest going first. Trial CL: such a turn was taken and dropped from the prompt."""
+
+    def __init__(self, max_kept: int = MAX_KEPT_AUDIO) -> None:
+        self._kept: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
+        self._max = max_kept
+
+    def keep(self, audio_id_: str, transcript: str, expires_at: float) -> None:
+        """Keep ``transcript`` for ``audio_id_`` until ``expires_at`` (Unix seconds)."""
+        self._kept[audio_id_] = (transcript, expires_at)
+        while len(self._kept) > self._max:
+            self._kept.popitem(last=False)
+
+    def get(self, audio_id_: str) -> str | None:
+        """The transcript of ``audio_id_``; None when unknown here or expired."""
+        kept = self._kept.get(audio_id_)
+        if kept is None or kept[1] <= time.time():
+            return None
+        return kept[0]
+
+
+def _replayed_audio(msg: dict, i: int, transcripts: AudioTranscripts | None) -> str:
+    """The transcript of an assistant message's ``audio: {"id"}`` (a replayed audio turn).
+
+    Raises ApiError (400) naming ``messages[i].audio`` or its ``id``."""
+    param = f"messages[{i}].audio"
+    audio = msg["audio"]
+    if not isinstance(audio, dict):
+        raise _bad(f"Invalid type for '{param}': expected an object.", param)
+    if not isinstance(audio.get("id"), str):
+        raise _bad(f"Missing required parameter: '{param}.id'." if audio.get("id") is None
+                   else f"Invalid type for '{param}.id': expected a string.", f"{param}.id")
+    transcript = transcripts.get(audio["id"]) if transcripts is not None else None
+    if transcript is None:
+        raise _bad(f"Invalid value for '{param}.id': no audio reply {audio['id']!r} is known to this server (an "
+                   f"audio reply can be replayed by id for {AUDIO_TTL_S // 60} minutes, on the API server that "
+                   "made it); give the turn's transcript as its 'content' instead.", f"{param}.id")
+    return transcript
+
+
 def _message_text(content: Any, i: int, role: str) -> str:
     param = f"messages[{i}].content"
     if isinstance(content, str):
@@ -212,8 +260,10 @@ def _message_text(content: Any, i: int, role: str) -> str:
     return "\n".join(texts)
 
 
-def render_prompt(messages: Any) -> str:
-    """Validate ``messages`` and render them as ``role: text`` lines."""
+def render_prompt(messages: Any, transcripts: AudioTranscripts | None = None) -> str:
+    """Validate ``messages`` and render them as ``role: text`` lines. An assistant message
+    with no content and an ``audio: {"id"}`` (an audio reply replayed) is its transcript, from
+    ``transcripts``; one not there is a 400."""
     if messages is None:
         raise _bad("Missing required parameter: 'messages'.", "messages")
     if not isinstance(messages, list):
@@ -236,7 +286,10 @@ def render_prompt(messages: Any) -> str:
             raise _bad(f"Invalid type for 'messages[{i}].name': expected a string.", f"messages[{i}].name")
         if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
             raise _bad(f"Missing required parameter: 'messages[{i}].tool_call_id'.", f"messages[{i}].tool_call_id")
-        lines.append(f"{role}: {_message_text(msg.get('content'), i, role)}")
+        content = msg.get("content")
+        if role == "assistant" and msg.get("audio") is not None and content in (None, ""):
+            content = _replayed_audio(msg, i, transcripts)
+        lines.append(f"{role}: {_message_text(content, i, role)}")
     return "\n".join(lines)
 
 
@@ -327,15 +380,16 @@ def _check_calls(body: dict, listed: str, choice_key: str, what: str, forcing: t
                "(the reply is text).", choice_key)
 
 
-def parse_chat_request(body: Any, bridge: Bridge) -> ChatRequest:
-    """Validate a chat-completions JSON body against ``bridge``.
+def parse_chat_request(body: Any, bridge: Bridge, transcripts: AudioTranscripts | None = None) -> ChatRequest:
+    """Validate a chat-completions JSON body against ``bridge`` (replayed audio turns:
+    their transcripts from ``transcripts``).
 
     Raises :class:`ApiError` (400, or 404 ``model_not_found``). Unknown
     fields are ignored.
     """
     body = _check_body(body)
     model = _check_model(body, bridge, "text", "/v1/chat/completions")
-    prompt = render_prompt(body.get("messages"))
+    prompt = render_prompt(body.get("messages"), transcripts)
     output_types = _modalities(body, bridge)
     voice, audio_format = _audio(body)
     limit = bridge.max_tokens_limit
@@ -511,12 +565,16 @@ def audio_payload(wav: bytes, transcript: str, created: int) -> dict[str, Any]:
             "expires_at": created + AUDIO_TTL_S, "transcript": transcript}
 
 
-def audio_part(audio_id_: str, pcm: Any) -> dict[str, Any]:
-    """A streamed ``delta.audio``: ``{"id", "data"}``, data = base64 of int16
-    little-endian PCM samples (``pcm``: an int16 array [samples])."""
+def audio_part(audio_id_: str | None, pcm: Any) -> dict[str, Any]:
+    """A streamed ``delta.audio``: ``{"id", "data"}`` for the first part of an audio,
+    ``{"data"}`` for the others (``audio_id_`` None), data = base64 of int16 little-endian
+    PCM samples (``pcm``: an int16 array [samples]). The id goes once, as in OpenAI's
+    streams: clients join each string field across deltas (trial CL: the ``openai``
+    package's stream helper gave the id five times over)."""
     import numpy as np
 
-    return {"id": audio_id_, "data": base64.b64encode(np.asarray(pcm, dtype="<i2").tobytes()).decode("ascii")}
+    data = base64.b64encode(np.asarray(pcm, dtype="<i2").tobytes()).decode("ascii")
+    return {"id": audio_id_, "data": data} if audio_id_ else {"data": data}
 
 
 #: Samples of audio in one streamed part at most (1 s at 24 kHz: 64 KB of base64 in one
@@ -527,19 +585,21 @@ AUDIO_PART_MAX_SAMPLES = 24000
 AUDIO_PART_RATE = 24000
 
 
-def audio_parts(audio_id_: str, pcm: Any) -> list[dict[str, Any]]:
+def audio_parts(audio_id_: str | None, pcm: Any) -> list[dict[str, Any]]:
     """:func:`audio_part` s of ``pcm`` (int16 [samples]) in order, each at most
-    :data:`AUDIO_PART_MAX_SAMPLES` samples long."""
+    :data:`AUDIO_PART_MAX_SAMPLES` samples long; the first with ``audio_id_`` (the audio's
+    first part: None for the parts after it)."""
     import numpy as np
 
     pcm = np.asarray(pcm, dtype="<i2")
     step = AUDIO_PART_MAX_SAMPLES
-    return [audio_part(audio_id_, pcm[i:i + step]) for i in range(0, max(len(pcm), 1), step)]
+    return [audio_part(audio_id_ if i == 0 else None, pcm[i:i + step]) for i in range(0, max(len(pcm), 1), step)]
 
 
-def audio_end(audio_id_: str, transcript: str, created: int) -> dict[str, Any]:
-    """The last streamed ``delta.audio``: id, transcript, expiry (no data)."""
-    return {"id": audio_id_, "transcript": transcript, "expires_at": created + AUDIO_TTL_S}
+def audio_end(transcript: str, created: int) -> dict[str, Any]:
+    """The last streamed ``delta.audio``: transcript and expiry (no data; the id went with
+    the first part)."""
+    return {"transcript": transcript, "expires_at": created + AUDIO_TTL_S}
 
 
 def chat_completion(
