@@ -287,6 +287,9 @@ BAD_REQUESTS = [
      {"model": MODEL, "messages": [{"role": "user", "content": "x " * 40_000}]}, 400),
     ("max_tokens past what the context leaves",  # (trial AU: it was cut at the context, "length")
      {"model": MODEL, "messages": [{"role": "user", "content": "x " * 32_700}], "max_tokens": 200}, 400),
+    ("prompt that fills the context",  # (trial CL: a 200 with an empty text and an empty audio)
+     {"model": MODEL, "messages": [{"role": "user", "content": "x " * 32_767}], "modalities": ["text", "audio"]},
+     400),
 ]
 
 
@@ -300,9 +303,11 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(omni_leader, opena
     assert err.value.code == status
     error = json.loads(err.value.read())["error"]
     assert error["message"] and error["type"]
-    if name == "prompt over the context length":  # (the stage named once: it said "...: thinker: the prompt...")
-        assert re.match(r"stage thinker \(thinker/\d+\): the prompt has \d+ tokens: over the model's context "
-                        r"length of 32768 tokens", error["message"]), error["message"]
+    if name in ("prompt over the context length", "prompt that fills the context"):
+        # (the stage named once: it said "...: thinker: the prompt...")
+        assert re.match(r"stage thinker \(thinker/\d+\): the prompt has (32768|40001) tokens: no room is left for a "
+                        r"completion in this model's maximum context length of 32768 tokens", error["message"]), \
+            error["message"]
         # (as OpenAI's: a client can tell it from other 400s)
         assert (error["code"], error["param"]) == ("context_length_exceeded", "messages"), error
     elif name == "max_tokens past what the context leaves":

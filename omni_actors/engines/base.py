@@ -91,8 +91,16 @@ def context_exceeded(max_model_len: int, prompt_tokens: int, max_tokens: int | N
     (:attr:`BackendTask.max_tokens_asked`) does not fit the model's context of
     ``max_model_len`` tokens, or None when it does. (The HTTP API answers it with a 400, code
     ``context_length_exceeded``; vLLM's engine alone would stop at the context, with
-    ``finish_reason`` "length": a trial read 50 tokens where it asked for 100.)"""
-    if max_tokens is None or prompt_tokens + max_tokens <= max_model_len:
+    ``finish_reason`` "length": a trial read 50 tokens where it asked for 100.) Without
+    ``max_tokens``, a prompt that leaves no room for one token does not fit (as vLLM's
+    OpenAI server answers it; trial CL's prompt of exactly the context got a 200 with an
+    empty text and an empty audio)."""
+    if max_tokens is None:
+        if prompt_tokens < max_model_len:
+            return None
+        return (f"the prompt has {prompt_tokens} tokens: no room is left for a completion in this model's "
+                f"maximum context length of {max_model_len} tokens; shorten the messages")
+    if prompt_tokens + max_tokens <= max_model_len:
         return None
     return (f"this model's maximum context length is {max_model_len} tokens, and the request asks for "
             f"{prompt_tokens + max_tokens}: {prompt_tokens} in the prompt and {max_tokens} in the completion "
