@@ -787,6 +787,14 @@ def test_a_stream_that_needs_a_stage_scaled_to_zero_gets_a_503_before_it_begins(
         assert (error["type"], error["code"]) == ("server_error", "service_unavailable"), error
         assert error["message"] == "no ready replica of stage talker (talker/0, talker/1 stopped: scaled down)", error
         assert took < 5, took
+        # (none on its way: the same a second later, so OpenAI's clients are told not to retry it: trial CL's
+        # tried twice more)
+        req = urllib.request.Request(leader.base_url + "/chat/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"model": "qwen3-omni-cpu-demo", "messages": MESSAGES,
+                                                      "modalities": ["text", "audio"]}).encode())
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=30)
+        assert refused.value.code == 503 and refused.value.headers["x-should-retry"] == "false"
         status, body = got["text"]
         assert status == 200 and body.rstrip().endswith("data: [DONE]") and '"error"' not in body, got
     finally:

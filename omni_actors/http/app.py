@@ -540,13 +540,15 @@ def _failed(ev: RequestFailed, prompt_param: str = "messages") -> P.ApiError:
     two more tries of any 5xx: three deadlines' wait, or a poison request crashing
     replicas again). A lost output's 500, and one for a request this server lost (its
     RequestActor exited or could not take it), are left to retry: nothing in the request caused them.
+    So is a 503, but for a stage with no replica ready and none on its way, which would be
+    the same a second later (``RequestFailed.none_coming``).
     A prompt over the context length (code ``context_length_exceeded``) names the request's
     ``prompt_param`` (``messages``; ``prompt`` for images) as its ``param``, as OpenAI's does."""
     headers = {}
     retry_after = getattr(ev, "retry_after_s", None)
     if retry_after is not None:
         headers["Retry-After"] = str(int(retry_after))
-    if ev.status == 504 or (ev.status == 500 and not ev.lost_output and not ev.lost_by_server):
+    if ev.status == 504 or (ev.status == 500 and not ev.lost_output and not ev.lost_by_server) or ev.none_coming:
         headers["x-should-retry"] = "false"
     param = prompt_param if ev.code == CONTEXT_LENGTH_CODE else None
     return P.ApiError(ev.status, ev.message, ev.type, param=param, code=ev.code, headers=headers or None)

@@ -367,7 +367,7 @@ class ActorBridge(RequestActorKeeping):
             return
         refused = self._no_replica(plan)
         if refused is not None:  # refused here, before a stream could begin (as the pool would, later)
-            yield RequestFailed(503, refused, code="service_unavailable")
+            yield RequestFailed(503, refused, code="service_unavailable", none_coming=True)
             return
         timeout = request.timeout_s or self.request_timeout_s
         rid = request.request_id

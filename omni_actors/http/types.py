@@ -120,6 +120,10 @@ class RequestFailed:
     #: nothing in the request caused it, so the client may try it again (no
     #: ``x-should-retry: false``, which a pipeline's 500 gets)
     lost_by_server: bool = False
+    #: a 503 for a stage with no replica ready and none on its way (stopped, scaled to 0,
+    #: failed): a client's own retries a second later would get it again (trial CL's
+    #: ``openai`` client tried twice more), so it gets ``x-should-retry: false``
+    none_coming: bool = False
     #: the error's ``code``: ``service_unavailable`` (503), ``timeout`` (504),
     #: :data:`CONTEXT_LENGTH_CODE` (400), or None
     code: str | None = None
