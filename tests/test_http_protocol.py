@@ -310,6 +310,12 @@ BAD = [
     (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required"), 400,
      "tool_choice"),
     (CHAT, chat(tool_choice="sometimes"), 400, "tool_choice"),
+    # (trial CL: a function tool with no function got a 200; OpenAI's answer is a 400)
+    (CHAT, chat(tools=[{"type": "function"}]), 400, "tools[0].function"),
+    (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {}}]), 400,
+     "tools[1].function.name"),
+    (CHAT, chat(tools=[{"type": "function", "function": "f"}]), 400, "tools[0].function"),
+    (CHAT, chat(functions=[{"description": "no name"}]), 400, "functions[0].name"),
     # (a trial: the deprecated form of a forced call got a 200 with text)
     (CHAT, chat(functions=[{"name": "f"}], function_call={"name": "f"}), 400, "function_call"),
     (CHAT, chat(function_call="sometimes"), 400, "function_call"),
@@ -1118,6 +1124,10 @@ def test_no_value_of_any_json_type_in_any_field_gets_a_500():
              + [(CHAT, chat(modalities=["text", "audio"], audio={"format": "wav"}), ("audio", f))
                 for f in ("format", "voice")]
              + [(CHAT, chat(stream=True, stream_options={"include_usage": True}), ("stream_options", "include_usage"))]
+             + [(CHAT, {**GOOD_CHAT, "messages": [*GOOD_CHAT["messages"], {"role": "assistant", "audio": {"id": "x"}}]},
+                 ("messages", 1, "audio", f)) for f in ("id",)]
+             + [(CHAT, {**GOOD_CHAT, "messages": [*GOOD_CHAT["messages"], {"role": "assistant", "audio": {"id": "x"}}]},
+                 ("messages", 1, "audio"))]
              + [(CHAT, chat(content=[{"type": "text", "text": "hi"}]), ("messages", 0, "content", 0, f))
                 for f in ("type", "text")]
              + [(IMAGES, GOOD_IMAGE, (f,)) for f in IMAGE_FIELDS])

@@ -654,7 +654,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                     ErrorKind.BAD_REQUEST if isinstance(exc, ValueError) else ErrorKind.ENGINE_ERROR)
             input_error = kind != ErrorKind.ENGINE_ERROR
             client_error = kind == ErrorKind.BAD_REQUEST
-            self._log.warning("stage_failed", request_id=msg.request_id, error=str(exc), kind=kind.value)
+            # (a client's bad input, a 400, is no warning of the replica's: trial CL read it as one)
+            (self._log.info if client_error else self._log.warning)(
+                "stage_failed", request_id=msg.request_id, error=str(exc), kind=kind.value)
             failure = getattr(self._backend, "failure", None)
             if failure and self._ready:
                 # Its engine is dead: the pool hears it now. (It heard at the next heartbeat:

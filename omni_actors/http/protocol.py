@@ -370,6 +370,23 @@ def _check_calls(body: dict, listed: str, choice_key: str, what: str, forcing: t
     items = body.get(listed)
     if items is not None and (not isinstance(items, list) or not all(isinstance(i, dict) for i in items)):
         raise _bad(f"Invalid type for '{listed}': expected an array of objects.", listed)
+    for i, item in enumerate(items or ()):
+        # (each function named, as OpenAI checks it: trial CL's tool with no `function` got a 200)
+        if listed == "tools":
+            if item.get("type") != "function":
+                continue  # (another kind of tool: not ours to check)
+            where = f"tools[{i}].function"
+            if item.get("function") is None:
+                raise _bad(f"Missing required parameter: '{where}'.", where)
+            item = item["function"]
+            if not isinstance(item, dict):
+                raise _bad(f"Invalid type for '{where}': expected an object.", where)
+        else:
+            where = f"{listed}[{i}]"
+        if item.get("name") is None:
+            raise _bad(f"Missing required parameter: '{where}.name'.", f"{where}.name")
+        if not isinstance(item["name"], str):
+            raise _bad(f"Invalid type for '{where}.name': expected a string.", f"{where}.name")
     choice = body.get(choice_key)
     if choice is None or choice in ("none", "auto"):
         return
