@@ -66,6 +66,13 @@ def lingers(replica) -> bool:
     return replica.state in ROUTABLE and bool(getattr(replica, "lingering", False) or getattr(replica, "linger", ""))
 
 
+def none_on_its_way(replicas: Iterable) -> bool:
+    """Whether none of ``replicas`` is on its way to READY (:data:`ON_ITS_WAY`, or one that
+    :func:`comes_back`): a request refused for want of one gets the same answer a second later
+    (a review: with ``queue_timeout_s: 0`` a refusal is no sign of that)."""
+    return not any(r.state in ON_ITS_WAY or comes_back(r) for r in replicas)
+
+
 def comes_back(replica) -> bool:
     """Whether ``replica`` (a pool's record, or a ``ReplicaStatus``), pinned to a node that was
     drained or left, is draining or lingering there and starts again on that node once it is

@@ -224,7 +224,8 @@ class DataServicesSilent(Message):
     set changes, and to a new pool (by a pool: to a replica once ready)."""
 
     nodes: tuple[str, ...] = ()
-    #: those nodes' data services (``host:port``)
+    #: the data services (``host:port``) not to wait on: those nodes', and those of nodes lost
+    #: or gone (replicas end their fetches waiting on them)
     services: tuple[str, ...] = ()
 
 

@@ -148,10 +148,13 @@ def test_a_request_is_refused_up_front_only_by_what_the_pools_last_reported():
 
     talker_id = next(s.stage_id for s in cfg.stage_args if s.name == "talker")
     publish(PoolState(talker_id, "talker", (ReplicaStatus("talker/0", ReplicaState.STOPPED, "scaled down"),), pid=7))
-    assert bridge._no_replica(audio) == "no ready replica of stage talker (talker/0 stopped: scaled down)"
+    # (and none on its way: a client's own retry would get the same answer)
+    assert bridge._no_replica(audio) == ("no ready replica of stage talker (talker/0 stopped: scaled down)", True)
     assert bridge._no_replica(text) is None  # text alone needs no Talker
     publish(PoolState(talker_id, "talker", (ReplicaStatus("talker/1", ReplicaState.STARTING),), pid=7))
     assert bridge._no_replica(audio) is None  # one on its way: the pool queues the task
+    cfg.deployment.supervision.queue_timeout_s = 0  # (a review: refused then, but one is on its way)
+    assert bridge._no_replica(audio) == ("no ready replica of stage talker (talker/1 starting)", False)
     publish(PoolState(talker_id, "talker", ()))  # not reported yet
     assert bridge._no_replica(audio) is None
 

@@ -1192,6 +1192,36 @@ def test_replicas_end_their_fetches_from_a_data_service_said_silent(monkeypatch)
     engine.receiveMsg_DataServicesSilent(DataServicesSilent(), "pool")
     assert calls[1:] == [("forget_down", "127.0.0.1:7002")]
 
+    # (a review) a node lost while silent keeps its service in the set: replicas took its leaving the set
+    # for "it answers again", and waited on it
+    co.sent.clear()
+    co._inventory.nodes["m2"].alive = False
+    co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1"), "agent-m1")
+    assert ("talker-pool", DataServicesSilent((), ("127.0.0.1:7002",))) in co.sent, co.sent
+
+
+def test_a_replica_fetching_from_a_service_said_silent_renews_its_mark_and_probes_it(monkeypatch):
+    """A review: `give_up`'s mark runs out after 3 s; each fetch after it, the service still silent,
+    waited the fetch's 10 s again. While the coordinator says it is silent, a replica's fetch
+    renews the mark and asks once per mark whether it answers now (as the API server does)."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.engine import EngineActor
+    from omni_actors.connectors import data_client
+
+    calls = []
+    monkeypatch.setattr(data_client, "mark_down", lambda service: calls.append(("mark_down", service)))
+    monkeypatch.setattr(data_client, "probe_down", lambda service, s: calls.append(("probe_down", service)))
+    engine = EngineActor()
+    engine._started.set()  # (ends its orphan watchdog thread)
+    engine._connector = SimpleNamespace(get=lambda ref: {"x": ref.service})
+    engine._silent_services = frozenset({"10.0.0.2:7002"})
+    assert engine._read_remote(SimpleNamespace(service="10.0.0.2:7002")) == {"x": "10.0.0.2:7002"}
+    assert calls == [("mark_down", "10.0.0.2:7002"), ("probe_down", "10.0.0.2:7002")]
+    calls.clear()
+    engine._read_remote(SimpleNamespace(service="10.0.0.3:7002"))  # (not said silent: only a probe if marked)
+    assert calls == [("probe_down", "10.0.0.3:7002")]
+
 
 def test_a_processor_that_returns_no_dict_is_the_pipelines_fault_naming_it():
     """A processor's `[]` reached the engine, whose error was about missing fields (or a
@@ -3630,7 +3660,7 @@ def test_a_small_input_on_another_node_is_read_off_the_replicas_event_loop():
 
         tick = asyncio.create_task(ticker())
         await asyncio.sleep(0)
-        far = await actor._fetch(SimpleNamespace(size=1000, node="far"))
+        far = await actor._fetch(SimpleNamespace(size=1000, node="far", service="10.0.0.9:7002"))
         during = len(ticks)
         here = await actor._fetch(SimpleNamespace(size=1000, node="here"))
         await tick
@@ -3903,7 +3933,7 @@ def test_a_read_from_another_hosts_data_service_is_no_stall_of_the_replica_that_
     actor._connector = SimpleNamespace(get=get, reads_remotely=lambda ref: ref.node == "far")
 
     async def main():
-        await actor._fetch(SimpleNamespace(size=1000, node="far"))
+        await actor._fetch(SimpleNamespace(size=1000, node="far", service="10.0.0.9:7002"))
         await actor._fetch(SimpleNamespace(size=64 << 20, node="here"))  # (large: on a thread too)
         return actor._parked
 

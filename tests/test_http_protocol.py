@@ -1261,3 +1261,43 @@ def test_a_stage_table_with_a_lone_surrogate_is_served():
 
     status, doc = serve(Bridge(), body)
     assert status == 200 and doc["stages"][0]["reason"] == "cannot open bad\udc80name", doc
+
+
+def test_replayed_audio_turns_are_bounded_and_so_is_the_store_of_transcripts(monkeypatch):
+    """A review: one audio id replayed 12,777 times in a 1 MiB body made a prompt of 131 MB;
+    and the transcripts kept for replays were bounded in number only."""
+    from omni_actors.http import protocol as P
+
+    kept = P.AudioTranscripts(max_kept=3, max_chars=10)
+    for i in range(4):
+        kept.keep(f"a{i}", "abc", time.time() + 60)
+    assert [kept.get(f"a{i}") for i in range(4)] == [None, "abc", "abc", "abc"]  # (3 at most)
+    kept.keep("big", "0123456789", time.time() + 60)  # (10 characters at most: only it is left)
+    assert [kept.get(k) for k in ("a3", "big")] == [None, "0123456789"]
+    kept.keep("old", "x", time.time() - 1)
+    assert kept.get("old") is None  # (past its expires_at)
+
+    kept = P.AudioTranscripts()
+    kept.keep("audio_1", "w " * 1000, time.time() + 60)
+    turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "audio": {"id": "audio_1"}}]
+    assert P.render_prompt(turn, kept) == "user: hi\nassistant: " + "w " * 1000
+    monkeypatch.setattr(P, "MAX_REPLAYED_CHARS", 5000)
+    with pytest.raises(ApiError) as err:
+        P.render_prompt(turn * 3, kept)
+    assert err.value.status == 400 and err.value.param == "messages[5].audio", err.value.body()
+
+
+def test_streamed_audio_parts_data_joined_decodes_as_one():
+    """A review: the `openai` package's stream helper joins the parts' base64 `data` strings;
+    parts whose bytes were not a multiple of 3 (a Code2Wav frame of 1,000 samples) had padding
+    mid-string, and the joined data did not decode. Parts are cut at 3 samples; the rest waits."""
+    from omni_actors.http import protocol as P
+
+    chunks = [(np.arange(n) % 700 - 350).astype(np.int16) for n in (1000, 1000, 1001, 3)]
+    held, data = (), []
+    for pcm in chunks:
+        sent, held = P.whole_base64(pcm, held)
+        data += [p["data"] for p in P.audio_parts(None, sent)]
+    data.append(P.audio_part(None, held)["data"])
+    assert all("=" not in d for d in data[:-1])
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode("".join(data)), "<i2"), np.concatenate(chunks))

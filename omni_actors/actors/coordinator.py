@@ -767,11 +767,14 @@ class CoordinatorActor(ActorTypeDispatcher):
                 self.send(pool, silent)
 
     def _silent_data_services(self) -> DataServicesSilent:
-        """The live nodes whose data service does not answer now (their node agents' heartbeats say)."""
-        silent = sorted((n.info.name, n.data_service) for n in self._inventory.nodes.values()
-                        if n.alive and n.data_service_silent_s)
-        return DataServicesSilent(tuple(name for name, _ in silent),
-                                  tuple(service for _, service in silent if service))
+        """The live nodes whose data service does not answer now (their node agents' heartbeats
+        say), and the services not to wait on: theirs and those of nodes lost or gone (a review:
+        a silent node then lost left the set, which replicas took for "it answers again")."""
+        nodes = self._inventory.nodes.values()
+        return DataServicesSilent(
+            tuple(sorted(n.info.name for n in nodes if n.alive and n.data_service_silent_s)),
+            tuple(sorted({n.data_service for n in nodes if n.data_service
+                          and (not n.alive or n.data_service_silent_s)})))
 
     def receiveMsg_PlaceReplica(self, msg: PlaceReplica, sender):
         self._asks[msg.replica] = msg

@@ -17,12 +17,14 @@ import contextlib
 import time
 from typing import Any
 
-from omni_actors.connectors import DataServiceError
+from omni_actors.connectors import DataServiceError, data_client
 from omni_actors.engines.base import InputLost, UpstreamTimeout
 from omni_actors.messages import ChunkAck, ChunkConsumed, InputChunk, StageTask
 
 #: Inputs at least this large are read on a worker thread (see StreamingMixin._fetch).
 FETCH_ON_THREAD_BYTES = 1 << 20
+#: Seconds a replica waits for a silent data service's answer to its probe (as the API server's).
+SILENT_PROBE_S = 1.0
 
 
 class StreamingMixin:
@@ -75,9 +77,22 @@ class StreamingMixin:
             # process was frozen held the read for its 10 s timeout, and the pool's stall
             # watchdog killed the healthy replica that waited, then the next one)
             with self._parked_while() if remote else contextlib.nullcontext():
-                return await asyncio.to_thread(self._connector.get, ref)
+                return await asyncio.to_thread(self._read_remote if remote else self._connector.get, ref)
         except DataServiceError as exc:
             raise InputLost(ref.node or ref.service or "?", str(exc)) from None
+
+    def _read_remote(self, ref) -> dict[str, Any]:
+        """On a worker thread: ``ref`` read from its node's data service. While the coordinator
+        says that service does not answer (:class:`~omni_actors.messages.DataServicesSilent`),
+        it is taken for down (the mark ``give_up`` set runs out after 3 s: a review saw each
+        fetch after it wait its 10 s again) and asked once per mark whether it answers now
+        (at most :data:`SILENT_PROBE_S`): a fetch from it fails at once, or goes ahead once it
+        answers (the coordinator's word can lag a resume by a probe)."""
+        if ref.service in getattr(self, "_silent_services", ()):
+            data_client.mark_down(ref.service)
+        if ref.service:
+            data_client.probe_down(ref.service, SILENT_PROBE_S)
+        return self._connector.get(ref)
 
     async def _input_chunks(self, msg: StageTask, chunks: asyncio.Queue):
         """The processed input chunks of a streaming task, in order, until the end marker.

@@ -86,17 +86,19 @@ def replica_log_prefix(replica: str, environ: Mapping[str, str] | None = None) -
     return f"{env.get('VLLM_LOGGING_PREFIX', '')}[{replica}] "
 
 
-def context_exceeded(max_model_len: int, prompt_tokens: int, max_tokens: int | None) -> str | None:
+def context_exceeded(max_model_len: int, prompt_tokens: int, max_tokens: int | None,
+                     room_for_one: bool = False) -> str | None:
     """Why a request with a prompt of ``prompt_tokens`` tokens that asked for ``max_tokens``
     (:attr:`BackendTask.max_tokens_asked`) does not fit the model's context of
     ``max_model_len`` tokens, or None when it does. (The HTTP API answers it with a 400, code
     ``context_length_exceeded``; vLLM's engine alone would stop at the context, with
     ``finish_reason`` "length": a trial read 50 tokens where it asked for 100.) Without
-    ``max_tokens``, a prompt that leaves no room for one token does not fit (as vLLM's
-    OpenAI server answers it; trial CL's prompt of exactly the context got a 200 with an
-    empty text and an empty audio)."""
+    ``max_tokens`` and with ``room_for_one`` (an engine that would make nothing of such a
+    prompt: the synthetic Thinker), a prompt that leaves no room for one token does not fit
+    (as vLLM answers it; trial CL's prompt of exactly the context got a 200 with an empty
+    text and an empty audio)."""
     if max_tokens is None:
-        if prompt_tokens < max_model_len:
+        if not room_for_one or prompt_tokens < max_model_len:
             return None
         return (f"the prompt has {prompt_tokens} tokens: no room is left for a completion in this model's "
                 f"maximum context length of {max_model_len} tokens; shorten the messages")

@@ -219,7 +219,8 @@ class SyntheticEngine:
             raise ValueError(f"{self.stage_name}: cannot take its input in chunks")
         args = None if streamed else parse(task)  # validate before queueing
         if self.stage_name == "thinker" and args is not None:  # (its prompt's tokens are its words)
-            too_long = context_exceeded(self.cost.max_model_len, len(args[0].split()), task.max_tokens_asked)
+            too_long = context_exceeded(self.cost.max_model_len, len(args[0].split()), task.max_tokens_asked,
+                                        room_for_one=True)
             if too_long:
                 raise ValueError(too_long)
         rid = task.request_id

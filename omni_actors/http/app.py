@@ -638,7 +638,7 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
     def chunk(delta: dict, finish: str | None = None) -> dict:
         return P.chat_chunk(rid, creq.model, created, delta, finish, iu)
 
-    streamed, audio, done, audio_id = [], None, None, None
+    streamed, audio, done, audio_id, held = [], None, None, None, ()
     async with _Run(bridge, preq, can_rerun=lambda: not resp.prepared) as run:
         try:
             async for ev in run:
@@ -671,7 +671,8 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                     # line with long replies, was over some clients' line limits: a trial)
                     first = audio_id is None
                     audio_id = audio_id or P.audio_id()
-                    for part in P.audio_parts(audio_id if first else None, ev.data["audio"]):
+                    pcm, held = P.whole_base64(ev.data["audio"], held)
+                    for part in P.audio_parts(audio_id if first else None, pcm):
                         await send(chunk({"audio": part}))
                 elif isinstance(ev, RequestDone):
                     done = ev
@@ -685,6 +686,8 @@ async def _stream_chat(request: web.Request, bridge: Bridge, creq: P.ChatRequest
                     request.app[_TRANSCRIPTS].keep(payload["id"], payload["transcript"], payload["expires_at"])
                     await send(chunk({"audio": payload}))
                 elif audio_id is not None:
+                    if len(held):  # (the last samples: their base64's padding ends the joined data)
+                        await send(chunk({"audio": P.audio_part(None, held)}))
                     end = P.audio_end("".join(streamed), created)
                     request.app[_TRANSCRIPTS].keep(audio_id, end["transcript"], end["expires_at"])
                     await send(chunk({"audio": end}))

@@ -65,7 +65,7 @@ from typing import Any, AsyncIterator
 from thespian.actors import ActorExitRequest
 
 from omni_actors.actors.coordinator import COORDINATOR_NAME, CoordinatorActor
-from omni_actors.balancing import no_replica_reason
+from omni_actors.balancing import no_replica_reason, none_on_its_way
 from omni_actors.connectors import make_connector
 from omni_actors.connectors.data_client import DataServiceError, forget_down, give_up, mark_down, probe_down
 from omni_actors.http.types import (CONTEXT_LENGTH_CODE, BridgeEvent, OutputFinal, OutputPart, OutputText,
@@ -367,7 +367,7 @@ class ActorBridge(RequestActorKeeping):
             return
         refused = self._no_replica(plan)
         if refused is not None:  # refused here, before a stream could begin (as the pool would, later)
-            yield RequestFailed(503, refused, code="service_unavailable", none_coming=True)
+            yield RequestFailed(503, refused[0], code="service_unavailable", none_coming=refused[1])
             return
         timeout = request.timeout_s or self.request_timeout_s
         rid = request.request_id
@@ -1013,13 +1013,14 @@ class ActorBridge(RequestActorKeeping):
         if stream is not None:
             stream.put_nowait(event)
 
-    def _no_replica(self, plan) -> str | None:
+    def _no_replica(self, plan) -> tuple[str, bool] | None:
         """Why a request of ``plan`` gets a 503 at once: a stage it needs has no ready
         replica and none on its way (scaled to 0, failed, draining), as its pool
         would answer (:func:`~omni_actors.balancing.no_replica_reason`) once an
         upstream stage reached it, when a stream could already have begun (with
-        a 200 and part of the text). None when every stage may take it, or when
-        the coordinator has published no status yet, or none from a stage's pool
+        a 200 and part of the text); and whether none of that stage's replicas is on its
+        way (:func:`~omni_actors.balancing.none_on_its_way`). None when every stage may take
+        it, or when the coordinator has published no status yet, or none from a stage's pool
         (the pools decide then)."""
         published = self._published
         if published is None:
@@ -1032,7 +1033,7 @@ class ActorBridge(RequestActorKeeping):
                 continue  # its pool has not reported yet (a coordinator just restarted): it decides
             refused = no_replica_reason(planned.stage, st.replicas, wait_s, new_request=True)
             if refused:
-                return refused
+                return refused, none_on_its_way(st.replicas)
         return None
 
     async def wait_node_down(self, node: str, timeout_s: float) -> bool:

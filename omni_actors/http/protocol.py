@@ -47,8 +47,14 @@ AUDIO_FORMATS = frozenset({"wav", "pcm16"})  #: pcm16: raw int16 little-endian s
 DEFAULT_SIZE = "256x256"
 MIN_SIDE, MAX_SIDE, SIDE_MULTIPLE = 64, 1024, 8
 AUDIO_TTL_S = 3600  #: seconds an audio reply's id can be replayed (its ``expires_at``), as OpenAI's
-#: Most audio replies' transcripts an API server keeps for replays by id (the oldest go first).
+#: Most audio replies' transcripts an API server keeps for replays by id, and most characters
+#: of them (the oldest go first).
 MAX_KEPT_AUDIO = 10_000
+MAX_KEPT_AUDIO_CHARS = 64 << 20
+#: Most characters a request's replayed audio turns may add to its prompt (as the 1 MiB a
+#: body may carry by default: a review's 1 MiB body of one id replayed 12,777 times made a
+#: prompt of 131 MB).
+MAX_REPLAYED_CHARS = 1 << 20
 _SIZE_RE = re.compile(r"([1-9]\d{0,4})x([1-9]\d{0,4})", re.ASCII)  # (fullmatch: no trailing newline; ASCII digits, no leading 0)
 
 
@@ -191,17 +197,20 @@ class AudioTranscripts:
     can replay an audio turn as OpenAI's API takes it (an assistant message
     ``{"role": "assistant", "audio": {"id": ...}}``): until its ``expires_at``
     (:data:`AUDIO_TTL_S` after the reply), at most :data:`MAX_KEPT_AUDIO` of them, the
-    oldest going first. Trial CL: such a turn was taken and dropped from the prompt."""
+    oldest going first, and :data:`MAX_KEPT_AUDIO_CHARS` characters of them. Trial CL:
+    such a turn was taken and dropped from the prompt. Used on the app's event loop only."""
 
-    def __init__(self, max_kept: int = MAX_KEPT_AUDIO) -> None:
+    def __init__(self, max_kept: int = MAX_KEPT_AUDIO, max_chars: int = MAX_KEPT_AUDIO_CHARS) -> None:
         self._kept: collections.OrderedDict[str, tuple[str, float]] = collections.OrderedDict()
-        self._max = max_kept
+        self._max, self._max_chars, self._chars = max_kept, max_chars, 0
 
     def keep(self, audio_id_: str, transcript: str, expires_at: float) -> None:
         """Keep ``transcript`` for ``audio_id_`` until ``expires_at`` (Unix seconds)."""
+        old = self._kept.pop(audio_id_, None)
+        self._chars += len(transcript) - (len(old[0]) if old else 0)
         self._kept[audio_id_] = (transcript, expires_at)
-        while len(self._kept) > self._max:
-            self._kept.popitem(last=False)
+        while self._kept and (len(self._kept) > self._max or self._chars > self._max_chars):
+            self._chars -= len(self._kept.popitem(last=False)[1][0])
 
     def get(self, audio_id_: str) -> str | None:
         """The transcript of ``audio_id_``; None when unknown here or expired."""
@@ -271,7 +280,7 @@ def render_prompt(messages: Any, transcripts: AudioTranscripts | None = None) ->
     if not messages:
         raise _bad("Invalid 'messages': empty array. Expected an array with minimum "
                    "length 1.", "messages", "empty_array")
-    lines = []
+    lines, replayed = [], 0
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise _bad(f"Invalid type for 'messages[{i}]': expected an object.", f"messages[{i}]")
@@ -289,6 +298,11 @@ def render_prompt(messages: Any, transcripts: AudioTranscripts | None = None) ->
         content = msg.get("content")
         if role == "assistant" and msg.get("audio") is not None and content in (None, ""):
             content = _replayed_audio(msg, i, transcripts)
+            replayed += len(content)
+            if replayed > MAX_REPLAYED_CHARS:
+                raise _bad(f"Invalid 'messages': the replayed audio turns' transcripts come to more than "
+                           f"{MAX_REPLAYED_CHARS} characters, the most a request may add to its prompt that way.",
+                           f"messages[{i}].audio")
         lines.append(f"{role}: {_message_text(content, i, role)}")
     return "\n".join(lines)
 
@@ -611,6 +625,19 @@ def audio_parts(audio_id_: str | None, pcm: Any) -> list[dict[str, Any]]:
     pcm = np.asarray(pcm, dtype="<i2")
     step = AUDIO_PART_MAX_SAMPLES
     return [audio_part(audio_id_ if i == 0 else None, pcm[i:i + step]) for i in range(0, max(len(pcm), 1), step)]
+
+
+def whole_base64(pcm: Any, held: Any) -> tuple[Any, Any]:
+    """``(to send, to hold)``: ``held`` (int16 samples kept from the part before) and ``pcm``
+    joined, cut where the bytes sent are a multiple of 3 (3 samples), so that each part's
+    base64 has no padding and the parts' ``data`` strings joined decode as one (the
+    ``openai`` package's stream helper joins them: a review saw parts of 1,000 samples
+    break it). The rest (up to 2 samples) waits for the next part, or for the end."""
+    import numpy as np
+
+    pcm = np.concatenate((held, np.asarray(pcm, dtype="<i2"))) if len(held) else np.asarray(pcm, dtype="<i2")
+    cut = len(pcm) - len(pcm) % 3
+    return pcm[:cut], pcm[cut:]
 
 
 def audio_end(transcript: str, created: int) -> dict[str, Any]:
