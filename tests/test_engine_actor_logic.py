@@ -1092,6 +1092,21 @@ def _pool_with_one_replica():
     return pool, rep
 
 
+def _coordinator_with_two_nodes():
+    """A coordinator with nodes m1 and m2 and a talker pool, recording what it sends (``.sent``)."""
+    from omni_actors.actors.coordinator import CoordinatorActor
+    from omni_actors.placement import NodeInfo
+
+    co = CoordinatorActor()
+    co.sent = []
+    co.send = lambda address, message: co.sent.append((address, message))
+    co._publish_status = lambda: None
+    co._pools = {1: "talker-pool"}
+    for name in ("m1", "m2"):
+        co._inventory.add(NodeInfo(name, ("0",), ()))
+    return co
+
+
 def test_a_pool_sends_new_tasks_past_replicas_whose_nodes_data_service_is_silent():
     """Trial CG froze a member's process (its data service with it): new requests kept going to
     its replicas, and each waited out the API server's 10 s fetch of their output, or failed.
@@ -1099,11 +1114,9 @@ def test_a_pool_sends_new_tasks_past_replicas_whose_nodes_data_service_is_silent
     a task only while no other is ready. It tells them again when the set changes."""
     from types import SimpleNamespace
 
-    from omni_actors.actors.coordinator import CoordinatorActor
     from omni_actors.actors.stage_pool import Replica
     from omni_actors.balancing import POLICIES
     from omni_actors.messages import DataServicesSilent, NodeHeartbeat, ReplicaState, StageTask
-    from omni_actors.placement import NodeInfo
 
     pool, frozen = _pool_with_one_replica()
     pool._spec = SimpleNamespace(stage=SimpleNamespace(stage_id=1, name="talker"), supervision=SimpleNamespace(
@@ -1125,13 +1138,7 @@ def test_a_pool_sends_new_tasks_past_replicas_whose_nodes_data_service_is_silent
     other.state = ReplicaState.DEAD  # (with none other ready, it still takes them)
     assert route("r3") == "engine-address"
 
-    co = CoordinatorActor()
-    co.sent = []
-    co.send = lambda address, message: co.sent.append((address, message))
-    co._publish_status = lambda: None
-    co._pools = {1: "talker-pool"}
-    for name in ("m1", "m2"):
-        co._inventory.add(NodeInfo(name, ("0",), ()))
+    co = _coordinator_with_two_nodes()
     co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m2", data_service_silent_s=4.0), "agent-m2")
     assert ("talker-pool", DataServicesSilent(("m2",))) in co.sent
     co.sent.clear()
@@ -1146,20 +1153,12 @@ def test_replicas_end_their_fetches_from_a_data_service_said_silent(monkeypatch)
     10 s (only the API server ended its fetches when the coordinator said the member's data
     service was silent). The coordinator now names the services; a pool passes them on to its
     live replicas (and to one once ready), which end their fetches waiting on them."""
-    from omni_actors.actors.coordinator import CoordinatorActor
     from omni_actors.actors.engine import EngineActor
     from omni_actors.actors.stage_pool import Replica
     from omni_actors.connectors import data_client
     from omni_actors.messages import DataServicesSilent, EngineReady, NodeHeartbeat, ReplicaState
-    from omni_actors.placement import NodeInfo
 
-    co = CoordinatorActor()
-    co.sent = []
-    co.send = lambda address, message: co.sent.append((address, message))
-    co._publish_status = lambda: None
-    co._pools = {1: "talker-pool"}
-    for name in ("m1", "m2"):
-        co._inventory.add(NodeInfo(name, ("0",), ()))
+    co = _coordinator_with_two_nodes()
     co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m2", data_service="127.0.0.1:7002", data_service_silent_s=4.0),
                                 "agent-m2")
     silent = DataServicesSilent(("m2",), ("127.0.0.1:7002",))
