@@ -17,6 +17,13 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
            "error": logging.ERROR}
 
 
+def _add_pid(logger, method_name: str, event_dict: dict) -> dict:
+    """Every event says which process logged it: module-level loggers (the connectors') bind
+    none (trial CN could not tell which process skipped releases)."""
+    event_dict.setdefault("pid", os.getpid())
+    return event_dict
+
+
 def configure_logging(level: str | None = None, stream=None) -> None:
     """Configure structlog for this process and its future forks.
 
@@ -27,6 +34,7 @@ def configure_logging(level: str | None = None, stream=None) -> None:
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
+            _add_pid,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
@@ -136,6 +144,7 @@ class ThespianJsonFormatter(logging.Formatter):
             # An actor asked for a child while the system stopped (a pool placing a replica):
             # Thespian logs it as an error at every clean stop with member replicas (trial AP).
             level = "info"
+            message += " (the system was stopping: an actor asked for then is not made; no fault)"
         elif NO_HOST_CREATE in message:
             # (trial CD: a bare error line after each member SIGKILLed, from the agent asked for there;
             # an error still: an actor no host can take may be a replica that never starts)

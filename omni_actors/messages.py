@@ -866,6 +866,10 @@ class RunRequest(Message):
     #: deadline (``timeout_s`` is what is left), said in the deadline's error message
     queued_s: float = 0.0
     alive_every_s: float = 5.0  #: how often to send :class:`RequestActorAlive` while busy
+    #: data services (``host:port``) the coordinator says do not answer now: the RequestActor
+    #: takes them for down, so that its releases there go to the retries at once (each waited
+    #: 2 s: trial CN)
+    silent_services: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -667,6 +667,80 @@ def test_giving_up_on_a_frozen_service_ends_the_gets_waiting_on_it_at_once(prefi
         release_all([ref])
 
 
+def test_a_fetch_spared_by_give_up_for_being_new_is_ended_a_moment_later(prefix, monkeypatch):
+    """Trial CN: fetches sent 0.7 and 1 s before the coordinator's report were spared (they might
+    yet be answered) and each waited its 10 s. They are looked at again GIVE_UP_QUIET_S later,
+    and ended if nothing came meanwhile. And a connection made to the frozen service (its kernel
+    accepts them) no longer takes its down mark away: a fetch after it waited 10 s."""
+    import signal
+    import threading
+
+    from omni_actors.connectors import data_client
+
+    with data_service_popen(prefix) as (address, proc):
+        ref = producer(prefix, address).put({"x": np.arange(100_000, dtype=np.float32)})
+        reader = consumer()
+        assert reader.get(ref)["x"][-1] == 99_999
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 5
+            while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+                assert time.monotonic() < deadline, "the service did not stop"
+                time.sleep(0.01)
+            failed: list[BaseException] = []
+
+            def get() -> None:
+                try:
+                    reader.get(ref)
+                except BaseException as exc:  # noqa: BLE001 - what the test looks at
+                    failed.append(exc)
+
+            monkeypatch.setattr(data_client, "GIVE_UP_QUIET_S", 0.3)
+            t0 = time.monotonic()
+            thread = threading.Thread(target=get)
+            thread.start()
+            while not any(w.service == address for w in list(data_client._waits.values())):
+                assert time.monotonic() - t0 < 5
+                time.sleep(0.01)
+            assert data_client.give_up(address) == 0  # (sent just now: spared, for now)
+            thread.join(5)
+            took = time.monotonic() - t0
+            assert not thread.is_alive() and took < 2, took  # (not the get's 10 s)
+            assert "not waited for" in str(failed[0]), failed
+            # its mark ran out: a new connection (accepted by the frozen host's kernel) keeps its count
+            data_client._down[address] = (time.monotonic() - 1, 2)
+            data_client._drop(address)  # (this thread's connection from the first get)
+            sock, reused = data_client._connection(address)
+            assert not reused and data_client._down.get(address, (0, 0))[1] == 2, data_client._down
+            data_client._drop(address)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+            data_client._down.pop(address, None)
+        assert reader.get(ref)["x"][-1] == 99_999
+        release_all([ref])
+
+
+def test_release_retries_ask_a_service_taken_for_down_whether_it_answers(monkeypatch):
+    """Trial CN: after a 40 s freeze a process's mark on the member's service had doubled to 24 s,
+    and its releases were skipped for 18 s after the service answered again. A round asks a
+    service taken for down whether it answers, and sends the releases if it does."""
+    from omni_actors.connectors import data_client, release_retry
+
+    kept = release_retry.ReleaseRetries()
+    monkeypatch.setattr(kept, "_thread", SimpleNamespace(is_alive=lambda: True))  # (no retry thread)
+    kept.add("svc", ["a", "b"])
+    calls, answering = [], [False]
+    monkeypatch.setattr(data_client, "taken_for_down", lambda svc: True)
+    monkeypatch.setattr(data_client, "answers", lambda svc, timeout_s: calls.append("probe") or answering[0])
+    monkeypatch.setattr(data_client, "forget_down", lambda svc: calls.append("forget") or True)
+    monkeypatch.setattr(data_client, "release", lambda svc, names, recycle=False: calls.append(names) or len(names))
+    kept.retry()
+    assert calls == ["probe"] and kept.pending() == {"svc": 2}
+    answering[0] = True
+    kept.retry()
+    assert calls[1:] == ["probe", "forget", ["a", "b"]] and kept.pending() == {}
+
+
 def test_releases_kept_for_a_retry_are_bounded_the_oldest_going_first(monkeypatch):
     """At most RELEASE_RETRY_MAX names wait for a retry in a process; past that the oldest are
     left to their hosts' reapers."""

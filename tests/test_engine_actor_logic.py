@@ -4433,3 +4433,26 @@ def test_a_heartbeat_sent_before_its_engine_applied_an_injected_fault_does_not_h
     assert rep.fault == "slow x3"
     pool.receiveMsg_Heartbeat(Heartbeat("thinker/0", 0, 0, 0, 0, fault="", fault_seq=1), "a0")  # (a raise used up)
     assert rep.fault == ""
+
+
+def test_a_request_actor_answers_before_it_releases_and_takes_silent_services_for_down(monkeypatch):
+    """Trial CN: each request that failed on a frozen member ended 2 s late, its RequestActor
+    releasing its buffers there (a release waits up to 2 s) before it answered. It answers
+    first; and it takes the services the API server says are silent for down, so that those
+    releases go to the retries at once."""
+    from omni_actors.actors import request
+    from omni_actors.connectors import data_client
+    from omni_actors.messages import ErrorKind, PlannedStage, RequestFinished
+
+    marked = []
+    monkeypatch.setattr(data_client, "mark_down", marked.append)
+    ra, sent = _running_request_actor(monkeypatch, (PlannedStage(0, "thinker", (), "pool-thinker", "text", False),),
+                                      silent_services=("10.0.0.2:7002",))
+    assert marked == ["10.0.0.2:7002"]
+    order = []
+    ra.send = lambda address, message: order.append(type(message).__name__)
+    monkeypatch.setattr(request, "release_all", lambda refs, recycle=False: order.append("release"))
+    ra._owned = ["ref"]
+    ra._finish(ErrorKind.INPUT_LOST, "lost")
+    assert order.index("RequestFinished") < order.index("release"), order
+    assert RequestFinished.__name__ in order

@@ -417,7 +417,8 @@ def test_each_node_says_whether_it_is_up_and_its_buffers_while_it_is():
 
     nodes = [{"name": "leader", "alive": True, "buffers": 2, "free_buffers": 5, "free_bytes": 4 << 20},
              {"name": "m1", "alive": False, "buffers": 1, "free_buffers": 1, "free_bytes": 1 << 20},
-             {"name": "m2", "alive": True, "buffers": None, "free_buffers": None, "free_bytes": None}]
+             {"name": "m2", "alive": True, "buffers": None, "free_buffers": None, "free_bytes": None,
+              "data_service_silent_s": 2.5}]
 
     class Nodes(Collector):
         def collect(self):
@@ -431,6 +432,9 @@ def test_each_node_says_whether_it_is_up_and_its_buffers_while_it_is():
     assert {s.labels["node"]: s.value for s in samples(f, "omni_node_buffers")} == {"leader": 2}
     assert value(f, "omni_node_free_buffers", node="leader") == 5
     assert value(f, "omni_node_free_bytes", node="leader") == 4 << 20
+    # (trial CN: only `status` said a member's data service was silent; /metrics had it up and nothing else)
+    assert {s.labels["node"]: s.value for s in samples(f, "omni_node_data_service_silent_seconds")} == \
+        {"leader": 0.0, "m2": 2.5}
 
 
 def test_metrics_on_the_real_pipeline(omni_leader):

@@ -48,7 +48,7 @@ import time
 from thespian.actors import ActorExitRequest, ActorTypeDispatcher, PoisonMessage, WakeupMessage
 
 from omni_actors.actors.supervision import WAKEUP_LOST_AFTER_S, WakeupChain, pop_overdue, refuses_connections
-from omni_actors.connectors import make_connector, release_all
+from omni_actors.connectors import data_client, make_connector, release_all
 from omni_actors.logs import get_logger
 from omni_actors.messages import (BRIDGE_LOST_AFTER_S, MAX_TASK_MOVES, BridgeAlive, CancelRequest, CancelStage,
                                   ChunkAck, ChunkConsumed, ErrorKind, InputChunk, MakeRequestActor, OutputChunk,
@@ -204,6 +204,8 @@ class RequestActor(ActorTypeDispatcher):
         self._reset()
         self._heard()
         self._req = msg
+        for service in msg.silent_services:
+            data_client.mark_down(service)
         self._pools = {s.stage_id: s.pool for s in msg.plan.stages}
         self._plan = {s.stage_id: s for s in msg.plan.stages}
         self._stream_consumers = {sid: [s.stage_id for s in msg.plan.stages if s.stream_source == sid]
@@ -926,14 +928,10 @@ class RequestActor(ActorTypeDispatcher):
         # still be reading them: unlinked (its mapping keeps the pages).
         recycle = error is None and not self._running and not self._resent \
             and all(d.attempt == 0 for d in self._done.values())
-        release_all(self._owned, recycle=recycle)
-        self._forget_stream(set(self._chunks) | set(self._done_waiting), recycle=recycle)
         held, self._out_held = self._out_held, []
         if error is None:  # (all of it is due: the bridge ends the request after the last)
             for make, _, _ in held:
                 self._send_output(make, None)
-        else:  # (the bridge drops outputs of a request that failed)
-            release_all([ref for _, ref, _ in held if ref is not None], recycle=recycle)
         names = {s.stage_id: s.stage for s in req.plan.stages}
         # (a warning when the system failed it; a cancel or a client's bad request is no fault of ours)
         quiet = error is None or error in (ErrorKind.CANCELLED, ErrorKind.BAD_REQUEST)
@@ -955,6 +953,12 @@ class RequestActor(ActorTypeDispatcher):
             stage_replicas={sid: d.replica for sid, d in self._done.items()}, request_actor=self.myAddress,
             sent=self._out_seq, after_text=None if error else self._after_text(), free=not unconfirmed,
             lost_on=lost_on, output_sent=output_sent))
+        # Released once the answer is sent: a release to a host whose data service does not answer
+        # waits up to 2 s (trial CN's requests each ended that much late on a frozen member)
+        release_all(self._owned, recycle=recycle)
+        self._forget_stream(set(self._chunks) | set(self._done_waiting), recycle=recycle)
+        if error is not None:  # (the bridge drops outputs of a request that failed)
+            release_all([ref for _, ref, _ in held if ref is not None], recycle=recycle)
         self._heard_at = time.monotonic()  # (a request that outlived lost_after_s is no silence)
         self._last_plan = req.plan.stages
         self._reset()

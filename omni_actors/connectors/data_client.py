@@ -157,11 +157,27 @@ def give_up(service: str) -> int:
     """Take ``service`` for down and end the requests waiting on it now (their sockets shut
     down: each fails at once with a DataServiceError instead of waiting out its timeout, 10 s
     for a get): its host's node agent says it does not answer (a frozen host; trial CG's
-    requests begun just before the freeze was seen each waited 10 s). How many were ended."""
+    requests begun just before the freeze was seen each waited 10 s). How many were ended.
+    Those spared for having heard from it within :data:`GIVE_UP_QUIET_S` are looked at again
+    that much later, and ended if they have heard nothing since and the service has not
+    answered anyone (trial CN: fetches sent 0.7 and 1 s before the report were spared, and
+    each waited its 10 s)."""
     _mark_down(service)
+    again = threading.Timer(GIVE_UP_QUIET_S, _end_quiet_waits, (service, True))
+    again.daemon = True
+    again.start()
+    return _end_quiet_waits(service)
+
+
+def _end_quiet_waits(service: str, unless_answered: bool = False) -> int:
+    """:func:`give_up`'s work: the waits on ``service`` quiet for :data:`GIVE_UP_QUIET_S` or more
+    are ended (with ``unless_answered``, none once the service has answered meanwhile)."""
+    if unless_answered and service not in _down:  # (a reply, or forget_down, took its mark away)
+        return 0
     now = time.monotonic()
     with _waiting_lock:  # (shut down here: once its request ends, its thread may reuse the socket)
-        socks = [s for s, w in _waits.items() if w.service == service and now - w.heard >= GIVE_UP_QUIET_S]
+        socks = [s for s, w in _waits.items()
+                 if w.service == service and not w.given_up and now - w.heard >= GIVE_UP_QUIET_S]
         for sock in socks:
             _waits[sock].given_up = True
             try:
@@ -176,6 +192,12 @@ def mark_down(service: str) -> None:
     once until :func:`probe_down` finds it answers, once per mark. For a caller that knows it
     does not answer (the coordinator says so) while its own mark ran out."""
     _mark_down(service)
+
+
+def taken_for_down(service: str) -> bool:
+    """Whether requests to ``service`` fail at once now (its down mark has not run out)."""
+    down = _down.get(service)
+    return down is not None and time.monotonic() < down[0]
 
 
 def forget_down(service: str) -> bool:
@@ -211,7 +233,8 @@ def _connection(service: str, quick: bool = False) -> tuple[socket.socket, bool]
     except (OSError, ValueError) as exc:
         _mark_down(service)
         raise DataServiceError(f"data service {service} unreachable: {exc}") from None
-    _down.pop(service, None)
+    # (a connection made is no answer: a frozen host's kernel accepts them; its mark, and its count of
+    # failures, go when it answers: trial CN's fetches each waited 10 s after a release connected)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     _conns.by_service[service] = sock
     return sock, False

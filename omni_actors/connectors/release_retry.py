@@ -24,6 +24,8 @@ RELEASE_RETRY_EVERY_S = 1.0
 #: How long (seconds) a failed release is tried again: by then the owner's reaper has
 #: unlinked the segment (its ``reap_after_s``, 900 s by default: data_service.DEFAULT_REAP_AFTER_S).
 RELEASE_RETRY_FOR_S = 900.0
+#: Seconds a round waits for a service taken for down to answer its probe.
+RELEASE_RETRY_PROBE_S = 0.5
 #: Most segment names kept for a retry in a process (the oldest go first, to the reaper).
 RELEASE_RETRY_MAX = 100_000
 
@@ -80,6 +82,12 @@ class ReleaseRetries:
                     del self._names[svc]
             batches = {svc: list(names) for svc, names in self._names.items()}
         for svc, names in batches.items():
+            if data_client.taken_for_down(svc):
+                # (asked whether it answers, each round: after a long freeze its mark, doubled at each
+                # failure, kept releases skipped for 18 s after it answered again: trial CN)
+                if not data_client.answers(svc, RELEASE_RETRY_PROBE_S):
+                    continue
+                data_client.forget_down(svc)
             try:
                 released = data_client.release(svc, names)
             except DataServiceError:

@@ -408,7 +408,8 @@ class ActorBridge(RequestActorKeeping):
                                    chunk_timeout_s=streaming.chunk_timeout_s,
                                    chunk_tokens=streaming.chunk_tokens,
                                    queued_s=round(timeout - remaining, 3),
-                                   alive_every_s=self._alive_every_s), actor))
+                                   alive_every_s=self._alive_every_s,
+                                   silent_services=self._silent_services()), actor))
             deadline = time.monotonic() + remaining + 5.0  # the RequestActor's own deadline fires first
             while True:
                 left = deadline - time.monotonic()
@@ -736,6 +737,13 @@ class ActorBridge(RequestActorKeeping):
                                   fetches_ended=ended)
             elif n.data_service in silent and not n.data_service_silent_s and forget_down(n.data_service):
                 self._log.info("data_service_answers_again", node=n.name, service=n.data_service)
+
+    def _silent_services(self) -> tuple[str, ...]:
+        """The data services the coordinator's last published status says do not answer (of
+        live nodes whose data service is silent)."""
+        published = self._published
+        return tuple(n.data_service for n in (published.nodes if published else ())
+                     if n.alive and n.data_service and n.data_service_silent_s)
 
     def rerun_goes_back(self, node: str, request: PipelineRequest) -> bool:
         """Whether running ``request`` again would only meet ``node`` again, or another like it:

@@ -43,6 +43,8 @@ Metric names:
 ``omni_node_free_buffers``              gauge      ``node``: free (recycled) buffers kept there
 ``omni_node_free_bytes``                gauge      ``node``: their bytes (the buffer figures only
                                                    for alive nodes that reported them)
+``omni_node_data_service_silent_seconds`` gauge    ``node``: how long its data service has not
+                                                   answered (0 while it answers; alive nodes)
 ``omni_request_actors``                 gauge      RequestActors of this API server (busy and idle)
 ``omni_request_actors_busy``            gauge      those running a request (or being made)
 ``omni_request_actors_max``             gauge      the most it keeps (``request_actors``)
@@ -244,15 +246,20 @@ def node_families(nodes: Iterable[dict[str, Any]]) -> list[Metric]:
                              "on the node for later outputs", labels=("node",))
     free_bytes = GaugeMetricFamily("omni_node_free_bytes", "Bytes of the node's free buffers",
                                    labels=("node",))
+    silent = GaugeMetricFamily("omni_node_data_service_silent_seconds", "Seconds the node's data service has "
+                               "not answered its node agent (0 while it answers; only once past a few heartbeat "
+                               "intervals): stage outputs made there cannot be fetched from other hosts meanwhile",
+                               labels=("node",))
     for n in nodes:
         labels = [_s(n.get("name"))]
         up.add_metric(labels, 1.0 if n.get("alive") else 0.0)
         if not n.get("alive"):
             continue
+        silent.add_metric(labels, float(n.get("data_service_silent_s") or 0.0))
         for family, key in ((buffers, "buffers"), (free, "free_buffers"), (free_bytes, "free_bytes")):
             if n.get(key) is not None:
                 family.add_metric(labels, float(n[key]))
-    return [up, buffers, free, free_bytes]
+    return [up, buffers, free, free_bytes, silent]
 
 
 class Metrics:
