@@ -442,7 +442,7 @@ def test_gets_from_a_service_that_just_failed_fail_at_once_for_longer_each_time(
     on the API server's receiver thread or a replica's event loop: with N outputs from
     that host, every other stream there froze 5 s per output. A service that failed is
     now not tried again for DOWN_FOR_S, doubled with each failure in a row (at most
-    DOWN_FOR_MAX_S); a connection that succeeds ends that."""
+    DOWN_FOR_MAX_S); an answer from it ends that (a connection alone does not: a frozen host accepts them)."""
     from omni_actors.connectors import data_client
 
     data_client._down.clear()
@@ -734,10 +734,13 @@ def test_release_retries_ask_a_service_taken_for_down_whether_it_answers(monkeyp
     monkeypatch.setattr(data_client, "answers", lambda svc, timeout_s: calls.append("probe") or answering[0])
     monkeypatch.setattr(data_client, "forget_down", lambda svc: calls.append("forget") or True)
     monkeypatch.setattr(data_client, "release", lambda svc, names, recycle=False: calls.append(names) or len(names))
-    kept.retry()
+    t = time.monotonic()
+    kept.retry(t)
     assert calls == ["probe"] and kept.pending() == {"svc": 2}
     answering[0] = True
-    kept.retry()
+    kept.retry(t + 1)  # (a probe every RELEASE_RETRY_PROBE_EVERY_S at most: a service cut off cost one a round)
+    assert calls == ["probe"]
+    kept.retry(t + release_retry.RELEASE_RETRY_PROBE_EVERY_S)
     assert calls[1:] == ["probe", "forget", ["a", "b"]] and kept.pending() == {}
 
 
@@ -754,3 +757,59 @@ def test_releases_kept_for_a_retry_are_bounded_the_oldest_going_first(monkeypatc
     kept.add("svc-b", ["b1", "b2", "b3", "b4"])
     assert kept.pending() == {"svc-a": 1, "svc-b": 4}
     assert list(kept._names["svc-a"]) == ["a3"]
+
+
+def test_releases_not_waited_for_are_sent_from_a_thread_and_kept_when_they_fail(prefix):
+    """A RequestActor's releases to another host (``release_all(wait=False)``) leave from the
+    retry thread: one to a frozen host held its request's end 2 s (trial CN). They happen
+    soon, recycled as asked; one that finds its service down is kept for a retry."""
+    import signal
+
+    from omni_actors.connectors import data_client, unreleased
+    from omni_actors.connectors.release_retry import release_retries
+
+    with data_service_popen(prefix) as (address, proc):
+        made = producer(prefix, address)
+        refs = [made.put({"x": np.arange(100_000, dtype=np.float32)}) for _ in range(3)]
+        t0 = time.monotonic()
+        release_all(refs[:1], wait=False)
+        assert time.monotonic() - t0 < 0.1
+        deadline = time.monotonic() + 5
+        while data_client.stats(address)["segments"] > 2:
+            assert time.monotonic() < deadline, data_client.stats(address)
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            release_all(refs[1:], wait=False)
+            assert time.monotonic() - t0 < 0.1  # (not the release's 2 s)
+            deadline = time.monotonic() + 5
+            while unreleased().get(address) != 2:
+                assert time.monotonic() < deadline, unreleased()
+                time.sleep(0.05)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10  # (the retry asks it whether it answers: every 2 s at most)
+        while unreleased().get(address) or data_client.stats(address)["segments"]:
+            assert time.monotonic() < deadline, (unreleased(), data_client.stats(address))
+            time.sleep(0.1)
+        release_retries.clear()
+        data_client._down.pop(address, None)
+
+
+def test_a_down_mark_long_run_out_counts_no_more():
+    """A review: a process's count of failures is kept until the service answers, and one
+    timeout long after a freeze took the service for down 30 s (failures 6) where 3 s was due."""
+    from omni_actors.connectors import data_client
+
+    service = "127.0.0.1:9"
+    try:
+        data_client._down[service] = (time.monotonic() - data_client.DOWN_FOR_MAX_S - 1, 5)
+        data_client._mark_down(service)
+        until, failures = data_client._down[service]
+        assert failures == 1 and until - time.monotonic() <= data_client.DOWN_FOR_S, data_client._down
+        data_client._down[service] = (time.monotonic() - 1, 2)  # (run out just now: it still counts)
+        data_client._mark_down(service)
+        assert data_client._down[service][1] == 3
+    finally:
+        data_client._down.pop(service, None)

@@ -507,7 +507,7 @@ def _running_request_actor(monkeypatch, stages: tuple, **run):
     from omni_actors.actors import request
     from omni_actors.messages import RequestPlan, RunRequest
 
-    monkeypatch.setattr(request, "release_all", lambda refs, recycle=False: None)
+    monkeypatch.setattr(request, "release_all", lambda refs, recycle=False, wait=True: None)
     ra = request.RequestActor()
     sent = []
     ra.send = lambda address, message: sent.append((address, message))
@@ -1327,7 +1327,7 @@ def test_a_request_ended_while_a_stage_done_waits_for_its_last_chunks_releases_i
 
     released = []
     monkeypatch.setattr(request_module, "release_all",
-                        lambda refs, recycle=False: released.extend(r for r in refs if r is not None))
+                        lambda refs, recycle=False, wait=True: released.extend(r for r in refs if r is not None))
     ra, sent, wakeups = _closing_request_actor(("thinker", "talker"))
     ra._running[0].emit_chunks = ra._running[0].streaming = True
     output = ConnectorRef(kind="shm", size=8, layout=(), location="oa-1-output")
@@ -2955,7 +2955,7 @@ def test_a_request_actor_keeps_a_window_of_outputs_to_its_bridge_and_credits_aud
                                       StageDone, StageFailed)
 
     released = []
-    monkeypatch.setattr(request, "release_all", lambda refs, recycle=False: released.extend(refs))
+    monkeypatch.setattr(request, "release_all", lambda refs, recycle=False, wait=True: released.extend(refs))
 
     def started(window: int = 16) -> tuple[request.RequestActor, list]:
         ra = request.RequestActor()
@@ -4451,7 +4451,7 @@ def test_a_request_actor_answers_before_it_releases_and_takes_silent_services_fo
     assert marked == ["10.0.0.2:7002"]
     order = []
     ra.send = lambda address, message: order.append(type(message).__name__)
-    monkeypatch.setattr(request, "release_all", lambda refs, recycle=False: order.append("release"))
+    monkeypatch.setattr(request, "release_all", lambda refs, recycle=False, wait=True: order.append("release"))
     ra._owned = ["ref"]
     ra._finish(ErrorKind.INPUT_LOST, "lost")
     assert order.index("RequestFinished") < order.index("release"), order

@@ -439,15 +439,15 @@ class RequestActor(ActorTypeDispatcher):
                 stack.extend(self._stream_consumers.get(sid, ()))
         return out
 
-    def _forget_stream(self, stages: set[int], recycle: bool = False) -> None:
+    def _forget_stream(self, stages: set[int], recycle: bool = False, wait: bool = True) -> None:
         """Drop the streaming state of ``stages`` (their chunks are released, and the
-        outputs of a StageDone that came before its last chunks)."""
+        outputs of a StageDone that came before its last chunks; ``wait``: as ``release_all``'s)."""
         for sid in stages:
-            release_all(self._chunks.pop(sid, []), recycle=recycle)
-            release_all((m.ref for m in self._early.pop(sid, {}).values()), recycle=recycle)
+            release_all(self._chunks.pop(sid, []), recycle=recycle, wait=wait)
+            release_all((m.ref for m in self._early.pop(sid, {}).values()), recycle=recycle, wait=wait)
             waiting = self._done_waiting.pop(sid, None)
             if waiting is not None:  # (nobody else holds its refs: they would leak)
-                release_all([waiting.output, waiting.final], recycle=recycle)
+                release_all([waiting.output, waiting.final], recycle=recycle, wait=wait)
             for table in (self._chunk_last, self._chunk_total, self._producer, self._consumer, self._sent, self._consumed,
                           self._acked):
                 table.pop(sid, None)
@@ -953,12 +953,13 @@ class RequestActor(ActorTypeDispatcher):
             stage_replicas={sid: d.replica for sid, d in self._done.items()}, request_actor=self.myAddress,
             sent=self._out_seq, after_text=None if error else self._after_text(), free=not unconfirmed,
             lost_on=lost_on, output_sent=output_sent))
-        # Released once the answer is sent: a release to a host whose data service does not answer
-        # waits up to 2 s (trial CN's requests each ended that much late on a frozen member)
-        release_all(self._owned, recycle=recycle)
-        self._forget_stream(set(self._chunks) | set(self._done_waiting), recycle=recycle)
+        # Released once the answer is sent, those on other hosts from a thread of their own: a release
+        # to a host whose data service does not answer waits up to 2 s (trial CN's requests each ended
+        # that much late on a frozen member, and a review saw the answer wait behind them in Thespian)
+        release_all(self._owned, recycle=recycle, wait=False)
+        self._forget_stream(set(self._chunks) | set(self._done_waiting), recycle=recycle, wait=False)
         if error is not None:  # (the bridge drops outputs of a request that failed)
-            release_all([ref for _, ref, _ in held if ref is not None], recycle=recycle)
+            release_all([ref for _, ref, _ in held if ref is not None], recycle=recycle, wait=False)
         self._heard_at = time.monotonic()  # (a request that outlived lost_after_s is no silence)
         self._last_plan = req.plan.stages
         self._reset()

@@ -262,7 +262,7 @@ def make_connector(inline_threshold_bytes: int = DEFAULT_INLINE_THRESHOLD,
     return NodeConnector(inline_threshold_bytes, prefix, mode=mode)
 
 
-def release_all(refs: Iterable[ConnectorRef | None], *, recycle: bool = False) -> None:
+def release_all(refs: Iterable[ConnectorRef | None], *, recycle: bool = False, wait: bool = True) -> None:
     """Release every ref (None entries skipped): segments on this node are unlinked
     here, the others with one request per owning data service; a vLLM-Omni
     connector's refs through that connector (:func:`omni_actors.connectors.omni.release`).
@@ -274,7 +274,11 @@ def release_all(refs: Iterable[ConnectorRef | None], *, recycle: bool = False) -
     still reads them, through a mapping made before: the request completed and
     every task that got them as input finished. Where an engine may still be
     reading (a cancel, an error, a timeout, a retry, a stale message), leave
-    it off: an unlinked segment stays valid for its mappings."""
+    it off: an unlinked segment stays valid for its mappings.
+
+    ``wait=False``: the releases for other hosts are sent from a thread of this process's
+    (:meth:`~omni_actors.connectors.release_retry.ReleaseRetries.send`), not waited for: a
+    host whose data service does not answer holds each up to 2 s (``RELEASE_IO_TIMEOUT_S``)."""
     here = local_node()
     local: list[str] = []
     remote: dict[str, list[str]] = collections.defaultdict(list)
@@ -302,6 +306,9 @@ def release_all(refs: Iterable[ConnectorRef | None], *, recycle: bool = False) -
         except Exception:  # noqa: BLE001
             log.warning("connector_release_failed", segments=len(local), exc_info=True)
     for service, names in remote.items():
+        if not wait:
+            release_retries.send(service, list(dict.fromkeys(names)), recycle=recycle)
+            continue
         try:
             data_client.release(service, list(dict.fromkeys(names)), recycle=recycle)
         except DataServiceError as exc:

@@ -129,11 +129,15 @@ _probed: dict[str, tuple[float, int]] = {}
 
 def _mark_down(service: str) -> None:
     """One more failure in a row of ``service``, unless it is taken for down already (the
-    threads that failed together in one outage count once: a review saw 4 make it 24 s)."""
+    threads that failed together in one outage count once: a review saw 4 make it 24 s). A
+    mark that ran out :data:`DOWN_FOR_MAX_S` ago or more counts no more (its count is kept
+    until the service answers: one timeout long after would be taken for down 30 s)."""
     until, failures = _down.get(service, (0.0, 0))
     now = time.monotonic()
     if now < until:
         return
+    if now - until >= DOWN_FOR_MAX_S:
+        failures = 0
     failures += 1
     _down[service] = (now + min(DOWN_FOR_S * 2 ** (failures - 1), DOWN_FOR_MAX_S), failures)
 
