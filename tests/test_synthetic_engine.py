@@ -184,6 +184,9 @@ def test_a_prompt_over_the_context_length_is_refused_and_generation_stops_at_it(
     assert final.outputs["hidden_states"].shape[0] == 16
     with pytest.raises(ValueError, match=r"the prompt has 17 tokens: over the model's context length of 16"):
         run_task("thinker", {"prompt": words + " x" * 7}, {"max_tokens": 1}, max_model_len=16)
+    # (trial CL: one that fills the context, no max_tokens asked, made an empty text: refused as vLLM does)
+    with pytest.raises(ValueError, match=r"the prompt has 16 tokens: no room is left for a completion"):
+        run_task("thinker", {"prompt": words + " x" * 6}, max_model_len=16)
     with pytest.raises(ValueError, match=r"the prompt has 2 tokens and 16 more are needed, 18 in all: over"):
         run_task("ar", {"prompt": "a cat"}, prior_grid=4, max_model_len=16)  # AR: prior_grid ** 2 tokens
 

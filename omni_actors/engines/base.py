@@ -98,8 +98,8 @@ def context_exceeded(max_model_len: int, prompt_tokens: int, max_tokens: int | N
     (as vLLM answers it; trial CL's prompt of exactly the context got a 200 with an empty
     text and an empty audio)."""
     if max_tokens is None:
-        if not room_for_one or prompt_tokens < max_model_len:
-            return None
+        if not room_for_one or prompt_tokens != max_model_len:
+            return None  # (a longer one: the engine's own refusal says so)
         return (f"the prompt has {prompt_tokens} tokens: no room is left for a completion in this model's "
                 f"maximum context length of {max_model_len} tokens; shorten the messages")
     if prompt_tokens + max_tokens <= max_model_len:
