@@ -4444,11 +4444,12 @@ def test_a_request_actor_answers_before_it_releases_and_takes_silent_services_fo
     from omni_actors.connectors import data_client
     from omni_actors.messages import ErrorKind, PlannedStage, RequestFinished
 
-    marked = []
+    marked, forgotten = [], []
     monkeypatch.setattr(data_client, "mark_down", marked.append)
+    monkeypatch.setattr(data_client, "forget_down", forgotten.append)
     ra, sent = _running_request_actor(monkeypatch, (PlannedStage(0, "thinker", (), "pool-thinker", "text", False),),
                                       silent_services=("10.0.0.2:7002",))
-    assert marked == ["10.0.0.2:7002"]
+    assert marked == ["10.0.0.2:7002"] and not forgotten
     order = []
     ra.send = lambda address, message: order.append(type(message).__name__)
     monkeypatch.setattr(request, "release_all", lambda refs, recycle=False, wait=True: order.append("release"))
@@ -4456,3 +4457,8 @@ def test_a_request_actor_answers_before_it_releases_and_takes_silent_services_fo
     ra._finish(ErrorKind.INPUT_LOST, "lost")
     assert order.index("RequestFinished") < order.index("release"), order
     assert RequestFinished.__name__ in order
+    # (the next request's RunRequest no longer names it: it answers again, and is tried at once: trial CO's
+    # RequestActor refused releases there 5 s more)
+    from omni_actors.messages import RequestPlan, RunRequest
+    ra.receiveMsg_RunRequest(RunRequest("r2", "hi", RequestPlan(()), {}, {}, 60.0, "bridge"), "bridge")
+    assert forgotten == ["10.0.0.2:7002"]

@@ -124,6 +124,7 @@ class RequestActor(ActorTypeDispatcher):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._req: RunRequest | None = None
+        self._marked_down: set[str] = set()  # (the last RunRequest's silent_services)
         self._connector = make_connector()
         self._log = get_logger(actor="request")
         #: when it last heard from its API server's bridge or ended a request (see BridgeAlive)
@@ -206,6 +207,9 @@ class RequestActor(ActorTypeDispatcher):
         self._req = msg
         for service in msg.silent_services:
             data_client.mark_down(service)
+        for service in self._marked_down - set(msg.silent_services):  # (it answers again: trial CO's
+            data_client.forget_down(service)                          # releases were refused 5 s more)
+        self._marked_down = set(msg.silent_services)
         self._pools = {s.stage_id: s.pool for s in msg.plan.stages}
         self._plan = {s.stage_id: s for s in msg.plan.stages}
         self._stream_consumers = {sid: [s.stage_id for s in msg.plan.stages if s.stream_source == sid]

@@ -134,7 +134,9 @@ class ReleaseRetries:
                 if not kept:
                     self._names.pop(svc, None)
             if released is not None:
-                log.info("connector_release_retried", service=svc, segments=len(names), released=released)
+                # (those not released were gone already: unlinked by their producer or the service's reaper)
+                log.info("connector_release_retried", service=svc, segments=len(names), released=released,
+                         already_gone=len(names) - released)
 
     def _send_queued(self) -> None:
         """The releases handed to :meth:`send`, in order; those that fail are kept for a retry."""
