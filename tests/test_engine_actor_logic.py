@@ -1221,6 +1221,16 @@ def test_a_replica_fetching_from_a_service_said_silent_renews_its_mark_and_probe
     engine._read_remote(SimpleNamespace(service="10.0.0.3:7002"))  # (not said silent: only a probe if marked)
     assert calls == [("probe_down", "10.0.0.3:7002")]
 
+    def refused(ref):
+        raise data_client.DataServiceError(f"data service {ref.service} unreachable (2 time(s) in a row); "
+                                           "not tried again for 4.5 s")
+    engine._connector = SimpleNamespace(get=refused)
+    with pytest.raises(data_client.DataServiceError, match=r"^its data service \(10.0.0.2:7002\) does not answer: "
+                                                             r"its node agent says so"):
+        engine._read_remote(SimpleNamespace(service="10.0.0.2:7002"))  # (trial CN read only "unreachable")
+    with pytest.raises(data_client.DataServiceError, match=r"^data service 10.0.0.3:7002 unreachable"):
+        engine._read_remote(SimpleNamespace(service="10.0.0.3:7002"))
+
 
 def test_a_processor_that_returns_no_dict_is_the_pipelines_fault_naming_it():
     """A processor's `[]` reached the engine, whose error was about missing fields (or a

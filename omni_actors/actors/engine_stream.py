@@ -88,11 +88,20 @@ class StreamingMixin:
         fetch after it wait its 10 s again) and asked once per mark whether it answers now
         (at most :data:`SILENT_PROBE_S`): a fetch from it fails at once, or goes ahead once it
         answers (the coordinator's word can lag a resume by a probe)."""
-        if ref.service in getattr(self, "_silent_services", ()):
+        silent = ref.service in getattr(self, "_silent_services", ())
+        if silent:
             data_client.mark_down(ref.service)
         if ref.service:
             data_client.probe_down(ref.service, SILENT_PROBE_S)
-        return self._connector.get(ref)
+        try:
+            return self._connector.get(ref)
+        except DataServiceError as exc:
+            if not silent:
+                raise
+            # (said as the coordinator says it: trial CN read "unreachable (2 time(s) in a row); not tried
+            # again for 4.5 s" of a member whose process was frozen)
+            raise DataServiceError(f"its data service ({ref.service}) does not answer: its node agent says so "
+                                   f"(its process frozen or hung?); {exc}") from None
 
     async def _input_chunks(self, msg: StageTask, chunks: asyncio.Queue):
         """The processed input chunks of a streaming task, in order, until the end marker.
