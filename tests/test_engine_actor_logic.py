@@ -1197,6 +1197,10 @@ def test_replicas_end_their_fetches_from_a_data_service_said_silent(monkeypatch)
     co._inventory.nodes["m2"].alive = False
     co.receiveMsg_NodeHeartbeat(NodeHeartbeat("m1"), "agent-m1")
     assert ("talker-pool", DataServicesSilent((), ("127.0.0.1:7002",))) in co.sent, co.sent
+    # (and a pool made now hears of it: only the silent nodes were sent to a new pool; a review)
+    co.sent.clear()
+    co._tell_silent("new-pool")
+    assert co.sent == [("new-pool", DataServicesSilent((), ("127.0.0.1:7002",)))], co.sent
 
 
 def test_a_replica_fetching_from_a_service_said_silent_renews_its_mark_and_probes_it(monkeypatch):
@@ -3570,13 +3574,14 @@ def test_a_replicas_info_label_has_no_clock_times_or_countdowns():
 
     reasons = {"talker/0": "restarted at 17:53:48 UTC; it was down: process exited (killed by SIGKILL)",
                "talker/1": "process exited (exit status 1); restarting in 8 s",
-               "talker/2": "engine failed: no such model; next try in 60 s (at 17:54:48 UTC)"}
+               "talker/2": "engine failed: no such model; next try in 60 s (at 17:54:48 UTC)",
+               "talker/3": "failed: gave up after 5 restarts in 300 s"}  # (a window, not a countdown: kept)
     table = {"stages": [{"stage": "talker", "pending": 0, "restarts": 0, "replicas": [
         {"replica": name, "state": "dead", "reason": reason} for name, reason in reasons.items()]}]}
     text = Metrics().render(table).decode()
     for label in ('reason="restarted; it was down: process exited (killed by SIGKILL)"',
                   'reason="process exited (exit status 1); restarting"',
-                  'reason="engine failed: no such model; next try"'):
+                  'reason="engine failed: no such model; next try"', 'reason="failed: gave up after 5 restarts in 300 s"'):
         assert label in text, text
 
 

@@ -236,8 +236,13 @@ class CoordinatorActor(ActorTypeDispatcher):
                                   next_index=getattr(self._reported.get(stage.stage_id), "next_index", 0),
                                   coordinator_pid=os.getpid(), coordinator_host=socket.gethostname(),
                                   **({"recreated_why": why} if why else {})))
+        self._tell_silent(pool)
+
+    def _tell_silent(self, pool) -> None:
+        """A new pool hears which data services do not answer, if any (a lost node's alone
+        too: only the silent nodes' were sent, a review)."""
         silent = self._silent_data_services()
-        if silent.nodes:
+        if silent != DataServicesSilent():
             self.send(pool, silent)
 
     def _layout(self, stage_id: int) -> tuple[tuple[str, tuple, tuple[float, ...], tuple, str, bool, tuple], ...] | None:
@@ -389,7 +394,7 @@ class CoordinatorActor(ActorTypeDispatcher):
             if silent > POOL_HUNG_INTERVALS * interval and state.pid:
                 if state.host and state.host != host_identity():
                     continue  # (not ours to signal; pools run on the leader's host)
-                self._log.error("pool_hung_killing", stage=state.stage, pid=state.pid, silent_s=round(silent, 1))
+                self._log.error("pool_hung_killing", stage=state.stage, pool_pid=state.pid, silent_s=round(silent, 1))
                 try:
                     os.kill(state.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
@@ -398,7 +403,7 @@ class CoordinatorActor(ActorTypeDispatcher):
                                                    "killed and recreated")
             elif silent > POOL_SILENT_NOTE_INTERVALS * interval and stage_id not in self._pool_silent:
                 self._pool_silent.add(stage_id)
-                self._log.warning("pool_silent", stage=state.stage, pid=state.pid, silent_s=round(silent, 1))
+                self._log.warning("pool_silent", stage=state.stage, pool_pid=state.pid, silent_s=round(silent, 1))
                 changed = True
         if changed:
             self._publish_status()

@@ -770,7 +770,10 @@ class RequestActor(ActorTypeDispatcher):
         released; the API server reads a 503 if it ever hears from us again (trial AS: this
         actor was killed at the shutdown, and the request had no ``request_finished``)."""
         if self._req is not None:
-            self._finish(ErrorKind.UNAVAILABLE, "the omni-actors system stopped before this request finished")
+            # (its releases waited for: the process exits after this handler, with the thread that
+            # would send them: a review)
+            self._finish(ErrorKind.UNAVAILABLE, "the omni-actors system stopped before this request finished",
+                         wait=True)
 
     # -- the API server that owns this actor ------------------------------------
     def receiveMsg_BridgeAlive(self, msg: BridgeAlive, sender):
@@ -919,7 +922,7 @@ class RequestActor(ActorTypeDispatcher):
         self.wakeupAfter(max(due - now, 0.0), payload=DEADLINE)
 
     def _finish(self, error: ErrorKind | None, message: str, lost_on: str | None = None,
-                output_sent: bool = False) -> None:
+                output_sent: bool = False, wait: bool = False) -> None:
         req = self._req
         for stage_id in self._parked:  # (not sent anywhere: nothing to cancel)
             self._running.pop(stage_id, None)
@@ -960,10 +963,10 @@ class RequestActor(ActorTypeDispatcher):
         # Released once the answer is sent, those on other hosts from a thread of their own: a release
         # to a host whose data service does not answer waits up to 2 s (trial CN's requests each ended
         # that much late on a frozen member, and a review saw the answer wait behind them in Thespian)
-        release_all(self._owned, recycle=recycle, wait=False)
-        self._forget_stream(set(self._chunks) | set(self._done_waiting), recycle=recycle, wait=False)
+        release_all(self._owned, recycle=recycle, wait=wait)
+        self._forget_stream(set(self._chunks) | set(self._done_waiting), recycle=recycle, wait=wait)
         if error is not None:  # (the bridge drops outputs of a request that failed)
-            release_all([ref for _, ref, _ in held if ref is not None], recycle=recycle, wait=False)
+            release_all([ref for _, ref, _ in held if ref is not None], recycle=recycle, wait=wait)
         self._heard_at = time.monotonic()  # (a request that outlived lost_after_s is no silence)
         self._last_plan = req.plan.stages
         self._reset()

@@ -95,6 +95,7 @@ class ReleaseRetries:
         """Give up every retry (tests: one test's dead services are not another's business)."""
         with self._lock:
             self._names, self._probed_at = {}, {}
+            self._sends.clear()
 
     def pending(self) -> dict[str, int]:
         """Segment names waiting for a retry, by data service."""

@@ -739,11 +739,12 @@ class ActorBridge(RequestActorKeeping):
                 self._log.info("data_service_answers_again", node=n.name, service=n.data_service)
 
     def _silent_services(self) -> tuple[str, ...]:
-        """The data services the coordinator's last published status says do not answer (of
-        live nodes whose data service is silent)."""
+        """The data services the coordinator's last published status says do not answer: of
+        live nodes whose data service is silent, and of nodes lost or gone (a review: a silent
+        node then lost was taken for "it answers again")."""
         published = self._published
         return tuple(n.data_service for n in (published.nodes if published else ())
-                     if n.alive and n.data_service and n.data_service_silent_s)
+                     if n.data_service and (n.data_service_silent_s or not n.alive))
 
     def rerun_goes_back(self, node: str, request: PipelineRequest) -> bool:
         """Whether running ``request`` again would only meet ``node`` again, or another like it:

@@ -122,9 +122,9 @@ def _s(value: Any) -> str:
 
 
 #: What :func:`label_reason` cuts: a clock time (``at 17:53:48 UTC``, ``(at 17:54:48 UTC)``) and a
-#: countdown (``in 8 s``).
-_VOLATILE = re.compile(r" ?\(at \d{1,2}:\d{2}(?::\d{2})?(?: UTC)?\)| at \d{1,2}:\d{2}(?::\d{2})?(?: UTC)?"
-                       r"| in \d+(?:\.\d+)? s\b")
+#: countdown (``restarting in 8 s``, ``next try in 60 s``; not a window such as ``5 restarts in 300 s``).
+_CLOCK = re.compile(r" ?\(at \d{1,2}:\d{2}(?::\d{2})?(?: UTC)?\)| at \d{1,2}:\d{2}(?::\d{2})?(?: UTC)?")
+_COUNTDOWN = re.compile(r"\b(restarting|next try|starts) in \d+(?:\.\d+)? s\b")
 
 
 def label_reason(reason: str) -> str:
@@ -132,7 +132,7 @@ def label_reason(reason: str) -> str:
     countdowns that ``status`` shows (``restarted at 17:53:48 UTC``, ``restarting in 8 s``:
     trial CK, a new series at each restart and each second of a back-off), cut to
     :data:`MAX_REASON_CHARS`."""
-    return _VOLATILE.sub("", reason)[:MAX_REASON_CHARS]
+    return _COUNTDOWN.sub(r"\1", _CLOCK.sub("", reason))[:MAX_REASON_CHARS]
 
 
 class StageCollector:

@@ -661,7 +661,7 @@ def _watch_coordinator(asys, config: PipelineConfig, leader_node, stopping: thre
                 else:
                     misses += 1
                     if misses >= 3 and last_pid:
-                        log.error("coordinator_hung_killing", pid=last_pid)
+                        log.error("coordinator_hung_killing", coordinator_pid=last_pid)
                         os.kill(last_pid, signal.SIGKILL)
                         misses = 0
             except Exception as exc:  # noqa: BLE001 - the watchdog must outlive what it watches

@@ -132,7 +132,7 @@ def test_a_pool_frozen_for_good_is_shown_silent_then_killed_and_recreated(leader
     new = _stage(after, "talker")
     assert new["pid"] != pool["pid"] and new["restarts"] == pool["restarts"] + 1, new
     killed = [ev for ev in read_events(leader.log_path, since) if ev["event"] == "pool_hung_killing"]
-    assert [(ev["stage"], ev["pid"]) for ev in killed] == [("talker", pool["pid"])], killed
+    assert [(ev["stage"], ev["pool_pid"]) for ev in killed] == [("talker", pool["pid"])], killed
     assert 10 * HEARTBEAT_S <= killed[0]["silent_s"] < 14 * HEARTBEAT_S, killed
     assert all("it was down: its stage pool hung (no report for" in rep["reason"] for rep in new["replicas"]), \
         new["replicas"]
