@@ -616,12 +616,32 @@ def test_a_service_taken_for_down_is_not_asked_on_a_connection_already_open(pref
     release_all([ref])
 
 
+def _get_from_stopped(proc, reader, ref):
+    """Once the data service ``proc`` is stopped (SIGSTOP sent), a thread that gets ``ref``
+    through ``reader``: ``(the thread, started; the list its exception goes to)``."""
+    import threading
+
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "the service did not stop"
+        time.sleep(0.01)
+    failed: list[BaseException] = []
+
+    def get() -> None:
+        try:
+            reader.get(ref)
+        except BaseException as exc:  # noqa: BLE001 - what the test looks at
+            failed.append(exc)
+    thread = threading.Thread(target=get)
+    thread.start()
+    return thread, failed
+
+
 def test_giving_up_on_a_frozen_service_ends_the_gets_waiting_on_it_at_once(prefix, monkeypatch):
     """Trial CG: requests whose outputs were fetched from a member just frozen each waited out
     the get's 10 s, though its node agent reported the host's data service silent after ~3 s.
     ``give_up`` (the API server calls it when the coordinator says so) ends those waits."""
     import signal
-    import threading
 
     from omni_actors.connectors import data_client
 
@@ -631,22 +651,9 @@ def test_giving_up_on_a_frozen_service_ends_the_gets_waiting_on_it_at_once(prefi
         assert reader.get(ref)["x"][-1] == 99_999  # (its connection is open)
         os.kill(proc.pid, signal.SIGSTOP)
         try:
-            deadline = time.monotonic() + 5
-            while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-                assert time.monotonic() < deadline, "the service did not stop"
-                time.sleep(0.01)
-            failed: list[BaseException] = []
-
-            def get() -> None:
-                try:
-                    reader.get(ref)
-                except BaseException as exc:  # noqa: BLE001 - what the test looks at
-                    failed.append(exc)
-
             monkeypatch.setattr(data_client, "GIVE_UP_QUIET_S", 0.3)
             t0 = time.monotonic()
-            thread = threading.Thread(target=get)
-            thread.start()
+            thread, failed = _get_from_stopped(proc, reader, ref)
             while not any(w.service == address for w in list(data_client._waits.values())):  # (its request sent)
                 assert time.monotonic() - t0 < 5
                 time.sleep(0.01)
@@ -673,7 +680,6 @@ def test_a_fetch_spared_by_give_up_for_being_new_is_ended_a_moment_later(prefix,
     and ended if nothing came meanwhile. And a connection made to the frozen service (its kernel
     accepts them) no longer takes its down mark away: a fetch after it waited 10 s."""
     import signal
-    import threading
 
     from omni_actors.connectors import data_client
 
@@ -683,22 +689,9 @@ def test_a_fetch_spared_by_give_up_for_being_new_is_ended_a_moment_later(prefix,
         assert reader.get(ref)["x"][-1] == 99_999
         os.kill(proc.pid, signal.SIGSTOP)
         try:
-            deadline = time.monotonic() + 5
-            while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
-                assert time.monotonic() < deadline, "the service did not stop"
-                time.sleep(0.01)
-            failed: list[BaseException] = []
-
-            def get() -> None:
-                try:
-                    reader.get(ref)
-                except BaseException as exc:  # noqa: BLE001 - what the test looks at
-                    failed.append(exc)
-
             monkeypatch.setattr(data_client, "GIVE_UP_QUIET_S", 0.3)
             t0 = time.monotonic()
-            thread = threading.Thread(target=get)
-            thread.start()
+            thread, failed = _get_from_stopped(proc, reader, ref)
             while not any(w.service == address for w in list(data_client._waits.values())):
                 assert time.monotonic() - t0 < 5
                 time.sleep(0.01)
