@@ -1198,6 +1198,9 @@ class StageFailed(Message):
     #: refused by a pool whose coordinator was lost (it only drains): the task waits for the new
     #: coordinator's pool of its stage (RoutesChanged), not run by this one, not a failure of the stage
     coordinator_lost: bool = False
+    #: refused by a pool with no replica ready and none on its way (stopped, scaled to 0,
+    #: failed): the request's 503 would be the same a second later (``x-should-retry: false``)
+    none_coming: bool = False
 
 
 @dataclass(frozen=True)
@@ -1335,6 +1338,8 @@ class RequestFinished(Message):
     #: a failed stage was not retried only because text of it had gone to the API server
     #: (which may not have sent any of it to the client yet: it may then run the request again)
     output_sent: bool = False
+    #: a stage's pool refused it with no replica ready and none on its way (StageFailed.none_coming)
+    none_coming: bool = False
 
 
 @dataclass(frozen=True)

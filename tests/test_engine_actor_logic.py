@@ -1755,6 +1755,51 @@ def test_a_task_moved_off_replicas_of_a_lost_host_is_not_out_of_attempts():
     assert where == "addr-talker/0" and task.attempt == 3 and task.moved == 3
 
 
+def test_a_pools_own_503_for_a_stage_with_none_on_its_way_tells_clients_not_to_retry():
+    """The API server refuses up front a request whose stage has no replica ready and none
+    on its way, with ``x-should-retry: false``; a request that got past it (its view of the
+    stages a moment old) was refused by the pool with a 503 that left OpenAI's clients to
+    retry twice for the same answer (a session's note). The pool's refusal says none is
+    coming, the RequestActor and the API server pass it on; with a replica starting (and
+    ``queue_timeout_s: 0``, so no wait) the client may retry."""
+    from omni_actors.actors.request import RequestActor
+    from omni_actors.http.app import _failed
+    from omni_actors.http.bridge import ActorBridge
+    from types import SimpleNamespace
+
+    from omni_actors.messages import ErrorKind, ReplicaState, RequestFinished, StageFailed, StageTask
+
+    headers = {}
+    for starting in (False, True):
+        pool = _pool_routing({"talker/0": "m1", "talker/1": "m1"})
+        pool._replicas["talker/0"].state = ReplicaState.STOPPED
+        pool._replicas["talker/1"].state = ReplicaState.STARTING if starting else ReplicaState.FAILED
+        pool._spec.supervision.queue_timeout_s = 0.0
+        pool.receiveMsg_StageTask(StageTask("r1", 1, "hi", (), {}, {}, "audio", False, "ra-1"), "ra-1")
+        (to_ra, refused), = pool.sent
+        assert to_ra == "ra-1" and isinstance(refused, StageFailed) and refused.kind == ErrorKind.UNAVAILABLE
+        assert refused.none_coming is not starting, refused
+
+        ra, sent, _ = _closing_request_actor(stages=("thinker", "talker"))
+        ra._req.max_attempts = 3
+        del ra._running[0]
+        ra._running[1] = SimpleNamespace(attempt=0, streaming=False, stream_source=None, moved=0, exclude=(),
+                                         crashed=(), emit_chunks=False)
+        RequestActor.receiveMsg_StageFailed(ra, refused, "pool-talker")
+        (finished,) = [m for _, m in sent if isinstance(m, RequestFinished)]
+        assert finished.error == ErrorKind.UNAVAILABLE and finished.none_coming is not starting
+
+        bridge = ActorBridge(asys=None, coordinator=None)
+        delivered = []
+        bridge._deliver = lambda rid, event: delivered.append(event)
+        bridge._end(finished)
+        (event,) = delivered
+        assert event.status == 503 and event.message.startswith("no ready replica of stage talker"), event
+        headers[starting] = _failed(event).headers or {}
+    assert headers[False].get("x-should-retry") == "false"
+    assert "x-should-retry" not in headers[True]
+
+
 def test_replicas_that_crash_under_a_task_still_use_up_its_attempts():
     """What the moves do not cover: replicas that die running the task (it may be what
     kills them) fail it after supervision.max_task_crashes (2), and a pool that keeps

@@ -19,7 +19,7 @@ import time
 
 from thespian.actors import PoisonMessage
 
-from omni_actors.balancing import ROUTABLE, ReplicaLoad, describe_replicas, no_replica_reason
+from omni_actors.balancing import ROUTABLE, ReplicaLoad, describe_replicas, no_replica_reason, none_on_its_way
 from omni_actors.messages import (LATENCY_BUCKETS_S, MAX_TASK_MOVES, CancelStage, DrainReplica, ErrorKind,
                                   ReplicaState, StageCancelled, StageFailed, StageTask, TaskFinished, cancels_attempt)
 
@@ -172,7 +172,7 @@ class PoolRoutingMixin:
             if refused is None:
                 self._pending.append((task, time.monotonic() + wait_s))
             else:
-                self._reject(task, refused)
+                self._reject(task, refused, none_coming=none_on_its_way(self._replicas.values()))
             return
         rep = self._replicas[chosen]
         now = time.monotonic()
@@ -216,12 +216,13 @@ class PoolRoutingMixin:
             self._route(task)
         self._pending = pending[take:] + self._pending
 
-    def _reject(self, task: StageTask, message: str) -> None:
+    def _reject(self, task: StageTask, message: str, none_coming: bool = False) -> None:
         # (by a pool whose coordinator was lost: its replicas drain, and are not restarted)
         lost = self._orphaned and not self._exiting
         self.send(task.reply_to, StageFailed(task.request_id, task.stage_id, "", ErrorKind.UNAVAILABLE,
                                              message + ("; its pool's coordinator was lost" if lost else ""),
-                                             task.attempt, task.crashed, task.moved, coordinator_lost=lost))
+                                             task.attempt, task.crashed, task.moved, coordinator_lost=lost,
+                                             none_coming=none_coming and not lost))
 
     def _describe(self) -> str:
         return describe_replicas(self._replicas.values())

@@ -542,7 +542,8 @@ class RequestActor(ActorTypeDispatcher):
                                              crashed=msg.crashed or task.crashed, moved=moved))
             return
         del self._running[msg.stage_id]
-        self._finish(msg.kind, message, lost_on=msg.lost_on, output_sent=output_sent)
+        self._finish(msg.kind, message, lost_on=msg.lost_on, output_sent=output_sent,
+                     none_coming=msg.none_coming and not msg.replica)
 
     def _wait_for_new_pool(self, task: StageTask, msg: StageFailed, sender) -> None:
         """``task`` was refused by a pool whose coordinator was lost (it only drains): send
@@ -922,7 +923,7 @@ class RequestActor(ActorTypeDispatcher):
         self.wakeupAfter(max(due - now, 0.0), payload=DEADLINE)
 
     def _finish(self, error: ErrorKind | None, message: str, lost_on: str | None = None,
-                output_sent: bool = False, wait: bool = False) -> None:
+                output_sent: bool = False, wait: bool = False, none_coming: bool = False) -> None:
         req = self._req
         for stage_id in self._parked:  # (not sent anywhere: nothing to cancel)
             self._running.pop(stage_id, None)
@@ -959,7 +960,7 @@ class RequestActor(ActorTypeDispatcher):
             finish_reason=self._finish_reason,
             stage_replicas={sid: d.replica for sid, d in self._done.items()}, request_actor=self.myAddress,
             sent=self._out_seq, after_text=None if error else self._after_text(), free=not unconfirmed,
-            lost_on=lost_on, output_sent=output_sent))
+            lost_on=lost_on, output_sent=output_sent, none_coming=none_coming))
         # Released once the answer is sent, those on other hosts from a thread of their own: a release
         # to a host whose data service does not answer waits up to 2 s (trial CN's requests each ended
         # that much late on a frozen member, and a review saw the answer wait behind them in Thespian)

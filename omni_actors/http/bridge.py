@@ -956,7 +956,7 @@ class ActorBridge(RequestActorKeeping):
                 code = CONTEXT_LENGTH_CODE
             lost = msg.error == ErrorKind.INPUT_LOST  # (the API server may run it again, as a lost final output)
             event = RequestFailed(status, msg.message, kind, lost_output=lost, lost_on=msg.lost_on if lost else None,
-                                  output_sent=msg.output_sent, code=code)
+                                  output_sent=msg.output_sent, code=code, none_coming=msg.none_coming)
         self._deliver(msg.request_id, event)
 
     def _take(self, msg: OutputChunk | OutputReady) -> dict[str, Any] | None:
