@@ -203,6 +203,43 @@ def _outbox_items(bridge: ActorBridge) -> list:
     return items
 
 
+class _Waiting:
+    """A request waiting in the queue (its future not done)."""
+
+    @staticmethod
+    def done() -> bool:
+        return False
+
+
+def test_a_429_asks_for_a_wait_drawn_from_how_fast_requests_are_served():
+    """Every 429 said ``Retry-After: 1`` and OpenAI's clients wait exactly that: a refused
+    burst came back all at once, a second later. The wait now runs from the time one queue
+    place comes free to the time the queue ahead has been served, at the rate of the last
+    10 s, drawn in between; 1 s (the least) when nothing was served in that window; 30 s at
+    most."""
+    from omni_actors.http.admission import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S
+
+    clock = Clock()
+    pool = RequestActorPool(maximum=2, minimum=0, queue_limit=4, idle_exit_s=30, clock=clock)
+    assert pool.retry_after_s(lambda: 0.5) == RETRY_AFTER_MIN_S  # nothing served yet
+    for _ in range(5):  # 5 served in the last 10 s: 0.5 a second
+        clock.now += 1
+        pool.release("ra")
+    assert pool.retry_after_s(lambda: 0.0) == 2.0  # one place comes free in 2 s
+    pool._waiters.extend(_Waiting() for _ in range(4))
+    assert pool.retry_after_s(lambda: 1.0) == 10.0  # the 4 queued and this one: (4 + 1) / 0.5
+    assert 2.0 < pool.retry_after_s() < 10.0
+    for _ in range(4):
+        pool._waiters.popleft()
+    clock.now += 100  # nothing served for 100 s: the least again
+    assert pool.retry_after_s(lambda: 0.9) == RETRY_AFTER_MIN_S
+    clock.now += 1
+    pool.release("ra")  # one served in 10 s: one place in 10 s; the bound where the queue is long
+    assert pool.retry_after_s(lambda: 0.0) == 10.0
+    pool._waiters.extend(_Waiting() for _ in range(4))
+    assert pool.retry_after_s(lambda: 1.0) == RETRY_AFTER_MAX_S
+
+
 def test_submit_waits_for_a_request_actor_within_the_deadline_and_refuses_past_the_queue():
     async def main():
         bridge = _bridge(request_actors=1, queue_limit=1)
@@ -635,7 +672,8 @@ def test_past_the_cap_requests_queue_then_get_429_and_idle_request_actors_exit(l
                 refused = await asyncio.gather(chat(4), chat(4), chat(4, stream=True), chat(4))
                 for status, headers, data in refused:
                     assert status == 429, (status, data)
-                    assert headers["Retry-After"] == "1"
+                    wait_ms = int(headers["retry-after-ms"])  # (read first by OpenAI's clients)
+                    assert 1000 <= wait_ms <= 30_000 and headers["Retry-After"] == str(-(-wait_ms // 1000)), headers
                     assert headers["Content-Type"].startswith("application/json")
                     err = data["error"]
                     assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import random
 import time
 from typing import Any, Callable
 
@@ -21,6 +22,13 @@ class ShuttingDown(Exception):
 
 class QueueFull(Exception):
     """:meth:`RequestActorPool.acquire`: no RequestActor is free and the queue is full."""
+
+
+#: The window (s) over which :meth:`RequestActorPool.retry_after_s` counts the requests served.
+SERVED_WINDOW_S = 10.0
+#: The bounds (s) of the wait a 429 asks for: at least 1 s (as before it was always 1 s); at most
+#: 30 s, below the 60 s past which OpenAI's clients give up rather than wait (MAX_RETRY_AFTER_DELAY).
+RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1.0, 30.0
 
 
 class RequestActorPool:
@@ -43,6 +51,7 @@ class RequestActorPool:
         self.total = 0  #: RequestActors alive or being made
         self.rejected = 0  #: acquires refused (QueueFull) so far
         self._clock = clock
+        self._served: collections.deque = collections.deque(maxlen=100_000)  # release times, oldest first
         self._idle: collections.deque = collections.deque()  # (address, idle since), oldest first
         self._waiters: collections.deque = collections.deque()  # futures, first come first
 
@@ -108,12 +117,32 @@ class RequestActorPool:
 
     def release(self, actor: Any) -> None:
         """``actor`` is free again: to the first request waiting, else idle."""
+        self._served.append(self._clock())
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():
                 fut.set_result(actor)
                 return
         self._idle.append((actor, self._clock()))
+
+    def retry_after_s(self, draw: Callable[[], float] = random.random) -> float:
+        """How long (s) a request refused now (:class:`QueueFull`) should wait before it tries
+        again: a draw between the time one queue place comes free and the time the whole queue
+        ahead of it has been served, at the rate RequestActors came free over the last
+        :data:`SERVED_WINDOW_S` (``(queued + 1) / rate``), within :data:`RETRY_AFTER_MIN_S`
+        and :data:`RETRY_AFTER_MAX_S`; the minimum when none came free in that window. Drawn,
+        so that a burst refused together comes back spread over that time rather than all at
+        once (a trial's note: every 429 said 1 s, and OpenAI's clients wait exactly that).
+        ``draw``: uniform in [0, 1)."""
+        now = self._clock()
+        while self._served and now - self._served[0] > SERVED_WINDOW_S:
+            self._served.popleft()
+        if not self._served:
+            return RETRY_AFTER_MIN_S
+        rate = len(self._served) / SERVED_WINDOW_S  # requests served per second
+        low = min(max(1 / rate, RETRY_AFTER_MIN_S), RETRY_AFTER_MAX_S)
+        high = min(max((self.queued + 1) / rate, low), RETRY_AFTER_MAX_S)
+        return low + (high - low) * draw()
 
     def lost(self) -> None:
         """A RequestActor is gone, or could not be made: room for another (the first

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import math
 import os
 import socket
 import struct
@@ -546,8 +547,9 @@ def _failed(ev: RequestFailed, prompt_param: str = "messages") -> P.ApiError:
     ``prompt_param`` (``messages``; ``prompt`` for images) as its ``param``, as OpenAI's does."""
     headers = {}
     retry_after = getattr(ev, "retry_after_s", None)
-    if retry_after is not None:
-        headers["Retry-After"] = str(int(retry_after))
+    if retry_after is not None:  # (OpenAI's clients read retry-after-ms first: the wait to the ms)
+        headers["Retry-After"] = str(math.ceil(retry_after))
+        headers["retry-after-ms"] = str(round(retry_after * 1000))
     if ev.status == 504 or (ev.status == 500 and not ev.lost_output and not ev.lost_by_server) or ev.none_coming:
         headers["x-should-retry"] = "false"
     param = prompt_param if ev.code == CONTEXT_LENGTH_CODE else None

@@ -78,7 +78,7 @@ from omni_actors.messages import (LATENCY_BUCKETS_S, CancelRequest, CancelStage,
                                   PublicationsReceived, ReplicaState, RunRequest, Subscribe, SUBSCRIPTION,
                                   SupervisorAlive,
                                   SystemStatus, SystemStopping, Unsubscribe, WhoAmI, YouAre)
-from omni_actors.http.admission import QueueFull, RequestActorPool, ShuttingDown
+from omni_actors.http.admission import RETRY_AFTER_MIN_S, QueueFull, RequestActorPool, ShuttingDown
 from omni_actors.http.request_actors import (LOST_AFTER_S, REQUEST_ACTOR_SILENT_S,  # noqa: F401 - (tests)
                                              RequestActorKeeping, _Held)
 from omni_actors.planning import PlanError, plan_request
@@ -121,8 +121,6 @@ DEFAULT_MIN_REQUEST_ACTORS = 4
 DEFAULT_QUEUE_PER_ACTOR = 4
 #: A RequestActor above the minimum idle this long is told to exit (``idle_exit_s`` default).
 REQUEST_ACTOR_IDLE_EXIT_S = 30.0
-#: The ``Retry-After`` (seconds) of a 429 answered when the queue is full.
-RETRY_AFTER_S = 1
 #: HTTP status for each way a request can fail.
 HTTP_STATUS = {ErrorKind.UNAVAILABLE: 503, ErrorKind.TIMEOUT: 504, ErrorKind.ENGINE_ERROR: 500,
                ErrorKind.CRASHED: 500, ErrorKind.STAGE_INPUT: 500, ErrorKind.INPUT_LOST: 500,
@@ -145,7 +143,9 @@ class RequestRejected(RequestFailed):
     the queue for one is full. Answered as HTTP 429 with ``Retry-After``."""
 
     code: str | None = "rate_limit_exceeded"
-    retry_after_s: int = RETRY_AFTER_S
+    #: s (see :meth:`~omni_actors.http.admission.RequestActorPool.retry_after_s`): the
+    #: ``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms`` headers
+    retry_after_s: float = RETRY_AFTER_MIN_S
 
 
 @dataclasses.dataclass
@@ -382,10 +382,11 @@ class ActorBridge(RequestActorKeeping):
                 pool = self._pool
                 closing = (f" ({len(self._closing)} of them waiting for the engines to confirm the cancels "
                            "of requests that ended early)" if self._closing else "")
+                wait_s = pool.retry_after_s()
                 yield RequestRejected(
                     429, f"The server is busy: all {pool.maximum} of its RequestActors are serving requests"
                          f"{closing} and {pool.queue_limit} more requests wait for one (the most allowed). "
-                         f"Retry after {RETRY_AFTER_S} s.", "rate_limit_error")
+                         f"Retry after {wait_s:.1f} s.", "rate_limit_error", retry_after_s=wait_s)
                 return
             except asyncio.TimeoutError:
                 yield RequestFailed(504, f"request deadline of {timeout:g} s passed while the request waited "
