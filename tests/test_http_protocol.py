@@ -751,15 +751,18 @@ def test_api_key():
     bridge = FakeBridge()
 
     async def body(client):
-        err = await assert_error(await client.post(CHAT, json=GOOD_CHAT), 401)
+        resp = await client.post(CHAT, json=GOOD_CHAT)
+        err = await assert_error(resp, 401)
         assert err["code"] is None and err["message"].startswith("You didn't provide an API key")
+        assert resp.headers["WWW-Authenticate"] == 'Bearer realm="omni-actors"'  # (RFC 9110 asks it of a 401)
         # a key sent another way is not "no key" (a trial's `Basic ...` was told it gave none)
         err = await assert_error(await client.post(
             CHAT, json=GOOD_CHAT, headers={"Authorization": "Basic czNjcmV0"}), 401)
         assert err["message"] == "The Authorization header is not 'Bearer YOUR_KEY' (it has scheme 'Basic')."
-        err = await assert_error(await client.post(
-            CHAT, json=GOOD_CHAT, headers={"Authorization": "Bearer wrong"}), 401)
+        resp = await client.post(CHAT, json=GOOD_CHAT, headers={"Authorization": "Bearer wrong"})
+        err = await assert_error(resp, 401)
         assert err["code"] == "invalid_api_key"
+        assert resp.headers["WWW-Authenticate"] == 'Bearer realm="omni-actors", error="invalid_token"'
         # a byte that is not UTF-8 in the key: a 401 too (a code review: a 500)
         err = await assert_error(await client.post(
             CHAT, json=GOOD_CHAT, headers={"Authorization": "Bearer s3cr\xff"}), 401)

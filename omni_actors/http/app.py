@@ -369,22 +369,29 @@ async def error_middleware(request: web.Request, handler: _Handler) -> web.Strea
                                  "request.", "server_error"))
 
 
+#: The challenge of a 401 (RFC 6750: the scheme the server takes; ``invalid_token`` for a wrong key).
+CHALLENGE = 'Bearer realm="omni-actors"'
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler: _Handler) -> web.StreamResponse:
-    """Bearer API key check (when configured); ``/health`` stays open."""
+    """Bearer API key check (when configured); ``/health`` stays open. A 401 carries
+    ``WWW-Authenticate`` (:data:`CHALLENGE`), as HTTP asks of one."""
     key = request.app[_API_KEY]
     if key is not None and request.path not in OPEN_PATHS:
         auth = request.headers.get("Authorization", "")
         scheme, _, token = auth.partition(" ")
         if not auth.strip():
             raise P.ApiError(401, "You didn't provide an API key. Provide it in the "
-                             "Authorization header as 'Bearer YOUR_KEY'.")
+                             "Authorization header as 'Bearer YOUR_KEY'.", headers={"WWW-Authenticate": CHALLENGE})
         if scheme.lower() != "bearer" or not token.strip():  # (a trial's `Basic ...` read "didn't provide")
             raise P.ApiError(401, "The Authorization header is not 'Bearer YOUR_KEY' (it has "
-                             f"{'scheme ' + repr(scheme[:20]) if scheme else 'no scheme'}).")
+                             f"{'scheme ' + repr(scheme[:20]) if scheme else 'no scheme'}).",
+                             headers={"WWW-Authenticate": CHALLENGE})
         # (surrogateescape: aiohttp keeps a header's non-UTF-8 bytes so; a plain encode raised, a 500)
         if not hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), key.encode()):
-            raise P.ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+            raise P.ApiError(401, "Incorrect API key provided.", code="invalid_api_key",
+                             headers={"WWW-Authenticate": CHALLENGE + ', error="invalid_token"'})
     return await handler(request)
 
 

@@ -359,8 +359,8 @@ def _check_unserved(body: dict) -> None:
         raise _bad("'logprobs' is not supported by this server: its stages return no log-probabilities.",
                    "logprobs")
     if _opt_int(body, "top_logprobs", 0, 20):
-        raise _bad("'top_logprobs' is not supported by this server: its stages return no log-probabilities.",
-                   "top_logprobs")
+        raise _bad("'top_logprobs' is only allowed with 'logprobs': true, which this server does not support: "
+                   "its stages return no log-probabilities.", "top_logprobs")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise _bad("Invalid type for 'user': expected a string.", "user")
     fmt = body.get("response_format")
