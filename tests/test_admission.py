@@ -798,8 +798,6 @@ def test_request_actors_killed_mid_request_or_idle_are_replaced_at_once(leader, 
     before), the Thinker's task is cancelled, and the next request is served by a new
     RequestActor. A killed idle one is not handed the next request (each such request
     waited out its deadline) and is replaced, up to the minimum kept."""
-    import urllib.error
-    import urllib.request
 
     baseline = _settle(leader.pids)
     api = ApiServer(leader, tmp_path, min_request_actors=1, queue_limit=4)
@@ -1237,8 +1235,6 @@ def test_a_supervisor_is_judged_only_on_what_the_receiver_read_and_a_lost_one_sp
 
     # the sender thread's side: the lost supervisor's exit is not recursive
     from types import SimpleNamespace
-
-    from thespian.actors import ActorExitRequest
 
     from omni_actors.messages import Relay
 
