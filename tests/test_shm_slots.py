@@ -384,3 +384,120 @@ def test_a_nodes_buffer_counts_take_slots_and_segments_in_one_pass(prefix, monke
     assert "@" in in_use_slot.location and "@" not in in_use_segment.location
     assert buffer_counts(prefix) == (2, 2, size_class(4000) + size_class(8000))
     assert free_usage(prefix) == buffer_counts(prefix)[1:]
+
+
+def test_a_full_tmpfs_put_gives_back_a_slot_its_own_process_released(prefix, tiny_tmpfs, monkeypatch):
+    """A producer that released its own 24 MiB slot (recycled: it keeps a mapping of the
+    slot's header page to release it again) and then needs 20 MiB of another size class
+    on a 40 MiB tmpfs: its put gives the free slot back and succeeds (a review's failed
+    with ENOSPC: the header page's mapping, dropped before the slot was unlinked, kept
+    the whole file's pages)."""
+    from omni_actors.connectors import DIR_ENV
+
+    monkeypatch.setenv(DIR_ENV, str(tiny_tmpfs("40m")))
+    monkeypatch.setenv(slots.SLOT_BYTES_ENV, str(64 * MB))
+    conn = NodeConnector(0, prefix)
+    first = conn.put({"x": np.ones(24 * MB, np.uint8)})
+    assert "@" in first.location
+    conn.release(first, recycle=True)
+    t0 = time.monotonic()
+    second = conn.put({"x": np.full(20 * MB, 7, np.uint8)})
+    assert time.monotonic() - t0 < 0.25  # (no wait for anyone: this process held it)
+    assert int(conn.get(second)["x"][-1]) == 7
+    conn.release(second)
+    assert list_segment_files(prefix) == []
+
+
+def test_a_malformed_slot_location_in_a_release_batch_is_skipped_and_refused_by_a_data_service(prefix, monkeypatch):
+    """A name with an ``@`` that is no slot location stopped a release batch where it
+    stood (the names after it stayed until reaped, 15 minutes), and a data service asked
+    to release it closed the connection with no answer (the client's retries then tried
+    the batch every second until they gave up). Locally it is skipped; a data service
+    refuses the batch with a 400 naming it (nothing released, as for any bad name), and
+    serves the next request on the same connection."""
+    from omni_actors.connectors import data_service as ds
+    from omni_actors.connectors.shm import release_segments
+
+    monkeypatch.setenv(slots.SLOT_BYTES_ENV, "0")  # (plain segments)
+    conn = NodeConnector(0, prefix)
+    a, b = (conn.put({"x": np.ones(100_000, np.uint8)}).location for _ in range(2))
+    bad = f"{prefix}0123456789abcdef@7"
+    assert release_segments([a, bad, b]) == (2, 0)
+    assert list_segment_files(prefix) == []
+    with DataService(prefix=prefix, node="far") as service:
+        a = conn.put({"x": np.ones(100_000, np.uint8)}).location
+        with pytest.raises(ConnectorError, match="malformed slot location"):
+            ds.release(service.address, [a, bad])
+        assert ds.release(service.address, [a]) == 1
+        assert list_segment_files(prefix) == []
+    ds.close_connections()
+
+
+def test_an_unrecycled_release_of_a_slot_whose_header_the_watcher_closes_meanwhile_is_no_error(prefix):
+    """A process keeps the header mappings of slots it released. An unrecycled release of a
+    slot reaped meanwhile took the entry under the lock, let go of it, and used it again:
+    the watcher (dropping mappings of unlinked files) closed it in between, and the release
+    raised ``ValueError: operation forbidden on released memoryview object`` (a review
+    forced that interleaving, as here). It now says the generation is not there (False)."""
+    conn = NodeConnector(0, prefix)
+    first = conn.put(_payload(1, n=1 << 14))
+    conn.release(first, recycle=True)  # (its header page kept mapped here)
+    second = conn.put(_payload(2, n=1 << 14))
+    name, gen = slots.split(second.location)
+    directory = segment_dir()
+    assert slots.retire_and_unlink(directory, name, gen)  # the data service's reaper took it
+
+    real = slots._headers._lock
+    closed = []
+
+    class Gap:
+        """The cache's lock; once first let go, the watcher's pass runs."""
+
+        def __enter__(self):
+            real.acquire()
+            return self
+
+        def __exit__(self, *exc):
+            real.release()
+            if not closed:
+                closed.append(None)  # (its own use of the lock runs no pass)
+                closed[0] = slots._headers.drop_unlinked()
+
+        def acquire(self, *a, **k):
+            return real.acquire(*a, **k)
+
+        def release(self):
+            return real.release()
+
+    slots._headers._lock = Gap()
+    try:
+        assert slots.release(directory, (name, gen), recycle=False) is False
+    finally:
+        slots._headers._lock = real
+    assert closed == [0]  # (the release had taken it out of the cache: nothing for the watcher to close)
+
+
+def test_a_slot_file_with_no_header_is_unlinked_once_stale(prefix):
+    """A producer killed between creating a slot's file and writing its header left a file
+    that no reap, trim or count saw (only the sweep at the system's stop): the data
+    service's pass now unlinks it once untouched as long as a stale free slot."""
+    directory = segment_dir()
+    name = f"{prefix}slot-{os.urandom(8).hex()}"
+    path = f"{directory}/{name}"
+    with open(path, "wb") as f:
+        f.truncate(slots.HEADER + MB)
+    fresh = f"{prefix}slot-{os.urandom(8).hex()}"  # (one being made now: left alone)
+    with open(f"{directory}/{fresh}", "wb") as f:
+        f.truncate(slots.HEADER + MB)
+    old = time.time() - 3600
+    os.utime(path, (old, old))
+    try:
+        reaped, trimmed = slots.reap_slots([name, fresh], directory, reap_after_s=900, idle_s=2.0)
+        assert (reaped, trimmed) == ([], 1)
+        assert not os.path.exists(path) and os.path.exists(f"{directory}/{fresh}")
+    finally:
+        for n in (name, fresh):
+            try:
+                os.unlink(f"{directory}/{n}")
+            except FileNotFoundError:
+                pass

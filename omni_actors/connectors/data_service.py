@@ -426,8 +426,10 @@ class DataService:
             return
         try:
             removed, recycled = release_segments(names, recycle=recycle, budget=self.free_budget_bytes)
-        except OSError as exc:  # (not a missing segment: those count as missing)
+        except Exception as exc:  # noqa: BLE001 - (not a missing segment: those count as missing)
             self._count(errors=1)
+            if not isinstance(exc, OSError):  # (a bug of ours: the client still gets its answer)
+                log.warning("data_service_release_failed", exc_info=True)
             _reply(sock, FAILED, f"release failed: {exc}".encode())
             return
         self._count(releases=removed, recycled=recycled)

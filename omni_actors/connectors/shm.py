@@ -135,6 +135,11 @@ def check_name(name: str, prefix: str | None = None) -> str | None:
         return f"invalid segment name {name!r}"
     if prefix is not None and not name.startswith(prefix):
         return f"segment {name!r} is not under prefix {prefix!r}"
+    if "@" in name:  # (a slot's location: a review's malformed one stopped a data service's release batch)
+        try:
+            slots.split(name)
+        except ConnectorError as exc:
+            return str(exc)
     return None
 
 
@@ -318,11 +323,15 @@ class ShmConnector:
         try:
             create_segment(name, size, layout, arrays, reuse_prefix=self.prefix)
         except OSError as exc:
-            if exc.errno != errno.ENOSPC or not (purge_free_segments(self.prefix) + drop_unlinked_mappings()
-                                                 + slots.drop_free_slots()):
+            if exc.errno != errno.ENOSPC:
                 raise
-            # The tmpfs is full, and free segments (or our mappings of unlinked ones, kept to write
-            # or to read) held some of it: give them back, try once more.
+            # The tmpfs is full, and free segments and slots (or our mappings of unlinked ones, kept
+            # to write, to read or to release) may hold some of it: give them back (the free ones
+            # first: a review saw their mappings, dropped before they were unlinked, keep them),
+            # try once more.
+            gave = slots.drop_free_slots() + purge_free_segments(self.prefix)
+            if not gave + drop_unlinked_mappings():
+                raise
             deadline = time.monotonic() + GIVE_BACK_WAIT_S
             while True:
                 try:
@@ -335,6 +344,7 @@ class ShmConnector:
                     if again.errno != errno.ENOSPC or time.monotonic() >= deadline:
                         raise
                     time.sleep(0.05)
+                    drop_unlinked_mappings()
         return ConnectorRef(kind=self.kind, size=size, layout=layout, location=name,
                             node=self.node, service=self.service)
 
@@ -388,7 +398,10 @@ def release_segments(names: Iterable[str], *, recycle: bool = False, directory: 
     released = recycled = 0
     usage: dict[str, list[int]] = {}  # free directory -> [segments, bytes], listed once per call
     for name in names:
-        slot = slots.split(name) if "@" in name else None
+        try:
+            slot = slots.split(name) if "@" in name else None
+        except ConnectorError:  # (no segment's name: skipped as one gone, not the end of the batch)
+            continue
         if slot is not None:
             if slots.release(directory, slot, recycle=recycle):
                 released += 1

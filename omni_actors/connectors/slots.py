@@ -371,7 +371,18 @@ def drop_free_slots() -> int:
 
 # -- readers ------------------------------------------------------------------------------------
 
-class _SlotReads(_Cache):
+class _SlotCache(_Cache):
+    """Mappings of slot files, by (directory, file name)."""
+
+    def forget(self, directory: str, name: str) -> None:
+        """Close the mapping kept of slot ``name``, if any (this process unlinks it)."""
+        with self._lock:
+            entry = self._pop((directory, name))
+        if entry is not None:
+            entry.close()
+
+
+class _SlotReads(_SlotCache):
     """Read-only mappings of whole slot files, by (directory, file name): a slot's
     name is never reused, so no ``stat`` is needed to trust the entry; its
     header says whether the generation asked for is still there. A slot read
@@ -382,13 +393,6 @@ class _SlotReads(_Cache):
     DEFAULT_BYTES = DEFAULT_READ_CACHE_BYTES
     ENTRIES = SLOT_READ_ENTRIES
     THREAD = "shm-slot-reads"
-
-    def forget(self, directory: str, name: str) -> None:
-        """Close the mapping kept of slot ``name``, if any (this process unlinks it)."""
-        with self._lock:
-            entry = self._pop((directory, name))
-        if entry is not None:
-            entry.close()
 
     def holds(self, directory: str, name: str) -> bool:
         """Whether a mapping of slot ``name`` is kept here."""
@@ -546,7 +550,7 @@ class _Headers(_Mapped):
         super().close()
 
 
-class _SlotHeaders(_Cache):
+class _SlotHeaders(_SlotCache):
     """Writable mappings of the header pages of slots a process released, by
     (directory, file name): a request owner releases the same few slots again
     and again, with two stores and no system call."""
@@ -561,10 +565,13 @@ class _SlotHeaders(_Cache):
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
-                del self._entries[key]
-                self._entries[key] = entry
                 if recycle:
+                    del self._entries[key]
+                    self._entries[key] = entry
                     return _release_in(entry.words, gen, True)
+                # (taken out now, so that neither the watcher nor another release closes it under
+                # us: a review's release raised "operation forbidden on released memoryview")
+                self._pop(key)
         if entry is None:
             try:
                 fd = os.open(f"{directory}/{name}", os.O_RDWR | _OPEN_FLAGS)
@@ -593,8 +600,6 @@ class _SlotHeaders(_Cache):
             # (unlinked only if the generation retired is still the slot's last: another release
             # of it may have recycled it meanwhile, and its producer put the next one into it)
             done = done and entry.words[W_GEN] == gen
-            if self._entries.get(key) is entry:
-                self._pop(key)
         entry.close()
         if done:
             _unlink_slot(directory, name)
@@ -602,10 +607,12 @@ class _SlotHeaders(_Cache):
 
 
 def _unlink_slot(directory: str, name: str) -> bool:
-    """Unlink slot file ``name``, closing first this process's read mapping of it (kept,
-    it would hold the file's pages until the next drop of unlinked mappings: a data
-    service maps the slots it serves)."""
+    """Unlink slot file ``name``, closing first this process's mappings of it, to read it
+    and of its header page to release it (kept, each would hold the whole file's pages
+    until the next drop of unlinked mappings: a data service maps the slots it serves;
+    a review's put on a full tmpfs failed on its own releaser's header page)."""
     _reads.forget(directory, name)
+    _headers.forget(directory, name)
     return _unlink_in(directory, name)
 
 
@@ -662,6 +669,9 @@ def reap_slots(names: list[str], directory: str, *, reap_after_s: float | None =
     with ``reap_after_s``, those in use for longer are retired and unlinked
     (reaped).
 
+    A file with no slot header (its producer killed while making it) is unlinked once
+    untouched for that long as well.
+
     Returns:
         ``([(name, age in use, s), ...] reaped, trimmed count)``.
     """
@@ -671,6 +681,15 @@ def reap_slots(names: list[str], directory: str, *, reap_after_s: float | None =
     for name in names:
         h = header(directory, name)
         if h is None:
+            # No slot header: a producer killed while it made the file (or a stray file under a
+            # slot's name): gone once it has been untouched that long (a review: such a file was
+            # never reaped, trimmed or counted, only swept at the system's stop)
+            try:
+                untouched_ns = now_ns - os.stat(f"{directory}/{name}").st_mtime_ns
+            except OSError:
+                continue
+            if untouched_ns > stale_ns:
+                trimmed += _unlink_slot(directory, name)
             continue
         st = state(h)
         if st == RETIRED:
