@@ -10,8 +10,10 @@ order, at zero cost (the cost model's sleeps off), on :data:`DRY_RUN_PROMPT` (as
 chat's one user message renders it, for a pipeline with text or audio outputs; as an
 image request's prompt otherwise) with :data:`DRY_RUN_MAX_TOKENS` text tokens, the
 stage's processor on its sources' outputs as a replica runs it (on each chunk, for an
-edge that streams). A config is refused when a processor fails on the stages' outputs
-(or returns no dict) or a stage's engine cannot take what its processor made
+edge that streams; read-only arrays, as a replica gets them; one of the user's on a
+thread, as a replica runs it, for :data:`PROCESSOR_TIMEOUT_S` at most). A config is
+refused when a processor fails on the stages' outputs (or returns no dict, or does not
+return in time) or a stage's engine cannot take what its processor made
 (:class:`~omni_actors.engines.base.StageInputError`); an engine that refuses the
 request itself (a context too small for the prompt: the client's 400) stops the run
 there, with no verdict. Stages of other backends, and those downstream of them, are not
@@ -40,6 +42,15 @@ DRY_RUN_PARAMS = {"width": 64, "height": 64}
 #: Seconds the whole dry run may take before it is given up (no verdict: the config
 #: passes); at zero cost it takes milliseconds.
 DRY_RUN_TIMEOUT_S = 10.0
+#: Seconds one processor call may take in the dry run before the config is refused for it
+#: (trial CQ: a processor that never returned hung ``check-config`` and ``start`` for good,
+#: Ctrl-C included). Below :data:`DRY_RUN_TIMEOUT_S`; a replica gives it ``stall_timeout_s``.
+PROCESSOR_TIMEOUT_S = 8.0
+
+
+class _NoVerdict(Exception):
+    """A processor refused the dry run's request as a client's (``InvalidRequest``): the run
+    stops there with no verdict, as for an engine that refuses the request itself."""
 
 
 class _Failure(Exception):
@@ -61,7 +72,7 @@ def dry_run_problem(cfg: PipelineConfig) -> ConfigError | None:
         asyncio.run(asyncio.wait_for(_run(cfg), DRY_RUN_TIMEOUT_S))
     except _Failure as failure:
         return ConfigError(cfg.source, failure.path, failure.message)
-    except asyncio.TimeoutError:
+    except (asyncio.TimeoutError, _NoVerdict):
         return None
     return None
 
@@ -82,16 +93,20 @@ def _order(cfg: PipelineConfig) -> list:
 
 
 async def _run(cfg: PipelineConfig) -> None:
+    from omni_actors.actors.processor_threads import ProcessorThreads, runs_inline
     from omni_actors.config_checks import resolve_processor
     from omni_actors.engines import stream_edges
     from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal, StageInputError
     from omni_actors.engines.synthetic import SyntheticEngine
     from omni_actors.http.protocol import render_prompt
-    from omni_actors.processors import default_input
+    from omni_actors.processors import InvalidRequest, default_input
 
     streams = stream_edges(cfg)
     chat = bool(cfg.output_types() & {"text", "audio"})
     prompt = render_prompt([{"role": "user", "content": DRY_RUN_PROMPT}]) if chat else DRY_RUN_PROMPT
+    threads = ProcessorThreads(1, name="dry-run-processor")
+    request = (f"a chat of one user message {DRY_RUN_PROMPT!r}, {DRY_RUN_MAX_TOKENS} text tokens" if chat else
+               f"an image request for {DRY_RUN_PROMPT!r}, {DRY_RUN_PARAMS['width']}x{DRY_RUN_PARAMS['height']}")
     finals: dict[int, dict[str, Any]] = {}  # stage id -> its outputs, for the stages that ran
     chunks: dict[int, list[dict[str, Any]]] = {}  # stage id -> the chunks it made
     for i, s in ((cfg.stage_args.index(s), s) for s in _order(cfg)):
@@ -110,27 +125,39 @@ async def _run(cfg: PipelineConfig) -> None:
         kind_path = (f"deployment.stages.{s.name}.synthetic.kind" if dep.synthetic.kind
                      else f"stage_args[{i}].engine_args.model_stage")
         src = streams.get(s.stage_id)
-        upstream = {sid: finals[sid] for sid in s.engine_input_source}
+        upstream = {sid: _read_only(finals[sid]) for sid in s.engine_input_source}
         from_what = (f"the outputs of stage(s) {sorted(upstream)} ({', '.join(_names(cfg, upstream))})"
                      if upstream else "the prompt")
 
-        def process(up: dict, _p=processor, _name=name, _what=from_what, _i=i) -> dict:
+        async def process(up: dict, _p=processor, _name=name, _what=from_what, _i=i) -> dict:
             path = f"stage_args[{_i}].custom_process_input_func" if func else f"stage_args[{_i}]"
             try:
-                made = _p(up, prompt, dict(DRY_RUN_PARAMS))
-            except Exception as exc:  # noqa: BLE001 - what any request through it would meet
-                raise _Failure(path, f"{_name} fails on {_what}, as it would for every request through "
-                                     f"stage {s.name}: {type(exc).__name__}: {exc}") from None
+                if runs_inline(_p):
+                    made = _p(up, prompt, dict(DRY_RUN_PARAMS))
+                else:  # (one of the user's, on a daemon thread: one that never returns holds no exit)
+                    done = threads.submit(_p, up, prompt, dict(DRY_RUN_PARAMS))
+                    made = await asyncio.wait_for(asyncio.wrap_future(done), PROCESSOR_TIMEOUT_S)
+            except InvalidRequest:
+                raise _NoVerdict() from None  # (it refuses the dry run's request as a client's: the request's own)
+            except asyncio.TimeoutError:
+                raise _Failure(path, f"{_name} did not return within {PROCESSOR_TIMEOUT_S:g} s on {_what} of the "
+                                     f"dry run's request ({request}): a processor runs for every request through "
+                                     f"stage {s.name} and must be quick (a replica waits for it the stage's "
+                                     "supervision.stall_timeout_s)") from None
+            except Exception as exc:  # noqa: BLE001 - what a request like it would meet
+                raise _Failure(path, f"{_name} fails on {_what} of the dry run's request ({request}), as it would "
+                                     f"for such a request through stage {s.name} (--skip-dry-run: not tried): "
+                                     f"{type(exc).__name__}: {exc}") from None
             if not isinstance(made, dict):
                 raise _Failure(path, f"{_name} returns {type(made).__name__} on {_what}, not a dict (the stage's "
                                      "engine input)")
             return made
 
         if src is not None:
-            pieces = [process({src: c}) for c in chunks.get(src, [])]
+            pieces = [await process({src: _read_only(c)}) for c in chunks.get(src, [])]
             task_input, stream = {}, _aiter(pieces)
         else:
-            task_input, stream = process(upstream), None
+            task_input, stream = await process(upstream), None
         # (only a Thinker reads max_tokens; a stage's own default, if smaller, as a request gets it)
         sampling = {**s.default_sampling_params,
                     "max_tokens": min(s.default_sampling_params.get("max_tokens", DRY_RUN_MAX_TOKENS),
@@ -155,6 +182,21 @@ async def _run(cfg: PipelineConfig) -> None:
             await engine.shutdown()
         if final is not None:
             finals[s.stage_id], chunks[s.stage_id] = final.outputs, made
+
+
+def _read_only(outputs: dict[str, Any]) -> dict[str, Any]:
+    """``outputs`` with read-only views of its arrays, as a replica's processor gets them from
+    the connectors (trial CQ: a processor that scaled an input array in place passed the dry
+    run, then failed every request with "output array is read-only")."""
+    import numpy as np
+
+    out = {}
+    for key, value in outputs.items():
+        if isinstance(value, np.ndarray):
+            value = value.view()
+            value.flags.writeable = False
+        out[key] = value
+    return out
 
 
 def _names(cfg: PipelineConfig, upstream: dict) -> list[str]:

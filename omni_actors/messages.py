@@ -559,6 +559,9 @@ class StartEngine(Message):
     #: which a replica with no placed devices takes its share of the stage's ``runtime.devices``
     #: (``placement.replica_devices``; its name's index grows with every replacement)
     slot: int = 0
+    #: Seconds a task waits for the stage's processor (``supervision.stall_timeout_s``): one of
+    #: the user's runs on a thread of its own (see ``actors.processor_threads``)
+    processor_timeout_s: float = 10.0
 
 
 @dataclass(frozen=True)

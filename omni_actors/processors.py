@@ -13,7 +13,9 @@ Every processor has the signature ``fn(upstream, prompt, params) -> dict``:
 
 Arrays are passed through without copying when they already have the
 expected dtype. Errors are :class:`ValueError` naming the processor, the
-source stage and the missing or malformed field.
+source stage and the missing or malformed field (a 500 naming the processor:
+the pipeline's fault); a processor that refuses what the client asked for
+raises :class:`InvalidRequest` (a 400 with its message).
 """
 
 from __future__ import annotations
@@ -23,9 +25,17 @@ from typing import Any
 import numpy as np
 
 __all__ = ["thinker2talker", "talker2code2wav", "ar2dit", "default_input",
-           "thinker_tokens_to_talker", "talker_tokens_to_code2wav"]
+           "thinker_tokens_to_talker", "talker_tokens_to_code2wav", "InvalidRequest"]
 
 Upstream = dict[int, dict[str, Any]]
+
+
+class InvalidRequest(ValueError):
+    """Raised by a processor to refuse the request for what the client asked (an image size
+    its model does not take, say): the client gets a 400 (``invalid_request_error``) with
+    its message, and the request is not retried. Any other exception of a processor on
+    upstream outputs is the pipeline's fault: a 500 naming the processor. The dry run at
+    load takes it for its own request's refusal (no verdict on the config)."""
 
 
 def _single(upstream: Upstream, fn: str) -> tuple[int, dict[str, Any]]:

@@ -477,6 +477,22 @@ def test_two_final_stages_of_one_output_type_are_refused(tmp_path: Path) -> None
                                   "each type"), err.message
 
 
+def test_a_final_audio_stage_with_no_final_text_stage_is_refused(tmp_path: Path) -> None:
+    """Trial CQ: a Thinker made no final text (final_output: false) beside a final audio
+    branch: check-config said ok, the Talker and Code2Wav replicas ran, and every chat
+    request got a 400 (audio is only served by chat, whose reply has a text)."""
+    err = refused(tmp_path, variant(stage(0, final_output=False)))
+    assert err.path == "stage_args[2].final_output_type"
+    assert err.message.startswith("`audio` with no final `text` stage: audio is served by /v1/chat/completions "
+                                  "only"), err.message
+
+
+def test_an_empty_processor_is_refused(tmp_path: Path) -> None:
+    """Trial CQ: `custom_process_input_func: ""` was taken for no processor, in silence."""
+    err = refused(tmp_path, variant(stage(1, custom_process_input_func="")))
+    assert err.path == "stage_args[1].custom_process_input_func" and err.message.startswith("empty: "), err
+
+
 def test_no_final_stage(tmp_path: Path) -> None:
     def mutate(d: dict) -> None:
         for s in d["stage_args"]:

@@ -44,8 +44,10 @@ def test_a_consumer_whose_processor_does_not_fit_what_the_stage_before_makes_is_
     data["stage_args"][2]["custom_process_input_func"] = "omni_actors.processors.thinker2talker"
     assert _problem(data) == (
         "c.yaml: stage_args[2].custom_process_input_func: omni_actors.processors.thinker2talker fails on "
-        "the outputs of stage(s) [1] (talker), as it would for every request through stage code2wav: "
-        "ValueError: thinker2talker: stage 1 outputs have no `token_ids` (got fields: ['codes'])")
+        "the outputs of stage(s) [1] (talker) of the dry run's request (a chat of one user message 'Describe "
+        "the sea in one short sentence.', 8 text tokens), as it would for such a request through stage code2wav "
+        "(--skip-dry-run: not tried): ValueError: thinker2talker: stage 1 outputs have no `token_ids` "
+        "(got fields: ['codes'])")
 
 
 def test_a_kind_that_does_not_fit_its_input_names_the_kind():
@@ -102,3 +104,70 @@ def test_an_engine_that_refuses_the_request_itself_gives_no_verdict():
     data = yaml.safe_load((REPO / "configs" / "cpu_image_demo.yaml").read_text())
     data["deployment"]["stages"]["ar"].setdefault("synthetic", {}).update(prior_grid=16, max_model_len=260)
     assert _problem(data) is None
+
+
+def test_a_processor_that_never_returns_is_refused_in_time_and_named(tmp_path, monkeypatch):
+    """Trial CQ: a processor that slept for an hour hung check-config and start for good
+    (Ctrl-C included: it ran on the main thread). It runs on a thread of its own, and the
+    config is refused after PROCESSOR_TIMEOUT_S, naming it."""
+    import time
+
+    from omni_actors import config_dry_run
+
+    (tmp_path / "slow_processor.py").write_text(
+        "import time\n"
+        "def f(upstream, prompt, params):\n    time.sleep(3600)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(config_dry_run, "PROCESSOR_TIMEOUT_S", 0.5)
+    data = _demo(streaming=False)
+    data["stage_args"][1]["custom_process_input_func"] = "slow_processor.f"
+    t0 = time.monotonic()
+    problem = _problem(data)
+    assert time.monotonic() - t0 < 5
+    assert problem.startswith("c.yaml: stage_args[1].custom_process_input_func: slow_processor.f did not return "
+                              "within 0.5 s on the outputs of stage(s) [0] (thinker) of the dry run's request"), problem
+
+
+def test_processors_get_read_only_arrays_as_a_replica_gives_them(tmp_path, monkeypatch):
+    """Trial CQ: a processor that scaled the Thinker's hidden states in place passed the dry
+    run (its arrays were writable) and then failed every audio request ("output array is
+    read-only": a replica's inputs come from the connectors, read-only)."""
+    (tmp_path / "inplace_processor.py").write_text(
+        "from omni_actors.processors import thinker2talker\n"
+        "def f(upstream, prompt, params):\n"
+        "    (out,) = upstream.values()\n"
+        "    out['hidden_states'] *= 0.5\n"
+        "    return thinker2talker(upstream, prompt, params)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for streaming in (False, True):
+        data = _demo(streaming=streaming)
+        data["stage_args"][1]["custom_process_input_func"] = "inplace_processor.f"
+        problem = _problem(data)
+        assert problem is not None and "ValueError: output array is read-only" in problem, problem
+
+
+def test_a_processor_that_refuses_the_dry_runs_request_as_a_clients_gives_no_verdict(tmp_path, monkeypatch):
+    """Trial CQ: a DiT processor for a model that takes 256 px and up refused the dry run's
+    64x64 request, and the config could not be served. Raised as the client's
+    (``processors.InvalidRequest``, a 400 for a request), it is that request's own refusal:
+    no verdict, as for an engine that refuses the request itself. Any other error is still
+    the config's."""
+    (tmp_path / "big_processor.py").write_text(
+        "from omni_actors.processors import InvalidRequest, ar2dit\n"
+        "def f(upstream, prompt, params):\n"
+        "    if params['width'] < 256:\n"
+        "        raise InvalidRequest('images below 256 px are not supported')\n"
+        "    return ar2dit(upstream, prompt, params)\n"
+        "def g(upstream, prompt, params):\n"
+        "    if params['width'] < 256:\n"
+        "        raise ValueError('images below 256 px are not supported')\n"
+        "    return ar2dit(upstream, prompt, params)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = yaml.safe_load((REPO / "configs" / "cpu_image_demo.yaml").read_text())
+    dit = next(i for i, s in enumerate(data["stage_args"]) if s.get("engine_input_source"))
+    data["stage_args"][dit]["custom_process_input_func"] = "big_processor.f"
+    assert _problem(data) is None
+    data["stage_args"][dit]["custom_process_input_func"] = "big_processor.g"
+    problem = _problem(data)
+    assert problem is not None and "an image request for 'Describe the sea in one short sentence.', 64x64" in problem, \
+        problem

@@ -1239,6 +1239,7 @@ def test_a_replica_fetching_from_a_service_said_silent_renews_its_mark_and_probe
 def test_a_processor_that_returns_no_dict_is_the_pipelines_fault_naming_it():
     """A processor's `[]` reached the engine, whose error was about missing fields (or a
     TypeError): it is a StageInputError (a 500 naming the processor) before the engine."""
+    import asyncio
     from types import SimpleNamespace
 
     import pytest as _pytest
@@ -1253,9 +1254,9 @@ def test_a_processor_that_returns_no_dict_is_the_pipelines_fault_naming_it():
     actor._processor = lambda upstream, prompt, params: []
     task = StageTask("r1", 1, "hi", (), {}, {}, "audio", False, "ra")
     with _pytest.raises(StageInputError, match=r"^mine.to_talker returned list, not a dict"):
-        actor._process_input({0: {"text": "x"}}, task)
+        asyncio.run(actor._process_input({0: {"text": "x"}}, task))
     actor._processor = lambda upstream, prompt, params: {"token_ids": [1]}
-    assert actor._process_input({0: {"text": "x"}}, task) == {"token_ids": [1]}
+    assert asyncio.run(actor._process_input({0: {"text": "x"}}, task)) == {"token_ids": [1]}
 
 
 def test_a_pool_confirms_the_cancel_of_a_task_still_in_its_queue():
@@ -4186,7 +4187,7 @@ def test_a_replica_takes_the_lowest_slot_no_live_replica_has():
     pool._spec.deployment = SimpleNamespace(devices_per_replica=1)
     pool._spec.heartbeat_interval_s = pool._spec.inline_threshold_bytes = 1
     pool._spec.connector_mode, pool._spec.ready_timeout_s = None, 60
-    pool._spec.supervision.missed_heartbeats = 3
+    pool._spec.supervision.missed_heartbeats, pool._spec.supervision.stall_timeout_s = 3, 10.0
     pool.createActor = lambda *a, **kw: "e2"
     pool.wakeupAfter = lambda *a, **kw: None
     pool._publish = lambda: None

@@ -117,6 +117,11 @@ def test_a_stage_whose_engine_does_not_fit_its_inputs_is_refused_at_start_and_by
     check = subprocess.run([sys.executable, "-m", "omni_actors.system", "check-config", "--config",
                             str(tmp_path / "config.yaml")], capture_output=True, text=True, timeout=60, env=env)
     assert check.returncode == 1 and check.stderr.startswith(want), check
+    # (--skip-dry-run: for a processor that fails only on the dry run's own request: trial CQ's refused
+    # 64x64 images, the dry run's size, where its model takes 256 and up)
+    skipped = subprocess.run([sys.executable, "-m", "omni_actors.system", "check-config", "--skip-dry-run", "--config",
+                              str(tmp_path / "config.yaml")], capture_output=True, text=True, timeout=60, env=env)
+    assert skipped.returncode == 0 and skipped.stdout.startswith("ok: 3 stages"), skipped
     leader = LocalLeader(tmp_path / "config.yaml")
     try:
         with pytest.raises(LeaderStartError, match="leader exited with 2") as err:
@@ -124,3 +129,78 @@ def test_a_stage_whose_engine_does_not_fit_its_inputs_is_refused_at_start_and_by
         assert want in str(err.value), err.value
     finally:
         leader.stop()  # (were it served)
+
+
+# Sleeps 30 s on 4-token texts, refuses 5-token ones as the client's (the dry run's 8 pass at once).
+SLOW_PROCESSOR = '''
+import time
+
+from omni_actors.processors import InvalidRequest, thinker2talker as shipped
+
+
+def thinker2talker(upstream, prompt, params):
+    if len(upstream[0]["token_ids"]) == 4:
+        time.sleep(30)
+    if len(upstream[0]["token_ids"]) == 5:
+        raise InvalidRequest("this voice needs at least 6 tokens of text")
+    return shipped(upstream, prompt, params)
+'''
+
+
+def test_a_slow_processor_fails_its_own_request_naming_it_and_holds_up_no_other(tmp_path):
+    """Trial CQ: a processor that took 8 s ran on the replica's event loop; the replica's stall
+    watchdog (5 s) isolated it, and an innocent request on the same replica got "2 replicas
+    died while running this request ... it may be what crashes them", the processor named
+    nowhere. A processor of the user's runs on a thread: the slow request gets a 500 naming
+    it after the stage's stall_timeout_s, a request beside it on the same (only) replica is
+    served meanwhile, and the replica is neither isolated nor restarted."""
+    import threading
+
+    (tmp_path / "broken_processor.py").write_text(textwrap.dedent(SLOW_PROCESSOR))
+    (tmp_path / "config.yaml").write_text(CONFIG.replace("supervision: {circuit_breaker_failures: 3}",
+                                                         "supervision: {stall_timeout_s: 2}"))
+    pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    leader = LocalLeader(tmp_path / "config.yaml", env={"PYTHONPATH": pythonpath}).start()
+    try:
+        slow: dict = {}
+
+        def send_slow() -> None:
+            t0 = time.monotonic()
+            slow["answer"] = _chat(leader, ["text", "audio"])
+            slow["took"] = time.monotonic() - t0
+
+        sender = threading.Thread(target=send_slow)
+        sender.start()
+        time.sleep(0.5)  # (its processor is asleep by now)
+        body = json.dumps({"model": "broken-processor-test", "max_tokens": 6, "modalities": ["text", "audio"],
+                           "messages": [{"role": "user", "content": "hello"}]}).encode()
+        req = urllib.request.Request(leader.base_url + "/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        t0 = time.monotonic()
+        with urllib.request.urlopen(req, timeout=30) as r:
+            other = json.loads(r.read())
+        assert other["choices"][0]["message"]["audio"]["data"], other
+        assert time.monotonic() - t0 < 1.5  # (not held until the slow one's processor gave up)
+        sender.join(30)
+        status, answer = slow["answer"]
+        assert status == 500, answer
+        message = answer["error"]["message"]
+        assert ("broken_processor.thinker2talker did not return within 2 s (the stage's "
+                "supervision.stall_timeout_s) on the outputs of stage(s) [0]") in message, message
+        assert slow["took"] < 10, slow
+        with urllib.request.urlopen(leader.base_url + "/stages", timeout=10) as r:
+            talker = next(st for st in json.loads(r.read())["stages"] if st["stage"] == "talker")
+        (replica,) = talker["replicas"]
+        assert (replica["state"], replica["restarts"]) == ("ready", 0), replica
+        # A processor that refuses what the client asked (processors.InvalidRequest): a 400 with its message.
+        body = json.dumps({"model": "broken-processor-test", "max_tokens": 5, "modalities": ["text", "audio"],
+                           "messages": [{"role": "user", "content": "hello"}]}).encode()
+        req = urllib.request.Request(leader.base_url + "/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(req, timeout=30)
+        error = json.loads(refused.value.read())["error"]
+        assert refused.value.code == 400 and error["type"] == "invalid_request_error", error
+        assert "this voice needs at least 6 tokens of text" in error["message"], error
+    finally:
+        leader.stop()

@@ -28,6 +28,7 @@ from omni_actors.actors import device_leases
 from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.engine_stream import StreamingMixin
 from omni_actors.actors.outbox import AddressNames, DeltaWindow, PendingChunk, Sequencer, bundle, coalesce
+from omni_actors.actors.processor_threads import ProcessorThreads, runs_inline
 from omni_actors.actors.supervision import (POOL_HUNG_INTERVALS, ParentWatch, WakeupChain, exit_if_orphaned_before_start,
                                           host_identity)
 from omni_actors.actors.node_agent import on_node
@@ -44,7 +45,7 @@ from omni_actors.messages import (CancelStage, DataServicesSilent, DeltasAck, Dr
                                   StageCancelled, StageDone, StageFailed, StageTask, StartEngine, TaskFinished,
                                   TextStarted, cancels_attempt)
 from omni_actors.placement import replica_devices
-from omni_actors.processors import default_input
+from omni_actors.processors import InvalidRequest, default_input
 
 #: Missing pool acks for this many heartbeat intervals means the pool is gone (one on this
 #: host must also no longer be our parent process, ``ParentWatch``: a busy pool acks late).
@@ -199,6 +200,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._progress = 0  # backend events produced: the pool's stall watchdog reads it
         self._progress_at = time.monotonic()  # start of the idle clock: last event or end of a wait
         self._parked = 0  # tasks waiting on a neighbour stage (input chunks, credits)
+        self._in_processor = 0  # tasks waiting for the stage's processor on its thread
+        self._processor_threads: ProcessorThreads | None = None  # (None: the processor runs on the loop)
         self._last_ack = time.monotonic()
         self._last_hb = time.monotonic()  # when the heartbeat wake-up last ran
         self._heartbeats = WakeupChain("heartbeat")  # (restarted when its wake-up is lost: see _watch)
@@ -262,6 +265,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 self._processor = stage_inputs
             else:
                 self._processor = resolve_processor(func) if func else default_input
+            self._processor_threads = None if runs_inline(self._processor) else ProcessorThreads()
             self._backend = create_backend(msg.stage, msg.deployment, msg.replica)
         except Exception as exc:  # noqa: BLE001 - any load failure is reported, not raised
             self._log.error("engine_load_failed", error=str(exc))
@@ -395,8 +399,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         on a neighbour stage (see StreamingMixin). The backend's own activity
         (``active_at``: a prefill step) counts as progress, except under an
         injected stall, which holds the backend's events while it works on."""
-        if self._all_held(self._parked):
-            return 0.0
+        if self._all_held(self._parked) or self._in_processor:
+            return 0.0  # (a processor on its thread, waited for stall_timeout_s at most, is work)
         last = self._progress_at
         if self._stalled is None:
             last = max(last, getattr(self._backend, "active_at", 0.0) or 0.0)
@@ -714,15 +718,24 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             last = time.monotonic()
             yield event
 
-    def _process_input(self, upstream: dict, msg: StageTask) -> dict:
-        """The stage's engine input from its upstream stages' outputs (the processor).
+    async def _process_input(self, upstream: dict, msg: StageTask) -> dict:
+        """The stage's engine input from its upstream stages' outputs (the processor): one
+        of this package's on the loop, one of the user's on a processor thread, waited for
+        ``StartEngine.processor_timeout_s`` at most (the time counts as the replica's work,
+        not a stall: see :meth:`_idle_s`).
 
         Raises:
             StageInputError: the processor failed on upstream outputs (none: on the
-                client's prompt, whose ValueError stays a bad request).
+                client's prompt, whose ValueError stays a bad request), or did not return
+                in time.
         """
         try:
-            made = self._processor(upstream, msg.prompt, msg.params)
+            if self._processor_threads is None:
+                made = self._processor(upstream, msg.prompt, msg.params)
+            else:
+                made = await self._on_processor_thread(upstream, msg)
+        except (StageInputError, InvalidRequest):
+            raise  # (InvalidRequest: the processor refuses what the client asked, a 400)
         except Exception as exc:  # noqa: BLE001 - reported with the processor's name
             if not upstream:
                 raise
@@ -732,6 +745,21 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             raise StageInputError(f"{self._processor_name()} returned {type(made).__name__}, not a dict (the "
                                   "stage's engine input)")
         return made
+
+    async def _on_processor_thread(self, upstream: dict, msg: StageTask) -> Any:
+        timeout_s = self._spec.processor_timeout_s
+        done = self._processor_threads.submit(self._processor, upstream, msg.prompt, msg.params)
+        self._in_processor += 1
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
+        except asyncio.TimeoutError:
+            raise StageInputError(
+                f"{self._processor_name()} did not return within {timeout_s:g} s (the stage's "
+                f"supervision.stall_timeout_s) on the outputs of stage(s) {sorted(upstream)}: a processor runs "
+                "for every request (on every chunk of an edge that streams) and must be quick") from None
+        finally:
+            self._in_processor -= 1
+            self._progress_at = time.monotonic()  # (its time was work, not a stall)
 
     def _processor_name(self) -> str:
         return self._spec.stage.custom_process_input_func or "the default input processor"
@@ -747,7 +775,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         if msg.emit_chunks:
             self._credits[key] = [msg.attempt, 0, asyncio.Event()]
         upstream = {sid: await self._fetch(ref) for sid, ref in msg.inputs}
-        engine_input = self._process_input(upstream, msg) if stream is None else {}
+        engine_input = await self._process_input(upstream, msg) if stream is None else {}
         sampling = {**self._spec.stage.default_sampling_params, **msg.sampling_params}
         task = BackendTask(msg.request_id, engine_input, sampling, dict(msg.params), input_stream=stream,
                            emit_chunks=msg.emit_chunks, chunk_tokens=msg.chunk_tokens,

@@ -137,7 +137,7 @@ class StreamingMixin:
             item = early.pop(seq)
             outputs = await self._fetch(item.ref)
             seq += 1
-            yield self._process_input({src: outputs}, msg)
+            yield await self._process_input({src: outputs}, msg)
             if item.last + 1 - reported >= every:
                 reported = item.last + 1
                 self._rt.emit(msg.reply_to, ChunkConsumed(msg.request_id, msg.stage_id, src, seq, msg.attempt))

@@ -119,7 +119,8 @@ class PoolPlacementMixin:
                                        connector_mode=spec.connector_mode,
                                        orphan_after_s=spec.supervision.missed_heartbeats * spec.heartbeat_interval_s,
                                        pool_pid=os.getpid(), pool_host=socket.gethostname(),
-                                       device_wait_s=device_wait_s(spec), slot=rep.slot))
+                                       device_wait_s=device_wait_s(spec), slot=rep.slot,
+                                       processor_timeout_s=spec.supervision.stall_timeout_s))
         rep.ready_by = time.monotonic() + spec.ready_timeout_s
         self.wakeupAfter(spec.ready_timeout_s, payload=("ready_deadline", rep.replica, address))
         self._log.info("replica_launched", replica=rep.replica, node=msg.node, devices=rep.devices)

@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
                             "(default 60 s; 0: fail at once)")
     start.add_argument("--config", default=None,
                        help="pipeline + deployment YAML (default: configs/cpu_omni_demo.yaml)")
+    start.add_argument("--skip-dry-run", action="store_true",
+                       help="leader: do not run the dry-run request through the config's synthetic stages")
     start.add_argument("--host", default=None, help="leader: HTTP bind address (default 127.0.0.1)")
     start.add_argument("--port", type=port_number, default=None, help="leader: HTTP port (default 8000)")
     start.add_argument("--admin-port", type=port_number, default=None,
@@ -198,6 +200,8 @@ def _parser() -> argparse.ArgumentParser:
                         "say what it serves; starts nothing")
     sp.add_argument("--config", default=None,
                     help="pipeline + deployment YAML (default: configs/cpu_omni_demo.yaml)")
+    sp.add_argument("--skip-dry-run", action="store_true",
+                    help="do not run the dry-run request through the config's synthetic stages")
     return p
 
 
@@ -259,7 +263,7 @@ def cmd_start(args) -> int:
         config = load_config(args.config or DEFAULT_CONFIG, on_warning=warn)
     except ConfigError as exc:
         return _fail(str(exc), 2)
-    problem = dry_run_problem(config)  # (trial CE: a stage no request could pass was served)
+    problem = None if args.skip_dry_run else dry_run_problem(config)  # (trial CE: a stage no request passed)
     if problem:
         return _fail(str(problem), 2)
     pinned = [s.name for s in config.stage_args if s.runtime.devices is not None]
@@ -825,7 +829,7 @@ def cmd_check_config(args) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     # (the connector names before the notes, which call them applied)
-    problem = dry_run_problem(config) or _check_omni_connector_names(config)
+    problem = (None if args.skip_dry_run else dry_run_problem(config)) or _check_omni_connector_names(config)
     if problem:
         return _fail(problem)
     for note in config.omni_connectors.notes:
@@ -976,7 +980,8 @@ def _start_flags_problem(args) -> str | None:
     from omni_actors.system.processes import cli
 
     if args.convention_address:
-        given = [flag for flag, value in (("--host", args.host), ("--port", args.port), ("--config", args.config))
+        given = [flag for flag, value in (("--host", args.host), ("--port", args.port), ("--config", args.config),
+                                          ("--skip-dry-run", args.skip_dry_run or None))
                  if value is not None]
         if given:
             return (f"{', '.join(given)}: a member host takes no {' or '.join(given)} (the leader serves the HTTP "

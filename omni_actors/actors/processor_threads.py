@@ -1,0 +1,67 @@
+"""Threads that run stage processors off a replica's event loop.
+
+A stage's processor (``custom_process_input_func``) runs once per task, on each
+chunk for an edge that streams. One of this package (:mod:`omni_actors.processors`,
+the vLLM-Omni hand-over) takes microseconds and runs on the replica's event loop;
+one of the user's may take as long as it likes: on the loop it held every other
+task of the replica, whose stall watchdog then isolated it, blaming whatever
+request was in flight (trial CQ: a processor that slept 8 s killed both DiT
+replicas in turn, and a request that only shared the replica got "it may be what
+crashes them"). :class:`ProcessorThreads` runs those on daemon threads (a processor
+that never returns holds one thread, not the process's exit), and the replica
+stops waiting for one after its stage's ``supervision.stall_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from typing import Any, Callable
+
+#: Modules whose processors run on the event loop (quick by construction).
+INLINE_MODULES = ("omni_actors.processors", "omni_actors.engines.vllm_omni")
+#: Most threads one replica runs processors on at once (more tasks wait for one).
+PROCESSOR_THREADS = 4
+
+
+def runs_inline(fn: Callable) -> bool:
+    """Whether processor ``fn`` is one of this package's (run on the loop)."""
+    return getattr(fn, "__module__", "") in INLINE_MODULES
+
+
+class ProcessorThreads:
+    """At most ``size`` daemon threads, started as work comes, that run calls in order.
+
+    :meth:`submit` returns a :class:`concurrent.futures.Future` of the call's result
+    (or exception). Threads wait for work for ever once started (daemons: the process
+    exits without them)."""
+
+    def __init__(self, size: int = PROCESSOR_THREADS, name: str = "stage-processor") -> None:
+        self.size, self.name = size, name
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._work.put((fut, fn, args))
+        with self._lock:
+            if self._idle <= 0 and self._threads < self.size:
+                self._threads += 1
+                threading.Thread(target=self._run, name=f"{self.name}-{self._threads}", daemon=True).start()
+            else:
+                self._idle -= 1  # (one idle thread is taken; it counts itself idle again when done)
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            fut, fn, args = self._work.get()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                    fut.set_exception(exc)
+            with self._lock:
+                self._idle += 1
