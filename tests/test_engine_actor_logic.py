@@ -1259,6 +1259,50 @@ def test_a_processor_that_returns_no_dict_is_the_pipelines_fault_naming_it():
     assert asyncio.run(actor._process_input({0: {"text": "x"}}, task)) == {"token_ids": [1]}
 
 
+def test_an_engine_that_cannot_take_what_a_processor_made_names_the_processor():
+    """Trial CQ: a processor whose dict lacked a field the DiT reads gave a 500 reading only
+    "dit: engine_input has no `prior_token_ids`". It names the processor too, and the log
+    line of a processor's own failure says where it raised."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import pytest as _pytest
+
+    from omni_actors.actors.engine import EngineActor, _raised_at
+    from omni_actors.engines.base import StageInputError
+    from omni_actors.messages import StageTask
+
+    actor = EngineActor()
+    actor._started.set()  # (ends its orphan watchdog thread)
+    actor._spec = SimpleNamespace(stage=SimpleNamespace(custom_process_input_func="mine.to_dit"))
+
+    async def engine_events():
+        raise StageInputError("dit: engine_input has no `prior_token_ids`")
+        yield  # (an async generator)
+
+    async def drain(msg):
+        async for _ in actor._naming_processor(engine_events(), msg):
+            pass
+
+    task = StageTask("r1", 1, "hi", ((0, "ref"),), {}, {}, "image", False, "ra")
+    with _pytest.raises(StageInputError) as err:
+        asyncio.run(drain(task))
+    assert str(err.value) == ("dit: engine_input has no `prior_token_ids` (in what mine.to_dit made of the "
+                              "outputs of stage(s) [0])")
+    with _pytest.raises(StageInputError) as err:  # (a root stage: its input is the prompt, no processor's)
+        asyncio.run(drain(StageTask("r1", 0, "hi", (), {}, {}, "image", False, "ra")))
+    assert str(err.value) == "dit: engine_input has no `prior_token_ids`"
+
+    def processor():
+        raise ValueError("no")
+    try:
+        processor()
+    except ValueError as exc:
+        where = _raised_at(exc)
+    assert where.endswith(f"test_engine_actor_logic.py:{processor.__code__.co_firstlineno + 1} in processor"), where
+    assert _raised_at(None) is None
+
+
 def test_a_pool_confirms_the_cancel_of_a_task_still_in_its_queue():
     """A cancelled task that never left the pool's queue is dropped and its cancel
     confirmed to the RequestActor at once (no engine will); one in flight is passed on."""

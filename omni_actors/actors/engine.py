@@ -141,6 +141,18 @@ class LoopThread:
         self._thread.join(timeout=2.0)
 
 
+def _raised_at(exc: BaseException | None) -> str | None:
+    """Where ``exc`` was raised: ``"file.py:12 in f"`` (its traceback's last frame), for a
+    processor's error in the log (trial CQ: one line with no file or line); None without one."""
+    tb = exc.__traceback__ if exc is not None else None
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    return f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
+
+
 def made_units(event: BackendEvent, made: int, texted: bool = False) -> int:
     """What ``event`` adds to a replica's progress (its ``rate`` in ``status``): tokens it
     holds (text deltas' ``token_ids``; a chunk's ``token_ids`` or ``codes``), or 1 for an
@@ -660,7 +672,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             client_error = kind == ErrorKind.BAD_REQUEST
             # (a client's bad input, a 400, is no warning of the replica's: trial CL read it as one)
             (self._log.info if client_error else self._log.warning)(
-                "stage_failed", request_id=msg.request_id, error=str(exc), kind=kind.value)
+                "stage_failed", request_id=msg.request_id, error=str(exc), kind=kind.value,
+                where=_raised_at(exc.__cause__) if kind == ErrorKind.STAGE_INPUT else None)
             failure = getattr(self._backend, "failure", None)
             if failure and self._ready:
                 # Its engine is dead: the pool hears it now. (It heard at the next heartbeat:
@@ -761,6 +774,20 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             self._in_processor -= 1
             self._progress_at = time.monotonic()  # (its time was work, not a stall)
 
+    async def _naming_processor(self, events, msg: StageTask):
+        """The backend's ``events``; a StageInputError of the engine (it cannot take what the
+        processor made) names the processor too (trial CQ read only "dit: engine_input has
+        no `prior_token_ids`")."""
+        try:
+            async for event in events:
+                yield event
+        except StageInputError as exc:
+            name = self._processor_name()
+            if not msg.inputs or name in str(exc):
+                raise
+            raise StageInputError(f"{exc} (in what {name} made of the outputs of stage(s) "
+                                  f"{sorted(sid for sid, _ in msg.inputs)})") from exc
+
     def _processor_name(self) -> str:
         return self._spec.stage.custom_process_input_func or "the default input processor"
 
@@ -785,7 +812,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         first_text = True
         chunks = 0  # made by the backend (several may leave in one message: see actors/outbox.py)
         made, texted = 0, False  # tokens (or outputs) of this task counted in _progress so far
-        async for event in self._faulty(self._backend.generate(task)):
+        async for event in self._faulty(self._naming_processor(self._backend.generate(task), msg)):
             units = made_units(event, made, texted)
             texted = texted or isinstance(event, TextDelta)
             made += units
