@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 
 import structlog
@@ -90,13 +91,31 @@ class _StdlibToJson(logging.Filter):
         elif _is_bad_http(exc):
             # A client that does not speak HTTP (a bad Content-Length, a broken request line): it
             # got its 400 from aiohttp's parser; one line, not a server error with a traceback.
-            text = " ".join(str(getattr(exc, "message", "") or exc).split())
+            text = " ".join(redact_credentials(str(getattr(exc, "message", "") or exc)).split())
+            if len(text) > BAD_HTTP_TEXT_MAX:
+                text = text[:BAD_HTTP_TEXT_MAX] + f"... ({len(text)} characters)"
             log.info("bad_http_request", error=text or type(exc).__name__)
         else:
             emit = {logging.DEBUG: log.debug, logging.INFO: log.info,
                     logging.WARNING: log.warning}.get(record.levelno, log.error)
             emit("stdlib_log", message=record.getMessage(), exc_info=record.exc_info or None)
         return False  # (its own handler would print it again, as plain text)
+
+
+#: Characters of a malformed request's parse error logged (aiohttp quotes the request's head,
+#: up to 8 KiB of it: trial CP's flood of them made a line each that long).
+BAD_HTTP_TEXT_MAX = 400
+#: A header that carries a credential, and what follows it up to the end of its line (a real
+#: line end, or the ``\\n`` of a quoted one), or a Bearer token anywhere.
+_CREDENTIAL = re.compile(r"(?i)((?:proxy-)?authorization|cookie|api-key)(\s*:\s*)"
+                         r"(?:(?!\\r|\\n|[\r\n']).)*|\b(bearer\s+)[^\s'\\]+")
+
+
+def redact_credentials(text: str) -> str:
+    """``text`` with the values of credential headers (``Authorization``, ``Cookie``,
+    ``X-Api-Key``...) and Bearer tokens replaced by ``<redacted>``: aiohttp's error for a
+    malformed request quotes its head, and trial CP found the API key in the log."""
+    return _CREDENTIAL.sub(lambda m: (m.group(1) + m.group(2) if m.group(1) else m.group(3)) + "<redacted>", text)
 
 
 def _is_bad_http(exc: BaseException | None) -> bool:

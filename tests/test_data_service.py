@@ -252,6 +252,10 @@ def test_config_changes_the_reap_age(prefix, service):
     assert service.stats()["reap_after_s"] == 5
     with pytest.raises(ConnectorError, match="reap_after_s"):
         ds.configure(service.address, reap_after_s=-1)
+    for bad in (float("inf"), 1e308):  # (trial CP: Infinity turned the reaper off, and its answer was no JSON)
+        with pytest.raises(ConnectorError, match="reap_after_s"):
+            ds.configure(service.address, reap_after_s=bad)
+    assert service.stats()["reap_after_s"] == 5
 
 
 @pytest.mark.parametrize("body,status,match", [
@@ -266,6 +270,10 @@ def test_config_changes_the_reap_age(prefix, service):
     (b'{"op": "get", "name": "PFXbig", "size": 1000000}', ds.BAD_REQUEST, "has 4096 bytes"),  # (size class)
     (b'{"op": "release", "names": "PFXa"}', ds.BAD_REQUEST, "list"),
     (b'{"op": "release", "names": ["PFXa", "other"]}', ds.BAD_REQUEST, "nothing released"),
+    # (trial CP: these closed the connection unanswered, a traceback logged for each)
+    (b"[" * 100_000, ds.BAD_REQUEST, "malformed"),
+    (b'{"op": ["get"]}', ds.BAD_REQUEST, "unknown op"),
+    (b'{"op": {"a": 1}}', ds.BAD_REQUEST, "unknown op"),
 ])
 def test_bad_requests_get_a_clear_error_and_the_connection_keeps_serving(prefix, service, body, status, match):
     ref = producer(prefix, service.address).put({"x": np.ones(100)})  # 800 bytes
@@ -289,6 +297,44 @@ def test_garbage_oversize_and_vanishing_clients_never_stop_the_server(prefix, se
             sock.sendall(junk)
     ref = producer(prefix, service.address).put({"x": np.arange(10)})
     assert consumer().get(ref)["x"].tolist() == list(range(10))
+    release_all([ref])
+
+
+def test_slow_idle_and_surplus_connections_are_closed_and_a_client_reconnects(prefix, service, monkeypatch):
+    """Trial CP: 200 clients that each sent a 1 MiB request but its last byte held 200 MB and
+    200 threads in the leader's process for as long as they stayed, and 1,000 idle ones
+    1,000 threads. A request must arrive in full within REQUEST_READ_TIMEOUT_S of its first
+    byte, a connection idle for IDLE_TIMEOUT_S is closed (a client's pooled one is opened
+    again at its next request), and past MAX_CONNECTIONS a connection is answered FAILED."""
+    monkeypatch.setattr(ds, "REQUEST_READ_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(ds, "IDLE_TIMEOUT_S", 1.0)
+    ref = producer(prefix, service.address).put({"x": np.arange(10)})
+    assert consumer().get(ref)["x"].tolist() == list(range(10))  # (a pooled connection, now idle)
+    with connect(service.address) as slow:
+        slow.sendall(struct.pack("!I", 1000) + b"{" * 999)  # all but its last byte
+        t0 = time.monotonic()
+        slow.settimeout(5)
+        assert slow.recv(1) == b""  # closed, unanswered
+        assert time.monotonic() - t0 < 2
+    with connect(service.address) as idle:
+        t0 = time.monotonic()
+        idle.settimeout(5)
+        assert idle.recv(1) == b""
+        assert 0.8 < time.monotonic() - t0 < 3
+    assert consumer().get(ref)["x"].tolist() == list(range(10))  # (its pooled connection was closed too)
+    ds.close_connections()  # (this thread's pooled ones: the service then serves none)
+    deadline = time.monotonic() + 5
+    while service._conns and time.monotonic() < deadline:
+        time.sleep(0.02)
+    monkeypatch.setattr(ds, "MAX_CONNECTIONS", 1)
+    with connect(service.address) as first, connect(service.address) as surplus:
+        got, text = raw_request(first, b'{"op": "stats"}')
+        assert got == ds.OK
+        surplus.settimeout(5)
+        status, length = struct.unpack("!BQ", surplus.recv(9))
+        assert status == ds.FAILED and b"too many connections" in surplus.recv(length)
+        assert surplus.recv(1) == b""
+    assert service.stats()["refused_connections"] == 1
     release_all([ref])
 
 

@@ -1014,6 +1014,32 @@ def test_a_body_that_does_not_decode_is_logged_as_a_bad_request_not_a_server_err
     assert not _is_bad_http(RuntimeError("boom"))
 
 
+def test_a_malformed_requests_log_line_holds_no_credential_and_is_bounded():
+    """Trial CP: a request with bare LF line ends got aiohttp's 400, and the one
+    ``bad_http_request`` line logged its whole head, ``Authorization: Bearer <the API key>``
+    included, up to 8 KiB a line. Credentials are redacted and the text is cut."""
+    import logging
+
+    from aiohttp.http_exceptions import BadStatusLine
+    from structlog.testing import capture_logs
+
+    from omni_actors.logs import BAD_HTTP_TEXT_MAX, _StdlibToJson
+
+    head = ("POST /v1/chat/completions HTTP/1.1\nHost: x\nAuthorization: Bearer s3cret-key\nCookie: sid=abc\n"
+            "X-Api-Key: k3y\nX-Pad: " + "p" * 8000 + "\n\n")
+    exc = BadStatusLine(f"Expected CRLF after version: {head.encode()!r}")
+    record = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "Error handling request", (),
+                               (type(exc), exc, None))
+    with capture_logs() as logs:
+        _StdlibToJson().filter(record)
+    (event,) = logs
+    assert event["event"] == "bad_http_request", event
+    text = event["error"]
+    assert "s3cret-key" not in text and "sid=abc" not in text and "k3y" not in text, text
+    assert "Authorization: <redacted>" in text and "Cookie: <redacted>" in text, text
+    assert len(text) < BAD_HTTP_TEXT_MAX + 40 and text.endswith(" characters)"), text
+
+
 def test_a_body_declared_over_the_limit_gets_413_at_once_without_being_sent():
     """``Content-Length`` over the body limit and no body: a 413 at once, where the server
     used to wait ``BODY_READ_TIMEOUT_S`` (30 s) for a body it would refuse, then say 408."""

@@ -79,6 +79,8 @@ HOST_ENV = "OMNI_ACTORS_DATA_HOST"  #: interface the host's data service binds (
 PORT_ENV = "OMNI_ACTORS_DATA_PORT"  #: port the host's data service binds (default: any free one)
 CONGESTION_ENV = "OMNI_ACTORS_DATA_TCP_CONGESTION"  #: its connections' TCP congestion control; unset: the host's
 DEFAULT_REAP_AFTER_S = 900.0
+#: The longest reap age a client may set (``config``): a week, past any request_timeout_s + 30.
+MAX_REAP_AFTER_S = 7 * 86400.0
 _WILDCARDS = ("", "0.0.0.0", "::")
 _free_idle_default = free_idle_s  # (the constructor's argument shadows the name)
 
@@ -132,14 +134,64 @@ def start_node_service(node: str, default_host: str, *, reap_after_s: float,
 
 # -- server -------------------------------------------------------------------------------------
 
+#: Seconds a connection may sit idle between requests before the service closes it (a
+#: client's pooled connection that it closes is opened again at its next request).
+IDLE_TIMEOUT_S = 300.0
+#: Seconds a request may take to arrive in full once its first byte has (trial CP: 200
+#: clients that each sent a 1 MiB request but its last byte held 200 MB and 200 threads
+#: in the leader's process for as long as they liked).
+REQUEST_READ_TIMEOUT_S = 10.0
+#: Most connections served at once; more are answered FAILED and closed (each one is a
+#: thread: trial CP's 1,000 idle connections were 1,000 threads). Every process of a host
+#: (replicas, RequestActors, API servers) keeps one per thread that reads through it.
+MAX_CONNECTIONS = 1024
+#: Bytes of a request received per ``recv``: what a request holds is what its client sent.
+_REQUEST_CHUNK = 64 << 10
+
+
+def _recv_request(sock: socket.socket, n: int, deadline: float) -> bytes | None:
+    """``n`` bytes of a request by ``deadline`` (monotonic); None on a clean EOF before the
+    first byte. Memory grows with what arrives, not with the length declared.
+
+    Raises:
+        TimeoutError: not all of it by then. ConnectionError: closed part way.
+    """
+    parts, got = [], 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"request not in within {REQUEST_READ_TIMEOUT_S:g} s")
+        sock.settimeout(left)
+        part = sock.recv(min(n - got, _REQUEST_CHUNK))
+        if not part:
+            if got == 0:
+                return None
+            raise ConnectionError(f"peer closed after {got} of {n} bytes")
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
+
+
 class _Handler(socketserver.BaseRequestHandler):
     server: "_Server"
 
     def handle(self) -> None:
         sock = self.request
+        service = self.server.service
+        if not service._admit(sock):
+            try:
+                _reply(sock, FAILED, f"too many connections ({MAX_CONNECTIONS}) to this data service".encode())
+            except OSError:
+                pass
+            return
+        try:
+            self._serve(sock, service)
+        finally:
+            service._track(sock, False)
+
+    def _serve(self, sock: socket.socket, service: "DataService") -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _watch_peer(sock)
-        service = self.server.service
         if service.tcp_congestion:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, service.tcp_congestion.encode())
@@ -147,27 +199,33 @@ class _Handler(socketserver.BaseRequestHandler):
                 log.warning("data_service_tcp_congestion_refused", algorithm=service.tcp_congestion,
                             error=str(exc))
                 service.tcp_congestion = None
-        service._track(sock, True)
         try:
             while not service._stopping.is_set():
-                head = _recv_exact(sock, REQUEST_HEADER.size)
-                if head is None:
+                sock.settimeout(IDLE_TIMEOUT_S)
+                try:
+                    first = sock.recv(1)  # (the next request's first byte: idle until then)
+                except TimeoutError:
+                    return  # idle: closed (a client opens it again at its next request)
+                if not first:
+                    return
+                deadline = time.monotonic() + REQUEST_READ_TIMEOUT_S
+                head = first + (_recv_request(sock, REQUEST_HEADER.size - 1, deadline) or b"")
+                if len(head) < REQUEST_HEADER.size:
                     return
                 (length,) = REQUEST_HEADER.unpack(head)
                 if length > MAX_REQUEST:
                     _reply(sock, BAD_REQUEST, f"request of {length} bytes is over the limit "
                                               f"of {MAX_REQUEST}".encode())
                     return  # the stream cannot be resynchronised: close it
-                body = _recv_exact(sock, length) if length else b""
+                body = _recv_request(sock, length, deadline) if length else b""
                 if body is None:
                     return
+                sock.settimeout(None)  # (a reply's send is bounded by TCP_USER_TIMEOUT, not by this)
                 service._serve_one(sock, body)
         except (OSError, ConnectionError):
-            pass  # the client went away mid-request; nothing to answer
+            pass  # the client went away mid-request, or was too slow to send it; nothing to answer
         except Exception:  # noqa: BLE001 - a bad client never kills the server
             log.warning("data_service_handler_error", exc_info=True)
-        finally:
-            service._track(sock, False)
 
 
 #: A client's host gone without a reset (power, a partition) is noticed on an idle connection
@@ -203,6 +261,7 @@ class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
+    request_queue_size = 128  # (the listen backlog: socketserver's 5 made every 6th quick connect wait 1 s)
 
     def __init__(self, address, service: "DataService", family: int) -> None:
         self.address_family = family
@@ -270,7 +329,8 @@ class DataService:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._counters = {"gets": 0, "bytes_served": 0, "releases": 0, "recycled": 0, "reaped": 0, "trimmed": 0,
-                          "errors": 0}
+                          "errors": 0, "refused_connections": 0}
+        self._refused_logged_at = float("-inf")
         self._pid = os.getpid()
         self.tcp_congestion = tcp_congestion if tcp_congestion is not None else os.environ.get(CONGESTION_ENV)
 
@@ -344,6 +404,23 @@ class DataService:
         with self._lock:
             (self._conns.add if add else self._conns.discard)(sock)
 
+    def _admit(self, sock: socket.socket) -> bool:
+        """Count ``sock`` among the connections served, unless :data:`MAX_CONNECTIONS` are
+        (then False, logged once per second at most)."""
+        with self._lock:
+            if len(self._conns) < MAX_CONNECTIONS:
+                self._conns.add(sock)
+                return True
+            self._counters["refused_connections"] += 1
+            now = time.monotonic()
+            quiet = now - self._refused_logged_at < 1.0
+            if not quiet:
+                self._refused_logged_at = now
+        if not quiet:
+            log.warning("data_service_connections_refused", limit=MAX_CONNECTIONS,
+                        refused=self._counters["refused_connections"])
+        return False
+
     def _count(self, **deltas: int) -> None:
         with self._lock:
             for key, n in deltas.items():
@@ -355,16 +432,16 @@ class DataService:
             req = json.loads(body)
             if not isinstance(req, dict):
                 raise ValueError("a request is a JSON object")
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # (RecursionError: nested too deep, trial CP)
             self._count(errors=1)
-            _reply(sock, BAD_REQUEST, f"malformed request: {exc}".encode())
+            _reply(sock, BAD_REQUEST, f"malformed request: {str(exc)[:200]}".encode())
             return
         op = req.get("op")
         handler = {"get": self._get, "release": self._release, "stats": self._stats,
-                   "config": self._config}.get(op)
+                   "config": self._config}.get(op) if isinstance(op, str) else None
         if handler is None:
             self._count(errors=1)
-            _reply(sock, BAD_REQUEST, f"unknown op {op!r}; ops: get, release, stats, config".encode())
+            _reply(sock, BAD_REQUEST, f"unknown op {str(op)[:100]!r}; ops: get, release, stats, config".encode())
             return
         handler(sock, req)
 
@@ -442,9 +519,11 @@ class DataService:
     def _config(self, sock: socket.socket, req: dict) -> None:
         value = req.get("reap_after_s")
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 < value <= MAX_REAP_AFTER_S:  # (trial CP's Infinity turned the reaper off)
                 self._count(errors=1)
-                _reply(sock, BAD_REQUEST, f"reap_after_s must be a number > 0, got {value!r}".encode())
+                _reply(sock, BAD_REQUEST, f"reap_after_s must be a number > 0 and <= {MAX_REAP_AFTER_S:g}, "
+                                          f"got {str(value)[:40]}".encode())
                 return
             self.reap_after_s = float(value)
             log.info("data_service_configured", reap_after_s=self.reap_after_s)
