@@ -11,9 +11,9 @@ chat's one user message renders it, for a pipeline with text or audio outputs; a
 image request's prompt otherwise) with :data:`DRY_RUN_MAX_TOKENS` text tokens, the
 stage's processor on its sources' outputs as a replica runs it (on each chunk, for an
 edge that streams; read-only arrays, as a replica gets them; one of the user's on a
-thread, as a replica runs it, for :data:`PROCESSOR_TIMEOUT_S` at most). A config is
-refused when a processor fails on the stages' outputs (or returns no dict, or does not
-return in time) or a stage's engine cannot take what its processor made
+thread, as a replica runs it, for ``supervision.stall_timeout_s`` at most, as a replica
+waits). A config is refused when a processor fails on the stages' outputs (or returns no
+dict, or does not return in time) or a stage's engine cannot take what its processor made
 (:class:`~omni_actors.engines.base.StageInputError`); an engine that refuses the
 request itself (a context too small for the prompt: the client's 400) stops the run
 there, with no verdict. Stages of other backends, and those downstream of them, are not
@@ -23,7 +23,8 @@ run (their outputs need their engines).
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import concurrent.futures
+from typing import Any, Callable
 
 import msgspec
 
@@ -39,13 +40,13 @@ DRY_RUN_MAX_TOKENS = 8
 #: Request parameters of the dry run (an image request's, the API's smallest side:
 #: text stages ignore them).
 DRY_RUN_PARAMS = {"width": 64, "height": 64}
-#: Seconds the whole dry run may take before it is given up (no verdict: the config
-#: passes); at zero cost it takes milliseconds.
+#: Seconds the stages' engines may take in all before the run is given up (no verdict: the
+#: config passes); at zero cost they take milliseconds. A processor's own time is bounded by
+#: ``supervision.stall_timeout_s``, as on a replica (trial CQ: a processor that never returned
+#: hung ``check-config`` and ``start`` for good, Ctrl-C included).
 DRY_RUN_TIMEOUT_S = 10.0
-#: Seconds one processor call may take in the dry run before the config is refused for it
-#: (trial CQ: a processor that never returned hung ``check-config`` and ``start`` for good,
-#: Ctrl-C included). Below :data:`DRY_RUN_TIMEOUT_S`; a replica gives it ``stall_timeout_s``.
-PROCESSOR_TIMEOUT_S = 8.0
+#: Seconds a processor runs before ``on_wait`` is told what the dry run waits for.
+NOTE_AFTER_S = 2.0
 
 
 class _NoVerdict(Exception):
@@ -61,15 +62,17 @@ class _Failure(Exception):
         self.path, self.message = path, message
 
 
-def dry_run_problem(cfg: PipelineConfig) -> ConfigError | None:
+def dry_run_problem(cfg: PipelineConfig, on_wait: Callable[[str], None] | None = None) -> ConfigError | None:
     """The first synthetic stage that fails the dry run (see the module), as the error
     ``start`` and ``check-config`` refuse the config with; None when every stage run
-    passed, none could run, or the run took over :data:`DRY_RUN_TIMEOUT_S`.
+    passed, none could run, or the engines took over :data:`DRY_RUN_TIMEOUT_S`.
+    ``on_wait(text)``: told once per processor call that runs over :data:`NOTE_AFTER_S`
+    what the run waits for.
 
     Must be called with no event loop running in this thread (it runs its own).
     """
     try:
-        asyncio.run(asyncio.wait_for(_run(cfg), DRY_RUN_TIMEOUT_S))
+        asyncio.run(_run(cfg, on_wait or (lambda text: None)))
     except _Failure as failure:
         return ConfigError(cfg.source, failure.path, failure.message)
     except (asyncio.TimeoutError, _NoVerdict):
@@ -92,7 +95,23 @@ def _order(cfg: PipelineConfig) -> list:
     return out
 
 
-async def _run(cfg: PipelineConfig) -> None:
+async def _waited(done: concurrent.futures.Future, timeout_s: float, note: Callable[[], None]) -> Any:
+    """The result of a processor call on a thread, waited ``timeout_s`` at most (``note()``
+    after :data:`NOTE_AFTER_S`).
+
+    Raises:
+        asyncio.TimeoutError: not in time. What the call raised.
+    """
+    future = asyncio.wrap_future(done)
+    if timeout_s > NOTE_AFTER_S:
+        finished, _ = await asyncio.wait({future}, timeout=NOTE_AFTER_S)
+        if not finished:
+            note()
+        timeout_s -= NOTE_AFTER_S
+    return await asyncio.wait_for(future, timeout_s)
+
+
+async def _run(cfg: PipelineConfig, on_wait: Callable[[str], None]) -> None:
     from omni_actors.actors.processor_threads import ProcessorThreads, runs_inline
     from omni_actors.config_checks import resolve_processor
     from omni_actors.engines import stream_edges
@@ -107,6 +126,9 @@ async def _run(cfg: PipelineConfig) -> None:
     threads = ProcessorThreads(1, name="dry-run-processor")
     request = (f"a chat of one user message {DRY_RUN_PROMPT!r}, {DRY_RUN_MAX_TOKENS} text tokens" if chat else
                f"an image request for {DRY_RUN_PROMPT!r}, {DRY_RUN_PARAMS['width']}x{DRY_RUN_PARAMS['height']}")
+    stall_s = cfg.deployment.supervision.stall_timeout_s  # (how long a replica waits for a processor)
+    engine_s = DRY_RUN_TIMEOUT_S  # what is left of the engines' time
+    loop = asyncio.get_running_loop()
     finals: dict[int, dict[str, Any]] = {}  # stage id -> its outputs, for the stages that ran
     chunks: dict[int, list[dict[str, Any]]] = {}  # stage id -> the chunks it made
     for i, s in ((cfg.stage_args.index(s), s) for s in _order(cfg)):
@@ -136,14 +158,16 @@ async def _run(cfg: PipelineConfig) -> None:
                     made = _p(up, prompt, dict(DRY_RUN_PARAMS))
                 else:  # (one of the user's, on a daemon thread: one that never returns holds no exit)
                     done = threads.submit(_p, up, prompt, dict(DRY_RUN_PARAMS))
-                    made = await asyncio.wait_for(asyncio.wrap_future(done), PROCESSOR_TIMEOUT_S)
+                    made = await _waited(done, stall_s, lambda: on_wait(
+                        f"the dry run waits for {_name} (stage {s.name}) on {_what}, {stall_s:g} s at most "
+                        "(supervision.stall_timeout_s; --skip-dry-run: no dry run)"))
             except InvalidRequest:
                 raise _NoVerdict() from None  # (it refuses the dry run's request as a client's: the request's own)
             except asyncio.TimeoutError:
-                raise _Failure(path, f"{_name} did not return within {PROCESSOR_TIMEOUT_S:g} s on {_what} of the "
-                                     f"dry run's request ({request}): a processor runs for every request through "
-                                     f"stage {s.name} and must be quick (a replica waits for it the stage's "
-                                     "supervision.stall_timeout_s)") from None
+                raise _Failure(path, f"{_name} did not return within {stall_s:g} s (supervision.stall_timeout_s, "
+                                     f"what a replica waits) on {_what} of the dry run's request ({request}): a "
+                                     f"processor runs for every request through stage {s.name} and must be quick "
+                                     "(--skip-dry-run: not tried)") from None
             except Exception as exc:  # noqa: BLE001 - what a request like it would meet
                 raise _Failure(path, f"{_name} fails on {_what} of the dry run's request ({request}), as it would "
                                      f"for such a request through stage {s.name} (--skip-dry-run: not tried): "
@@ -164,22 +188,32 @@ async def _run(cfg: PipelineConfig) -> None:
                                       DRY_RUN_MAX_TOKENS)}
         task = BackendTask(f"dry-run-{s.name}", task_input, sampling, dict(DRY_RUN_PARAMS),
                            input_stream=stream, emit_chunks=True, chunk_tokens=cfg.deployment.streaming.chunk_tokens)
-        await engine.start()
-        made: list[dict[str, Any]] = []
-        final = None
-        try:
-            async for ev in engine.generate(task):
-                if isinstance(ev, OutputChunk):
-                    made.append(ev.outputs)
-                elif isinstance(ev, StageFinal):
-                    final = ev
-        except StageInputError as exc:  # (what the stage before makes: every request's)
-            raise _Failure(kind_path, f"stage {s.name}'s synthetic `{kind}` engine cannot take what {name} "
-                                      f"makes of {from_what}, as for every request through it: {exc}") from None
-        except Exception:  # noqa: BLE001 - the request's own (a context too small for this prompt): no verdict
+
+        async def run_engine(engine=engine, task=task, name=name, kind=kind, kind_path=kind_path,
+                             from_what=from_what, stage=s.name) -> tuple[list, Any]:
+            await engine.start()
+            made: list[dict[str, Any]] = []
             final = None
+            try:
+                async for ev in engine.generate(task):
+                    if isinstance(ev, OutputChunk):
+                        made.append(ev.outputs)
+                    elif isinstance(ev, StageFinal):
+                        final = ev
+            except StageInputError as exc:  # (what the stage before makes: every request's)
+                raise _Failure(kind_path, f"stage {stage}'s synthetic `{kind}` engine cannot take what {name} "
+                                          f"makes of {from_what}, as for every request through it: {exc}") from None
+            except Exception:  # noqa: BLE001 - the request's own (a context too small for this prompt): no verdict
+                final = None
+            finally:
+                await engine.shutdown()
+            return made, final
+
+        began = loop.time()
+        try:
+            made, final = await asyncio.wait_for(run_engine(), max(engine_s, 0.0))
         finally:
-            await engine.shutdown()
+            engine_s -= loop.time() - began
         if final is not None:
             finals[s.stage_id], chunks[s.stage_id] = final.outputs, made
 

@@ -108,13 +108,18 @@ BAD_HTTP_TEXT_MAX = 400
 #: A header that carries a credential, and what follows it up to the end of its line (a real
 #: line end, or the ``\\n`` of a quoted one), or a Bearer token anywhere.
 _CREDENTIAL = re.compile(r"(?i)((?:proxy-)?authorization|cookie|api-key)(\s*:\s*)"
-                         r"(?:(?!\\r|\\n|[\r\n']).)*|\b(bearer\s+)[^\s'\\]+")
+                         r"(?:(?!\\r|\\n|[\r\n']).)*|\b(bearer\s+)[^\s']+")
+#: aiohttp's pure-Python parser quotes a bad header's value alone, without its name (a review:
+#: an API key with a control character in it was logged so): such a value is never logged.
+_BAD_HEADER_VALUE = re.compile(r"(Invalid HTTP header: )b(['\"]).*?(?<!\\)\2", re.S)
 
 
 def redact_credentials(text: str) -> str:
     """``text`` with the values of credential headers (``Authorization``, ``Cookie``,
-    ``X-Api-Key``...) and Bearer tokens replaced by ``<redacted>``: aiohttp's error for a
-    malformed request quotes its head, and trial CP found the API key in the log."""
+    ``X-Api-Key``...), Bearer tokens and the value aiohttp's pure-Python parser quotes for
+    an invalid header replaced by ``<redacted>``: aiohttp's error for a malformed request
+    quotes its head, and trial CP found the API key in the log."""
+    text = _BAD_HEADER_VALUE.sub(r"\1<redacted>", text)
     return _CREDENTIAL.sub(lambda m: (m.group(1) + m.group(2) if m.group(1) else m.group(3)) + "<redacted>", text)
 
 

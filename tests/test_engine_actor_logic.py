@@ -1303,6 +1303,75 @@ def test_an_engine_that_cannot_take_what_a_processor_made_names_the_processor():
     assert _raised_at(None) is None
 
 
+def _processor_engine(processor, timeout_s: float):
+    """An EngineActor (no backend) whose user processor runs on its threads."""
+    from types import SimpleNamespace
+
+    from omni_actors.actors.engine import EngineActor
+    from omni_actors.actors.processor_threads import ProcessorThreads
+
+    actor = EngineActor()
+    actor._started.set()  # (ends its orphan watchdog thread)
+    actor._spec = SimpleNamespace(processor_timeout_s=timeout_s,
+                                  stage=SimpleNamespace(custom_process_input_func="mine.f"))
+    actor._processor, actor._processor_threads, actor._backend = processor, ProcessorThreads(), None
+    return actor
+
+
+def test_a_quick_processor_call_does_not_make_a_stalled_replica_look_fresh():
+    """A review: time in a processor counted as work for the whole replica, and each call's
+    end restarted its idle clock, so a replica stuck on one task that kept taking new ones
+    was never found stalled. A processor's time is no stall only while every task is in one
+    (or waits on a neighbour stage), as a parked task's is."""
+    import asyncio
+
+    from omni_actors.messages import StageTask
+
+    actor = _processor_engine(lambda up, p, params: {"x": 1}, 10.0)
+    actor._tasks = {("stuck", 1): object(), ("new", 1): object()}
+    actor._progress_at = time.monotonic() - 9.5  # the stuck task: 9.5 s without progress
+    asyncio.run(actor._process_input({0: {"t": 1}}, StageTask("new", 1, "hi", ((0, "r"),), {}, {}, "audio",
+                                                               False, "ra")))
+    assert actor._idle_s() >= 9.5
+
+
+def test_processor_threads_all_held_by_calls_that_never_return_break_the_replica():
+    """A review: a processor call given up on keeps its thread; with all four held, every
+    later task waited its timeout in vain ("did not return") and the replica, whose failures
+    are its inputs' and not its own, was never restarted. Such a task now says it did not
+    start, and the replica reports itself broken (its pool restarts it)."""
+    import asyncio
+    import threading
+
+    from omni_actors.engines.base import StageInputError
+    from omni_actors.messages import StageTask
+
+    release = threading.Event()
+
+    def processor(up, prompt, params):
+        if up[0].get("hang"):
+            release.wait(30)
+        return {"ok": 1}
+
+    actor = _processor_engine(processor, 0.3)
+    task = StageTask("r", 1, "hi", ((0, "r"),), {}, {}, "audio", False, "ra")
+
+    async def main():
+        for i in range(4):
+            with pytest.raises(StageInputError, match="did not return within 0.3 s"):
+                await actor._process_input({0: {"hang": True}}, task)
+            assert bool(actor._processors_failure) == (i == 3), (i, actor._processors_failure)
+        with pytest.raises(StageInputError, match="did not start within 0.3 s, its replica's 4 processor threads "
+                                                  r"held \(4 by calls that did not return\)"):
+            await actor._process_input({0: {}}, task)
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+    assert actor._processors_failure == ("all 4 of its processor threads are held by calls of mine.f that did not "
+                                         "return within 0.3 s")
+
+
 def test_a_pool_confirms_the_cancel_of_a_task_still_in_its_queue():
     """A cancelled task that never left the pool's queue is dropped and its cancel
     confirmed to the RequestActor at once (no engine will); one in flight is passed on."""

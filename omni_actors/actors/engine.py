@@ -212,7 +212,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._progress = 0  # backend events produced: the pool's stall watchdog reads it
         self._progress_at = time.monotonic()  # start of the idle clock: last event or end of a wait
         self._parked = 0  # tasks waiting on a neighbour stage (input chunks, credits)
-        self._in_processor = 0  # tasks waiting for the stage's processor on its thread
+        #: why this replica is broken: its processor threads are all held by calls that never returned
+        self._processors_failure = ""
         self._processor_threads: ProcessorThreads | None = None  # (None: the processor runs on the loop)
         self._last_ack = time.monotonic()
         self._last_hb = time.monotonic()  # when the heartbeat wake-up last ran
@@ -411,8 +412,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         on a neighbour stage (see StreamingMixin). The backend's own activity
         (``active_at``: a prefill step) counts as progress, except under an
         injected stall, which holds the backend's events while it works on."""
-        if self._all_held(self._parked) or self._in_processor:
-            return 0.0  # (a processor on its thread, waited for stall_timeout_s at most, is work)
+        if self._all_held(self._parked):
+            return 0.0
         last = self._progress_at
         if self._stalled is None:
             last = max(last, getattr(self._backend, "active_at", 0.0) or 0.0)
@@ -674,7 +675,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             (self._log.info if client_error else self._log.warning)(
                 "stage_failed", request_id=msg.request_id, error=str(exc), kind=kind.value,
                 where=_raised_at(exc.__cause__) if kind == ErrorKind.STAGE_INPUT else None)
-            failure = getattr(self._backend, "failure", None)
+            failure = getattr(self._backend, "failure", None) or self._processors_failure
             if failure and self._ready:
                 # Its engine is dead: the pool hears it now. (It heard at the next heartbeat:
                 # meanwhile the tasks it sent failed at once, and five failures in a row tripped
@@ -761,18 +762,29 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
 
     async def _on_processor_thread(self, upstream: dict, msg: StageTask) -> Any:
         timeout_s = self._spec.processor_timeout_s
-        done = self._processor_threads.submit(self._processor, upstream, msg.prompt, msg.params)
-        self._in_processor += 1
+        threads = self._processor_threads
+        done = threads.submit(self._processor, upstream, msg.prompt, msg.params)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
+            # (time in a processor is no stall of the replica's while every task is in one or waits on a
+            # neighbour, as time parked is; it is bounded here)
+            with self._parked_while():
+                return await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
         except asyncio.TimeoutError:
+            began = not done.cancelled()  # (one still queued was cancelled by the wait's end)
+            held = threads.held(timeout_s)
+            name = self._processor_name()
+            if held >= threads.size and not self._processors_failure:
+                # Every thread holds a call that never returned: every task would wait here in vain
+                # (a review). The replica is broken: its pool restarts it.
+                self._processors_failure = (f"all {threads.size} of its processor threads are held by calls of "
+                                            f"{name} that did not return within {timeout_s:g} s")
+            why = (f"did not return within {timeout_s:g} s" if began else
+                   f"did not start within {timeout_s:g} s, its replica's {threads.size} processor threads held "
+                   f"({held} by calls that did not return)")
             raise StageInputError(
-                f"{self._processor_name()} did not return within {timeout_s:g} s (the stage's "
-                f"supervision.stall_timeout_s) on the outputs of stage(s) {sorted(upstream)}: a processor runs "
-                "for every request (on every chunk of an edge that streams) and must be quick") from None
-        finally:
-            self._in_processor -= 1
-            self._progress_at = time.monotonic()  # (its time was work, not a stall)
+                f"{name} {why} (the stage's supervision.stall_timeout_s) on the outputs of stage(s) "
+                f"{sorted(upstream)}: a processor runs for every request (on every chunk of an edge that streams) "
+                "and must be quick") from None
 
     async def _naming_processor(self, events, msg: StageTask):
         """The backend's ``events``; a StageInputError of the engine (it cannot take what the

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 #: Modules whose processors run on the event loop (quick by construction).
@@ -43,6 +44,7 @@ class ProcessorThreads:
         self._lock = threading.Lock()
         self._threads = 0
         self._idle = 0
+        self._running: dict[concurrent.futures.Future, float] = {}  # call -> when it began (monotonic)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -55,13 +57,25 @@ class ProcessorThreads:
                 self._idle -= 1  # (one idle thread is taken; it counts itself idle again when done)
         return fut
 
+    def held(self, for_s: float) -> int:
+        """How many threads are running a call begun ``for_s`` seconds ago or more (calls
+        given up on that never returned hold their thread for good)."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(1 for began in self._running.values() if now - began >= for_s)
+
     def _run(self) -> None:
         while True:
             fut, fn, args = self._work.get()
             if fut.set_running_or_notify_cancel():
+                with self._lock:
+                    self._running[fut] = time.monotonic()
                 try:
                     fut.set_result(fn(*args))
                 except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                     fut.set_exception(exc)
+                finally:
+                    with self._lock:
+                        self._running.pop(fut, None)
             with self._lock:
                 self._idle += 1

@@ -223,6 +223,10 @@ def _api_key_problem(key: str | None) -> str | None:
     return None
 
 
+def _note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr, flush=True)
+
+
 def cmd_start(args) -> int:
     from omni_actors.config import DEFAULT_CONFIG, ConfigError, load_config
     from omni_actors.config_dry_run import dry_run_problem
@@ -263,7 +267,7 @@ def cmd_start(args) -> int:
         config = load_config(args.config or DEFAULT_CONFIG, on_warning=warn)
     except ConfigError as exc:
         return _fail(str(exc), 2)
-    problem = None if args.skip_dry_run else dry_run_problem(config)  # (trial CE: a stage no request passed)
+    problem = None if args.skip_dry_run else dry_run_problem(config, _note)  # (trial CE: a stage no request passed)
     if problem:
         return _fail(str(problem), 2)
     pinned = [s.name for s in config.stage_args if s.runtime.devices is not None]
@@ -829,7 +833,7 @@ def cmd_check_config(args) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     # (the connector names before the notes, which call them applied)
-    problem = (None if args.skip_dry_run else dry_run_problem(config)) or _check_omni_connector_names(config)
+    problem = (None if args.skip_dry_run else dry_run_problem(config, _note)) or _check_omni_connector_names(config)
     if problem:
         return _fail(problem)
     for note in config.omni_connectors.notes:
