@@ -1300,6 +1300,16 @@ def test_an_engine_that_cannot_take_what_a_processor_made_names_the_processor():
     except ValueError as exc:
         where = _raised_at(exc)
     assert where.endswith(f"test_engine_actor_logic.py:{processor.__code__.co_firstlineno + 1} in processor"), where
+
+    def numpy_processor():
+        import numpy as np
+
+        return np.zeros(3).reshape(2, 2)  # (raises inside NumPy: the processor's line is the one named)
+    try:
+        numpy_processor()
+    except ValueError as exc:
+        where = _raised_at(exc)
+    assert where.endswith(f":{numpy_processor.__code__.co_firstlineno + 3} in numpy_processor"), where
     assert _raised_at(None) is None
 
 

@@ -142,13 +142,23 @@ class LoopThread:
 
 
 def _raised_at(exc: BaseException | None) -> str | None:
-    """Where ``exc`` was raised: ``"file.py:12 in f"`` (its traceback's last frame), for a
-    processor's error in the log (trial CQ: one line with no file or line); None without one."""
+    """Where ``exc`` was raised: ``"file.py:12 in f"``, the last frame of its traceback that
+    is not in an installed package or the standard library (the user's processor, not the
+    NumPy call that raised in it), else its last; for a processor's error in the log (trial
+    CQ: one line with no file or line). None without a traceback."""
+    import sysconfig
+
     tb = exc.__traceback__ if exc is not None else None
     if tb is None:
         return None
-    while tb.tb_next is not None:
+    libs = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
+    last = ours = None
+    while tb is not None:
+        last = tb
+        if not tb.tb_frame.f_code.co_filename.startswith(libs):
+            ours = tb
         tb = tb.tb_next
+    tb = ours or last
     code = tb.tb_frame.f_code
     return f"{code.co_filename}:{tb.tb_lineno} in {code.co_name}"
 
