@@ -670,7 +670,7 @@ def reap_slots(names: list[str], directory: str, *, reap_after_s: float | None =
     (reaped).
 
     A file with no slot header (its producer killed while making it) is unlinked once
-    untouched for that long as well.
+    untouched for :data:`TRIM_AFTER` times ``idle_s``, as a stale free slot.
 
     Returns:
         ``([(name, age in use, s), ...] reaped, trimmed count)``.
