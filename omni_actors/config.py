@@ -661,6 +661,8 @@ def parse_config(data: Any, source: str = "<memory>",
             warn(path, message)
         for path, message in _replica_count_warnings(cfg):
             warn(path, message)
+        for path, message in _unreachable_audio_warnings(cfg):
+            warn(path, message)
     return cfg
 
 
@@ -734,6 +736,22 @@ def _replica_count_warnings(cfg: PipelineConfig, cpus: int | None = None) -> lis
              f"{total} replicas in all ({most}: {counts[most]}), each a process with its own engine: a host of "
              f"{cpus} CPU(s) like this one that runs them all takes minutes to start them and may run out of "
              f"memory (more than {REPLICAS_PER_CPU_WARNING} per CPU); member hosts share them out")]
+
+
+def _unreachable_audio_warnings(cfg: PipelineConfig) -> list[tuple[str, str]]:
+    """``(YAML path, message)`` for a final audio stage with no final text stage: audio is
+    served by chat completions only, whose reply has a text, so no request reaches it (trial
+    CQ: a Thinker made no final text, its Talker branch ran idle and every chat got a 400).
+    A warning, not an error: vLLM-Omni ships such pipelines (text-to-audio), which load."""
+    finals = {s.final_output_type: i for i, s in enumerate(cfg.stage_args) if s.final_output}
+    if "audio" not in finals or "text" in finals:
+        return []
+    k = finals["audio"]
+    return [(f"stage_args[{k}].final_output_type",
+             f"`audio` with no final `text` stage: this server serves audio only in chat completions, whose "
+             f"reply carries a text, so no request reaches stage {cfg.stage_args[k].name} (or those before it "
+             "that feed only it): make the stage that writes the reply's text final_output: true, "
+             "final_output_type: text")]
 
 
 def _unlisted_model_warnings(cfg: PipelineConfig, listed: dict) -> list[tuple[str, str]]:

@@ -149,14 +149,6 @@ def _check_graph(cfg: PipelineConfig, source: str) -> None:
                               f"(stage_args[{k}]): a reply carries one output of each type (text in "
                               "message.content, audio in message.audio, one image), so one of them would be "
                               "thrown away: keep one final stage per output type (serve the other in a config of its own)")
-    if "audio" in finals and "text" not in finals:
-        # (trial CQ: a Thinker made no final text; its Talker branch ran idle, every chat a 400)
-        k = finals["audio"]
-        raise ConfigError(source, f"stage_args[{k}].final_output_type",
-                          f"`audio` with no final `text` stage: audio is served by /v1/chat/completions only, "
-                          "whose reply carries a text, so no request could reach stage "
-                          f"`{cfg.stage_args[k].name}`: make the stage that writes the reply's text (the Thinker) "
-                          "final_output: true, final_output_type: text")
     for i, s in enumerate(cfg.stage_args):
         if not s.final_output and s.stage_id not in consumed:
             raise ConfigError(source, f"stage_args[{i}]",
