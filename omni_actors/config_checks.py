@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import sys
+import threading
 
 from omni_actors.config import SEED_MIN, ConfigError, PipelineConfig, StageSpec
 
@@ -391,12 +393,22 @@ def _check_processor(dotted: str, backend: str, stage: str, source: str, path: s
                                         f"`fn(upstream, prompt, params)`: {exc}") from None
 
 
+#: Seconds a processor's module may take to import before the CLI says what it waits for.
+IMPORT_NOTE_AFTER_S = 2.0
+
+
 def _check_importable(dotted: str, source: str, path: str):
     """The function ``dotted`` names; None for one of an engine package not installed here
     (:data:`ENGINE_PACKAGES`). Raises ConfigError at ``path`` when it cannot be had."""
     module, _, attr = dotted.rpartition(".")
     if not module:
         raise ConfigError(source, path, f"expected a dotted path `package.module.function`, got `{dotted}`")
+    # (trial CR: a module that loads a model at import held check-config and start, silent)
+    note = threading.Timer(IMPORT_NOTE_AFTER_S, lambda: print(
+        f"note: importing {module} ({path}) takes a while: check-config and start wait for it", file=sys.stderr,
+        flush=True))
+    note.daemon = True
+    note.start()
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as exc:
@@ -411,6 +423,8 @@ def _check_importable(dotted: str, source: str, path: str):
     except (Exception, SystemExit) as exc:  # the module's own code failed: a SyntaxError, its imports...
         raise ConfigError(source, path,
                           f"cannot import `{module}`: {type(exc).__name__}: {_one_line(exc)}") from None
+    finally:
+        note.cancel()
     try:
         func = getattr(mod, attr, None)
     except Exception as exc:  # a module __getattr__ that raises

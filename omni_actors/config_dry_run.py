@@ -45,7 +45,7 @@ DRY_RUN_PARAMS = {"width": 64, "height": 64}
 #: ``supervision.stall_timeout_s``, as on a replica (trial CQ: a processor that never returned
 #: hung ``check-config`` and ``start`` for good, Ctrl-C included).
 DRY_RUN_TIMEOUT_S = 10.0
-#: Seconds a processor runs before ``on_wait`` is told what the dry run waits for.
+#: Seconds a processor runs before ``on_note`` is told what the dry run waits for.
 NOTE_AFTER_S = 2.0
 
 
@@ -62,17 +62,17 @@ class _Failure(Exception):
         self.path, self.message = path, message
 
 
-def dry_run_problem(cfg: PipelineConfig, on_wait: Callable[[str], None] | None = None) -> ConfigError | None:
+def dry_run_problem(cfg: PipelineConfig, on_note: Callable[[str], None] | None = None) -> ConfigError | None:
     """The first synthetic stage that fails the dry run (see the module), as the error
     ``start`` and ``check-config`` refuse the config with; None when every stage run
     passed, none could run, or the engines took over :data:`DRY_RUN_TIMEOUT_S`.
-    ``on_wait(text)``: told once per processor call that runs over :data:`NOTE_AFTER_S`
+    ``on_note(text)``: told once per processor call that runs over :data:`NOTE_AFTER_S`
     what the run waits for.
 
     Must be called with no event loop running in this thread (it runs its own).
     """
     try:
-        asyncio.run(_run(cfg, on_wait or (lambda text: None)))
+        asyncio.run(_run(cfg, on_note or (lambda text: None)))
     except _Failure as failure:
         return ConfigError(cfg.source, failure.path, failure.message)
     except (asyncio.TimeoutError, _NoVerdict):
@@ -95,30 +95,47 @@ def _order(cfg: PipelineConfig) -> list:
     return out
 
 
-async def _waited(done: concurrent.futures.Future, timeout_s: float, note: Callable[[], None]) -> Any:
+async def _waited(done: concurrent.futures.Future, timeout_s: float, note: Callable[[], None]) -> tuple[Any, float]:
     """The result of a processor call on a thread, waited ``timeout_s`` at most (``note()``
-    after :data:`NOTE_AFTER_S`).
+    after :data:`NOTE_AFTER_S`), and the longest the event loop went without a turn meanwhile
+    (s): a call that holds the interpreter (a long C call that keeps the GIL) stops this
+    thread too, and a replica's heartbeats.
 
     Raises:
         asyncio.TimeoutError: not in time. What the call raised.
     """
+    loop = asyncio.get_running_loop()
     future = asyncio.wrap_future(done)
-    if timeout_s > NOTE_AFTER_S:
-        finished, _ = await asyncio.wait({future}, timeout=NOTE_AFTER_S)
-        if not finished:
-            note()
-        timeout_s -= NOTE_AFTER_S
-    return await asyncio.wait_for(future, timeout_s)
+    gap = [0.0]
+
+    async def watch() -> None:
+        last = loop.time()
+        while True:
+            await asyncio.sleep(0.05)
+            now = loop.time()
+            gap[0] = max(gap[0], now - last - 0.05)
+            last = now
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        if timeout_s > NOTE_AFTER_S:
+            finished, _ = await asyncio.wait({future}, timeout=NOTE_AFTER_S)
+            if not finished:
+                note()
+            timeout_s -= NOTE_AFTER_S
+        return await asyncio.wait_for(future, timeout_s), gap[0]
+    finally:
+        watcher.cancel()
 
 
-async def _run(cfg: PipelineConfig, on_wait: Callable[[str], None]) -> None:
+async def _run(cfg: PipelineConfig, on_note: Callable[[str], None]) -> None:
     from omni_actors.actors.processor_threads import ProcessorThreads, runs_inline
     from omni_actors.config_checks import resolve_processor
     from omni_actors.engines import stream_edges
     from omni_actors.engines.base import BackendTask, OutputChunk, StageFinal, StageInputError
     from omni_actors.engines.synthetic import SyntheticEngine
     from omni_actors.http.protocol import render_prompt
-    from omni_actors.processors import InvalidRequest, default_input
+    from omni_actors.processors import InvalidRequest, default_input, read_only_hint
 
     streams = stream_edges(cfg)
     chat = bool(cfg.output_types() & {"text", "audio"})
@@ -127,6 +144,8 @@ async def _run(cfg: PipelineConfig, on_wait: Callable[[str], None]) -> None:
     request = (f"a chat of one user message {DRY_RUN_PROMPT!r}, {DRY_RUN_MAX_TOKENS} text tokens" if chat else
                f"an image request for {DRY_RUN_PROMPT!r}, {DRY_RUN_PARAMS['width']}x{DRY_RUN_PARAMS['height']}")
     stall_s = cfg.deployment.supervision.stall_timeout_s  # (how long a replica waits for a processor)
+    # (how long a replica may go without a heartbeat before it is taken for silent and replaced)
+    silent_s = cfg.deployment.supervision.missed_heartbeats * cfg.deployment.heartbeat_interval_s
     engine_s = DRY_RUN_TIMEOUT_S  # what is left of the engines' time
     loop = asyncio.get_running_loop()
     finals: dict[int, dict[str, Any]] = {}  # stage id -> its outputs, for the stages that ran
@@ -157,21 +176,34 @@ async def _run(cfg: PipelineConfig, on_wait: Callable[[str], None]) -> None:
                 if runs_inline(_p):
                     made = _p(up, prompt, dict(DRY_RUN_PARAMS))
                 else:  # (one of the user's, on a daemon thread: one that never returns holds no exit)
-                    done = threads.submit(_p, up, prompt, dict(DRY_RUN_PARAMS))
-                    made = await _waited(done, stall_s, lambda: on_wait(
+                    done = threads.submit(_timed, _p, up, prompt, dict(DRY_RUN_PARAMS))
+                    (made, took), held = await _waited(done, stall_s, lambda: on_note(
                         f"the dry run waits for {_name} (stage {s.name}) on {_what}, {stall_s:g} s at most "
                         "(supervision.stall_timeout_s; --skip-dry-run: no dry run)"))
-            except InvalidRequest:
-                raise _NoVerdict() from None  # (it refuses the dry run's request as a client's: the request's own)
+                    if held > silent_s:  # (trial CR: sum(range(5 * 10**8)) took a stage down for 5 minutes)
+                        raise _Failure(path, f"{_name} held the Python interpreter for {held:.1f} s on {_what} of "
+                                             f"the dry run's request ({request}), a call that keeps the GIL: a "
+                                             "replica's heartbeats stop meanwhile, and one silent for "
+                                             f"{silent_s:g} s (supervision.missed_heartbeats x "
+                                             "heartbeat_interval_s) is taken for dead and replaced "
+                                             "(--skip-dry-run: not tried)")
+                    if took > stall_s:
+                        raise asyncio.TimeoutError()
+            except InvalidRequest as exc:  # (it refuses the dry run's request as a client's: the request's own)
+                on_note(f"{_name} refused the dry run's request ({request}) as a client's (InvalidRequest: {exc}): "
+                        f"stage {s.name} and those after it were not tried")
+                raise _NoVerdict() from None
             except asyncio.TimeoutError:
                 raise _Failure(path, f"{_name} did not return within {stall_s:g} s (supervision.stall_timeout_s, "
                                      f"what a replica waits) on {_what} of the dry run's request ({request}): a "
                                      f"processor runs for every request through stage {s.name} and must be quick "
                                      "(--skip-dry-run: not tried)") from None
+            except _Failure:
+                raise
             except Exception as exc:  # noqa: BLE001 - what a request like it would meet
                 raise _Failure(path, f"{_name} fails on {_what} of the dry run's request ({request}), as it would "
                                      f"for such a request through stage {s.name} (--skip-dry-run: not tried): "
-                                     f"{type(exc).__name__}: {exc}") from None
+                                     f"{type(exc).__name__}: {exc}{read_only_hint(exc)}") from None
             if not isinstance(made, dict):
                 raise _Failure(path, f"{_name} returns {type(made).__name__} on {_what}, not a dict (the stage's "
                                      "engine input)")
@@ -216,6 +248,15 @@ async def _run(cfg: PipelineConfig, on_wait: Callable[[str], None]) -> None:
             engine_s -= loop.time() - began
         if final is not None:
             finals[s.stage_id], chunks[s.stage_id] = final.outputs, made
+
+
+def _timed(fn: Callable, *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` and the seconds it took."""
+    import time
+
+    began = time.monotonic()
+    out = fn(*args)
+    return out, time.monotonic() - began
 
 
 def _read_only(outputs: dict[str, Any]) -> dict[str, Any]:

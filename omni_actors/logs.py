@@ -109,17 +109,25 @@ BAD_HTTP_TEXT_MAX = 400
 #: line end, or the ``\\n`` of a quoted one), or a Bearer token anywhere.
 _CREDENTIAL = re.compile(r"(?i)((?:proxy-)?authorization|cookie|api-key)(\s*:\s*)"
                          r"(?:(?!\\r|\\n|[\r\n']).)*|\b(bearer\s+)[^\s']+")
-#: aiohttp's pure-Python parser quotes a bad header's value alone, without its name (a review:
-#: an API key with a control character in it was logged so): such a value is never logged.
-_BAD_HEADER_VALUE = re.compile(r"(Invalid HTTP header: )b(['\"]).*?(?<!\\)\2", re.S)
+#: A bytes literal aiohttp quotes from the request (``b'...'``).
+_QUOTED = re.compile(r"b(['\"])(.*?)(?<!\\)\1", re.S)
+#: What a quoted part of a request may start with to be logged: a request line, or a header's
+#: name. Anything else may be a header's value alone (a folded line, a line over the limit, the
+#: pure-Python parser's bad value: trial CR and a review found API keys logged so).
+_LOGGABLE = re.compile(r"(?:[A-Z]+ \S+ HTTP/|[A-Za-z0-9!#$%&'*+.^_`|~-]+:)")
+#: A credential in a URL's query (``?api_key=...``).
+_QUERY_CREDENTIAL = re.compile(r"(?i)([?&;](?:api[_-]?key|key|token|access_token|auth)=)[^&;\s'\\]*")
 
 
 def redact_credentials(text: str) -> str:
     """``text`` with the values of credential headers (``Authorization``, ``Cookie``,
-    ``X-Api-Key``...), Bearer tokens and the value aiohttp's pure-Python parser quotes for
-    an invalid header replaced by ``<redacted>``: aiohttp's error for a malformed request
-    quotes its head, and trial CP found the API key in the log."""
-    text = _BAD_HEADER_VALUE.sub(r"\1<redacted>", text)
+    ``X-Api-Key``...), Bearer tokens and credentials in a URL's query replaced by
+    ``<redacted>``, and every quoted part of the request that starts with neither a request
+    line nor a header's name (a value quoted alone) left out: aiohttp's error for a
+    malformed request quotes its head, and trial CP found the API key in the log."""
+    text = _QUOTED.sub(lambda m: m.group(0) if _LOGGABLE.match(m.group(2))
+                       else f"b{m.group(1)}<{len(m.group(2))} characters not logged>{m.group(1)}", text)
+    text = _QUERY_CREDENTIAL.sub(r"\1<redacted>", text)
     return _CREDENTIAL.sub(lambda m: (m.group(1) + m.group(2) if m.group(1) else m.group(3)) + "<redacted>", text)
 
 

@@ -30,6 +30,12 @@ __all__ = ["thinker2talker", "talker2code2wav", "ar2dit", "default_input",
 Upstream = dict[int, dict[str, Any]]
 
 
+def read_only_hint(exc: BaseException) -> str:
+    """A hint to add to a processor's error that wrote into an upstream array (they are
+    read-only): ``""`` for any other error."""
+    return " (upstream arrays are read-only: copy one first, np.array(a))" if "read-only" in str(exc) else ""
+
+
 class InvalidRequest(ValueError):
     """Raised by a processor to refuse the request for what the client asked (an image size
     its model does not take, say): the client gets a 400 (``invalid_request_error``) with

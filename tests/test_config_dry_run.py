@@ -195,3 +195,24 @@ def test_a_processor_that_refuses_the_dry_runs_request_as_a_clients_gives_no_ver
     problem = _problem(data)
     assert problem is not None and "an image request for 'Describe the sea in one short sentence.', 64x64" in problem, \
         problem
+
+
+def test_a_processor_that_holds_the_interpreter_longer_than_a_replica_may_be_silent_is_refused(tmp_path, monkeypatch):
+    """Trial CR: a processor whose one C call kept the GIL for 7 s (sum(range(5 * 10**8)))
+    passed the dry run; on a replica it stopped the heartbeats, the replica was taken for
+    silent and killed, five times, and the stage was given up for 5 minutes, the processor
+    named nowhere. The dry run watches its own event loop while a processor runs: one held
+    longer than a replica may be silent (missed_heartbeats x heartbeat_interval_s) is refused."""
+    (tmp_path / "gil_processor.py").write_text(
+        "from omni_actors.processors import thinker2talker\n"
+        "def f(upstream, prompt, params):\n"
+        "    sum(range(4 * 10**7))  # (a C loop that keeps the GIL)\n"
+        "    return thinker2talker(upstream, prompt, params)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = _demo(streaming=False)
+    data["deployment"]["heartbeat_interval_s"] = 0.1
+    data["deployment"].setdefault("supervision", {})["missed_heartbeats"] = 1
+    data["stage_args"][1]["custom_process_input_func"] = "gil_processor.f"
+    problem = _problem(data)
+    assert problem is not None and "gil_processor.f held the Python interpreter for " in problem, problem
+    assert "a replica's heartbeats stop meanwhile, and one silent for 0.1 s" in problem, problem

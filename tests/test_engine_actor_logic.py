@@ -1345,13 +1345,21 @@ def test_a_quick_processor_call_does_not_make_a_stalled_replica_look_fresh():
     assert actor._idle_s() >= 9.5
 
 
-def test_processor_threads_all_held_by_calls_that_never_return_break_the_replica():
+def test_processor_threads_all_held_by_calls_that_never_return_break_the_replica(monkeypatch):
     """A review: a processor call given up on keeps its thread; with all four held, every
     later task waited its timeout in vain ("did not return") and the replica, whose failures
     are its inputs' and not its own, was never restarted. Such a task now says it did not
-    start, and the replica reports itself broken (its pool restarts it)."""
+    start, and the replica reports itself broken (its pool restarts it): once four calls have
+    not returned for hung_after_s (here the timeout itself; by default 3 timeouts, 30 s more
+    than one at least: trial CR's four calls merely slower than the timeout restarted it)."""
     import asyncio
     import threading
+
+    from omni_actors.actors import engine as engine_module
+    from omni_actors.actors.processor_threads import hung_after_s
+
+    assert (hung_after_s(3.0), hung_after_s(10.0), hung_after_s(60.0)) == (33.0, 40.0, 180.0)
+    monkeypatch.setattr(engine_module, "hung_after_s", lambda timeout_s: timeout_s)
 
     from omni_actors.engines.base import StageInputError
     from omni_actors.messages import StageTask
@@ -1372,14 +1380,14 @@ def test_processor_threads_all_held_by_calls_that_never_return_break_the_replica
                 await actor._process_input({0: {"hang": True}}, task)
             assert bool(actor._processors_failure) == (i == 3), (i, actor._processors_failure)
         with pytest.raises(StageInputError, match="did not start within 0.3 s, its replica's 4 processor threads "
-                                                  r"held \(4 by calls that did not return\)"):
+                                                  r"busy \(4 with calls over that time\)"):
             await actor._process_input({0: {}}, task)
     try:
         asyncio.run(main())
     finally:
         release.set()
-    assert actor._processors_failure == ("all 4 of its processor threads are held by calls of mine.f that did not "
-                                         "return within 0.3 s")
+    assert actor._processors_failure == ("all 4 of its processor threads are held by calls of mine.f that have not "
+                                         "returned for 0.3 s")
 
 
 def test_a_pool_confirms_the_cancel_of_a_task_still_in_its_queue():

@@ -1041,7 +1041,13 @@ def test_a_malformed_requests_log_line_holds_no_credential_and_is_bounded():
     # aiohttp's pure-Python parser quotes a bad header's value without its name (a review)
     from omni_actors.logs import redact_credentials
 
-    assert redact_credentials("Invalid HTTP header: b'sk-SECRET\\x01abc'") == "Invalid HTTP header: <redacted>"
+    assert "SECRET" not in redact_credentials("Invalid HTTP header: b'sk-SECRET\\x01abc'")
+    # a folded value, or a line over the limit, quoted without its header's name (trial CR); a key in the URL
+    assert redact_credentials("Unexpected whitespace after header value: b' SECRETKEY' ^") == \
+        "Unexpected whitespace after header value: b'<10 characters not logged>' ^"
+    assert "SECRET" not in redact_credentials("Got more than 8190 bytes when reading: b'SECRETaaaa'")
+    assert redact_credentials("b'GET /v1/models?api_key=SECRET&x=1 HTTP/1.1\\nHost: x'") == \
+        "b'GET /v1/models?api_key=<redacted>&x=1 HTTP/1.1\\nHost: x'"
     assert "SECRET" not in redact_credentials("b'Authorization: Bearer abc\\\\SECRET\\x01'")
 
 

@@ -28,7 +28,7 @@ from omni_actors.actors import device_leases
 from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.engine_stream import StreamingMixin
 from omni_actors.actors.outbox import AddressNames, DeltaWindow, PendingChunk, Sequencer, bundle, coalesce
-from omni_actors.actors.processor_threads import ProcessorThreads, runs_inline
+from omni_actors.actors.processor_threads import ProcessorThreads, hung_after_s, runs_inline
 from omni_actors.actors.supervision import (POOL_HUNG_INTERVALS, ParentWatch, WakeupChain, exit_if_orphaned_before_start,
                                           host_identity)
 from omni_actors.actors.node_agent import on_node
@@ -45,7 +45,7 @@ from omni_actors.messages import (CancelStage, DataServicesSilent, DeltasAck, Dr
                                   StageCancelled, StageDone, StageFailed, StageTask, StartEngine, TaskFinished,
                                   TextStarted, cancels_attempt)
 from omni_actors.placement import replica_devices
-from omni_actors.processors import InvalidRequest, default_input
+from omni_actors.processors import InvalidRequest, default_input, read_only_hint
 
 #: Missing pool acks for this many heartbeat intervals means the pool is gone (one on this
 #: host must also no longer be our parent process, ``ParentWatch``: a busy pool acks late).
@@ -764,7 +764,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             if not upstream:
                 raise
             raise StageInputError(f"{self._processor_name()} failed on the outputs of stage(s) {sorted(upstream)}: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+                                  f"{type(exc).__name__}: {exc}{read_only_hint(exc)}") from exc
         if not isinstance(made, dict):  # (a processor's `[]` read as the engine's error about its fields)
             raise StageInputError(f"{self._processor_name()} returned {type(made).__name__}, not a dict (the "
                                   "stage's engine input)")
@@ -781,18 +781,19 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 return await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
         except asyncio.TimeoutError:
             began = not done.cancelled()  # (one still queued was cancelled by the wait's end)
-            held = threads.held(timeout_s)
+            hung_s = hung_after_s(timeout_s)
+            hung = threads.held(hung_s)
             name = self._processor_name()
-            if held >= threads.size and not self._processors_failure:
-                # Every thread holds a call that never returned: every task would wait here in vain
-                # (a review). The replica is broken: its pool restarts it.
+            if hung >= threads.size and not self._processors_failure:
+                # Every thread holds a call that has not returned for that long: every task would wait
+                # here in vain (a review). The replica is broken: its pool restarts it.
                 self._processors_failure = (f"all {threads.size} of its processor threads are held by calls of "
-                                            f"{name} that did not return within {timeout_s:g} s")
+                                            f"{name} that have not returned for {hung_s:g} s")
             why = (f"did not return within {timeout_s:g} s" if began else
-                   f"did not start within {timeout_s:g} s, its replica's {threads.size} processor threads held "
-                   f"({held} by calls that did not return)")
+                   f"did not start within {timeout_s:g} s, its replica's {threads.size} processor threads busy "
+                   f"({threads.held(timeout_s)} with calls over that time)")
             raise StageInputError(
-                f"{name} {why} (the stage's supervision.stall_timeout_s) on the outputs of stage(s) "
+                f"{name} {why} (supervision.stall_timeout_s) on the outputs of stage(s) "
                 f"{sorted(upstream)}: a processor runs for every request (on every chunk of an edge that streams) "
                 "and must be quick") from None
 

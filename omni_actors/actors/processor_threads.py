@@ -26,6 +26,13 @@ INLINE_MODULES = ("omni_actors.processors", "omni_actors.engines.vllm_omni")
 PROCESSOR_THREADS = 4
 
 
+def hung_after_s(timeout_s: float) -> float:
+    """Seconds after which a call given up on (past ``timeout_s``) counts as one that will not
+    return, its thread lost: 3 timeouts, at least 30 s more than one (a review: four calls
+    merely slower than the timeout restarted a replica)."""
+    return max(3 * timeout_s, timeout_s + 30.0)
+
+
 def runs_inline(fn: Callable) -> bool:
     """Whether processor ``fn`` is one of this package's (run on the loop)."""
     return getattr(fn, "__module__", "") in INLINE_MODULES
