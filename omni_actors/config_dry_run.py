@@ -49,6 +49,10 @@ DRY_RUN_TIMEOUT_S = 10.0
 NOTE_AFTER_S = 2.0
 
 
+class _ProcessorTimeout(Exception):
+    """A processor did not return within the stall timeout."""
+
+
 class _NoVerdict(Exception):
     """A processor refused the dry run's request as a client's (``InvalidRequest``): the run
     stops there with no verdict, as for an engine that refuses the request itself."""
@@ -102,28 +106,30 @@ async def _waited(done: concurrent.futures.Future, timeout_s: float, note: Calla
     thread too, and a replica's heartbeats.
 
     Raises:
-        asyncio.TimeoutError: not in time. What the call raised.
+        _ProcessorTimeout: not in time. What the call raised (a TimeoutError of its own too).
     """
     loop = asyncio.get_running_loop()
     future = asyncio.wrap_future(done)
-    gap = [0.0]
+    gap, last = [0.0], [loop.time()]
 
     async def watch() -> None:
-        last = loop.time()
         while True:
             await asyncio.sleep(0.05)
             now = loop.time()
-            gap[0] = max(gap[0], now - last - 0.05)
-            last = now
+            gap[0] = max(gap[0], now - last[0] - 0.05)
+            last[0] = now
 
     watcher = asyncio.ensure_future(watch())
     try:
-        if timeout_s > NOTE_AFTER_S:
-            finished, _ = await asyncio.wait({future}, timeout=NOTE_AFTER_S)
-            if not finished:
-                note()
-            timeout_s -= NOTE_AFTER_S
-        return await asyncio.wait_for(future, timeout_s), gap[0]
+        finished, _ = await asyncio.wait({future}, timeout=min(timeout_s, NOTE_AFTER_S))
+        if not finished and timeout_s > NOTE_AFTER_S:
+            note()
+            finished, _ = await asyncio.wait({future}, timeout=timeout_s - NOTE_AFTER_S)
+        # (a hold that ended as the call returned: the watcher has not had its turn since)
+        gap[0] = max(gap[0], loop.time() - last[0] - 0.05)
+        if not finished:
+            raise _ProcessorTimeout()
+        return future.result(), gap[0]
     finally:
         watcher.cancel()
 
@@ -188,12 +194,12 @@ async def _run(cfg: PipelineConfig, on_note: Callable[[str], None]) -> None:
                                              "heartbeat_interval_s) is taken for dead and replaced "
                                              "(--skip-dry-run: not tried)")
                     if took > stall_s:
-                        raise asyncio.TimeoutError()
+                        raise _ProcessorTimeout()
             except InvalidRequest as exc:  # (it refuses the dry run's request as a client's: the request's own)
                 on_note(f"{_name} refused the dry run's request ({request}) as a client's (InvalidRequest: {exc}): "
                         f"stage {s.name} and those after it were not tried")
                 raise _NoVerdict() from None
-            except asyncio.TimeoutError:
+            except _ProcessorTimeout:
                 raise _Failure(path, f"{_name} did not return within {stall_s:g} s (supervision.stall_timeout_s, "
                                      f"what a replica waits) on {_what} of the dry run's request ({request}): a "
                                      f"processor runs for every request through stage {s.name} and must be quick "

@@ -105,30 +105,41 @@ class _StdlibToJson(logging.Filter):
 #: Characters of a malformed request's parse error logged (aiohttp quotes the request's head,
 #: up to 8 KiB of it: trial CP's flood of them made a line each that long).
 BAD_HTTP_TEXT_MAX = 400
-#: A header that carries a credential, and what follows it up to the end of its line (a real
-#: line end, or the ``\\n`` of a quoted one), or a Bearer token anywhere.
-_CREDENTIAL = re.compile(r"(?i)((?:proxy-)?authorization|cookie|api-key)(\s*:\s*)"
-                         r"(?:(?!\\r|\\n|[\r\n']).)*|\b(bearer\s+)[^\s']+")
-#: A bytes literal aiohttp quotes from the request (``b'...'``).
-_QUOTED = re.compile(r"b(['\"])(.*?)(?<!\\)\1", re.S)
-#: What a quoted part of a request may start with to be logged: a request line, or a header's
-#: name. Anything else may be a header's value alone (a folded line, a line over the limit, the
-#: pure-Python parser's bad value: trial CR and a review found API keys logged so).
-_LOGGABLE = re.compile(r"(?:[A-Z]+ \S+ HTTP/|[A-Za-z0-9!#$%&'*+.^_`|~-]+:)")
+#: A header that carries a credential (``Authorization``, ``Cookie``, ``X-Api-Key``,
+#: ``X-Auth-Token``...) and what follows it up to the end of its line (a real line end, or
+#: the ``\\n`` of a quoted one), or a Bearer token anywhere.
+_CREDENTIAL = re.compile(r"(?i)((?:proxy-)?authorization|cookie|[a-z-]*api[-_]?key|[a-z-]*token)(\s*:\s*)"
+                         r"(?:(?!\\r|\\n|[\r\n]).)*|\b(bearer\s+)[^\s'\"]+")
+#: A bytes literal aiohttp quotes from the request (``b'...'``; backslash escapes inside).
+_QUOTED = re.compile(r"b(['\"])((?:\\.|(?!\1).)*)\1", re.S)
+#: What a quoted part of a request may start with to be logged: a request line (its method and
+#: what follows), or a header's name and a space. Anything else may be a header's value alone
+#: (a folded line, a line over the limit, the pure-Python parser's bad value: trial CR and a
+#: review found API keys logged so).
+_LOGGABLE = re.compile(r"(?:[A-Z]+ \S|[A-Za-z0-9!#$%&*+.^_`|~-]+: )")
 #: A credential in a URL's query (``?api_key=...``).
-_QUERY_CREDENTIAL = re.compile(r"(?i)([?&;](?:api[_-]?key|key|token|access_token|auth)=)[^&;\s'\\]*")
+_QUERY_CREDENTIAL = re.compile(r"(?i)([?&;](?:api[_-]?key|key|token|access_token|auth)=)[^&;\s'\"\\]*")
+
+
+def _redact(text: str) -> str:
+    text = _QUERY_CREDENTIAL.sub(r"\1<redacted>", text)
+    return _CREDENTIAL.sub(lambda m: (m.group(1) + m.group(2) if m.group(1) else m.group(3)) + "<redacted>", text)
 
 
 def redact_credentials(text: str) -> str:
     """``text`` with the values of credential headers (``Authorization``, ``Cookie``,
-    ``X-Api-Key``...), Bearer tokens and credentials in a URL's query replaced by
+    ``*Api-Key``, ``*Token``), Bearer tokens and credentials in a URL's query replaced by
     ``<redacted>``, and every quoted part of the request that starts with neither a request
     line nor a header's name (a value quoted alone) left out: aiohttp's error for a
     malformed request quotes its head, and trial CP found the API key in the log."""
-    text = _QUOTED.sub(lambda m: m.group(0) if _LOGGABLE.match(m.group(2))
-                       else f"b{m.group(1)}<{len(m.group(2))} characters not logged>{m.group(1)}", text)
-    text = _QUERY_CREDENTIAL.sub(r"\1<redacted>", text)
-    return _CREDENTIAL.sub(lambda m: (m.group(1) + m.group(2) if m.group(1) else m.group(3)) + "<redacted>", text)
+    out, at = [], 0
+    for m in _QUOTED.finditer(text):
+        q, body = m.group(1), m.group(2)
+        out.append(_redact(text[at:m.start()]))
+        out.append(f"b{q}{_redact(body)}{q}" if _LOGGABLE.match(body) else f"b{q}<{len(body)} characters not logged>{q}")
+        at = m.end()
+    out.append(_redact(text[at:]))
+    return "".join(out)
 
 
 def _is_bad_http(exc: BaseException | None) -> bool:

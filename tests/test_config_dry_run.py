@@ -216,3 +216,14 @@ def test_a_processor_that_holds_the_interpreter_longer_than_a_replica_may_be_sil
     problem = _problem(data)
     assert problem is not None and "gil_processor.f held the Python interpreter for " in problem, problem
     assert "a replica's heartbeats stop meanwhile, and one silent for 0.1 s" in problem, problem
+
+
+def test_a_processors_own_timeout_error_is_its_failure(tmp_path, monkeypatch):
+    """A review: a TimeoutError a processor raised was taken for the dry run's wait running out."""
+    (tmp_path / "timeout_processor.py").write_text(
+        "def f(upstream, prompt, params):\n    raise TimeoutError('the feature store did not answer')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = _demo(streaming=False)
+    data["stage_args"][1]["custom_process_input_func"] = "timeout_processor.f"
+    problem = _problem(data)
+    assert problem is not None and problem.endswith("TimeoutError: the feature store did not answer"), problem

@@ -331,6 +331,7 @@ def test_slow_idle_and_surplus_connections_are_closed_and_a_client_reconnects(pr
         got, text = raw_request(first, b'{"op": "stats"}')
         assert got == ds.OK
         surplus.settimeout(5)
+        surplus.sendall(struct.pack("!I", 15) + b'{"op": "stats"}')  # (read before the answer: no reset)
         status, length = struct.unpack("!BQ", surplus.recv(9))
         assert status == ds.FAILED and b"too many connections" in surplus.recv(length)
         assert surplus.recv(1) == b""

@@ -143,15 +143,16 @@ class LoopThread:
 
 def _raised_at(exc: BaseException | None) -> str | None:
     """Where ``exc`` was raised: ``"file.py:12 in f"``, the last frame of its traceback that
-    is not in an installed package or the standard library (the user's processor, not the
-    NumPy call that raised in it), else its last; for a processor's error in the log (trial
+    is not in an installed package, the standard library or this package's actors (the
+    user's processor, not the NumPy call that raised in it), else its last; for a processor's error in the log (trial
     CQ: one line with no file or line). None without a traceback."""
     import sysconfig
 
     tb = exc.__traceback__ if exc is not None else None
     if tb is None:
         return None
-    libs = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")})
+    # (and this package's own actors: the processor thread that called it, a review)
+    libs = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}) + (os.path.dirname(__file__),)
     last = ours = None
     while tb is not None:
         last = tb
@@ -774,28 +775,34 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         timeout_s = self._spec.processor_timeout_s
         threads = self._processor_threads
         done = threads.submit(self._processor, upstream, msg.prompt, msg.params)
+        future = asyncio.wrap_future(done)
         try:
-            # (time in a processor is no stall of the replica's while every task is in one or waits on a
-            # neighbour, as time parked is; it is bounded here)
+            # (time in a processor is no stall of the replica's while every task is in one or waits on
+            # a neighbour, as time parked is; it is bounded here)
             with self._parked_while():
-                return await asyncio.wait_for(asyncio.wrap_future(done), timeout_s)
-        except asyncio.TimeoutError:
-            began = not done.cancelled()  # (one still queued was cancelled by the wait's end)
-            hung_s = hung_after_s(timeout_s)
-            hung = threads.held(hung_s)
-            name = self._processor_name()
-            if hung >= threads.size and not self._processors_failure:
-                # Every thread holds a call that has not returned for that long: every task would wait
-                # here in vain (a review). The replica is broken: its pool restarts it.
-                self._processors_failure = (f"all {threads.size} of its processor threads are held by calls of "
-                                            f"{name} that have not returned for {hung_s:g} s")
-            why = (f"did not return within {timeout_s:g} s" if began else
-                   f"did not start within {timeout_s:g} s, its replica's {threads.size} processor threads busy "
-                   f"({threads.held(timeout_s)} with calls over that time)")
-            raise StageInputError(
-                f"{name} {why} (supervision.stall_timeout_s) on the outputs of stage(s) "
-                f"{sorted(upstream)}: a processor runs for every request (on every chunk of an edge that streams) "
-                "and must be quick") from None
+                finished, _ = await asyncio.wait({future}, timeout=timeout_s)
+        finally:
+            if not future.done():  # (the task cancelled, or the wait over: one still queued never starts)
+                done.cancel()  # (at once: the wrapper's cancel reaches it only at the loop's next turn)
+                future.cancel()
+        if finished:
+            return future.result()  # (what it raised: a TimeoutError of its own too, a review)
+        began = not done.cancelled()
+        hung_s = hung_after_s(timeout_s)
+        hung = threads.held(hung_s)
+        name = self._processor_name()
+        if hung >= threads.size and not self._processors_failure:
+            # Every thread holds a call that has not returned for that long: every task would wait
+            # here in vain (a review). The replica is broken: its pool restarts it.
+            self._processors_failure = (f"all {threads.size} of its processor threads are held by calls of "
+                                        f"{name} that have not returned for {hung_s:g} s")
+        why = (f"did not return within {timeout_s:g} s" if began else
+               f"did not start within {timeout_s:g} s, its replica's {threads.size} processor threads busy "
+               f"({threads.held(timeout_s)} with calls over that time)")
+        raise StageInputError(
+            f"{name} {why} (supervision.stall_timeout_s) on the outputs of stage(s) "
+            f"{sorted(upstream)}: a processor runs for every request (on every chunk of an edge that streams) "
+            "and must be quick")
 
     async def _naming_processor(self, events, msg: StageTask):
         """The backend's ``events``; a StageInputError of the engine (it cannot take what the

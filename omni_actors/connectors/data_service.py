@@ -179,6 +179,11 @@ class _Handler(socketserver.BaseRequestHandler):
         sock = self.request
         service = self.server.service
         if not service._admit(sock):
+            try:  # (its first request read first: closed unread, the answer could be lost to a reset)
+                sock.settimeout(1.0)
+                sock.recv(_REQUEST_CHUNK)
+            except OSError:
+                pass
             try:
                 _reply(sock, FAILED, f"too many connections ({MAX_CONNECTIONS}) to this data service".encode())
             except OSError:

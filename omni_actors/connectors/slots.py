@@ -510,15 +510,24 @@ def open_payload(directory: str, name: str, gen: int, size: int) -> int:
 # -- releasing, listing, reaping ----------------------------------------------------------------
 
 def header(directory: str, name: str) -> tuple[int, ...] | None:
-    """Slot ``name``'s header words, or None if it is gone or is no slot."""
+    """Slot ``name``'s header words, or None if it is gone, could not be read, or is no slot."""
     try:
-        fd = os.open(f"{directory}/{name}", os.O_RDONLY | _OPEN_FLAGS)
+        return read_header(directory, name)
     except OSError:
         return None
+
+
+def read_header(directory: str, name: str) -> tuple[int, ...] | None:
+    """Slot ``name``'s header words, or None if the file has no slot header (too short, or
+    not a slot's magic number).
+
+    Raises:
+        OSError: it could not be read (gone, or no file descriptor to spare: the caller must
+            not take that for "no header").
+    """
+    fd = os.open(f"{directory}/{name}", os.O_RDONLY | _OPEN_FLAGS)
     try:
         raw = os.pread(fd, _HEAD.size, 0)
-    except OSError:
-        return None
     finally:
         os.close(fd)
     if len(raw) < _HEAD.size:
@@ -679,7 +688,10 @@ def reap_slots(names: list[str], directory: str, *, reap_after_s: float | None =
     stale_ns = TRIM_AFTER * (free_idle_s() if idle_s is None else idle_s) * 1e9
     reaped, trimmed = [], 0
     for name in names:
-        h = header(directory, name)
+        try:
+            h = read_header(directory, name)
+        except OSError:  # (gone, or unreadable now, e.g. no file descriptor left: not judged)
+            continue
         if h is None:
             # No slot header: a producer killed while it made the file (or a stray file under a
             # slot's name): gone once it has been untouched that long (a review: such a file was
