@@ -336,6 +336,21 @@ def test_slow_idle_and_surplus_connections_are_closed_and_a_client_reconnects(pr
         assert status == ds.FAILED and b"too many connections" in surplus.recv(length)
         assert surplus.recv(1) == b""
     assert service.stats()["refused_connections"] == 1
+    # ... unless a connection has been idle for EVICT_IDLE_S: the longest idle is closed for the new one
+    # (trial CR: one client's 1,024 idle connections shut every other out for 5 minutes)
+    monkeypatch.setattr(ds, "IDLE_TIMEOUT_S", 300.0)  # (not closed for its idleness meanwhile)
+    deadline = time.monotonic() + 5
+    while service._conns and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with connect(service.address) as idle:
+        got, _ = raw_request(idle, b'{"op": "stats"}')
+        assert got == ds.OK
+        time.sleep(ds.EVICT_IDLE_S + 0.3)
+        with connect(service.address) as newcomer:
+            got, text = raw_request(newcomer, b'{"op": "stats"}')
+            assert got == ds.OK and json.loads(text)["evicted_connections"] == 1
+            idle.settimeout(5)
+            assert idle.recv(1) == b""  # (closed: its client would open it again)
     release_all([ref])
 
 

@@ -145,6 +145,9 @@ REQUEST_READ_TIMEOUT_S = 10.0
 #: thread: trial CP's 1,000 idle connections were 1,000 threads). Every process of a host
 #: (replicas, RequestActors, API servers) keeps one per thread that reads through it.
 MAX_CONNECTIONS = 1024
+#: Seconds a connection must have been idle to be closed for a new one when MAX_CONNECTIONS are
+#: served (the longest idle goes: one client's idle connections shut no other out for good).
+EVICT_IDLE_S = 1.0
 #: Bytes of a request received per ``recv``: what a request holds is what its client sent.
 _REQUEST_CHUNK = 64 << 10
 
@@ -207,10 +210,13 @@ class _Handler(socketserver.BaseRequestHandler):
         try:
             while not service._stopping.is_set():
                 sock.settimeout(IDLE_TIMEOUT_S)
+                service._set_idle(sock, True)
                 try:
                     first = sock.recv(1)  # (the next request's first byte: idle until then)
                 except TimeoutError:
                     return  # idle: closed (a client opens it again at its next request)
+                finally:
+                    service._set_idle(sock, False)
                 if not first:
                     return
                 deadline = time.monotonic() + REQUEST_READ_TIMEOUT_S
@@ -334,7 +340,8 @@ class DataService:
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._counters = {"gets": 0, "bytes_served": 0, "releases": 0, "recycled": 0, "reaped": 0, "trimmed": 0,
-                          "errors": 0, "refused_connections": 0}
+                          "errors": 0, "refused_connections": 0, "evicted_connections": 0}
+        self._idle_since: dict[socket.socket, float] = {}  # connections waiting for their next request
         self._refused_logged_at = float("-inf")
         self._pid = os.getpid()
         self.tcp_congestion = tcp_congestion if tcp_congestion is not None else os.environ.get(CONGESTION_ENV)
@@ -409,12 +416,38 @@ class DataService:
         with self._lock:
             (self._conns.add if add else self._conns.discard)(sock)
 
-    def _admit(self, sock: socket.socket) -> bool:
-        """Count ``sock`` among the connections served, unless :data:`MAX_CONNECTIONS` are
-        (then False, logged once per second at most)."""
+    def _set_idle(self, sock: socket.socket, idle: bool) -> None:
+        """``sock`` waits for its next request (``idle``), or no longer."""
         with self._lock:
-            if len(self._conns) < MAX_CONNECTIONS:
+            if idle:
+                self._idle_since[sock] = time.monotonic()
+            else:
+                self._idle_since.pop(sock, None)
+
+    def _admit(self, sock: socket.socket) -> bool:
+        """Count ``sock`` among the connections served. When :data:`MAX_CONNECTIONS` are, the
+        one idle the longest (for :data:`EVICT_IDLE_S` at least) is closed for it (its client
+        opens it again at its next request: trial CR's 1,024 idle connections of one client
+        shut every other out for 5 minutes); with none idle so long, False (logged once per
+        second at most)."""
+        victim = None
+        with self._lock:
+            if len(self._conns) >= MAX_CONNECTIONS and self._idle_since:
+                oldest = min(self._idle_since, key=self._idle_since.__getitem__)
+                if time.monotonic() - self._idle_since[oldest] >= EVICT_IDLE_S:
+                    victim = oldest
+                    del self._idle_since[oldest]
+                    self._counters["evicted_connections"] += 1
+            if len(self._conns) < MAX_CONNECTIONS or victim is not None:
                 self._conns.add(sock)
+        if victim is not None:
+            try:
+                victim.shutdown(socket.SHUT_RDWR)  # (its handler's wait ends: it exits, untracked)
+            except OSError:
+                pass
+            return True
+        with self._lock:
+            if sock in self._conns:
                 return True
             self._counters["refused_connections"] += 1
             now = time.monotonic()
