@@ -817,7 +817,9 @@ class ActorBridge(RequestActorKeeping):
         self._gaps_checked_at = now
         for rid, box in list(self._inbox.items()):
             done = box.finished
-            if done is None or done.after_text is None or box.after(done.after_text):
+            if done is None or done.after_text is None or box.after(done.after_text) or box.fetching:
+                # (fetching: an output, maybe the final text, is on its way from another host, within
+                # its fetch's own timeout: a CI run met a 503 for a final text still being fetched)
                 box.gap_since = None
             elif box.gap_since is None or paused:
                 box.gap_since = now
