@@ -1998,6 +1998,32 @@ def test_prints_after_a_hangup_do_not_raise(tmp_path):
             proc.wait(10)
 
 
+_HUNG_UP_TWICE = """
+import os, signal, sys, time
+from omni_actors.system.processes import handle_stop_signals
+got = []
+handle_stop_signals(lambda signum, frame: got.append(signum))
+os.kill(os.getpid(), signal.SIGHUP)
+time.sleep(0.2)
+os.kill(os.getpid(), signal.SIGHUP)  # (the shell's, passed on)
+time.sleep(0.2)
+with open(sys.argv[1], "w") as f:
+    f.write(repr(got))
+"""
+
+
+def test_a_second_hangup_is_not_a_second_ctrl_c(tmp_path):
+    """A shell passes the kernel's SIGHUP on to its jobs: the handler took the second for a
+    second Ctrl-C, which stops a leader or member without waiting for its drain. A hang-up is
+    handled once, and SIGHUP ignored from then on (a CI run saw a process die of a SIGHUP,
+    status -1, after its handler had run: at exit Python puts back the default action)."""
+    out = tmp_path / "got"
+    proc = subprocess.run([sys.executable, "-c", _HUNG_UP_TWICE, str(out)], stdin=subprocess.DEVNULL,
+                          capture_output=True, cwd=ROOT, preexec_fn=_as_from_a_terminal, timeout=60)
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert out.read_text() == repr([int(signal.SIGHUP)])
+
+
 def test_a_leader_whose_terminal_closes_drains_its_stream_and_exits_0(tmp_path):
     """A code review: a leader whose terminal was closed (SIGHUP, README: it drains as Ctrl-C
     does) raised at its drain's first print (EIO): its stream in flight was cut, and it exited

@@ -249,8 +249,12 @@ def handle_stop_signals(handler) -> None:
     """Install ``handler`` for SIGINT, SIGTERM and SIGHUP (its terminal was closed); SIGHUP
     not where it is ignored already (``nohup``: a code review's `nohup ... start &` stopped
     the whole system at logout). At SIGHUP, :func:`leave_terminal` first: the drain that
-    follows prints to a terminal that is gone."""
+    follows prints to a terminal that is gone. A hang-up is one event: SIGHUP is ignored from
+    then on (a shell passes the kernel's on to its jobs: a second one, taken for a second Ctrl-C,
+    cut the drain short, and one at exit, where Python puts back the default action, ended a
+    clean stop with status -1: likely what a CI run saw)."""
     def hung_up(signum, frame):
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
         leave_terminal()
         return handler(signum, frame)
 
