@@ -122,6 +122,7 @@ def test_a_stage_whose_engine_does_not_fit_its_inputs_is_refused_at_start_and_by
     skipped = subprocess.run([sys.executable, "-m", "omni_actors.system", "check-config", "--skip-dry-run", "--config",
                               str(tmp_path / "config.yaml")], capture_output=True, text=True, timeout=60, env=env)
     assert skipped.returncode == 0 and skipped.stdout.startswith("ok: 3 stages"), skipped
+    assert "note: --skip-dry-run: the synthetic stages and their processors were not tried" in skipped.stderr
     leader = LocalLeader(tmp_path / "config.yaml")
     try:
         with pytest.raises(LeaderStartError, match="leader exited with 2") as err:

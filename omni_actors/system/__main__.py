@@ -227,9 +227,20 @@ def _note(text: str) -> None:
     print(f"note: {text}", file=sys.stderr, flush=True)
 
 
+def _dry_run(config, skip: bool):
+    """The dry run's problem with ``config`` (a :class:`ConfigError`) or None; with ``skip``
+    (``--skip-dry-run``) none is run and a note says so (a trial: a skipped one was silent)."""
+    from omni_actors.config_dry_run import dry_run_problem
+
+    if skip:
+        _note("--skip-dry-run: the synthetic stages and their processors were not tried on a request first "
+              "(one that fails shows on the first requests)")
+        return None
+    return dry_run_problem(config, _note)
+
+
 def cmd_start(args) -> int:
     from omni_actors.config import DEFAULT_CONFIG, ConfigError, load_config
-    from omni_actors.config_dry_run import dry_run_problem
     from omni_actors.logs import configure_logging
     from omni_actors.system.leader import StartError, run_leader
 
@@ -267,7 +278,7 @@ def cmd_start(args) -> int:
         config = load_config(args.config or DEFAULT_CONFIG, on_warning=warn)
     except ConfigError as exc:
         return _fail(str(exc), 2)
-    problem = None if args.skip_dry_run else dry_run_problem(config, _note)  # (trial CE: a stage no request passed)
+    problem = _dry_run(config, args.skip_dry_run)  # (trial CE: a stage no request passed)
     if problem:
         return _fail(str(problem), 2)
     pinned = [s.name for s in config.stage_args if s.runtime.devices is not None]
@@ -820,7 +831,6 @@ def cmd_check_config(args) -> int:
     exit 1. Warnings (misspelt stage keys) and the config's notes go to stderr,
     one line each."""
     from omni_actors.config import DEFAULT_CONFIG, ConfigError, load_config
-    from omni_actors.config_dry_run import dry_run_problem
     from omni_actors.logs import configure_logging
 
     configure_logging("error")  # the config's own warnings are printed below, not logged
@@ -833,7 +843,7 @@ def cmd_check_config(args) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     # (the connector names before the notes, which call them applied)
-    problem = (None if args.skip_dry_run else dry_run_problem(config, _note)) or _check_omni_connector_names(config)
+    problem = _dry_run(config, args.skip_dry_run) or _check_omni_connector_names(config)
     if problem:
         return _fail(problem)
     for note in config.omni_connectors.notes:
