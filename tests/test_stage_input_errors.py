@@ -205,3 +205,54 @@ def test_a_slow_processor_fails_its_own_request_naming_it_and_holds_up_no_other(
         assert "this voice needs at least 6 tokens of text" in error["message"], error
     finally:
         leader.stop()
+
+
+# Holds the interpreter for 4 s (a C call that keeps the GIL) on the first 4-token text only.
+GIL_PROCESSOR = '''
+import ctypes
+import os
+
+from omni_actors.processors import thinker2talker as shipped
+
+
+def hold_the_gil():
+    ctypes.pythonapi.sleep(4)  # (libc's sleep, called through the API that keeps the GIL)
+
+
+def thinker2talker(upstream, prompt, params):
+    if len(upstream[0]["token_ids"]) == 4 and not os.path.exists(os.environ["HELD_ONCE"]):
+        open(os.environ["HELD_ONCE"], "w").close()
+        hold_the_gil()
+    return shipped(upstream, prompt, params)
+'''
+
+
+def test_a_replica_silenced_by_its_processor_holding_the_gil_names_the_processor(tmp_path):
+    """Trial CR: a processor's C call that kept the GIL stopped its replica's heartbeats; the
+    pool took the replica for hung and killed it, and nothing named the processor. The
+    replica's faulthandler watchdog writes its threads' stacks before the pool's silence
+    limit; the pool's reason names the processor and where it was, its log line carries the
+    stacks, and the request is served on the replica that replaces it."""
+    (tmp_path / "broken_processor.py").write_text(textwrap.dedent(GIL_PROCESSOR))
+    (tmp_path / "config.yaml").write_text(CONFIG)
+    pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    leader = LocalLeader(tmp_path / "config.yaml",
+                         env={"PYTHONPATH": pythonpath, "HELD_ONCE": str(tmp_path / "held")}).start()
+    try:
+        status, answer = _chat(leader, ["text", "audio"])
+        assert status == 200 and answer["choices"][0]["message"]["audio"]["data"], answer
+        assert (tmp_path / "held").exists()
+        isolated = [json.loads(line) for line in leader.log_path.read_text().splitlines()
+                    if '"replica_isolated"' in line]
+        assert len(isolated) == 1, isolated
+        reason = isolated[0]["reason"]
+        assert reason.startswith("missed 3 heartbeats"), reason
+        assert ("; it went silent in its processor broken_processor.thinker2talker (broken_processor.py:15, in "
+                "hold_the_gil at broken_processor.py:9): a call that holds the GIL stops heartbeats") in reason, reason
+        assert 'File "' + str(tmp_path / "broken_processor.py") + '", line 9 in hold_the_gil' in isolated[0]["stacks"]
+        with urllib.request.urlopen(leader.base_url + "/stages", timeout=10) as r:
+            talker = next(st for st in json.loads(r.read())["stages"] if st["stage"] == "talker")
+        (replica,) = talker["replicas"]
+        assert (replica["state"], replica["restarts"]) == ("ready", 1), replica
+    finally:
+        leader.stop()

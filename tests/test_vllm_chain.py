@@ -394,7 +394,7 @@ def test_the_engines_ipc_sockets_and_temp_files_are_in_the_systems_own_directory
     top = ipc_dir(chain.system_id)
     names = os.listdir(top)
     # each replica's sockets in a directory of its own (p<pid>), removed when its engine stops
-    own = {n for n in names if os.path.isdir(os.path.join(top, n))}
+    own = {n for n in names if os.path.isdir(os.path.join(top, n)) and n != "stacks"}
     pids = {r["pid"] for st in _get_json(chain.base_url + "/stages")["stages"] for r in st["replicas"]
             if st["stage"] in ("thinker", "talker") and r["state"] == "ready"}
     assert own == {f"p{pid}" for pid in pids} and len(own) == 3, (own, pids)  # the Thinker, two Talkers
@@ -403,7 +403,11 @@ def test_the_engines_ipc_sockets_and_temp_files_are_in_the_systems_own_directory
                    if stat.S_ISSOCK(os.stat(os.path.join(top, d, n)).st_mode)]
         assert len(sockets) >= 3, (d, os.listdir(os.path.join(top, d)))
     # the FileStores: here while their engines run, none in the temp directory (checked at the stop)
-    assert [n for n in names if n not in own and not n.startswith("vllm_dist_")] == [], names
+    assert [n for n in names if n not in own and n != "stacks" and not n.startswith("vllm_dist_")] == [], names
+    # (and each replica's stack dump file, actors.stack_dumps: empty, as none went silent)
+    dumps = os.listdir(os.path.join(top, "stacks"))
+    assert {f"{pid}.txt" for pid in pids} <= set(dumps), dumps
+    assert all(os.path.getsize(os.path.join(top, "stacks", n)) == 0 for n in dumps), dumps
     assert _stores_in_temp_dir() - chain.stores_before == set()
 
 def test_every_vllm_log_line_names_the_replica_that_printed_it(chain):

@@ -29,6 +29,7 @@ from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.engine_stream import StreamingMixin
 from omni_actors.actors.outbox import AddressNames, DeltaWindow, PendingChunk, Sequencer, bundle, coalesce
 from omni_actors.actors.processor_threads import ProcessorThreads, hung_after_s, runs_inline
+from omni_actors.actors.stack_dumps import StackDumps
 from omni_actors.actors.supervision import (POOL_HUNG_INTERVALS, ParentWatch, WakeupChain, exit_if_orphaned_before_start,
                                           host_identity)
 from omni_actors.actors.node_agent import on_node
@@ -229,6 +230,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._last_ack = time.monotonic()
         self._last_hb = time.monotonic()  # when the heartbeat wake-up last ran
         self._heartbeats = WakeupChain("heartbeat")  # (restarted when its wake-up is lost: see _watch)
+        self._stacks = StackDumps()  # (armed once started: where its threads were if it goes silent)
         self._draining = False
         self._orphaned = False  # the pool is gone (no ack for orphan_after_s; see ParentWatch.lost)
         self._parent = ParentWatch(0, "")
@@ -298,6 +300,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._rt.submit(self._start_backend())
         self._last_hb = time.monotonic()
         self._heartbeats.start(self, msg.heartbeat_interval_s)
+        self._stacks = StackDumps(msg.orphan_after_s or ORPHAN_AFTER_INTERVALS * msg.heartbeat_interval_s,
+                                  msg.heartbeat_interval_s)
+        self._stacks.arm()
         return self._watch()
 
     async def _start_backend(self) -> None:
@@ -383,7 +388,9 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 self._start_drain()
                 self.wakeupAfter(orphan_after_s, payload="orphan_deadline")
             if self._orphaned:  # nobody to tell: no more heartbeats
+                self._stacks.close()
                 return self._watch()
+            self._stacks.arm()
             load = self._backend.load() if (self._backend and self._ready) else None
             self.send(self._pool, Heartbeat(
                 replica=self._spec.replica,
@@ -532,6 +539,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             self._stalled = asyncio.Event()
 
     def receiveMsg_ActorExitRequest(self, msg: ActorExitRequest, sender):
+        self._stacks.close()  # (its heartbeats stop now: a long clean stop is no silence)
         if self._rt is not None and self._backend is not None and not self._ready:
             self._exit_while_loading()
         if self._rt is not None:

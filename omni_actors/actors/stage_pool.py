@@ -38,6 +38,7 @@ from omni_actors.actors.engine import EXIT_GRACE_S, SHUTDOWN_TIMEOUT_S
 from omni_actors.actors.pool_admin import PoolAdminMixin
 from omni_actors.actors.pool_placement import PoolPlacementMixin, down_phrase, moved_on_purpose, starting_reason
 from omni_actors.actors.pool_routing import TASK_OVERDUE_GRACE_S, PoolRoutingMixin  # noqa: F401 (re-exported)
+from omni_actors.actors.stack_dumps import remove_dump, where_silent
 from omni_actors.actors.supervision import (TICK_LOST_AFTER_INTERVALS, WAKEUP_LOST_AFTER_S, HealthPolicy, host_identity,
                                             ParentWatch, ReplicaHealth, RestartPolicy, WakeupChain,
                                             exit_hard_after, exit_if_orphaned_before_start, pop_overdue)
@@ -424,11 +425,13 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         return ((self._health.missed_heartbeats + 1) * self._health.heartbeat_interval_s + SHUTDOWN_TIMEOUT_S
                 + EXIT_GRACE_S + DRAIN_EXIT_SLACK_S)
 
-    def _stop_hung_drain(self, rep: Replica, why: str, crashed: bool = True) -> None:
+    def _stop_hung_drain(self, rep: Replica, why: str, crashed: bool = True, silent: bool = False) -> None:
         """A DRAINING replica that does not answer (``why``): its tasks go elsewhere, those it
         finished lately are handed back (their results may be stuck in it), and its process is
-        killed (stopped, its devices freed, once it is gone)."""
-        self._log.error("replica_isolated", replica=rep.replica, reason=why, draining=True)
+        killed (stopped, its devices freed, once it is gone). ``silent``: as for :meth:`_isolate`."""
+        where, stacks = self._where_silent(rep) if silent else ("", {})
+        why += where
+        self._log.error("replica_isolated", replica=rep.replica, reason=why, draining=True, **stacks)
         rep.reason = f"{why} while draining ({rep.reason})"
         rep.killed = True  # (not again at the next tick, before its exit is heard of)
         # (lost, as an isolated ready replica's are: trial CC read FAILED 2 for one frozen replica,
@@ -473,7 +476,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             if rep.state == ReplicaState.READY and rep.health is not None:
                 why = self._health.verdict(rep.health, now, len(rep.in_flight))
                 if why:  # (stalled running its tasks counts against them; silence may be a lost host)
-                    self._isolate(rep, why, crashed=not self._health.silent(rep.health, now, len(rep.in_flight)))
+                    silent = self._health.silent(rep.health, now, len(rep.in_flight))
+                    self._isolate(rep, why, crashed=not silent, silent=silent)
             elif rep.state == ReplicaState.DRAINING and rep.killed:
                 pass  # (killed as hung: its exit is on its way)
             elif rep.state == ReplicaState.DRAINING and not rep.in_flight:
@@ -487,8 +491,8 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             elif rep.state == ReplicaState.DRAINING and rep.health is not None:
                 why = self._health.verdict(rep.health, now, len(rep.in_flight))
                 if why:  # hung while it drains: its tasks go elsewhere now (they waited for it for ever)
-                    self._stop_hung_drain(rep, why, crashed=not self._health.silent(rep.health, now,
-                                                                                    len(rep.in_flight)))
+                    silent = self._health.silent(rep.health, now, len(rep.in_flight))
+                    self._stop_hung_drain(rep, why, crashed=not silent, silent=silent)
         if self._ticks % PLACEMENT_RETRY_TICKS == 0:
             self._retry_placements()  # devices may have been freed by another stage
         self._refuse_pending_if_none_comes()
@@ -524,12 +528,16 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
                 self._exit_timer = exit_hard_after(ORPHAN_EXIT_GRACE_S, self._log, reason="coordinator lost")
             self.send(self.myAddress, ActorExitRequest())
 
-    def _isolate(self, rep: Replica, why: str, hard: bool = True, crashed: bool = False) -> None:
+    def _isolate(self, rep: Replica, why: str, hard: bool = True, crashed: bool = False,
+                 silent: bool = False) -> None:
         """Take ``rep`` out of routing, re-dispatch its work and end its process:
         SIGKILL when ``hard`` and local (hung replicas), else an exit request.
         ``crashed``: its engine died, hung or stalled running its tasks (counts
-        against each of them, see :meth:`_elsewhere`)."""
-        self._log.error("replica_isolated", replica=rep.replica, reason=why)
+        against each of them, see :meth:`_elsewhere`). ``silent``: its heartbeats stopped;
+        where its threads were then is added, from its stack dump (``actors.stack_dumps``)."""
+        where, stacks = self._where_silent(rep) if silent else ("", {})
+        why += where
+        self._log.error("replica_isolated", replica=rep.replica, reason=why, **stacks)
         rep.state, rep.reason = ReplicaState.ISOLATED, why
         self._redispatch(rep, crashed=crashed)
         if not hard and rep.address is not None:
@@ -538,6 +546,14 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             # On another host: no ChildActorExited may ever come (the host may be gone).
             self._gone(rep, why)
         self._publish()
+
+    def _where_silent(self, rep: Replica) -> tuple[str, dict]:
+        """For a replica of this host whose heartbeats stopped: what to add to its reason and
+        the fields to add to its log line (``stacks``), from its stack dump; ("", {}) without."""
+        if not (rep.pid and rep.host == host_identity()):
+            return "", {}
+        where, stacks = where_silent(rep.pid, self._spec.stage.custom_process_input_func if self._spec else None)
+        return where, ({"stacks": stacks} if stacks else {})
 
     def _kill(self, rep: Replica) -> bool:
         """SIGKILL a replica on this host (a hung process cannot take an exit
@@ -586,6 +602,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             how = describe_exit(code)
             if rep.pid and rep.host == host_identity():  # (killed: it could not remove its vLLM sockets)
                 release_ipc_dir(process_ipc_dir(rep.pid))
+                remove_dump(rep.pid)
             if rep.state == ReplicaState.ISOLATED:  # (trial BB: its reason did not say it was then killed)
                 cause = rep.reason + ("" if not how else f"; then {how}" if how.startswith("killed")
                                       else f"; then exited ({how})")
