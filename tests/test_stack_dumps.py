@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_actors.actors.stack_dumps import StackDumps, dump_path, remove_dump, where_silent
+from omni_actors.actors.processor_threads import ProcessorThreads
+from omni_actors.actors.stack_dumps import StackDumps, calls_of, dump_path, remove_dump, where_silent
 from omni_actors.system.processes import remove_ipc_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,8 +22,9 @@ import ctypes, os, sys, threading
 sys.path.insert(0, sys.argv[1])
 from omni_actors.actors.stack_dumps import StackDumps
 import {module} as procs
-dumps = StackDumps(silent_after_s=0.6, interval_s=0.2)  # (writes 0.5 s after its last arm)
+dumps = StackDumps(silent_after_s=0.6, interval_s=0.2, processor=True)  # (writes 0.25 s after its last arm)
 dumps.arm()
+dumps.marks.mark(2, "chatcmpl-held", 1)  # (as its processor thread 2 does before the call: left, as while it runs)
 t = threading.Thread(target=procs.thinker2talker, args=({{}}, "", {{}}))
 t.start()
 t.join()
@@ -66,10 +68,11 @@ def thinker2talker(upstream, prompt, params):
 def test_the_processor_a_thread_was_in_is_named_with_its_innermost_frame(tmp_path, system_id):
     pid = _held(tmp_path, "mine.procs", SOURCE, system_id)
     try:
-        where, stacks = where_silent(pid, "mine.procs.thinker2talker")
+        where, stacks, calls = where_silent(pid, "mine.procs.thinker2talker")
         assert where == ("; it went silent in its processor mine.procs.thinker2talker (procs.py:8, in inner at "
                          "procs.py:5): a call that holds the GIL stops heartbeats"), where
-        assert stacks.startswith("Timeout (0:00:00.500000)!") and 'procs.py", line 5 in inner' in stacks, stacks
+        assert stacks.startswith("Timeout (0:00:00.250000)!") and 'procs.py", line 5 in inner' in stacks, stacks
+        assert calls == {("chatcmpl-held", 1)}  # (the task its call was for: it counts as crashed by it)
         # (another processor, or none: the stacks only, said to be in the log line)
         assert where_silent(pid, "mine.other.thinker2talker")[0] == \
             "; its threads' stacks are in the replica_isolated log line"
@@ -77,7 +80,7 @@ def test_the_processor_a_thread_was_in_is_named_with_its_innermost_frame(tmp_pat
     finally:
         remove_dump(pid)
     assert not os.path.exists(dump_path(pid))
-    assert where_silent(pid, "mine.procs.thinker2talker") == ("", "")  # (none written: nothing to say)
+    assert where_silent(pid, "mine.procs.thinker2talker") == ("", "", set())  # (none written: nothing to say)
 
 
 def test_a_replica_that_stays_armed_writes_nothing_and_a_closed_one_leaves_no_file(system_id, monkeypatch):
@@ -86,10 +89,27 @@ def test_a_replica_that_stays_armed_writes_nothing_and_a_closed_one_leaves_no_fi
     try:
         dumps.arm()
         assert os.path.getsize(dumps.path) == 0
-        assert where_silent(os.getpid(), "a.b") == ("", "")
+        assert where_silent(os.getpid(), "a.b") == ("", "", set())
     finally:
         dumps.close()
     assert not os.path.exists(dumps.path)
     assert StackDumps().path is None  # (inert until its replica starts)
     monkeypatch.delenv("OMNI_ACTORS_SYSTEM_ID")
     assert StackDumps(3.0, 1.0).path is None and dump_path(1) is None  # (outside any system)
+
+
+def test_processor_threads_mark_the_task_of_each_call_while_it_runs(system_id):
+    """What a pool reads of a silent replica's processor calls: each thread's task while its
+    call runs, nothing once it returned (calls_of), and nothing without marks."""
+    dumps = StackDumps(silent_after_s=3.0, interval_s=1.0, processor=True)
+    try:
+        assert dumps.after_s == 1.25  # (a quarter interval before a replica with work may be taken for silent)
+        threads = ProcessorThreads(marks=dumps.marks)
+        seen = threads.submit(calls_of, os.getpid(), task=("chatcmpl-a", 1)).result(10)
+        assert seen == {("chatcmpl-a", 1)}
+        assert calls_of(os.getpid()) == set()  # (cleared as the call returned)
+        assert ProcessorThreads().submit(calls_of, os.getpid()).result(10) == set()  # (no marks)
+    finally:
+        dumps.close()
+    assert calls_of(os.getpid()) == set() and not os.path.exists(dumps.path)
+    assert StackDumps(3.0, 1.0).after_s == 2.5 and StackDumps(3.0, 1.0).marks._fd is None  # (no user's processor)

@@ -223,6 +223,8 @@ def thinker2talker(upstream, prompt, params):
     if len(upstream[0]["token_ids"]) == 4 and not os.path.exists(os.environ["HELD_ONCE"]):
         open(os.environ["HELD_ONCE"], "w").close()
         hold_the_gil()
+    if len(upstream[0]["token_ids"]) == 5:  # (every time: a poison request)
+        ctypes.pythonapi.sleep(3)
     return shipped(upstream, prompt, params)
 '''
 
@@ -232,7 +234,8 @@ def test_a_replica_silenced_by_its_processor_holding_the_gil_names_the_processor
     pool took the replica for hung and killed it, and nothing named the processor. The
     replica's faulthandler watchdog writes its threads' stacks before the pool's silence
     limit; the pool's reason names the processor and where it was, its log line carries the
-    stacks, and the request is served on the replica that replaces it."""
+    stacks, and the request is served on the replica that replaces it (once: the silence
+    counts as one crash by it). One that holds it every time fails after two."""
     (tmp_path / "broken_processor.py").write_text(textwrap.dedent(GIL_PROCESSOR))
     (tmp_path / "config.yaml").write_text(CONFIG)
     pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
@@ -254,5 +257,25 @@ def test_a_replica_silenced_by_its_processor_holding_the_gil_names_the_processor
             talker = next(st for st in json.loads(r.read())["stages"] if st["stage"] == "talker")
         (replica,) = talker["replicas"]
         assert (replica["state"], replica["restarts"]) == ("ready", 1), replica
+        # A request whose processor call holds the GIL every time (trial CS: uncounted, as a lost host's
+        # tasks are, one took 11 replicas down in turn and its stage out for 5 minutes): the silences in
+        # its processor calls count as crashes by it, and after max_task_crashes (2) it fails, a 500.
+        t0 = time.monotonic()
+        body = json.dumps({"model": "broken-processor-test", "max_tokens": 5, "modalities": ["text", "audio"],
+                           "messages": [{"role": "user", "content": "hello"}]}).encode()
+        req = urllib.request.Request(leader.base_url + "/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(req, timeout=60)
+        error = json.loads(failed.value.read())["error"]
+        assert failed.value.code == 500 and failed.value.headers["x-should-retry"] == "false", error
+        assert "stage talker: 2 replicas died while running this request" in error["message"], error
+        assert "it went silent in its processor broken_processor.thinker2talker" in error["message"], error
+        assert time.monotonic() - t0 < 30
+        isolated = [json.loads(line) for line in leader.log_path.read_text().splitlines()
+                    if '"replica_isolated"' in line]
+        assert len(isolated) == 3, isolated  # (the one above, and two for this request)
+        status, answer = _chat(leader, ["text", "audio"])  # (the stage serves on)
+        assert status == 200, answer
     finally:
         leader.stop()

@@ -28,7 +28,7 @@ from omni_actors.actors import device_leases
 from omni_actors.actors.cancels import CancelledStages
 from omni_actors.actors.engine_stream import StreamingMixin
 from omni_actors.actors.outbox import AddressNames, DeltaWindow, PendingChunk, Sequencer, bundle, coalesce
-from omni_actors.actors.processor_threads import ProcessorThreads, hung_after_s, runs_inline
+from omni_actors.actors.processor_threads import ProcessorsBusy, ProcessorThreads, hung_after_s, runs_inline
 from omni_actors.actors.stack_dumps import StackDumps
 from omni_actors.actors.supervision import (POOL_HUNG_INTERVALS, ParentWatch, WakeupChain, exit_if_orphaned_before_start,
                                           host_identity)
@@ -291,7 +291,10 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 self._processor = stage_inputs
             else:
                 self._processor = resolve_processor(func) if func else default_input
-            self._processor_threads = None if runs_inline(self._processor) else ProcessorThreads()
+            inline = runs_inline(self._processor)
+            self._stacks = StackDumps(msg.orphan_after_s or ORPHAN_AFTER_INTERVALS * msg.heartbeat_interval_s,
+                                      msg.heartbeat_interval_s, processor=not inline)
+            self._processor_threads = None if inline else ProcessorThreads(marks=self._stacks.marks)
             self._backend = create_backend(msg.stage, msg.deployment, msg.replica)
         except Exception as exc:  # noqa: BLE001 - any load failure is reported, not raised
             self._log.error("engine_load_failed", error=str(exc))
@@ -300,8 +303,6 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
         self._rt.submit(self._start_backend())
         self._last_hb = time.monotonic()
         self._heartbeats.start(self, msg.heartbeat_interval_s)
-        self._stacks = StackDumps(msg.orphan_after_s or ORPHAN_AFTER_INTERVALS * msg.heartbeat_interval_s,
-                                  msg.heartbeat_interval_s)
         self._stacks.arm()
         return self._watch()
 
@@ -767,7 +768,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 made = self._processor(upstream, msg.prompt, msg.params)
             else:
                 made = await self._on_processor_thread(upstream, msg)
-        except (StageInputError, InvalidRequest):
+        except (StageInputError, InvalidRequest, ProcessorsBusy):
             raise  # (InvalidRequest: the processor refuses what the client asked, a 400)
         except Exception as exc:  # noqa: BLE001 - reported with the processor's name
             if not upstream:
@@ -782,7 +783,7 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
     async def _on_processor_thread(self, upstream: dict, msg: StageTask) -> Any:
         timeout_s = self._spec.processor_timeout_s
         threads = self._processor_threads
-        done = threads.submit(self._processor, upstream, msg.prompt, msg.params)
+        done = threads.submit(self._processor, upstream, msg.prompt, msg.params, task=(msg.request_id, msg.stage_id))
         future = asyncio.wrap_future(done)
         try:
             # (time in a processor is no stall of the replica's while every task is in one or waits on
@@ -804,13 +805,18 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             # here in vain (a review). The replica is broken: its pool restarts it.
             self._processors_failure = (f"all {threads.size} of its processor threads are held by calls of "
                                         f"{name} that have not returned for {hung_s:g} s")
-        why = (f"did not return within {timeout_s:g} s" if began else
-               f"did not start within {timeout_s:g} s, its replica's {threads.size} processor threads busy "
-               f"({threads.held(timeout_s)} with calls over that time)")
+        if not began:
+            # (the replica's, not this request's: trial CS's innocent request got a 500 that said not to
+            # retry. An engine error is retried on another replica and counts towards this one's circuit
+            # breaker, which restarts a replica whose threads stay held.)
+            raise ProcessorsBusy(
+                f"{name} did not start within {timeout_s:g} s (supervision.stall_timeout_s): all "
+                f"{threads.size} processor threads of this replica are busy ({threads.held(timeout_s)} with "
+                "calls over that time, of other requests)")
         raise StageInputError(
-            f"{name} {why} (supervision.stall_timeout_s) on the outputs of stage(s) "
-            f"{sorted(upstream)}: a processor runs for every request (on every chunk of an edge that streams) "
-            "and must be quick")
+            f"{name} did not return within {timeout_s:g} s (supervision.stall_timeout_s) on the outputs of "
+            f"stage(s) {sorted(upstream)}: a processor runs for every request (on every chunk of an edge that "
+            "streams) and must be quick")
 
     async def _naming_processor(self, events, msg: StageTask):
         """The backend's ``events``; a StageInputError of the engine (it cannot take what the

@@ -35,9 +35,11 @@ _LOST_TASKS_STATES = (ReplicaState.ISOLATED, ReplicaState.DEAD, ReplicaState.FAI
 
 
 class PoolRoutingMixin:
-    def _redispatch(self, rep, crashed: bool = False, lost: bool = False) -> None:
+    def _redispatch(self, rep, crashed: bool = False, lost: bool = False, poison=frozenset()) -> None:
         """Send the replica's tasks elsewhere; ``crashed``: it died running them
-        (not drained or stopped on purpose), which counts against each task.
+        (not drained or stopped on purpose), which counts against each task; ``poison``:
+        the (request id, stage id) of those it died running though not ``crashed`` (silent
+        in their processor calls: ``actors.stack_dumps``), which counts against them alone.
 
         Tasks lost by a replica that went down unplanned (crashed, isolated, dead,
         failed, ``lost``: hung while it drained; not drained, stopped, or with the
@@ -50,7 +52,7 @@ class PoolRoutingMixin:
             if (task.request_id, task.stage_id) in cancelling:
                 self.send(task.reply_to, StageCancelled(task.request_id, task.stage_id, task.attempt))
         tasks = [t for t in tasks if (t.request_id, t.stage_id) not in cancelling]
-        if tasks and not self._exiting and (crashed or lost or rep.state in _LOST_TASKS_STATES):
+        if tasks and not self._exiting and (crashed or lost or poison or rep.state in _LOST_TASKS_STATES):
             rep.failed += len(tasks)
             self._log.warning("replica_tasks_lost", replica=rep.replica, tasks=len(tasks),
                               request_ids=sorted({t.request_id for t in tasks}))
@@ -63,7 +65,8 @@ class PoolRoutingMixin:
                     f"{SYSTEM_STOPPING}: replica {rep.replica} stopped with it", task.attempt, task.crashed,
                     task.moved))
                 continue
-            self._elsewhere(task, rep.replica, f"{rep.state.value}: {rep.reason}", crashed=crashed)
+            self._elsewhere(task, rep.replica, f"{rep.state.value}: {rep.reason}",
+                            crashed=crashed or (task.request_id, task.stage_id) in poison)
 
     def _hand_back_finished(self, rep, cause: str) -> None:
         """The replica died: its tasks that finished within the window may have lost

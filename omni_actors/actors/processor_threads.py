@@ -26,6 +26,12 @@ INLINE_MODULES = ("omni_actors.processors", "omni_actors.engines.vllm_omni")
 PROCESSOR_THREADS = 4
 
 
+class ProcessorsBusy(RuntimeError):
+    """A task's processor call did not start within the timeout: every thread was held by
+    calls of other tasks. The replica's fault, not the task's: an engine error (retried on
+    another replica, counted by the replica's circuit breaker)."""
+
+
 def hung_after_s(timeout_s: float) -> float:
     """Seconds after which a call given up on (past ``timeout_s``) counts as one that will not
     return, its thread lost: 3 timeouts, at least 30 s more than one (a review: four calls
@@ -45,21 +51,23 @@ class ProcessorThreads:
     (or exception). Threads wait for work for ever once started (daemons: the process
     exits without them)."""
 
-    def __init__(self, size: int = PROCESSOR_THREADS, name: str = "stage-processor") -> None:
-        self.size, self.name = size, name
+    def __init__(self, size: int = PROCESSOR_THREADS, name: str = "stage-processor", marks=None) -> None:
+        self.size, self.name, self.marks = size, name, marks  # (marks: a stack_dumps.CallMarks, or None)
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads = 0
         self._idle = 0
         self._running: dict[concurrent.futures.Future, float] = {}  # call -> when it began (monotonic)
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, task: tuple[str, int] | None = None) -> concurrent.futures.Future:
+        """``task``: the (request id, stage id) the call is for, noted in ``marks`` while it runs."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._work.put((fut, fn, args))
+        self._work.put((fut, fn, args, task))
         with self._lock:
             if self._idle <= 0 and self._threads < self.size:
                 self._threads += 1
-                threading.Thread(target=self._run, name=f"{self.name}-{self._threads}", daemon=True).start()
+                threading.Thread(target=self._run, args=(self._threads - 1,), name=f"{self.name}-{self._threads}",
+                                 daemon=True).start()
             else:
                 self._idle -= 1  # (one idle thread is taken; it counts itself idle again when done)
         return fut
@@ -71,17 +79,21 @@ class ProcessorThreads:
         with self._lock:
             return sum(1 for began in self._running.values() if now - began >= for_s)
 
-    def _run(self) -> None:
+    def _run(self, slot: int) -> None:
         while True:
-            fut, fn, args = self._work.get()
+            fut, fn, args, task = self._work.get()
             if fut.set_running_or_notify_cancel():
                 with self._lock:
                     self._running[fut] = time.monotonic()
+                if self.marks is not None and task is not None:
+                    self.marks.mark(slot, *task)
                 try:
                     fut.set_result(fn(*args))
                 except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
                     fut.set_exception(exc)
                 finally:
+                    if self.marks is not None and task is not None:
+                        self.marks.clear(slot)
                     with self._lock:
                         self._running.pop(fut, None)
             with self._lock:

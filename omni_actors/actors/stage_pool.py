@@ -429,14 +429,14 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         """A DRAINING replica that does not answer (``why``): its tasks go elsewhere, those it
         finished lately are handed back (their results may be stuck in it), and its process is
         killed (stopped, its devices freed, once it is gone). ``silent``: as for :meth:`_isolate`."""
-        where, stacks = self._where_silent(rep) if silent else ("", {})
+        where, stacks, poison = self._where_silent(rep) if silent else ("", {}, set())
         why += where
         self._log.error("replica_isolated", replica=rep.replica, reason=why, draining=True, **stacks)
         rep.reason = f"{why} while draining ({rep.reason})"
         rep.killed = True  # (not again at the next tick, before its exit is heard of)
         # (lost, as an isolated ready replica's are: trial CC read FAILED 2 for one frozen replica,
         # 0 for one frozen and then drained, both with 2 tasks moved)
-        self._redispatch(rep, crashed=crashed, lost=True)
+        self._redispatch(rep, crashed=crashed, lost=True, poison=poison)
         self._hand_back_finished(rep, rep.reason)
         if not self._kill(rep):
             self._gone(rep, rep.reason)
@@ -535,11 +535,11 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         ``crashed``: its engine died, hung or stalled running its tasks (counts
         against each of them, see :meth:`_elsewhere`). ``silent``: its heartbeats stopped;
         where its threads were then is added, from its stack dump (``actors.stack_dumps``)."""
-        where, stacks = self._where_silent(rep) if silent else ("", {})
+        where, stacks, poison = self._where_silent(rep) if silent else ("", {}, set())
         why += where
         self._log.error("replica_isolated", replica=rep.replica, reason=why, **stacks)
         rep.state, rep.reason = ReplicaState.ISOLATED, why
-        self._redispatch(rep, crashed=crashed)
+        self._redispatch(rep, crashed=crashed, poison=poison)
         if not hard and rep.address is not None:
             self.send(rep.address, ActorExitRequest())
         elif not self._kill(rep):
@@ -547,13 +547,15 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             self._gone(rep, why)
         self._publish()
 
-    def _where_silent(self, rep: Replica) -> tuple[str, dict]:
-        """For a replica of this host whose heartbeats stopped: what to add to its reason and
-        the fields to add to its log line (``stacks``), from its stack dump; ("", {}) without."""
+    def _where_silent(self, rep: Replica) -> tuple[str, dict, set[tuple[str, int]]]:
+        """For a replica of this host whose heartbeats stopped: what to add to its reason, the
+        fields to add to its log line (``stacks``), and the (request id, stage id) of the tasks
+        whose processor calls it went silent in (they count as crashed by them), from its stack
+        dump (``actors.stack_dumps``); ("", {}, set()) without one."""
         if not (rep.pid and rep.host == host_identity()):
-            return "", {}
-        where, stacks = where_silent(rep.pid, self._spec.stage.custom_process_input_func if self._spec else None)
-        return where, ({"stacks": stacks} if stacks else {})
+            return "", {}, set()
+        where, stacks, calls = where_silent(rep.pid, self._spec.stage.custom_process_input_func if self._spec else None)
+        return where, ({"stacks": stacks} if stacks else {}), calls
 
     def _kill(self, rep: Replica) -> bool:
         """SIGKILL a replica on this host (a hung process cannot take an exit
