@@ -1292,6 +1292,10 @@ def test_an_engine_that_cannot_take_what_a_processor_made_names_the_processor():
     with _pytest.raises(StageInputError) as err:  # (a root stage: its input is the prompt, no processor's)
         asyncio.run(drain(StageTask("r1", 0, "hi", (), {}, {}, "image", False, "ra")))
     assert str(err.value) == "dit: engine_input has no `prior_token_ids`"
+    with _pytest.raises(StageInputError) as err:  # (an edge that streams: no inputs, chunks of stage 0; trial CS)
+        asyncio.run(drain(StageTask("r1", 1, "hi", (), {}, {}, "image", False, "ra", stream_source=0)))
+    assert str(err.value) == ("dit: engine_input has no `prior_token_ids` (in what mine.to_dit made of the "
+                              "outputs of stage(s) [0])")
 
     def processor():
         raise ValueError("no")

@@ -827,10 +827,12 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                 yield event
         except StageInputError as exc:
             name = self._processor_name()
-            if not msg.inputs or name in str(exc):
+            # (an edge that streams: the stage's chunks, made by the processor from the source's, trial CS)
+            sources = sorted({sid for sid, _ in msg.inputs} | ({msg.stream_source} if msg.stream_source is not None
+                                                                else set()))
+            if not sources or name in str(exc):
                 raise
-            raise StageInputError(f"{exc} (in what {name} made of the outputs of stage(s) "
-                                  f"{sorted(sid for sid, _ in msg.inputs)})") from exc
+            raise StageInputError(f"{exc} (in what {name} made of the outputs of stage(s) {sources})") from exc
 
     def _processor_name(self) -> str:
         return self._spec.stage.custom_process_input_func or "the default input processor"

@@ -577,7 +577,8 @@ def cmd_stop(args) -> int:
     # (trial AV: "still draining ... told to end the requests still running" of a leader with no
     # request, still stopping its 1,000 replicas)
     print((f" ({what} had not exited after {hurried_after:.1f} s of --timeout {timeout:g}, draining its requests "
-           "or stopping its replicas: told to hurry, which ends any request still running)"
+           "or stopping its replicas: told to hurry, which ends the requests still running, if any; the "
+           "`drain_ended_requests` log line says how many)"
            if hurried_after is not None else "")
           + (f" ({what} did not exit within {timeout:g} s: killed)" if forced else "")
           + (f" ({killed} leftover processes killed)" if killed else ""))
