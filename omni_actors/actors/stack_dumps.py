@@ -102,12 +102,6 @@ class CallMarks:
         except OSError:
             pass
 
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
 def calls_of(pid: int) -> set[tuple[str, int]]:
     """The (request id, stage id) of the processor calls replica ``pid`` on this host had
     running, from its :class:`CallMarks` file; empty without one."""
@@ -167,7 +161,8 @@ class StackDumps:
         faulthandler.cancel_dump_traceback_later()
         self._file.close()
         self._file = None
-        self.marks.close()
+        # (the marks' file stays open: a processor thread may be writing to it, and a number closed under
+        # it could come back for another file; it goes with the process)
         remove_dump(os.getpid())
 
 
