@@ -88,13 +88,18 @@ class ProcessorThreads:
                 if self.marks is not None and task is not None:
                     self.marks.mark(slot, *task)
                 try:
-                    fut.set_result(fn(*args))
+                    result, failed = fn(*args), None
                 except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                    fut.set_exception(exc)
-                finally:
+                    result, failed = None, exc
+                finally:  # (the call is over before whoever waits hears of it)
                     if self.marks is not None and task is not None:
                         self.marks.clear(slot)
                     with self._lock:
                         self._running.pop(fut, None)
+                if failed is None:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(failed)
+                del result, failed  # (not kept alive by this thread until its next call)
             with self._lock:
                 self._idle += 1
