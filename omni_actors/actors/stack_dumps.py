@@ -102,6 +102,7 @@ class CallMarks:
         except OSError:
             pass
 
+
 def calls_of(pid: int) -> set[tuple[str, int]]:
     """The (request id, stage id) of the processor calls replica ``pid`` on this host had
     running, from its :class:`CallMarks` file; empty without one."""
@@ -124,7 +125,9 @@ def calls_of(pid: int) -> set[tuple[str, int]]:
 
 class StackDumps:
     """A replica's watchdog: :meth:`arm` at each heartbeat; once not re-armed for
-    ``silent_after_s`` less :data:`DUMP_AHEAD_INTERVALS` x ``interval_s`` seconds, every
+    ``silent_after_s`` less :data:`DUMP_AHEAD_INTERVALS` x ``interval_s`` seconds (at most
+    :data:`PROCESSOR_DUMP_AFTER_INTERVALS` x ``interval_s`` with ``processor``: its stage runs
+    a processor of the user's, whose threads note their calls in :attr:`marks`), every
     thread's stack is appended to :func:`dump_path`. Not armed (no file, nothing written)
     outside a system or where the file cannot be opened."""
 
