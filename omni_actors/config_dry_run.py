@@ -150,8 +150,11 @@ async def _run(cfg: PipelineConfig, on_note: Callable[[str], None]) -> None:
     request = (f"a chat of one user message {DRY_RUN_PROMPT!r}, {DRY_RUN_MAX_TOKENS} text tokens" if chat else
                f"an image request for {DRY_RUN_PROMPT!r}, {DRY_RUN_PARAMS['width']}x{DRY_RUN_PARAMS['height']}")
     stall_s = cfg.deployment.supervision.stall_timeout_s  # (how long a replica waits for a processor)
-    # (how long a replica may go without a heartbeat before it is taken for silent and replaced)
-    silent_s = cfg.deployment.supervision.missed_heartbeats * cfg.deployment.heartbeat_interval_s
+    # (how long a processor may hold the interpreter before its replica is taken for silent and
+    # replaced: the silence is the hold plus up to one interval since the last heartbeat; trial CT
+    # saw a 1.2 s hold pass at missed x interval, 1.5 s, and isolate replicas)
+    interval, missed = cfg.deployment.heartbeat_interval_s, cfg.deployment.supervision.missed_heartbeats
+    missed_s, silent_s = missed * interval, max(1, missed - 1) * interval
     engine_s = DRY_RUN_TIMEOUT_S  # what is left of the engines' time
     loop = asyncio.get_running_loop()
     finals: dict[int, dict[str, Any]] = {}  # stage id -> its outputs, for the stages that ran
@@ -190,9 +193,10 @@ async def _run(cfg: PipelineConfig, on_note: Callable[[str], None]) -> None:
                         raise _Failure(path, f"{_name} held the Python interpreter for {held:.1f} s on {_what} of "
                                              f"the dry run's request ({request}), a call that keeps the GIL: a "
                                              "replica's heartbeats stop meanwhile, and one silent for "
-                                             f"{silent_s:g} s (supervision.missed_heartbeats x "
-                                             "heartbeat_interval_s) is taken for dead and replaced "
-                                             "(--skip-dry-run: not tried)")
+                                             f"{missed_s:g} s (supervision.missed_heartbeats x "
+                                             "heartbeat_interval_s) is taken for dead and replaced: the hold "
+                                             "plus the time since its last heartbeat, up to an interval, so "
+                                             f"over {silent_s:g} s may be (--skip-dry-run: not tried)")
                     if took > stall_s:
                         raise _ProcessorTimeout()
             except InvalidRequest as exc:  # (it refuses the dry run's request as a client's: the request's own)

@@ -227,3 +227,25 @@ def test_a_processors_own_timeout_error_is_its_failure(tmp_path, monkeypatch):
     data["stage_args"][1]["custom_process_input_func"] = "timeout_processor.f"
     problem = _problem(data)
     assert problem is not None and problem.endswith("TimeoutError: the feature store did not answer"), problem
+
+
+def test_a_hold_under_the_silence_limit_but_over_it_with_the_time_since_a_heartbeat_is_refused(tmp_path, monkeypatch):
+    """Trial CT: a processor that held the GIL 1.2 s on every call passed the dry run (limit
+    missed_heartbeats x heartbeat_interval_s, 1.5 s at 0.5 s intervals), and then isolated
+    replicas: the silence a pool sees is the hold plus the time since the replica's last
+    heartbeat, up to an interval. The limit is one interval less."""
+    (tmp_path / "hold_processor.py").write_text(
+        "import ctypes\n"
+        "from omni_actors.processors import thinker2talker\n"
+        "def f(upstream, prompt, params):\n"
+        "    ctypes.pythonapi.usleep(1200000)  # (libc's, called with the GIL kept)\n"
+        "    return thinker2talker(upstream, prompt, params)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = _demo(streaming=False)
+    data["deployment"]["heartbeat_interval_s"] = 0.5
+    data["stage_args"][1]["custom_process_input_func"] = "hold_processor.f"
+    problem = _problem(data)
+    assert problem is not None and "hold_processor.f held the Python interpreter for 1." in problem, problem
+    assert ("one silent for 1.5 s (supervision.missed_heartbeats x heartbeat_interval_s) is taken for dead and "
+            "replaced: the hold plus the time since its last heartbeat, up to an interval, so over 1 s may be") \
+        in problem, problem

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import threading
+import time
 import sys
 import textwrap
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from omni_actors.actors.processor_threads import ProcessorThreads
-from omni_actors.actors.stack_dumps import StackDumps, calls_of, dump_path, remove_dump, where_silent
+from omni_actors.actors.stack_dumps import StackDumps, calls_of, culprits, dump_path, remove_dump, where_silent
 from omni_actors.system.processes import remove_ipc_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,11 +107,42 @@ def test_processor_threads_mark_the_task_of_each_call_while_it_runs(system_id):
     try:
         assert dumps.after_s == 1.25  # (a quarter interval before a replica with work may be taken for silent)
         threads = ProcessorThreads(marks=dumps.marks)
-        seen = threads.submit(calls_of, os.getpid(), task=("chatcmpl-a", 1)).result(10)
-        assert seen == {("chatcmpl-a", 1)}
-        assert calls_of(os.getpid()) == set()  # (cleared as the call returned)
-        assert ProcessorThreads().submit(calls_of, os.getpid()).result(10) == set()  # (no marks)
+        seen = threads.submit(lambda: (calls_of(os.getpid()), threading.get_native_id()),
+                              task=("chatcmpl-a", 1)).result(10)
+        assert seen[0] == {("chatcmpl-a", 1): seen[1]}  # (its thread's native id: see culprits)
+        assert calls_of(os.getpid()) == {}  # (cleared as the call returned)
+        assert ProcessorThreads().submit(calls_of, os.getpid()).result(10) == {}  # (no marks)
     finally:
         dumps.close()
-    assert calls_of(os.getpid()) == set() and not os.path.exists(dumps.path)
+    assert calls_of(os.getpid()) == {} and not os.path.exists(dumps.path)
     assert StackDumps(3.0, 1.0).after_s == 2.5 and StackDumps(3.0, 1.0).marks._fd is None  # (no user's processor)
+
+
+def test_of_several_calls_only_the_one_that_computes_is_blamed(system_id):
+    """Trial CT: an innocent request whose processor call slept (the GIL let go) on the replica
+    that another's call silenced was failed with it as a poison input. Of several calls, those
+    whose threads computed over a short window are blamed; calls that sleep or wait are not,
+    and where none computes (a call that holds the GIL and sleeps, beside others) none is."""
+    dumps = StackDumps(silent_after_s=3.0, interval_s=1.0, processor=True)
+    stop = threading.Event()
+
+    def busy():  # (computes: as a long C call that keeps the GIL does)
+        while not stop.is_set():
+            sum(range(10_000))
+
+    try:
+        threads = ProcessorThreads(marks=dumps.marks)
+        threads.submit(busy, task=("chatcmpl-poison", 1))
+        threads.submit(stop.wait, 30, task=("chatcmpl-innocent", 1))
+        deadline = time.monotonic() + 10
+        while len(calls_of(os.getpid())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        calls = calls_of(os.getpid())
+        assert set(calls) == {("chatcmpl-poison", 1), ("chatcmpl-innocent", 1)}
+        assert culprits(os.getpid(), calls, window_s=0.3) == {("chatcmpl-poison", 1)}
+        asleep = {("chatcmpl-innocent", 1): calls[("chatcmpl-innocent", 1)], ("chatcmpl-b", 1): threading.get_native_id()}
+        assert culprits(os.getpid(), asleep, window_s=0.1) == set()  # (none computes: none blamed)
+        assert culprits(os.getpid(), {("chatcmpl-only", 1): 1}) == {("chatcmpl-only", 1)}  # (the only one)
+    finally:
+        stop.set()
+        dumps.close()

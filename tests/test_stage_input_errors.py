@@ -279,3 +279,61 @@ def test_a_replica_silenced_by_its_processor_holding_the_gil_names_the_processor
         assert status == 200, answer
     finally:
         leader.stop()
+
+
+# Computes for about 3 s in one C call that keeps the GIL on 5-token texts (calibrated at import);
+# sleeps 2 s (the GIL let go) on 6-token ones.
+COMPUTING_PROCESSOR = '''
+import time
+
+from omni_actors.processors import thinker2talker as shipped
+
+_t0 = time.perf_counter()
+sum(range(10**7))
+N = int(3.0 / max(time.perf_counter() - _t0, 1e-3) * 10**7)
+
+
+def thinker2talker(upstream, prompt, params):
+    n = len(upstream[0]["token_ids"])
+    if n == 5:
+        sum(range(N))  # (one C call: the GIL kept about 3 s)
+    elif n == 6:
+        time.sleep(2)
+    return shipped(upstream, prompt, params)
+'''
+
+
+def test_a_request_whose_processor_call_ran_beside_one_that_held_the_gil_is_served(tmp_path):
+    """Trial CT: an innocent request whose processor call was sleeping on the replica that
+    another request's call silenced (holding the GIL) was failed with it, a 500 "2 replicas
+    died while running this request": every call running counted as the culprit. Only the
+    call whose thread computed is blamed: the innocent is retried and served, the other fails."""
+    import threading
+
+    (tmp_path / "broken_processor.py").write_text(textwrap.dedent(COMPUTING_PROCESSOR))
+    (tmp_path / "config.yaml").write_text(CONFIG)
+    pythonpath = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH", "")) if p)
+    leader = LocalLeader(tmp_path / "config.yaml", env={"PYTHONPATH": pythonpath}).start()
+
+    def chat(tokens: int, into: dict) -> None:
+        body = json.dumps({"model": "broken-processor-test", "max_tokens": tokens, "modalities": ["text", "audio"],
+                           "messages": [{"role": "user", "content": "hello"}]}).encode()
+        req = urllib.request.Request(leader.base_url + "/chat/completions", body, {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=90) as r:
+                into["status"], into["body"] = r.status, json.loads(r.read())
+        except urllib.error.HTTPError as err:
+            into["status"], into["body"] = err.code, json.loads(err.read())
+
+    try:
+        innocent, poison = {}, {}
+        first = threading.Thread(target=chat, args=(6, innocent))
+        first.start()
+        time.sleep(0.3)  # (its call sleeps on the only Talker when the other's begins)
+        chat(5, poison)
+        first.join(90)
+        assert poison["status"] == 500, poison
+        assert "2 replicas died while running this request" in poison["body"]["error"]["message"], poison
+        assert innocent["status"] == 200 and innocent["body"]["choices"][0]["message"]["audio"]["data"], innocent
+    finally:
+        leader.stop()

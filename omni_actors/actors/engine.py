@@ -687,9 +687,13 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
             # A vLLM-Omni connector with nothing for an input (read already by an attempt before,
             # one that hands data to its first reader; expired) fails the same on any replica. (One
             # that cannot be built or reached here is this replica's: retried elsewhere, counted.)
+            # A processor call that could not start (every thread held by other tasks' calls) is this
+            # replica's, not the request's: retried elsewhere, a 503 to try again if none takes it
+            # (trial CT: an engine error, a 500 that said not to retry), counted by its breaker.
             kind = (ErrorKind.STAGE_INPUT if isinstance(exc, (StageInputError, OmniDataMissing)) else
-                    ErrorKind.BAD_REQUEST if isinstance(exc, ValueError) else ErrorKind.ENGINE_ERROR)
-            input_error = kind != ErrorKind.ENGINE_ERROR
+                    ErrorKind.BAD_REQUEST if isinstance(exc, ValueError) else
+                    ErrorKind.UNAVAILABLE if isinstance(exc, ProcessorsBusy) else ErrorKind.ENGINE_ERROR)
+            input_error = kind in (ErrorKind.STAGE_INPUT, ErrorKind.BAD_REQUEST)
             client_error = kind == ErrorKind.BAD_REQUEST
             # (a client's bad input, a 400, is no warning of the replica's: trial CL read it as one)
             (self._log.info if client_error else self._log.warning)(

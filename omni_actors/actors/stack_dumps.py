@@ -15,9 +15,10 @@ since a pool takes a replica with work for silent 1.5 intervals after its last h
 threads notes the task its call is for (:class:`CallMarks`, ``<pid>.calls``). A pool that
 isolates a replica of its own host as silent reads both (:func:`where_silent`): the reason
 (``status``, the ``replica_isolated`` log line) names the processor call it was in, the log
-line carries the stacks, and the tasks whose processor calls it was in count as crashed by
-them (trial CS: uncounted, as a lost host's tasks are, one such request took 11 replicas
-down in turn and its stage out for 5 minutes). The files go when the process has ended. A replica stopped (SIGSTOP) or killed writes none: its watchdog stops with it.
+line carries the stacks, and the task whose processor call held the interpreter counts it
+as a crash by it (trial CS: uncounted, as a lost host's tasks are, one such request took 11
+replicas down in turn and its stage out for 5 minutes; see :func:`culprits` for which one).
+The files go when the process has ended. A replica stopped (SIGSTOP) or killed writes none: its watchdog stops with it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from __future__ import annotations
 import faulthandler
 import os
 import re
+import threading
+import time
 
 from omni_actors.actors.supervision import LATE_WITH_WORK_INTERVALS
 from omni_actors.system.processes import ENV_SYSTEM_ID, ipc_dir
@@ -41,6 +44,8 @@ DUMP_AHEAD_INTERVALS = 0.5
 PROCESSOR_DUMP_AFTER_INTERVALS = LATE_WITH_WORK_INTERVALS - 0.25
 #: Bytes per processor thread in a :class:`CallMarks` file (a task's request id and stage).
 MARK_BYTES = 256
+#: Seconds over which :func:`culprits` measures the CPU of threads in processor calls.
+CPU_WINDOW_S = 0.05
 #: The most of a dump :func:`where_silent` reads, in bytes (a dump is a few KiB: 100 frames
 #: per thread at most, faulthandler's own limit).
 READ_MAX_BYTES = 1 << 20
@@ -88,8 +93,11 @@ class CallMarks:
                 self._fd = None
 
     def mark(self, slot: int, request_id: str, stage_id: int) -> None:
+        """On the thread that calls the processor, before the call (its native thread id goes
+        with it: see :func:`culprits`)."""
         if self._fd is not None:
-            record = f"{request_id}\t{stage_id}".encode("utf-8", "replace")[:MARK_BYTES - 1]
+            record = f"{request_id}\t{stage_id}\t{threading.get_native_id()}".encode("utf-8", "replace")
+            record = record[:MARK_BYTES - 1]
             self._write(slot, record.ljust(MARK_BYTES - 1) + b"\n")
 
     def clear(self, slot: int) -> None:
@@ -103,24 +111,52 @@ class CallMarks:
             pass
 
 
-def calls_of(pid: int) -> set[tuple[str, int]]:
-    """The (request id, stage id) of the processor calls replica ``pid`` on this host had
-    running, from its :class:`CallMarks` file; empty without one."""
+def calls_of(pid: int) -> dict[tuple[str, int], int]:
+    """The processor calls replica ``pid`` on this host had running, from its
+    :class:`CallMarks` file: (request id, stage id) -> the native id of the thread calling;
+    empty without one."""
     path = dump_path(pid)
     if not path:
-        return set()
+        return {}
     try:
         with open(_calls_path(path), "rb") as f:
             data = f.read(64 * MARK_BYTES)
     except OSError:
-        return set()
-    calls = set()
+        return {}
+    calls = {}
     for at in range(0, len(data), MARK_BYTES):  # (a thread's record; one never written reads as zeros)
-        record = data[at:at + MARK_BYTES].strip(b"\0 \n").decode("utf-8", "replace")
-        request_id, tab, stage = record.partition("\t")
-        if tab and stage.isdigit():
-            calls.add((request_id, int(stage)))
+        fields = data[at:at + MARK_BYTES].strip(b"\0 \n").decode("utf-8", "replace").split("\t")
+        if len(fields) == 3 and fields[1].isdigit() and fields[2].isdigit():
+            calls[(fields[0], int(fields[1]))] = int(fields[2])
     return calls
+
+
+def culprits(pid: int, calls: dict[tuple[str, int], int], window_s: float = CPU_WINDOW_S) -> set[tuple[str, int]]:
+    """Which of ``calls`` (see :func:`calls_of`) held the interpreter: the only one, or those
+    whose threads used at least a quarter of ``window_s`` of CPU over it (a long C call that keeps
+    the GIL computes; threads waiting for the GIL, or in a call that let it go, ``time.sleep``,
+    I/O, use next to none; trial CT: an innocent request sleeping in its processor call was
+    failed with the one that held the GIL). None where that tells none apart (a call that holds
+    the GIL and sleeps, beside others): no request is blamed then."""
+    if len(calls) <= 1:
+        return set(calls)
+    before = {call: _cpu_ns(pid, tid) for call, tid in calls.items()}
+    time.sleep(window_s)
+    busy = set()
+    for call, tid in calls.items():
+        after = _cpu_ns(pid, tid)
+        if before[call] is not None and after is not None and after - before[call] >= window_s * 0.25e9:
+            busy.add(call)
+    return busy
+
+
+def _cpu_ns(pid: int, tid: int) -> int | None:
+    """CPU time thread ``tid`` of ``pid`` has run, in ns (``/proc/<pid>/task/<tid>/schedstat``)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class StackDumps:
@@ -176,8 +212,8 @@ def where_silent(pid: int, processor: str | None = None) -> tuple[str, str, set[
     (procs.py:12, in helper at procs.py:3): ..."`` (the innermost frame of that thread too where
     it is another), else ``"; its threads' stacks are in the replica_isolated log line"``;
     ``stacks`` is the last dump's text; ``calls``, where a thread was in ``processor``, the
-    (request id, stage id) of the processor calls then running (:func:`calls_of`). ``("", "",
-    set())`` where it wrote none."""
+    (request id, stage id) of the processor calls that held the interpreter (:func:`culprits`).
+    ``("", "", set())`` where it wrote none."""
     path = dump_path(pid)
     if not path:
         return "", "", set()
@@ -197,7 +233,7 @@ def where_silent(pid: int, processor: str | None = None) -> tuple[str, str, set[
     deeper = (f", in {innermost[2]} at {os.path.basename(innermost[0])}:{innermost[1]}"
               if innermost[:2] != (file, line) else "")
     return (f"; it went silent in its processor {processor} ({os.path.basename(file)}:{line}{deeper}): a call "
-            "that holds the GIL stops heartbeats"), last, calls_of(pid)
+            "that holds the GIL stops heartbeats"), last, culprits(pid, calls_of(pid))
 
 
 def _processor_frame(text: str, processor: str) -> tuple[tuple[str, str], tuple[str, str, str]] | None:
