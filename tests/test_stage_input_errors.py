@@ -55,14 +55,22 @@ def thinker2talker(upstream, prompt, params):
 
 
 def _chat(leader: LocalLeader, modalities: list[str]) -> tuple[int, dict]:
-    body = json.dumps({"model": "broken-processor-test", "max_tokens": 4, "modalities": modalities,
+    status, answer, _ = _post_chat(leader, 4, modalities)
+    return status, answer
+
+
+def _post_chat(leader: LocalLeader, max_tokens: int, modalities=("text", "audio"),
+               timeout: float = 30) -> tuple[int, dict, dict]:
+    """A chat completion of ``max_tokens`` text tokens (the processors above tell requests apart
+    by it): (HTTP status, JSON body, headers)."""
+    body = json.dumps({"model": "broken-processor-test", "max_tokens": max_tokens, "modalities": list(modalities),
                        "messages": [{"role": "user", "content": "hello"}]}).encode()
     req = urllib.request.Request(leader.base_url + "/chat/completions", body, {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
+        return err.code, json.loads(err.read()), dict(err.headers)
 
 
 def test_a_processor_failing_on_upstream_outputs_is_a_500_and_spares_the_replica(tmp_path):
@@ -261,14 +269,9 @@ def test_a_replica_silenced_by_its_processor_holding_the_gil_names_the_processor
         # tasks are, one took 11 replicas down in turn and its stage out for 5 minutes): the silences in
         # its processor calls count as crashes by it, and after max_task_crashes (2) it fails, a 500.
         t0 = time.monotonic()
-        body = json.dumps({"model": "broken-processor-test", "max_tokens": 5, "modalities": ["text", "audio"],
-                           "messages": [{"role": "user", "content": "hello"}]}).encode()
-        req = urllib.request.Request(leader.base_url + "/chat/completions", body,
-                                     {"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as failed:
-            urllib.request.urlopen(req, timeout=60)
-        error = json.loads(failed.value.read())["error"]
-        assert failed.value.code == 500 and failed.value.headers["x-should-retry"] == "false", error
+        status, answer, headers = _post_chat(leader, 5, timeout=60)
+        error = answer["error"]
+        assert status == 500 and headers["x-should-retry"] == "false", error
         assert "stage talker: 2 replicas died while running this request" in error["message"], error
         assert "it went silent in its processor broken_processor.thinker2talker" in error["message"], error
         assert time.monotonic() - t0 < 30
@@ -316,14 +319,7 @@ def test_a_request_whose_processor_call_ran_beside_one_that_held_the_gil_is_serv
     leader = LocalLeader(tmp_path / "config.yaml", env={"PYTHONPATH": pythonpath}).start()
 
     def chat(tokens: int, into: dict) -> None:
-        body = json.dumps({"model": "broken-processor-test", "max_tokens": tokens, "modalities": ["text", "audio"],
-                           "messages": [{"role": "user", "content": "hello"}]}).encode()
-        req = urllib.request.Request(leader.base_url + "/chat/completions", body, {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=90) as r:
-                into["status"], into["body"] = r.status, json.loads(r.read())
-        except urllib.error.HTTPError as err:
-            into["status"], into["body"] = err.code, json.loads(err.read())
+        into["status"], into["body"], _ = _post_chat(leader, tokens, timeout=90)
 
     try:
         innocent, poison = {}, {}
