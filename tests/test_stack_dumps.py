@@ -140,7 +140,8 @@ def test_of_several_calls_only_the_one_that_computes_is_blamed(system_id):
         calls = calls_of(os.getpid())
         assert set(calls) == {("chatcmpl-poison", 1), ("chatcmpl-innocent", 1)}
         assert culprits(os.getpid(), calls, window_s=0.3) == {("chatcmpl-poison", 1)}
-        asleep = {("chatcmpl-innocent", 1): calls[("chatcmpl-innocent", 1)], ("chatcmpl-b", 1): threading.get_native_id()}
+        asleep = {("chatcmpl-innocent", 1): calls[("chatcmpl-innocent", 1)],
+                  ("chatcmpl-b", 1): threading.get_native_id()}
         assert culprits(os.getpid(), asleep, window_s=0.1) == set()  # (none computes: none blamed)
         assert culprits(os.getpid(), {("chatcmpl-only", 1): 1}) == {("chatcmpl-only", 1)}  # (the only one)
     finally:

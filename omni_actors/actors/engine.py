@@ -811,8 +811,8 @@ class EngineActor(StreamingMixin, ActorTypeDispatcher):
                                         f"{name} that have not returned for {hung_s:g} s")
         if not began:
             # (the replica's, not this request's: trial CS's innocent request got a 500 that said not to
-            # retry. An engine error is retried on another replica and counts towards this one's circuit
-            # breaker, which restarts a replica whose threads stay held.)
+            # retry. See the handler in _run_task: retried on another replica, counted by this one's
+            # circuit breaker, which restarts a replica whose threads stay held.)
             raise ProcessorsBusy(
                 f"{name} did not start within {timeout_s:g} s (supervision.stall_timeout_s): all "
                 f"{threads.size} processor threads of this replica are busy ({threads.held(timeout_s)} with "

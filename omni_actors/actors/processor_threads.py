@@ -28,8 +28,9 @@ PROCESSOR_THREADS = 4
 
 class ProcessorsBusy(RuntimeError):
     """A task's processor call did not start within the timeout: every thread was held by
-    calls of other tasks. The replica's fault, not the task's: an engine error (retried on
-    another replica, counted by the replica's circuit breaker)."""
+    calls of other tasks. The replica's fault, not the task's: ``ErrorKind.UNAVAILABLE``
+    (retried on another replica, counted by the replica's circuit breaker, a 503 where no
+    replica takes it)."""
 
 
 def hung_after_s(timeout_s: float) -> float:
@@ -59,7 +60,8 @@ class ProcessorThreads:
         self._idle = 0
         self._running: dict[concurrent.futures.Future, float] = {}  # call -> when it began (monotonic)
 
-    def submit(self, fn: Callable[..., Any], *args: Any, task: tuple[str, int] | None = None) -> concurrent.futures.Future:
+    def submit(self, fn: Callable[..., Any], *args: Any,
+               task: tuple[str, int] | None = None) -> concurrent.futures.Future:
         """``task``: the (request id, stage id) the call is for, noted in ``marks`` while it runs."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._work.put((fut, fn, args, task))

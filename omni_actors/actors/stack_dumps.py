@@ -242,10 +242,11 @@ def _processor_frame(text: str, processor: str) -> tuple[tuple[str, str], tuple[
     module, _, func = processor.rpartition(".")
     if not module:
         return None
-    tails = (os.sep + module.replace(".", os.sep) + ".py", os.sep + module.replace(".", os.sep) + os.sep + "__init__.py")
+    path = module.replace(".", os.sep)
+    tails = (os.sep + path + ".py", os.sep + path + os.sep + "__init__.py")
     for block in re.split(r"^(?:Current thread|Thread) 0x[0-9a-f]+", text, flags=re.M)[1:]:
         frames = [m for m in map(_FRAME.match, block.splitlines()) if m]
         for m in frames:
-            if m["func"] == func and (m["file"].endswith(tails) or m["file"] == module.replace(".", os.sep) + ".py"):
+            if m["func"] == func and (m["file"].endswith(tails) or m["file"] == path + ".py"):
                 return (m["file"], m["line"]), (frames[0]["file"], frames[0]["line"], frames[0]["func"])
     return None
