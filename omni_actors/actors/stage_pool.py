@@ -429,7 +429,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         """A DRAINING replica that does not answer (``why``): its tasks go elsewhere, those it
         finished lately are handed back (their results may be stuck in it), and its process is
         killed (stopped, its devices freed, once it is gone). ``silent``: as for :meth:`_isolate`."""
-        where, stacks, poison = self._where_silent(rep) if silent else ("", {}, set())
+        where, stacks, poison = self._where_silent(rep, silent)
         why += where
         self._log.error("replica_isolated", replica=rep.replica, reason=why, draining=True, **stacks)
         rep.reason = f"{why} while draining ({rep.reason})"
@@ -535,7 +535,7 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
         ``crashed``: its engine died, hung or stalled running its tasks (counts
         against each of them, see :meth:`_elsewhere`). ``silent``: its heartbeats stopped;
         where its threads were then is added, from its stack dump (``actors.stack_dumps``)."""
-        where, stacks, poison = self._where_silent(rep) if silent else ("", {}, set())
+        where, stacks, poison = self._where_silent(rep, silent)
         why += where
         self._log.error("replica_isolated", replica=rep.replica, reason=why, **stacks)
         rep.state, rep.reason = ReplicaState.ISOLATED, why
@@ -547,12 +547,12 @@ class StagePoolActor(PoolAdminMixin, PoolPlacementMixin, PoolRoutingMixin, Actor
             self._gone(rep, why)
         self._publish()
 
-    def _where_silent(self, rep: Replica) -> tuple[str, dict, set[tuple[str, int]]]:
-        """For a replica of this host whose heartbeats stopped: what to add to its reason, the
+    def _where_silent(self, rep: Replica, silent: bool) -> tuple[str, dict, set[tuple[str, int]]]:
+        """For a replica of this host whose heartbeats stopped (``silent``): what to add to its reason, the
         fields to add to its log line (``stacks``), and the (request id, stage id) of the tasks
         whose processor calls it went silent in (they count as crashed by them), from its stack
         dump (``actors.stack_dumps``); ("", {}, set()) without one."""
-        if not (rep.pid and rep.host == host_identity()):
+        if not (silent and rep.pid and rep.host == host_identity()):
             return "", {}, set()
         where, stacks, calls = where_silent(rep.pid, self._spec.stage.custom_process_input_func if self._spec else None)
         return where, ({"stacks": stacks} if stacks else {}), calls
